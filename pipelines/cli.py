@@ -1,0 +1,50 @@
+"""`strag`: one console script, one subcommand per module.
+
+Each subcommand module exposes ``run(argv: list[str]) -> int`` and parses its own
+arguments (``--help`` on each). Modules are imported lazily so that, for example,
+``strag analyze`` never imports Apache Beam.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+__all__ = ["main", "COMMANDS"]
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("pipelines.generate", "write a synthetic fleet with ground truth into a lake"),
+    "import-reference": ("pipelines.reference", "import a published trace (parquet + meta yaml) as a lake job"),
+    "export-reference": ("pipelines.reference", "export a lake job in the published format"),
+    "analyze": ("pipelines.analyze", "what-if analysis of one job (no Beam)"),
+    "batch": ("pipelines.batch", "Beam batch job: lake -> validated, analysed, partitioned tables"),
+    "report": ("pipelines.report", "fleet report and per-job pages from the tables"),
+    "watch": ("pipelines.streaming", "streaming monitor of the lake's landing area"),
+    "serve": ("pipelines.serve", "serve the live per-job monitor pages on localhost"),
+    "demo": ("pipelines.demo", "generate a small fleet, run the batch job and the report"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: strag COMMAND [--help] [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"strag: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    run = getattr(module, "run_" + name.replace("-", "_"), None) or module.run
+    return int(run(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Layout of the trace lake on any fsspec URL (file path, file://, memory://, s3://).
+
+    {lake}/traces/date=YYYY-MM-DD/job_id={job_id}/{name}.parquet   op records (TRACE_SCHEMA)
+    {lake}/manifests/date=YYYY-MM-DD/{job_id}.parquet              one row (MANIFEST_SCHEMA)
+    {lake}/landing/{job_id}/{session}/worker-{dp}-{stage}.parquet  streaming arrivals
+    {lake}/_lake.json                                              {"schema_version": ...}
+
+A job's trace window for a date is every parquet file under its traces partition;
+a file holds whole workers (all rows of a worker for the steps it covers).
+"""
+from __future__ import annotations
+
+import datetime as dt
+
+__all__ = [
+    "TRACES",
+    "MANIFESTS",
+    "LANDING",
+    "LAKE_MARKER",
+    "trace_dir",
+    "manifest_path",
+    "landing_dir",
+    "parse_partition",
+]
+
+TRACES = "traces"
+MANIFESTS = "manifests"
+LANDING = "landing"
+LAKE_MARKER = "_lake.json"
+
+
+def _join(lake: str, *parts: str) -> str:
+    return "/".join([lake.rstrip("/"), *parts])
+
+
+def trace_dir(lake: str, date: dt.date | str, job_id: str) -> str:
+    """Folder holding one job's trace files for one date partition."""
+    return _join(lake, TRACES, f"date={_iso(date)}", f"job_id={job_id}")
+
+
+def manifest_path(lake: str, date: dt.date | str, job_id: str) -> str:
+    """Parquet file holding one job's manifest row for one date partition."""
+    return _join(lake, MANIFESTS, f"date={_iso(date)}", f"{job_id}.parquet")
+
+
+def landing_dir(lake: str, job_id: str, session: str | int) -> str:
+    """Folder where the per-worker files of one live profiling session land."""
+    return _join(lake, LANDING, job_id, str(session))
+
+
+def parse_partition(path: str) -> dict[str, str]:
+    """Hive keys found in a path: '.../date=2024-01-02/job_id=j1/x.parquet' -> {date:..., job_id:...}."""
+    out = {}
+    for part in path.split("/"):
+        key, sep, value = part.partition("=")
+        if sep and key in ("date", "job_id"):
+            out[key] = value
+    return out
+
+
+def _iso(date: dt.date | str) -> str:
+    return date.isoformat() if isinstance(date, dt.date) else dt.date.fromisoformat(date).isoformat()

@@ -1,0 +1,102 @@
+"""Arrow schemas of the trace lake: op records and job manifests.
+
+The single source of truth for column names and types. Every reader and writer
+(importers, generator, pipelines, engine adapters) uses these objects.
+See ../shared/docs/METHOD.md section 1 for the meaning of each column.
+"""
+from __future__ import annotations
+
+import pyarrow as pa
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "OPTYPES",
+    "COMPUTE_OPTYPES",
+    "P2P_OPTYPES",
+    "DP_COMM_OPTYPES",
+    "TRACE_SCHEMA",
+    "TRACE_REQUIRED",
+    "MANIFEST_SCHEMA",
+    "WORKER_STRUCT",
+]
+
+SCHEMA_VERSION = "1"
+
+# Op-type vocabulary (METHOD.md section 1), in a fixed order: its index is the
+# dictionary code used in parquet and inside the engine.
+OPTYPES: tuple[str, ...] = (
+    "forward-compute",
+    "backward-compute",
+    "forward-send",
+    "forward-recv",
+    "backward-send",
+    "backward-recv",
+    "params-all-gather",
+    "grads-reduce-scatter",
+    "separate-grads-all-reduce",
+    "layernorm-grads-all-reduce",
+    "embedding-grads-all-reduce",
+    "optimizer-clip-main-grad",
+    "optimizer",
+    "gc",
+)
+COMPUTE_OPTYPES = ("forward-compute", "backward-compute")
+P2P_OPTYPES = ("forward-send", "forward-recv", "backward-send", "backward-recv")
+DP_COMM_OPTYPES = ("params-all-gather", "grads-reduce-scatter", "separate-grads-all-reduce")
+
+# One row per op occurrence. Timestamps and durations are seconds (float64 in the
+# lake: a lossless superset of the published float32 traces).
+TRACE_SCHEMA = pa.schema(
+    [
+        pa.field("job_id", pa.string(), nullable=False),
+        pa.field("dp_rank", pa.int16(), nullable=False),
+        pa.field("stage", pa.int16(), nullable=False),
+        pa.field("rank", pa.int32(), nullable=False),
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("optype", pa.dictionary(pa.int8(), pa.string()), nullable=False),
+        pa.field("start_ts", pa.float64(), nullable=False),
+        pa.field("duration", pa.float64(), nullable=False),
+        pa.field("seq_id", pa.int32(), nullable=False),
+        pa.field("mc", pa.int16(), nullable=False),
+        pa.field("mb_id", pa.int32(), nullable=False),
+        pa.field("gmc", pa.int16(), nullable=False),
+        # Optional: machine of the worker, and per-microbatch sequence (document)
+        # lengths on compute ops when the trainer records them.
+        pa.field("host", pa.string(), nullable=True),
+        pa.field("seq_lens", pa.list_(pa.int32()), nullable=True),
+    ],
+    metadata={"strag.schema_version": SCHEMA_VERSION, "strag.table": "trace"},
+)
+TRACE_REQUIRED: tuple[str, ...] = tuple(f.name for f in TRACE_SCHEMA if not f.nullable)
+
+WORKER_STRUCT = pa.struct(
+    [
+        pa.field("dp_rank", pa.int16(), nullable=False),
+        pa.field("stage", pa.int16(), nullable=False),
+        pa.field("rank", pa.int32(), nullable=False),
+        pa.field("host", pa.string(), nullable=False),
+    ]
+)
+
+# One row per job per date partition (a "trace window": the job's sampled steps of that day).
+MANIFEST_SCHEMA = pa.schema(
+    [
+        pa.field("job_id", pa.string(), nullable=False),
+        pa.field("date", pa.date32(), nullable=False),
+        pa.field("submit_time", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("start_time", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("end_time", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("gpus", pa.int32(), nullable=False),
+        pa.field("dp_size", pa.int32(), nullable=False),
+        pa.field("pp_size", pa.int32(), nullable=False),
+        pa.field("tp_size", pa.int32(), nullable=False),
+        pa.field("dsp_size", pa.int32(), nullable=False),  # context parallel (cp)
+        pa.field("vpp_size", pa.int32(), nullable=False),
+        pa.field("world_size", pa.int32(), nullable=False),
+        pa.field("microbatches", pa.int32(), nullable=False),
+        pa.field("model_family", pa.string(), nullable=False),  # e.g. "dense", "moe"
+        pa.field("context_length", pa.int32(), nullable=False),
+        pa.field("workers", pa.list_(WORKER_STRUCT), nullable=False),  # one entry per (dp_rank, stage)
+    ],
+    metadata={"strag.schema_version": SCHEMA_VERSION, "strag.table": "manifest"},
+)
