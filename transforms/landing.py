@@ -1,0 +1,482 @@
+"""Watch the lake's landing area: profiling-session files as they arrive.
+
+A profiling session lands as one parquet file per worker plus the job's manifest,
+in any order, some late, some twice::
+
+    {lake}/landing/{job_id}/{session}/manifest.parquet             one row, MANIFEST_SCHEMA
+    {lake}/landing/{job_id}/{session}/worker-{dp}-{stage}.parquet  that worker's op rows, TRACE_SCHEMA
+
+Writers land a file atomically (write a hidden ``.name.tmp``, then rename); names
+starting with ``.`` or ``_`` are never read. The manifest sits in the session folder
+(not under ``manifests/date=...``) so that a session is self-contained: the watcher
+needs no date to find it, and the manifest's own ``date`` names the partition.
+
+`WatchLanding` turns the landing area into a stream of `LandingEvent`s keyed by
+``"{job_id}/{session}"``: one event per newly seen file (first sighting of a path;
+a re-delivery of the same path with a new modification time is passed on as a
+``redelivery`` so it can be counted, never analysed twice), plus one ``tick`` per
+session folder per poll that carries the poll time. The ticks are the clock of the
+session timeout downstream: they make the timeout independent of the runner's
+timer and watermark support (see ARCHITECTURE.md, streaming).
+
+Plain helpers here also land a generated job as per-worker session files
+(`land_session`), for tests, the benchmark and demos.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import math
+import re
+import time
+from collections.abc import Iterable, Iterator
+
+import apache_beam as beam
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from apache_beam.io.restriction_trackers import OffsetRange, OffsetRestrictionTracker
+from apache_beam.io.watermark_estimators import ManualWatermarkEstimator
+from apache_beam.metrics import Metrics
+from apache_beam.transforms.userstate import ReadModifyWriteStateSpec
+from apache_beam.utils.timestamp import Timestamp
+
+from schemas.lake import LANDING, landing_dir
+from schemas.trace import MANIFEST_SCHEMA, TRACE_SCHEMA
+
+__all__ = [
+    "LANDING_MANIFEST",
+    "LandingEvent",
+    "LandingPathError",
+    "WatchConfig",
+    "WatchLanding",
+    "parse_landing_path",
+    "landing_worker_path",
+    "landing_manifest_path",
+    "read_landing_manifest",
+    "expected_workers",
+    "split_workers",
+    "land_file",
+    "land_session",
+]
+
+_LOG = logging.getLogger(__name__)
+
+LANDING_MANIFEST = "manifest.parquet"
+_TICK_KEY = "\x00tick:"  # cannot start a path
+_WORKER_FILE = re.compile(r"^worker-(\d+)-(\d+)\.parquet$")
+
+
+class LandingPathError(ValueError):
+    """A file in the landing area that does not follow the landing layout."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LandingEvent:
+    """One thing that happened in the landing area, as seen by one poll.
+
+    kind: ``worker`` (a worker file, first sighting), ``manifest`` (the session
+    manifest, with `workers` = the (dp_rank, stage) pairs it expects),
+    ``redelivery`` (a path seen before, delivered again with a new modification
+    time), or ``tick`` (the session folder exists at `poll_time`; `final` on the
+    watcher's last poll). poll_time is wall-clock seconds since the epoch.
+    """
+
+    kind: str
+    job_id: str
+    session: str
+    poll_time: float
+    path: str = ""
+    dp_rank: int = -1
+    stage: int = -1
+    workers: tuple[tuple[int, int], ...] = ()
+    final: bool = False
+
+    @property
+    def key(self) -> str:
+        return session_key(self.job_id, self.session)
+
+
+def session_key(job_id: str, session: str) -> str:
+    """State key of one profiling session: '{job_id}/{session}'."""
+    return f"{job_id}/{session}"
+
+
+def landing_worker_path(lake: str, job_id: str, session: str | int, dp_rank: int, stage: int) -> str:
+    """Where worker (dp_rank, stage) of a session lands."""
+    return f"{landing_dir(lake, job_id, session)}/worker-{int(dp_rank)}-{int(stage)}.parquet"
+
+
+def landing_manifest_path(lake: str, job_id: str, session: str | int) -> str:
+    """Where a session's manifest (one MANIFEST_SCHEMA row) lands."""
+    return f"{landing_dir(lake, job_id, session)}/{LANDING_MANIFEST}"
+
+
+def parse_landing_path(path: str) -> tuple[str, str, str, int, int]:
+    """'.../landing/J/S/worker-3-1.parquet' -> (J, S, 'worker', 3, 1); manifest -> (J, S, 'manifest', -1, -1).
+
+    Raises LandingPathError naming the file and the expected layout.
+    """
+    parts = path.rstrip("/").split("/")
+    try:
+        root = len(parts) - 1 - parts[::-1].index(LANDING)
+    except ValueError:
+        raise LandingPathError(f"{path}: not under a '{LANDING}/' folder") from None
+    rest = parts[root + 1:]
+    if len(rest) != 3 or not rest[0] or not rest[1]:
+        raise LandingPathError(
+            f"{path}: expected {LANDING}/JOB_ID/SESSION/worker-DP-STAGE.parquet or .../{LANDING_MANIFEST}"
+        )
+    job_id, session, name = rest
+    if name == LANDING_MANIFEST:
+        return job_id, session, "manifest", -1, -1
+    match = _WORKER_FILE.match(name)
+    if not match:
+        raise LandingPathError(
+            f"{path}: job {job_id} session {session}: file name {name!r} is neither "
+            f"worker-DP-STAGE.parquet nor {LANDING_MANIFEST}"
+        )
+    return job_id, session, "worker", int(match.group(1)), int(match.group(2))
+
+
+def read_landing_manifest(path: str) -> pa.Table:
+    """Read a session manifest (exactly one MANIFEST_SCHEMA row) from any fsspec URL."""
+    with fsspec.open(path, "rb") as handle:
+        table = pq.read_table(handle)
+    missing = [name for name in MANIFEST_SCHEMA.names if name not in table.column_names]
+    if missing:
+        raise ValueError(f"{path}: manifest lacks columns {missing}")
+    if table.num_rows != 1:
+        raise ValueError(f"{path}: a session manifest holds one row, found {table.num_rows}")
+    return table
+
+
+def expected_workers(manifest: pa.Table) -> tuple[tuple[int, int], ...]:
+    """The (dp_rank, stage) pairs a session must deliver: the manifest's worker list,
+    or the full dp_size x pp_size grid when that list is empty."""
+    row = manifest.slice(0, 1).to_pylist()[0]
+    listed = row.get("workers") or []
+    if listed:
+        return tuple(sorted({(int(w["dp_rank"]), int(w["stage"])) for w in listed}))
+    return tuple((dp, stage) for dp in range(int(row["dp_size"])) for stage in range(int(row["pp_size"])))
+
+
+# ---------------------------------------------------------------- landing files (writers)
+
+
+def land_file(url: str, table: pa.Table) -> None:
+    """Write one parquet file so that readers never see it half-written.
+
+    Local and memory filesystems: write '.{name}.tmp' beside it, then rename (the
+    watcher skips dot-files). Object stores: a single PUT is already atomic.
+    """
+    fs, path = fsspec.core.url_to_fs(url)
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    folder, _, name = path.rpartition("/")
+    fs.makedirs(folder, exist_ok=True)
+    if _is_object_store(fs):
+        fs.pipe_file(path, buffer.getvalue())
+        return
+    temporary = f"{folder}/.{name}.tmp"
+    fs.pipe_file(temporary, buffer.getvalue())
+    fs.mv(temporary, path)
+
+
+def split_workers(trace: pa.Table) -> dict[tuple[int, int], pa.Table]:
+    """Split a job's op table into one table per worker (dp_rank, stage), rows in original order."""
+    dp = trace.column("dp_rank").to_numpy().astype(np.int64)
+    stage = trace.column("stage").to_numpy().astype(np.int64)
+    code = dp * (int(stage.max(initial=0)) + 1) + stage
+    order = np.argsort(code, kind="stable")
+    sorted_code = code[order]
+    bounds = np.flatnonzero(np.diff(sorted_code)) + 1
+    out = {}
+    for chunk in np.split(order, bounds):
+        if len(chunk):
+            first = chunk[0]
+            out[(int(dp[first]), int(stage[first]))] = trace.take(pa.array(chunk))
+    return out
+
+
+def land_session(
+    lake: str,
+    job_id: str,
+    session: str | int,
+    trace: pa.Table,
+    manifest: pa.Table,
+    *,
+    workers: Iterable[tuple[int, int]] | None = None,
+    with_manifest: bool = True,
+) -> list[str]:
+    """Land a job's trace as one session: its manifest and one file per worker.
+
+    trace: TRACE_SCHEMA rows of the job (e.g. a generated job); manifest: its one
+    MANIFEST_SCHEMA row. `workers` restricts (and orders) which worker files are
+    written now, so tests can land a session in pieces. Returns the paths written.
+    """
+    written = []
+    if with_manifest:
+        path = landing_manifest_path(lake, job_id, session)
+        land_file(path, manifest.cast(MANIFEST_SCHEMA) if manifest.schema != MANIFEST_SCHEMA else manifest)
+        written.append(path)
+    per_worker = split_workers(trace)
+    for worker in (per_worker if workers is None else workers):
+        path = landing_worker_path(lake, job_id, session, *worker)
+        land_file(path, per_worker[tuple(worker)])
+        written.append(path)
+    return written
+
+
+def _is_object_store(fs) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol not in ("file", "local", "memory")
+
+
+# ---------------------------------------------------------------- the watcher
+
+
+@dataclasses.dataclass(frozen=True)
+class WatchConfig:
+    """How the landing area is watched.
+
+    lake: fsspec URL of the lake. interval_seconds: time between polls.
+    start_time: wall-clock seconds of the first poll (pass it explicitly: a
+    default evaluated at import time would be stale). stop_time: wall-clock
+    seconds after which the watcher makes one final poll and ends (None: never).
+    stop_after_sessions / live_results: end after the live table at that URL holds
+    results for this many sessions (None: never).
+    """
+
+    lake: str
+    interval_seconds: float = 1.0
+    start_time: float = 0.0
+    stop_time: float | None = None
+    stop_after_sessions: int | None = None
+    live_results: str | None = None
+
+    def __post_init__(self):
+        if not self.lake:
+            raise ValueError("WatchConfig.lake: give the lake URL")
+        if not (self.interval_seconds > 0):
+            raise ValueError(f"WatchConfig.interval_seconds must be > 0, got {self.interval_seconds!r}")
+        if self.stop_time is not None and self.stop_time < self.start_time:
+            raise ValueError("WatchConfig.stop_time precedes start_time")
+        if self.stop_after_sessions is not None:
+            if self.stop_after_sessions < 1:
+                raise ValueError("WatchConfig.stop_after_sessions must be >= 1")
+            if not self.live_results:
+                raise ValueError("WatchConfig.stop_after_sessions needs live_results (the live table URL)")
+
+    @property
+    def landing(self) -> str:
+        return f"{self.lake.rstrip('/')}/{LANDING}"
+
+    def should_stop(self, now: float) -> bool:
+        """True when the watcher must end after this poll."""
+        if self.stop_time is not None and now >= self.stop_time:
+            return True
+        if self.stop_after_sessions is not None:
+            # Imported here: transforms.live imports this module.
+            from transforms.live import count_live_sessions
+
+            return count_live_sessions(self.live_results) >= self.stop_after_sessions
+        return False
+
+
+class _PollRestrictionProvider(beam.transforms.core.RestrictionProvider):
+    """Poll index range [0, max polls): unbounded in practice."""
+
+    def initial_restriction(self, config: WatchConfig) -> OffsetRange:
+        return OffsetRange(0, 2**62)
+
+    def create_tracker(self, restriction: OffsetRange) -> OffsetRestrictionTracker:
+        return OffsetRestrictionTracker(restriction)
+
+    def restriction_size(self, config, restriction) -> int:
+        return 8
+
+    def truncate(self, config, restriction):
+        return None  # on drain: stop polling at once
+
+
+class _PollClockFn(beam.DoFn):
+    """Emits (poll_time, final) at `interval_seconds` from `start_time`, timestamped
+    with the poll time, until the config's stop condition holds; the last poll has
+    final=True. Defers between polls so no thread sleeps in the runner."""
+
+    @beam.DoFn.unbounded_per_element()
+    def process(
+        self,
+        config: WatchConfig,
+        tracker=beam.DoFn.RestrictionParam(_PollRestrictionProvider()),
+        watermark=beam.DoFn.WatermarkEstimatorParam(ManualWatermarkEstimator.default_provider()),
+    ) -> Iterator[tuple[float, bool]]:
+        index = tracker.current_restriction().start
+        while True:
+            due = config.start_time + index * config.interval_seconds
+            now = time.time()
+            if due > now:
+                _advance(watermark, Timestamp.of(due))
+                tracker.defer_remainder(Timestamp.of(due))
+                return
+            if not tracker.try_claim(index):
+                return
+            final = config.should_stop(now)
+            _advance(watermark, Timestamp.of(now))
+            yield beam.window.TimestampedValue((now, final), now)
+            if final:
+                # Claiming past the end marks the restriction done: the source ends.
+                tracker.try_claim(tracker.current_restriction().stop)
+                return
+            # Skip polls that fell behind (a slow poll): poll again at the next due time.
+            index = max(index + 1, math.floor((time.time() - config.start_time) / config.interval_seconds))
+
+
+def _advance(watermark: ManualWatermarkEstimator, to: Timestamp) -> None:
+    current = watermark.current_watermark()
+    if current is None or to > current:
+        watermark.set_watermark(to)
+
+
+class _ListLandingFn(beam.DoFn):
+    """One poll: every landing file as (path, (modification time, poll time)), and one
+    (tick key, tick LandingEvent) per session folder."""
+
+    def __init__(self, landing: str):
+        self._landing = landing
+
+    def setup(self):
+        self._fs, self._root = fsspec.core.url_to_fs(self._landing)
+        self._protocol = self._landing.split("://", 1)[0] + "://" if "://" in self._landing else ""
+
+    def process(self, poll: tuple[float, bool]):
+        poll_time, final = poll
+        self._fs.invalidate_cache()
+        try:
+            found = self._fs.find(self._root, detail=True)
+        except FileNotFoundError:
+            found = {}
+        sessions = set()
+        root = self._root.rstrip("/")
+        for path, info in found.items():
+            relative = path[len(root):].lstrip("/").split("/")
+            if relative[-1].startswith((".", "_")):
+                continue  # in-flight temporaries and markers
+            url = self._protocol + path if self._protocol and not path.startswith(self._protocol) else path
+            if len(relative) == 3:
+                sessions.add((relative[0], relative[1]))
+            yield url, (_modification_time(info), poll_time)
+        # Ticks share the files' path (and key space) so that one PCollection reaches
+        # the assembly: a Flatten of two inputs there held bundles back on the
+        # FnApiRunner until the source ended.
+        for job_id, session in sorted(sessions):
+            tick = LandingEvent("tick", job_id, session, poll_time, final=final)
+            yield f"{_TICK_KEY}{tick.key}", tick
+        if final and not sessions:
+            # Nothing to flush; still tell downstream the watcher is ending.
+            _LOG.info("landing watcher: final poll, no sessions in %s", self._landing)
+
+
+def _modification_time(info: dict) -> float:
+    for name in ("mtime", "LastModified", "last_modified", "created"):
+        value = info.get(name)
+        if value is None:
+            continue
+        return value.timestamp() if hasattr(value, "timestamp") else float(value)
+    return math.nan
+
+
+class _DeduplicateByPathFn(beam.DoFn):
+    """Keyed by path: passes the first sighting, and a re-delivery (same path, newer
+    modification time) as such; drops the repeats every poll makes of a known file."""
+
+    SEEN = ReadModifyWriteStateSpec("modification_time", beam.coders.FloatCoder())
+
+    def __init__(self):
+        self._relisted = Metrics.counter("landing", "relisted_files")
+        self._redelivered = Metrics.counter("landing", "redelivered_files")
+        self._new = Metrics.counter("landing", "new_files")
+
+    def process(self, element, seen=beam.DoFn.StateParam(SEEN)):
+        path, value = element
+        if isinstance(value, LandingEvent):
+            yield value  # a tick: no state
+            return
+        modified, poll_time = value
+        before = seen.read()
+        if before is None:
+            seen.write(modified)
+            self._new.inc()
+            yield path, poll_time, False
+        elif modified > before:
+            seen.write(modified)
+            self._redelivered.inc()
+            yield path, poll_time, True
+        else:
+            self._relisted.inc()
+
+
+class _ReadLandingEventFn(beam.DoFn):
+    """(path, poll_time, redelivered) -> LandingEvent; bad paths and unreadable
+    manifests go to the 'quarantine' output as {path, job_id, reason}."""
+
+    def __init__(self):
+        self._quarantined = Metrics.counter("landing", "quarantined_files")
+
+    def process(self, element):
+        if isinstance(element, LandingEvent):
+            yield element  # a tick
+            return
+        path, poll_time, redelivered = element
+        try:
+            job_id, session, kind, dp_rank, stage = parse_landing_path(path)
+        except LandingPathError as error:
+            self._quarantined.inc()
+            yield beam.pvalue.TaggedOutput("quarantine", _quarantine_row(path, "", "", str(error), poll_time))
+            return
+        if redelivered:
+            yield LandingEvent("redelivery", job_id, session, poll_time, path, dp_rank, stage)
+            return
+        if kind == "worker":
+            yield LandingEvent("worker", job_id, session, poll_time, path, dp_rank, stage)
+            return
+        try:
+            workers = expected_workers(read_landing_manifest(path))
+        except Exception as error:  # any unreadable manifest: quarantined with its reason, never dropped
+            self._quarantined.inc()
+            reason = f"job {job_id} session {session}: unreadable session manifest: {error}"
+            yield beam.pvalue.TaggedOutput("quarantine", _quarantine_row(path, job_id, session, reason, poll_time))
+            return
+        yield LandingEvent("manifest", job_id, session, poll_time, path, workers=workers)
+
+
+def _quarantine_row(path: str, job_id: str, session: str, reason: str, poll_time: float) -> dict:
+    return {"source_path": path, "job_id": job_id, "session": session, "reason": reason, "seen_time": poll_time}
+
+
+class WatchLanding(beam.PTransform):
+    """PBegin -> (session key, LandingEvent) for every new landing file and a tick per
+    session per poll; tagged output 'quarantine' holds rows {source_path, job_id,
+    session, reason, seen_time} for files that break the landing layout."""
+
+    def __init__(self, config: WatchConfig):
+        super().__init__()
+        self._config = config
+
+    def expand(self, pbegin):
+        polls = (
+            pbegin
+            | "Start" >> beam.Create([self._config])
+            | "PollEvery" >> beam.ParDo(_PollClockFn())
+        )
+        events = (
+            polls
+            | "ListLanding" >> beam.ParDo(_ListLandingFn(self._config.landing))
+            | "DeduplicateByPath" >> beam.ParDo(_DeduplicateByPathFn())
+            | "ReadLandingEvent" >> beam.ParDo(_ReadLandingEventFn()).with_outputs("quarantine", main="events")
+        )
+        keyed = events.events | "KeyBySession" >> beam.Map(lambda event: (event.key, event))
+        return {"events": keyed, "quarantine": events.quarantine}
