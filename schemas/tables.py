@@ -1,0 +1,269 @@
+"""Arrow schemas of the batch pipeline's per-job output tables, and how they are laid out.
+
+Layout on any fsspec URL (local folder, file://, s3://; memory:// only in-process):
+
+    {out}/{table}/date=YYYY-MM-DD/part-0.parquet     one file per table and date partition
+    {out}/_staging/{run_id}/...                      a run's files before its commit (never read)
+    {out}/_runs/{run_id}.json                        what a run did: counts, reasons, timings (not a table)
+
+`date` is the Hive partition key: it lives in the path, not in the files (DuckDB, Spark,
+Trino and `pyarrow.dataset` with Hive partitioning add it as a column; `read_table` below
+does too). A batch run for dates D1..D2 replaces exactly the partitions D1..D2 of every
+table it writes; every date of the range gets a partition, empty when nothing happened
+that day, so "partition present" means "date processed".
+
+Unit of a row: one *job window* = one job's sampled steps of one date (one manifest row).
+Times are seconds, GPU-hours are GPU count x wall hours of the window from the manifest
+(`end_time - start_time`), slowdowns are ratios (1.0 = no loss).
+
+Every per-job table includes jobs whose replay discrepancy exceeds 5%
+(`job_summary.discarded`); join on (date, job_id) and keep `discarded = false` for fleet
+statistics. Attribution tables have rows only for windows with S >= 1.03
+(`job_summary.attributed`), as in the reference analyzer.
+
+Rows are sorted by each table's `sort_keys` and files are written without timestamps, so a
+rerun over the same lake writes byte-identical files.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+
+import pyarrow as pa
+
+__all__ = [
+    "TABLES_SCHEMA_VERSION",
+    "PARTITION_KEY",
+    "PART_FILE",
+    "STAGING_DIR",
+    "RUNS_DIR",
+    "JOB_STATUSES",
+    "QUARANTINE_LEVELS",
+    "TableSpec",
+    "JOB_SUMMARY_SCHEMA",
+    "STEP_SLOWDOWN_SCHEMA",
+    "WORKER_ATTRIBUTION_SCHEMA",
+    "DP_ATTRIBUTION_SCHEMA",
+    "STAGE_ATTRIBUTION_SCHEMA",
+    "OPTYPE_ATTRIBUTION_SCHEMA",
+    "COVERAGE_SCHEMA",
+    "QUARANTINE_SCHEMA",
+    "BATCH_TABLES",
+    "partition_path",
+    "table_path",
+    "read_table",
+]
+
+TABLES_SCHEMA_VERSION = "1"
+PARTITION_KEY = "date"
+PART_FILE = "part-0.parquet"
+STAGING_DIR = "_staging"
+RUNS_DIR = "_runs"
+
+# What happened to a job window (coverage.status); same words as schemas/fleet.py.
+JOB_STATUSES = ("analysed", "discarded", "quarantined")
+# What a quarantine row covers: one row of a file, a whole file, or a whole job window.
+QUARANTINE_LEVELS = ("row", "file", "job")
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+    """A table the commit step can publish.
+
+    name: folder under the output URL (may be nested, e.g. "fleet_rollup/fleet_summary"); schema: Arrow schema of the files (without the
+    partition key); sort_keys: columns that order the rows of a file (with every column
+    appended as a tie-break, so the order is total); partitioned: Hive-partitioned by
+    `date` (False: one file for the whole table, replaced by every run).
+    """
+
+    name: str
+    schema: pa.Schema
+    sort_keys: tuple[str, ...]
+    partitioned: bool = True
+
+    def __post_init__(self):
+        segments = self.name.split("/")
+        if not all(segments) or any(s.startswith(("_", ".")) or "=" in s for s in segments):
+            raise ValueError(f"table name {self.name!r}: folder names must be non-empty, without '=' and not start with '_' or '.'")
+        missing = [k for k in self.sort_keys if k not in self.schema.names]
+        if missing:
+            raise ValueError(f"table {self.name}: sort keys {missing} are not columns of its schema")
+        if PARTITION_KEY in self.schema.names and self.partitioned:
+            raise ValueError(f"table {self.name}: '{PARTITION_KEY}' is the partition key, it lives in the path, not in the file")
+
+
+def _schema(name: str, fields: list[pa.Field]) -> pa.Schema:
+    return pa.schema(fields, metadata={"strag.table": name, "strag.tables_schema_version": TABLES_SCHEMA_VERSION})
+
+
+# One row per analysed job window (analysed or discarded; quarantined windows are only in
+# coverage and quarantine).
+JOB_SUMMARY_SCHEMA = _schema(
+    "job_summary",
+    [
+        pa.field("job_id", pa.string(), nullable=False),
+        pa.field("gpus", pa.int32(), nullable=False),
+        pa.field("dp_size", pa.int32(), nullable=False),
+        pa.field("pp_size", pa.int32(), nullable=False),
+        pa.field("tp_size", pa.int32(), nullable=False),
+        pa.field("dsp_size", pa.int32(), nullable=False),          # context parallel
+        pa.field("vpp_size", pa.int32(), nullable=False),
+        pa.field("world_size", pa.int32(), nullable=False),
+        pa.field("parallelism", pa.string(), nullable=False),      # "dp4-pp4-tp4-cp1-vpp1", for grouping
+        pa.field("model_family", pa.string(), nullable=False),
+        pa.field("context_length", pa.int32(), nullable=False),
+        pa.field("start_time", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("end_time", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("n_steps", pa.int32(), nullable=False),           # sampled steps analysed
+        pa.field("n_ops", pa.int64(), nullable=False),             # op records analysed
+        pa.field("step_time_observed", pa.float64(), nullable=False),  # mean step_t_base, s
+        pa.field("step_time", pa.float64(), nullable=False),       # T: mean no-delay replay, s
+        pa.field("step_time_ideal", pa.float64(), nullable=False),  # T_ideal: mean ideal replay, s
+        pa.field("slowdown", pa.float64(), nullable=False),        # S = T / T_ideal
+        pa.field("waste", pa.float64(), nullable=False),           # 1 - 1/S, fraction of GPU time
+        pa.field("gpu_hours", pa.float64(), nullable=False),       # gpus x (end_time - start_time), h
+        pa.field("wasted_gpu_hours", pa.float64(), nullable=False),  # gpu_hours x waste
+        pa.field("launch_slowdown", pa.float64(), nullable=False),  # replay discrepancy mean(base)/mean(nodelay)
+        pa.field("discarded", pa.bool_(), nullable=False),         # launch_slowdown > 1.05: not in fleet statistics
+        pa.field("discard_reason", pa.string(), nullable=True),    # human reason when discarded
+        pa.field("straggling", pa.bool_(), nullable=False),        # S >= 1.1
+        pa.field("attributed", pa.bool_(), nullable=False),        # S >= 1.03: attribution tables have rows
+        pa.field("m_w", pa.float64(), nullable=True),              # M_W (rem form); null when not attributed
+        pa.field("m_w_add", pa.float64(), nullable=True),          # M_W (add form)
+        pa.field("m_s", pa.float64(), nullable=True),              # M_S (rem form); 0 without PP
+        pa.field("m_s_add", pa.float64(), nullable=True),
+    ],
+)
+
+# One row per sampled step of a job window.
+STEP_SLOWDOWN_SCHEMA = _schema(
+    "step_slowdown",
+    [
+        pa.field("job_id", pa.string(), nullable=False),
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("step_time_observed", pa.float64(), nullable=False),  # step_t_base, s
+        pa.field("step_time", pa.float64(), nullable=False),           # step_t_nodelay, s
+        pa.field("step_time_ideal", pa.float64(), nullable=False),     # step_t_noblk, s
+        pa.field("slowdown", pa.float64(), nullable=False),            # S_s = step_time / step_time_ideal
+    ],
+)
+
+# One row per worker (dp_rank, stage) of a job window, always (host and rank even when not
+# attributed, so spatial statistics see healthy workers too).
+WORKER_ATTRIBUTION_SCHEMA = _schema(
+    "worker_attribution",
+    [
+        pa.field("job_id", pa.string(), nullable=False),
+        pa.field("dp_rank", pa.int16(), nullable=False),
+        pa.field("stage", pa.int16(), nullable=False),
+        pa.field("rank", pa.int32(), nullable=True),               # representative global rank (manifest)
+        pa.field("host", pa.string(), nullable=True),              # machine (manifest)
+        pa.field("slowdown_dp", pa.float64(), nullable=True),      # S_dp of its DP rank
+        pa.field("slowdown_stage", pa.float64(), nullable=True),   # S_stage of its stage
+        pa.field("slowdown_worker", pa.float64(), nullable=True),  # S_w = min(S_dp, S_stage)
+        pa.field("in_mw_set", pa.bool_(), nullable=True),          # one of the ceil(3%) workers behind M_W
+    ],
+)
+
+# Attribution of S to one DP rank / stage / op type: S_g with only g's ops kept original.
+# `step` null = the whole window (mean step times); otherwise that sampled step. For op
+# types, pipeline send/recv are merged into forward-pp-comm and backward-pp-comm as the
+# reference does.
+def _attribution_schema(name: str, group: pa.Field) -> pa.Schema:
+    return _schema(
+        name,
+        [
+            pa.field("job_id", pa.string(), nullable=False),
+            group,
+            pa.field("step", pa.int64(), nullable=True),
+            pa.field("slowdown", pa.float64(), nullable=False),
+        ],
+    )
+
+
+DP_ATTRIBUTION_SCHEMA = _attribution_schema("dp_attribution", pa.field("dp_rank", pa.int16(), nullable=False))
+STAGE_ATTRIBUTION_SCHEMA = _attribution_schema("stage_attribution", pa.field("stage", pa.int16(), nullable=False))
+OPTYPE_ATTRIBUTION_SCHEMA = _attribution_schema("optype_attribution", pa.field("optype", pa.string(), nullable=False))
+
+# One row per job window seen in the date range (from a manifest, a trace folder or both).
+COVERAGE_SCHEMA = _schema(
+    "coverage",
+    [
+        pa.field("job_id", pa.string(), nullable=False),
+        pa.field("status", pa.string(), nullable=False),           # JOB_STATUSES
+        pa.field("reason_code", pa.string(), nullable=True),       # why discarded / quarantined
+        pa.field("reason", pa.string(), nullable=True),            # the same for people
+        pa.field("has_manifest", pa.bool_(), nullable=False),
+        pa.field("trace_files", pa.int32(), nullable=False),       # files found for the window
+        pa.field("rows_read", pa.int64(), nullable=False),         # op rows in readable files
+        pa.field("rows_quarantined", pa.int64(), nullable=False),  # of those, rejected by validation
+        pa.field("gpus", pa.int32(), nullable=True),               # from the manifest, when readable
+        pa.field("gpu_hours", pa.float64(), nullable=True),
+        pa.field("launch_slowdown", pa.float64(), nullable=True),  # when the engine got that far
+    ],
+)
+
+# Everything rejected: one row per bad row, file or job window. Nothing is dropped silently.
+QUARANTINE_SCHEMA = _schema(
+    "quarantine",
+    [
+        pa.field("job_id", pa.string(), nullable=True),            # null when a file names no job
+        pa.field("source_path", pa.string(), nullable=False),      # file (or trace folder for job-level rows)
+        pa.field("level", pa.string(), nullable=False),            # QUARANTINE_LEVELS
+        pa.field("reason_code", pa.string(), nullable=False),      # stable, machine-readable
+        pa.field("reason", pa.string(), nullable=False),           # human: what is wrong and what to do
+        pa.field("detail", pa.string(), nullable=True),            # values, op, step, worker, exception text
+        pa.field("row_index", pa.int64(), nullable=True),          # 0-based row in source_path (level = row)
+        pa.field("rows", pa.int64(), nullable=True),               # rows affected (level = file / job)
+    ],
+)
+
+_SPECS = (
+    TableSpec("job_summary", JOB_SUMMARY_SCHEMA, ("job_id",)),
+    TableSpec("step_slowdown", STEP_SLOWDOWN_SCHEMA, ("job_id", "step")),
+    TableSpec("worker_attribution", WORKER_ATTRIBUTION_SCHEMA, ("job_id", "dp_rank", "stage")),
+    TableSpec("dp_attribution", DP_ATTRIBUTION_SCHEMA, ("job_id", "dp_rank", "step")),
+    TableSpec("stage_attribution", STAGE_ATTRIBUTION_SCHEMA, ("job_id", "stage", "step")),
+    TableSpec("optype_attribution", OPTYPE_ATTRIBUTION_SCHEMA, ("job_id", "optype", "step")),
+    TableSpec("coverage", COVERAGE_SCHEMA, ("job_id",)),
+    TableSpec("quarantine", QUARANTINE_SCHEMA, ("job_id", "source_path", "row_index", "level", "reason_code")),
+)
+# Name -> spec of every table the batch pipeline writes per job window.
+BATCH_TABLES: dict[str, TableSpec] = {spec.name: spec for spec in _SPECS}
+
+
+def table_path(out: str, table: str) -> str:
+    """Folder of one table under an output URL."""
+    return f"{out.rstrip('/')}/{table}"
+
+
+def partition_path(out: str, table: str, date: dt.date | str | None) -> str:
+    """Folder of one date partition of a table (the table folder itself when date is None)."""
+    if date is None:
+        return table_path(out, table)
+    iso = date.isoformat() if isinstance(date, dt.date) else dt.date.fromisoformat(date).isoformat()
+    return f"{table_path(out, table)}/{PARTITION_KEY}={iso}"
+
+
+def read_table(out: str, table: str, *, storage_options: dict | None = None) -> pa.Table:
+    """Read one published table (every partition) with its `date` column, as DuckDB or Spark would.
+
+    out: the batch pipeline's --out URL; table: a table name. Returns an empty table with
+    the known schema when the table has no files yet. Staging and run folders are never read.
+    """
+    import fsspec
+    import pyarrow.dataset as ds
+
+    fs, root = fsspec.core.url_to_fs(table_path(out, table), **(storage_options or {}))
+    spec = BATCH_TABLES.get(table)
+    files = sorted(p for p in fs.find(root) if p.endswith(".parquet") and "/." not in p[len(root):]) if fs.exists(root) else []
+    if not files:
+        if spec is None:
+            raise FileNotFoundError(f"no table {table!r} under {out}")
+        fields = list(spec.schema) + ([pa.field(PARTITION_KEY, pa.date32())] if spec.partitioned else [])
+        return pa.schema(fields, metadata=spec.schema.metadata).empty_table()
+    partitioning = None
+    if spec is None or spec.partitioned:
+        partitioning = ds.partitioning(pa.schema([pa.field(PARTITION_KEY, pa.date32())]), flavor="hive")
+    dataset = ds.dataset(files, filesystem=fs, format="parquet", partitioning=partitioning, partition_base_dir=root)
+    return dataset.to_table()
