@@ -1,0 +1,49 @@
+"""The Dagster code location: `dagster dev -m orchestration.definitions`.
+
+Settings come from the environment so one definition serves every deployment:
+STRAG_LAKE, STRAG_OUT (required at run time), STRAG_REPORTS (optional),
+STRAG_PARTITIONS_START (first partition, default 2024-01-01).
+
+- job `strag_daily`: the batch tables and the fleet report for a day or a range of days;
+- schedule `strag_nightly`: at 02:00 UTC, yesterday's partition (the last complete day);
+- backfills: select a partition range of `strag_daily` (UI, or `dagster job backfill`).
+"""
+from __future__ import annotations
+
+import dagster as dg
+
+from orchestration.assets import DAILY, StragSettings, batch_tables, fleet_report
+
+__all__ = ["daily_job", "nightly_schedule", "defs", "NIGHTLY_HOUR_UTC"]
+
+NIGHTLY_HOUR_UTC = 2
+
+daily_job = dg.define_asset_job(
+    "strag_daily",
+    selection=dg.AssetSelection.assets(batch_tables, fleet_report),
+    partitions_def=DAILY,
+    description="strag batch + strag report for the selected day(s)",
+)
+
+# For a daily-partitioned job the schedule targets the last complete partition: the tick
+# at 02:00 on day D runs partition D-1.
+nightly_schedule = dg.build_schedule_from_partitioned_job(
+    daily_job,
+    name="strag_nightly",
+    hour_of_day=NIGHTLY_HOUR_UTC,
+    minute_of_hour=0,
+    description="nightly: yesterday's partition of the batch tables, then the fleet report",
+)
+
+defs = dg.Definitions(
+    assets=[batch_tables, fleet_report],
+    jobs=[daily_job],
+    schedules=[nightly_schedule],
+    resources={
+        "strag": StragSettings(
+            lake=dg.EnvVar("STRAG_LAKE"),
+            out=dg.EnvVar("STRAG_OUT"),
+            reports=dg.EnvVar("STRAG_REPORTS").get_value(default=""),
+        )
+    },
+)
