@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
@@ -59,6 +60,10 @@ class Decomposition:
     add: float
     workers: list[tuple[int, int]]
 
+    def parts(self) -> dict[str, float]:
+        """The reference's key order: trem, tadd, tori, tideal, rem, add."""
+        return {name: float(getattr(self, name)) for name in ("trem", "tadd", "tori", "tideal", "rem", "add")}
+
 
 @dataclasses.dataclass
 class WhatIfResult:
@@ -86,6 +91,20 @@ class WhatIfResult:
     worker_slowdown: np.ndarray | None = None          # S_w [dp_size, pp_size] = min(S_dp, S_stage)
     mw: Decomposition | None = None
     ms: Decomposition | None = None
+    # Engine extensions (not in the reference layout).
+    launch_step_slowdown: np.ndarray | None = None     # base / nodelay per step (replay discrepancy per step)
+    step_t_replayed: np.ndarray | None = None          # replay of the original with launch delays (= base when exact)
+    ideal_durations: dict[str, float] | None = None    # optype -> ideal cost (s): mean duration or median transfer
+    # Launch-delay attribution, only when launch_slowdown >= ATTRIBUTION_THRESHOLD (like the reference):
+    # no-delay replay with one group's launch delays given back, over the no-delay step time.
+    launch_by_dp_rank: dict[int, float] | None = None
+    launch_by_stage: dict[int, float] | None = None
+    launch_by_optype: dict[str, float] | None = None   # pp comm merged; 'first-op' = each stage's first op
+    launch_by_dp_rank_per_step: np.ndarray | None = None
+    launch_by_stage_per_step: np.ndarray | None = None
+    launch_by_optype_per_step: dict[str, np.ndarray] | None = None
+    worker_rank: np.ndarray | None = None              # [dp_size, pp_size] global rank of each worker
+    timeline: Any = None                               # transforms.whatif.timeline.Timeline when asked for
 
     @property
     def waste(self) -> float:
@@ -100,3 +119,93 @@ class WhatIfResult:
     @property
     def straggling(self) -> bool:
         return bool(self.slowdown >= STRAGGLING_THRESHOLD)
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_reference_json(self) -> dict:
+        """The reference analyzer's result-*.json, key for key and in its order: per-step
+        dicts keyed by the step as a string in ascending step order, slowdown dicts sorted
+        by value (largest first, ties in key order), per-step attributions ordered like the
+        per-step slowdown. Attribution fields are None when S < 1.03."""
+        steps = [str(int(step)) for step in self.steps]
+        blocking_order = _descending(steps, self.step_slowdown)
+        launch = self.launch_step_slowdown if self.launch_step_slowdown is not None else np.full(len(steps), np.nan)
+        launch_order = _descending(steps, launch)
+        dp_keys = [str(d) for d in range(self.meta.dp_size)]
+        stage_keys = [str(p) for p in range(self.meta.pp_size)]
+
+        def overall(values: dict | None) -> dict | None:
+            if values is None:
+                return None
+            keys = [str(k) for k in values]
+            return dict(_sorted_by_value(keys, list(values.values())))
+
+        def per_step(table, keys, order) -> dict | None:
+            if table is None:
+                return None
+            if isinstance(table, dict):
+                keys = list(table)
+                table = np.stack([table[k] for k in keys], axis=1)
+            index = {step: i for i, step in enumerate(steps)}
+            return {step: dict(_sorted_by_value(keys, table[index[step]].tolist())) for step in order}
+
+        return {
+            "job_meta": {
+                "trial_name": self.job_id, "run_id": 0,
+                "dp_size": self.meta.dp_size, "pp_size": self.meta.pp_size, "tp_size": self.meta.tp_size,
+                "dsp_size": self.meta.dsp_size, "vpp_size": self.meta.vpp_size, "world_size": self.meta.world_size,
+            },
+            "step_t_base": dict(zip(steps, map(float, self.step_t_base))),
+            "step_t_nodelay": dict(zip(steps, map(float, self.step_t_nodelay))),
+            "step_t_noblk": dict(zip(steps, map(float, self.step_t_noblk))),
+            "launch_slowdown": float(self.launch_slowdown),
+            "blocking_slowdown": float(self.slowdown),
+            "blocking_step_slowdown": {step: float(value) for step, value in _sorted_by_value(steps, self.step_slowdown.tolist())},
+            "launch_step_slowdown": {step: float(value) for step, value in _sorted_by_value(steps, launch.tolist())},
+            "blocking_decompose_by_dp_rank": overall(self.by_dp_rank),
+            "launch_decompose_by_dp_rank": overall(self.launch_by_dp_rank),
+            "blocking_decompose_by_stage": overall(self.by_stage),
+            "launch_decompose_by_stage": overall(self.launch_by_stage),
+            "blocking_decompose_by_optype": overall(self.by_optype),
+            "launch_decompose_by_optype": overall(self.launch_by_optype),
+            "blocking_decompose_by_dp_rank_per_step": per_step(self.by_dp_rank_per_step, dp_keys, blocking_order),
+            "launch_decompose_by_dp_rank_per_step": per_step(self.launch_by_dp_rank_per_step, dp_keys, launch_order),
+            "blocking_decompose_by_stage_per_step": per_step(self.by_stage_per_step, stage_keys, blocking_order),
+            "launch_decompose_by_stage_per_step": per_step(self.launch_by_stage_per_step, stage_keys, launch_order),
+            "blocking_decompose_by_optype_per_step": per_step(self.by_optype_per_step, None, blocking_order),
+            "launch_decompose_by_optype_per_step": per_step(self.launch_by_optype_per_step, None, launch_order),
+        }
+
+    def mw_json(self) -> dict | None:
+        """mw-*.json of the reference: trem, tadd, tori, tideal, rem, add, Mw (None without attribution)."""
+        return None if self.mw is None else {**self.mw.parts(), "Mw": float(self.mw.rem)}
+
+    def ms_json(self) -> dict | None:
+        """ms-*.json of the reference: trem, tadd, tori, tideal, rem, add, Ms."""
+        return None if self.ms is None else {**self.ms.parts(), "Ms": float(self.ms.rem)}
+
+    def to_json(self) -> dict:
+        """The reference layout plus M_W, M_S with their parts and the engine's verdict fields."""
+        out = self.to_reference_json()
+        out["M_W"] = None if self.mw is None else float(self.mw.rem)
+        out["M_S"] = None if self.ms is None else float(self.ms.rem)
+        out["mw"] = None if self.mw is None else {**self.mw_json(), "workers": [list(w) for w in self.mw.workers]}
+        out["ms"] = None if self.ms is None else {**self.ms_json(), "workers": [list(w) for w in self.ms.workers]}
+        out["waste"] = float(self.waste)
+        out["straggling"] = self.straggling
+        out["discarded"] = self.discarded
+        out["discard_reason"] = (
+            f"replay discrepancy {self.launch_slowdown:.4f} > {DISCREPANCY_LIMIT}" if self.discarded else None
+        )
+        out["worker_slowdown"] = None if self.worker_slowdown is None else self.worker_slowdown.tolist()
+        out["ideal_durations"] = self.ideal_durations
+        return out
+
+
+def _sorted_by_value(keys: list[str], values) -> list[tuple[str, float]]:
+    """(key, value) pairs, largest value first; equal values keep the key order."""
+    return sorted(((key, float(value)) for key, value in zip(keys, values)), key=lambda item: -item[1])
+
+
+def _descending(keys: list[str], values) -> list[str]:
+    return [key for key, _ in _sorted_by_value(keys, list(values))]

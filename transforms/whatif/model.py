@@ -1,0 +1,937 @@
+"""Trace -> compiled dependency model (METHOD.md sections 2 and 3), built once per job.
+
+`compile_job(trace, meta)` reads an op trace (a `pyarrow.Table` in the lake's
+TRACE_SCHEMA or in the published reference format) and returns a `JobModel`:
+
+* the dependency graph of one (step, dp_rank) slice -- every step and DP rank
+  shares it -- as integer arrays in *replay order*: ops sorted by topological
+  level, so that each level is one contiguous slice of the op axis;
+* per level: the predecessor rows (CSR), and the comm groups of the level laid
+  out contiguously (own-timed ops first, then multi-member groups, then groups
+  synchronised across DP ranks);
+* the observed timeline as `[op, lane]` float64 arrays, a lane being one
+  (step, dp_rank) pair (lane = step_index * dp_size + dp_rank), with times in
+  seconds relative to the step's earliest op start;
+* the original cost of every op (duration for compute-like ops, transfer time
+  for comm-group members) and its launch delay.
+
+The graph rules follow the authors' analyzer (ByteDance-Seed/StragglerAnalysis),
+written here from its documented behaviour: op names `{optype}_{seq_id}_{stage}`,
+the template slice is the first step of dp_rank 0, ops in a stream are chained in
+observed (start, seq_id, optype name) order, p2p no-op detection with a 0.05 ms
+tolerance, the first backward p2p waits for the forward compute two places before
+the first backward compute, and the step tail per DP mode.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from schemas.trace import OPTYPES
+from transforms.whatif.errors import (
+    WhatIfError,
+    CycleError,
+    DisconnectedGraphError,
+    MissingOpError,
+    MissingPeerError,
+    TooFewStepsError,
+    TraceStructureError,
+    TraceValueError,
+    UnknownOptypeError,
+)
+from transforms.whatif.result import JobMeta
+
+__all__ = [
+    "MIN_STEPS",
+    "NOOP_TOLERANCE",
+    "NEGATIVE_CLAMP",
+    "COMPUTE_LIKE_OPTYPES",
+    "TraceColumns",
+    "Level",
+    "JobModel",
+    "read_trace_columns",
+    "compile_job",
+]
+
+# A job needs at least this many complete steps. With a single step nothing checks
+# that the structure (taken from the first step) holds across steps, the ideal
+# (a mean over steps) cannot separate persistent stragglers from one bad step, and
+# the per-step slowdown is the job slowdown by definition.
+MIN_STEPS = 2
+# Tolerance (seconds) of the p2p no-op test: a recv starting after the last compute
+# of its direction started, or a send ending before the first one ended.
+NOOP_TOLERANCE = 5e-5
+# Transfer times and launch delays at or below -10 ms are profiler clock noise: set to 0.
+NEGATIVE_CLAMP = 1e-2
+# Op types idealised by their mean duration; all others (comm types) by their median.
+COMPUTE_LIKE_OPTYPES = ("forward-compute", "backward-compute", "optimizer", "gc")
+
+_CODE = {name: code for code, name in enumerate(OPTYPES)}
+FWD, BWD = _CODE["forward-compute"], _CODE["backward-compute"]
+FSEND, FRECV = _CODE["forward-send"], _CODE["forward-recv"]
+BSEND, BRECV = _CODE["backward-send"], _CODE["backward-recv"]
+AG, RS = _CODE["params-all-gather"], _CODE["grads-reduce-scatter"]
+SEP, LN = _CODE["separate-grads-all-reduce"], _CODE["layernorm-grads-all-reduce"]
+EMB, CLIP = _CODE["embedding-grads-all-reduce"], _CODE["optimizer-clip-main-grad"]
+OPT, GC = _CODE["optimizer"], _CODE["gc"]
+P2P = (FSEND, FRECV, BSEND, BRECV)
+# Ties in start time and seq_id are broken by optype name, alphabetically.
+_NAME_RANK = np.argsort(np.argsort(np.array(OPTYPES, dtype=object)))
+# p2p optype -> (peer optype, stage offset of the peer, offset of the chunk it serves)
+_PEER = {FSEND: (FRECV, +1), FRECV: (FSEND, -1), BSEND: (BRECV, -1), BRECV: (BSEND, +1)}
+_REQUIRED_COLUMNS = ("dp_rank", "stage", "rank", "step", "optype", "start_ts", "duration", "seq_id", "mc", "mb_id", "gmc")
+
+# Op kinds inside a level (their order in the level's slice).
+OWN, MULTI, SYNCED = 0, 1, 2
+
+
+@dataclasses.dataclass
+class TraceColumns:
+    """The trace as flat numpy columns (one entry per row), optype as an OPTYPES code."""
+
+    dp_rank: np.ndarray
+    stage: np.ndarray
+    rank: np.ndarray
+    step: np.ndarray
+    optype: np.ndarray
+    start: np.ndarray      # float64 seconds, as recorded
+    duration: np.ndarray   # float64 seconds
+    seq_id: np.ndarray
+    mc: np.ndarray
+    mb_id: np.ndarray
+    gmc: np.ndarray
+    # True when every start and duration is a float32 value (the published traces, or a
+    # lake copy of one): end times, transfers and launch delays are then rounded to
+    # float32 as the reference analyzer does, which keeps its outputs reproducible to
+    # ~1e-9 instead of ~1e-5 on the ratio fields that subtract near-equal step times.
+    float32: bool = False
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+
+@dataclasses.dataclass(frozen=True)
+class Level:
+    """One topological level: ops [lo, hi) of the replay order.
+
+    Ops [lo, multi_lo) time themselves (compute, or a comm group of one that is not
+    DP-synchronised); [multi_lo, synced_lo) are groups of several members, laid out
+    contiguously, ended together; [synced_lo, hi) are groups synchronised across the
+    DP ranks of a step. `*_offsets` are reduceat offsets of the groups relative to the
+    start of their part, `*_sizes` their member counts.
+    """
+
+    lo: int
+    hi: int
+    multi_lo: int
+    synced_lo: int
+    edge_lo: int
+    edge_hi: int
+    pred_offsets: np.ndarray | None   # None when every op of the level has exactly one predecessor
+    multi_offsets: np.ndarray
+    multi_sizes: np.ndarray
+    synced_offsets: np.ndarray
+    synced_sizes: np.ndarray
+
+
+@dataclasses.dataclass
+class JobModel:
+    """A job's compiled dependency model and observed timeline. Op axis = replay order.
+
+    Arrays indexed by op (length n_ops): `op_optype` (OPTYPES code), `op_seq_id`,
+    `op_stage`, `op_mc`, `op_gmc`, `op_group` (comm group id or -1), `op_noop` (p2p
+    no-op), `op_kind` (OWN / MULTI / SYNCED). CSR predecessors: `pred_ptr`
+    (n_ops + 1), `pred_index` (row n_ops is the step start, time 0).
+    Lane arrays (length n_lanes): `lane_step` (step number), `lane_dp`.
+    `[op, lane]` float64 arrays, seconds relative to the step start:
+    `observed_start`, `observed_end`, `duration`, `original_cost` (duration, or
+    transfer time for comm-group members), `launch_delay`.
+    """
+
+    job_id: str
+    meta: JobMeta
+    steps: np.ndarray
+    dp_size: int
+    pp_size: int
+    vpp_size: int
+    uses_dp: bool
+    dp_overlapped: bool
+    op_optype: np.ndarray
+    op_seq_id: np.ndarray
+    op_stage: np.ndarray
+    op_mc: np.ndarray
+    op_gmc: np.ndarray
+    op_group: np.ndarray
+    op_noop: np.ndarray
+    op_kind: np.ndarray
+    group_synced: np.ndarray
+    pred_ptr: np.ndarray
+    pred_index: np.ndarray
+    levels: list[Level]
+    optimizer_ops: np.ndarray
+    source_ops: np.ndarray
+    lane_step: np.ndarray
+    lane_dp: np.ndarray
+    worker_rank: np.ndarray            # [dp_size, pp_size] global rank of each worker
+    step_start: np.ndarray             # [n_steps] absolute start of each step (trace clock)
+    observed_start: np.ndarray
+    observed_end: np.ndarray
+    duration: np.ndarray
+    original_cost: np.ndarray
+    launch_delay: np.ndarray
+    mb_id: np.ndarray                  # [op, lane] int32 microbatch id (-1 when none)
+    recorded_float32: bool = False     # see TraceColumns.float32
+
+    @property
+    def n_ops(self) -> int:
+        return len(self.op_optype)
+
+    @property
+    def n_lanes(self) -> int:
+        return len(self.lane_step)
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def op_names(self) -> list[str]:
+        """`{optype}_{seq_id}_{stage}` of each op, in replay order."""
+        return [_op_name(t, s, p) for t, s, p in zip(self.op_optype, self.op_seq_id, self.op_stage)]
+
+    @property
+    def op_is_comm(self) -> np.ndarray:
+        return self.op_group >= 0
+
+    def op_index(self, name: str) -> int:
+        """Replay-order index of the op named `{optype}_{seq_id}_{stage}`."""
+        optype, seq_id, stage = name.rsplit("_", 2)
+        hit = np.flatnonzero((self.op_optype == _CODE[optype]) & (self.op_seq_id == int(seq_id)) & (self.op_stage == int(stage)))
+        if not len(hit):
+            raise KeyError(name)
+        return int(hit[0])
+
+    def ideal_cost(self) -> np.ndarray:
+        """Ideal cost per op [n_ops] (seconds): one scalar per optype over all steps,
+        DP ranks, stages, microbatches and chunks: the mean for compute-like types,
+        the median (of transfer time, or of duration for ops outside comm groups) for comm types."""
+        ideal = np.zeros(self.n_ops)
+        for code in np.unique(self.op_optype):
+            rows = self.op_optype == code
+            values = self.original_cost[rows]
+            ideal[rows] = values.mean() if OPTYPES[code] in COMPUTE_LIKE_OPTYPES else np.median(values)
+        return ideal
+
+    def ideal_by_optype(self) -> dict[str, float]:
+        ideal = self.ideal_cost()
+        return {OPTYPES[code]: float(ideal[np.flatnonzero(self.op_optype == code)[0]]) for code in np.unique(self.op_optype)}
+
+    def step_times_observed(self) -> np.ndarray:
+        """step_t_base [n_steps]: latest op end minus earliest op start of each step (seconds)."""
+        shape = (self.n_steps, self.dp_size)
+        end = self.observed_end.max(axis=0).reshape(shape).max(axis=1)
+        start = self.observed_start.min(axis=0).reshape(shape).min(axis=1)
+        return end - start
+
+
+def _op_name(optype: int, seq_id: int, stage: int) -> str:
+    return f"{OPTYPES[optype]}_{seq_id}_{stage}"
+
+
+# --------------------------------------------------------------------------- reading
+
+def read_trace_columns(trace: pa.Table, job_id: str = "") -> TraceColumns:
+    """Normalise a trace table (lake TRACE_SCHEMA or the published float32/int8 format)
+    into numpy columns. Raises TraceValueError / UnknownOptypeError on bad values."""
+    missing = [name for name in _REQUIRED_COLUMNS if name not in trace.column_names]
+    if missing:
+        raise TraceValueError(f"missing columns {missing}; the trace needs {list(_REQUIRED_COLUMNS)}", job_id=job_id)
+    if trace.num_rows == 0:
+        raise TooFewStepsError(f"the trace has no rows; at least {MIN_STEPS} complete steps are needed", job_id=job_id)
+    for name in _REQUIRED_COLUMNS:
+        nulls = trace.column(name).null_count
+        if nulls:
+            raise TraceValueError(f"column {name!r} has {nulls} null values", job_id=job_id)
+
+    def ints(name: str) -> np.ndarray:
+        return np.asarray(trace.column(name).to_numpy(), dtype=np.int64)
+
+    def floats(name: str) -> np.ndarray:
+        return np.asarray(trace.column(name).to_numpy(), dtype=np.float64)
+
+    columns = TraceColumns(
+        dp_rank=ints("dp_rank"), stage=ints("stage"), rank=ints("rank"), step=ints("step"),
+        optype=_optype_codes(trace.column("optype"), job_id),
+        start=floats("start_ts"), duration=floats("duration"), seq_id=ints("seq_id"),
+        mc=ints("mc"), mb_id=ints("mb_id"), gmc=ints("gmc"),
+    )
+    columns.float32 = all(
+        pa.types.is_float32(trace.schema.field(name).type)
+        or bool((values.astype(np.float32).astype(np.float64) == values).all())
+        for name, values in (("start_ts", columns.start), ("duration", columns.duration))
+    )
+    bad = ~(np.isfinite(columns.start) & np.isfinite(columns.duration)) | (columns.duration < 0)
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise TraceValueError(
+            f"{int(bad.sum())} rows have a non-finite start/duration or a negative duration "
+            f"(first: start_ts={columns.start[row]!r}, duration={columns.duration[row]!r})",
+            **_row_context(columns, row),
+        ).with_context(job_id=job_id)
+    return columns
+
+
+def _optype_codes(column: pa.ChunkedArray, job_id: str) -> np.ndarray:
+    """OPTYPES codes of a string or dictionary column; unknown names raise UnknownOptypeError."""
+    if not pa.types.is_dictionary(column.type):
+        column = pc.dictionary_encode(column)
+    column = column.unify_dictionaries() if isinstance(column, pa.ChunkedArray) else column
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    if not chunks:
+        return np.zeros(0, dtype=np.int64)
+    names = chunks[0].dictionary.to_pylist()
+    lookup = np.array([_CODE.get(name, -1) for name in names] + [-1], dtype=np.int64)
+    indices = np.concatenate([np.asarray(chunk.indices.to_numpy(zero_copy_only=False), dtype=np.int64) for chunk in chunks])
+    codes = lookup[indices]
+    if (codes < 0).any():
+        row = int(np.flatnonzero(codes < 0)[0])
+        raise UnknownOptypeError(
+            f"unknown optype {names[indices[row]]!r} (row {row}); known op types: {', '.join(OPTYPES)}",
+            op=names[indices[row]], job_id=job_id,
+        )
+    return codes
+
+
+def _row_context(columns: TraceColumns, row: int) -> dict:
+    return dict(
+        step=int(columns.step[row]), dp_rank=int(columns.dp_rank[row]), stage=int(columns.stage[row]),
+        op=_op_name(int(columns.optype[row]), int(columns.seq_id[row]), int(columns.stage[row])) if columns.optype[row] >= 0 else None,
+    )
+
+
+# --------------------------------------------------------------------------- compiling
+
+def compile_job(trace: pa.Table | TraceColumns, meta: JobMeta, job_id: str = "") -> JobModel:
+    """Build the dependency model of a job and lay its trace out as [op, lane] arrays.
+
+    Raises a `WhatIfError` subclass (naming job, step, worker and op) when the trace
+    cannot be analysed: see transforms.whatif.errors.
+    """
+    columns = trace if isinstance(trace, TraceColumns) else read_trace_columns(trace, job_id)
+    try:
+        return _compile(columns, meta, job_id)
+    except WhatIfError as error:
+        raise error.with_context(job_id=job_id)
+
+
+def _compile(columns: TraceColumns, meta: JobMeta, job_id: str) -> JobModel:
+    dp_size, pp_size = int(meta.dp_size), int(meta.pp_size)
+    _check_ranges(columns, dp_size, pp_size)
+    steps, step_index = _factorize_steps(columns.step)
+    if len(steps) < MIN_STEPS:
+        raise TooFewStepsError(
+            f"the trace has {len(steps)} step(s) ({steps.tolist()}); the analysis needs at least {MIN_STEPS} complete steps",
+        )
+
+    # Template: the first step of dp_rank 0 (every step and DP rank must match it).
+    template_rows = np.flatnonzero((step_index == 0) & (columns.dp_rank == 0))
+    if not len(template_rows):
+        raise TraceStructureError("dp_rank 0 has no ops in the first step", step=int(steps[0]), dp_rank=0)
+    seq_dim = int(columns.seq_id.max()) + 1
+    keys = (columns.optype * pp_size + columns.stage) * seq_dim + columns.seq_id
+    template_keys = keys[template_rows]
+    order = np.argsort(template_keys, kind="stable")
+    template_rows, template_keys = template_rows[order], template_keys[order]
+    duplicate = np.flatnonzero(np.diff(template_keys) == 0)
+    if len(duplicate):
+        row = int(template_rows[duplicate[0]])
+        raise TraceStructureError("op recorded twice in the same step and worker", **_row_context(columns, row))
+
+    template = _Template(columns, template_rows, pp_size, steps[0])
+    if template.vpp != int(meta.vpp_size):
+        raise TraceStructureError(
+            f"the trace has {template.vpp} model chunk(s) per stage (max mc + 1) but the job meta says vpp_size={meta.vpp_size}",
+            step=int(steps[0]), dp_rank=0,
+        )
+    graph = _build_graph(template, dp_size, meta)
+    graph.check_connected(template)
+    node_level = graph.levels(template)
+
+    # Replay order: by level, then kind (own / multi / synced), then group, then template order.
+    kind = graph.kinds()
+    group = graph.op_group
+    perm = np.lexsort((np.arange(template.n), group, kind, node_level))
+    inverse = np.empty_like(perm)
+    inverse[perm] = np.arange(len(perm))
+
+    op_of_row = _map_rows_to_ops(columns, keys, template_keys, inverse, step_index, dp_size, steps, template)
+    n_ops, n_lanes = template.n, len(steps) * dp_size
+    lane_of_row = step_index * dp_size + columns.dp_rank
+    flat = op_of_row * n_lanes + lane_of_row
+
+    def layout(values: np.ndarray, dtype=np.float64) -> np.ndarray:
+        out = np.empty(n_ops * n_lanes, dtype=dtype)
+        out[flat] = values
+        return out.reshape(n_ops, n_lanes)
+
+    start_abs = layout(columns.start)
+    step_start = start_abs.min(axis=0).reshape(len(steps), dp_size).min(axis=1)
+    observed_start = start_abs - np.repeat(step_start, dp_size)[None, :]
+    del start_abs
+    duration = layout(columns.duration)
+    if columns.float32:
+        end_abs = (columns.start.astype(np.float32) + columns.duration.astype(np.float32)).astype(np.float64)
+        observed_end = layout(end_abs) - np.repeat(step_start, dp_size)[None, :]
+        del end_abs
+    else:
+        observed_end = observed_start + duration
+
+    # Replay-order graph arrays.
+    op_group_t = graph.op_group
+    group_order = np.full(graph.n_groups, -1, dtype=np.int64)
+    group_ids_in_order = op_group_t[perm][op_group_t[perm] >= 0]
+    first = np.unique(group_ids_in_order, return_index=True)[1]
+    renumber = group_ids_in_order[np.sort(first)]
+    group_order[renumber] = np.arange(len(renumber))
+    op_group = np.where(op_group_t[perm] >= 0, group_order[np.maximum(op_group_t[perm], 0)], -1)
+    group_synced = np.zeros(len(renumber), dtype=bool)
+    group_synced[group_order[np.arange(graph.n_groups)]] = graph.group_synced
+
+    pred_lists = [sorted(inverse[p] for p in graph.preds[old]) for old in perm]
+    pred_count = np.array([max(len(p), 1) for p in pred_lists], dtype=np.int64)
+    pred_ptr = np.concatenate([[0], np.cumsum(pred_count)])
+    pred_index = np.array([x for p in pred_lists for x in (p or [n_ops])], dtype=np.int64)
+    levels = _levels(node_level[perm], kind[perm], op_group, pred_ptr, pred_count)
+
+    model = JobModel(
+        job_id=job_id, meta=meta, steps=steps, dp_size=dp_size, pp_size=pp_size, vpp_size=template.vpp,
+        uses_dp=graph.uses_dp, dp_overlapped=graph.dp_overlapped,
+        op_optype=template.optype[perm], op_seq_id=template.seq_id[perm], op_stage=template.stage[perm],
+        op_mc=template.mc[perm], op_gmc=template.gmc[perm], op_group=op_group,
+        op_noop=graph.noop[perm], op_kind=kind[perm], group_synced=group_synced,
+        pred_ptr=pred_ptr, pred_index=pred_index, levels=levels,
+        optimizer_ops=np.flatnonzero(template.optype[perm] == OPT),
+        source_ops=np.flatnonzero(np.array([not p for p in pred_lists])),
+        lane_step=np.repeat(steps, dp_size), lane_dp=np.tile(np.arange(dp_size), len(steps)),
+        worker_rank=_worker_ranks(columns, dp_size, pp_size),
+        step_start=step_start,
+        observed_start=observed_start, observed_end=observed_end, duration=duration,
+        original_cost=duration, launch_delay=np.zeros(0),
+        mb_id=layout(columns.mb_id, np.int32), recorded_float32=columns.float32,
+    )
+    model.original_cost = _original_cost(model)
+    model.launch_delay = _launch_delays(model)
+    return model
+
+
+def _check_ranges(columns: TraceColumns, dp_size: int, pp_size: int) -> None:
+    for name, size, meta_field in (("dp_rank", dp_size, "dp_size"), ("stage", pp_size, "pp_size")):
+        values = getattr(columns, name)
+        bad = (values < 0) | (values >= size)
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            raise TraceValueError(
+                f"{name} {int(values[row])} outside the job's parallelism ({meta_field}={size}): check the meta file",
+                **_row_context(columns, row),
+            )
+    if (columns.seq_id < 0).any():
+        row = int(np.flatnonzero(columns.seq_id < 0)[0])
+        raise TraceValueError(f"negative seq_id {int(columns.seq_id[row])}", **_row_context(columns, row))
+
+
+def _factorize_steps(step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted distinct steps and each row's index into them (O(n) when steps are dense)."""
+    low, high = int(step.min()), int(step.max())
+    if high - low < 50_000_000:
+        present = np.bincount(step - low, minlength=high - low + 1) > 0
+        index_of = np.cumsum(present) - 1
+        return np.flatnonzero(present) + low, index_of[step - low]
+    steps, index = np.unique(step, return_inverse=True)
+    return steps, index
+
+
+def _map_rows_to_ops(columns, keys, template_keys, inverse, step_index, dp_size, steps, template) -> np.ndarray:
+    """Replay-order op index of every row; raises when a lane's op set differs from the template."""
+    key_space = int(keys.max()) + 1
+    if key_space <= 50_000_000:
+        lookup = np.full(key_space, -1, dtype=np.int64)
+        lookup[template_keys] = np.arange(len(template_keys))
+        template_index = lookup[keys]
+    else:
+        pos = np.minimum(np.searchsorted(template_keys, keys), len(template_keys) - 1)
+        template_index = np.where(template_keys[pos] == keys, pos, -1)
+    unknown = template_index < 0
+    if unknown.any():
+        row = int(np.flatnonzero(unknown)[0])
+        raise TraceStructureError(
+            f"op not present in the template (step {int(steps[0])}, dp_rank 0): the op structure must be the same "
+            f"in every step and DP rank", **_row_context(columns, row),
+        )
+    op = inverse[template_index]
+    n_ops, n_lanes = len(template_keys), len(steps) * dp_size
+    lane = step_index * dp_size + columns.dp_rank
+    counts = np.bincount(op * n_lanes + lane, minlength=n_ops * n_lanes)
+    if (counts == 1).all():
+        return op
+    lane_rows = np.bincount(lane, minlength=n_lanes)
+    if (lane_rows == 0).any():
+        empty = int(np.flatnonzero(lane_rows == 0)[0])
+        raise TraceStructureError(
+            f"no ops recorded for this step and DP rank (the job has dp_size={dp_size}); "
+            "every sampled step needs all DP ranks",
+            step=int(steps[empty // dp_size]), dp_rank=empty % dp_size,
+        )
+    bad = int(np.flatnonzero(counts != 1)[0])
+    bad_op, bad_lane = divmod(bad, n_lanes)
+    old = int(np.flatnonzero(inverse == bad_op)[0])
+    what = "missing" if counts[bad] == 0 else f"recorded {int(counts[bad])} times"
+    raise TraceStructureError(
+        f"op {what} in this step and DP rank but present once in the template (step {int(steps[0])}, dp_rank 0): "
+        "the op structure must be the same in every step and DP rank",
+        step=int(steps[bad_lane // dp_size]), dp_rank=bad_lane % dp_size, stage=int(template.stage[old]),
+        op=template.name(old),
+    )
+
+
+def _worker_ranks(columns: TraceColumns, dp_size: int, pp_size: int) -> np.ndarray:
+    worker = columns.dp_rank * pp_size + columns.stage
+    low = np.full(dp_size * pp_size, np.iinfo(np.int64).max)
+    high = np.full(dp_size * pp_size, np.iinfo(np.int64).min)
+    np.minimum.at(low, worker, columns.rank)
+    np.maximum.at(high, worker, columns.rank)
+    if (low != high).any():
+        bad = int(np.flatnonzero(low != high)[0])
+        raise TraceStructureError(
+            f"worker recorded under several global ranks ({int(low[bad])}..{int(high[bad])}); one rank per worker expected",
+            dp_rank=bad // pp_size, stage=bad % pp_size,
+        )
+    return low.reshape(dp_size, pp_size)
+
+
+def _original_cost(model: JobModel) -> np.ndarray:
+    """Duration for ops outside comm groups; transfer time (end - latest start of the group
+    in the step, DP ranks included when synchronised) for members. <= -10 ms -> 0."""
+    cost = model.duration.copy()
+    comm = np.flatnonzero(model.op_group >= 0)
+    if not len(comm):
+        return cost
+    comm = comm[np.argsort(model.op_group[comm], kind="stable")]
+    groups, first = np.unique(model.op_group[comm], return_index=True)
+    latest = np.maximum.reduceat(model.observed_start[comm], first, axis=0)
+    synced = model.group_synced[groups]
+    if synced.any():
+        shape = (int(synced.sum()), model.n_steps, model.dp_size)
+        latest[synced] = np.broadcast_to(latest[synced].reshape(shape).max(axis=2, keepdims=True), shape).reshape(shape[0], -1)
+    sizes = np.diff(np.append(first, len(comm)))
+    transfer = model.observed_end[comm] - np.repeat(latest, sizes, axis=0)
+    if model.recorded_float32:
+        transfer = transfer.astype(np.float32).astype(np.float64)
+    transfer[transfer <= -NEGATIVE_CLAMP] = 0.0
+    cost[comm] = transfer
+    return cost
+
+
+def _launch_delays(model: JobModel) -> np.ndarray:
+    """start - latest end of the op's predecessors (or - step start when it has none); <= -10 ms -> 0."""
+    ends = np.vstack([model.observed_end, np.zeros((1, model.n_lanes))])
+    ready = np.maximum.reduceat(ends[model.pred_index], model.pred_ptr[:-1], axis=0)
+    delay = model.observed_start - ready
+    if model.recorded_float32:
+        delay = delay.astype(np.float32).astype(np.float64)
+    delay[delay <= -NEGATIVE_CLAMP] = 0.0
+    return delay
+
+
+def _levels(level: np.ndarray, kind: np.ndarray, group: np.ndarray, pred_ptr: np.ndarray, pred_count: np.ndarray) -> list[Level]:
+    bounds = np.flatnonzero(np.diff(level)) + 1
+    starts = np.concatenate([[0], bounds])
+    ends = np.concatenate([bounds, [len(level)]])
+    out = []
+    for lo, hi in zip(starts.tolist(), ends.tolist()):
+        multi_lo = lo + int(np.count_nonzero(kind[lo:hi] == OWN))
+        synced_lo = multi_lo + int(np.count_nonzero(kind[lo:hi] == MULTI))
+
+        def part(a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+            if a == b:
+                return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+            g = group[a:b]
+            first = np.concatenate([[0], np.flatnonzero(np.diff(g)) + 1])
+            return first, np.diff(np.append(first, b - a))
+
+        multi_offsets, multi_sizes = part(multi_lo, synced_lo)
+        synced_offsets, synced_sizes = part(synced_lo, hi)
+        counts = pred_count[lo:hi]
+        out.append(Level(
+            lo=lo, hi=hi, multi_lo=multi_lo, synced_lo=synced_lo,
+            edge_lo=int(pred_ptr[lo]), edge_hi=int(pred_ptr[hi]),
+            pred_offsets=None if (counts == 1).all() else (pred_ptr[lo:hi] - pred_ptr[lo]),
+            multi_offsets=multi_offsets, multi_sizes=multi_sizes,
+            synced_offsets=synced_offsets, synced_sizes=synced_sizes,
+        ))
+    return out
+
+
+# --------------------------------------------------------------------------- template and graph
+
+class _Template:
+    """The ops of the template slice (first step, dp_rank 0), indexed 0..n-1 (sorted by key)."""
+
+    def __init__(self, columns: TraceColumns, rows: np.ndarray, pp_size: int, step: int):
+        self.step = int(step)
+        self.optype = columns.optype[rows]
+        self.seq_id = columns.seq_id[rows]
+        self.stage = columns.stage[rows]
+        self.mc = columns.mc[rows]
+        self.gmc = columns.gmc[rows]
+        self.start = columns.start[rows]
+        self.end = self.start + columns.duration[rows]
+        self.n = len(rows)
+        self.pp = pp_size
+        self.vpp = max(int(self.mc.max()) + 1, 1) if self.n else 1
+        self.index = {(int(t), int(s), int(p)): i for i, (t, s, p) in enumerate(zip(self.optype, self.seq_id, self.stage))}
+        for stage in range(pp_size):
+            if not (self.stage == stage).any():
+                raise TraceStructureError(
+                    f"stage has no ops in the template (step {self.step}, dp_rank 0) but the job has pp_size={pp_size}",
+                    step=self.step, dp_rank=0, stage=stage,
+                )
+
+    def name(self, op: int) -> str:
+        return _op_name(int(self.optype[op]), int(self.seq_id[op]), int(self.stage[op]))
+
+    def find(self, optype: int, seq_id: int, stage: int) -> int | None:
+        return self.index.get((optype, int(seq_id), int(stage)))
+
+    def require(self, optype: int, seq_id: int, stage: int, why: str) -> int:
+        op = self.find(optype, seq_id, stage)
+        if op is None:
+            raise MissingOpError(
+                f"op {_op_name(optype, seq_id, stage)} is missing from the template (step {self.step}, dp_rank 0): {why}",
+                step=self.step, dp_rank=0, stage=stage, op=_op_name(optype, seq_id, stage),
+            )
+        return op
+
+    def ordered(self, stage: int, optypes: tuple[int, ...]) -> np.ndarray:
+        """Ops of these types on a stage in observed order: start, seq_id, optype name."""
+        ops = np.flatnonzero((self.stage == stage) & np.isin(self.optype, optypes))
+        return ops[np.lexsort((_NAME_RANK[self.optype[ops]], self.seq_id[ops], self.start[ops]))]
+
+    def error(self, cls, message: str, op: int | None = None, stage: int | None = None):
+        return cls(message, step=self.step, dp_rank=0, stage=stage if op is None else int(self.stage[op]),
+                   op=None if op is None else self.name(op))
+
+
+class _Graph:
+    """Dependency edges (predecessor sets) and comm groups over template ops."""
+
+    def __init__(self, n: int):
+        self.preds: list[set[int]] = [set() for _ in range(n)]
+        self.op_group = np.full(n, -1, dtype=np.int64)
+        self.noop = np.zeros(n, dtype=bool)
+        self.group_members: list[list[int]] = []
+        self.synced: list[bool] = []
+        self.uses_dp = False
+        self.dp_overlapped = False
+
+    @property
+    def n_groups(self) -> int:
+        return len(self.group_members)
+
+    @property
+    def group_synced(self) -> np.ndarray:
+        return np.array(self.synced, dtype=bool)
+
+    def edge(self, before: int, after: int) -> None:
+        self.preds[after].add(before)
+
+    def chain(self, ops, after=()) -> None:
+        """Each op waits for the previous one; the first waits for every op in `after`."""
+        previous = list(after)
+        for op in ops:
+            for before in previous:
+                self.edge(before, int(op))
+            previous = [int(op)]
+
+    def group(self, members: list[int], synced: bool) -> None:
+        for op in members:
+            self.op_group[op] = len(self.group_members)
+        self.group_members.append([int(op) for op in members])
+        self.synced.append(synced)
+
+    def kinds(self) -> np.ndarray:
+        kind = np.full(len(self.preds), OWN, dtype=np.int64)
+        for members, synced in zip(self.group_members, self.synced):
+            if synced:
+                kind[members] = SYNCED
+            elif len(members) > 1:
+                kind[members] = MULTI
+        return kind
+
+    def levels(self, template: _Template) -> np.ndarray:
+        """Topological level of each op, comm groups contracted to one node (Kahn's algorithm)."""
+        n = len(self.preds)
+        node = np.where(self.op_group >= 0, n + self.op_group, np.arange(n))
+        node_preds: dict[int, set[int]] = {}
+        for op, preds in enumerate(self.preds):
+            node_preds.setdefault(int(node[op]), set()).update(int(node[p]) for p in preds)
+        succ: dict[int, list[int]] = {v: [] for v in node_preds}
+        indegree = {}
+        for v, preds in node_preds.items():
+            indegree[v] = len(preds)
+            for u in preds:
+                succ[u].append(v)
+        level = {}
+        frontier = [v for v, d in indegree.items() if d == 0]
+        depth = 0
+        while frontier:
+            following = []
+            for v in frontier:
+                level[v] = depth
+                for w in succ[v]:
+                    indegree[w] -= 1
+                    if indegree[w] == 0:
+                        following.append(w)
+            frontier, depth = following, depth + 1
+        if len(level) < len(node_preds):
+            self._raise_cycle(template, node, node_preds, set(node_preds) - set(level))
+        return np.array([level[int(v)] for v in node], dtype=np.int64)
+
+    def _raise_cycle(self, template: _Template, node: np.ndarray, node_preds, stuck: set[int]) -> None:
+        members = {}
+        for op, v in enumerate(node.tolist()):
+            members.setdefault(v, []).append(op)
+        # Walk predecessors inside the stuck set until a node repeats: that closes a cycle.
+        v = min(stuck)
+        path, seen = [], {}
+        while v not in seen:
+            seen[v] = len(path)
+            path.append(v)
+            v = min(u for u in node_preds[v] if u in stuck)
+        cycle = path[seen[v]:]
+        names = [" + ".join(template.name(op) for op in members[u]) for u in cycle]
+        first = members[cycle[0]][0]
+        raise template.error(
+            CycleError,
+            "dependency cycle (comm groups contracted; the replay would deadlock): "
+            + " -> ".join(reversed(names + names[:1])),
+            op=first,
+        )
+
+    def check_connected(self, template: _Template) -> None:
+        """Every op must be linked (by dependencies or comm groups) to a step's optimizer,
+        except p2p no-ops, which may form chains of their own."""
+        parent = list(range(len(self.preds)))
+
+        def root(x: int) -> int:
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        for op, preds in enumerate(self.preds):
+            for p in preds:
+                parent[root(p)] = root(op)
+        for members in self.group_members:
+            for op in members[1:]:
+                parent[root(op)] = root(members[0])
+        roots = np.array([root(op) for op in range(len(parent))])
+        with_optimizer = set(roots[template.optype == OPT].tolist())
+        loose = ~np.isin(roots, list(with_optimizer)) & ~self.noop
+        if loose.any():
+            ops = np.flatnonzero(loose)
+            ops = ops[np.lexsort((template.seq_id[ops], template.start[ops]))]
+            listed = ", ".join(template.name(op) for op in ops[:6]) + (" ..." if len(ops) > 6 else "")
+            raise template.error(
+                DisconnectedGraphError,
+                f"{len(ops)} op(s) not linked to any optimizer op by dependencies or comm groups ({listed}); "
+                "the dependency model has no place for them: check that the op types and seq_ids match the job's "
+                "parallelism (e.g. DP comm ops in a job without DP, or an extra tail op)",
+                op=int(ops[0]),
+            )
+
+
+def _build_graph(template: _Template, dp_size: int, meta: JobMeta) -> _Graph:
+    graph = _Graph(template.n)
+    pp = template.pp
+    _p2p_dependencies(template, graph)
+    for stage in range(pp):
+        compute = template.ordered(stage, (FWD, BWD))
+        graph.chain(compute)
+        for optype in P2P:
+            graph.chain(template.ordered(stage, (optype,)))
+        _first_backward_p2p(template, graph, stage, compute)
+
+    graph.uses_dp = dp_size * int(meta.dsp_size) > 1
+    graph.dp_overlapped = bool((template.optype == SEP).any())
+    if graph.uses_dp:
+        for stage in range(pp):
+            graph.chain(template.ordered(stage, (AG, RS)))
+        _chunk_dp_dependencies(template, graph)
+    _step_tail(template, graph)
+
+    # Comm groups beyond p2p: DP collectives (each synchronised over DP ranks), embedding
+    # all-reduce between the first and last stage, clip over all stages and DP ranks.
+    if graph.uses_dp:
+        for op in np.flatnonzero(np.isin(template.optype, (AG, RS, SEP))):
+            graph.group([int(op)], synced=True)
+    embedding = sorted({0, pp - 1})
+    graph.group([template.require(EMB, 0, stage, "the embedding all-reduce links the first and last stage") for stage in embedding], synced=False)
+    graph.group([template.require(CLIP, 0, stage, "the grad-norm all-reduce synchronises all workers") for stage in range(pp)], synced=True)
+    return graph
+
+
+def _p2p_dependencies(template: _Template, graph: _Graph) -> None:
+    """Match each send/recv to the compute op it serves, mark no-ops, pair peers."""
+    pp, total_chunks = template.pp, template.vpp * template.pp
+    valid: dict[tuple[int, int, int], int] = {}   # (optype, k, stage) -> op
+    for stage in range(pp):
+        for compute_type, send, recv in ((FWD, FSEND, FRECV), (BWD, BSEND, BRECV)):
+            compute = template.ordered(stage, (compute_type,))
+            for optype in (send, recv):
+                ops = template.ordered(stage, (optype,))
+                if not len(ops):
+                    continue
+                if not len(compute):
+                    raise template.error(TraceStructureError, f"{OPTYPES[optype]} ops on a stage without {OPTYPES[compute_type]} ops", op=int(ops[0]))
+                if optype == recv:   # a recv after the last compute of its direction started serves nothing
+                    active = template.start[ops] <= template.start[compute].max() + NOOP_TOLERANCE
+                else:                # a send that ended before the first compute ended serves nothing
+                    active = template.end[ops] >= template.end[compute].min() - NOOP_TOLERANCE
+                count, n_compute = int(active.sum()), len(compute)
+                compute_seq = 0
+                if count != n_compute:
+                    if stage not in (0, pp - 1):
+                        raise template.error(
+                            TraceStructureError,
+                            f"{count} active {OPTYPES[optype]} ops for {n_compute} {OPTYPES[compute_type]} ops: "
+                            "a middle pipeline stage needs one per compute op", stage=stage,
+                        )
+                    if count not in (0, n_compute - 1):
+                        raise template.error(
+                            TraceStructureError,
+                            f"{count} active {OPTYPES[optype]} ops for {n_compute} {OPTYPES[compute_type]} ops: "
+                            "a pipeline end may lack at most one", stage=stage,
+                        )
+                    if optype == recv and count == n_compute - 1:
+                        compute_seq = 1   # the first recv of the stage was not recorded: skip its compute
+                k = 0
+                peer_type, stage_offset = _PEER[optype]
+                chunk_offset = stage_offset
+                for op, is_active in zip(ops.tolist(), active.tolist()):
+                    if not is_active:
+                        graph.noop[op] = True
+                        continue
+                    served = template.find(compute_type, compute_seq, stage)
+                    if served is None:
+                        raise template.error(
+                            TraceStructureError,
+                            f"no {OPTYPES[compute_type]} with seq_id {compute_seq} for this op to serve", op=op,
+                        )
+                    compute_seq += 1
+                    peer_chunk = int(template.gmc[served]) + chunk_offset
+                    graph.noop[op] = not (0 <= peer_chunk < total_chunks)
+                    if optype == send:
+                        graph.edge(served, op)
+                    else:
+                        graph.edge(op, served)
+                        previous = template.find(compute_type, int(template.seq_id[served]) - 1, stage)
+                        if previous is not None:
+                            graph.edge(previous, op)
+                    if not graph.noop[op]:
+                        valid[(optype, k, stage)] = op
+                        k += 1
+    for (optype, k, stage), op in sorted(valid.items()):
+        peer_type, stage_offset = _PEER[optype]
+        peer = valid.get((peer_type, k, (stage + stage_offset) % pp))
+        if peer is None:
+            peer_name = f"{OPTYPES[peer_type]} number {k} (counting valid ops) on stage {(stage + stage_offset) % pp}"
+            raise template.error(MissingPeerError, f"its peer {peer_name} is missing or a no-op", op=op)
+        if optype in (FSEND, BSEND):
+            graph.group([op, peer], synced=False)
+    for op in np.flatnonzero(graph.noop):
+        graph.group([int(op)], synced=False)
+
+
+def _first_backward_p2p(template: _Template, graph: _Graph, stage: int, compute: np.ndarray) -> None:
+    """The first backward send/recv waits for the forward compute two places before the first backward."""
+    backward = np.flatnonzero(template.optype[compute] == BWD)
+    if not len(backward):
+        raise template.error(MissingOpError, "stage has no backward-compute op", stage=stage)
+    first = int(backward[0])
+    if first < 2:
+        return   # no pipeline warm-up (pp = 1 or a single microbatch)
+    for before in (first - 1, first - 2):
+        if template.optype[compute[before]] != FWD:
+            raise template.error(
+                TraceStructureError,
+                f"the compute op {before - first} places before the first backward is not a forward", op=int(compute[before]),
+            )
+    for optype in (BRECV, BSEND):
+        op = template.find(optype, 0, stage)
+        if op is not None:
+            graph.edge(int(compute[first - 2]), op)
+
+
+def _chunk_dp_dependencies(template: _Template, graph: _Graph) -> None:
+    """params-all-gather of a chunk precedes its first forward; with overlapped DP the
+    chunk's last backward precedes its first grads-reduce-scatter."""
+    for stage in range(template.pp):
+        compute = template.ordered(stage, (FWD, BWD))
+        gathers = np.flatnonzero((template.stage == stage) & (template.optype == AG))
+        assigned = set()
+        for op in gathers[np.argsort(-template.seq_id[gathers], kind="stable")].tolist():   # last gather per chunk
+            chunk = int(template.mc[op])
+            if chunk in assigned:
+                continue
+            forwards = compute[(template.optype[compute] == FWD) & (template.mc[compute] == chunk)]
+            if not len(forwards):
+                raise template.error(TraceStructureError, f"no forward-compute of model chunk {chunk} for this all-gather", op=op)
+            graph.edge(op, int(forwards[np.argmin(template.start[forwards])]))
+            assigned.add(chunk)
+        if not graph.dp_overlapped:
+            continue
+        scatters = np.flatnonzero((template.stage == stage) & (template.optype == RS))
+        assigned = set()
+        for op in scatters[np.argsort(template.seq_id[scatters], kind="stable")].tolist():   # first scatter per chunk
+            chunk = int(template.mc[op])
+            if chunk in assigned:
+                continue
+            backwards = compute[(template.optype[compute] == BWD) & (template.mc[compute] == chunk)]
+            if not len(backwards):
+                raise template.error(TraceStructureError, f"no backward-compute of model chunk {chunk} for this reduce-scatter", op=op)
+            graph.edge(int(backwards[np.argmax(template.end[backwards])]), op)
+            assigned.add(chunk)
+
+
+def _step_tail(template: _Template, graph: _Graph) -> None:
+    """gc after the last compute, then the per-stage tail chain ending in the optimizer."""
+    pp = template.pp
+    for stage in range(pp):
+        compute = template.ordered(stage, (FWD, BWD))
+        if not len(compute):
+            raise template.error(MissingOpError, "stage has no compute ops", stage=stage)
+        last_compute = int(compute[np.argmax(template.end[compute])])
+        gc = template.require(GC, 0, stage, "gc follows the last compute op of every stage")
+        graph.edge(last_compute, gc)
+        layernorm = template.require(LN, 0, stage, "every stage ends its step with the layernorm all-reduce")
+        embedding = [template.require(EMB, 0, stage, "the first and last stage all-reduce embedding grads")] if stage in (0, pp - 1) else []
+        clip = template.require(CLIP, 0, stage, "every stage joins the grad-norm all-reduce before the optimizer")
+        optimizer = template.require(OPT, 0, stage, "every stage ends its step with the optimizer")
+        scatters = np.flatnonzero((template.stage == stage) & (template.optype == RS))
+        if not graph.uses_dp:
+            graph.chain([layernorm, *embedding, clip, optimizer], after=[gc])
+            continue
+        if not len(scatters):
+            raise template.error(MissingOpError, "a job with data parallelism needs grads-reduce-scatter ops on every stage", stage=stage)
+        n_scatter = int(template.seq_id[scatters].max()) + 1
+        if graph.dp_overlapped:
+            last_scatter = template.require(RS, n_scatter - 1, stage, "the last reduce-scatter precedes the step tail")
+            separate = template.require(SEP, 0, stage, "overlapped DP all-reduces the separate grads before clipping")
+            graph.chain([layernorm, *embedding, separate, clip, optimizer], after=[last_scatter, gc])
+        else:
+            chain = [template.require(RS, i, stage, "non-overlapped DP reduce-scatters all grads in the tail") for i in range(n_scatter)]
+            graph.chain([layernorm, *embedding, *chain, clip, optimizer], after=[gc])
+
