@@ -1,0 +1,172 @@
+"""Bad input: each kind of broken trace raises its typed error naming job, step, worker and op.
+Traces are the published ST trace (dp 2 x pp 4, 32 steps) with one mutation each."""
+from __future__ import annotations
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from transforms.whatif import (
+    MIN_STEPS,
+    CycleError,
+    DisconnectedGraphError,
+    JobMeta,
+    MissingOpError,
+    MissingPeerError,
+    TooFewStepsError,
+    TraceStructureError,
+    TraceValueError,
+    UnknownOptypeError,
+    WhatIfError,
+    analyze_job,
+    compile_job,
+)
+
+JOB = "ST-mutated"
+
+
+@pytest.fixture(scope="module")
+def st(reference_dir):
+    frame = pq.read_table(reference_dir / "trace-ST.parquet").to_pandas()
+    frame["optype"] = frame["optype"].astype(str)
+    fields = yaml.safe_load((reference_dir / "meta-ST.yaml").read_text())
+    meta = JobMeta(**{k: v for k, v in fields.items() if k not in ("trial_name", "run_id")})
+    return frame, meta
+
+
+def table(frame: pd.DataFrame) -> pa.Table:
+    return pa.Table.from_pandas(frame.reset_index(drop=True), preserve_index=False)
+
+
+def raises(cls, frame, meta) -> WhatIfError:
+    with pytest.raises(cls) as caught:
+        compile_job(table(frame), meta, JOB)
+    error = caught.value
+    assert error.job_id == JOB and JOB in str(error)
+    return error
+
+
+def test_the_unmutated_trace_compiles(st):
+    frame, meta = st
+    assert compile_job(table(frame), meta, JOB).n_ops == 106
+
+
+def test_op_missing_in_a_later_step(st):
+    frame, meta = st
+    victim = frame[(frame.step == 264) & (frame.dp_rank == 1) & (frame.stage == 2) & (frame.optype == "backward-compute") & (frame.seq_id == 3)]
+    error = raises(TraceStructureError, frame.drop(victim.index), meta)
+    assert (error.step, error.dp_rank, error.stage, error.op) == (264, 1, 2, "backward-compute_3_2")
+    assert "missing" in error.message
+
+
+def test_extra_op_on_one_dp_rank(st):
+    frame, meta = st
+    extra = frame[(frame.dp_rank == 1) & (frame.step == 33) & (frame.stage == 1) & (frame.optype == "forward-compute") & (frame.seq_id == 3)].copy()
+    extra["seq_id"] = 4
+    error = raises(TraceStructureError, pd.concat([frame, extra]), meta)
+    assert (error.step, error.dp_rank, error.stage, error.op) == (33, 1, 1, "forward-compute_4_1")
+    assert "template" in error.message
+
+
+def test_duplicated_op(st):
+    frame, meta = st
+    twice = frame[(frame.step == 1048) & (frame.dp_rank == 0) & (frame.stage == 3) & (frame.optype == "optimizer")]
+    error = raises(TraceStructureError, pd.concat([frame, twice]), meta)
+    assert (error.step, error.dp_rank, error.stage, error.op) == (1048, 0, 3, "optimizer_0_3")
+    assert "2 times" in error.message
+
+
+def test_missing_dp_rank_of_a_step(st):
+    frame, meta = st
+    error = raises(TraceStructureError, frame[~((frame.step == 25) & (frame.dp_rank == 1))], meta)
+    assert (error.step, error.dp_rank) == (25, 1)
+
+
+def test_missing_p2p_peer(st):
+    frame, meta = st
+    # The last stage loses every forward-recv: allowed at a pipeline end, so stage 2's sends have no peer.
+    error = raises(MissingPeerError, frame[~((frame.stage == 3) & (frame.optype == "forward-recv"))], meta)
+    assert error.stage == 2 and error.op.startswith("forward-send_")
+    assert "forward-recv" in error.message and "stage 3" in error.message
+
+
+def test_cycle(st):
+    frame, meta = st
+    # In the template (first step, dp_rank 0) stage 0's first backward is moved before all its
+    # forwards: the compute chain then needs the backward before the forward that feeds it.
+    first_step = frame.step.min()
+    target = (frame.step == first_step) & (frame.dp_rank == 0) & (frame.stage == 0) & (frame.optype == "backward-compute") & (frame.seq_id == 0)
+    mutated = frame.copy()
+    mutated.loc[target, "start_ts"] = -1.0
+    error = raises(CycleError, mutated, meta)
+    assert error.step == first_step and error.dp_rank == 0
+    assert "backward-compute_0_0" in error.message and "->" in error.message
+
+
+def test_missing_optimizer(st):
+    frame, meta = st
+    error = raises(MissingOpError, frame[~((frame.optype == "optimizer") & (frame.stage == 2))], meta)
+    assert (error.stage, error.op) == (2, "optimizer_0_2")
+
+
+def test_unknown_optype(st):
+    frame, meta = st
+    mutated = frame.copy()
+    row = mutated.index[(mutated.step == 36) & (mutated.dp_rank == 1) & (mutated.optype == "gc")][0]
+    mutated.loc[row, "optype"] = "garbage-collect"
+    error = raises(UnknownOptypeError, mutated, meta)
+    assert error.op == "garbage-collect" and "forward-compute" in error.message
+
+
+def test_too_few_steps(st):
+    frame, meta = st
+    error = raises(TooFewStepsError, frame[frame.step == 23], meta)
+    assert f"at least {MIN_STEPS}" in error.message and "[23]" in error.message
+    with pytest.raises(TooFewStepsError):
+        compile_job(table(frame.iloc[:0]), meta, JOB)
+
+
+def test_disconnected_op(st):
+    frame, meta = st
+    # A second gc op on stage 1 of every step and DP rank: the model gives it no place.
+    extra = frame[(frame.optype == "gc") & (frame.stage == 1)].copy()
+    extra["seq_id"] = 1
+    error = raises(DisconnectedGraphError, pd.concat([frame, extra]), meta)
+    assert (error.stage, error.op) == (1, "gc_1_1") and error.dp_rank == 0
+
+
+def test_dp_comm_in_a_job_without_dp(st):
+    frame, meta = st
+    one_rank = frame[frame.dp_rank == 0]
+    error = raises(DisconnectedGraphError, one_rank, JobMeta(dp_size=1, pp_size=4))
+    assert error.op.startswith(("params-all-gather", "grads-reduce-scatter"))
+
+
+def test_rank_outside_the_meta(st):
+    frame, meta = st
+    error = raises(TraceValueError, frame, JobMeta(dp_size=1, pp_size=4))
+    assert error.dp_rank == 1 and "dp_size=1" in error.message
+
+
+def test_negative_duration(st):
+    frame, meta = st
+    mutated = frame.copy()
+    row = mutated.index[(mutated.step == 514) & (mutated.dp_rank == 0) & (mutated.stage == 1) & (mutated.optype == "forward-compute") & (mutated.seq_id == 2)][0]
+    mutated.loc[row, "duration"] = -0.5
+    error = raises(TraceValueError, mutated, meta)
+    assert (error.step, error.dp_rank, error.stage, error.op) == (514, 0, 1, "forward-compute_2_1")
+
+
+def test_missing_column(st):
+    frame, meta = st
+    error = raises(TraceValueError, frame.drop(columns=["gmc"]), meta)
+    assert "gmc" in error.message
+
+
+def test_errors_are_value_errors_with_a_reason(st):
+    frame, meta = st
+    with pytest.raises(ValueError) as caught:
+        analyze_job(table(frame[frame.step == 23]), meta, JOB)
+    assert caught.value.reason == "too_few_steps"
