@@ -1,0 +1,831 @@
+"""Validation of the lake contract: Great Expectations suites plus the checks GX cannot express.
+
+Row rules (types of values, non-null, known optypes, duration >= 0, ranks inside the
+job's parallelism, one row per (job, step, worker, optype, seq_id), finite times) are
+Great Expectations suites built by `trace_suite` and `manifest_suite`. Checks that need
+the Arrow types, a whole file or a whole job (unreadable parquet, missing columns,
+wrong column types, a worker's rank disagreeing with the manifest, workers or steps
+missing from a job, a job with no manifest) are plain vectorised code here, and report
+in the same shape.
+
+Every rejection carries a reason code from `REASONS` (a fixed vocabulary) and a human
+detail naming the job, the file and the op. The batch pipeline builds one `Validator`
+per worker (in `DoFn.setup()`: GX's import and context cost ~3 s once) and calls
+`validate_file` per trace file and `validate_job` per job; both are vectorised over
+the whole table (GX runs once per file, not per row).
+
+Units: times and durations are seconds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from schemas.lake import parse_partition
+from schemas.trace import MANIFEST_SCHEMA, OPTYPES, TRACE_REQUIRED, TRACE_SCHEMA
+
+__all__ = [
+    "REASONS",
+    "FILE_REASONS",
+    "ROW_REASONS",
+    "JOB_REASONS",
+    "UNREADABLE_FILE",
+    "MISSING_COLUMN",
+    "WRONG_TYPE",
+    "NULL_VALUE",
+    "NON_FINITE_TIME",
+    "NEGATIVE_DURATION",
+    "UNKNOWN_OPTYPE",
+    "RANK_OUT_OF_RANGE",
+    "INDEX_OUT_OF_RANGE",
+    "RANK_MISMATCH",
+    "JOB_ID_MISMATCH",
+    "DUPLICATE_ROW",
+    "MISSING_MANIFEST",
+    "UNREADABLE_MANIFEST",
+    "INVALID_MANIFEST",
+    "NO_TRACE_FILES",
+    "MISSING_WORKERS",
+    "MISSING_STEPS",
+    "Problem",
+    "ValidationReport",
+    "TraceContractError",
+    "Validator",
+    "PROBLEM_SCHEMA",
+    "INVALID_ROW_SCHEMA",
+    "trace_suite",
+    "trace_suite_parameters",
+    "trace_suite_without_manifest",
+    "manifest_suite",
+    "check_trace_columns",
+    "conform_trace",
+    "manifest_problems",
+]
+
+# ---------------------------------------------------------------------------
+# Reason codes: a fixed vocabulary. Each code -> (level, meaning and what to do).
+# level "file": the whole file is rejected; "row": only the offending rows;
+# "job": the job as a whole cannot be analysed as it stands.
+UNREADABLE_FILE = "unreadable_file"
+MISSING_COLUMN = "missing_column"
+WRONG_TYPE = "wrong_type"
+NULL_VALUE = "null_value"
+NON_FINITE_TIME = "non_finite_time"
+NEGATIVE_DURATION = "negative_duration"
+UNKNOWN_OPTYPE = "unknown_optype"
+RANK_OUT_OF_RANGE = "rank_out_of_range"
+INDEX_OUT_OF_RANGE = "index_out_of_range"
+RANK_MISMATCH = "rank_mismatch"
+JOB_ID_MISMATCH = "job_id_mismatch"
+DUPLICATE_ROW = "duplicate_row"
+MISSING_MANIFEST = "missing_manifest"
+UNREADABLE_MANIFEST = "unreadable_manifest"
+INVALID_MANIFEST = "invalid_manifest"
+NO_TRACE_FILES = "no_trace_files"
+MISSING_WORKERS = "missing_workers"
+MISSING_STEPS = "missing_steps"
+
+REASONS: dict[str, tuple[str, str]] = {
+    UNREADABLE_FILE: ("file", "the parquet file cannot be read (truncated, corrupt bytes, checksum mismatch); re-upload it"),
+    MISSING_COLUMN: ("file", "a required trace column is absent; the writer must emit every TRACE_SCHEMA column"),
+    WRONG_TYPE: ("file", "a column's type cannot be cast losslessly to TRACE_SCHEMA (e.g. text durations, float steps)"),
+    NULL_VALUE: ("row", "a required value is null"),
+    NON_FINITE_TIME: ("row", "start_ts or duration is NaN or infinite"),
+    NEGATIVE_DURATION: ("row", "duration < 0 s: the profiler's clocks are broken for this op"),
+    UNKNOWN_OPTYPE: ("row", "optype is not in the vocabulary schemas.trace.OPTYPES"),
+    RANK_OUT_OF_RANGE: ("row", "dp_rank, stage or rank lies outside the job's parallelism (manifest)"),
+    INDEX_OUT_OF_RANGE: ("row", "step, seq_id, mc, gmc or mb_id lies outside its valid range"),
+    RANK_MISMATCH: ("row", "the row's rank differs from the rank the manifest gives its worker (dp_rank, stage)"),
+    JOB_ID_MISMATCH: ("row", "the row's job_id differs from the job of its partition/manifest"),
+    DUPLICATE_ROW: ("row", "more than one row for the same (job, step, worker, optype, seq_id)"),
+    MISSING_MANIFEST: ("job", "trace files without a manifest for the same date; the job's parallelism is unknown"),
+    UNREADABLE_MANIFEST: ("job", "the manifest file cannot be read"),
+    INVALID_MANIFEST: ("job", "the manifest breaks the manifest contract (sizes, times, workers)"),
+    NO_TRACE_FILES: ("job", "a manifest without any trace file for the same date"),
+    MISSING_WORKERS: ("job", "workers of the manifest have no valid rows"),
+    MISSING_STEPS: ("job", "some workers lack steps that other workers of the job have"),
+}
+FILE_REASONS = tuple(code for code, (level, _) in REASONS.items() if level == "file")
+ROW_REASONS = tuple(code for code, (level, _) in REASONS.items() if level == "row")
+JOB_REASONS = tuple(code for code, (level, _) in REASONS.items() if level == "job")
+
+PROBLEM_SCHEMA = pa.schema(
+    [
+        pa.field("job_id", pa.string()),
+        pa.field("source_path", pa.string()),
+        pa.field("level", pa.string(), nullable=False),
+        pa.field("reason", pa.string(), nullable=False),
+        pa.field("rows", pa.int64(), nullable=False),
+        pa.field("detail", pa.string(), nullable=False),
+    ],
+    metadata={"strag.table": "validation_problem"},
+)
+INVALID_ROW_SCHEMA = pa.schema(
+    list(TRACE_SCHEMA)
+    + [
+        pa.field("source_path", pa.string(), nullable=False),
+        pa.field("reason", pa.string(), nullable=False),
+        pa.field("detail", pa.string(), nullable=False),
+    ],
+    metadata={"strag.table": "invalid_trace_row"},
+)
+
+_FLOAT_MAX = float(np.finfo(np.float64).max)
+_INT_COLUMNS = ("dp_rank", "stage", "rank", "step", "seq_id", "mc", "mb_id", "gmc")
+_FLOAT_COLUMNS = ("start_ts", "duration")
+_STRING_COLUMNS = ("job_id", "optype")
+_UNIQUE_KEY = ["job_id", "step", "dp_rank", "stage", "optype", "seq_id"]
+
+
+class TraceContractError(ValueError):
+    """A trace table breaks the lake contract in a way that rejects the whole file.
+
+    `reason` is a code of REASONS; the message names the job, the file and the column.
+    """
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One rejected file, job or group of rows: what the quarantine table records."""
+
+    reason: str           # a code of REASONS
+    job_id: str | None
+    source_path: str | None
+    detail: str           # human sentence naming job, file and op/row
+    rows: int = 0         # rows affected (0 when unknown, e.g. an unreadable file)
+
+    @property
+    def level(self) -> str:
+        return REASONS[self.reason][0]
+
+
+@dataclasses.dataclass
+class ValidationReport:
+    """Outcome of validating one file or one job.
+
+    valid: rows that passed (TRACE_SCHEMA); invalid: rejected rows (INVALID_ROW_SCHEMA:
+    the row, its source_path, reason code and detail); problems: file, job and
+    per-reason row summaries. `ok` is True only when nothing at all was rejected.
+    """
+
+    job_id: str | None
+    valid: pa.Table
+    invalid: pa.Table
+    problems: list[Problem]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and self.invalid.num_rows == 0
+
+    @property
+    def reasons(self) -> set[str]:
+        """Codes of every problem found."""
+        return {problem.reason for problem in self.problems}
+
+    def problems_table(self) -> pa.Table:
+        """Problems as a PROBLEM_SCHEMA table (the quarantine table's rows)."""
+        return pa.Table.from_pylist(
+            [
+                {"job_id": p.job_id, "source_path": p.source_path, "level": p.level,
+                 "reason": p.reason, "rows": p.rows, "detail": p.detail}
+                for p in self.problems
+            ],
+            schema=PROBLEM_SCHEMA,
+        )
+
+    def summary(self) -> str:
+        """One line per problem, for logs and CLI output."""
+        if self.ok:
+            return f"job {self.job_id}: valid ({self.valid.num_rows} rows)"
+        return "\n".join(f"[{p.reason}] {p.detail}" for p in self.problems)
+
+
+# ---------------------------------------------------------------------------
+# Great Expectations suites
+
+
+def _null_expectations():
+    import great_expectations.expectations as gxe
+
+    return [
+        gxe.ExpectColumnValuesToNotBeNull(
+            column=column, meta={"reason": NON_FINITE_TIME if column in _FLOAT_COLUMNS else NULL_VALUE})
+        for column in TRACE_REQUIRED
+    ]
+
+
+def _value_expectations(with_manifest: bool, parameters: Mapping[str, Any] | None):
+    """Value rules in priority order (a row failing several gets the first one's reason).
+
+    With `parameters` None, manifest-dependent bounds are GX runtime parameters
+    ({"$PARAMETER": name}); otherwise they are the given values.
+    """
+    import great_expectations.expectations as gxe
+
+    def bound(name: str):
+        return {"$PARAMETER": name} if parameters is None else parameters[name]
+
+    def between(column: str, reason: str, low, high=None):
+        return gxe.ExpectColumnValuesToBeBetween(column=column, min_value=low, max_value=high, meta={"reason": reason})
+
+    items = [
+        between("start_ts", NON_FINITE_TIME, -_FLOAT_MAX, _FLOAT_MAX),
+        between("duration", NON_FINITE_TIME, -_FLOAT_MAX, _FLOAT_MAX),
+        between("duration", NEGATIVE_DURATION, 0),
+        gxe.ExpectColumnValuesToBeInSet(column="optype", value_set=list(OPTYPES), meta={"reason": UNKNOWN_OPTYPE}),
+        gxe.ExpectColumnValuesToBeInSet(column="job_id", value_set=bound("job_ids"), meta={"reason": JOB_ID_MISMATCH}),
+    ]
+    if with_manifest:
+        items += [
+            between("dp_rank", RANK_OUT_OF_RANGE, 0, bound("dp_rank_max")),
+            between("stage", RANK_OUT_OF_RANGE, 0, bound("stage_max")),
+            between("rank", RANK_OUT_OF_RANGE, 0, bound("rank_max")),
+            between("mc", INDEX_OUT_OF_RANGE, -1, bound("mc_max")),
+            between("gmc", INDEX_OUT_OF_RANGE, -1, bound("gmc_max")),
+            between("mb_id", INDEX_OUT_OF_RANGE, -1, bound("mb_id_max")),
+        ]
+    else:
+        items += [between(column, RANK_OUT_OF_RANGE, 0) for column in ("dp_rank", "stage", "rank")]
+        items += [between(column, INDEX_OUT_OF_RANGE, -1) for column in ("mc", "gmc", "mb_id")]
+    items += [
+        between("step", INDEX_OUT_OF_RANGE, 0),
+        between("seq_id", INDEX_OUT_OF_RANGE, 0),
+        gxe.ExpectCompoundColumnsToBeUnique(column_list=list(_UNIQUE_KEY), meta={"reason": DUPLICATE_ROW}),
+    ]
+    return items
+
+
+def trace_suite_parameters(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """Runtime values of the trace suite's manifest-dependent bounds (inclusive maxima)."""
+    return {
+        "job_ids": [manifest["job_id"]],
+        "dp_rank_max": int(manifest["dp_size"]) - 1,
+        "stage_max": int(manifest["pp_size"]) - 1,
+        "rank_max": int(manifest["world_size"]) - 1,
+        "mc_max": int(manifest["vpp_size"]) - 1,
+        "gmc_max": int(manifest["pp_size"]) * int(manifest["vpp_size"]) - 1,
+        "mb_id_max": int(manifest["microbatches"]) - 1,
+    }
+
+
+def trace_suite(manifest: Mapping[str, Any] | None = None, *, name: str = "trace"):
+    """GX ExpectationSuite for the op records of a job.
+
+    manifest: a MANIFEST_SCHEMA row (dict) whose parallelism is bound into the suite,
+    or None for the parameterised suite (bounds as {"$PARAMETER": ...}, supplied at run
+    time from `trace_suite_parameters(manifest)`). Each expectation's meta["reason"] is
+    the reason code its failures get.
+    """
+    import great_expectations as gx
+
+    parameters = None if manifest is None else trace_suite_parameters(manifest)
+    return gx.ExpectationSuite(name=name, expectations=_null_expectations() + _value_expectations(True, parameters))
+
+
+def trace_suite_without_manifest(name: str = "trace_without_manifest"):
+    """GX ExpectationSuite for op records of a job whose manifest is missing or invalid.
+
+    Bounds that need the parallelism become lower bounds only; job_ids is a runtime
+    parameter (the job of the partition path).
+    """
+    import great_expectations as gx
+
+    return gx.ExpectationSuite(name=name, expectations=_null_expectations() + _value_expectations(False, None))
+
+
+def manifest_suite(name: str = "manifest"):
+    """GX ExpectationSuite for manifest rows: non-null fields, positive sizes, ordered times."""
+    import great_expectations as gx
+    import great_expectations.expectations as gxe
+
+    meta = {"reason": INVALID_MANIFEST}
+    # workers (a list of structs) is checked by manifest_problems: GX has no list expectations
+    items = [gxe.ExpectColumnValuesToNotBeNull(column=f.name, meta=meta) for f in MANIFEST_SCHEMA
+             if f.name != "workers"]
+    items += [
+        gxe.ExpectColumnValuesToBeBetween(column=column, min_value=1, meta=meta)
+        for column in ("gpus", "dp_size", "pp_size", "tp_size", "dsp_size", "vpp_size", "world_size", "microbatches")
+    ]
+    items += [
+        gxe.ExpectColumnValuesToBeBetween(column="context_length", min_value=0, meta=meta),
+        gxe.ExpectColumnPairValuesAToBeGreaterThanB(column_A="start_time", column_B="submit_time",
+                                                    or_equal=True, meta=meta),
+        gxe.ExpectColumnPairValuesAToBeGreaterThanB(column_A="end_time", column_B="start_time",
+                                                    or_equal=True, meta=meta),
+    ]
+    return gx.ExpectationSuite(name=name, expectations=items)
+
+
+# ---------------------------------------------------------------------------
+# Plain checks: columns and Arrow types
+
+
+def _string_like(dtype: pa.DataType) -> bool:
+    if pa.types.is_dictionary(dtype):
+        dtype = dtype.value_type
+    return pa.types.is_string(dtype) or pa.types.is_large_string(dtype) or pa.types.is_string_view(dtype)
+
+
+def _type_problem(name: str, actual: pa.DataType) -> str | None:
+    """Why column `name` of type `actual` cannot be read as TRACE_SCHEMA's type, or None.
+
+    Accepted: the same kind of value (integers of any width when the values fit,
+    floats or integers for float columns, any string encoding for string columns).
+    """
+    target = TRACE_SCHEMA.field(name).type
+    if pa.types.is_null(actual):
+        return None  # an all-null column: the null checks report it if it is required
+    if pa.types.is_integer(target):
+        ok = pa.types.is_integer(actual)
+    elif pa.types.is_floating(target):
+        ok = pa.types.is_floating(actual) or pa.types.is_integer(actual)
+    elif pa.types.is_dictionary(target) or pa.types.is_string(target):
+        ok = _string_like(actual)
+    elif pa.types.is_list(target):
+        ok = (pa.types.is_list(actual) or pa.types.is_large_list(actual)) and pa.types.is_integer(actual.value_type)
+    else:  # pragma: no cover - TRACE_SCHEMA has no other kinds
+        ok = actual == target
+    return None if ok else f"column {name!r} has type {actual}, expected {target}"
+
+
+def check_trace_columns(schema: pa.Schema, job_id: str | None, source_path: str | None) -> list[Problem]:
+    """File-level problems of a trace file's schema: missing required columns, wrong types."""
+    problems = []
+    names = set(schema.names)
+    missing = [name for name in TRACE_REQUIRED if name not in names]
+    # job_id may be absent: the partition path supplies it (Hive style).
+    if missing == ["job_id"] and job_id is not None:
+        missing = []
+    if missing:
+        problems.append(Problem(MISSING_COLUMN, job_id, source_path,
+                                f"job {job_id}, file {source_path}: missing required column(s) {', '.join(missing)}; "
+                                f"the writer must emit every TRACE_SCHEMA column"))
+    wrong = [why for name in schema.names if name in TRACE_SCHEMA.names
+             for why in [_type_problem(name, schema.field(name).type)] if why]
+    if wrong:
+        problems.append(Problem(WRONG_TYPE, job_id, source_path,
+                                f"job {job_id}, file {source_path}: {'; '.join(wrong)}"))
+    return problems
+
+
+def _optype_codes(column: pa.ChunkedArray, strict: bool) -> tuple[pa.Array, list[str]]:
+    """Optype as int8 codes into OPTYPES (+ unknown names appended when not strict)."""
+    values = pc.cast(column, pa.string()).combine_chunks()
+    dictionary = list(OPTYPES)
+    codes = pc.index_in(values, value_set=pa.array(dictionary))
+    unknown_mask = pc.and_(pc.is_null(codes), pc.is_valid(values))
+    if pc.any(unknown_mask).as_py():
+        unknown = pc.unique(pc.filter(values, unknown_mask)).to_pylist()
+        if strict:
+            raise TraceContractError(UNKNOWN_OPTYPE, f"unknown optype(s) {sorted(unknown)[:5]}")
+        if len(dictionary) + len(unknown) > 127:
+            raise TraceContractError(UNKNOWN_OPTYPE, f"{len(unknown)} unknown optypes: too many to encode")
+        dictionary += sorted(unknown)
+        codes = pc.index_in(values, value_set=pa.array(dictionary))
+    return pc.cast(codes, pa.int8()), dictionary
+
+
+def conform_trace(table: pa.Table, *, job_id: str | None = None, source_path: str | None = None,
+                  strict: bool = True) -> pa.Table:
+    """Cast a trace table to TRACE_SCHEMA (column order, types, OPTYPES dictionary order).
+
+    Missing optional columns become nulls; a missing job_id column is filled with
+    `job_id` (from the partition path). Integer columns are narrowed only when every
+    value fits. With strict=False unknown optypes are kept (appended to the
+    dictionary) so that validation can report them row by row.
+    Raises TraceContractError (reason missing_column / wrong_type / unknown_optype)
+    naming the job, file and column.
+    """
+    where = f"job {job_id}, file {source_path}"
+    problems = check_trace_columns(table.schema, job_id, source_path)
+    if problems:
+        raise TraceContractError(problems[0].reason, problems[0].detail)
+    n = table.num_rows
+    columns = []
+    for field in TRACE_SCHEMA:
+        if field.name not in table.schema.names:
+            if field.name == "job_id":
+                columns.append(pa.array([job_id] * n, pa.string()) if n else pa.array([], pa.string()))
+            else:
+                columns.append(pa.nulls(n, field.type))
+            continue
+        column = table[field.name]
+        if field.name == "optype":
+            try:
+                codes, dictionary = _optype_codes(column, strict)
+            except TraceContractError as error:
+                raise TraceContractError(error.reason, f"{where}: {error}") from None
+            columns.append(pa.DictionaryArray.from_arrays(codes, pa.array(dictionary, pa.string())))
+            continue
+        if pa.types.is_dictionary(column.type):
+            column = pc.cast(column, column.type.value_type)
+        try:
+            columns.append(pc.cast(column, field.type, safe=True))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+            raise TraceContractError(WRONG_TYPE, f"{where}: column {field.name!r} ({column.type}) "
+                                                 f"does not fit {field.type}: {error}") from None
+    return pa.Table.from_arrays(columns, schema=TRACE_SCHEMA)
+
+
+# ---------------------------------------------------------------------------
+# Plain checks: manifest
+
+
+def manifest_problems(manifest: Mapping[str, Any], source_path: str | None = None) -> list[Problem]:
+    """Manifest rules GX cannot express: world = dp*pp*tp*dsp, one worker entry per (dp_rank, stage)."""
+    job_id = manifest.get("job_id")
+    where = f"job {job_id}, manifest {source_path}"
+    out = []
+    sizes = {k: manifest.get(k) for k in ("dp_size", "pp_size", "tp_size", "dsp_size", "world_size")}
+    if all(isinstance(v, int) and v >= 1 for v in sizes.values()):
+        product = sizes["dp_size"] * sizes["pp_size"] * sizes["tp_size"] * sizes["dsp_size"]
+        if product != sizes["world_size"]:
+            out.append(Problem(INVALID_MANIFEST, job_id, source_path,
+                               f"{where}: world_size {sizes['world_size']} != dp*pp*tp*cp = {product}"))
+        workers = manifest.get("workers") or []
+        cells = [(w["dp_rank"], w["stage"]) for w in workers]
+        expected = {(d, s) for d in range(sizes["dp_size"]) for s in range(sizes["pp_size"])}
+        if len(cells) != len(set(cells)) or set(cells) != expected:
+            missing = sorted(expected - set(cells))[:5]
+            extra = sorted(set(cells) - expected)[:5]
+            out.append(Problem(INVALID_MANIFEST, job_id, source_path,
+                               f"{where}: workers must list each (dp_rank, stage) of dp {sizes['dp_size']} x "
+                               f"pp {sizes['pp_size']} once; {len(cells)} entries, missing {missing}, "
+                               f"unexpected {extra}"))
+        bad_ranks = [w for w in workers if not 0 <= int(w["rank"]) < sizes["world_size"]]
+        if bad_ranks:
+            out.append(Problem(INVALID_MANIFEST, job_id, source_path,
+                               f"{where}: worker rank(s) outside world size {sizes['world_size']}: {bad_ranks[:3]}"))
+    if source_path is not None:
+        path_job = source_path.rstrip("/").rsplit("/", 1)[-1].removesuffix(".parquet")
+        if job_id is not None and path_job != job_id:
+            out.append(Problem(INVALID_MANIFEST, job_id, source_path,
+                               f"{where}: manifest file is named for job {path_job!r} but holds job {job_id!r}"))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The validator
+
+
+def _frame_for_gx(table: pa.Table, columns: Sequence[str]):
+    """pandas frame of `columns` in dtypes GX checks vectorised.
+
+    GX's between-check is vectorised only for int64/float64 columns (int16 falls back
+    to a per-element Python map, ~3 s per million rows), so integers are widened.
+    job_id and optype stay categorical, which keeps the uniqueness check cheap.
+    """
+    import pandas as pd
+
+    data = {}
+    for name in columns:
+        column = table[name]
+        if name == "job_id":
+            column = pc.dictionary_encode(column)
+        if name in _INT_COLUMNS:
+            column = pc.cast(column, pa.int64() if column.null_count == 0 else pa.float64())
+        data[name] = column.to_pandas()
+    return pd.DataFrame(data, copy=False)
+
+
+def _has_missing_values(table: pa.Table) -> bool:
+    """True when a required column holds a null, or a float column a NaN (Arrow counts nulls exactly)."""
+    if any(table[name].null_count for name in TRACE_REQUIRED):
+        return True
+    return any(pc.any(pc.is_nan(table[name])).as_py() for name in _FLOAT_COLUMNS)
+
+
+def _describe_rows(table: pa.Table, indices: np.ndarray, offset: int, limit: int = 3) -> str:
+    rows = table.take(pa.array(indices[:limit])).select(
+        ["step", "dp_rank", "stage", "optype", "seq_id", "start_ts", "duration"]).to_pylist()
+    text = "; ".join(
+        f"row {i - offset}: step {r['step']}, worker (dp {r['dp_rank']}, stage {r['stage']}), "
+        f"op {r['optype']} #{r['seq_id']}, start_ts {r['start_ts']}, duration {r['duration']}"
+        for i, r in zip(indices[:limit].tolist(), rows)
+    )
+    return text + ("; ..." if len(indices) > limit else "")
+
+
+def _row_detail(table: pa.Table, reason: str) -> pa.Array:
+    """Per-row detail strings for rows rejected with `reason`, built vectorised."""
+    def text(name: str) -> pa.Array:
+        return pc.fill_null(pc.cast(table[name], pa.string()), "null").combine_chunks()
+
+    op = pc.binary_join_element_wise("op ", text("optype"), " #", text("seq_id"), " step ", text("step"),
+                                     " worker (dp ", text("dp_rank"), ", stage ", text("stage"), "): ", "")
+    shown = {NEGATIVE_DURATION: ("duration",), NON_FINITE_TIME: ("start_ts", "duration"),
+             UNKNOWN_OPTYPE: ("optype",), JOB_ID_MISMATCH: ("job_id",), RANK_MISMATCH: ("rank",),
+             RANK_OUT_OF_RANGE: ("dp_rank", "stage", "rank"), INDEX_OUT_OF_RANGE: ("step", "seq_id", "mc", "gmc", "mb_id"),
+             NULL_VALUE: TRACE_REQUIRED, DUPLICATE_ROW: ("start_ts", "duration")}[reason]
+    parts: list = [op, f"{reason}:"]
+    for name in shown:
+        parts += [f" {name}=", text(name)]
+    return pc.binary_join_element_wise(*parts, "")
+
+
+class Validator:
+    """Validates trace files and jobs against the lake contract. Build once per worker.
+
+    Holds an ephemeral GX context with the trace suites (with and without a manifest)
+    and the manifest suite. GX has a fixed cost per run (~0.1-0.3 s of Python, whatever
+    the row count), so validate_job runs the suites once over all of a job's files and
+    validate_manifests once over many manifests.
+    """
+
+    def __init__(self):
+        import great_expectations as gx
+        from great_expectations.data_context.types.base import (
+            DataContextConfig,
+            InMemoryStoreBackendDefaults,
+            ProgressBarsConfig,
+        )
+
+        config = DataContextConfig(
+            store_backend_defaults=InMemoryStoreBackendDefaults(),
+            analytics_enabled=False,   # no network from pipeline workers
+            progress_bars=ProgressBarsConfig(globally=False),
+        )
+        context = gx.get_context(mode="ephemeral", project_config=config)
+        source = context.data_sources.add_pandas(name="lake")
+        trace_batch = source.add_dataframe_asset(name="trace").add_batch_definition_whole_dataframe("job")
+        manifest_batch = source.add_dataframe_asset(name="manifest").add_batch_definition_whole_dataframe("rows")
+        suites = {
+            # nulls are checked by GX only when Arrow reports some (null counts are exact and free)
+            "trace_nulls": (trace_batch, _null_expectations()),
+            "trace_values": (trace_batch, _value_expectations(True, None)),
+            "trace_values_without_manifest": (trace_batch, _value_expectations(False, None)),
+            "manifest": (manifest_batch, manifest_suite().expectations),
+        }
+        self._definitions = {}
+        for name, (batch, expectations) in suites.items():
+            suite = context.suites.add(gx.ExpectationSuite(name=name, expectations=expectations))
+            self._definitions[name] = context.validation_definitions.add(
+                gx.ValidationDefinition(name=name, data=batch, suite=suite))
+        self._context = context
+
+    def _failures(self, definition: str, frame, parameters: Mapping[str, Any], where: str) -> list[tuple[str, Any, np.ndarray]]:
+        """Run one suite; (reason, expectation config, failing row positions) per failed expectation."""
+        result = self._definitions[definition].run(
+            batch_parameters={"dataframe": frame},
+            expectation_parameters=dict(parameters),
+            result_format={"result_format": "COMPLETE", "partial_unexpected_count": 0,
+                           "return_unexpected_index_query": False},
+        )
+        failures = []
+        for item in result.results:
+            info = item.exception_info or {}
+            if info.get("raised_exception"):
+                raise RuntimeError(f"{where}: expectation {item.expectation_config.type} could not run: "
+                                   f"{info.get('exception_message')}")
+            if not item.success:
+                indices = np.asarray(item.result.get("unexpected_index_list") or [], dtype=np.int64)
+                failures.append((item.expectation_config.meta["reason"], item.expectation_config, indices))
+        return failures
+
+    # -- manifests ---------------------------------------------------------
+    def validate_manifests(self, manifests: Sequence[tuple[str | None, Mapping[str, Any]]]) -> list[list[Problem]]:
+        """Problems of many manifest rows at once (one GX run): one list per (path, row) given."""
+        import pandas as pd
+
+        out: list[list[Problem]] = [[] for _ in manifests]
+        complete = []
+        for i, (path, manifest) in enumerate(manifests):
+            missing = [f.name for f in MANIFEST_SCHEMA if f.name not in manifest]
+            if missing:
+                out[i].append(Problem(INVALID_MANIFEST, manifest.get("job_id"), path,
+                                      f"job {manifest.get('job_id')}, manifest {path}: missing field(s) "
+                                      f"{', '.join(missing)}"))
+            else:
+                complete.append(i)
+        if complete:
+            frame = pd.DataFrame({f.name: [manifests[i][1][f.name] for i in complete]
+                                  for f in MANIFEST_SCHEMA if f.name != "workers"})
+            for column in ("submit_time", "start_time", "end_time"):
+                frame[column] = pd.to_datetime(frame[column], utc=True)
+            for _, config, indices in self._failures("manifest", frame, {}, f"{len(complete)} manifests"):
+                for position in indices.tolist():
+                    i = complete[position]
+                    path, manifest = manifests[i]
+                    rule = config.kwargs.get("column") or f"{config.kwargs.get('column_A')} >= {config.kwargs.get('column_B')}"
+                    out[i].append(Problem(INVALID_MANIFEST, manifest.get("job_id"), path,
+                                          f"job {manifest.get('job_id')}, manifest {path}: fails {config.type} "
+                                          f"on {rule}"))
+            for i in complete:
+                out[i] += manifest_problems(manifests[i][1], manifests[i][0])
+        return out
+
+    def validate_manifest(self, manifest: Mapping[str, Any], source_path: str | None = None) -> list[Problem]:
+        """Problems of one manifest row (dict of MANIFEST_SCHEMA fields); [] when valid."""
+        return self.validate_manifests([(source_path, manifest)])[0]
+
+    # -- traces ------------------------------------------------------------
+    def unreadable(self, source_path: str, error: BaseException, job_id: str | None = None,
+                   manifest: bool = False) -> ValidationReport:
+        """Report for a file that could not be read at all (trace or manifest)."""
+        job_id = job_id or parse_partition(source_path).get("job_id")
+        reason = UNREADABLE_MANIFEST if manifest else UNREADABLE_FILE
+        kind = "manifest" if manifest else "file"
+        return _empty_report(job_id, [Problem(reason, job_id, source_path,
+                                              f"job {job_id}, {kind} {source_path}: cannot be read "
+                                              f"({type(error).__name__}: {error}); re-upload it")])
+
+    def validate_file(self, table: pa.Table, manifest: Mapping[str, Any] | None,
+                      source_path: str | None) -> ValidationReport:
+        """Validate one trace file's table (as read from parquet: any compatible types).
+
+        manifest: the job's valid manifest row (dict), or None (then the rules needing
+        the parallelism are reduced to lower bounds). Returns valid rows (TRACE_SCHEMA),
+        invalid rows with reasons, and problems (file-level rejection, or one summary per
+        row reason). For a job of several files prefer validate_job: one GX run for all.
+        """
+        job_id = manifest["job_id"] if manifest else parse_partition(source_path or "").get("job_id")
+        valid, invalid, problems = self._validate_rows(job_id, manifest, [(source_path, table)])
+        return ValidationReport(job_id, valid, invalid, problems)
+
+    def validate_job(self, job_id: str, manifest: Mapping[str, Any] | None,
+                     files: Sequence[tuple[str, pa.Table | BaseException]], *,
+                     manifest_path: str | None = None, manifest_issues: Sequence[Problem] = ()) -> ValidationReport:
+        """Validate a whole job: its files' rows (one GX run) and the job-level rules.
+
+        files: (source path, table as read) per trace file, or (path, exception) for a
+        file that could not be read. manifest: the job's valid manifest row or None;
+        manifest_path: where it is (None = the job has none); manifest_issues: problems
+        already found with it. Job rules: a manifest exists, the job has trace files,
+        every manifest worker has valid rows, every worker has every step another has.
+        """
+        problems = list(manifest_issues)
+        readable = []
+        for path, content in files:
+            if isinstance(content, BaseException):
+                problems += self.unreadable(path, content, job_id).problems
+            else:
+                readable.append((path, content))
+        valid, invalid, row_problems = self._validate_rows(job_id, manifest, readable)
+        problems += row_problems
+        where = f"job {job_id}"
+        if manifest is None and manifest_path is None:
+            problems.append(Problem(MISSING_MANIFEST, job_id, None,
+                                    f"{where}: trace files {[p for p, _ in files][:2]} have no manifest for "
+                                    f"their date; write manifests/date=.../{job_id}.parquet"))
+        if not files:
+            problems.append(Problem(NO_TRACE_FILES, job_id, manifest_path,
+                                    f"{where}: manifest {manifest_path} has no trace files beside it"))
+            return ValidationReport(job_id, valid, invalid, problems)
+        if manifest is not None:
+            expected = {(w["dp_rank"], w["stage"]) for w in manifest["workers"]}
+            missing = sorted(expected - _workers_present(valid))
+            if missing:
+                problems.append(Problem(MISSING_WORKERS, job_id, manifest_path,
+                                        f"{where}: {len(missing)} of {len(expected)} workers have no valid rows: "
+                                        f"(dp_rank, stage) {missing[:8]}{' ...' if len(missing) > 8 else ''}"))
+        gaps = _missing_steps(valid)
+        if gaps:
+            count, example = gaps
+            problems.append(Problem(MISSING_STEPS, job_id, None,
+                                    f"{where}: {count} (worker, step) pair(s) missing although other workers "
+                                    f"have those steps; e.g. {example}"))
+        return ValidationReport(job_id, valid, invalid, problems)
+
+    def _validate_rows(self, job_id: str | None, manifest: Mapping[str, Any] | None,
+                       files: Sequence[tuple[str | None, pa.Table]]) -> tuple[pa.Table, pa.Table, list[Problem]]:
+        """Schema checks per file, then the row rules over all conforming files at once."""
+        problems: list[Problem] = []
+        paths, tables = [], []
+        for path, table in files:
+            issues = check_trace_columns(table.schema, job_id, path)
+            if not issues:
+                try:
+                    table = conform_trace(table, job_id=job_id, source_path=path, strict=False)
+                except TraceContractError as error:
+                    issues = [Problem(error.reason, job_id, path, str(error))]
+            if issues:
+                problems += [dataclasses.replace(p, rows=table.num_rows) for p in issues]
+            elif table.num_rows:
+                paths.append(path)
+                tables.append(table)
+        if not tables:
+            return TRACE_SCHEMA.empty_table(), INVALID_ROW_SCHEMA.empty_table(), problems
+        trace = pa.concat_tables(tables)
+        offsets = np.cumsum([0] + [t.num_rows for t in tables])
+        where = f"job {job_id}, files {paths[:2]}{' ...' if len(paths) > 2 else ''}"
+
+        if manifest:
+            definition, parameters = "trace_values", trace_suite_parameters(manifest)
+        else:
+            definition = "trace_values_without_manifest"
+            parameters = {"job_ids": [job_id] if job_id else pc.unique(trace["job_id"]).to_pylist()}
+        failures = []
+        if _has_missing_values(trace):
+            failures += self._failures("trace_nulls", _frame_for_gx(trace, TRACE_REQUIRED), {}, where)
+        failures += self._failures(definition, _frame_for_gx(trace, TRACE_REQUIRED), parameters, where)
+        failed: dict[str, np.ndarray] = {}
+        for reason, _, indices in failures:
+            failed[reason] = np.union1d(failed.get(reason, np.empty(0, np.int64)), indices)
+        if manifest:
+            mismatch = _rank_mismatch(trace, manifest)
+            if mismatch.size:
+                failed[RANK_MISMATCH] = mismatch
+
+        order = {code: i for i, code in enumerate(REASONS)}
+        row_reason = np.full(trace.num_rows, len(REASONS), dtype=np.int16)
+        for reason, indices in failed.items():
+            row_reason[indices] = np.minimum(row_reason[indices], order[reason])
+        file_of_row = np.repeat(np.arange(len(tables)), np.diff(offsets))
+        for reason in sorted(failed, key=order.get):
+            indices = failed[reason]
+            for file_index in np.unique(file_of_row[indices]).tolist():
+                mine = indices[file_of_row[indices] == file_index]
+                problems.append(Problem(
+                    reason, job_id, paths[file_index],
+                    f"job {job_id}, file {paths[file_index]}: {mine.size} row(s) rejected, {REASONS[reason][1]}; "
+                    f"{_describe_rows(trace, mine, int(offsets[file_index]))}",
+                    int(mine.size)))
+        bad = row_reason < len(REASONS)
+        if not bad.any():
+            return trace, INVALID_ROW_SCHEMA.empty_table(), problems
+        valid = _known_optypes_only(trace.filter(pa.array(~bad)))
+        source = np.array(paths, dtype=object)[file_of_row]
+        return valid, _invalid_rows(trace, row_reason, bad, source), problems
+
+
+def _empty_report(job_id: str | None, problems: list[Problem]) -> ValidationReport:
+    return ValidationReport(job_id, TRACE_SCHEMA.empty_table(), INVALID_ROW_SCHEMA.empty_table(), problems)
+
+
+def _rank_mismatch(trace: pa.Table, manifest: Mapping[str, Any]) -> np.ndarray:
+    """Row indices whose rank differs from the manifest's rank of their (dp_rank, stage)."""
+    dp_size, pp_size = int(manifest["dp_size"]), int(manifest["pp_size"])
+    lookup = np.full((dp_size, pp_size), -1, dtype=np.int64)
+    for worker in manifest["workers"]:
+        if 0 <= worker["dp_rank"] < dp_size and 0 <= worker["stage"] < pp_size:
+            lookup[worker["dp_rank"], worker["stage"]] = worker["rank"]
+    dp = pc.fill_null(trace["dp_rank"], -1).to_numpy().astype(np.int64)
+    stage = pc.fill_null(trace["stage"], -1).to_numpy().astype(np.int64)
+    rank = pc.fill_null(trace["rank"], -1).to_numpy().astype(np.int64)
+    inside = (dp >= 0) & (dp < dp_size) & (stage >= 0) & (stage < pp_size)
+    expected = np.where(inside, lookup[np.clip(dp, 0, dp_size - 1), np.clip(stage, 0, pp_size - 1)], -1)
+    return np.flatnonzero(inside & (expected >= 0) & (rank != expected))
+
+
+def _invalid_rows(trace: pa.Table, row_reason: np.ndarray, bad: np.ndarray, source: np.ndarray) -> pa.Table:
+    """Rejected rows grouped by reason, with source_path, reason code and detail."""
+    codes = list(REASONS)
+    parts = []
+    for index in np.unique(row_reason[bad]).tolist():
+        mask = row_reason == index
+        rows = trace.filter(pa.array(mask))
+        n = rows.num_rows
+        parts.append(pa.Table.from_arrays(
+            [*rows.columns, pa.array(source[mask], pa.string()),
+             pa.array([codes[index]] * n, pa.string()), _row_detail(rows, codes[index])],
+            schema=INVALID_ROW_SCHEMA))
+    return pa.concat_tables(parts)
+
+
+def _known_optypes_only(table: pa.Table) -> pa.Table:
+    """Re-attach the plain OPTYPES dictionary once rows with unknown optypes are gone."""
+    column = table["optype"]
+    if all(len(chunk.dictionary) == len(OPTYPES) for chunk in column.chunks):
+        return table
+    dictionary = pa.array(OPTYPES, pa.string())
+    chunks = [pa.DictionaryArray.from_arrays(chunk.indices, dictionary) for chunk in column.chunks]
+    field = TRACE_SCHEMA.field("optype")
+    return table.set_column(table.schema.get_field_index("optype"), field, pa.chunked_array(chunks, field.type))
+
+
+def _worker_keys(table: pa.Table) -> np.ndarray:
+    dp = table["dp_rank"].to_numpy().astype(np.int64)
+    stage = table["stage"].to_numpy().astype(np.int64)
+    return (dp << 16) | (stage & 0xFFFF)
+
+
+def _workers_present(table: pa.Table) -> set[tuple[int, int]]:
+    if table.num_rows == 0:
+        return set()
+    return {(int(k >> 16), int(k & 0xFFFF)) for k in np.unique(_worker_keys(table))}
+
+
+def _missing_steps(table: pa.Table) -> tuple[int, str] | None:
+    """(count, example) of (worker, step) pairs absent while the step exists for other workers."""
+    if table.num_rows == 0:
+        return None
+    workers, worker_index = np.unique(_worker_keys(table), return_inverse=True)
+    steps, step_index = np.unique(table["step"].to_numpy(), return_inverse=True)
+    seen = np.zeros((workers.size, steps.size), dtype=bool)
+    seen[worker_index, step_index] = True
+    if seen.all():
+        return None
+    w, s = np.nonzero(~seen)
+    examples = [f"worker (dp {int(workers[i] >> 16)}, stage {int(workers[i] & 0xFFFF)}) lacks step {int(steps[j])}"
+                for i, j in zip(w[:3], s[:3])]
+    return int(w.size), "; ".join(examples)

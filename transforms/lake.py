@@ -1,0 +1,387 @@
+"""Reading and writing the trace lake on any fsspec URL (local path, file://, memory://, s3://).
+
+Layout (schemas/lake.py):
+
+    {lake}/_lake.json                                         {"schema_version": "1", ...}
+    {lake}/traces/date=YYYY-MM-DD/job_id={job_id}/*.parquet   op records (TRACE_SCHEMA)
+    {lake}/manifests/date=YYYY-MM-DD/{job_id}.parquet         one row (MANIFEST_SCHEMA)
+
+Every path returned here is the lake URL as given plus a relative part, so it can be
+opened by any process with `fsspec.open` (credentials come only from the environment
+or fsspec configuration). Writes are atomic: a local file is written under a hidden
+temporary name and renamed; an object-store put (and memory://) is atomic by itself.
+Readers skip names starting with "." or "_" (temporary files, markers).
+Parquet files are written with page checksums and read with verification, so corrupt
+bytes are reported as unreadable instead of being decoded into wrong values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import io
+import json
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from schemas.expectations import TraceContractError, conform_trace
+from schemas.lake import LAKE_MARKER, MANIFESTS, TRACES, manifest_path, trace_dir
+from schemas.trace import MANIFEST_SCHEMA, SCHEMA_VERSION, TRACE_SCHEMA
+
+__all__ = [
+    "LakeError",
+    "LakeReadError",
+    "LakeJob",
+    "filesystem",
+    "write_parquet",
+    "read_parquet",
+    "write_lake_marker",
+    "read_lake_marker",
+    "write_job",
+    "list_jobs",
+    "find_job",
+    "read_manifest",
+    "read_manifest_table",
+    "manifest_table",
+    "read_trace_file",
+    "read_trace_files",
+    "read_manifests",
+    "read_validated_job",
+]
+
+
+class LakeError(RuntimeError):
+    """The lake as a whole is unusable (wrong schema version, bad arguments)."""
+
+
+class LakeReadError(LakeError):
+    """A file of the lake cannot be read or does not satisfy the contract; names the file."""
+
+    def __init__(self, message: str, path: str, reason: str):
+        super().__init__(message)
+        self.path = path
+        self.reason = reason  # a code of schemas.expectations.REASONS
+
+
+@dataclasses.dataclass(frozen=True)
+class LakeJob:
+    """One job's trace window for one date: what the batch pipeline processes as a unit."""
+
+    lake: str
+    date: str                      # YYYY-MM-DD
+    job_id: str
+    trace_files: tuple[str, ...]   # URLs, sorted
+    manifest_path: str | None      # URL, or None when the job has no manifest for the date
+
+
+def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, path inside it) for a lake URL or any file URL inside it."""
+    return fsspec.core.url_to_fs(url)
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return "file" in protocol or "local" in protocol
+
+
+def _write_bytes(url: str, data: bytes) -> None:
+    """Write `data` to `url` atomically (readers never see a partial file)."""
+    fs, path = filesystem(url)
+    parent = path.rsplit("/", 1)[0]
+    if _is_local(fs):
+        fs.makedirs(parent, exist_ok=True)
+        temporary = f"{parent}/.{path.rsplit('/', 1)[-1]}.{uuid.uuid4().hex}.tmp"
+        with fs.open(temporary, "wb") as handle:
+            handle.write(data)
+        fs.mv(temporary, path)  # os.replace: atomic within one filesystem
+    else:
+        # One put: S3 objects (multipart too) appear whole or not at all; memory:// likewise.
+        fs.pipe_file(path, data)
+
+
+def write_parquet(url: str, table: pa.Table) -> None:
+    """Write one parquet file atomically, zstd-compressed, with page checksums."""
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer, compression="zstd", write_page_checksum=True)
+    _write_bytes(url, buffer.getvalue())
+
+
+def read_parquet(url: str) -> pa.Table:
+    """Read one parquet file as written (no casting), verifying page checksums.
+
+    Raises LakeReadError(reason "unreadable_file") naming the file when it is missing,
+    truncated or corrupt.
+    """
+    try:
+        fs, path = filesystem(url)
+        with fs.open(path, "rb") as handle:
+            data = handle.read()
+        return pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True).read()
+    except (OSError, pa.ArrowException, ValueError, EOFError) as error:
+        raise LakeReadError(f"file {url}: cannot be read ({type(error).__name__}: {error})",
+                            url, "unreadable_file") from None
+
+
+def write_lake_marker(lake: str) -> dict:
+    """Create `{lake}/_lake.json` if absent; return its content. Fails on a different version."""
+    existing = read_lake_marker(lake)
+    if existing is not None:
+        return existing
+    content = {
+        "schema_version": SCHEMA_VERSION,
+        "traces": f"{TRACES}/date=YYYY-MM-DD/job_id=JOB/*.parquet",
+        "manifests": f"{MANIFESTS}/date=YYYY-MM-DD/JOB.parquet",
+    }
+    _write_bytes(f"{lake.rstrip('/')}/{LAKE_MARKER}", json.dumps(content, indent=2).encode())
+    return content
+
+
+def read_lake_marker(lake: str) -> dict | None:
+    """Content of `_lake.json`, or None for a lake without one (read as the current version).
+
+    Raises LakeError when the lake declares a schema version this code does not read.
+    """
+    fs, path = filesystem(f"{lake.rstrip('/')}/{LAKE_MARKER}")
+    if not fs.exists(path):
+        return None
+    try:
+        content = json.loads(fs.cat_file(path))
+    except (ValueError, OSError) as error:
+        raise LakeError(f"lake {lake}: {LAKE_MARKER} is not readable JSON ({error})") from None
+    version = str(content.get("schema_version"))
+    if version != SCHEMA_VERSION:
+        raise LakeError(f"lake {lake}: schema version {version}, this strag reads version {SCHEMA_VERSION}; "
+                        f"use a matching strag or migrate the lake")
+    return content
+
+
+def manifest_table(manifest: Mapping[str, Any] | pa.Table) -> pa.Table:
+    """A one-row MANIFEST_SCHEMA table from a dict (or a table with compatible columns)."""
+    if isinstance(manifest, pa.Table):
+        if manifest.num_rows != 1:
+            raise ValueError(f"a manifest has exactly one row, got {manifest.num_rows}")
+        return manifest.select(MANIFEST_SCHEMA.names).cast(MANIFEST_SCHEMA)
+    missing = [name for name in MANIFEST_SCHEMA.names if name not in manifest]
+    if missing:
+        raise ValueError(f"manifest of job {manifest.get('job_id')!r} lacks field(s) {', '.join(missing)}")
+    return pa.Table.from_pylist([{name: manifest[name] for name in MANIFEST_SCHEMA.names}], schema=MANIFEST_SCHEMA)
+
+
+def write_job(lake: str, date: dt.date | str, job_id: str,
+              traces: pa.Table | Sequence[pa.Table] | Mapping[str, pa.Table],
+              manifest: Mapping[str, Any] | pa.Table, *,
+              manifest_metadata: Mapping[str, str] | None = None) -> LakeJob:
+    """Write one job's trace window for one date and its manifest; return the written job.
+
+    traces: one table, a list (files part-00000.parquet, ...) or {file name: table};
+    each is cast to TRACE_SCHEMA (job_id filled when absent). A file should hold whole
+    workers. manifest: MANIFEST_SCHEMA row as dict or one-row table; its job_id and
+    date must match. manifest_metadata: extra key/values kept in the manifest file's
+    schema metadata (e.g. the published meta yaml of an imported job).
+    Creates `_lake.json` on first write. Raises TraceContractError or ValueError on
+    tables that break the contract, naming the job and file.
+    """
+    date = _iso(date)
+    write_lake_marker(lake)
+    if isinstance(traces, pa.Table):
+        named = {"part-00000.parquet": traces}
+    elif isinstance(traces, Mapping):
+        named = dict(traces)
+    else:
+        named = {f"part-{i:05d}.parquet": table for i, table in enumerate(traces)}
+    table = manifest_table(manifest)
+    row = table.to_pylist()[0]
+    if row["job_id"] != job_id or row["date"].isoformat() != date:
+        raise ValueError(f"manifest is for job {row['job_id']!r} on {row['date']}, "
+                         f"but is being written for job {job_id!r} on {date}")
+    folder = trace_dir(lake, date, job_id)
+    paths = []
+    for name, trace in named.items():
+        if "/" in name or not name.endswith(".parquet") or name[0] in "._":
+            raise ValueError(f"job {job_id}: trace file name {name!r} must be a plain 'name.parquet'")
+        path = f"{folder}/{name}"
+        write_parquet(path, conform_trace(trace, job_id=job_id, source_path=path, strict=True))
+        paths.append(path)
+    if manifest_metadata:
+        metadata = dict(MANIFEST_SCHEMA.metadata)
+        metadata.update({k.encode(): v.encode() for k, v in manifest_metadata.items()})
+        table = table.replace_schema_metadata(metadata)
+    write_parquet(manifest_path(lake, date, job_id), table)
+    return LakeJob(lake, date, job_id, tuple(sorted(paths)), manifest_path(lake, date, job_id))
+
+
+def _visible(name: str) -> bool:
+    return not name.rsplit("/", 1)[-1].startswith((".", "_"))
+
+
+def _partition_dates(lake: str, top: str, date_from: str | None, date_to: str | None) -> list[str]:
+    fs, root = filesystem(f"{lake.rstrip('/')}/{top}")
+    try:
+        entries = fs.ls(root, detail=False)
+    except FileNotFoundError:
+        return []
+    dates = []
+    for entry in entries:
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if not name.startswith("date="):
+            continue
+        date = name.removeprefix("date=")
+        try:
+            dt.date.fromisoformat(date)
+        except ValueError:
+            continue  # not a partition of ours: ignore rather than guess
+        if (date_from is None or date >= date_from) and (date_to is None or date <= date_to):
+            dates.append(date)
+    return sorted(dates)
+
+
+def _relative_listing(url: str) -> list[str]:
+    """Recursive listing of `url` as paths relative to it ('' when absent)."""
+    fs, root = filesystem(url)
+    try:
+        found = fs.find(root)
+    except FileNotFoundError:
+        return []
+    root = root.rstrip("/")
+    return sorted(path[len(root) + 1:] for path in found if path.startswith(root + "/"))
+
+
+def list_jobs(lake: str, date_from: dt.date | str | None = None,
+              date_to: dt.date | str | None = None) -> list[LakeJob]:
+    """Every (date, job) of the lake with dates in [date_from, date_to] (inclusive; None = open).
+
+    A job appears when it has trace files or a manifest for the date; trace_files is
+    empty or manifest_path is None for the incomplete ones (the validator reports them).
+    Raises LakeError when the lake's `_lake.json` declares another schema version.
+    """
+    lake = lake.rstrip("/")
+    read_lake_marker(lake)
+    low = _iso(date_from) if date_from is not None else None
+    high = _iso(date_to) if date_to is not None else None
+    jobs: dict[tuple[str, str], dict] = {}
+    for date in _partition_dates(lake, TRACES, low, high):
+        base = f"{lake}/{TRACES}/date={date}"
+        for relative in _relative_listing(base):
+            parts = relative.split("/")
+            if len(parts) != 2 or not parts[0].startswith("job_id=") or not parts[1].endswith(".parquet"):
+                continue
+            if not _visible(parts[1]):
+                continue
+            job_id = parts[0].removeprefix("job_id=")
+            jobs.setdefault((date, job_id), {"traces": [], "manifest": None})["traces"].append(f"{base}/{relative}")
+    for date in _partition_dates(lake, MANIFESTS, low, high):
+        base = f"{lake}/{MANIFESTS}/date={date}"
+        for relative in _relative_listing(base):
+            if "/" in relative or not relative.endswith(".parquet") or not _visible(relative):
+                continue
+            job_id = relative.removesuffix(".parquet")
+            jobs.setdefault((date, job_id), {"traces": [], "manifest": None})["manifest"] = f"{base}/{relative}"
+    return [LakeJob(lake, date, job_id, tuple(sorted(entry["traces"])), entry["manifest"])
+            for (date, job_id), entry in sorted(jobs.items())]
+
+
+def find_job(lake: str, job_id: str, date: dt.date | str | None = None) -> LakeJob:
+    """The lake job `job_id` (on `date`, or its only date). Raises LakeError if absent or ambiguous."""
+    found = [job for job in list_jobs(lake, date, date) if job.job_id == job_id]
+    if not found:
+        raise LakeError(f"lake {lake}: no job {job_id!r}" + (f" on {_iso(date)}" if date else ""))
+    if len(found) > 1:
+        raise LakeError(f"lake {lake}: job {job_id!r} has trace windows on {[j.date for j in found]}; pass a date")
+    return found[0]
+
+
+def read_manifest_table(path: str) -> pa.Table:
+    """The manifest file as a one-row MANIFEST_SCHEMA table, file metadata kept."""
+    table = read_parquet(path)
+    try:
+        cast = table.select(MANIFEST_SCHEMA.names).cast(MANIFEST_SCHEMA)
+    except (KeyError, pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as error:
+        raise LakeReadError(f"manifest {path}: does not match MANIFEST_SCHEMA ({error})", path,
+                            "invalid_manifest") from None
+    if cast.num_rows != 1:
+        raise LakeReadError(f"manifest {path}: holds {cast.num_rows} rows, expected 1", path, "invalid_manifest")
+    return cast.replace_schema_metadata(table.schema.metadata)
+
+
+def read_manifest(path: str) -> dict[str, Any]:
+    """The manifest row as a dict of MANIFEST_SCHEMA fields (date: datetime.date, times: datetime UTC)."""
+    return read_manifest_table(path).to_pylist()[0]
+
+
+def read_trace_file(path: str, *, strict: bool = True) -> pa.Table:
+    """One trace file cast to TRACE_SCHEMA (job_id filled from the partition when absent).
+
+    Raises LakeReadError naming the file, with `reason` unreadable_file, missing_column,
+    wrong_type or unknown_optype (strict=False keeps unknown optypes for validation).
+    """
+    from schemas.lake import parse_partition
+
+    raw = read_parquet(path)
+    try:
+        return conform_trace(raw, job_id=parse_partition(path).get("job_id"), source_path=path, strict=strict)
+    except TraceContractError as error:
+        raise LakeReadError(str(error), path, error.reason) from None
+
+
+def read_trace_files(paths: Iterable[str]) -> pa.Table:
+    """Several trace files as one TRACE_SCHEMA table (file order kept). Errors name the file."""
+    tables = [read_trace_file(path) for path in paths]
+    return pa.concat_tables(tables) if tables else TRACE_SCHEMA.empty_table()
+
+
+def _iso(date: dt.date | str) -> str:
+    return date.isoformat() if isinstance(date, dt.date) else dt.date.fromisoformat(str(date)).isoformat()
+
+
+def read_manifests(paths: Iterable[str], validator) -> dict[str, tuple[dict | None, list]]:
+    """Read and validate many manifests with one GX run: path -> (manifest or None, problems).
+
+    The manifest is None when it is unreadable or invalid (its problems say why).
+    validator: a schemas.expectations.Validator. GX costs ~0.2 s per run whatever the
+    row count, so the batch pipeline validates all manifests of a run together.
+    """
+    from schemas.expectations import INVALID_MANIFEST, Problem
+
+    out: dict[str, tuple[dict | None, list]] = {}
+    readable = []
+    for path in paths:
+        job_id = path.rstrip("/").rsplit("/", 1)[-1].removesuffix(".parquet")
+        try:
+            readable.append((path, read_manifest(path)))
+        except LakeReadError as error:
+            if error.reason == "invalid_manifest":
+                out[path] = (None, [Problem(INVALID_MANIFEST, job_id, path, f"job {job_id}, {error}")])
+            else:
+                out[path] = (None, validator.unreadable(path, error, job_id, manifest=True).problems)
+    for (path, manifest), problems in zip(readable, validator.validate_manifests(readable)):
+        out[path] = (None if problems else manifest, problems)
+    return out
+
+
+def read_validated_job(job: LakeJob, validator, manifests: Mapping[str, tuple[dict | None, list]] | None = None):
+    """Read and validate one lake job: the batch pipeline's per-job call.
+
+    validator: a schemas.expectations.Validator (built once per worker). manifests:
+    output of `read_manifests` covering this job's manifest (read here when None).
+    Unreadable files and manifests become problems of the returned
+    schemas.expectations.ValidationReport, never exceptions: `valid` holds the rows that
+    passed (TRACE_SCHEMA), `invalid` the rejected rows, `problems` every file-, job- and
+    row-level rejection with its reason code.
+    """
+    manifest, issues = None, []
+    if job.manifest_path is not None:
+        if manifests is None or job.manifest_path not in manifests:
+            manifests = read_manifests([job.manifest_path], validator)
+        manifest, issues = manifests[job.manifest_path]
+    files: list = []
+    for path in job.trace_files:
+        try:
+            files.append((path, read_parquet(path)))
+        except LakeReadError as error:
+            files.append((path, error))
+    return validator.validate_job(job.job_id, manifest, files, manifest_path=job.manifest_path,
+                                  manifest_issues=issues)
