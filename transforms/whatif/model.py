@@ -314,20 +314,32 @@ def _row_context(columns: TraceColumns, row: int) -> dict:
 
 # --------------------------------------------------------------------------- compiling
 
-def compile_job(trace: pa.Table | TraceColumns, meta: JobMeta, job_id: str = "") -> JobModel:
+def compile_job(trace: pa.Table | TraceColumns, meta: JobMeta, job_id: str = "", *,
+                structure_from: JobModel | None = None) -> JobModel:
     """Build the dependency model of a job and lay its trace out as [op, lane] arrays.
+
+    structure_from: reuse the dependency graph of an earlier model of the same job
+    (another session, or a replayed timeline) instead of inferring it from this
+    trace's timing; the trace must then hold exactly that model's ops in every lane.
 
     Raises a `WhatIfError` subclass (naming job, step, worker and op) when the trace
     cannot be analysed: see transforms.whatif.errors.
     """
     columns = trace if isinstance(trace, TraceColumns) else read_trace_columns(trace, job_id)
     try:
-        return _compile(columns, meta, job_id)
+        return _compile(columns, meta, job_id, structure_from)
     except WhatIfError as error:
         raise error.with_context(job_id=job_id)
 
 
-def _compile(columns: TraceColumns, meta: JobMeta, job_id: str) -> JobModel:
+_STRUCTURE_FIELDS = (
+    "vpp_size", "uses_dp", "dp_overlapped", "op_optype", "op_seq_id", "op_stage", "op_mc", "op_gmc",
+    "op_group", "op_noop", "op_kind", "group_synced", "pred_ptr", "pred_index", "levels",
+    "optimizer_ops", "source_ops",
+)
+
+
+def _compile(columns: TraceColumns, meta: JobMeta, job_id: str, structure_from: JobModel | None) -> JobModel:
     dp_size, pp_size = int(meta.dp_size), int(meta.pp_size)
     _check_ranges(columns, dp_size, pp_size)
     steps, step_index = _factorize_steps(columns.step)
@@ -335,42 +347,35 @@ def _compile(columns: TraceColumns, meta: JobMeta, job_id: str) -> JobModel:
         raise TooFewStepsError(
             f"the trace has {len(steps)} step(s) ({steps.tolist()}); the analysis needs at least {MIN_STEPS} complete steps",
         )
-
-    # Template: the first step of dp_rank 0 (every step and DP rank must match it).
-    template_rows = np.flatnonzero((step_index == 0) & (columns.dp_rank == 0))
-    if not len(template_rows):
-        raise TraceStructureError("dp_rank 0 has no ops in the first step", step=int(steps[0]), dp_rank=0)
     seq_dim = int(columns.seq_id.max()) + 1
+    if structure_from is not None:
+        structure = {name: getattr(structure_from, name) for name in _STRUCTURE_FIELDS}
+        seq_dim = max(seq_dim, int(structure["op_seq_id"].max()) + 1)
     keys = (columns.optype * pp_size + columns.stage) * seq_dim + columns.seq_id
-    template_keys = keys[template_rows]
-    order = np.argsort(template_keys, kind="stable")
-    template_rows, template_keys = template_rows[order], template_keys[order]
-    duplicate = np.flatnonzero(np.diff(template_keys) == 0)
-    if len(duplicate):
-        row = int(template_rows[duplicate[0]])
-        raise TraceStructureError("op recorded twice in the same step and worker", **_row_context(columns, row))
 
-    template = _Template(columns, template_rows, pp_size, steps[0])
-    if template.vpp != int(meta.vpp_size):
-        raise TraceStructureError(
-            f"the trace has {template.vpp} model chunk(s) per stage (max mc + 1) but the job meta says vpp_size={meta.vpp_size}",
-            step=int(steps[0]), dp_rank=0,
-        )
-    graph = _build_graph(template, dp_size, meta)
-    graph.check_connected(template)
-    node_level = graph.levels(template)
-
-    # Replay order: by level, then kind (own / multi / synced), then group, then template order.
-    kind = graph.kinds()
-    group = graph.op_group
-    perm = np.lexsort((np.arange(template.n), group, kind, node_level))
-    inverse = np.empty_like(perm)
-    inverse[perm] = np.arange(len(perm))
-
-    op_of_row = _map_rows_to_ops(columns, keys, template_keys, inverse, step_index, dp_size, steps, template)
-    n_ops, n_lanes = template.n, len(steps) * dp_size
-    lane_of_row = step_index * dp_size + columns.dp_rank
-    flat = op_of_row * n_lanes + lane_of_row
+    if structure_from is None:
+        # Template: the first step of dp_rank 0 (every step and DP rank must match it).
+        template_rows = np.flatnonzero((step_index == 0) & (columns.dp_rank == 0))
+        if not len(template_rows):
+            raise TraceStructureError("dp_rank 0 has no ops in the first step", step=int(steps[0]), dp_rank=0)
+        template_rows = template_rows[np.argsort(keys[template_rows], kind="stable")]
+        duplicate = np.flatnonzero(np.diff(keys[template_rows]) == 0)
+        if len(duplicate):
+            row = int(template_rows[duplicate[0]])
+            raise TraceStructureError("op recorded twice in the same step and worker", **_row_context(columns, row))
+        template = _Template(columns, template_rows, pp_size, steps[0])
+        if template.vpp != int(meta.vpp_size):
+            raise TraceStructureError(
+                f"the trace has {template.vpp} model chunk(s) per stage (max mc + 1) but the job meta says vpp_size={meta.vpp_size}",
+                step=int(steps[0]), dp_rank=0,
+            )
+        structure = _infer_structure(template, dp_size, meta)
+    # Sorted op keys of the structure and the replay index of each.
+    op_keys = (structure["op_optype"] * pp_size + structure["op_stage"]) * seq_dim + structure["op_seq_id"]
+    order = np.argsort(op_keys, kind="stable")
+    op_of_row = _map_rows_to_ops(columns, keys, op_keys[order], order, step_index, dp_size, steps, structure)
+    n_ops, n_lanes = len(op_keys), len(steps) * dp_size
+    flat = op_of_row * n_lanes + step_index * dp_size + columns.dp_rank
 
     def layout(values: np.ndarray, dtype=np.float64) -> np.ndarray:
         out = np.empty(n_ops * n_lanes, dtype=dtype)
@@ -389,32 +394,8 @@ def _compile(columns: TraceColumns, meta: JobMeta, job_id: str) -> JobModel:
     else:
         observed_end = observed_start + duration
 
-    # Replay-order graph arrays.
-    op_group_t = graph.op_group
-    group_order = np.full(graph.n_groups, -1, dtype=np.int64)
-    group_ids_in_order = op_group_t[perm][op_group_t[perm] >= 0]
-    first = np.unique(group_ids_in_order, return_index=True)[1]
-    renumber = group_ids_in_order[np.sort(first)]
-    group_order[renumber] = np.arange(len(renumber))
-    op_group = np.where(op_group_t[perm] >= 0, group_order[np.maximum(op_group_t[perm], 0)], -1)
-    group_synced = np.zeros(len(renumber), dtype=bool)
-    group_synced[group_order[np.arange(graph.n_groups)]] = graph.group_synced
-
-    pred_lists = [sorted(inverse[p] for p in graph.preds[old]) for old in perm]
-    pred_count = np.array([max(len(p), 1) for p in pred_lists], dtype=np.int64)
-    pred_ptr = np.concatenate([[0], np.cumsum(pred_count)])
-    pred_index = np.array([x for p in pred_lists for x in (p or [n_ops])], dtype=np.int64)
-    levels = _levels(node_level[perm], kind[perm], op_group, pred_ptr, pred_count)
-
     model = JobModel(
-        job_id=job_id, meta=meta, steps=steps, dp_size=dp_size, pp_size=pp_size, vpp_size=template.vpp,
-        uses_dp=graph.uses_dp, dp_overlapped=graph.dp_overlapped,
-        op_optype=template.optype[perm], op_seq_id=template.seq_id[perm], op_stage=template.stage[perm],
-        op_mc=template.mc[perm], op_gmc=template.gmc[perm], op_group=op_group,
-        op_noop=graph.noop[perm], op_kind=kind[perm], group_synced=group_synced,
-        pred_ptr=pred_ptr, pred_index=pred_index, levels=levels,
-        optimizer_ops=np.flatnonzero(template.optype[perm] == OPT),
-        source_ops=np.flatnonzero(np.array([not p for p in pred_lists])),
+        job_id=job_id, meta=meta, steps=steps, dp_size=dp_size, pp_size=pp_size, **structure,
         lane_step=np.repeat(steps, dp_size), lane_dp=np.tile(np.arange(dp_size), len(steps)),
         worker_rank=_worker_ranks(columns, dp_size, pp_size),
         step_start=step_start,
@@ -425,6 +406,46 @@ def _compile(columns: TraceColumns, meta: JobMeta, job_id: str) -> JobModel:
     model.original_cost = _original_cost(model)
     model.launch_delay = _launch_delays(model)
     return model
+
+
+def _infer_structure(template: "_Template", dp_size: int, meta: JobMeta) -> dict:
+    """The dependency graph of the template as replay-order arrays (the _STRUCTURE_FIELDS)."""
+    graph = _build_graph(template, dp_size, meta)
+    graph.check_connected(template)
+    node_level = graph.levels(template)
+
+    # Replay order: by level, then kind (own / multi / synced), then group, then template order.
+    kind = graph.kinds()
+    perm = np.lexsort((np.arange(template.n), graph.op_group, kind, node_level))
+    inverse = np.empty_like(perm)
+    inverse[perm] = np.arange(len(perm))
+    n_ops = template.n
+
+    # Groups renumbered in replay order.
+    group_t = graph.op_group[perm]
+    in_order = group_t[group_t >= 0]
+    first = np.unique(in_order, return_index=True)[1]
+    renumber = in_order[np.sort(first)]
+    group_order = np.full(graph.n_groups, -1, dtype=np.int64)
+    group_order[renumber] = np.arange(len(renumber))
+    op_group = np.where(group_t >= 0, group_order[np.maximum(group_t, 0)], -1)
+    group_synced = np.zeros(len(renumber), dtype=bool)
+    group_synced[group_order] = graph.group_synced
+
+    pred_lists = [sorted(int(inverse[p]) for p in graph.preds[old]) for old in perm]
+    pred_count = np.array([max(len(p), 1) for p in pred_lists], dtype=np.int64)
+    pred_ptr = np.concatenate([[0], np.cumsum(pred_count)])
+    pred_index = np.array([x for p in pred_lists for x in (p or [n_ops])], dtype=np.int64)
+    return dict(
+        vpp_size=template.vpp, uses_dp=graph.uses_dp, dp_overlapped=graph.dp_overlapped,
+        op_optype=template.optype[perm], op_seq_id=template.seq_id[perm], op_stage=template.stage[perm],
+        op_mc=template.mc[perm], op_gmc=template.gmc[perm], op_group=op_group,
+        op_noop=graph.noop[perm], op_kind=kind[perm], group_synced=group_synced,
+        pred_ptr=pred_ptr, pred_index=pred_index,
+        levels=_levels(node_level[perm], kind[perm], op_group, pred_ptr, pred_count),
+        optimizer_ops=np.flatnonzero(template.optype[perm] == OPT),
+        source_ops=np.flatnonzero(np.array([not p for p in pred_lists])),
+    )
 
 
 def _check_ranges(columns: TraceColumns, dp_size: int, pp_size: int) -> None:
@@ -453,8 +474,9 @@ def _factorize_steps(step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return steps, index
 
 
-def _map_rows_to_ops(columns, keys, template_keys, inverse, step_index, dp_size, steps, template) -> np.ndarray:
-    """Replay-order op index of every row; raises when a lane's op set differs from the template."""
+def _map_rows_to_ops(columns, keys, template_keys, inverse, step_index, dp_size, steps, structure) -> np.ndarray:
+    """Replay-order op index of every row (template_keys: sorted op keys, inverse: the replay
+    index of each); raises when a lane's op set differs from the template."""
     key_space = int(keys.max()) + 1
     if key_space <= 50_000_000:
         lookup = np.full(key_space, -1, dtype=np.int64)
@@ -486,13 +508,12 @@ def _map_rows_to_ops(columns, keys, template_keys, inverse, step_index, dp_size,
         )
     bad = int(np.flatnonzero(counts != 1)[0])
     bad_op, bad_lane = divmod(bad, n_lanes)
-    old = int(np.flatnonzero(inverse == bad_op)[0])
     what = "missing" if counts[bad] == 0 else f"recorded {int(counts[bad])} times"
     raise TraceStructureError(
         f"op {what} in this step and DP rank but present once in the template (step {int(steps[0])}, dp_rank 0): "
         "the op structure must be the same in every step and DP rank",
-        step=int(steps[bad_lane // dp_size]), dp_rank=bad_lane % dp_size, stage=int(template.stage[old]),
-        op=template.name(old),
+        step=int(steps[bad_lane // dp_size]), dp_rank=bad_lane % dp_size, stage=int(structure["op_stage"][bad_op]),
+        op=_op_name(int(structure["op_optype"][bad_op]), int(structure["op_seq_id"][bad_op]), int(structure["op_stage"][bad_op])),
     )
 
 
