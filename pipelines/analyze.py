@@ -1,0 +1,180 @@
+"""`strag analyze`: what-if analysis of one job, no Beam.
+
+    strag analyze TRACE.parquet --meta META.yaml [--job-id ID] [--json OUT.json]
+                  [--timeline OUT.json.gz] [--timeline-steps N]
+    strag analyze --lake URL --job-id ID [--date YYYY-MM-DD] [--json OUT.json] [--timeline ...]
+
+The first form reads a trace in the published format (or the lake's TRACE_SCHEMA)
+plus the published meta yaml; the second reads a lake job's trace files and manifest.
+Prints a short summary (S, waste, discrepancy verdict, top stages / DP ranks / op
+types, M_W, M_S). --json writes the reference analyzer's result-*.json fields plus
+M_W, M_S with their parts (mw / ms), waste and the verdict fields; --timeline writes
+the original and ideal timelines as Chrome-trace JSON for Perfetto.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import pathlib
+import sys
+import time
+
+__all__ = ["AnalyzeOptions", "parse", "load_job", "summary", "run"]
+
+_META_FIELDS = ("dp_size", "pp_size", "tp_size", "dsp_size", "vpp_size", "world_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class AnalyzeOptions:
+    """Validated command line of `strag analyze`."""
+
+    trace: pathlib.Path | None
+    meta: pathlib.Path | None
+    lake: str | None
+    job_id: str | None
+    date: dt.date | None
+    json_out: pathlib.Path | None
+    timeline_out: pathlib.Path | None
+    timeline_steps: int | None
+    top: int
+
+    def __post_init__(self):
+        if (self.trace is None) == (self.lake is None):
+            raise ValueError("give either TRACE.parquet --meta META.yaml, or --lake URL --job-id ID")
+        if self.trace is not None:
+            if self.meta is None:
+                raise ValueError("a trace file needs --meta META.yaml (dp_size, pp_size, ...)")
+            for path in (self.trace, self.meta):
+                if not path.is_file():
+                    raise ValueError(f"no such file: {path}")
+        if self.lake is not None and not self.job_id:
+            raise ValueError("--lake needs --job-id")
+        if self.timeline_steps is not None and self.timeline_steps < 1:
+            raise ValueError("--timeline-steps must be >= 1")
+
+
+def parse(argv: list[str]) -> AnalyzeOptions:
+    """Parse and validate the command line; exits with a usage message on bad arguments."""
+    parser = argparse.ArgumentParser(
+        prog="strag analyze",
+        description="What-if analysis of one training job (slowdown S, attribution, M_W, M_S).")
+    parser.add_argument("trace", nargs="?", type=pathlib.Path, help="trace parquet (published format or TRACE_SCHEMA)")
+    parser.add_argument("--meta", type=pathlib.Path, help="meta yaml: dp_size, pp_size, tp_size, dsp_size, vpp_size, world_size")
+    parser.add_argument("--lake", help="lake URL (folder, file://, memory://, s3://) to read the job from")
+    parser.add_argument("--job-id", help="job id (required with --lake; default: the meta's trial_name or the file name)")
+    parser.add_argument("--date", type=dt.date.fromisoformat, help="date partition YYYY-MM-DD (with --lake; default: the job's only date)")
+    parser.add_argument("--json", dest="json_out", type=pathlib.Path, help="write the result JSON here")
+    parser.add_argument("--timeline", dest="timeline_out", type=pathlib.Path,
+                        help="write original + ideal timelines as Chrome-trace JSON (.json or .json.gz) for Perfetto")
+    parser.add_argument("--timeline-steps", type=int, help="only the first N steps in the timeline (large jobs)")
+    parser.add_argument("--top", type=int, default=3, help="entries shown per ranking (default 3)")
+    args = parser.parse_args(argv)
+    try:
+        return AnalyzeOptions(trace=args.trace, meta=args.meta, lake=args.lake, job_id=args.job_id, date=args.date,
+                              json_out=args.json_out, timeline_out=args.timeline_out,
+                              timeline_steps=args.timeline_steps, top=args.top)
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def load_job(opts: AnalyzeOptions):
+    """(trace table, JobMeta, job id, source description) for the options' job."""
+    import pyarrow.parquet as pq
+
+    from transforms.whatif.result import JobMeta
+
+    if opts.trace is not None:
+        import yaml
+
+        fields = yaml.safe_load(opts.meta.read_text()) or {}
+        missing = [name for name in ("dp_size", "pp_size") if name not in fields]
+        if missing:
+            raise ValueError(f"{opts.meta}: meta yaml lacks {missing}")
+        meta = JobMeta(**{name: int(fields[name]) for name in _META_FIELDS if name in fields})
+        job_id = opts.job_id or str(fields.get("trial_name") or opts.trace.stem)
+        return pq.read_table(opts.trace), meta, job_id, str(opts.trace)
+    from transforms.lake import find_job, read_manifest, read_trace_files
+
+    job = find_job(opts.lake, opts.job_id, opts.date)
+    if job.manifest_path is None:
+        raise ValueError(f"lake job {opts.job_id!r} on {job.date} has no manifest: its parallelism is unknown")
+    manifest = read_manifest(job.manifest_path)
+    meta = JobMeta(**{name: int(manifest[name]) for name in _META_FIELDS})
+    return read_trace_files(job.trace_files), meta, job.job_id, f"{opts.lake} (date {job.date}, {len(job.trace_files)} files)"
+
+
+def summary(result, n_ops: int, seconds: float, top: int = 3) -> str:
+    """A few lines for a person: S, waste, verdicts, rankings, M_W, M_S."""
+    from transforms.whatif.result import ATTRIBUTION_THRESHOLD, DISCREPANCY_LIMIT
+
+    meta = result.meta
+    lines = [
+        f"job {result.job_id}: {len(result.steps)} steps, dp {meta.dp_size} x pp {meta.pp_size} workers "
+        f"(tp {meta.tp_size}, cp {meta.dsp_size}, vpp {meta.vpp_size}; {meta.world_size} GPUs), {n_ops:,} ops, "
+        f"analysed in {seconds:.2f} s",
+        f"S = {result.slowdown:.4f}: waste {100 * result.waste:.1f}% of GPU time; "
+        + ("straggling (S >= 1.1)" if result.straggling else "not straggling (S < 1.1)"),
+        f"step time {result.step_t_nodelay.mean():.3f} s replayed, {result.step_t_noblk.mean():.3f} s ideal; "
+        f"per-step S {result.step_slowdown.min():.3f} .. {result.step_slowdown.max():.3f}",
+        f"replay discrepancy {result.launch_slowdown:.4f}: "
+        + (f"DISCARDED from fleet statistics (> {DISCREPANCY_LIMIT})" if result.discarded else f"ok (<= {DISCREPANCY_LIMIT})"),
+    ]
+    if result.by_stage is None:
+        lines.append(f"no attribution: S < {ATTRIBUTION_THRESHOLD}")
+    else:
+        def ranking(values: dict, label) -> str:
+            best = sorted(values.items(), key=lambda item: -item[1])[:top]
+            return ", ".join(f"{label(key)} {value:.3f}" for key, value in best)
+
+        lines.append("top stages:   " + ranking(result.by_stage, lambda k: f"stage {k}"))
+        lines.append("top DP ranks: " + ranking(result.by_dp_rank, lambda k: f"dp {k}"))
+        lines.append("top op types: " + ranking(result.by_optype, str))
+    if result.mw is not None:
+        workers = ", ".join(f"(dp {d}, stage {p})" for d, p in result.mw.workers)
+        lines.append(f"M_W = {result.mw.rem:.3f} (add {result.mw.add:.3f}) for the top {len(result.mw.workers)} worker(s): {workers}"
+                     + ("  -> individual worker problem" if result.mw.rem > 0.5 else ""))
+    if result.ms is not None:
+        lines.append(f"M_S = {result.ms.rem:.3f} (add {result.ms.add:.3f}) for the last stage"
+                     + ("  -> stage partitioning imbalance" if result.ms.rem >= 0.5 else "")
+                     + ("" if result.ms.workers else " (no pipeline parallelism: 0)"))
+    return "\n".join(lines)
+
+
+def run(argv: list[str]) -> int:
+    """Analyse the job, print the summary, write the requested outputs. Returns the exit code."""
+    opts = parse(argv)
+    from transforms.whatif import analyze_job
+    from transforms.whatif.errors import WhatIfError
+
+    from transforms.lake import LakeError
+
+    try:
+        trace, meta, job_id, source = load_job(opts)
+    except (OSError, ValueError, LakeError) as error:
+        print(f"strag analyze: cannot read the job: {error}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    try:
+        result = analyze_job(trace, meta, job_id, timeline=opts.timeline_out is not None)
+    except WhatIfError as error:
+        print(f"strag analyze: {source}: {error}", file=sys.stderr)
+        return 1
+    seconds = time.perf_counter() - started
+    print(summary(result, trace.num_rows, seconds, opts.top))
+    if opts.json_out is not None:
+        opts.json_out.parent.mkdir(parents=True, exist_ok=True)
+        opts.json_out.write_text(json.dumps(result.to_json(), indent=2))
+        print(f"result JSON: {opts.json_out}")
+    if opts.timeline_out is not None:
+        from transforms.whatif.timeline import write_chrome_trace
+
+        opts.timeline_out.parent.mkdir(parents=True, exist_ok=True)
+        write_chrome_trace(result.timeline, opts.timeline_out, opts.timeline_steps)
+        print(f"timeline (open in ui.perfetto.dev): {opts.timeline_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))

@@ -1,0 +1,90 @@
+"""`strag analyze` end to end: file and lake forms, outputs, exit codes, and no Beam import."""
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pipelines.analyze import parse
+
+# Runs the CLI in a fresh interpreter, then reports whether Apache Beam got imported.
+_DRIVER = textwrap.dedent("""
+    import sys
+    from pipelines.cli import main
+    code = main(sys.argv[1:])
+    beam = sorted(name for name in sys.modules if name == "apache_beam" or name.startswith("apache_beam."))
+    print("BEAM_MODULES=" + ",".join(beam))
+    sys.exit(code)
+""")
+
+
+def strag(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _DRIVER, "analyze", *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_file_form_writes_json_and_timeline_without_beam(reference_dir, tmp_path):
+    out, timeline = tmp_path / "st.json", tmp_path / "st.json.gz"
+    done = strag(reference_dir / "trace-ST.parquet", "--meta", reference_dir / "meta-ST.yaml",
+                 "--json", out, "--timeline", timeline)
+    assert done.returncode == 0, done.stderr
+    assert "BEAM_MODULES=\n" in done.stdout + "\n"
+    assert "S = 1.1787" in done.stdout and "M_S = 1.219" in done.stdout and "stage partitioning imbalance" in done.stdout
+    assert "top stages:   stage 3 1.232" in done.stdout
+    result = json.loads(out.read_text())
+    expected = json.loads((reference_dir / "result-ST.json").read_text())
+    assert result["job_meta"] == expected["job_meta"]
+    assert result["blocking_slowdown"] == pytest.approx(expected["blocking_slowdown"], rel=1e-6)
+    assert result["M_S"] == pytest.approx(json.loads((reference_dir / "ms-ST.json").read_text())["Ms"], rel=1e-6)
+    assert set(result["mw"]) >= {"trem", "tadd", "tori", "tideal", "rem", "add", "Mw", "workers"}
+    with gzip.open(timeline, "rt") as handle:
+        assert json.load(handle)["traceEvents"]
+
+
+def test_lake_form(tmp_path):
+    from transforms.lake import write_job
+    from transforms.synth.faults import Cause
+    from transforms.synth.job import JobSpec, generate_job
+
+    spec = JobSpec(job_id="cli-job", dp=2, pp=2, microbatches=4, steps=6, sessions=2, seed=11,
+                   causes=(Cause("slow_worker", {"dp_rank": 1, "stage": 0}),))
+    job = generate_job(spec)
+    lake = tmp_path / "lake"
+    write_job(str(lake), spec.date, spec.job_id, job.trace, job.manifest)
+    out = tmp_path / "job.json"
+    done = strag("--lake", lake, "--job-id", spec.job_id, "--json", out)
+    assert done.returncode == 0, done.stderr
+    assert "BEAM_MODULES=\n" in done.stdout + "\n"
+    result = json.loads(out.read_text())
+    assert result["job_meta"]["trial_name"] == "cli-job" and result["job_meta"]["dp_size"] == 2
+    assert result["mw"]["workers"] == [[1, 0]]
+    wrong_date = strag("--lake", lake, "--job-id", spec.job_id, "--date", "2020-01-01")
+    assert wrong_date.returncode == 2 and "cli-job" in wrong_date.stderr
+
+
+def test_bad_trace_exits_1_with_the_typed_error(reference_dir, tmp_path):
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(reference_dir / "trace-ST.parquet")
+    table = table.filter(pc.invert(pc.equal(table.column("optype").cast("string"), "optimizer")))
+    path = tmp_path / "no-optimizer.parquet"
+    pq.write_table(table, path)
+    done = strag(path, "--meta", reference_dir / "meta-ST.yaml")
+    assert done.returncode == 1
+    assert "job 'ST'" in done.stderr and "optimizer_0_0" in done.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "either TRACE.parquet"),
+    (["x.parquet"], "needs --meta"),
+    (["--lake", "/tmp/nowhere"], "--lake needs --job-id"),
+])
+def test_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as caught:
+        parse(argv)
+    assert caught.value.code == 2 and message in capsys.readouterr().err
