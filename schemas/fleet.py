@@ -5,7 +5,7 @@ Where they live (any fsspec URL, next to the batch pipeline's per-job tables):
     {out}/job_cause/date=YYYY-MM-DD/part-0.parquet        one row per analysed job window (JOB_CAUSE_SCHEMA)
     {out}/fleet_<name>/date=YYYY-MM-DD/part-0.parquet     daily fleet tables, period = "day"
     {out}/fleet_state/date=YYYY-MM-DD/part-0.parquet      the day's combiner accumulators (FLEET_STATE_SCHEMA)
-    {out}/fleet_rollup/fleet_<name>/part-0.parquet        rollups over all dates: period "week", "month", "all"
+    {out}/fleet_<name>_rollup/part-0.parquet              rollups over all dates: period "week", "month", "all"
 
 Unit of counting: one *job window* = one job's sampled steps of one date (one manifest
 row). A job traced on three dates counts three times; with one window per job (the
@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from schemas.tables import TableSpec
+
 __all__ = [
     "FLEET_SCHEMA_VERSION",
     "CAUSES",
@@ -52,7 +54,9 @@ __all__ = [
     "FLEET_TABLES",
     "FLEET_STATE_TABLE",
     "JOB_CAUSE_TABLE",
-    "ROLLUP_DIR",
+    "ROLLUP_SUFFIX",
+    "FLEET_TABLE_SPECS",
+    "rollup_table",
 ]
 
 FLEET_SCHEMA_VERSION = "1"
@@ -93,7 +97,7 @@ HISTOGRAM_BIN_WIDTH = 0.001
 
 JOB_CAUSE_TABLE = "job_cause"
 FLEET_STATE_TABLE = "fleet_state"
-ROLLUP_DIR = "fleet_rollup"
+ROLLUP_SUFFIX = "_rollup"
 
 _PERIOD = [
     pa.field("period", pa.string(), nullable=False),       # day | week | month | all
@@ -287,5 +291,38 @@ FLEET_TABLES: dict[str, pa.Schema] = {
         FLEET_HOST_SCHEMA,
         FLEET_POSITION_SCHEMA,
         FLEET_COVERAGE_SCHEMA,
+    )
+}
+
+
+def rollup_table(name: str) -> str:
+    """Name of the unpartitioned rollup table of a daily fleet table: fleet_summary -> fleet_summary_rollup."""
+    return name + ROLLUP_SUFFIX
+
+
+_SORT_KEYS: dict[str, tuple[str, ...]] = {
+    "fleet_summary": (),
+    "fleet_distribution": ("metric", "weighting", "bin_lower"),
+    "fleet_optype": ("category", "optype"),
+    "fleet_size": ("gpus_lower",),
+    "fleet_cause": ("cause",),
+    "fleet_host": ("host",),
+    "fleet_position": ("dp_rank", "stage", "last_stage"),
+    "fleet_coverage": ("status", "reason"),
+}
+
+# Everything this module's tables need to be published by the batch commit step
+# (transforms/commit.py): daily partitions, their states, the per-job verdicts, and the
+# unpartitioned rollups (rebuilt by a commit finalizer, transforms.fleet.fleet_rollup_tables).
+FLEET_TABLE_SPECS: dict[str, TableSpec] = {
+    spec.name: spec
+    for spec in (
+        TableSpec(JOB_CAUSE_TABLE, JOB_CAUSE_SCHEMA, ("job_id",)),
+        TableSpec(FLEET_STATE_TABLE, FLEET_STATE_SCHEMA, ("table",)),
+        *(TableSpec(name, schema, ("period", "period_start") + _SORT_KEYS[name]) for name, schema in FLEET_TABLES.items()),
+        *(
+            TableSpec(rollup_table(name), schema, ("period", "period_start") + _SORT_KEYS[name], partitioned=False)
+            for name, schema in FLEET_TABLES.items()
+        ),
     )
 }

@@ -40,11 +40,13 @@ from schemas.fleet import (
     FLEET_TABLES,
     HISTOGRAM_BIN_WIDTH,
     OPTYPE_CATEGORIES,
+    rollup_table,
 )
 from transforms.whatif.result import ATTRIBUTION_THRESHOLD, STRAGGLING_THRESHOLD
 
 __all__ = [
     "JobFacts",
+    "job_facts_from_tables",
     "FleetStatsFn",
     "SummaryFn",
     "DistributionFn",
@@ -58,6 +60,7 @@ __all__ = [
     "fleet_tables",
     "state_rows",
     "rollup_fleet",
+    "fleet_rollup_tables",
     "ROLLUP_PERIODS",
 ]
 
@@ -128,6 +131,87 @@ class JobFacts:
     @property
     def wasted_gpu_hours(self) -> float:
         return self.gpu_hours * self.waste
+
+
+def _frame(tables: Mapping[str, pa.Table], name: str, date: str | None):
+    """The rows of one per-job table as a pandas frame with a `date` ISO-text column."""
+    table = tables.get(name)
+    if table is None or table.num_rows == 0:
+        return None
+    frame = table.to_pandas()
+    if "date" in frame.columns:
+        frame["date"] = frame["date"].map(lambda d: d.isoformat() if isinstance(d, dt.date) else str(d))
+    elif date is not None:
+        frame["date"] = date
+    else:
+        raise ValueError(f"table {name} has no date column and no date was given")
+    return frame
+
+
+def _groups(frame, by=("date", "job_id")) -> dict:
+    return {} if frame is None else {key: group for key, group in frame.groupby(list(by), sort=False)}
+
+
+def job_facts_from_tables(tables: Mapping[str, pa.Table], date: str | dt.date | None = None) -> list[JobFacts]:
+    """JobFacts of every job window in per-job tables (schemas/tables.py + job_cause).
+
+    tables: table name -> rows, either as read from the output URL (with a `date` column)
+    or as one window's JobOutcome tables (no `date` column: pass `date`). Windows are
+    taken from `coverage` (every window seen), completed from job_summary, step_slowdown,
+    optype_attribution (window rows, step null), worker_attribution and job_cause. Out:
+    JobFacts sorted by (date, job_id).
+    """
+    iso = date.isoformat() if isinstance(date, dt.date) else date
+    coverage = _frame(tables, "coverage", iso)
+    summary = _groups(_frame(tables, "job_summary", iso))
+    steps = _groups(_frame(tables, "step_slowdown", iso))
+    optypes = _frame(tables, "optype_attribution", iso)
+    if optypes is not None:
+        optypes = optypes[optypes["step"].isna()]
+    optypes = _groups(optypes)
+    workers = _groups(_frame(tables, "worker_attribution", iso))
+    causes = _groups(_frame(tables, "job_cause", iso))
+    windows: dict[tuple[str, str], dict] = {}
+    if coverage is not None:
+        for row in coverage.to_dict("records"):
+            windows[(row["date"], row["job_id"])] = row
+    for key, group in summary.items():
+        windows.setdefault(key, {"status": "discarded" if bool(group["discarded"].iloc[0]) else "analysed"})
+    out = []
+    for key in sorted(windows):
+        window_date, job_id = key
+        row = windows[key]
+        facts = {"job_id": job_id, "date": dt.date.fromisoformat(window_date), "status": row["status"]}
+        facts["reason"] = row.get("reason_code") or ""
+        if row.get("gpus") is not None and not (isinstance(row.get("gpus"), float) and math.isnan(row["gpus"])):
+            facts["gpus"] = int(row["gpus"])
+        if row.get("gpu_hours") is not None and math.isfinite(row["gpu_hours"]):
+            facts["gpu_hours"] = float(row["gpu_hours"])
+        if key in summary:
+            head = summary[key].iloc[0]
+            facts.update(gpus=int(head["gpus"]), gpu_hours=float(head["gpu_hours"]), pp_size=int(head["pp_size"]))
+            if facts["status"] == "analysed":
+                facts["slowdown"] = float(head["slowdown"])
+        if facts["status"] == "analysed":
+            if key in steps:
+                facts["step_slowdown"] = steps[key].sort_values("step")["slowdown"].to_numpy(np.float64)
+            if key in optypes:
+                facts["optype_slowdown"] = dict(zip(optypes[key]["optype"], optypes[key]["slowdown"].astype(float)))
+            if key in workers:
+                group = workers[key].sort_values(["dp_rank", "stage"])
+                facts["worker_dp_rank"] = group["dp_rank"].to_numpy(np.int64)
+                facts["worker_stage"] = group["stage"].to_numpy(np.int64)
+                facts["worker_host"] = tuple("" if h is None or h != h else str(h) for h in group["host"])
+                facts["worker_slowdown"] = group["slowdown_worker"].to_numpy(np.float64, na_value=np.nan)
+            if key in causes:
+                verdict = causes[key].iloc[0]
+                facts["cause"] = verdict["cause"]
+                facts["causes"] = tuple(verdict["causes"])
+                facts["implicated_hosts"] = tuple(verdict["implicated_hosts"])
+                savings = verdict["savings_gpu_hours"]
+                facts["savings_gpu_hours"] = float(savings) if savings is not None and savings == savings else 0.0
+        out.append(JobFacts(**facts))
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -754,16 +838,45 @@ def _daily_tables(item: tuple[str, dict[str, _Tally]]):
     yield FLEET_STATE_TABLE, iso, state_rows(accumulator, date)
 
 
+def fleet_rollup_tables(out: str) -> dict[str, pa.Table]:
+    """Commit finalizer: the rollup tables rebuilt from every date's fleet_state under `out`.
+
+    In: the batch output URL (its fleet_state partitions are already published). Out:
+    {"fleet_<name>_rollup": table} for every fleet table, ready to publish unpartitioned.
+    """
+    from schemas.tables import read_table
+
+    states = read_table(out, FLEET_STATE_TABLE) if _has_table(out, FLEET_STATE_TABLE) else []
+    return {rollup_table(name): table for name, table in rollup_fleet(states).items()}
+
+
+def _has_table(out: str, table: str) -> bool:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(f"{out.rstrip('/')}/{table}")
+    return fs.exists(root)
+
+
+def _as_facts(element) -> Iterable[JobFacts]:
+    """JobFacts as they are, or the facts of a batch JobOutcome (its per-job tables and date)."""
+    if isinstance(element, JobFacts):
+        yield element
+    else:
+        yield from job_facts_from_tables(element.tables, element.date)
+
+
 class AggregateFleet(beam.PTransform):
-    """PCollection[JobFacts] -> PCollection[(table name, date ISO string, pa.Table)].
+    """PCollection[JobFacts | JobOutcome] -> PCollection[(table name, date ISO string, pa.Table)].
 
     Per date: every fleet table with period "day", plus the date's fleet_state rows
-    (the serialised accumulators the rollups are rebuilt from).
+    (the serialised accumulators the rollups are rebuilt from). A JobOutcome (the batch
+    pipeline's per-window element) is read through job_facts_from_tables.
     """
 
-    def expand(self, job_facts):
+    def expand(self, jobs):
         return (
-            job_facts
+            jobs
+            | "ToJobFacts" >> beam.FlatMap(_as_facts)
             # ISO text, not date objects: Beam's deterministic key coder has no date type
             | "KeyByDate" >> beam.Map(lambda facts: (facts.date.isoformat(), facts))
             | "CombinePerDate" >> beam.CombinePerKey(_AccumulateFleet())

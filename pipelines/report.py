@@ -1,0 +1,143 @@
+"""`strag report --tables URL --out DIR`: the fleet report and per-job pages from the tables alone.
+
+    strag report --tables ./demo-out --out ./demo-out/_reports
+    strag report --tables s3://bucket/strag --out s3://bucket/strag/_reports --jobs all --images svg
+
+Writes DIR/index.html (the fleet report, JavaScript inlined: opens offline), DIR/charts/
+(PNG and SVG of every fleet chart), DIR/jobs/<date>_<job>.html (one monitor page per
+selected job window) and DIR/assets/vega-bundle.js (shared by the job pages). With
+--check, opens every page in headless Chromium and fails unless all charts are drawn
+with no console error.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import sys
+import tempfile
+import time
+
+import fsspec
+
+__all__ = ["ReportOptions", "parse", "build", "run"]
+
+_JOB_SELECTIONS = ("straggling", "all", "none")
+_IMAGE_FORMATS = ("svg", "png")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportOptions:
+    """tables: the batch output URL; out: report folder (local path or fsspec URL).
+    jobs: "straggling" (kept windows with S >= 1.1) | "all" | "none" | explicit job ids; max_jobs caps the pages (worst first).
+    images: chart file formats for the fleet report; check: verify pages in headless Chromium."""
+
+    tables: str
+    out: str
+    jobs: str | tuple[str, ...] = "straggling"
+    max_jobs: int = 200
+    images: tuple[str, ...] = _IMAGE_FORMATS
+    check: bool = False
+
+    def __post_init__(self):
+        if not self.tables:
+            raise ValueError("--tables: the batch output URL is required")
+        if not self.out:
+            raise ValueError("--out: a report folder is required")
+        if self.max_jobs < 0:
+            raise ValueError(f"--max-jobs must be >= 0, got {self.max_jobs}")
+        unknown = [f for f in self.images if f not in _IMAGE_FORMATS]
+        if unknown:
+            raise ValueError(f"--images: unknown formats {unknown}; choose from {_IMAGE_FORMATS} or 'none'")
+
+
+def parse(argv: list[str]) -> ReportOptions:
+    parser = argparse.ArgumentParser(prog="strag report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tables", required=True, help="output URL of `strag batch` (local folder, file://, s3://)")
+    parser.add_argument("--out", required=True, help="report folder (local path or fsspec URL)")
+    parser.add_argument("--jobs", default="straggling",
+                        help="job pages to build: straggling (default), all, none, or comma-separated job ids")
+    parser.add_argument("--max-jobs", type=int, default=200, help="at most this many job pages, most GPU-hours wasted first (default 200)")
+    parser.add_argument("--images", default="svg,png", help="chart files for the fleet report: svg,png (default), svg, png or none")
+    parser.add_argument("--check", action="store_true", help="open every page in headless Chromium and fail on undrawn charts or console errors")
+    args = parser.parse_args(argv)
+    jobs = args.jobs if args.jobs in _JOB_SELECTIONS else tuple(j for j in args.jobs.split(",") if j)
+    images = () if args.images == "none" else tuple(f for f in args.images.split(",") if f)
+    return ReportOptions(args.tables, args.out, jobs, args.max_jobs, images, args.check)
+
+
+def _selected_jobs(data, opts: ReportOptions) -> list[tuple]:
+    summary = data.jobs["job_summary"]
+    if summary.empty or opts.jobs == "none":
+        return []
+    rows = summary.sort_values(["wasted_gpu_hours", "job_id"], ascending=[False, True])
+    if opts.jobs == "straggling":
+        # discarded windows (replay discrepancy > 5%) have no trustworthy S: pages only on request
+        rows = rows[rows["straggling"] & ~rows["discarded"]]
+    elif opts.jobs != "all":
+        wanted = set(opts.jobs)
+        missing = wanted - set(rows["job_id"])
+        if missing:
+            raise ValueError(f"--jobs: no job_summary rows for {sorted(missing)} under {opts.tables}")
+        rows = rows[rows["job_id"].isin(wanted)]
+    return list(zip(rows["date"], rows["job_id"]))[: opts.max_jobs]
+
+
+def build(opts: ReportOptions, out_dir: pathlib.Path) -> dict:
+    """Build every page into the local folder out_dir; returns a summary dict."""
+    from dashboards.data import load_report_data
+    from dashboards.fleet_report import build_fleet_report
+    from dashboards.html import write_bundle
+    from dashboards.job_page import build_job_page, job_page_path
+
+    started = time.perf_counter()
+    data = load_report_data(opts.tables)
+    selected = _selected_jobs(data, opts)
+    pages = []
+    if selected:
+        write_bundle(out_dir)
+    for index, (date, job_id) in enumerate(selected, 1):
+        pages.append(build_job_page(data, date, job_id, out_dir))
+        if index % 25 == 0:
+            print(f"  job pages: {index}/{len(selected)}", file=sys.stderr)
+    linked = set(selected)
+    report = build_fleet_report(data, out_dir, lambda d, j: job_page_path(d, j) if (d, j) in linked else None, opts.images)
+    checked = []
+    if opts.check:
+        from dashboards.browser import check_page
+
+        for page in [report, *pages]:
+            result = check_page(page)
+            result.raise_for_problems()
+            checked.append(page)
+    return {"report": report, "job_pages": len(pages), "checked": len(checked), "fleet_source": data.fleet_source,
+            "seconds": time.perf_counter() - started}
+
+
+def run(argv: list[str]) -> int:
+    try:
+        opts = parse(argv)
+    except ValueError as error:
+        print(f"strag report: {error}", file=sys.stderr)
+        return 2
+    fs, root = fsspec.core.url_to_fs(opts.out)
+    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    from dashboards.browser import BrowserError
+    from dashboards.data import ReportDataError
+
+    try:
+        if local:
+            summary = build(opts, pathlib.Path(root))
+        else:
+            # build locally, then upload the folder: pages link to each other by relative paths
+            with tempfile.TemporaryDirectory(prefix="strag-report-") as staging:
+                summary = build(opts, pathlib.Path(staging))
+                fs.put(staging.rstrip("/") + "/", root.rstrip("/") + "/", recursive=True)
+    except (ReportDataError, BrowserError, ValueError, KeyError) as error:
+        print(f"strag report: {error}", file=sys.stderr)
+        return 1
+    where = opts.out.rstrip("/")
+    print(f"fleet report: {where}/index.html ({summary['fleet_source']})")
+    print(f"job pages:    {summary['job_pages']} under {where}/jobs/" + (f", {summary['checked']} pages checked in Chromium" if opts.check else ""))
+    print(f"done in {summary['seconds']:.1f} s")
+    return 0

@@ -1,0 +1,127 @@
+"""Reports from published tables: offline HTML, chart files, chart specs, `strag report` CLI."""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+
+import pandas as pd
+import pytest
+
+from dashboards import charts
+from dashboards.data import load_report_data
+from dashboards.fleet_report import build_fleet_report, fleet_charts
+from dashboards.html import BUNDLE_PATH
+from dashboards.job_page import build_job_page, job_page_path
+from fleet_tables_fixture import START, commit_fleet, random_outcomes
+from pipelines import report
+
+DAYS = 4
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tables")
+    commit_fleet(random_outcomes(seed=11, days=DAYS, jobs_per_day=10), out, [(START + dt.timedelta(days=d)).isoformat() for d in range(DAYS)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def data(tables):
+    return load_report_data(str(tables))
+
+
+def _specs(page: str) -> dict:
+    match = re.search(r"const stragSpecs = (\{.*?\});\n", page, re.S)
+    assert match, "page has no chart specs"
+    return json.loads(match.group(1).replace("<\\/", "</"))
+
+
+def test_fleet_report_is_self_contained_with_chart_files(data, tmp_path):
+    path = build_fleet_report(data, tmp_path, images=("svg", "png"))
+    page = path.read_text()
+    # no script or stylesheet from anywhere but the page itself
+    assert not re.search(r"<script[^>]+src=", page)
+    assert not re.search(r"<link[^>]+href=", page)
+    assert "window.vegaEmbed=" in page and "window.stragReady" in page
+    specs = _specs(page)
+    names = [c.name for c in fleet_charts(data)]
+    assert sorted(specs) == sorted(f"chart-{n}" for n in names)
+    for name in names:
+        assert (tmp_path / "charts" / f"{name}.svg").read_text().lstrip().startswith("<svg"), name
+        assert (tmp_path / "charts" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert f'href="charts/{name}.svg"' in page
+
+
+def test_fleet_report_numbers_come_from_the_tables(data, tmp_path):
+    page = build_fleet_report(data, tmp_path, images=()).read_text()
+    summary = data.fleet_period("fleet_summary").iloc[0]
+    assert f"{100 * summary.straggling_share:.1f}%" in page
+    assert f"{summary.jobs:,}" in page
+    # the CDF data in the page is the distribution table
+    spec = _specs(page)["chart-slowdown_cdf"]
+    points = [row for values in spec["datasets"].values() for row in values if "cumulative_share" in row]
+    job_weighted = data.fleet_period("fleet_distribution").query("metric == 'slowdown' and weighting == 'job'")
+    assert max(p["cumulative_share"] for p in points) == pytest.approx(1.0)
+    assert len([p for p in points if p["series"] == "job"]) == len(job_weighted) + 1  # + the zero start
+
+
+def test_fleet_tables_from_per_job_tables_equal_the_published_state(tables, data, tmp_path):
+    """The report's fallback (no fleet_state) runs the same CombineFns: same numbers."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tables, copy)
+    shutil.rmtree(copy / "fleet_state")
+    fallback = load_report_data(str(copy))
+    assert fallback.fleet_source == "per-job tables" and data.fleet_source == "fleet_state"
+    for name in data.fleet:
+        pd.testing.assert_frame_equal(fallback.fleet[name], data.fleet[name], check_exact=True, obj=name)
+
+
+def test_job_page_shows_the_smon_views(data, tmp_path):
+    summary = data.jobs["job_summary"]
+    row = summary[summary["attributed"] & ~summary["discarded"]].sort_values("slowdown").iloc[-1]
+    path = build_job_page(data, row.date, row.job_id, tmp_path, timeline_href="../timelines/x.json.gz")
+    assert path == tmp_path / job_page_path(row.date, row.job_id)
+    page = path.read_text()
+    assert f'src="../{BUNDLE_PATH}"' in page and "../timelines/x.json.gz" in page
+    specs = _specs(page)
+    assert set(specs) == {f"chart-{n}" for n in ("steps", "workers", "stage_steps", "dp_steps", "optypes", "stages")}
+    heatmap = specs["chart-workers"]["layer"][0]["encoding"]
+    assert heatmap["x"]["field"] == "dp_rank" and heatmap["y"]["field"] == "stage"
+    assert heatmap["color"]["scale"]["domain"] == list(charts.HEATMAP_DOMAIN) == [1.0, 1.5]
+    workers = data.job("worker_attribution", row.date, row.job_id)
+    cells = next(v for v in specs["chart-workers"]["datasets"].values())
+    assert sorted(c["slowdown_worker"] for c in cells) == sorted(workers["slowdown_worker"])
+    assert f"{row.slowdown:.3f}" in page
+
+
+def test_job_page_of_an_unknown_job_names_it(data, tmp_path):
+    with pytest.raises(KeyError, match="nope"):
+        build_job_page(data, START, "nope", tmp_path)
+
+
+def test_report_cli_builds_pages_for_straggling_jobs(tables, data, tmp_path, capsys):
+    out = tmp_path / "report"
+    assert report.run(["--tables", str(tables), "--out", str(out), "--images", "svg"]) == 0
+    summary = data.jobs["job_summary"]
+    straggling = summary[summary["straggling"] & ~summary["discarded"]]
+    pages = sorted(p.name for p in (out / "jobs").glob("*.html"))
+    assert pages == sorted(job_page_path(d, j).split("/")[1] for d, j in zip(straggling["date"], straggling["job_id"]))
+    assert (out / BUNDLE_PATH).stat().st_size > 100_000
+    index = (out / "index.html").read_text()
+    linked = set(re.findall(r'href="jobs/([^"]+)"', index))
+    assert linked == set(pages)  # every page is reachable from the fleet report
+    assert "fleet report:" in capsys.readouterr().out
+
+
+def test_report_cli_explains_missing_tables(tmp_path, capsys):
+    assert report.run(["--tables", str(tmp_path / "empty"), "--out", str(tmp_path / "r")]) == 1
+    assert "run `strag batch" in capsys.readouterr().err
+
+
+def test_report_cli_rejects_unknown_job_ids(tables, tmp_path, capsys):
+    assert report.run(["--tables", str(tables), "--out", str(tmp_path / "r"), "--jobs", "job-000-00,ghost"]) == 1
+    assert "ghost" in capsys.readouterr().err
+    assert report.run(["--tables", str(tables), "--out", str(tmp_path / "r"), "--images", "gif"]) == 2
