@@ -25,18 +25,17 @@ Plain helpers here also land a generated job as per-worker session files
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import math
 import re
 import time
+import typing
 from collections.abc import Iterable, Iterator
 
 import apache_beam as beam
 import fsspec
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 from apache_beam.io.restriction_trackers import OffsetRange, OffsetRestrictionTracker
 from apache_beam.io.watermark_estimators import ManualWatermarkEstimator
 from apache_beam.metrics import Metrics
@@ -44,10 +43,11 @@ from apache_beam.transforms.userstate import ReadModifyWriteStateSpec
 from apache_beam.utils.timestamp import Timestamp
 
 from schemas.lake import LANDING, landing_dir
-from schemas.trace import MANIFEST_SCHEMA, TRACE_SCHEMA
+from transforms.lake import LakeReadError, manifest_table, read_manifest, write_parquet
 
 __all__ = [
     "LANDING_MANIFEST",
+    "LANDING_LAYOUT",
     "LandingEvent",
     "LandingPathError",
     "WatchConfig",
@@ -55,16 +55,17 @@ __all__ = [
     "parse_landing_path",
     "landing_worker_path",
     "landing_manifest_path",
-    "read_landing_manifest",
     "expected_workers",
     "split_workers",
-    "land_file",
     "land_session",
+    "session_trace",
+    "land_generated_session",
 ]
 
 _LOG = logging.getLogger(__name__)
 
 LANDING_MANIFEST = "manifest.parquet"
+LANDING_LAYOUT = "landing_layout"  # quarantine reason code of a misplaced landing file
 _TICK_KEY = "\x00tick:"  # cannot start a path
 _WORKER_FILE = re.compile(r"^worker-(\d+)-(\d+)\.parquet$")
 
@@ -141,22 +142,9 @@ def parse_landing_path(path: str) -> tuple[str, str, str, int, int]:
     return job_id, session, "worker", int(match.group(1)), int(match.group(2))
 
 
-def read_landing_manifest(path: str) -> pa.Table:
-    """Read a session manifest (exactly one MANIFEST_SCHEMA row) from any fsspec URL."""
-    with fsspec.open(path, "rb") as handle:
-        table = pq.read_table(handle)
-    missing = [name for name in MANIFEST_SCHEMA.names if name not in table.column_names]
-    if missing:
-        raise ValueError(f"{path}: manifest lacks columns {missing}")
-    if table.num_rows != 1:
-        raise ValueError(f"{path}: a session manifest holds one row, found {table.num_rows}")
-    return table
-
-
-def expected_workers(manifest: pa.Table) -> tuple[tuple[int, int], ...]:
-    """The (dp_rank, stage) pairs a session must deliver: the manifest's worker list,
-    or the full dp_size x pp_size grid when that list is empty."""
-    row = manifest.slice(0, 1).to_pylist()[0]
+def expected_workers(row: dict) -> tuple[tuple[int, int], ...]:
+    """The (dp_rank, stage) pairs a session must deliver, from its manifest row (dict):
+    the manifest's worker list, or the full dp_size x pp_size grid when that list is empty."""
     listed = row.get("workers") or []
     if listed:
         return tuple(sorted({(int(w["dp_rank"]), int(w["stage"])) for w in listed}))
@@ -164,25 +152,6 @@ def expected_workers(manifest: pa.Table) -> tuple[tuple[int, int], ...]:
 
 
 # ---------------------------------------------------------------- landing files (writers)
-
-
-def land_file(url: str, table: pa.Table) -> None:
-    """Write one parquet file so that readers never see it half-written.
-
-    Local and memory filesystems: write '.{name}.tmp' beside it, then rename (the
-    watcher skips dot-files). Object stores: a single PUT is already atomic.
-    """
-    fs, path = fsspec.core.url_to_fs(url)
-    buffer = io.BytesIO()
-    pq.write_table(table, buffer)
-    folder, _, name = path.rpartition("/")
-    fs.makedirs(folder, exist_ok=True)
-    if _is_object_store(fs):
-        fs.pipe_file(path, buffer.getvalue())
-        return
-    temporary = f"{folder}/.{name}.tmp"
-    fs.pipe_file(temporary, buffer.getvalue())
-    fs.mv(temporary, path)
 
 
 def split_workers(trace: pa.Table) -> dict[tuple[int, int], pa.Table]:
@@ -206,33 +175,45 @@ def land_session(
     job_id: str,
     session: str | int,
     trace: pa.Table,
-    manifest: pa.Table,
+    manifest: pa.Table | dict,
     *,
     workers: Iterable[tuple[int, int]] | None = None,
     with_manifest: bool = True,
 ) -> list[str]:
     """Land a job's trace as one session: its manifest and one file per worker.
 
-    trace: TRACE_SCHEMA rows of the job (e.g. a generated job); manifest: its one
-    MANIFEST_SCHEMA row. `workers` restricts (and orders) which worker files are
+    trace: TRACE_SCHEMA rows of the job (e.g. a generated job); manifest: its
+    MANIFEST_SCHEMA row (one-row table or dict). Files are written atomically
+    (transforms.lake.write_parquet). `workers` restricts (and orders) which worker files are
     written now, so tests can land a session in pieces. Returns the paths written.
     """
     written = []
     if with_manifest:
         path = landing_manifest_path(lake, job_id, session)
-        land_file(path, manifest.cast(MANIFEST_SCHEMA) if manifest.schema != MANIFEST_SCHEMA else manifest)
+        write_parquet(path, manifest_table(manifest))
         written.append(path)
     per_worker = split_workers(trace)
     for worker in (per_worker if workers is None else workers):
         path = landing_worker_path(lake, job_id, session, *worker)
-        land_file(path, per_worker[tuple(worker)])
+        write_parquet(path, per_worker[tuple(worker)])
         written.append(path)
     return written
 
 
-def _is_object_store(fs) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return protocol not in ("file", "local", "memory")
+def session_trace(job, session: int) -> pa.Table:
+    """Rows of one profiling session of a generated job (transforms.synth GeneratedJob:
+    its `parts` slice the trace per (session, stage))."""
+    pieces = [job.trace.slice(part.offset, part.length) for part in job.parts if part.session == session]
+    if not pieces:
+        sessions = sorted({part.session for part in job.parts})
+        raise ValueError(f"job {job.spec.job_id}: no session {session} (sessions {sessions})")
+    return pa.concat_tables(pieces)
+
+
+def land_generated_session(lake: str, job, session: int, name: str | None = None, **options) -> list[str]:
+    """Land session `session` of a generated job as landing/{job_id}/{name}/ (name defaults
+    to 's{session}'); options as for `land_session`. Returns the paths written."""
+    return land_session(lake, job.spec.job_id, name or f"s{session}", session_trace(job, session), job.manifest, **options)
 
 
 # ---------------------------------------------------------------- the watcher
@@ -246,7 +227,7 @@ class WatchConfig:
     start_time: wall-clock seconds of the first poll (pass it explicitly: a
     default evaluated at import time would be stale). stop_time: wall-clock
     seconds after which the watcher makes one final poll and ends (None: never).
-    stop_after_sessions / live_results: end after the live table at that URL holds
+    stop_after_sessions / out: end once the live table under output URL `out` holds
     results for this many sessions (None: never).
     """
 
@@ -255,7 +236,7 @@ class WatchConfig:
     start_time: float = 0.0
     stop_time: float | None = None
     stop_after_sessions: int | None = None
-    live_results: str | None = None
+    out: str | None = None
 
     def __post_init__(self):
         if not self.lake:
@@ -267,8 +248,8 @@ class WatchConfig:
         if self.stop_after_sessions is not None:
             if self.stop_after_sessions < 1:
                 raise ValueError("WatchConfig.stop_after_sessions must be >= 1")
-            if not self.live_results:
-                raise ValueError("WatchConfig.stop_after_sessions needs live_results (the live table URL)")
+            if not self.out:
+                raise ValueError("WatchConfig.stop_after_sessions needs out (the output URL of the live table)")
 
     @property
     def landing(self) -> str:
@@ -282,7 +263,7 @@ class WatchConfig:
             # Imported here: transforms.live imports this module.
             from transforms.live import count_live_sessions
 
-            return count_live_sessions(self.live_results) >= self.stop_after_sessions
+            return count_live_sessions(self.out) >= self.stop_after_sessions
         return False
 
 
@@ -435,7 +416,7 @@ class _ReadLandingEventFn(beam.DoFn):
             job_id, session, kind, dp_rank, stage = parse_landing_path(path)
         except LandingPathError as error:
             self._quarantined.inc()
-            yield beam.pvalue.TaggedOutput("quarantine", _quarantine_row(path, "", "", str(error), poll_time))
+            yield beam.pvalue.TaggedOutput("quarantine", _quarantine_row(path, None, "", LANDING_LAYOUT, str(error), poll_time))
             return
         if redelivered:
             yield LandingEvent("redelivery", job_id, session, poll_time, path, dp_rank, stage)
@@ -444,23 +425,30 @@ class _ReadLandingEventFn(beam.DoFn):
             yield LandingEvent("worker", job_id, session, poll_time, path, dp_rank, stage)
             return
         try:
-            workers = expected_workers(read_landing_manifest(path))
-        except Exception as error:  # any unreadable manifest: quarantined with its reason, never dropped
+            workers = expected_workers(read_manifest(path))
+        except LakeReadError as error:
             self._quarantined.inc()
-            reason = f"job {job_id} session {session}: unreadable session manifest: {error}"
-            yield beam.pvalue.TaggedOutput("quarantine", _quarantine_row(path, job_id, session, reason, poll_time))
+            yield beam.pvalue.TaggedOutput(
+                "quarantine", _quarantine_row(path, job_id, session, error.reason,
+                                              f"job {job_id} session {session}: {error}", poll_time))
             return
         yield LandingEvent("manifest", job_id, session, poll_time, path, workers=workers)
 
 
-def _quarantine_row(path: str, job_id: str, session: str, reason: str, poll_time: float) -> dict:
-    return {"source_path": path, "job_id": job_id, "session": session, "reason": reason, "seen_time": poll_time}
+def _quarantine_row(path: str, job_id: str | None, session: str, reason_code: str, detail: str, poll_time: float) -> dict:
+    """A QUARANTINE_SCHEMA row (file level) plus the session and the poll time that saw it."""
+    reasons = {LANDING_LAYOUT: "the file does not follow the landing layout; rename or remove it",
+               "unreadable_manifest": "the session manifest cannot be read; re-upload it",
+               "invalid_manifest": "the session manifest breaks the manifest contract; fix the writer"}
+    return {"job_id": job_id, "session": session, "source_path": path, "level": "file", "reason_code": reason_code,
+            "reason": reasons.get(reason_code, reason_code), "detail": detail, "row_index": None, "rows": None,
+            "seen_time": poll_time}
 
 
 class WatchLanding(beam.PTransform):
-    """PBegin -> (session key, LandingEvent) for every new landing file and a tick per
-    session per poll; tagged output 'quarantine' holds rows {source_path, job_id,
-    session, reason, seen_time} for files that break the landing layout."""
+    """PBegin -> {'events': (session key, LandingEvent) for every new landing file and a
+    tick per session per poll, 'quarantine': QUARANTINE_SCHEMA dicts (+ session,
+    seen_time) for files that break the landing layout or unreadable manifests}."""
 
     def __init__(self, config: WatchConfig):
         super().__init__()
@@ -475,7 +463,7 @@ class WatchLanding(beam.PTransform):
         events = (
             polls
             | "ListLanding" >> beam.ParDo(_ListLandingFn(self._config.landing))
-            | "DeduplicateByPath" >> beam.ParDo(_DeduplicateByPathFn())
+            | "DeduplicateByPath" >> beam.ParDo(_DeduplicateByPathFn()).with_input_types(tuple[str, typing.Any])
             | "ReadLandingEvent" >> beam.ParDo(_ReadLandingEventFn()).with_outputs("quarantine", main="events")
         )
         keyed = events.events | "KeyBySession" >> beam.Map(lambda event: (event.key, event))

@@ -184,4 +184,5 @@ class AssembleSessions(beam.PTransform):
         self._config = config
 
     def expand(self, events):
-        return events | "AssembleSession" >> beam.ParDo(_AssembleSessionFn(self._config))
+        return events | "AssembleSession" >> beam.ParDo(_AssembleSessionFn(self._config)).with_input_types(
+            tuple[str, LandingEvent])

@@ -1,0 +1,136 @@
+"""`strag watch`: the streaming monitor of the lake's landing area.
+
+    strag watch --lake URL --out URL [--threshold 1.1] [--session-timeout S]
+                [--poll-interval S] [--max-runtime S] [--stop-after-sessions N]
+
+Wiring only (each step is one composite from transforms/):
+
+    WatchLanding -> AssembleSessions -> AnalyzeSessions -> EmitLiveResults (results, alerts)
+         |                                    |
+         +-> WriteLiveQuarantine              +-> WriteLiveQuarantine (rejected rows, unexpected errors)
+
+Runs until stopped (Ctrl-C), or for --max-runtime seconds, or until the live table
+holds results for --stop-after-sessions sessions; on a bounded stop it makes one final
+poll and analyses every pending session with what it has. Tables: schemas/live.py.
+
+Runner: Beam's FnApiRunner in-process, named explicitly. In this Beam version the
+DirectRunner resolves to it for this pipeline anyway (after failing to download a
+Prism binary offline); the legacy streaming DirectRunner cannot run the
+self-deferring poll source. The monitor therefore keeps its own clock (poll ticks)
+instead of relying on timers, see transforms/landing.py.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import time
+
+import apache_beam as beam
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from transforms.analyze_sessions import AnalyzeSessions
+from transforms.landing import WatchConfig, WatchLanding
+from transforms.live import DEFAULT_THRESHOLD, AlertConfig, EmitLiveResults, WriteLiveQuarantine, count_live_sessions
+from transforms.sessions import AssembleSessions, AssemblyConfig
+
+__all__ = ["WatchOptions", "parse", "build", "run"]
+
+_LOG = logging.getLogger("strag.watch")
+
+
+@dataclasses.dataclass(frozen=True)
+class WatchOptions:
+    """Parsed `strag watch` arguments (seconds for every duration)."""
+
+    lake: str
+    out: str
+    threshold: float = DEFAULT_THRESHOLD
+    session_timeout: float = 30.0
+    poll_interval: float = 1.0
+    max_runtime: float | None = None
+    stop_after_sessions: int | None = None
+
+    def watch_config(self, start_time: float) -> WatchConfig:
+        return WatchConfig(
+            lake=self.lake,
+            interval_seconds=self.poll_interval,
+            start_time=start_time,
+            stop_time=None if self.max_runtime is None else start_time + self.max_runtime,
+            stop_after_sessions=self.stop_after_sessions,
+            out=self.out,
+        )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="strag watch",
+        description="Streaming monitor: assemble profiling sessions as they land, analyse each, "
+                    "append results to the live table and alert when S crosses the threshold or the verdict changes.",
+    )
+    parser.add_argument("--lake", required=True, help="lake URL (local folder, file://, s3://); watches {lake}/landing/")
+    parser.add_argument("--out", required=True, help="output URL: live_results/, alerts/, live_quarantine/ go under it")
+    parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+                        help=f"alert when a job's S crosses this slowdown (default {DEFAULT_THRESHOLD})")
+    parser.add_argument("--session-timeout", type=float, default=30.0, metavar="S",
+                        help="analyse a session this many seconds after its first file even if workers are missing (default 30)")
+    parser.add_argument("--poll-interval", type=float, default=1.0, metavar="S", help="seconds between polls of the landing area (default 1)")
+    parser.add_argument("--max-runtime", type=float, default=None, metavar="S", help="stop after this many seconds (default: run until stopped)")
+    parser.add_argument("--stop-after-sessions", type=int, default=None, metavar="N",
+                        help="stop once the live table holds results for N sessions")
+    return parser
+
+
+def parse(argv: list[str]) -> WatchOptions:
+    """Arguments -> WatchOptions; raises SystemExit with a clear message on bad values."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not args.threshold >= 1.0:
+        parser.error(f"--threshold {args.threshold}: a slowdown threshold is >= 1.0 (1.1 = 10% slower than ideal)")
+    for name in ("session_timeout", "poll_interval"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0 seconds")
+    if args.max_runtime is not None and not args.max_runtime > 0:
+        parser.error("--max-runtime must be > 0 seconds")
+    if args.stop_after_sessions is not None and args.stop_after_sessions < 1:
+        parser.error("--stop-after-sessions must be >= 1")
+    return WatchOptions(lake=args.lake.rstrip("/"), out=args.out.rstrip("/"), threshold=args.threshold,
+                        session_timeout=args.session_timeout, poll_interval=args.poll_interval,
+                        max_runtime=args.max_runtime, stop_after_sessions=args.stop_after_sessions)
+
+
+def build(pipeline: beam.Pipeline, options: WatchOptions, start_time: float | None = None) -> None:
+    """Wire the monitor into `pipeline`. start_time: epoch seconds of the first poll (now by default)."""
+    watched = pipeline | "WatchLanding" >> WatchLanding(options.watch_config(time.time() if start_time is None else start_time))
+    analysed = (
+        watched["events"]
+        | "AssembleSessions" >> AssembleSessions(AssemblyConfig(timeout_seconds=options.session_timeout))
+        | "AnalyzeSessions" >> AnalyzeSessions()
+    )
+    analysed["results"] | "EmitLiveResults" >> EmitLiveResults(AlertConfig(out=options.out, threshold=options.threshold))
+    # Two writers rather than a Flatten: on the FnApiRunner a Flatten in an unbounded
+    # pipeline held its bundles back until the source ended.
+    watched["quarantine"] | "QuarantineLanding" >> WriteLiveQuarantine(options.out)
+    analysed["quarantine"] | "QuarantineSessions" >> WriteLiveQuarantine(options.out)
+    analysed["unexpected"] | "QuarantineUnexpected" >> WriteLiveQuarantine(options.out)
+
+
+def run(argv: list[str]) -> int:
+    """`strag watch`: runs the monitor; returns 0 when it stops normally."""
+    options = parse(argv)
+    from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    started = time.time()
+    print(f"strag watch: {options.lake}/landing -> {options.out} (threshold {options.threshold:g}, "
+          f"session timeout {options.session_timeout:g} s, poll every {options.poll_interval:g} s)", flush=True)
+    pipeline = beam.Pipeline(runner=FnApiRunner(), options=PipelineOptions(flags=[], streaming=True))
+    build(pipeline, options, start_time=started)
+    try:
+        pipeline.run().wait_until_finish()
+    except KeyboardInterrupt:
+        print("strag watch: interrupted", flush=True)
+    print(f"strag watch: stopped after {time.time() - started:.1f} s; {count_live_sessions(options.out)} sessions in "
+          f"{options.out}/live_results, alerts in {options.out}/alerts, quarantine in {options.out}/live_quarantine",
+          flush=True)
+    return 0

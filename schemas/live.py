@@ -1,0 +1,102 @@
+"""Arrow schemas and layout of the streaming monitor's tables (`strag watch`).
+
+    {out}/live_results/date=YYYY-MM-DD/{job_id}--{session}--r{revision:04d}.parquet   one row
+    {out}/alerts/date=YYYY-MM-DD/{job_id}--{session}--r{revision:04d}--{kind}.parquet   one row
+    {out}/live_quarantine/date=YYYY-MM-DD/{name}.parquet                               QUARANTINE_SCHEMA rows
+
+Append-only: every (job, session, revision) is its own file, written atomically and
+named by its key, so a retried write replaces the same file and a duplicate can never
+be counted twice. `date` (Hive key, in the path) is the UTC day of the session's first
+file. A session's current result is its highest revision (`current_results` in
+transforms/live.py); lower revisions stay for the record, superseded.
+
+Times are UTC timestamps; slowdowns are ratios (1.0 = no loss).
+"""
+from __future__ import annotations
+
+import pyarrow as pa
+
+__all__ = [
+    "LIVE_SCHEMA_VERSION",
+    "LIVE_RESULTS",
+    "ALERTS",
+    "LIVE_QUARANTINE",
+    "LIVE_STATUSES",
+    "ALERT_KINDS",
+    "MISSING_WORKER",
+    "LIVE_RESULT_SCHEMA",
+    "ALERT_SCHEMA",
+]
+
+LIVE_SCHEMA_VERSION = "1"
+LIVE_RESULTS = "live_results"
+ALERTS = "alerts"
+LIVE_QUARANTINE = "live_quarantine"
+
+# analysed: the engine ran (S and the rest are set); discarded: analysed, but the replay
+# discrepancy exceeds 5% (S is not trustworthy); failed: no result, `error` says why
+# (no manifest, no complete DP rank, a trace the engine rejects).
+LIVE_STATUSES = ("analysed", "discarded", "failed")
+ALERT_KINDS = ("slowdown-above-threshold", "slowdown-below-threshold", "verdict-changed")
+
+_TIME = pa.timestamp("us", tz="UTC")
+MISSING_WORKER = pa.struct([pa.field("dp_rank", pa.int16(), nullable=False), pa.field("stage", pa.int16(), nullable=False)])
+
+
+def _schema(name: str, fields: list[pa.Field]) -> pa.Schema:
+    return pa.schema(fields, metadata={"strag.table": name, "strag.live_schema_version": LIVE_SCHEMA_VERSION})
+
+
+LIVE_RESULT_SCHEMA = _schema(
+    LIVE_RESULTS,
+    [
+        pa.field("job_id", pa.string(), nullable=False),
+        pa.field("session", pa.string(), nullable=False),
+        pa.field("revision", pa.int32(), nullable=False),            # 1, 2, ...: the highest supersedes
+        pa.field("reason", pa.string(), nullable=False),             # complete | timeout | late | watcher-stopped
+        pa.field("status", pa.string(), nullable=False),             # LIVE_STATUSES
+        pa.field("error", pa.string(), nullable=True),               # why failed (job, file, op)
+        pa.field("complete", pa.bool_(), nullable=False),            # manifest and every listed worker present
+        pa.field("workers_expected", pa.int32(), nullable=False),    # listed by the manifest (0 without one)
+        pa.field("workers_present", pa.int32(), nullable=False),
+        pa.field("missing_workers", pa.list_(MISSING_WORKER), nullable=False),
+        pa.field("dp_ranks_analysed", pa.int32(), nullable=False),   # DP ranks with every stage present
+        pa.field("duplicate_deliveries", pa.int32(), nullable=False),  # files delivered again (ignored)
+        pa.field("dp_size", pa.int32(), nullable=True),
+        pa.field("pp_size", pa.int32(), nullable=True),
+        pa.field("n_steps", pa.int32(), nullable=True),
+        pa.field("slowdown", pa.float64(), nullable=True),           # S over the analysed DP ranks
+        pa.field("waste", pa.float64(), nullable=True),              # 1 - 1/S
+        pa.field("launch_slowdown", pa.float64(), nullable=True),    # replay discrepancy
+        pa.field("straggling", pa.bool_(), nullable=True),           # S >= 1.1 (METHOD.md)
+        pa.field("m_w", pa.float64(), nullable=True),
+        pa.field("m_s", pa.float64(), nullable=True),
+        pa.field("verdict", pa.string(), nullable=True),             # root cause (transforms/whatif/causes.py)
+        pa.field("verdict_confidence", pa.float64(), nullable=True),
+        pa.field("steps", pa.list_(pa.int64()), nullable=True),
+        pa.field("step_slowdown", pa.list_(pa.float64()), nullable=True),   # S_s, aligned with steps
+        # Worker heatmap: S_w row-major [dp_rank][stage], dp_size x pp_size values; null for
+        # workers not analysed (missing) or when S < 1.03 (no attribution, as the reference).
+        pa.field("worker_slowdown", pa.list_(pa.float64()), nullable=True),
+        pa.field("first_arrival", _TIME, nullable=False),            # poll that first saw the session
+        pa.field("assembled", _TIME, nullable=False),                # poll that triggered this revision
+        pa.field("analysed", _TIME, nullable=False),                 # when this row was computed
+    ],
+)
+
+ALERT_SCHEMA = _schema(
+    ALERTS,
+    [
+        pa.field("job_id", pa.string(), nullable=False),
+        pa.field("session", pa.string(), nullable=False),
+        pa.field("revision", pa.int32(), nullable=False),
+        pa.field("kind", pa.string(), nullable=False),               # ALERT_KINDS
+        pa.field("slowdown", pa.float64(), nullable=True),
+        pa.field("previous_slowdown", pa.float64(), nullable=True),  # the job's previous result (any session)
+        pa.field("threshold", pa.float64(), nullable=False),
+        pa.field("verdict", pa.string(), nullable=True),
+        pa.field("previous_verdict", pa.string(), nullable=True),
+        pa.field("message", pa.string(), nullable=False),
+        pa.field("alert_time", _TIME, nullable=False),
+    ],
+)

@@ -1,0 +1,274 @@
+"""AnalyzeSessions: the what-if engine on each assembled profiling session.
+
+In: `Assembly` (transforms/sessions.py). Out: one live result row per assembly (a dict
+shaped like schemas.live.LIVE_RESULT_SCHEMA, times as epoch seconds), and on the
+'quarantine' output QUARANTINE_SCHEMA rows (plus `seen_time`) for everything rejected.
+
+A session is read and validated like a batch job window (the same Validator), then:
+- complete: analysed as is;
+- incomplete (timeout, or the watcher stopped): the DP ranks that have every stage are
+  analysed, renumbered 0..k-1 as a job of dp_size k (a missing worker breaks its DP
+  rank's pipeline, but the other ranks replay correctly); the row says which workers
+  were missing and how many DP ranks were analysed; values are mapped back to the
+  original DP ranks (the heatmap leaves missing workers empty);
+- no manifest, no complete DP rank, or a trace the engine rejects: a `failed` row whose
+  `error` says why, and quarantine rows naming the job, the file and the op.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+
+from schemas.expectations import MISSING_MANIFEST, MISSING_WORKERS, Problem
+from schemas.lake import LANDING
+from schemas.tables import QUARANTINE_SCHEMA
+from transforms.lake import LakeJob, LakeReadError, read_manifest, read_parquet
+from transforms.sessions import Assembly
+from transforms.whatif.errors import WhatIfError
+from transforms.whatif.result import WhatIfResult
+
+__all__ = ["AnalyzeSessions", "analyze_session", "complete_dp_ranks", "NO_COMPLETE_DP_RANK", "ENGINE_ERROR"]
+
+NO_COMPLETE_DP_RANK = "no_complete_dp_rank"
+ENGINE_ERROR = "engine_error"
+UNEXPECTED_ERROR = "unexpected_error"
+_REASONS = {
+    UNEXPECTED_ERROR: "an unexpected error stopped the analysis of this session (a bug or a storage failure); "
+                      "see detail; the watcher went on",
+    NO_COMPLETE_DP_RANK: "no DP rank of the session has all its stages (or, with DP comm, fewer than two do); "
+                         "wait for the missing worker files or check the profiler on those workers",
+    ENGINE_ERROR: "the what-if engine cannot analyse this session's trace; fix the trace writer",
+}
+
+
+def complete_dp_ranks(present: set[tuple[int, int]], dp_size: int, pp_size: int) -> list[int]:
+    """DP ranks whose every stage is present, ascending."""
+    return [dp for dp in range(dp_size) if all((dp, stage) in present for stage in range(pp_size))]
+
+
+def _lake_of(path: str) -> str:
+    marker = f"/{LANDING}/"
+    return path[: path.rindex(marker)] if marker in path else path.rsplit("/", 4)[0]
+
+
+def _base_row(assembly: Assembly) -> dict[str, Any]:
+    return {
+        "job_id": assembly.job_id,
+        "session": assembly.session,
+        "revision": assembly.revision,
+        "reason": assembly.reason,
+        "status": "failed",
+        "error": None,
+        "complete": assembly.complete,
+        "workers_expected": len(assembly.expected),
+        "workers_present": len(assembly.worker_paths),
+        "missing_workers": [{"dp_rank": dp, "stage": stage} for dp, stage in assembly.missing],
+        "dp_ranks_analysed": 0,
+        "duplicate_deliveries": assembly.duplicate_deliveries,
+        "first_arrival": assembly.first_arrival,
+        "assembled": assembly.assembled,
+    }
+
+
+def _quarantine(job: LakeJob, problems: list[Problem], invalid: pa.Table | None = None) -> pa.Table:
+    from transforms.validate import quarantine_rows
+
+    return quarantine_rows(job, problems, invalid)
+
+
+def _job_record(job_id: str, path: str, code: str, detail: str, rows: int) -> pa.Table:
+    """One job-level quarantine row for a session the streaming monitor cannot analyse."""
+    return pa.Table.from_pylist([{"job_id": job_id, "source_path": path, "level": "job", "reason_code": code,
+                                  "reason": _REASONS[code], "detail": detail, "row_index": None, "rows": rows}],
+                                schema=QUARANTINE_SCHEMA)
+
+
+def _remap_dp_ranks(trace: pa.Table, kept: list[int]) -> pa.Table:
+    """Keep rows of the `kept` DP ranks and renumber them 0..len(kept)-1."""
+    lookup = np.full(max(kept) + 1, -1, dtype=np.int16)
+    lookup[kept] = np.arange(len(kept), dtype=np.int16)
+    dp = trace.column("dp_rank").to_numpy()
+    mask = np.isin(dp, kept)
+    trace = trace.filter(pa.array(mask))
+    renumbered = lookup[trace.column("dp_rank").to_numpy()]
+    position = trace.schema.get_field_index("dp_rank")
+    return trace.set_column(position, trace.schema.field(position), pa.array(renumbered, pa.int16()))
+
+
+def _engine_meta(manifest: dict, dp_size: int):
+    """The job's JobMeta with dp_size set to the number of DP ranks analysed."""
+    from transforms.analyze import job_meta
+
+    meta = job_meta(manifest)
+    if dp_size == meta.dp_size:
+        return meta
+    return dataclasses.replace(meta, dp_size=dp_size, world_size=dp_size * meta.pp_size * meta.tp_size * meta.dsp_size)
+
+
+def _result_fields(result: WhatIfResult, kept: list[int], dp_size: int, pp_size: int) -> dict[str, Any]:
+    heatmap = [None] * (dp_size * pp_size)
+    if result.worker_slowdown is not None:
+        values = np.asarray(result.worker_slowdown, dtype=np.float64)
+        for compact, dp in enumerate(kept):
+            for stage in range(pp_size):
+                heatmap[dp * pp_size + stage] = float(values[compact, stage])
+    return {
+        "status": "discarded" if result.discarded else "analysed",
+        "n_steps": int(len(result.steps)),
+        "slowdown": float(result.slowdown),
+        "waste": float(result.waste),
+        "launch_slowdown": float(result.launch_slowdown),
+        "straggling": bool(result.straggling),
+        "m_w": float(result.mw.rem) if result.mw is not None and np.isfinite(result.mw.rem) else None,
+        "m_s": float(result.ms.rem) if result.ms is not None and np.isfinite(result.ms.rem) else None,
+        "steps": np.asarray(result.steps, dtype=np.int64).tolist(),
+        "step_slowdown": np.asarray(result.step_slowdown, dtype=np.float64).tolist(),
+        "worker_slowdown": heatmap,
+    }
+
+
+def analyze_session(
+    assembly: Assembly,
+    validator,
+    engine: Callable[..., WhatIfResult],
+    classify: Callable[[WhatIfResult, pa.Table], tuple[str, float]] | None = None,
+) -> tuple[dict[str, Any], pa.Table]:
+    """One assembled session -> (live result row, quarantine rows).
+
+    validator: a schemas.expectations.Validator; engine: analyze_job(trace, meta, job_id);
+    classify: optional (result, trace) -> (verdict, confidence) root-cause verdict.
+    """
+    row = _base_row(assembly)
+    paths = tuple(assembly.worker_paths[w] for w in sorted(assembly.worker_paths))
+    if not assembly.manifest_path:
+        lake = _lake_of(paths[0]) if paths else ""
+        job = LakeJob(lake, time.strftime("%Y-%m-%d", time.gmtime(assembly.first_arrival)), assembly.job_id, paths, None)
+        row["error"] = (f"job {assembly.job_id} session {assembly.session}: no manifest.parquet arrived "
+                        f"({assembly.reason}); the parallelism (dp, pp) is unknown, so it cannot be analysed")
+        folder = paths[0].rsplit("/", 1)[0] if paths else f"{LANDING}/{assembly.job_id}/{assembly.session}"
+        problem = Problem(MISSING_MANIFEST, assembly.job_id, folder, row["error"], 0)
+        return row, _quarantine(job, [problem])
+    lake = _lake_of(assembly.manifest_path)
+    try:
+        manifest = read_manifest(assembly.manifest_path)
+    except LakeReadError as error:
+        job = LakeJob(lake, time.strftime("%Y-%m-%d", time.gmtime(assembly.first_arrival)), assembly.job_id, paths,
+                      assembly.manifest_path)
+        row["error"] = str(error)
+        return row, _quarantine(job, validator.unreadable(assembly.manifest_path, error, assembly.job_id, manifest=True).problems)
+    job = LakeJob(lake, manifest["date"].isoformat(), assembly.job_id, paths, assembly.manifest_path)
+    dp_size, pp_size = int(manifest["dp_size"]), int(manifest["pp_size"])
+    row.update(dp_size=dp_size, pp_size=pp_size)
+    # The session manifest is not named after the job (the batch layout's rule), so the
+    # path is given only for reporting.
+    manifest_issues = [dataclasses.replace(p, source_path=assembly.manifest_path)
+                       for p in validator.validate_manifest(manifest, None)]
+    files = []
+    for path in paths:
+        try:
+            files.append((path, read_parquet(path)))
+        except LakeReadError as error:
+            files.append((path, error))
+    report = validator.validate_job(assembly.job_id, None if manifest_issues else manifest, files,
+                                    manifest_path=assembly.manifest_path, manifest_issues=manifest_issues)
+    # Missing workers are expected in an incomplete session: reported in the row, analysed around.
+    problems = [p for p in report.problems if p.reason != MISSING_WORKERS]
+    quarantine = _quarantine(job, problems, report.invalid)
+    blocking = [p for p in problems if p.level == "job"]
+    if blocking:
+        row["error"] = "; ".join(p.detail for p in blocking)
+        return row, quarantine
+    valid = report.valid
+    present = set(zip(valid.column("dp_rank").to_pylist(), valid.column("stage").to_pylist())) if valid.num_rows else set()
+    kept = complete_dp_ranks(present, dp_size, pp_size)
+    dsp_size = int(manifest["dsp_size"])
+    if kept and len(kept) * dsp_size == 1 and dp_size * dsp_size > 1:
+        # The engine models DP collectives only when dp x cp > 1; a single DP rank of a
+        # data-parallel job would leave its DP comm ops without a place in the graph.
+        kept = []
+    if not kept:
+        row["error"] = (f"job {assembly.job_id} session {assembly.session}: too few DP ranks have valid rows for all "
+                        f"{pp_size} stages to analyse ({len(present)} of {dp_size * pp_size} workers present; "
+                        f"{len(complete_dp_ranks(present, dp_size, pp_size))} complete DP rank(s), at least "
+                        f"{1 if dp_size * dsp_size == 1 else 2} needed)")
+        folder = assembly.manifest_path.rsplit("/", 1)[0]
+        extra = _job_record(assembly.job_id, folder, NO_COMPLETE_DP_RANK, row["error"], valid.num_rows)
+        return row, pa.concat_tables([quarantine, extra])
+    trace = valid if len(kept) == dp_size else _remap_dp_ranks(valid, kept)
+    row["dp_ranks_analysed"] = len(kept)
+    try:
+        result = engine(trace, _engine_meta(manifest, len(kept)), assembly.job_id)
+    except WhatIfError as error:
+        row["error"] = f"session {assembly.session}: {error}"
+        folder = assembly.manifest_path.rsplit("/", 1)[0]
+        extra = _job_record(assembly.job_id, getattr(error, "file", None) or folder, ENGINE_ERROR, row["error"],
+                            trace.num_rows)
+        return row, pa.concat_tables([quarantine, extra])
+    row.update(_result_fields(result, kept, dp_size, pp_size))
+    if classify is not None:
+        row["verdict"], row["verdict_confidence"] = classify(result, trace)
+    return row, quarantine
+
+
+class _AnalyzeSessionFn(beam.DoFn):
+    """Assembly -> live row; quarantine rows (dicts with seen_time) on 'quarantine'."""
+
+    def setup(self):
+        from schemas.expectations import Validator
+        from transforms.whatif import analyze_job
+
+        self._validator = Validator()
+        self._engine = analyze_job
+        self._classify = _session_classifier()
+
+    def process(self, assembly: Assembly):
+        row, quarantine = analyze_session(assembly, self._validator, self._engine, self._classify)
+        row["analysed"] = time.time()
+        beam.metrics.Metrics.counter("strag.sessions", row["status"]).inc()
+        for record in quarantine.to_pylist():
+            record["seen_time"] = assembly.assembled
+            record["session"] = assembly.session
+            yield beam.pvalue.TaggedOutput("quarantine", record)
+        yield row
+
+
+def _session_classifier():
+    """The root-cause verdict of transforms/whatif/causes.py as (result, trace) -> (verdict, confidence),
+    or None while that module is absent (the verdict columns stay null)."""
+    try:
+        from transforms.whatif import causes
+    except ImportError:
+        return None
+
+    def classify(result: WhatIfResult, trace: pa.Table) -> tuple[str, float]:
+        verdict = causes.classify_job(result, trace)
+        return verdict.cause, float(verdict.confidence)
+
+    return classify
+
+
+def _unexpected_records(dead_letter) -> list[dict]:
+    """A dead letter of with_exception_handling() -> one job-level quarantine row (a bug or a storage failure)."""
+    assembly, (error_type, error, trace_text) = dead_letter
+    detail = f"session {assembly.session} r{assembly.revision}: {error_type.__name__}: {error}; {trace_text[-600:]}"
+    folder = assembly.manifest_path.rsplit("/", 1)[0] if assembly.manifest_path else ""
+    record = _job_record(assembly.job_id, folder, UNEXPECTED_ERROR, detail, 0).to_pylist()[0]
+    record.update(seen_time=assembly.assembled, session=assembly.session)
+    return [record]
+
+
+class AnalyzeSessions(beam.PTransform):
+    """PCollection[Assembly] -> {'results': live result rows, 'quarantine': quarantine rows
+    (dicts + session, seen_time), 'unexpected': quarantine rows of sessions whose analysis
+    raised an unexpected error (the watcher goes on)}."""
+
+    def expand(self, assemblies):
+        analysed = assemblies | "AnalyzeSession" >> beam.ParDo(_AnalyzeSessionFn()).with_outputs(
+            "quarantine", main="results").with_exception_handling(main_tag="results", dead_letter_tag="errors")
+        unexpected = analysed.errors | "QuarantineUnexpected" >> beam.FlatMap(_unexpected_records)
+        return {"results": analysed.results, "quarantine": analysed.quarantine, "unexpected": unexpected}

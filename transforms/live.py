@@ -1,0 +1,259 @@
+"""Publish live session results and raise alerts (the end of `strag watch`).
+
+`EmitLiveResults` takes live result rows (dicts shaped like LIVE_RESULT_SCHEMA; times
+as epoch seconds), appends each to the live table as its own file, then, keyed by job,
+compares it with the job's previous result and appends an alert (and logs one line)
+when S crosses the threshold or the verdict changes. Layout and schemas: schemas/live.py.
+
+Duplicates never double-count: a result file is named by (job, session, revision), so
+a retried write replaces it; the alert state remembers the highest revision seen per
+session, so a repeated or superseded result raises nothing. A late file produces a
+higher revision, which readers take as the session's current result
+(`current_results`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+import math
+
+import apache_beam as beam
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from apache_beam.coders import PickleCoder
+from apache_beam.metrics import Metrics
+from apache_beam.transforms.userstate import ReadModifyWriteStateSpec
+
+from schemas.live import ALERT_SCHEMA, ALERTS, LIVE_QUARANTINE, LIVE_RESULT_SCHEMA, LIVE_RESULTS
+from schemas.tables import QUARANTINE_SCHEMA
+from transforms.lake import write_parquet
+
+__all__ = [
+    "DEFAULT_THRESHOLD",
+    "AlertConfig",
+    "AlertState",
+    "EmitLiveResults",
+    "result_path",
+    "alert_path",
+    "rows_table",
+    "read_live_table",
+    "current_results",
+    "count_live_sessions",
+    "quarantine_path",
+    "WriteLiveQuarantine",
+]
+
+_LOG = logging.getLogger("strag.watch")
+
+DEFAULT_THRESHOLD = 1.1  # METHOD.md: a job straggles when S >= 1.1
+
+
+def _date_of(epoch_seconds: float) -> str:
+    return dt.datetime.fromtimestamp(epoch_seconds, dt.timezone.utc).date().isoformat()
+
+
+def result_path(out: str, row: dict) -> str:
+    """File of one (job, session, revision) result under the output URL."""
+    return (f"{out.rstrip('/')}/{LIVE_RESULTS}/date={_date_of(row['first_arrival'])}/"
+            f"{row['job_id']}--{row['session']}--r{int(row['revision']):04d}.parquet")
+
+
+def alert_path(out: str, alert: dict, first_arrival: float) -> str:
+    """File of one alert (per result revision and kind) under the output URL."""
+    return (f"{out.rstrip('/')}/{ALERTS}/date={_date_of(first_arrival)}/"
+            f"{alert['job_id']}--{alert['session']}--r{int(alert['revision']):04d}--{alert['kind']}.parquet")
+
+
+def rows_table(rows: list[dict], schema: pa.Schema) -> pa.Table:
+    """Dict rows -> table of `schema`; timestamp fields given as epoch seconds are converted."""
+    converted = []
+    for row in rows:
+        item = {}
+        for field in schema:
+            value = row.get(field.name)
+            if pa.types.is_timestamp(field.type) and isinstance(value, (int, float)):
+                value = dt.datetime.fromtimestamp(value, dt.timezone.utc)
+            item[field.name] = value
+        converted.append(item)
+    return pa.Table.from_pylist(converted, schema=schema)
+
+
+def _list_parquet(url: str) -> list[str]:
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.invalidate_cache()
+    if not fs.exists(root):
+        return []
+    protocol = url.split("://", 1)[0] + "://" if "://" in url else ""
+    return sorted(protocol + p if protocol and not p.startswith(protocol) else p
+                  for p in fs.find(root) if p.endswith(".parquet") and "/." not in p[len(root):])
+
+
+def read_live_table(out: str, table: str = LIVE_RESULTS) -> pa.Table:
+    """Every row of a live table (live_results, alerts or live_quarantine), all revisions."""
+    schema = {LIVE_RESULTS: LIVE_RESULT_SCHEMA, ALERTS: ALERT_SCHEMA, LIVE_QUARANTINE: QUARANTINE_SCHEMA}[table]
+    files = _list_parquet(f"{out.rstrip('/')}/{table}")
+    if not files:
+        return schema.empty_table()
+    parts = []
+    for path in files:
+        with fsspec.open(path, "rb") as handle:
+            parts.append(pq.read_table(handle).select(schema.names).cast(schema))
+    return pa.concat_tables(parts)
+
+
+def current_results(results: pa.Table) -> pa.Table:
+    """The current result of each (job, session): its highest revision; sorted by job, first arrival."""
+    if results.num_rows == 0:
+        return results
+    latest: dict[tuple[str, str], int] = {}
+    keys = list(zip(results["job_id"].to_pylist(), results["session"].to_pylist()))
+    for key, revision in zip(keys, results["revision"].to_pylist()):
+        latest[key] = max(revision, latest.get(key, 0))
+    keep = pa.array([revision == latest[key] for key, revision in zip(keys, results["revision"].to_pylist())])
+    return results.filter(keep).sort_by([("job_id", "ascending"), ("first_arrival", "ascending"), ("session", "ascending")])
+
+
+def count_live_sessions(out: str) -> int:
+    """Distinct (job, session) with at least one result in the live table (file names only)."""
+    names = {path.rsplit("/", 1)[-1].rsplit("--r", 1)[0] for path in _list_parquet(f"{out.rstrip('/')}/{LIVE_RESULTS}")}
+    return len(names)
+
+
+def quarantine_path(out: str, record: dict) -> str:
+    """File of one live quarantine row: named by a digest of what it says, so a repeat replaces it."""
+    import hashlib
+
+    key = "|".join(str(record.get(name)) for name in ("job_id", "session", "source_path", "reason_code", "row_index", "detail"))
+    return (f"{out.rstrip('/')}/{LIVE_QUARANTINE}/date={_date_of(record.get('seen_time') or 0.0)}/"
+            f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.parquet")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlertConfig:
+    """out: output URL of the tables; threshold: S at and above which a job straggles."""
+
+    out: str
+    threshold: float = DEFAULT_THRESHOLD
+
+    def __post_init__(self):
+        if not self.out:
+            raise ValueError("AlertConfig.out: give the output URL")
+        if not (math.isfinite(self.threshold) and self.threshold >= 1.0):
+            raise ValueError(f"AlertConfig.threshold must be a finite slowdown >= 1.0, got {self.threshold!r}")
+
+
+@dataclasses.dataclass
+class AlertState:
+    """A job's last published result, between results (kept in Beam state per job)."""
+
+    slowdown: float | None = None
+    verdict: str | None = None
+    revisions: dict = dataclasses.field(default_factory=dict)  # session -> highest revision seen
+
+    def apply(self, row: dict, threshold: float, now: float) -> list[dict]:
+        """Alerts (ALERT_SCHEMA dicts, alert_time epoch seconds) raised by one result row."""
+        session, revision = row["session"], int(row["revision"])
+        if revision <= self.revisions.get(session, 0):
+            return []  # a repeat or an already superseded revision
+        self.revisions[session] = revision
+        if row["status"] != "analysed" or row.get("slowdown") is None:
+            return []  # failed or discarded: no trustworthy S to compare
+        slowdown, verdict = float(row["slowdown"]), row.get("verdict")
+        alerts = []
+        above = slowdown >= threshold
+        was_above = None if self.slowdown is None else self.slowdown >= threshold
+        if above != was_above and (above or was_above is not None):
+            kind = "slowdown-above-threshold" if above else "slowdown-below-threshold"
+            alerts.append(self._alert(row, kind, threshold, now,
+                                      f"S {slowdown:.3f} {'>=' if above else '<'} threshold {threshold:g}"
+                                      + ("" if self.slowdown is None else f" (was {self.slowdown:.3f})")))
+        if verdict is not None and self.verdict is not None and verdict != self.verdict:
+            alerts.append(self._alert(row, "verdict-changed", threshold, now,
+                                      f"verdict {self.verdict} -> {verdict} (S {slowdown:.3f})"))
+        self.slowdown = slowdown
+        if verdict is not None:
+            self.verdict = verdict
+        return alerts
+
+    def _alert(self, row: dict, kind: str, threshold: float, now: float, detail: str) -> dict:
+        message = f"job {row['job_id']} session {row['session']} r{row['revision']}: {detail}"
+        return {
+            "job_id": row["job_id"], "session": row["session"], "revision": int(row["revision"]), "kind": kind,
+            "slowdown": row.get("slowdown"), "previous_slowdown": self.slowdown, "threshold": threshold,
+            "verdict": row.get("verdict"), "previous_verdict": self.verdict, "message": message, "alert_time": now,
+        }
+
+
+class _WriteLiveResultFn(beam.DoFn):
+    def __init__(self, out: str):
+        self._out = out
+        self._written = Metrics.counter("live", "results_written")
+
+    def process(self, row: dict):
+        write_parquet(result_path(self._out, row), rows_table([row], LIVE_RESULT_SCHEMA))
+        self._written.inc()
+        yield row["job_id"], row
+
+
+class _DetectAlertsFn(beam.DoFn):
+    STATE = ReadModifyWriteStateSpec("alert_state", PickleCoder())
+
+    def __init__(self, config: AlertConfig):
+        self._config = config
+        self._raised = Metrics.counter("live", "alerts_raised")
+
+    def process(self, element, state=beam.DoFn.StateParam(STATE)):
+        import time
+
+        _, row = element
+        job_state = state.read() or AlertState()
+        alerts = job_state.apply(row, self._config.threshold, time.time())
+        state.write(job_state)
+        for alert in alerts:
+            self._raised.inc()
+            path = alert_path(self._config.out, alert, row["first_arrival"])
+            write_parquet(path, rows_table([alert], ALERT_SCHEMA))
+            _LOG.warning("ALERT %s", alert["message"])
+            yield alert
+
+
+class EmitLiveResults(beam.PTransform):
+    """Live result rows -> files in live_results; alerts -> files in alerts (+ a log line).
+
+    Returns the PCollection of alert dicts (ALERT_SCHEMA fields).
+    """
+
+    def __init__(self, config: AlertConfig):
+        super().__init__()
+        self._config = config
+
+    def expand(self, results):
+        return (
+            results
+            | "WriteLiveResult" >> beam.ParDo(_WriteLiveResultFn(self._config.out))
+            | "DetectAlerts" >> beam.ParDo(_DetectAlertsFn(self._config)).with_input_types(tuple[str, dict])
+        )
+
+
+class _WriteQuarantineFn(beam.DoFn):
+    def __init__(self, out: str):
+        self._out = out
+
+    def process(self, record: dict):
+        write_parquet(quarantine_path(self._out, record), rows_table([record], QUARANTINE_SCHEMA))
+        Metrics.counter("strag.quarantine", str(record.get("reason_code"))).inc()
+        _LOG.warning("QUARANTINE job %s: %s (%s)", record.get("job_id"), record.get("detail") or record.get("reason"),
+                     record.get("source_path"))
+
+
+class WriteLiveQuarantine(beam.PTransform):
+    """Quarantine rows (QUARANTINE_SCHEMA dicts + seen_time epoch seconds) -> live_quarantine files."""
+
+    def __init__(self, out: str):
+        super().__init__()
+        self._out = out
+
+    def expand(self, records):
+        return records | "WriteQuarantineRow" >> beam.ParDo(_WriteQuarantineFn(self._out))
