@@ -1,0 +1,183 @@
+"""transforms.lake: fsspec IO of the trace lake on a local folder, file:// and memory://."""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+
+import fsspec
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from lake_samples import sample_job
+from schemas.lake import manifest_path, trace_dir
+from schemas.trace import MANIFEST_SCHEMA, SCHEMA_VERSION, TRACE_SCHEMA
+from transforms import lake as lk
+
+
+@pytest.fixture(params=["local", "file-url", "memory"])
+def lake(request, tmp_path):
+    """A fresh lake URL in each supported style; memory lakes are removed afterwards."""
+    if request.param == "local":
+        yield str(tmp_path / "lake")
+    elif request.param == "file-url":
+        yield f"file://{tmp_path}/lake"
+    else:
+        root = f"memory://lake-{uuid.uuid4().hex}"
+        yield root
+        fs = fsspec.filesystem("memory")
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
+
+
+def _files(lake: str) -> list[str]:
+    fs, root = lk.filesystem(lake)
+    return sorted(p[len(root.rstrip("/")) + 1:] for p in fs.find(root))
+
+
+def test_write_then_list_and_read_back_equal(lake):
+    trace, manifest = sample_job("job-a", dp=2, pp=2)
+    halves = {"w0.parquet": trace.slice(0, 100), "w1.parquet": trace.slice(100)}
+    written = lk.write_job(lake, "2024-03-01", "job-a", halves, manifest)
+    assert written.trace_files == (f"{trace_dir(lake, '2024-03-01', 'job-a')}/w0.parquet",
+                                   f"{trace_dir(lake, '2024-03-01', 'job-a')}/w1.parquet")
+    assert written.manifest_path == manifest_path(lake, "2024-03-01", "job-a")
+    assert lk.list_jobs(lake) == [written]
+    back = lk.read_trace_files(written.trace_files)
+    assert back.schema.equals(TRACE_SCHEMA) and back.equals(trace)
+    row = lk.read_manifest(written.manifest_path)
+    assert row["job_id"] == "job-a" and row["date"] == dt.date(2024, 3, 1)
+    assert row["workers"] == manifest["workers"] and row["end_time"] == manifest["end_time"]
+    # layout on storage: Hive partitions + the schema-version marker, no temporary leftovers
+    assert _files(lake) == [
+        "_lake.json",
+        "manifests/date=2024-03-01/job-a.parquet",
+        "traces/date=2024-03-01/job_id=job-a/w0.parquet",
+        "traces/date=2024-03-01/job_id=job-a/w1.parquet",
+    ]
+    assert lk.read_lake_marker(lake)["schema_version"] == SCHEMA_VERSION
+
+
+def test_paths_keep_the_callers_url_style(lake):
+    trace, manifest = sample_job("job-a", dp=1, pp=1, steps=1)
+    job = lk.write_job(lake, dt.date(2024, 3, 1), "job-a", trace, manifest)
+    for path in (*job.trace_files, job.manifest_path):
+        assert path.startswith(lake + "/")
+        with fsspec.open(path, "rb") as handle:   # any process can open it by URL alone
+            assert handle.read(4) == b"PAR1"
+
+
+def test_list_jobs_filters_dates_and_reports_incomplete_jobs(lake):
+    for day, job_id in [(1, "a"), (2, "b"), (3, "c")]:
+        trace, manifest = sample_job(job_id, dp=1, pp=1, steps=1, date=dt.date(2024, 3, day))
+        lk.write_job(lake, dt.date(2024, 3, day), job_id, trace, manifest)
+    assert [j.job_id for j in lk.list_jobs(lake, "2024-03-02", "2024-03-03")] == ["b", "c"]
+    assert [j.job_id for j in lk.list_jobs(lake, date_to=dt.date(2024, 3, 1))] == ["a"]
+    fs, _ = lk.filesystem(lake)
+    fs.rm(manifest_path(lake, "2024-03-02", "b"))
+    fs.rm(trace_dir(lake, "2024-03-03", "c"), recursive=True)
+    jobs = {j.job_id: j for j in lk.list_jobs(lake)}
+    assert jobs["b"].manifest_path is None and jobs["b"].trace_files
+    assert jobs["c"].trace_files == () and jobs["c"].manifest_path is not None
+
+
+def test_listing_ignores_hidden_and_foreign_entries(lake):
+    trace, manifest = sample_job("job-a", dp=1, pp=1, steps=1)
+    job = lk.write_job(lake, "2024-03-01", "job-a", trace, manifest)
+    folder = trace_dir(lake, "2024-03-01", "job-a")
+    fs, _ = lk.filesystem(lake)
+    for junk in (f"{folder}/.part.parquet.123.tmp", f"{folder}/_SUCCESS", f"{lake}/traces/date=garbage/x.parquet",
+                 f"{lake}/traces/README.txt"):
+        inner = lk.filesystem(junk)[1]
+        fs.makedirs(inner.rsplit("/", 1)[0], exist_ok=True)
+        fs.pipe_file(inner, b"x")
+    assert lk.list_jobs(lake) == [job]
+
+
+def test_schema_version_mismatch_is_refused(lake):
+    trace, manifest = sample_job("job-a", dp=1, pp=1, steps=1)
+    lk.write_job(lake, "2024-03-01", "job-a", trace, manifest)
+    fs, path = lk.filesystem(f"{lake}/_lake.json")
+    fs.pipe_file(path, json.dumps({"schema_version": "999"}).encode())
+    with pytest.raises(lk.LakeError, match="schema version 999"):
+        lk.list_jobs(lake)
+    with pytest.raises(lk.LakeError, match="schema version 999"):
+        lk.write_job(lake, "2024-03-01", "job-a", trace, manifest)
+
+
+def test_a_lake_without_marker_reads_as_current_version(lake):
+    assert lk.read_lake_marker(lake) is None
+    assert lk.list_jobs(lake) == []
+
+
+def test_write_job_refuses_contract_breaks(lake):
+    trace, manifest = sample_job("job-a", dp=1, pp=1, steps=1)
+    with pytest.raises(ValueError, match="job 'job-b'"):
+        lk.write_job(lake, "2024-03-01", "job-b", trace, manifest)
+    with pytest.raises(ValueError, match="lacks field"):
+        lk.write_job(lake, "2024-03-01", "job-a", trace, {"job_id": "job-a"})
+    broken = trace.drop_columns(["duration"])
+    with pytest.raises(Exception, match="duration"):
+        lk.write_job(lake, "2024-03-01", "job-a", broken, manifest)
+    with pytest.raises(ValueError, match="plain"):
+        lk.write_job(lake, "2024-03-01", "job-a", {"../x.parquet": trace}, manifest)
+
+
+def test_read_errors_name_the_file_and_reason(lake):
+    trace, manifest = sample_job("job-a", dp=1, pp=1, steps=1)
+    job = lk.write_job(lake, "2024-03-01", "job-a", trace, manifest)
+    path = job.trace_files[0]
+    fs, inner = lk.filesystem(path)
+    data = fs.cat_file(inner)
+    fs.pipe_file(inner, data[: len(data) // 2])
+    with pytest.raises(lk.LakeReadError) as error:
+        lk.read_trace_files(job.trace_files)
+    assert error.value.path == path and error.value.reason == "unreadable_file" and path in str(error.value)
+    lk.write_parquet(path, trace.drop_columns(["step"]))
+    with pytest.raises(lk.LakeReadError) as error:
+        lk.read_trace_file(path)
+    assert error.value.reason == "missing_column" and "step" in str(error.value) and path in str(error.value)
+    with pytest.raises(lk.LakeReadError, match="cannot be read"):
+        lk.read_manifest(f"{lake}/manifests/date=2024-03-01/nope.parquet")
+
+
+def test_manifest_metadata_is_kept(lake):
+    trace, manifest = sample_job("job-a", dp=1, pp=1, steps=1)
+    job = lk.write_job(lake, "2024-03-01", "job-a", trace, manifest, manifest_metadata={"x.origin": "test"})
+    table = lk.read_manifest_table(job.manifest_path)
+    assert table.schema.metadata[b"x.origin"] == b"test"
+    assert table.schema.remove_metadata().equals(MANIFEST_SCHEMA.remove_metadata())
+
+
+def test_find_job_needs_a_date_when_ambiguous(lake):
+    for day in (1, 2):
+        trace, manifest = sample_job("job-a", dp=1, pp=1, steps=1, date=dt.date(2024, 3, day))
+        lk.write_job(lake, dt.date(2024, 3, day), "job-a", trace, manifest)
+    with pytest.raises(lk.LakeError, match="pass a date"):
+        lk.find_job(lake, "job-a")
+    assert lk.find_job(lake, "job-a", "2024-03-02").date == "2024-03-02"
+    with pytest.raises(lk.LakeError, match="no job 'zzz'"):
+        lk.find_job(lake, "zzz")
+
+
+def test_optype_dictionary_is_normalised_on_write(lake):
+    trace, manifest = sample_job("job-a", dp=1, pp=2, steps=1)
+    reordered = trace.set_column(trace.schema.get_field_index("optype"), "optype",
+                                 pc.dictionary_encode(pc.cast(trace["optype"], pa.string())))
+    job = lk.write_job(lake, "2024-03-01", "job-a", reordered, manifest)
+    assert lk.read_trace_files(job.trace_files).equals(trace)
+
+
+def test_read_validated_job_end_to_end(lake):
+    from schemas.expectations import Validator
+
+    trace, manifest = sample_job("job-a", dp=2, pp=2, steps=2)
+    job = lk.write_job(lake, "2024-03-01", "job-a", [trace.slice(0, 50), trace.slice(50)], manifest)
+    validator = Validator()
+    report = lk.read_validated_job(job, validator)
+    assert report.ok, report.summary()
+    assert report.valid.equals(trace)
+    manifests = lk.read_manifests([job.manifest_path], validator)
+    assert manifests[job.manifest_path][1] == []
+    assert lk.read_validated_job(job, validator, manifests).ok
