@@ -1,0 +1,85 @@
+"""Live results and alerts: the plain alert state, the live-table readers, and
+EmitLiveResults under TestStream with repeated and superseded results."""
+from __future__ import annotations
+
+import apache_beam as beam
+import pytest
+from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.runners.direct.direct_runner import BundleBasedDirectRunner
+from apache_beam.testing import test_stream
+
+from transforms.live import AlertConfig, AlertState, EmitLiveResults, count_live_sessions, current_results, read_live_table
+
+
+def result(job, session, revision, slowdown, verdict=None, status="analysed", first=1_700_000_000.0):
+    return {"job_id": job, "session": session, "revision": revision, "reason": "complete", "status": status,
+            "error": None, "complete": True, "workers_expected": 4, "workers_present": 4, "missing_workers": [],
+            "dp_ranks_analysed": 2, "duplicate_deliveries": 0, "dp_size": 2, "pp_size": 2, "n_steps": 3,
+            "slowdown": slowdown, "waste": 1 - 1 / slowdown, "launch_slowdown": 1.0, "straggling": slowdown >= 1.1,
+            "m_w": None, "m_s": None, "verdict": verdict, "verdict_confidence": None, "steps": [1, 2, 3],
+            "step_slowdown": [slowdown] * 3, "worker_slowdown": [1.0, 1.0, 1.0, slowdown],
+            "first_arrival": first, "assembled": first + 1, "analysed": first + 2}
+
+
+def kinds(state, rows, threshold=1.1):
+    return [[alert["kind"] for alert in state.apply(row, threshold, 0.0)] for row in rows]
+
+
+def test_threshold_crossings_and_verdict_changes_raise_alerts():
+    rows = [result("j", "s1", 1, 1.02, "clean"), result("j", "s2", 1, 1.30, "worker"),
+            result("j", "s3", 1, 1.25, "worker"), result("j", "s4", 1, 1.26, "stage"), result("j", "s5", 1, 1.05, "stage")]
+    assert kinds(AlertState(), rows) == [[], ["slowdown-above-threshold", "verdict-changed"], [], ["verdict-changed"],
+                                        ["slowdown-below-threshold"]]
+
+
+def test_first_result_above_threshold_alerts_and_below_does_not():
+    assert kinds(AlertState(), [result("j", "s", 1, 1.1)]) == [["slowdown-above-threshold"]]
+    assert kinds(AlertState(), [result("j", "s", 1, 1.0999)]) == [[]]
+
+
+def test_repeats_and_superseded_revisions_never_alert_twice():
+    state = AlertState()
+    rows = [result("j", "s", 1, 1.3), result("j", "s", 1, 1.3), result("j", "s", 2, 1.0), result("j", "s", 1, 1.3),
+            result("j", "s", 2, 1.0)]
+    assert kinds(state, rows) == [["slowdown-above-threshold"], [], ["slowdown-below-threshold"], [], []]
+
+
+def test_failed_and_discarded_results_leave_the_state_alone():
+    state = AlertState()
+    assert kinds(state, [result("j", "s1", 1, 1.3), result("j", "s2", 1, 2.0, status="discarded"),
+                         result("j", "s3", 1, 1.05)]) == [["slowdown-above-threshold"], [], ["slowdown-below-threshold"]]
+
+
+def test_alert_config_checks_itself():
+    with pytest.raises(ValueError, match="threshold"):
+        AlertConfig(out="x", threshold=0.5)
+    with pytest.raises(ValueError, match="out"):
+        AlertConfig(out="")
+
+
+def test_emit_live_results_under_test_stream(tmp_path):
+    """A duplicate result and a superseding revision: one file per (job, session, revision),
+    one alert per crossing, the current result is the highest revision."""
+    out = str(tmp_path / "out")
+    stream = (
+        test_stream.TestStream()
+        .advance_watermark_to(0)
+        .add_elements([result("a", "s1", 1, 1.02), result("b", "s1", 1, 1.4)])
+        .advance_watermark_to(10)
+        .add_elements([result("b", "s1", 1, 1.4), result("a", "s1", 2, 1.2)])  # a repeat; a late correction
+        .advance_watermark_to(20)
+        .add_elements([result("b", "s2", 1, 1.03)])
+        .advance_watermark_to_infinity()
+    )
+    with beam.Pipeline(runner=BundleBasedDirectRunner(), options=PipelineOptions(flags=[], streaming=True)) as pipeline:
+        pipeline | stream | EmitLiveResults(AlertConfig(out=out))
+    everything = read_live_table(out)
+    assert sorted(zip(everything["job_id"].to_pylist(), everything["session"].to_pylist(),
+                      everything["revision"].to_pylist())) == [("a", "s1", 1), ("a", "s1", 2), ("b", "s1", 1), ("b", "s2", 1)]
+    current = current_results(everything)
+    assert list(zip(current["job_id"].to_pylist(), current["revision"].to_pylist(), current["slowdown"].to_pylist())) == [
+        ("a", 2, 1.2), ("b", 1, 1.4), ("b", 1, 1.03)]
+    alerts = sorted((a["job_id"], a["session"], a["kind"]) for a in read_live_table(out, "alerts").to_pylist())
+    assert alerts == [("a", "s1", "slowdown-above-threshold"), ("b", "s1", "slowdown-above-threshold"),
+                      ("b", "s2", "slowdown-below-threshold")]
+    assert count_live_sessions(out) == 3
