@@ -259,23 +259,23 @@ def sample_causes(rng: np.random.Generator, *, dp: int, pp: int, context_length:
     that breaks the replay (discarded as discrepancy > 5%).
     """
     causes: list[Cause] = []
-    if pp > 1 and rng.random() < 0.24:
+    if pp > 1 and rng.random() < 0.32:
         fe = float(rng.uniform(0.25, 1.2))
         causes.append(Cause("last_stage_imbalance",
                             {"forward_extra": round(fe, 4), "backward_extra": round(fe * rng.uniform(0.3, 0.6), 4)}))
-    seq_prevalence = 0.05 if context_length <= 8192 else 0.35
+    seq_prevalence = 0.05 if context_length <= 8192 else 0.45
     if rng.random() < seq_prevalence:
         causes.append(Cause("seq_len_imbalance", {"doc_sigma": round(float(rng.uniform(1.1, 1.8)), 4),
                                                   "doc_median": int(context_length // rng.choice([4, 8, 16]))}))
     if rng.random() < 0.02:
         causes.append(Cause("slow_worker", {"dp_rank": int(rng.integers(dp)), "stage": int(rng.integers(pp)),
                                             "factor": round(float(np.exp(rng.uniform(np.log(1.3), np.log(3.5)))), 4)}))
-    if rng.random() < 0.08:
-        causes.append(Cause("gc_pauses", {"period": round(float(rng.uniform(5, 20)), 3),
-                                          "pause": round(float(rng.uniform(0.15, 0.6)), 4)}))
+    if rng.random() < 0.10:
+        causes.append(Cause("gc_pauses", {"period": round(float(rng.uniform(1.5, 6)), 3),
+                                          "pause": round(float(rng.uniform(0.2, 0.8)), 4)}))
     if rng.random() < 0.04:
         causes.append(Cause("comm_flapping", {"dp_rank": int(rng.integers(dp)), "stage": int(rng.integers(pp)),
-                                              "factor": round(float(rng.uniform(4, 20)), 3),
+                                              "factor": round(float(rng.uniform(5, 30)), 3),
                                               "steps_fraction": round(float(rng.uniform(0.2, 0.6)), 3)}))
     if rng.random() < 0.10:
         causes.append(Cause("untraced_cpu", {"fraction": round(float(rng.uniform(0.08, 0.35)), 4),

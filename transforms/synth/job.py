@@ -150,6 +150,7 @@ def sample_timing(spec: JobSpec, rng: np.random.Generator) -> Timing:
     moe = spec.model_family == "moe"
     dp_ranks = spec.dp * spec.cp
     ring = (dp_ranks - 1) / dp_ranks if dp_ranks > 1 else 0.0
+    grads_reduce_scatter = log_uniform(0.02, 0.2) * ring
     return Timing(
         forward=forward,
         backward_ratio=rng.uniform(1.7, 2.2),
@@ -161,7 +162,7 @@ def sample_timing(spec: JobSpec, rng: np.random.Generator) -> Timing:
         p2p=log_uniform(0.0003, 0.002) * (tokens / 4096) ** 0.5,
         p2p_noise=rng.uniform(0.05, 0.25),
         params_all_gather=log_uniform(0.01, 0.12) * ring,
-        grads_reduce_scatter=log_uniform(0.02, 0.2) * ring,
+        grads_reduce_scatter=grads_reduce_scatter,
         separate_all_reduce=log_uniform(0.005, 0.05) * ring,
         layernorm_all_reduce=log_uniform(3e-5, 3e-3),
         embedding_all_reduce=log_uniform(0.005, 0.05),
@@ -169,9 +170,9 @@ def sample_timing(spec: JobSpec, rng: np.random.Generator) -> Timing:
         optimizer=log_uniform(0.015, 0.06),
         comm_noise=rng.uniform(0.03, 0.12),
         launch_gap=log_uniform(3e-6, 3e-5),
-        data_gap=forward * rng.uniform(0.02, 0.1),
+        data_gap=forward * rng.uniform(0.01, 0.05),
         tail_gap=log_uniform(3e-4, 3e-3),
-        grads_copy_gap=log_uniform(2e-3, 2e-2),
+        grads_copy_gap=grads_reduce_scatter * rng.uniform(0.05, 0.3),
         clock_jitter=log_uniform(5e-6, 6e-5),
     )
 

@@ -278,8 +278,9 @@ def _build_stage(p: int, pp: int, vpp: int, microbatches: int, use_dp: bool, dp_
         _interleaved(st, pp, vpp, microbatches, forward_unit, backward_unit)
 
     if use_dp and not dp_overlap:
-        # Blocking all-gather: the compute stream starts once all params are gathered.
-        st.units[0]["extra_preds"].append(ag_units[-1])
+        # Blocking all-gather: the compute stream starts once the first chunk's params are
+        # gathered (later chunks' gathers proceed on the DP stream until their first forward).
+        st.units[0]["extra_preds"].append(ag_units[0])
 
     # gc placeholder right after the last compute (before a trailing send, as recorded).
     last_compute = max(i for i, u in enumerate(st.units) if u["kind"] in (UnitKind.FORWARD, UnitKind.BACKWARD))
