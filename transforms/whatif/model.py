@@ -118,23 +118,20 @@ class Level:
     """One topological level: ops [lo, hi) of the replay order.
 
     Ops [lo, multi_lo) time themselves (compute, or a comm group of one that is not
-    DP-synchronised); [multi_lo, synced_lo) are groups of several members, laid out
-    contiguously, ended together; [synced_lo, hi) are groups synchronised across the
-    DP ranks of a step. `*_offsets` are reduceat offsets of the groups relative to the
-    start of their part, `*_sizes` their member counts.
+    DP-synchronised); [multi_lo, synced_lo) are groups of several members, ended
+    together; [synced_lo, hi) are groups synchronised across the DP ranks of a step.
+    Group members are contiguous and groups of equal size adjacent: `multi_runs` /
+    `synced_runs` list (first op, number of groups, group size) of each run.
+    `pred_columns[j]` holds each op's j-th predecessor row (padding: the -inf row).
     """
 
     lo: int
     hi: int
     multi_lo: int
     synced_lo: int
-    edge_lo: int
-    edge_hi: int
-    pred_offsets: np.ndarray | None   # None when every op of the level has exactly one predecessor
-    multi_offsets: np.ndarray
-    multi_sizes: np.ndarray
-    synced_offsets: np.ndarray
-    synced_sizes: np.ndarray
+    pred_columns: tuple[np.ndarray, ...]
+    multi_runs: tuple[tuple[int, int, int], ...]
+    synced_runs: tuple[tuple[int, int, int], ...]
 
 
 @dataclasses.dataclass
@@ -414,9 +411,10 @@ def _infer_structure(template: "_Template", dp_size: int, meta: JobMeta) -> dict
     graph.check_connected(template)
     node_level = graph.levels(template)
 
-    # Replay order: by level, then kind (own / multi / synced), then group, then template order.
+    # Replay order: by level, then kind (own / multi / synced), group size, group, template order.
     kind = graph.kinds()
-    perm = np.lexsort((np.arange(template.n), graph.op_group, kind, node_level))
+    size = np.array([len(graph.group_members[g]) if g >= 0 else 0 for g in graph.op_group])
+    perm = np.lexsort((np.arange(template.n), graph.op_group, size, kind, node_level))
     inverse = np.empty_like(perm)
     inverse[perm] = np.arange(len(perm))
     n_ops = template.n
@@ -442,7 +440,7 @@ def _infer_structure(template: "_Template", dp_size: int, meta: JobMeta) -> dict
         op_mc=template.mc[perm], op_gmc=template.gmc[perm], op_group=op_group,
         op_noop=graph.noop[perm], op_kind=kind[perm], group_synced=group_synced,
         pred_ptr=pred_ptr, pred_index=pred_index,
-        levels=_levels(node_level[perm], kind[perm], op_group, pred_ptr, pred_count),
+        levels=_levels(node_level[perm], kind[perm], op_group, pred_ptr, pred_index, n_ops),
         optimizer_ops=np.flatnonzero(template.optype[perm] == OPT),
         source_ops=np.flatnonzero(np.array([not p for p in pred_lists])),
     )
@@ -558,7 +556,7 @@ def _original_cost(model: JobModel) -> np.ndarray:
 def _launch_delays(model: JobModel) -> np.ndarray:
     """start - latest end of the op's predecessors (or - step start when it has none); <= -10 ms -> 0."""
     ends = np.vstack([model.observed_end, np.zeros((1, model.n_lanes))])
-    ready = np.maximum.reduceat(ends[model.pred_index], model.pred_ptr[:-1], axis=0)
+    ready = np.maximum.reduceat(ends[model.pred_index], model.pred_ptr[:-1], axis=0)   # once per job
     delay = model.observed_start - ready
     if model.recorded_float32:
         delay = delay.astype(np.float32).astype(np.float64)
@@ -566,33 +564,43 @@ def _launch_delays(model: JobModel) -> np.ndarray:
     return delay
 
 
-def _levels(level: np.ndarray, kind: np.ndarray, group: np.ndarray, pred_ptr: np.ndarray, pred_count: np.ndarray) -> list[Level]:
+def _levels(level: np.ndarray, kind: np.ndarray, group: np.ndarray, pred_ptr: np.ndarray, pred_index: np.ndarray,
+            n_ops: int) -> list[Level]:
+    """Per-level replay plans; ops must already be sorted by level, kind, group size, group."""
     bounds = np.flatnonzero(np.diff(level)) + 1
     starts = np.concatenate([[0], bounds])
     ends = np.concatenate([bounds, [len(level)]])
+    pad = n_ops + 1   # the -inf row of the replay's end array
     out = []
     for lo, hi in zip(starts.tolist(), ends.tolist()):
         multi_lo = lo + int(np.count_nonzero(kind[lo:hi] == OWN))
         synced_lo = multi_lo + int(np.count_nonzero(kind[lo:hi] == MULTI))
-
-        def part(a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
-            if a == b:
-                return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-            g = group[a:b]
-            first = np.concatenate([[0], np.flatnonzero(np.diff(g)) + 1])
-            return first, np.diff(np.append(first, b - a))
-
-        multi_offsets, multi_sizes = part(multi_lo, synced_lo)
-        synced_offsets, synced_sizes = part(synced_lo, hi)
-        counts = pred_count[lo:hi]
+        counts = np.diff(pred_ptr[lo:hi + 1])
+        columns = []
+        for j in range(int(counts.max())):
+            columns.append(np.where(counts > j, pred_index[np.minimum(pred_ptr[lo:hi] + j, len(pred_index) - 1)], pad))
         out.append(Level(
-            lo=lo, hi=hi, multi_lo=multi_lo, synced_lo=synced_lo,
-            edge_lo=int(pred_ptr[lo]), edge_hi=int(pred_ptr[hi]),
-            pred_offsets=None if (counts == 1).all() else (pred_ptr[lo:hi] - pred_ptr[lo]),
-            multi_offsets=multi_offsets, multi_sizes=multi_sizes,
-            synced_offsets=synced_offsets, synced_sizes=synced_sizes,
+            lo=lo, hi=hi, multi_lo=multi_lo, synced_lo=synced_lo, pred_columns=tuple(columns),
+            multi_runs=_group_runs(group, multi_lo, synced_lo), synced_runs=_group_runs(group, synced_lo, hi),
         ))
     return out
+
+
+def _group_runs(group: np.ndarray, lo: int, hi: int) -> tuple[tuple[int, int, int], ...]:
+    """(first op, number of groups, group size) of each run of equal-size groups in [lo, hi)."""
+    if lo == hi:
+        return ()
+    first = lo + np.concatenate([[0], np.flatnonzero(np.diff(group[lo:hi])) + 1])
+    sizes = np.diff(np.append(first, hi))
+    runs = []
+    position = 0
+    while position < len(first):
+        end = position
+        while end < len(first) and sizes[end] == sizes[position]:
+            end += 1
+        runs.append((int(first[position]), end - position, int(sizes[position])))
+        position = end
+    return tuple(runs)
 
 
 # --------------------------------------------------------------------------- template and graph

@@ -94,7 +94,7 @@ def replay(model: JobModel, scenarios: Sequence[Scenario], *, memory_limit: int 
     ends: dict[str, np.ndarray] = {}
     # Chunks never mix scenarios with and without delays (no delay array is needed for the latter).
     order = sorted(range(n_scenarios), key=lambda i: scenarios[i].delay is None)
-    per_scenario = (model.n_ops + 1) * model.n_lanes * 8 * 3
+    per_scenario = (model.n_ops + 2) * model.n_lanes * 8 * 3
     chunk = max(1, int(memory_limit // per_scenario))
     position = 0
     while position < n_scenarios:
@@ -131,25 +131,27 @@ def _replay_chunk(model: JobModel, batch: list[Scenario], with_delay: bool):
             _fill(delay[:, s, :], scenario.delay)
     keep = any(scenario.keep_times for scenario in batch)
     ends, starts, earliest = _run_levels(model, cost, delay, keep)
+    ends = ends[:n_ops]
 
     shape = (size, n_steps, dp)
     step_time = ends[model.optimizer_ops].max(axis=0).reshape(shape).max(axis=2)
-    latest = ends[:n_ops].max(axis=0).reshape(shape).max(axis=2)
+    latest = ends.max(axis=0).reshape(shape).max(axis=2)
     step_span = latest - earliest.reshape(shape).min(axis=2)
     kept = {}
     for s, scenario in enumerate(batch):
         if scenario.keep_times:
-            kept[scenario.name] = (starts[:, s, :].copy(), ends[:n_ops, s, :].copy())
+            kept[scenario.name] = (starts[:, s, :].copy(), ends[:, s, :].copy())
     return step_time, step_span, kept
 
 
 def _run_levels(model: JobModel, cost: np.ndarray, delay: np.ndarray | None, keep: bool):
-    """Walk the levels once: ends [n_ops + 1, S, L] (last row = step start 0), starts if kept,
-    and the earliest start per [S, L]."""
+    """Walk the levels once: ends [n_ops + 2, S, L] (row n_ops = step start 0, row n_ops + 1 =
+    -inf padding), starts if kept, and the earliest start per [S, L]."""
     n_ops, size, n_lanes = cost.shape
-    steps_dp = (model.n_steps, model.dp_size)
-    ends = np.empty((n_ops + 1, size, n_lanes))
+    n_steps, dp = model.n_steps, model.dp_size
+    ends = np.empty((n_ops + 2, size, n_lanes))
     ends[n_ops] = 0.0
+    ends[n_ops + 1] = -np.inf
     starts = np.empty((n_ops, size, n_lanes)) if keep else None
     # With no negative cost or delay every start is >= the earliest source start, so the
     # earliest start need not be tracked level by level.
@@ -160,12 +162,12 @@ def _run_levels(model: JobModel, cost: np.ndarray, delay: np.ndarray | None, kee
         earliest = np.zeros((size, n_lanes))
     else:
         earliest = delay[model.source_ops].min(axis=0)
-    pred_index = model.pred_index
     for level in model.levels:
         lo, hi, multi_lo, synced_lo = level.lo, level.hi, level.multi_lo, level.synced_lo
-        start = ends[pred_index[level.edge_lo:level.edge_hi]]
-        if level.pred_offsets is not None:
-            start = np.maximum.reduceat(start, level.pred_offsets, axis=0)
+        columns = level.pred_columns
+        start = ends[columns[0]]
+        for column in columns[1:]:
+            np.maximum(start, ends[column], out=start)
         if delay is not None:
             start += delay[lo:hi]
         if track_earliest:
@@ -174,16 +176,23 @@ def _run_levels(model: JobModel, cost: np.ndarray, delay: np.ndarray | None, kee
             starts[lo:hi] = start
         if multi_lo > lo:
             np.add(start[: multi_lo - lo], cost[lo:multi_lo], out=ends[lo:multi_lo])
-        if synced_lo > multi_lo:
-            latest = np.maximum.reduceat(start[multi_lo - lo : synced_lo - lo], level.multi_offsets, axis=0)
-            np.add(np.repeat(latest, level.multi_sizes, axis=0), cost[multi_lo:synced_lo], out=ends[multi_lo:synced_lo])
-        if hi > synced_lo:
-            part = start[synced_lo - lo :]
-            latest = part if len(level.synced_offsets) == len(part) else np.maximum.reduceat(part, level.synced_offsets, axis=0)
-            latest = latest.reshape(len(latest), size, *steps_dp).max(axis=3, keepdims=True)
-            if len(level.synced_offsets) != len(part):
-                latest = np.repeat(latest, level.synced_sizes, axis=0)
-            members = hi - synced_lo
-            np.add(latest, cost[synced_lo:hi].reshape(members, size, *steps_dp),
-                   out=ends[synced_lo:hi].reshape(members, size, *steps_dp))
+        for first, groups, members in level.multi_runs:
+            shape = (groups, members, size, n_lanes)
+            latest = _group_max(start[first - lo : first - lo + groups * members].reshape(shape))
+            span = slice(first, first + groups * members)
+            np.add(latest[:, None], cost[span].reshape(shape), out=ends[span].reshape(shape))
+        for first, groups, members in level.synced_runs:
+            shape = (groups, members, size, n_steps, dp)
+            latest = _group_max(start[first - lo : first - lo + groups * members].reshape(shape))
+            latest = latest.max(axis=3, keepdims=True)   # DP synchronisation: max over the step's ranks
+            span = slice(first, first + groups * members)
+            np.add(latest[:, None], cost[span].reshape(shape), out=ends[span].reshape(shape))
     return ends, starts, earliest
+
+
+def _group_max(members: np.ndarray) -> np.ndarray:
+    """Max over axis 1 (the members of each group) by pairwise maximum."""
+    latest = members[:, 0].copy()
+    for j in range(1, members.shape[1]):
+        np.maximum(latest, members[:, j], out=latest)
+    return latest
