@@ -37,7 +37,7 @@ def main() -> None:
     bulk = _best(lambda: validator.validate_manifests(many))
     print(f"manifest: one {one * 1e3:.0f} ms; 200 in one call {bulk * 1e3:.0f} ms ({bulk / 200 * 1e3:.1f} ms each)")
 
-    for dp, pp, steps, microbatches in [(2, 2, 5, 16), (4, 4, 10, 32), (8, 8, 20, 32)]:
+    for dp, pp, steps, microbatches in [(2, 2, 5, 16), (4, 4, 10, 32), (8, 8, 20, 32), (8, 8, 90, 32)]:
         trace, manifest = sample_job("bench", dp=dp, pp=pp, steps=steps, microbatches=microbatches)
         rows = trace.num_rows
         single = _best(lambda: validator.validate_job("bench", manifest, [("part-0.parquet", trace)],

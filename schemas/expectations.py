@@ -66,6 +66,9 @@ __all__ = [
     "check_trace_columns",
     "conform_trace",
     "manifest_problems",
+    "SUITE_FILES",
+    "suite_documents",
+    "write_suite_files",
 ]
 
 # ---------------------------------------------------------------------------
@@ -829,3 +832,32 @@ def _missing_steps(table: pa.Table) -> tuple[int, str] | None:
     examples = [f"worker (dp {int(workers[i] >> 16)}, stage {int(workers[i] & 0xFFFF)}) lacks step {int(steps[j])}"
                 for i, j in zip(w[:3], s[:3])]
     return int(w.size), "; ".join(examples)
+
+
+# ---------------------------------------------------------------------------
+# The suites as GX JSON beside the Arrow schemas (for readers and other GX tools).
+# Regenerate after changing a rule:
+#   .venv/bin/python -c 'from schemas.expectations import write_suite_files; write_suite_files()'
+# (a test keeps them in sync).
+
+SUITE_FILES = ("trace_suite.json", "trace_suite_without_manifest.json", "manifest_suite.json")
+
+
+def suite_documents() -> dict[str, dict]:
+    """File name -> GX JSON of each suite (the trace suite in its parameterised form)."""
+    suites = (trace_suite(), trace_suite_without_manifest(), manifest_suite())
+    return {name: suite.to_json_dict() for name, suite in zip(SUITE_FILES, suites)}
+
+
+def write_suite_files(folder: str | None = None) -> list[str]:
+    """Write the suites' JSON into `folder` (default: this package); returns the paths."""
+    import json
+    import pathlib
+
+    root = pathlib.Path(folder) if folder else pathlib.Path(__file__).parent
+    paths = []
+    for name, document in suite_documents().items():
+        path = root / name
+        path.write_text(json.dumps(document, indent=2) + "\n")
+        paths.append(str(path))
+    return paths

@@ -247,3 +247,13 @@ def test_conform_trace_raises_typed_errors():
     assert ex.conform_trace(shuffled, job_id="job-a").equals(trace)
     assert np.array_equal(ex.conform_trace(shuffled)["optype"].chunk(0).indices.to_numpy(),
                           trace["optype"].chunk(0).indices.to_numpy())
+
+
+def test_suite_json_files_match_the_code():
+    import json
+    import pathlib
+
+    folder = pathlib.Path(ex.__file__).parent
+    for name, document in ex.suite_documents().items():
+        assert json.loads((folder / name).read_text()) == json.loads(json.dumps(document)), (
+            f"schemas/{name} is stale: run .venv/bin/python -c 'from schemas.expectations import write_suite_files; write_suite_files()'")
