@@ -8,17 +8,8 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.runners.direct.direct_runner import BundleBasedDirectRunner
 from apache_beam.testing import test_stream
 
+from live_rows import live_row as result
 from transforms.live import AlertConfig, AlertState, EmitLiveResults, count_live_sessions, current_results, read_live_table
-
-
-def result(job, session, revision, slowdown, verdict=None, status="analysed", first=1_700_000_000.0):
-    return {"job_id": job, "session": session, "revision": revision, "reason": "complete", "status": status,
-            "error": None, "complete": True, "workers_expected": 4, "workers_present": 4, "missing_workers": [],
-            "dp_ranks_analysed": 2, "duplicate_deliveries": 0, "dp_size": 2, "pp_size": 2, "n_steps": 3,
-            "slowdown": slowdown, "waste": 1 - 1 / slowdown, "launch_slowdown": 1.0, "straggling": slowdown >= 1.1,
-            "m_w": None, "m_s": None, "verdict": verdict, "verdict_confidence": None, "steps": [1, 2, 3],
-            "step_slowdown": [slowdown] * 3, "worker_slowdown": [1.0, 1.0, 1.0, slowdown],
-            "first_arrival": first, "assembled": first + 1, "analysed": first + 2}
 
 
 def kinds(state, rows, threshold=1.1):

@@ -1,0 +1,77 @@
+"""`strag serve`: the live job page renders in headless Chromium from the live table and
+follows it (its version endpoint changes when a corrected revision lands)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import urllib.request
+
+import pytest
+
+from dashboards import browser
+from live_rows import live_row
+from pipelines.serve import ServeOptions, parse, serve_in_thread
+from schemas.live import ALERT_SCHEMA, LIVE_RESULT_SCHEMA
+from transforms.lake import write_parquet
+from transforms.live import alert_path, result_path, rows_table
+
+pytestmark = pytest.mark.slow
+
+
+def land_row(out, row):
+    write_parquet(result_path(out, row), rows_table([row], LIVE_RESULT_SCHEMA))
+
+
+@pytest.fixture()
+def served(tmp_path):
+    out = str(tmp_path / "out")
+    land_row(out, live_row("job-a", "s1", 1, 1.04, first=1_700_000_000.0))
+    hot = live_row("job-a", "s2", 1, 1.32, first=1_700_000_100.0)
+    land_row(out, hot)
+    alert = {"job_id": "job-a", "session": "s2", "revision": 1, "kind": "slowdown-above-threshold", "slowdown": 1.32,
+             "previous_slowdown": 1.04, "threshold": 1.1, "verdict": None, "previous_verdict": None,
+             "message": "job job-a session s2 r1: S 1.320 >= threshold 1.1 (was 1.040)", "alert_time": 1_700_000_103.0}
+    write_parquet(alert_path(out, alert, hot["first_arrival"]), rows_table([alert], ALERT_SCHEMA))
+    server, thread = serve_in_thread(ServeOptions(tables=out, port=0))
+    yield out, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    thread.join(timeout=10)
+
+
+def get(url):
+    with urllib.request.urlopen(url, timeout=30) as reply:
+        return reply.status, reply.read().decode()
+
+
+def test_serve_binds_to_localhost_by_default():
+    assert parse(["--tables", "x"]).host == "127.0.0.1"
+
+
+def test_page_and_version_follow_the_live_table(served):
+    out, base = served
+    status, page = get(f"{base}/job/job-a")
+    assert status == 200 and "Live: job job-a" in page and "1.320" in page and "slowdown-above-threshold" in page
+    _, before = get(f"{base}/api/job/job-a/version")
+    land_row(out, live_row("job-a", "s2", 2, 1.05, first=1_700_000_100.0))  # a late file corrected s2
+    _, after = get(f"{base}/api/job/job-a/version")
+    assert json.loads(before)["version"] != json.loads(after)["version"]
+    _, page = get(f"{base}/job/job-a")
+    assert "1.050" in page and "1.320" not in page.split("Sessions")[0]
+    _, index = get(f"{base}/")
+    assert 'href="/job/job-a"' in index
+
+
+def test_live_page_renders_in_headless_chromium(served):
+    try:
+        browser.find_chromium()
+    except browser.BrowserError as error:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(error))
+    _, base = served
+    # The page is served over http from this machine: requests to the server are local.
+    check = asyncio.run(asyncio.wait_for(browser._visit(f"{base}/job/job-a", False), 90))
+    external = [url for url in check.external_requests if not url.startswith(base)]
+    assert check.chart_slots == 3 and check.charts_drawn == 3 and check.marks > 0
+    assert check.console_errors == [] and check.exceptions == [] and external == []
