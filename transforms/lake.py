@@ -220,6 +220,7 @@ def _visible(name: str) -> bool:
 
 def _partition_dates(lake: str, top: str, date_from: str | None, date_to: str | None) -> list[str]:
     fs, root = filesystem(f"{lake.rstrip('/')}/{top}")
+    fs.invalidate_cache(root)  # object-store listings are cached per process; the lake changes under us
     try:
         entries = fs.ls(root, detail=False)
     except FileNotFoundError:
@@ -242,6 +243,7 @@ def _partition_dates(lake: str, top: str, date_from: str | None, date_to: str | 
 def _relative_listing(url: str) -> list[str]:
     """Recursive listing of `url` as paths relative to it ('' when absent)."""
     fs, root = filesystem(url)
+    fs.invalidate_cache(root)
     try:
         found = fs.find(root)
     except FileNotFoundError:
