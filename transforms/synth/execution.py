@@ -120,7 +120,11 @@ def draw_arrays(program: Program, timing: Timing, n_steps: int, dp: int, rng: np
     collective(UnitKind.PARAMS_ALL_GATHER, timing.params_all_gather / vpp)
     collective(UnitKind.GRADS_REDUCE_SCATTER, timing.grads_reduce_scatter / vpp)
     collective(UnitKind.SEPARATE_ALL_REDUCE, timing.separate_all_reduce)
-    collective(UnitKind.EMBEDDING, timing.embedding_all_reduce if pp > 1 else timing.layernorm_all_reduce)
+    sel = np.flatnonzero(kinds == UnitKind.EMBEDDING)
+    # One all-reduce between stage 0 and stage pp-1 of each DP rank: both members share its transfer.
+    embedding = timing.embedding_all_reduce if pp > 1 else timing.layernorm_all_reduce
+    duration[sel] = embedding * _lognormal(rng, timing.comm_noise, (1, n_steps, dp)) \
+        * _lognormal(rng, 0.02 * timing.comm_noise, (len(sel), n_steps, dp))
     sel = np.flatnonzero(kinds == UnitKind.LAYERNORM)
     duration[sel] = timing.layernorm_all_reduce * _lognormal(rng, 3 * timing.comm_noise, (len(sel), n_steps, dp))
     sel = np.flatnonzero(kinds == UnitKind.CLIP)
