@@ -43,7 +43,9 @@ def analyze_job(trace: pa.Table, meta: JobMeta, job_id: str = "", *, timeline: b
     trace: op records (lake TRACE_SCHEMA or the published reference parquet schema);
     meta: the job's parallelism. timeline=True keeps the original and ideal timelines
     (result.timeline, exportable with transforms.whatif.timeline.write_chrome_trace).
-    attribution: None = only when S >= 1.03 (the reference's rule), True/False = force.
+    attribution: None = the reference's rule (blocking attribution, S_w and M_W when S >= 1.03,
+    launch-delay attribution when the replay discrepancy >= 1.03); True = both always;
+    False = neither (S, per-step values and M_S only).
     Raises a transforms.whatif.errors.WhatIfError subclass on a trace it cannot analyse.
     """
     return analyze_model(compile_job(trace, meta, job_id), timeline=timeline, attribution=attribution,
@@ -108,8 +110,11 @@ def analyze_model(model: JobModel, *, timeline: bool = False, attribution: bool 
     )
     result.ms = _decomposition(batch, "ms", nodelay_span, ideal_span, last_stage)
 
-    if attribution or (attribution is None and slowdown >= ATTRIBUTION_THRESHOLD):
-        _attribute(model, result, original, ideal, ideal_time, nodelay_time, memory_limit)
+    blocking = bool(attribution or (attribution is None and slowdown >= ATTRIBUTION_THRESHOLD))
+    launch = bool(attribution or (attribution is None and launch_slowdown >= ATTRIBUTION_THRESHOLD))
+    if blocking or launch:
+        _attribute(model, result, original, ideal, ideal_time, nodelay_time, memory_limit, blocking, launch)
+    if blocking:
         workers = _top_workers(model, result.worker_slowdown)
         mask = worker_set_mask(model, workers)
         third = replay(model, _decomposition_scenarios("mw", original, ideal, mask), memory_limit=memory_limit)
@@ -138,27 +143,27 @@ def _decomposition(batch, prefix: str, nodelay_span: np.ndarray, ideal_span: np.
     )
 
 
-def _attribute(model: JobModel, result: WhatIfResult, original, ideal, ideal_time, nodelay_time, memory_limit) -> None:
-    """S_g for each DP rank, stage and optype group (overall and per step), S_w, and the
-    launch-delay attribution when the replay discrepancy reaches the threshold."""
-    optype_groups = attribution_groups(model)
-    scenarios = []
-    for d in range(model.dp_size):
-        scenarios.append(Scenario(f"dp-{d}", Mix(ideal, original, (model.lane_dp == d)[None, :])))
-    for p in range(model.pp_size):
-        scenarios.append(Scenario(f"stage-{p}", Mix(ideal, original, (model.op_stage == p)[:, None])))
-    for name, ops in optype_groups.items():
-        scenarios.append(Scenario(f"optype-{name}", Mix(ideal, original, ops[:, None])))
-    launch = result.launch_slowdown >= ATTRIBUTION_THRESHOLD
+def _attribute(model: JobModel, result: WhatIfResult, original, ideal, ideal_time, nodelay_time, memory_limit,
+               blocking: bool, launch: bool) -> None:
+    """Blocking attribution (S_g of each DP rank, stage and optype group, overall and per step,
+    and S_w) and/or launch-delay attribution (no-delay replay with one group's launch delays
+    given back, over the no-delay step time), replayed in one batch."""
+    dp_keys, stage_keys = list(range(model.dp_size)), list(range(model.pp_size))
+    dp_masks = [(model.lane_dp == d)[None, :] for d in dp_keys]
+    stage_masks = [(model.op_stage == p)[:, None] for p in stage_keys]
+    optype_groups = attribution_groups(model) if blocking else {}
     launch_groups = attribution_groups(model, first_op=True) if launch else {}
+    scenarios = []
+    if blocking:
+        scenarios += [Scenario(f"dp-{d}", Mix(ideal, original, mask)) for d, mask in zip(dp_keys, dp_masks)]
+        scenarios += [Scenario(f"stage-{p}", Mix(ideal, original, mask)) for p, mask in zip(stage_keys, stage_masks)]
+        scenarios += [Scenario(f"optype-{name}", Mix(ideal, original, ops[:, None])) for name, ops in optype_groups.items()]
     if launch:
         delay = model.launch_delay
-        for d in range(model.dp_size):
-            scenarios.append(Scenario(f"launch-dp-{d}", original, Mix(0.0, delay, (model.lane_dp == d)[None, :])))
-        for p in range(model.pp_size):
-            scenarios.append(Scenario(f"launch-stage-{p}", original, Mix(0.0, delay, (model.op_stage == p)[:, None])))
-        for name, ops in launch_groups.items():
-            scenarios.append(Scenario(f"launch-optype-{name}", original, Mix(0.0, delay, ops[:, None])))
+        scenarios += [Scenario(f"launch-dp-{d}", original, Mix(0.0, delay, mask)) for d, mask in zip(dp_keys, dp_masks)]
+        scenarios += [Scenario(f"launch-stage-{p}", original, Mix(0.0, delay, mask)) for p, mask in zip(stage_keys, stage_masks)]
+        scenarios += [Scenario(f"launch-optype-{name}", original, Mix(0.0, delay, ops[:, None]))
+                      for name, ops in launch_groups.items()]
     batch = replay(model, scenarios, memory_limit=memory_limit)
 
     def ratios(prefix: str, keys, reference: np.ndarray):
@@ -166,15 +171,15 @@ def _attribute(model: JobModel, result: WhatIfResult, original, ideal, ideal_tim
         overall = {key: float(batch.time(f"{prefix}{key}").mean() / reference.mean()) for key in keys}
         return overall, per_step
 
-    dp_keys, stage_keys = list(range(model.dp_size)), list(range(model.pp_size))
-    result.by_dp_rank, result.by_dp_rank_per_step = ratios("dp-", dp_keys, ideal_time)
-    result.by_stage, result.by_stage_per_step = ratios("stage-", stage_keys, ideal_time)
-    result.by_optype, table = ratios("optype-", list(optype_groups), ideal_time)
-    result.by_optype_per_step = {name: table[:, i] for i, name in enumerate(optype_groups)}
-    result.worker_slowdown = np.minimum(
-        np.array([result.by_dp_rank[d] for d in dp_keys])[:, None],
-        np.array([result.by_stage[p] for p in stage_keys])[None, :],
-    )
+    if blocking:
+        result.by_dp_rank, result.by_dp_rank_per_step = ratios("dp-", dp_keys, ideal_time)
+        result.by_stage, result.by_stage_per_step = ratios("stage-", stage_keys, ideal_time)
+        result.by_optype, table = ratios("optype-", list(optype_groups), ideal_time)
+        result.by_optype_per_step = {name: table[:, i] for i, name in enumerate(optype_groups)}
+        result.worker_slowdown = np.minimum(
+            np.array([result.by_dp_rank[d] for d in dp_keys])[:, None],
+            np.array([result.by_stage[p] for p in stage_keys])[None, :],
+        )
     if launch:
         result.launch_by_dp_rank, result.launch_by_dp_rank_per_step = ratios("launch-dp-", dp_keys, nodelay_time)
         result.launch_by_stage, result.launch_by_stage_per_step = ratios("launch-stage-", stage_keys, nodelay_time)

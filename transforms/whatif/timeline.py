@@ -158,7 +158,7 @@ def write_chrome_trace(timeline: Timeline, path: str | pathlib.Path, max_steps: 
     path = pathlib.Path(path)
     payload = json.dumps(chrome_trace_events(timeline, max_steps), separators=(",", ":")).encode()
     if path.suffix == ".gz":
-        with gzip.open(path, "wb", compresslevel=6) as handle:
+        with gzip.open(path, "wb", compresslevel=1) as handle:
             handle.write(payload)
     else:
         path.write_bytes(payload)
