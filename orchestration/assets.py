@@ -30,6 +30,7 @@ __all__ = [
     "BATCH_TABLE_KEYS",
     "RETRY",
     "StragSettings",
+    "make_assets",
     "batch_tables",
     "fleet_report",
     "OrchestrationError",
@@ -59,12 +60,14 @@ class StragSettings(dg.ConfigurableResource):
     lake / out / reports: fsspec URLs (credentials from the environment, never here).
     batch_args: extra `strag batch` arguments, e.g. ["--runner", "DaskRunner",
     "--dask-address", "tcp://scheduler:8786"] for a distributed Beam runner.
+    report_args: extra `strag report` arguments, e.g. ["--images", "none"].
     """
 
     lake: str
     out: str
     reports: str = ""
     batch_args: list[str] = []
+    report_args: list[str] = []
 
     def report_dir(self) -> str:
         return self.reports or f"{self.out.rstrip('/')}/_reports"
@@ -104,41 +107,52 @@ def _check_published(out: str, first: str, last: str) -> dict[str, int]:
     return counts
 
 
-@dg.multi_asset(
-    specs=[
-        dg.AssetSpec(key, description=f"batch table `{key.path[-1]}` (schemas/tables.py), Hive-partitioned by date",
-                     group_name=GROUP)
-        for key in BATCH_TABLE_KEYS
-    ],
-    partitions_def=DAILY,
-    backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=MAX_DAYS_PER_RUN),
-    retry_policy=RETRY,
-    can_subset=False,
-)
-def batch_tables(context: AssetExecutionContext, strag: StragSettings):
-    """`strag batch` over this run's days: validated, analysed, partitioned tables."""
-    first, last = _run_range(context)
-    context.log.info(f"strag batch {first}..{last}: lake {strag.lake} -> {strag.out}")
-    _strag(["batch", "--lake", strag.lake, "--from", first, "--to", last, "--out", strag.out, *strag.batch_args])
-    partitions = _check_published(strag.out, first, last)
-    for key in BATCH_TABLE_KEYS:
-        yield dg.MaterializeResult(
-            asset_key=key,
-            metadata={"dates": f"{first}..{last}", "partitions": partitions[key.path[-1]], "out": strag.out},
-        )
+def make_assets(retry_policy: dg.RetryPolicy = RETRY) -> tuple[dg.AssetsDefinition, dg.AssetsDefinition]:
+    """The two asset definitions (batch tables, fleet report) with a retry policy.
+
+    The shipped definitions use RETRY; tests pass a policy without delay.
+    """
+
+    @dg.multi_asset(
+        name="batch_tables",
+        specs=[
+            dg.AssetSpec(key, description=f"batch table `{key.path[-1]}` (schemas/tables.py), Hive-partitioned by date",
+                         group_name=GROUP)
+            for key in BATCH_TABLE_KEYS
+        ],
+        partitions_def=DAILY,
+        backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=MAX_DAYS_PER_RUN),
+        retry_policy=retry_policy,
+        can_subset=False,
+    )
+    def batch_tables(context: AssetExecutionContext, strag: StragSettings):
+        """`strag batch` over this run's days: validated, analysed, partitioned tables."""
+        first, last = _run_range(context)
+        context.log.info(f"strag batch {first}..{last}: lake {strag.lake} -> {strag.out}")
+        _strag(["batch", "--lake", strag.lake, "--from", first, "--to", last, "--out", strag.out, *strag.batch_args])
+        partitions = _check_published(strag.out, first, last)
+        for key in BATCH_TABLE_KEYS:
+            yield dg.MaterializeResult(
+                asset_key=key,
+                metadata={"dates": f"{first}..{last}", "partitions": partitions[key.path[-1]], "out": strag.out},
+            )
+
+    @dg.asset(
+        key=FLEET_REPORT_KEY,
+        deps=list(BATCH_TABLE_KEYS),
+        partitions_def=DAILY,
+        backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=MAX_DAYS_PER_RUN),
+        retry_policy=retry_policy,
+        group_name=GROUP,
+    )
+    def fleet_report(context: AssetExecutionContext, strag: StragSettings) -> dg.MaterializeResult:
+        """`strag report` from the tables: the fleet report and per-job pages as of this run's last day."""
+        first, last = _run_range(context)
+        target = strag.report_dir()
+        _strag(["report", "--tables", strag.out, "--out", target, *strag.report_args])
+        return dg.MaterializeResult(metadata={"as_of": last, "report": target})
+
+    return batch_tables, fleet_report
 
 
-@dg.asset(
-    key=FLEET_REPORT_KEY,
-    deps=list(BATCH_TABLE_KEYS),
-    partitions_def=DAILY,
-    backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=MAX_DAYS_PER_RUN),
-    retry_policy=RETRY,
-    group_name=GROUP,
-)
-def fleet_report(context: AssetExecutionContext, strag: StragSettings) -> dg.MaterializeResult:
-    """`strag report` from the tables: the fleet report and per-job pages as of this run's last day."""
-    first, last = _run_range(context)
-    target = strag.report_dir()
-    _strag(["report", "--tables", strag.out, "--out", target])
-    return dg.MaterializeResult(metadata={"as_of": last, "report": target})
+batch_tables, fleet_report = make_assets()
