@@ -24,6 +24,9 @@ import time
 __all__ = ["AnalyzeOptions", "parse", "load_job", "summary", "run"]
 
 _META_FIELDS = ("dp_size", "pp_size", "tp_size", "dsp_size", "vpp_size", "world_size")
+# Without --timeline-steps, a timeline keeps the first steps holding at most this many op
+# events per version (Perfetto and the JSON writer stay responsive; AR fits whole).
+TIMELINE_EVENT_LIMIT = 500_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,8 +173,14 @@ def run(argv: list[str]) -> int:
     if opts.timeline_out is not None:
         from transforms.whatif.timeline import write_chrome_trace
 
+        steps = opts.timeline_steps
+        per_step = len(result.timeline.op_optype) * result.meta.dp_size
+        if steps is None and per_step * len(result.steps) > TIMELINE_EVENT_LIMIT:
+            steps = max(1, TIMELINE_EVENT_LIMIT // per_step)
+            print(f"timeline: first {steps} of {len(result.steps)} steps ({per_step:,} ops per step); "
+                  "--timeline-steps N to choose")
         opts.timeline_out.parent.mkdir(parents=True, exist_ok=True)
-        write_chrome_trace(result.timeline, opts.timeline_out, opts.timeline_steps)
+        write_chrome_trace(result.timeline, opts.timeline_out, steps)
         print(f"timeline (open in ui.perfetto.dev): {opts.timeline_out}")
     return 0
 
