@@ -98,7 +98,8 @@ def test_watch_assembles_corrects_and_alerts_while_files_land(tmp_path, jobs):
     everything = read_live_table(out)
     assert everything.num_rows == 4
     slow_row = results_for(out, "slow", "s0", 1)
-    assert slow_row["slowdown"] >= 1.1
+    assert slow_row["slowdown"] >= 1.1 and slow_row["verdict"] == "individual-worker"
+    assert first["verdict"] == "none"
     alerts = read_live_table(out, "alerts").to_pylist()
     assert [(a["job_id"], a["kind"]) for a in alerts] == [("slow", "slowdown-above-threshold")]
     assert read_live_table(out, "live_quarantine").num_rows == 0

@@ -29,10 +29,11 @@ from schemas.lake import LANDING
 from schemas.tables import QUARANTINE_SCHEMA
 from transforms.lake import LakeJob, LakeReadError, read_manifest, read_parquet
 from transforms.sessions import Assembly
+from transforms.whatif.causes import CauseError
 from transforms.whatif.errors import WhatIfError
 from transforms.whatif.result import WhatIfResult
 
-__all__ = ["AnalyzeSessions", "analyze_session", "complete_dp_ranks", "NO_COMPLETE_DP_RANK", "ENGINE_ERROR"]
+__all__ = ["AnalyzeSessions", "analyze_session", "analyze_with_verdict", "complete_dp_ranks", "NO_COMPLETE_DP_RANK", "ENGINE_ERROR"]
 
 NO_COMPLETE_DP_RANK = "no_complete_dp_rank"
 ENGINE_ERROR = "engine_error"
@@ -135,13 +136,12 @@ def _result_fields(result: WhatIfResult, kept: list[int], dp_size: int, pp_size:
 def analyze_session(
     assembly: Assembly,
     validator,
-    engine: Callable[..., WhatIfResult],
-    classify: Callable[[WhatIfResult, pa.Table], tuple[str, float]] | None = None,
+    engine: Callable[[pa.Table, Any, str], tuple[WhatIfResult, Any]],
 ) -> tuple[dict[str, Any], pa.Table]:
     """One assembled session -> (live result row, quarantine rows).
 
-    validator: a schemas.expectations.Validator; engine: analyze_job(trace, meta, job_id);
-    classify: optional (result, trace) -> (verdict, confidence) root-cause verdict.
+    validator: a schemas.expectations.Validator; engine: (trace, meta, job_id) ->
+    (WhatIfResult, root-cause Verdict or None), e.g. `analyze_with_verdict`.
     """
     row = _base_row(assembly)
     paths = tuple(assembly.worker_paths[w] for w in sorted(assembly.worker_paths))
@@ -202,17 +202,30 @@ def analyze_session(
     trace = valid if len(kept) == dp_size else _remap_dp_ranks(valid, kept)
     row["dp_ranks_analysed"] = len(kept)
     try:
-        result = engine(trace, _engine_meta(manifest, len(kept)), assembly.job_id)
-    except WhatIfError as error:
+        result, verdict = engine(trace, _engine_meta(manifest, len(kept)), assembly.job_id)
+    except (WhatIfError, CauseError) as error:
         row["error"] = f"session {assembly.session}: {error}"
         folder = assembly.manifest_path.rsplit("/", 1)[0]
         extra = _job_record(assembly.job_id, getattr(error, "file", None) or folder, ENGINE_ERROR, row["error"],
                             trace.num_rows)
         return row, pa.concat_tables([quarantine, extra])
     row.update(_result_fields(result, kept, dp_size, pp_size))
-    if classify is not None:
-        row["verdict"], row["verdict_confidence"] = classify(result, trace)
+    if verdict is not None:
+        row["verdict"], row["verdict_confidence"] = verdict.cause, float(verdict.confidence)
     return row, quarantine
+
+
+def analyze_with_verdict(trace: pa.Table, meta, job_id: str):
+    """The engine and the root-cause classifier on one trace: (WhatIfResult, causes.Verdict).
+
+    The same calls as the batch pipeline's: compile once, analyse, classify (with the
+    sum-of-squares workload when the trace has seq_lens)."""
+    from transforms.whatif import analyze_model, compile_job
+    from transforms.whatif.causes import classify, sequence_workload
+
+    model = compile_job(trace, meta, job_id)
+    result = analyze_model(model)
+    return result, classify(model, result, workload=sequence_workload(trace, model))
 
 
 class _AnalyzeSessionFn(beam.DoFn):
@@ -220,14 +233,11 @@ class _AnalyzeSessionFn(beam.DoFn):
 
     def setup(self):
         from schemas.expectations import Validator
-        from transforms.whatif import analyze_job
 
         self._validator = Validator()
-        self._engine = analyze_job
-        self._classify = _session_classifier()
 
     def process(self, assembly: Assembly):
-        row, quarantine = analyze_session(assembly, self._validator, self._engine, self._classify)
+        row, quarantine = analyze_session(assembly, self._validator, analyze_with_verdict)
         row["analysed"] = time.time()
         beam.metrics.Metrics.counter("strag.sessions", row["status"]).inc()
         for record in quarantine.to_pylist():
@@ -235,21 +245,6 @@ class _AnalyzeSessionFn(beam.DoFn):
             record["session"] = assembly.session
             yield beam.pvalue.TaggedOutput("quarantine", record)
         yield row
-
-
-def _session_classifier():
-    """The root-cause verdict of transforms/whatif/causes.py as (result, trace) -> (verdict, confidence),
-    or None while that module is absent (the verdict columns stay null)."""
-    try:
-        from transforms.whatif import causes
-    except ImportError:
-        return None
-
-    def classify(result: WhatIfResult, trace: pa.Table) -> tuple[str, float]:
-        verdict = causes.classify_job(result, trace)
-        return verdict.cause, float(verdict.confidence)
-
-    return classify
 
 
 def _unexpected_records(dead_letter) -> list[dict]:
