@@ -83,8 +83,7 @@ def bench_ar(repeats: int) -> None:
     from transforms.whatif import JobMeta, analyze_job
 
     table = pq.read_table(REFERENCE / "trace-AR.parquet")
-    fields = yaml.safe_load((REFERENCE / "meta-AR.yaml").read_text())
-    meta = JobMeta(**{k: v for k, v in fields.items() if k not in ("trial_name", "run_id")})
+    meta = JobMeta.from_mapping(yaml.safe_load((REFERENCE / "meta-AR.yaml").read_text()))
     times = []
     for _ in range(repeats):
         started = time.perf_counter()

@@ -23,7 +23,6 @@ import time
 
 __all__ = ["AnalyzeOptions", "parse", "load_job", "summary", "run"]
 
-_META_FIELDS = ("dp_size", "pp_size", "tp_size", "dsp_size", "vpp_size", "world_size")
 # Without --timeline-steps, a timeline keeps the first steps holding at most this many op
 # events per version (Perfetto and the JSON writer stay responsive; AR fits whole).
 TIMELINE_EVENT_LIMIT = 500_000
@@ -95,7 +94,7 @@ def load_job(opts: AnalyzeOptions):
         missing = [name for name in ("dp_size", "pp_size") if name not in fields]
         if missing:
             raise ValueError(f"{opts.meta}: meta yaml lacks {missing}")
-        meta = JobMeta(**{name: int(fields[name]) for name in _META_FIELDS if name in fields})
+        meta = JobMeta.from_mapping(fields)
         job_id = opts.job_id or str(fields.get("trial_name") or opts.trace.stem)
         return pq.read_table(opts.trace), meta, job_id, str(opts.trace)
     from transforms.lake import find_job, read_manifest, read_trace_files
@@ -104,7 +103,7 @@ def load_job(opts: AnalyzeOptions):
     if job.manifest_path is None:
         raise ValueError(f"lake job {opts.job_id!r} on {job.date} has no manifest: its parallelism is unknown")
     manifest = read_manifest(job.manifest_path)
-    meta = JobMeta(**{name: int(manifest[name]) for name in _META_FIELDS})
+    meta = JobMeta.from_mapping(manifest)
     return read_trace_files(job.trace_files), meta, job.job_id, f"{opts.lake} (date {job.date}, {len(job.trace_files)} files)"
 
 

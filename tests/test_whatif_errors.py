@@ -31,8 +31,7 @@ JOB = "ST-mutated"
 def st(reference_dir):
     frame = pq.read_table(reference_dir / "trace-ST.parquet").to_pandas()
     frame["optype"] = frame["optype"].astype(str)
-    fields = yaml.safe_load((reference_dir / "meta-ST.yaml").read_text())
-    meta = JobMeta(**{k: v for k, v in fields.items() if k not in ("trial_name", "run_id")})
+    meta = JobMeta.from_mapping(yaml.safe_load((reference_dir / "meta-ST.yaml").read_text()))
     return frame, meta
 
 

@@ -19,8 +19,7 @@ TRACES = ("AR", "ST")
 
 
 def load_meta(path) -> JobMeta:
-    fields = yaml.safe_load(path.read_text())
-    return JobMeta(**{k: v for k, v in fields.items() if k not in ("trial_name", "run_id")})
+    return JobMeta.from_mapping(yaml.safe_load(path.read_text()))
 
 
 def as_lake_table(table: pa.Table, job_id: str) -> pa.Table:

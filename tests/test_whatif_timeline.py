@@ -19,8 +19,7 @@ STEP_KEYS = {"name", "cat", "ph", "pid", "tid", "ts", "dur", "args"}
 
 @pytest.fixture(scope="module")
 def st(reference_dir, tmp_path_factory):
-    fields = yaml.safe_load((reference_dir / "meta-ST.yaml").read_text())
-    meta = JobMeta(**{k: v for k, v in fields.items() if k not in ("trial_name", "run_id")})
+    meta = JobMeta.from_mapping(yaml.safe_load((reference_dir / "meta-ST.yaml").read_text()))
     result = analyze_job(pq.read_table(reference_dir / "trace-ST.parquet"), meta, "ST", timeline=True)
     path = write_chrome_trace(result.timeline, tmp_path_factory.mktemp("timeline") / "ST.json.gz")
     with gzip.open(path, "rt") as handle:

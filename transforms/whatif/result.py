@@ -37,6 +37,12 @@ class JobMeta:
         if self.world_size == 0:
             object.__setattr__(self, "world_size", self.dp_size * self.pp_size * self.tp_size * self.dsp_size)
 
+    @classmethod
+    def from_mapping(cls, fields) -> "JobMeta":
+        """From a published meta yaml (trial_name and run_id ignored) or a manifest row."""
+        names = ("dp_size", "pp_size", "tp_size", "dsp_size", "vpp_size", "world_size")
+        return cls(**{name: int(fields[name]) for name in names if fields.get(name) is not None})
+
     @property
     def workers(self) -> int:
         """Number of analysed workers (dp x pp); tp and cp peers are collapsed."""
