@@ -92,19 +92,11 @@ def replay(model: JobModel, scenarios: Sequence[Scenario], *, memory_limit: int 
     step_span = np.empty((n_scenarios, model.n_steps))
     starts: dict[str, np.ndarray] = {}
     ends: dict[str, np.ndarray] = {}
-    # Chunks never mix scenarios with and without delays (no delay array is needed for the latter).
-    order = sorted(range(n_scenarios), key=lambda i: scenarios[i].delay is None)
     per_scenario = (model.n_ops + 2) * model.n_lanes * 8 * 3
     chunk = max(1, int(memory_limit // per_scenario))
-    position = 0
-    while position < n_scenarios:
-        with_delay = scenarios[order[position]].delay is not None
-        members = []
-        while position < n_scenarios and len(members) < chunk and (scenarios[order[position]].delay is not None) == with_delay:
-            members.append(order[position])
-            position += 1
-        batch = [scenarios[i] for i in members]
-        times, spans, kept = _replay_chunk(model, batch, with_delay)
+    for first in range(0, n_scenarios, chunk):
+        members = list(range(first, min(first + chunk, n_scenarios)))
+        times, spans, kept = _replay_chunk(model, [scenarios[i] for i in members])
         step_time[members] = times
         step_span[members] = spans
         for name, (start, end) in kept.items():
@@ -113,22 +105,33 @@ def replay(model: JobModel, scenarios: Sequence[Scenario], *, memory_limit: int 
 
 
 def _fill(out: np.ndarray, values: Values) -> None:
-    if isinstance(values, Mix):
-        np.copyto(out, values.base)
-        np.copyto(out, values.alt, where=np.broadcast_to(values.where, out.shape))
-    else:
+    """Write a scenario's [n_ops, n_lanes] values into `out` (a strided view of the chunk)."""
+    if not isinstance(values, Mix):
         np.copyto(out, values)
+        return
+    np.copyto(out, values.base)
+    where = np.asarray(values.where)
+    alt = np.broadcast_to(values.alt, out.shape)
+    if where.ndim == 2 and where.shape[1] == 1:          # whole ops: copy rows
+        rows = np.flatnonzero(where[:, 0])
+        out[rows] = alt[rows]
+    elif where.ndim == 2 and where.shape[0] == 1:        # whole lanes: copy columns
+        columns = np.flatnonzero(where[0])
+        out[:, columns] = alt[:, columns]
+    else:
+        np.copyto(out, alt, where=np.broadcast_to(where, out.shape))
 
 
-def _replay_chunk(model: JobModel, batch: list[Scenario], with_delay: bool):
+def _replay_chunk(model: JobModel, batch: list[Scenario]):
     n_ops, n_lanes, n_steps, dp = model.n_ops, model.n_lanes, model.n_steps, model.dp_size
     size = len(batch)
     cost = np.empty((n_ops, size, n_lanes))
+    with_delay = any(scenario.delay is not None for scenario in batch)
     delay = np.empty((n_ops, size, n_lanes)) if with_delay else None
     for s, scenario in enumerate(batch):
         _fill(cost[:, s, :], scenario.cost)
         if with_delay:
-            _fill(delay[:, s, :], scenario.delay)
+            _fill(delay[:, s, :], 0.0 if scenario.delay is None else scenario.delay)
     keep = any(scenario.keep_times for scenario in batch)
     ends, starts, earliest = _run_levels(model, cost, delay, keep)
     ends = ends[:n_ops]
