@@ -103,7 +103,7 @@ def test_assemble_sessions_under_test_stream_late_and_duplicate_files():
                        worker("s1", 111, 1, 1, kind="redelivery")])
         .advance_watermark_to_infinity()
     )
-    options = PipelineOptions(streaming=True)
+    options = PipelineOptions(flags=[], streaming=True)
     with beam.Pipeline(runner=BundleBasedDirectRunner(), options=options) as pipeline:
         assemblies = (
             pipeline
@@ -116,3 +116,32 @@ def test_assemble_sessions_under_test_stream_late_and_duplicate_files():
             ("j1", "s1", 2, "late", WORKERS, (), 0),
             ("j1", "s2", 1, "complete", WORKERS, (), 2),
         ]))
+
+
+def test_landing_dedup_and_parse_under_test_stream():
+    """Every poll lists every file again: only first sightings and re-deliveries (newer
+    modification time) pass; a misplaced file is quarantined once; ticks pass through."""
+    from transforms.landing import _DeduplicateByPathFn, _ReadLandingEventFn
+
+    root = "/lake/landing/j1/s1"
+    listing = lambda poll, files: [(f"{root}/{name}", (mtime, poll)) for name, mtime in files]  # noqa: E731
+    stream = (
+        test_stream.TestStream()
+        .add_elements(listing(1.0, [("worker-0-0.parquet", 0.5), ("notes.txt", 0.5)]))
+        .add_elements(listing(2.0, [("worker-0-0.parquet", 0.5), ("notes.txt", 0.5), ("worker-0-1.parquet", 1.5)]))
+        .add_elements(listing(3.0, [("worker-0-0.parquet", 2.5), ("notes.txt", 0.5), ("worker-0-1.parquet", 1.5)])
+                      + [("\x00tick:j1/s1", tick("s1", 3.0))])
+        .advance_watermark_to_infinity()
+    )
+    with beam.Pipeline(runner=BundleBasedDirectRunner(), options=PipelineOptions(flags=[], streaming=True)) as pipeline:
+        events = (
+            pipeline
+            | stream
+            | beam.ParDo(_DeduplicateByPathFn())
+            | beam.ParDo(_ReadLandingEventFn()).with_outputs("quarantine", main="events")
+        )
+        assert_that(events.events | beam.Map(lambda e: (e.kind, e.dp_rank, e.stage, e.poll_time)), equal_to([
+            ("worker", 0, 0, 1.0), ("worker", 0, 1, 2.0), ("redelivery", 0, 0, 3.0), ("tick", -1, -1, 3.0)]),
+            label="Events")
+        assert_that(events.quarantine | beam.Map(lambda r: (r["source_path"].rsplit("/", 1)[-1], r["reason_code"])),
+                    equal_to([("notes.txt", "landing_layout")]), label="Quarantine")
