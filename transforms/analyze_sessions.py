@@ -31,7 +31,7 @@ from transforms.lake import LakeJob, LakeReadError, read_manifest, read_parquet
 from transforms.sessions import Assembly
 from transforms.whatif.causes import CauseError
 from transforms.whatif.errors import WhatIfError
-from transforms.whatif.result import WhatIfResult
+from transforms.whatif.result import JobMeta, WhatIfResult
 
 __all__ = ["AnalyzeSessions", "analyze_session", "analyze_with_verdict", "complete_dp_ranks", "NO_COMPLETE_DP_RANK", "ENGINE_ERROR"]
 
@@ -101,11 +101,9 @@ def _remap_dp_ranks(trace: pa.Table, kept: list[int]) -> pa.Table:
     return trace.set_column(position, trace.schema.field(position), pa.array(renumbered, pa.int16()))
 
 
-def _engine_meta(manifest: dict, dp_size: int):
+def _engine_meta(manifest: dict, dp_size: int) -> JobMeta:
     """The job's JobMeta with dp_size set to the number of DP ranks analysed."""
-    from transforms.analyze import job_meta
-
-    meta = job_meta(manifest)
+    meta = JobMeta.from_mapping(manifest)
     if dp_size == meta.dp_size:
         return meta
     return dataclasses.replace(meta, dp_size=dp_size, world_size=dp_size * meta.pp_size * meta.tp_size * meta.dsp_size)
