@@ -153,3 +153,16 @@ def test_greedy_rebalance_keeps_every_document_and_lowers_imbalance():
     after = imbalance_degree([np.sum(b * b) for b in packed])
     assert after < before
     assert imbalance_degree([4.0, 4.0]) == 1.0 and imbalance_degree([6.0, 2.0]) == 1.5
+
+
+def test_analyze_and_classify_is_analyze_job_plus_the_verdict(analysed):
+    from transforms.whatif import analyze_job
+    from transforms.whatif.causes import analyze_and_classify, job_cause_table
+
+    job, _, _, verdict, _ = analysed("slow-worker")
+    result, again = analyze_and_classify(job.trace, job.meta, "slow-worker")
+    assert result.to_reference_json() == analyze_job(job.trace, job.meta, "slow-worker").to_reference_json()
+    assert again.cause == verdict.cause and again.evidence == verdict.evidence
+    workers = [{"dp_rank": d, "stage": p, "host": f"node-{d}-{p}"} for d in range(4) for p in range(4)]
+    table = job_cause_table(again, 50.0, workers)
+    assert table.column("implicated_hosts").to_pylist() == [["node-1-2"]]

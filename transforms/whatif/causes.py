@@ -57,6 +57,7 @@ undetected fix explains.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 import math
 from typing import Mapping, Sequence
@@ -65,10 +66,11 @@ import numpy as np
 import pyarrow as pa
 
 from schemas.trace import OPTYPES
-from transforms.whatif.metrics import worker_set_mask
-from transforms.whatif.model import JobModel
+from schemas.fleet import JOB_CAUSE_SCHEMA
+from transforms.whatif.metrics import analyze_model, worker_set_mask
+from transforms.whatif.model import JobModel, compile_job
 from transforms.whatif.replay import Mix, Scenario, replay
-from transforms.whatif.result import STRAGGLING_THRESHOLD, WhatIfResult
+from transforms.whatif.result import STRAGGLING_THRESHOLD, JobMeta, WhatIfResult
 
 __all__ = [
     "CauseRules",
@@ -81,6 +83,8 @@ __all__ = [
     "greedy_rebalance",
     "imbalance_degree",
     "verdict_row",
+    "job_cause_table",
+    "analyze_and_classify",
     "COMPUTE_GROUPS",
 ]
 
@@ -179,7 +183,12 @@ def sequence_workload(trace: pa.Table, model: JobModel) -> SequenceWorkload | No
     """Workloads from the trace's `seq_lens` column, aligned with the model; None when absent or empty."""
     if "seq_lens" not in trace.column_names:
         return None
-    compute = trace.filter(pa.compute.is_valid(trace["seq_lens"]))
+    # lengths are per (step, dp_rank, microbatch): one stage's forward rows of one chunk carry them all
+    forward = pa.compute.equal(pa.compute.cast(trace["optype"], pa.string()), "forward-compute")
+    first = pa.compute.and_(pa.compute.equal(trace["stage"], 0), pa.compute.equal(trace["mc"], 0))
+    compute = trace.filter(pa.compute.and_(pa.compute.and_(forward, first), pa.compute.is_valid(trace["seq_lens"])))
+    if compute.num_rows == 0:
+        compute = trace.filter(pa.compute.is_valid(trace["seq_lens"]))
     if compute.num_rows == 0:
         return None
     steps = compute["step"].to_numpy()
@@ -218,20 +227,49 @@ def imbalance_degree(workloads: np.ndarray) -> float:
 def greedy_rebalance(documents: Sequence[np.ndarray], capacity: float | None = None) -> list[np.ndarray]:
     """Repack the documents of len(documents) microbatches: longest first into the microbatch
     with the smallest sum of squared lengths that still has `capacity` tokens of room (the
-    lightest overall when none has). Returns the new documents of each microbatch."""
+    lightest overall when none has). Returns the new documents of each microbatch.
+
+    capacity: tokens per microbatch (default: the largest microbatch given)."""
     bins = len(documents)
     every = np.concatenate([np.asarray(d, dtype=np.float64) for d in documents]) if bins else np.zeros(0)
     capacity = float(max((np.sum(d) for d in documents), default=0.0)) if capacity is None else float(capacity)
-    load = np.zeros(bins)
-    tokens = np.zeros(bins)
+    loads = [0.0] * bins
+    tokens = [0.0] * bins
+    by_load = [(0.0, b) for b in range(bins)]       # lightest on top; an entry is stale once its bin changed
+    by_room = [(-capacity, b) for b in range(bins)]  # most room on top (key tokens - capacity), stale likewise
     out: list[list[float]] = [[] for _ in range(bins)]
-    for length in np.sort(every)[::-1]:
-        room = tokens + length <= capacity + 1e-9
-        candidates = np.flatnonzero(room) if room.any() else np.arange(bins)
-        target = candidates[np.argmin(load[candidates])]
+    limit = capacity + 1e-9
+    pop, push = heapq.heappop, heapq.heappush
+    for length in np.sort(every)[::-1].tolist():
+        target = -1
+        tried = []
+        # the lightest few bins first; then the roomiest; with room nowhere, the lightest
+        while len(tried) < 8 and by_load:
+            key, b = pop(by_load)
+            if key != loads[b]:
+                continue
+            tried.append((key, b))
+            if tokens[b] + length <= limit:
+                target = b
+                break
+        if target < 0:
+            while by_room:
+                key, b = by_room[0]
+                if key == tokens[b] - capacity:
+                    if tokens[b] + length <= limit:
+                        target = b
+                    break
+                pop(by_room)
+        if target < 0:
+            target = tried[0][1]
+        for entry in tried:
+            if entry[1] != target:
+                push(by_load, entry)
         out[target].append(length)
-        load[target] += length * length
         tokens[target] += length
+        loads[target] += length * length
+        push(by_load, (loads[target], target))
+        push(by_room, (tokens[target] - capacity, target))
     return [np.asarray(b) for b in out]
 
 
@@ -363,25 +401,25 @@ def _greedy_sequences(model: JobModel, workload: SequenceWorkload) -> tuple[np.n
     for (s, d, m) in workload.lengths:
         by_step.setdefault(s, []).append((d, m))
     before, after = [], []
-    table_new: dict[tuple[int, int, int], float] = {}
+    n_mb = int(max(m for _, _, m in workload.lengths)) + 1
+    table_new = np.full((model.n_steps, model.dp_size, n_mb), np.nan)
     for s, slots in sorted(by_step.items()):
         slots.sort()
         documents = [workload.lengths[(s, d, m)] for d, m in slots]
-        old = np.array([np.sum(x * x) for x in documents])
+        old = np.array([x @ x for x in documents])
         packed = greedy_rebalance(documents)
-        new = np.sort(np.array([np.sum(x * x) for x in packed]))[::-1]
+        new = np.sort(np.array([x @ x for x in packed]))[::-1]
         # heaviest new microbatch where the heaviest old one was: keeps the schedule's order of work
         placed = np.empty_like(new)
         placed[np.argsort(-old, kind="stable")] = new
         before.append(imbalance_degree(old))
         after.append(imbalance_degree(placed))
         for (d, m), value in zip(slots, placed):
-            table_new[(s, d, m)] = value
+            table_new[s, d, m] = value
     lane_step_index = np.searchsorted(model.steps, model.lane_step)
     compute = np.isin(model.op_optype, (_FORWARD, _BACKWARD))
     ops, lanes = np.nonzero(compute[:, None] & np.isfinite(workload.op_workload))
-    new_workload[ops, lanes] = [table_new.get((int(lane_step_index[l]), int(model.lane_dp[l]), int(model.mb_id[o, l])), np.nan)
-                                for o, l in zip(ops, lanes)]
+    new_workload[ops, lanes] = table_new[lane_step_index[lanes], model.lane_dp[lanes], model.mb_id[ops, lanes]]
     fits = {}
     for code in (_FORWARD, _BACKWARD):
         for g in np.unique(model.op_gmc[model.op_optype == code]):
@@ -592,3 +630,26 @@ def verdict_row(verdict: Verdict, gpu_hours: float, hosts: Mapping[tuple[int, in
         "savings_json": json.dumps({c: {"fixed_slowdown": f.fixed_slowdown, "explained": f.explained, "savings_fraction": f.savings_fraction}
                                     for c, f in sorted(verdict.fixes.items())}, sort_keys=True),
     }
+
+
+def job_cause_table(verdict: Verdict, gpu_hours: float, workers: Sequence[Mapping] = ()) -> pa.Table:
+    """The job_cause rows (JOB_CAUSE_SCHEMA, without `date`) of one job window.
+
+    gpu_hours: the window's GPU-hours; workers: the manifest's worker entries (dp_rank,
+    stage, host) to name the hosts of blamed workers. Callers write it for windows kept
+    in fleet statistics (not discarded).
+    """
+    hosts = {(int(w["dp_rank"]), int(w["stage"])): w.get("host") for w in workers}
+    return pa.Table.from_pylist([verdict_row(verdict, gpu_hours, hosts)], schema=JOB_CAUSE_SCHEMA)
+
+
+def analyze_and_classify(trace: pa.Table, meta: JobMeta, job_id: str = "", *, rules: CauseRules = CauseRules(),
+                         timeline: bool = False) -> tuple[WhatIfResult, Verdict]:
+    """What-if analysis and root-cause verdict of one trace window, compiling the job once.
+
+    The same WhatIfResult as transforms.whatif.analyze_job, plus the Verdict; raises the
+    engine's WhatIfError subclasses on traces it cannot analyse.
+    """
+    model = compile_job(trace, meta, job_id)
+    result = analyze_model(model, timeline=timeline)
+    return result, classify(model, result, workload=sequence_workload(trace, model), rules=rules)
