@@ -66,10 +66,13 @@ def test_fleet_is_deterministic_and_bounded():
     assert first != sample_fleet(3, 7, seed=6, start_date="2024-02-27", max_records=200_000)
     assert [s.date for s in first[::7]] == [dt.date(2024, 2, 27), dt.date(2024, 2, 28), dt.date(2024, 2, 29)]
     assert len({s.job_id for s in first}) == 21
-    # The cap trims steps then microbatches; only jobs already at the floor may stay above it.
+    # The cap trims steps, microbatches, then chunks; only jobs already at the floor may stay above it.
     for spec in first:
-        floor = spec.steps == 12 and spec.microbatches == (2 * spec.pp if spec.vpp > 1 else spec.pp)
+        floor = spec.steps == 12 and spec.microbatches == spec.pp and spec.vpp == 1
         assert spec.estimated_records <= 200_000 or floor
+    uncapped = sample_fleet(3, 7, seed=5, start_date="2024-02-27", max_records=10**9)
+    assert [s.world_size for s in uncapped] == [s.world_size for s in first]
+    assert any(a.steps > b.steps for a, b in zip(uncapped, first))
 
 
 def test_sample_fleet_refuses_nonsense():

@@ -25,6 +25,7 @@ VARIANTS = {
     "1f1b-fewer-microbatches-than-stages": dict(dp=2, pp=4, microbatches=2),
     "interleaved-dp-overlapped": dict(dp=2, pp=4, vpp=2, microbatches=8),
     "interleaved-dp-not-overlapped": dict(dp=2, pp=2, vpp=3, microbatches=4, dp_overlap=False),
+    "1f1b-noop-records-at-the-ends": dict(dp=2, pp=3, microbatches=5, record_noop_p2p=True),
     "dp-absent": dict(dp=1, pp=4, microbatches=5),
     "interleaved-dp-absent": dict(dp=1, pp=2, vpp=2, microbatches=4),
     "pp1": dict(dp=4, pp=1, microbatches=4),
@@ -105,7 +106,7 @@ def _valid_p2p(worker: pd.DataFrame, pp: int, vpp: int, stage: int, problems: li
 
 
 def structure_problems(trace: pa.Table, pp: int, vpp: int, microbatches: int, use_dp: bool, overlap: bool,
-                       sync_tolerance: float = 1e-3) -> list[str]:
+                       noop_ends: bool = False, sync_tolerance: float = 1e-3) -> list[str]:
     """Every way the trace departs from the dependency structure an analyzer expects."""
     df = frame(trace)
     problems: list[str] = []
@@ -135,9 +136,14 @@ def structure_problems(trace: pa.Table, pp: int, vpp: int, microbatches: int, us
         p2p = ordered[ordered.optype.str.endswith(("send", "recv"))]
         if pp == 1 and len(p2p):
             problems.append(f"{where}: p2p ops without pipeline parallelism")
-        if vpp == 1 and ((stage == 0 and (p2p.optype.isin(["forward-recv", "backward-send"])).any())
-                         or (stage == pp - 1 and (p2p.optype.isin(["forward-send", "backward-recv"])).any())):
-            problems.append(f"{where}: 1F1B records a p2p op Megatron skips at the pipeline end")
+        if vpp == 1 and pp > 1:
+            skipped = (["forward-recv", "backward-send"] if stage == 0 else []) + \
+                      (["forward-send", "backward-recv"] if stage == pp - 1 else [])
+            for optype in skipped:
+                n = (p2p.optype == optype).sum()
+                if n != (microbatches if noop_ends else 0):
+                    problems.append(f"{where}: {n} {optype} records at the pipeline end "
+                                    f"({'no-op records expected' if noop_ends else 'Megatron skips these'})")
         for _, batch in p2p.groupby("start_ts"):
             if batch.duration.nunique() != 1:
                 problems.append(f"{where}: records of one batched p2p call differ in duration")
@@ -226,12 +232,25 @@ def layout(variant: str):
     shape = VARIANTS[variant]
     dp, pp = shape["dp"], shape["pp"]
     return dict(pp=pp, vpp=shape.get("vpp", 1), microbatches=shape["microbatches"],
-                use_dp=dp * shape.get("cp", 1) > 1, overlap=shape.get("dp_overlap", True))
+                use_dp=dp * shape.get("cp", 1) > 1, overlap=shape.get("dp_overlap", True),
+                noop_ends=shape.get("record_noop_p2p", False))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_trace_has_the_dependency_structure(variant):
     assert structure_problems(generated(variant).trace, **layout(variant)) == []
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_engine_replay_reproduces_the_generated_job(variant):
+    """What an analyzer rebuilds from the trace replays it: small discrepancy, S as the generator predicts."""
+    from transforms.whatif.metrics import analyze_job
+
+    job = generated(variant)
+    result = analyze_job(job.trace, job.meta, variant)
+    assert result.launch_slowdown < 1.05
+    assert result.launch_slowdown == pytest.approx(job.truth["expected_discrepancy"], abs=0.02)
+    assert result.slowdown == pytest.approx(job.truth["expected_slowdown"], rel=0.01)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -293,12 +312,25 @@ def test_checker_sees_an_unsynchronised_collective():
     assert any("params-all-gather" in p for p in _mutated("1f1b-dp-overlapped", late))
 
 
+def test_checker_sees_missing_noop_records():
+    def drop(df):
+        rows = df[(df.stage == 0) & (df.optype == "forward-recv")].index[:1]
+        df.drop(index=rows, inplace=True)
+    assert any("no-op records expected" in p for p in _mutated("1f1b-noop-records-at-the-ends", drop))
+
+
 def test_checker_sees_a_send_paired_with_the_wrong_microbatch():
     def shift(df):
         rows = df[(df.optype == "forward-compute") & (df.stage == 1) & (df.dp_rank == 0)].index
         df.loc[rows, "mb_id"] = (df.loc[rows, "mb_id"] + 1) % 8
     problems = _mutated("1f1b-dp-overlapped", shift)
     assert any("does not carry the microbatch" in p for p in problems)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_record_estimate_is_close(variant):
+    job = generated(variant)
+    assert job.spec.estimated_records == pytest.approx(job.trace.num_rows, rel=0.15)
 
 
 def test_program_ops_per_worker_match_the_trace():

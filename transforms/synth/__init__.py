@@ -4,11 +4,14 @@ Public API (stable; other modules and tests depend on it):
 
 ``JobSpec(job_id, dp, pp, microbatches, tp=1, cp=1, vpp=1, steps=40, sessions=4,
 model_family="dense"|"moe", context_length=4096, dp_overlap=True, causes=(), seed=0,
-date=2024-01-01, start_time=None, hosts=None, record_seq_lens=False, timing=None)``
+date=2024-01-01, start_time=None, hosts=None, record_seq_lens=False, record_noop_p2p=False,
+timing=None)``
     What to generate. ``steps`` sampled steps in ``sessions`` profiling sessions (~10%
     of the job's steps); ``vpp`` > 1 = interleaved 1F1B; ``dp_overlap`` = ZeRO
     reduce-scatter overlapped with backward (separate-grads-all-reduce in the tail);
     DP comm is absent when dp * cp == 1. ``causes``: :class:`Cause` objects.
+    ``record_noop_p2p``: a 1F1B trace also has no-op records for the p2p calls skipped
+    at the pipeline ends (the published traces do not; interleaved traces always do).
 
 ``Cause(kind, params)``
     One root cause; kinds in ``CAUSE_KINDS``: slow_worker, last_stage_imbalance,

@@ -6,8 +6,9 @@ MoE-like models, 4k to 128k contexts (long contexts use context parallelism), 1F
 interleaved pipelines, DP overlap on and off, and injected causes
 (:func:`transforms.synth.faults.sample_causes`). Work per job is bounded: a job whose
 trace would exceed ``max_records`` op records (default 2,000,000, about 30 MB of
-parquet) gets fewer sampled steps (down to 12), then fewer microbatches; every other
-property is kept, so the fleet stays realistic but its size stays bounded.
+parquet) gets fewer sampled steps (down to 12), then fewer microbatches, then fewer
+model chunks; its size, parallelism and causes are kept, so the fleet stays realistic
+but bounded.
 
 Slow workers are persistent hardware faults: they sit on a handful of bad machines of
 the fleet's host pool, so the same host shows up across jobs.
@@ -102,6 +103,24 @@ def _choice(rng: np.random.Generator, values, weights):
     return values[int(rng.choice(len(values), p=weights / weights.sum()))]
 
 
+def _bounded(spec: JobSpec, max_records: int) -> JobSpec:
+    """Bound a job's op records: fewer sampled steps (down to 12), then microbatches, then chunks."""
+    while spec.estimated_records > max_records and spec.steps > 12:
+        steps = max(12, int(spec.steps * max_records / spec.estimated_records))
+        spec = dataclasses.replace(spec, steps=steps, sessions=min(spec.sessions, steps // 6))
+    while spec.estimated_records > max_records:
+        multiple = spec.pp if spec.vpp > 1 else 1
+        floor = 2 * spec.pp if spec.vpp > 1 else spec.pp
+        smaller = max(floor, (spec.microbatches * 3 // 4) // multiple * multiple)
+        if smaller != spec.microbatches:
+            spec = dataclasses.replace(spec, microbatches=smaller)
+        elif spec.vpp > 1:
+            spec = dataclasses.replace(spec, vpp=spec.vpp - 1)
+        else:
+            break   # at the floor: pp microbatches, no interleaving, 12 steps
+    return spec
+
+
 def _sample_spec(rng: np.random.Generator, job_id: str, date: dt.date, max_records: int,
                  bad_hosts: np.ndarray) -> JobSpec:
     # Size: 128 * 2^X GPUs, X exponential (heavy tail), capped at 6,144 GPUs.
@@ -128,22 +147,14 @@ def _sample_spec(rng: np.random.Generator, job_id: str, date: dt.date, max_recor
     causes = sample_causes(rng, dp=dp, pp=pp, context_length=context)
     record_seq_lens = bool(rng.random() < 0.3)
     seed = int(rng.integers(2**62))
+    record_noop_p2p = bool(rng.random() < 0.3)
     start = dt.datetime.combine(date, dt.time(), dt.timezone.utc) + dt.timedelta(seconds=int(rng.integers(0, 20 * 3600)))
 
     spec = JobSpec(job_id=job_id, dp=dp, pp=pp, tp=tp, cp=cp, vpp=vpp, microbatches=microbatches, steps=steps,
                    sessions=sessions, model_family=family, context_length=context, dp_overlap=dp_overlap,
-                   causes=causes, seed=seed, date=date, start_time=start, record_seq_lens=record_seq_lens)
-    # Bound the work: fewer sampled steps first, then fewer microbatches.
-    while spec.estimated_records > max_records and spec.steps > 12:
-        steps = max(12, int(spec.steps * max_records / spec.estimated_records))
-        spec = dataclasses.replace(spec, steps=steps, sessions=min(spec.sessions, steps // 6))
-    while spec.estimated_records > max_records:
-        step = spec.pp if spec.vpp > 1 else 1
-        floor = 2 * spec.pp if spec.vpp > 1 else spec.pp
-        smaller = max(floor, (spec.microbatches * 3 // 4) // step * step)
-        if smaller == spec.microbatches:
-            break
-        spec = dataclasses.replace(spec, microbatches=smaller)
+                   causes=causes, seed=seed, date=date, start_time=start, record_seq_lens=record_seq_lens,
+                   record_noop_p2p=record_noop_p2p)
+    spec = _bounded(spec, max_records)
 
     hosts = rng.choice(HOST_POOL, size=spec.n_hosts, replace=False)
     slow = spec.cause("slow_worker")

@@ -40,7 +40,9 @@ class JobSpec:
     backward pass (a separate-grads-all-reduce op appears in the tail); otherwise it runs in
     the tail. DP comm is absent when dp * cp == 1. ``hosts``: machine name of each
     8-GPU node in global-rank order (default: names derived from job_id). ``timing``:
-    base durations (default: sampled from ``seed`` and the shape). Times are UTC.
+    base durations (default: sampled from ``seed`` and the shape). ``record_noop_p2p``: the
+    profiler also records the p2p calls a 1F1B pipeline skips at its ends, as no-op records
+    (interleaved schedules always have them). Times are UTC.
     """
 
     job_id: str
@@ -61,6 +63,7 @@ class JobSpec:
     start_time: dt.datetime | None = None
     hosts: tuple[str, ...] | None = None
     record_seq_lens: bool = False
+    record_noop_p2p: bool = False
     timing: Timing | None = None
 
     def __post_init__(self):
@@ -116,9 +119,20 @@ class JobSpec:
 
     @property
     def estimated_records(self) -> int:
-        """Approximate number of op records of the trace (for budgeting work)."""
-        per_worker = (4 if self.vpp > 1 else 3) * self.microbatches * self.vpp + 10
-        return self.steps * self.dp * self.pp * per_worker
+        """Number of op records of the trace, within a few per worker and step (for budgeting work)."""
+        computes = 2 * self.microbatches * self.vpp
+        if self.pp == 1:
+            p2p = 0
+        elif self.vpp == 1 and not self.record_noop_p2p:
+            p2p = 4 * self.microbatches * (self.pp - 1) / self.pp   # ends of the pipeline skip half
+        elif self.vpp == 1:
+            p2p = 4 * self.microbatches
+        else:
+            p2p = 4 * self.microbatches * self.vpp + 3               # every call is recorded, no-ops too
+        tail = 4 + min(2, self.pp) / self.pp                        # gc, layernorm, clip, optimizer, embedding
+        if self.dp * self.cp > 1:
+            tail += 2 * self.vpp + self.dp_overlap                   # ZeRO collectives
+        return int(self.steps * self.dp * self.pp * (computes + p2p + tail))
 
 
 @dataclasses.dataclass
@@ -220,7 +234,8 @@ def generate_job(spec: JobSpec) -> GeneratedJob:
     """Simulate one job and return its trace, manifest, truth and meta (deterministic in spec)."""
     rng = np.random.default_rng(np.random.SeedSequence([spec.seed, 0x57A6]))
     timing = spec.timing or sample_timing(spec, rng)
-    program = build_program(spec.pp, spec.vpp, spec.microbatches, spec.dp * spec.cp > 1, spec.dp_overlap)
+    program = build_program(spec.pp, spec.vpp, spec.microbatches, spec.dp * spec.cp > 1, spec.dp_overlap,
+                            spec.record_noop_p2p and spec.vpp == 1)
     steps, step_session = _sample_steps(spec, rng)
     n_steps, dp, pp = len(steps), spec.dp, spec.pp
 

@@ -14,7 +14,8 @@ Schedules follow Megatron-LM:
 * ``vpp == 1``: 1F1B (warm-up of ``pp - stage - 1`` forwards, steady one-forward-one-
   backward with batched ``send_forward_recv_backward`` / ``send_backward_recv_forward``,
   cool-down). Calls that Megatron skips at the pipeline ends (first-stage receives of
-  activations, last-stage sends of activations, ...) leave no record.
+  activations, last-stage sends of activations, ...) leave no record, like the published
+  traces; with ``noop_ends`` they leave no-op records instead (profilers differ).
 * ``vpp > 1``: interleaved 1F1B (warm-up ``2 (pp - stage - 1) + (vpp - 1) pp``, chunk of
   forward k = ``(k mod pp vpp) // pp``). Every loop call leaves records for all the
   directions it handles, so transfers at the first/last global chunk appear as no-op
@@ -174,17 +175,28 @@ class _Stage:
                                "records": records})
 
 
-def _one_f_one_b(st: _Stage, pp: int, microbatches: int, forward_unit, backward_unit) -> None:
-    """Non-interleaved 1F1B (and, for pp == 1, the no-pipelining schedule)."""
+def _one_f_one_b(st: _Stage, pp: int, microbatches: int, forward_unit, backward_unit, noop_ends: bool) -> None:
+    """Non-interleaved 1F1B (and, for pp == 1, the no-pipelining schedule).
+
+    At the pipeline ends Megatron skips the calls without a peer; with ``noop_ends`` the
+    profiler records them anyway, as no-op records (pp > 1 only).
+    """
     p, m = st.stage, microbatches
     first, last = p == 0, p == pp - 1
     warmup = min(pp - p - 1, m)
     remaining = m - warmup
+    noop = noop_ends and pp > 1
+
+    def end(optype: str, skipped: bool, key):
+        if not skipped:
+            return (optype, key)
+        return (optype, None) if noop else None
+
     # Transfer keys: ("F", sending stage, microbatch) and ("B", sending stage, microbatch).
-    frecv = lambda i: None if first else ("forward-recv", ("F", p - 1, i))
-    fsend = lambda i: None if last else ("forward-send", ("F", p, i))
-    brecv = lambda i: None if last else ("backward-recv", ("B", p + 1, i))
-    bsend = lambda i: None if first else ("backward-send", ("B", p, i))
+    frecv = lambda i: end("forward-recv", first, ("F", p - 1, i))
+    fsend = lambda i: end("forward-send", last, ("F", p, i))
+    brecv = lambda i: end("backward-recv", last, ("B", p + 1, i))
+    bsend = lambda i: end("backward-send", first, ("B", p, i))
     for i in range(warmup):
         st.p2p([frecv(i)])
         forward_unit(0, i)
@@ -257,7 +269,8 @@ def _interleaved(st: _Stage, pp: int, vpp: int, microbatches: int, forward_unit,
         st.p2p([bsend(k), ("backward-recv", None) if k == total - 1 else brecv(k + 1)])
 
 
-def _build_stage(p: int, pp: int, vpp: int, microbatches: int, use_dp: bool, dp_overlap: bool) -> _Stage:
+def _build_stage(p: int, pp: int, vpp: int, microbatches: int, use_dp: bool, dp_overlap: bool,
+                 noop_ends: bool) -> _Stage:
     st = _Stage(p, pp)
     ag_units = [st.add(UnitKind.PARAMS_ALL_GATHER, chunk=c, dp_stream=True) for c in range(vpp)] if use_dp else []
     first_forward_seen: set[int] = set()
@@ -273,7 +286,7 @@ def _build_stage(p: int, pp: int, vpp: int, microbatches: int, use_dp: bool, dp_
         last_backward[chunk] = st.add(UnitKind.BACKWARD, chunk, mb)
 
     if vpp == 1:
-        _one_f_one_b(st, pp, microbatches, forward_unit, backward_unit)
+        _one_f_one_b(st, pp, microbatches, forward_unit, backward_unit, noop_ends)
     else:
         _interleaved(st, pp, vpp, microbatches, forward_unit, backward_unit)
 
@@ -312,8 +325,12 @@ def _build_stage(p: int, pp: int, vpp: int, microbatches: int, use_dp: bool, dp_
 
 
 @functools.lru_cache(maxsize=64)
-def build_program(pp: int, vpp: int, microbatches: int, use_dp: bool, dp_overlap: bool) -> Program:
+def build_program(pp: int, vpp: int, microbatches: int, use_dp: bool, dp_overlap: bool,
+                  noop_ends: bool = False) -> Program:
     """Build (and cache) the program of one step for a job shape.
+
+    ``noop_ends``: in 1F1B, record the p2p calls Megatron skips at the pipeline ends as
+    no-op records (some profilers do); interleaved schedules always record them.
 
     Raises ValueError for shapes Megatron does not run: vpp > 1 needs pp > 1,
     microbatches a multiple of pp and at least 2 pp; 1F1B needs microbatches >= 1.
@@ -323,7 +340,7 @@ def build_program(pp: int, vpp: int, microbatches: int, use_dp: bool, dp_overlap
     if vpp > 1 and (pp < 2 or microbatches % pp or microbatches < 2 * pp):
         raise ValueError(f"interleaved schedule (vpp={vpp}) needs pp >= 2 and microbatches a multiple of pp "
                          f"and >= 2 pp; got pp={pp} microbatches={microbatches}")
-    stages = [_build_stage(p, pp, vpp, microbatches, use_dp, dp_overlap) for p in range(pp)]
+    stages = [_build_stage(p, pp, vpp, microbatches, use_dp, dp_overlap, noop_ends) for p in range(pp)]
 
     units: list[dict] = []
     for p, st in enumerate(stages):
