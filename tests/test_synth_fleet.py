@@ -60,6 +60,14 @@ def test_slow_workers_sit_on_the_fleets_few_bad_hosts(fleet):
     assert 1 <= len(hosts) <= BAD_HOSTS
 
 
+def test_jobs_of_a_day_do_not_share_machines(fleet):
+    by_day = collections.defaultdict(list)
+    for spec in fleet:
+        if spec.cause("slow_worker") is None:   # bad hosts are placed on purpose
+            by_day[spec.date].extend(spec.hosts)
+    assert all(len(hosts) == len(set(hosts)) for hosts in by_day.values())
+
+
 def test_fleet_is_deterministic_and_bounded():
     first = sample_fleet(3, 7, seed=5, start_date="2024-02-27", max_records=200_000)
     assert first == sample_fleet(3, 7, seed=5, start_date=dt.date(2024, 2, 27), max_records=200_000)

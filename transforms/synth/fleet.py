@@ -10,8 +10,9 @@ parquet) gets fewer sampled steps (down to 12), then fewer microbatches, then fe
 model chunks; its size, parallelism and causes are kept, so the fleet stays realistic
 but bounded.
 
+Machines: a pool of HOST_POOL 8-GPU hosts; jobs of the same day get distinct machines.
 Slow workers are persistent hardware faults: they sit on a handful of bad machines of
-the fleet's host pool, so the same host shows up across jobs.
+the pool (BAD_HOSTS), so the same host shows up across jobs.
 
 :func:`write_fleet` generates the jobs (in parallel processes, except for memory://
 lakes whose filesystem lives in one process), writes each through
@@ -121,8 +122,24 @@ def _bounded(spec: JobSpec, max_records: int) -> JobSpec:
     return spec
 
 
+class _FreeHosts:
+    """Machines not yet given to a job of the day: concurrent jobs do not share machines."""
+
+    def __init__(self):
+        self.free = np.zeros(0, dtype=np.int64)
+
+    def new_day(self, rng: np.random.Generator) -> None:
+        self.free = rng.permutation(HOST_POOL)
+
+    def take(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        if n > len(self.free):   # more GPUs asked in one day than the pool has: start over
+            self.free = rng.permutation(HOST_POOL)
+        taken, self.free = self.free[:n].copy(), self.free[n:]
+        return taken
+
+
 def _sample_spec(rng: np.random.Generator, job_id: str, date: dt.date, max_records: int,
-                 bad_hosts: np.ndarray) -> JobSpec:
+                 bad_hosts: np.ndarray, free_hosts: _FreeHosts) -> JobSpec:
     # Size: 128 * 2^X GPUs, X exponential (heavy tail), capped at 6,144 GPUs.
     target = 128 * 2 ** min(rng.exponential(1.2), np.log2(6144 / 128))
     family = _choice(rng, ("dense", "moe"), (0.65, 0.35))
@@ -156,7 +173,7 @@ def _sample_spec(rng: np.random.Generator, job_id: str, date: dt.date, max_recor
                    record_noop_p2p=record_noop_p2p)
     spec = _bounded(spec, max_records)
 
-    hosts = rng.choice(HOST_POOL, size=spec.n_hosts, replace=False)
+    hosts = free_hosts.take(spec.n_hosts, rng)
     slow = spec.cause("slow_worker")
     if slow is not None:
         # The slow worker's machine is one of the fleet's bad hosts (persistent hardware fault).
@@ -182,10 +199,12 @@ def sample_fleet(days: int, jobs_per_day: int, seed: int, start_date: dt.date | 
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0xF1EE7]))
     bad_hosts = rng.choice(HOST_POOL, size=BAD_HOSTS, replace=False)
     specs = []
+    free_hosts = _FreeHosts()
     for day in range(days):
         date = start_date + dt.timedelta(days=day)
+        free_hosts.new_day(rng)
         for k in range(jobs_per_day):
-            specs.append(_sample_spec(rng, f"job-{date:%Y%m%d}-{k:03d}", date, max_records, bad_hosts))
+            specs.append(_sample_spec(rng, f"job-{date:%Y%m%d}-{k:03d}", date, max_records, bad_hosts, free_hosts))
     return specs
 
 
