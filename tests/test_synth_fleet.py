@@ -15,6 +15,8 @@ from transforms.synth import TRUTH_PATH, TRUTH_SCHEMA, sample_fleet, write_fleet
 from transforms.synth.badinput import BAD_KINDS
 from transforms.synth.fleet import BAD_HOSTS
 
+from fixtures_s3 import moto_s3  # noqa: F401  (fixture)
+
 
 @pytest.fixture(scope="module")
 def fleet():
@@ -180,6 +182,16 @@ def test_memory_lake(tmp_path):
         assert summary.bad_jobs == 0
     finally:
         fsspec.filesystem("memory").rm("/synth-fleet-test", recursive=True)
+
+
+def test_s3_lake_from_worker_processes(moto_s3):
+    """Worker processes reach the object store through the environment, like production."""
+    specs = sample_fleet(1, 3, seed=6, max_records=20_000)
+    summary = write_fleet(moto_s3.url("fleet"), specs, bad_fraction=0.34, seed=6, processes=2)
+    fs = moto_s3.filesystem()
+    truth = pq.read_table(fs.open(f"{moto_s3.bucket}/fleet/{TRUTH_PATH}", "rb"))
+    assert truth.num_rows == 3 and summary.bad_jobs == 1
+    assert len(fs.glob(f"{moto_s3.bucket}/fleet/traces/*/*/part-*.parquet")) > 0
 
 
 def test_cli_generate(tmp_path, capsys):
