@@ -1,9 +1,9 @@
 """The elements that flow through the batch pipeline, and the coder that carries them.
 
-    MatchJobs ──JobFiles──► ValidateTraces ──ValidatedJob──► AnalyzeJobs ──JobOutcome──► CommitTables
+    MatchJobs ──LakeJob──► ValidateTraces ──ValidatedJob──► AnalyzeJobs ──JobOutcome──► CommitTables
                                    └──────────────JobOutcome (quarantined)──────────────────┘
 
-A `JobFiles` names one job window's files (tiny). A `ValidatedJob` holds that window's
+A `LakeJob` (transforms/lake.py) names one job window's files (tiny). A `ValidatedJob` holds that window's
 op rows: it is produced and consumed by fused steps on the same worker and must never be
 shuffled (the job is the unit of parallelism). A `JobOutcome` holds the window's result
 tables (a few KB) and is what gets shuffled to the commit step.
@@ -23,8 +23,9 @@ from typing import Any, Mapping, NamedTuple
 import apache_beam as beam
 import pyarrow as pa
 
+from transforms.lake import LakeJob
+
 __all__ = [
-    "JobFiles",
     "JobProblem",
     "ValidatedJob",
     "JobStats",
@@ -37,27 +38,6 @@ __all__ = [
 # Phases timed inside the DoFns (seconds), summed into the run summary: Dask has no
 # metrics, so timings travel with the elements.
 PHASES = ("read", "validate", "analyze", "tables", "stage", "publish")
-
-
-@dataclasses.dataclass(frozen=True)
-class JobFiles:
-    """One job window found in the lake: a (date, job_id) with its manifest and trace files.
-
-    manifest_path is None when the window has trace files but no manifest; trace_paths is
-    empty when it has a manifest but no trace files. Paths are full URLs (protocol included)
-    so a worker can open them without the driver's filesystem object.
-    """
-
-    job_id: str
-    date: str                       # ISO date of the partition
-    lake: str                       # the lake URL
-    trace_dir: str                  # URL of traces/date=D/job_id=J
-    manifest_path: str | None
-    trace_paths: tuple[str, ...]
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.date, self.job_id)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +74,7 @@ class ValidatedJob:
     quarantined whole.
     """
 
-    files: JobFiles
+    job: LakeJob
     manifest: dict[str, Any] | None
     trace: pa.Table | None
     quarantine: pa.Table

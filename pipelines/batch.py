@@ -1,0 +1,306 @@
+"""`strag batch`: the Beam batch job, lake -> validated, analysed, date-partitioned tables.
+
+    strag batch --lake URL --from YYYY-MM-DD --to YYYY-MM-DD --out URL
+                [--runner FnApiRunner|DaskRunner|PortableRunner|FlinkRunner|SparkRunner|DataflowRunner]
+                [--workers N] [--dask-address HOST:PORT] [beam pipeline options ...]
+
+Wiring only (each step is one composite PTransform from transforms/):
+
+    MatchJobs ─► ValidateTraces ─┬─valid──► AnalyzeJobs ─┬─► CommitTables (single terminal step)
+                                 └─invalid (quarantined)─┘
+
+Runners:
+- FnApiRunner (default): Beam's embedded runner, named explicitly (the plain DirectRunner of
+  this Beam version first tries to download a Prism binary, which fails offline), in
+  multi-process mode with --workers processes (default: the machine's cores).
+- DaskRunner: the same graph on a dask.distributed cluster (--dask-address; without it a
+  local cluster of --workers processes is started). The Dask runner executes only the last
+  leaf of the graph, has no metrics, and Beam's parquet IO does not work on it; this
+  pipeline ends in one terminal step (the commit), does its own IO with pyarrow + fsspec in
+  DoFns, and carries its counts and timings in its elements. `build` refuses a graph with a
+  second terminal step.
+- Portable runners (Flink, Spark, Dataflow): pass their options through (see README).
+
+URLs: local folders, file://, s3:// (credentials only from the environment or fsspec
+configuration, never printed), memory:// (in-process only: it forces the in-memory
+FnApiRunner and is refused on other runners, whose workers are other processes).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+
+import apache_beam as beam
+import fsspec
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from schemas.tables import BATCH_TABLES, RUNS_DIR
+from transforms.analyze import AnalyzeJobs
+from transforms.commit import CommitConfig, CommitTables
+from transforms.match import MatchJobs, date_range
+from transforms.validate import ValidateTraces
+
+__all__ = ["BatchOptions", "BatchUsageError", "parse", "pipeline_options", "make_pipeline", "build", "run", "check_single_terminal_step", "read_run_summary", "beam_counters", "RUNNERS"]
+
+DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
+RUNNERS = ("FnApiRunner", "DaskRunner", "PortableRunner", "FlinkRunner", "SparkRunner", "DataflowRunner")
+_RUNNING_MODES = ("multi_processing", "in_memory", "multi_threading")
+
+
+class BatchUsageError(ValueError):
+    """The command line asks for something the batch job cannot do; the message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchOptions:
+    """A validated `strag batch` command line.
+
+    dates: every ISO date of the range; run_id names the staging folder and the run record
+    (`{from}_{to}_{random}`); beam_args: the remaining arguments, given to Beam unchanged.
+    """
+
+    lake: str
+    date_from: str
+    date_to: str
+    out: str
+    runner: str = "FnApiRunner"
+    workers: int = 2
+    running_mode: str = "multi_processing"
+    dask_address: str | None = None
+    run_id: str = ""
+    beam_args: tuple[str, ...] = ()
+    quiet: bool = False
+
+    @property
+    def dates(self) -> tuple[str, ...]:
+        return date_range(self.date_from, self.date_to)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="strag batch",
+        description="Validate and analyse every job window of a date range; write Hive-partitioned parquet tables "
+                    f"({', '.join(BATCH_TABLES)}) under --out, replacing exactly the range's date partitions.",
+        epilog="Any other --option is passed to Apache Beam (e.g. --flink_master, --environment_type, --setup_file).",
+    )
+    parser.add_argument("--lake", required=True, help="lake URL: folder, file://, s3://bucket/prefix (memory:// in-process only)")
+    parser.add_argument("--from", dest="date_from", required=True, metavar="YYYY-MM-DD", help="first date (inclusive)")
+    parser.add_argument("--to", dest="date_to", required=True, metavar="YYYY-MM-DD", help="last date (inclusive)")
+    parser.add_argument("--out", required=True, help="output URL for the tables (folder, file://, s3://...)")
+    parser.add_argument("--runner", default="FnApiRunner", help=f"Beam runner: {', '.join(RUNNERS)} (default FnApiRunner)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="worker processes: FnApiRunner processes, or the local Dask cluster's (default: cores)")
+    parser.add_argument("--running-mode", choices=_RUNNING_MODES, default=None,
+                        help="FnApiRunner mode (default multi_processing; memory:// URLs need in_memory)")
+    parser.add_argument("--dask-address", default=None, help="dask.distributed scheduler address (DaskRunner); default: start a local cluster")
+    parser.add_argument("--quiet", action="store_true", help="print only the final summary line")
+    return parser
+
+
+def _memory(url: str) -> bool:
+    return url.startswith("memory://")
+
+
+def parse(argv: list[str]) -> BatchOptions:
+    """Validate a `strag batch` command line. Raises BatchUsageError (or exits for --help)."""
+    args, beam_args = _parser().parse_known_args(argv)
+    try:
+        date_range(args.date_from, args.date_to)
+    except ValueError as error:
+        raise BatchUsageError(f"--from/--to: {error}") from None
+    runner = args.runner
+    if runner == "DirectRunner":
+        raise BatchUsageError("--runner DirectRunner tries to download a Prism binary in this Beam version; use FnApiRunner")
+    if runner not in RUNNERS and "." not in runner:
+        raise BatchUsageError(f"--runner {runner!r}: use one of {', '.join(RUNNERS)} or a runner's full class path")
+    if args.workers < 1:
+        raise BatchUsageError(f"--workers {args.workers}: need at least 1")
+    in_memory = [url for url in (args.lake, args.out) if _memory(url)]
+    running_mode = args.running_mode or "multi_processing"
+    if in_memory:
+        if runner != "FnApiRunner":
+            raise BatchUsageError(f"{in_memory[0]}: memory:// lives inside one process, but {runner} runs workers in other "
+                                  "processes; use a folder or s3:// URL")
+        if args.running_mode not in (None, "in_memory"):
+            raise BatchUsageError(f"{in_memory[0]}: memory:// lives inside one process; --running-mode {args.running_mode} "
+                                  "starts worker processes that cannot see it; use --running-mode in_memory or a folder")
+        running_mode = "in_memory"
+    if args.dask_address and runner != "DaskRunner":
+        raise BatchUsageError("--dask-address only applies to --runner DaskRunner")
+    lake, out = args.lake.rstrip("/"), args.out.rstrip("/")
+    _check_lake(lake)
+    if out == lake:
+        raise BatchUsageError(f"--out {out} is the lake itself; write the tables to their own folder or prefix")
+    run_id = f"{args.date_from}_{args.date_to}_{uuid.uuid4().hex[:12]}"
+    return BatchOptions(lake, args.date_from, args.date_to, out, runner, args.workers, running_mode, args.dask_address,
+                        run_id, tuple(beam_args), args.quiet)
+
+
+def _check_lake(lake: str) -> None:
+    """A mistyped --lake must not publish empty partitions over real tables: the lake must exist."""
+    try:
+        fs, root = fsspec.core.url_to_fs(lake)
+        exists = fs.exists(root) and (fs.exists(f"{root}/traces") or fs.exists(f"{root}/manifests") or fs.exists(f"{root}/_lake.json"))
+    except (OSError, ValueError, ImportError) as error:
+        raise BatchUsageError(f"--lake {lake}: cannot be opened ({type(error).__name__}: {error})") from None
+    if not exists:
+        raise BatchUsageError(f"--lake {lake}: no lake there (expected traces/, manifests/ or _lake.json); check the URL"
+                              + (" (memory:// is per process)" if _memory(lake) else ""))
+
+
+def pipeline_options(opts: BatchOptions) -> PipelineOptions:
+    """Beam PipelineOptions for the chosen runner, plus the pass-through arguments."""
+    args = list(opts.beam_args)
+    if not any(a.startswith("--default_sdk_harness_log_level") for a in args):
+        args.append("--default_sdk_harness_log_level=WARNING")  # workers' INFO lines drown the progress output
+    if opts.runner == "FnApiRunner":
+        args += ["--runner=FnApiRunner", f"--direct_num_workers={opts.workers}", f"--direct_running_mode={opts.running_mode}"]
+    elif opts.runner == "DaskRunner":
+        args += [f"--runner={DASK_RUNNER}"]
+        if opts.dask_address:
+            args.append(f"--dask_client_address={opts.dask_address}")
+        if not any(a.startswith(("--dask_npartitions", "--dask_partition_size")) for a in args):
+            # one job window per Dask partition: the scheduler balances windows of any size
+            args.append("--dask_partition_size=1")
+    else:
+        args.append(f"--runner={opts.runner}")
+    return PipelineOptions(args)
+
+
+def make_pipeline(opts: BatchOptions) -> beam.Pipeline:
+    """A Beam Pipeline for `opts`. For the FnApiRunner the runner object is made here, so its
+    worker processes get the harness log level (by name, they would start with no options
+    and log every gRPC step at INFO)."""
+    options = pipeline_options(opts)
+    if opts.runner != "FnApiRunner":
+        return beam.Pipeline(options=options)
+    from apache_beam.portability.api import beam_provision_api_pb2
+    from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+    from apache_beam.runners.portability.fn_api_runner.fn_runner import ExtendedProvisionInfo
+    from google.protobuf import struct_pb2
+
+    worker_options = struct_pb2.Struct()
+    worker_options.update({"default_sdk_harness_log_level": options.get_all_options()["default_sdk_harness_log_level"]})
+    runner = FnApiRunner(provision_info=ExtendedProvisionInfo(beam_provision_api_pb2.ProvisionInfo(pipeline_options=worker_options)))
+    return beam.Pipeline(runner=runner, options=options)
+
+
+def build(p: beam.Pipeline, opts: BatchOptions, jobs=None):
+    """Wire the batch pipeline on `p`; returns the PCollection of the run summary (one dict).
+
+    jobs: an already made lake listing for the range (None: MatchJobs lists).
+    """
+    windows = p | "MatchJobs" >> MatchJobs(opts.lake, opts.date_from, opts.date_to, jobs)
+    validated = windows | "ValidateTraces" >> ValidateTraces()
+    outcomes = validated["valid"] | "AnalyzeJobs" >> AnalyzeJobs()
+    config = CommitConfig(opts.out, opts.dates, opts.run_id, tables=dict(BATCH_TABLES))
+    summary = (outcomes, validated["invalid"]) | "CommitTables" >> CommitTables(config)
+    check_single_terminal_step(p)
+    return summary
+
+
+def check_single_terminal_step(p: beam.Pipeline) -> None:
+    """Refuse a graph with more than one terminal step: the DaskRunner would silently skip all but the last."""
+    consumed, leaves = set(), []
+
+    class _Visitor(beam.pipeline.PipelineVisitor):
+        def visit_transform(self, node):
+            leaves.append(node)
+            consumed.update(id(pcoll) for pcoll in node.inputs)
+            consumed.update(id(side.pvalue) for side in node.side_inputs)
+
+    p.visit(_Visitor())
+    terminal = [n.full_label for n in leaves if not any(id(o) in consumed for o in n.outputs.values())]
+    if len(terminal) > 1:
+        raise ValueError(f"the batch graph has {len(terminal)} terminal steps {terminal}: the DaskRunner executes only the "
+                         "last one; route every output into CommitTables")
+
+
+def _start_local_dask(workers: int):
+    from distributed import LocalCluster
+
+    return LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None)
+
+
+def read_run_summary(opts: BatchOptions) -> dict:
+    fs, root = fsspec.core.url_to_fs(f"{opts.out}/{RUNS_DIR}/{opts.run_id}.json")
+    return json.loads(fs.cat_file(root))
+
+
+def beam_counters(result) -> dict[str, int]:
+    """Beam counters when the runner has metrics (not on Dask)."""
+    try:
+        queried = result.metrics().query()
+    except (NotImplementedError, AttributeError):
+        return {}
+    totals: dict[str, int] = {}
+    for counter in queried["counters"]:  # one result per step: the same counter bumped in several steps adds up
+        if counter.key.metric.namespace.startswith("strag"):
+            name = f"{counter.key.metric.namespace}/{counter.key.metric.name}"
+            totals[name] = totals.get(name, 0) + counter.committed
+    return totals
+
+
+def _print_summary(opts: BatchOptions, summary: dict, counters: dict[str, int], seconds: float) -> None:
+    jobs = summary["jobs"]
+    total = sum(jobs.values())
+    print(f"strag batch {opts.date_from}..{opts.date_to} on {opts.runner}: {total} job windows in {seconds:.1f} s "
+          f"({', '.join(f'{n} {s}' for s, n in jobs.items()) or 'none found'}); {summary['ops']:,} ops analysed")
+    if opts.quiet:
+        return
+    if summary["reasons"]:
+        print("  reasons: " + ", ".join(f"{code} {n}" for code, n in summary["reasons"].items()))
+    if summary["rows_quarantined"]:
+        print(f"  op rows quarantined: {summary['rows_quarantined']:,} of {summary['rows_read']:,} read")
+    work = {k: round(v, 2) for k, v in summary["seconds"].items() if v}
+    print(f"  seconds in workers: {work}")
+    if counters:
+        print("  counters: " + ", ".join(f"{k}={v}" for k, v in sorted(counters.items())))
+    print(f"  tables under {opts.out}/: " + ", ".join(f"{t} ({n} rows)" for t, n in summary["table_rows"].items()))
+    print(f"  run record: {opts.out}/{RUNS_DIR}/{opts.run_id}.json")
+
+
+def run(argv: list[str]) -> int:
+    """Parse, build and run; print a summary. Returns 0 on success, 2 on a usage error."""
+    try:
+        opts = parse(argv)
+    except BatchUsageError as error:
+        print(f"strag batch: {error}", file=sys.stderr)
+        return 2
+    logging.getLogger().setLevel(logging.WARNING)
+    for noisy in ("great_expectations", "apache_beam", "distributed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    cluster = None
+    if opts.runner == "DaskRunner" and not opts.dask_address:
+        cluster = _start_local_dask(opts.workers)
+        opts = dataclasses.replace(opts, dask_address=cluster.scheduler_address)
+    started = time.perf_counter()
+    try:
+        from transforms.lake import list_jobs
+
+        jobs = list_jobs(opts.lake, opts.date_from, opts.date_to)
+        if not opts.quiet:
+            mode = f", {opts.workers} {opts.running_mode.replace('_', '-')} workers" if opts.runner == "FnApiRunner" else ""
+            print(f"strag batch: {len(jobs)} job windows in {opts.lake} for {opts.date_from}..{opts.date_to}; "
+                  f"running on {opts.runner}{mode}", flush=True)
+        p = make_pipeline(opts)
+        build(p, opts, jobs)
+        result = p.run()
+        try:
+            result.wait_until_finish()
+        finally:
+            client = getattr(result, "client", None)
+            if client is not None:
+                client.close()
+        summary = read_run_summary(opts)
+        _print_summary(opts, summary, beam_counters(result), time.perf_counter() - started)
+    finally:
+        if cluster is not None:
+            cluster.close()
+    return 0

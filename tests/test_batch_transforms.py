@@ -1,0 +1,147 @@
+"""ValidateTraces / AnalyzeJobs as plain functions and small composites: quarantine rows,
+whole-window decisions, engine errors, unexpected errors, result tables against the schemas."""
+from __future__ import annotations
+
+import datetime as dt
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+import pytest
+from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.testing.util import assert_that, equal_to
+
+from schemas.expectations import Problem, Validator
+from schemas.tables import BATCH_TABLES
+from transforms.analyze import analyze_window, result_tables
+from transforms.commit import conform_rows
+from transforms.elements import ArrowElementCoder, JobOutcome, JobStats, ValidatedJob
+from transforms.lake import LakeJob, list_jobs, write_job
+from transforms.match import MatchJobs, date_range
+from transforms.synth.faults import Cause
+from transforms.synth.job import JobSpec, generate_job
+from transforms.validate import UNEXPECTED_ERROR, guarded_pardo, quarantine_rows, validate_job_window
+from transforms.whatif import TraceStructureError, analyze_job
+
+DATE = "2024-05-01"
+
+
+@pytest.fixture(scope="module")
+def validator() -> Validator:
+    return Validator()
+
+
+@pytest.fixture(scope="module")
+def lake(tmp_path_factory) -> str:
+    """Two small generated jobs: one straggling (slow worker), one clean; plus a manifest-only window."""
+    root = str(tmp_path_factory.mktemp("transforms") / "lake")
+    for job_id, seed, causes in (("slow", 1, (Cause("slow_worker", {"dp_rank": 0, "stage": 1, "factor": 1.7}),)), ("clean", 2, ())):
+        spec = JobSpec(job_id=job_id, dp=2, pp=2, microbatches=4, steps=4, sessions=1, seed=seed,
+                       date=dt.date.fromisoformat(DATE), causes=causes)
+        job = generate_job(spec)
+        write_job(root, spec.date, job_id, dict(job.files()), job.manifest)
+    return root
+
+
+def _window(lake: str, job_id: str) -> LakeJob:
+    return next(j for j in list_jobs(lake, DATE, DATE) if j.job_id == job_id)
+
+
+def test_quarantine_rows_list_each_rejected_row_and_each_unlisted_problem(lake):
+    job = _window(lake, "slow")
+    invalid = pa.table({"job_id": ["slow", "slow"], "source_path": ["f1.parquet", "f1.parquet"],
+                        "reason": ["negative_duration", "negative_duration"], "detail": ["row a", "row b"]})
+    problems = [
+        Problem("negative_duration", "slow", "f1.parquet", "2 rows", 2),           # listed row by row above
+        Problem("duplicate_row", "slow", None, "3 ops in two files", 3),            # not listed: kept as one row
+        Problem("unreadable_file", "slow", "f2.parquet", "cannot be read", 0),
+    ]
+    rows = quarantine_rows(job, problems, invalid).to_pylist()
+    assert [(r["level"], r["reason_code"], r["detail"]) for r in rows] == [
+        ("row", "negative_duration", "row a"), ("row", "negative_duration", "row b"),
+        ("job", "duplicate_row", "3 ops in two files"), ("file", "unreadable_file", "cannot be read")]
+    assert rows[2]["source_path"].endswith(f"traces/date={DATE}/job_id=slow") and rows[2]["rows"] == 3
+    assert all(r["reason"] for r in rows)
+
+
+def test_validate_job_window_passes_a_valid_window_and_times_both_phases(lake, validator):
+    validated = validate_job_window(_window(lake, "clean"), validator)
+    assert validated.problem is None and validated.quarantine.num_rows == 0
+    assert validated.trace.num_rows == validated.stats.rows_read > 0
+    assert validated.manifest["job_id"] == "clean" and validated.manifest["dp_size"] == 2
+    assert validated.stats.seconds["validate"] > 0 and validated.stats.seconds["read"] > 0
+
+
+def test_a_window_without_manifest_is_quarantined_whole(lake, validator):
+    job = _window(lake, "clean")
+    orphan = LakeJob(job.lake, job.date, "clean", job.trace_files, None)
+    validated = validate_job_window(orphan, validator)
+    assert validated.problem.reason_code == "missing_manifest" and validated.trace is None
+    assert "missing_manifest" in validated.quarantine.column("reason_code").to_pylist()
+
+
+def test_analyze_window_fills_every_table_that_conforms_to_its_schema(lake, validator):
+    validated = validate_job_window(_window(lake, "slow"), validator)
+    outcome = analyze_window(validated, analyze_job)
+    assert outcome.stats.status == "analysed" and outcome.stats.ops == validated.trace.num_rows
+    assert set(outcome.tables) == set(BATCH_TABLES)
+    for name, rows in outcome.tables.items():
+        conform_rows(rows, BATCH_TABLES[name])  # raises on a missing column, a wrong type or a null
+    summary = outcome.tables["job_summary"].to_pylist()[0]
+    assert summary["attributed"] and summary["m_w"] is not None
+    assert outcome.tables["worker_attribution"].num_rows == 4
+    dp = outcome.tables["dp_attribution"]
+    assert dp.num_rows == 2 * (1 + summary["n_steps"])  # one overall + one per step, for each DP rank
+    assert outcome.tables["coverage"].to_pylist()[0]["status"] == "analysed"
+
+
+def test_an_engine_error_quarantines_the_window_with_its_reason(lake, validator):
+    validated = validate_job_window(_window(lake, "clean"), validator)
+
+    def broken_engine(trace, meta, job_id):
+        raise TraceStructureError("step 3 differs from step 1", job_id=job_id, step=3, dp_rank=1, stage=0, op="gc_0_0")
+
+    outcome = analyze_window(validated, broken_engine)
+    assert outcome.stats.status == "quarantined" and outcome.stats.reason_code == "trace_structure"
+    record = outcome.tables["quarantine"].to_pylist()[-1]
+    assert record["level"] == "job" and record["reason_code"] == "trace_structure"
+    assert "job 'clean'" in record["detail"] and "step 3" in record["detail"] and "gc_0_0" in record["detail"]
+    assert outcome.tables["coverage"].to_pylist()[0]["reason_code"] == "trace_structure"
+    assert "job_summary" not in outcome.tables
+
+
+class _Explodes(beam.DoFn):
+    def process(self, job):
+        if job.job_id == "clean":
+            raise RuntimeError("disk on fire")
+        yield job.job_id
+
+
+def test_unexpected_errors_quarantine_the_window_not_the_run(lake):
+    jobs = list_jobs(lake, DATE, DATE)
+    with beam.Pipeline(options=PipelineOptions(runner="FnApiRunner")) as p:
+        results, failed = guarded_pardo(p | beam.Create(jobs), "Explode", _Explodes())
+        assert_that(results, equal_to(["slow"]), label="CheckResults")
+        reasons = failed | beam.Map(lambda o: (o.job_id, o.stats.status, o.tables["coverage"].column("reason_code")[0].as_py(),
+                                                "disk on fire" in o.tables["quarantine"].column("detail")[0].as_py()))
+        assert_that(reasons, equal_to([("clean", "quarantined", UNEXPECTED_ERROR, True)]), label="CheckFailed")
+
+
+def test_match_jobs_lists_each_window_once(lake):
+    with beam.Pipeline(options=PipelineOptions(runner="FnApiRunner")) as p:
+        ids = p | MatchJobs(lake, DATE, DATE) | beam.Map(lambda j: (j.date, j.job_id))
+        assert_that(ids, equal_to([(DATE, "clean"), (DATE, "slow")]))
+    assert date_range("2024-02-28", "2024-03-01") == ("2024-02-28", "2024-02-29", "2024-03-01")
+    with pytest.raises(ValueError, match="reversed"):
+        MatchJobs(lake, "2024-03-02", "2024-03-01")
+
+
+def test_arrow_coder_estimates_size_without_encoding(monkeypatch):
+    coder = ArrowElementCoder()
+    table = pa.table({"x": np.arange(100_000)})
+    element = ValidatedJob(LakeJob("l", DATE, "j", (), None), None, table, pa.table({}), None, JobStats("j", DATE, "analysed"))
+    monkeypatch.setattr("pickle.dumps", lambda *a, **k: pytest.fail("estimate_size must not serialise"))
+    assert coder.estimate_size(element) >= table.nbytes
+    monkeypatch.undo()
+    outcome = JobOutcome("j", DATE, {"x": table}, JobStats("j", DATE, "analysed"))
+    assert coder.decode(coder.encode(outcome)).tables["x"].equals(table)

@@ -1,0 +1,244 @@
+"""AnalyzeJobs: run the what-if engine on each validated job window and emit its result tables.
+
+In: PCollection[ValidatedJob] (ValidateTraces' `valid` output, on the worker that read the
+files). Out: PCollection[JobOutcome]: per window, Arrow tables for job_summary,
+step_slowdown, worker_attribution, dp/stage/optype_attribution, coverage and quarantine
+(schemas/tables.py, without the `date` partition key).
+
+- The job window is the unit of parallelism: one element = one window, analysed where its
+  files were read; only these small result tables are shuffled afterwards.
+- A typed engine error (transforms/whatif/errors.py: bad structure, missing peer, cycle,
+  too few steps, ...) quarantines that window with the error's reason code; an unexpected
+  exception is caught by `with_exception_handling()` and quarantines it as
+  `unexpected_error`. Neither stops the run.
+- A window whose replay discrepancy (launch_slowdown) exceeds 5% is `discarded`: its rows
+  are written (flagged in job_summary) and coverage records the reason, but fleet
+  statistics leave it out.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Iterator
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+
+from schemas.tables import (
+    DP_ATTRIBUTION_SCHEMA,
+    JOB_SUMMARY_SCHEMA,
+    OPTYPE_ATTRIBUTION_SCHEMA,
+    QUARANTINE_SCHEMA,
+    STAGE_ATTRIBUTION_SCHEMA,
+    STEP_SLOWDOWN_SCHEMA,
+    WORKER_ATTRIBUTION_SCHEMA,
+)
+from transforms.elements import JobOutcome, JobProblem, ValidatedJob
+from transforms.validate import count_quarantine, coverage_row, guarded_pardo, quarantined_outcome
+from transforms.whatif.errors import WhatIfError
+from transforms.whatif.result import DISCREPANCY_LIMIT, JobMeta, WhatIfResult
+
+__all__ = [
+    "AnalyzeJobs",
+    "analyze_window",
+    "job_meta",
+    "gpu_hours",
+    "result_tables",
+    "DISCREPANCY_REASON_CODE",
+]
+
+DISCREPANCY_REASON_CODE = "replay_discrepancy"
+
+
+def job_meta(manifest: dict[str, Any]) -> JobMeta:
+    """The engine's JobMeta from a manifest row."""
+    return JobMeta(
+        dp_size=int(manifest["dp_size"]),
+        pp_size=int(manifest["pp_size"]),
+        tp_size=int(manifest["tp_size"]),
+        dsp_size=int(manifest["dsp_size"]),
+        vpp_size=int(manifest["vpp_size"]),
+        world_size=int(manifest["world_size"]),
+    )
+
+
+def gpu_hours(manifest: dict[str, Any]) -> float:
+    """GPU count x wall-clock hours of the window (manifest end_time - start_time)."""
+    return int(manifest["gpus"]) * (manifest["end_time"] - manifest["start_time"]).total_seconds() / 3600.0
+
+
+def _discard_reason(result: WhatIfResult) -> str | None:
+    if not result.discarded:
+        return None
+    return (f"replay discrepancy {100 * (result.launch_slowdown - 1):.1f}% exceeds {100 * (DISCREPANCY_LIMIT - 1):.0f}%: "
+            "untraced CPU work or clock problems make the replay unreliable; kept out of fleet statistics")
+
+
+def _optional(value: float | None) -> float | None:
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+
+def _attribution(schema: pa.Schema, group: str, job_id: str, steps: np.ndarray,
+                 overall: dict | None, per_step: np.ndarray | dict | None, keys: list) -> pa.Table:
+    """Long table: one row per group (step null) then one per (group, step)."""
+    if overall is None:
+        return schema.empty_table()
+    groups, step_column, values = [], [], []
+    for position, key in enumerate(keys):
+        groups.append(key)
+        step_column.append(None)
+        values.append(float(overall[key]))
+        if per_step is not None:
+            column = per_step[key] if isinstance(per_step, dict) else per_step[:, position]
+            groups += [key] * len(steps)
+            step_column += steps.tolist()
+            values += np.asarray(column, dtype=np.float64).tolist()
+    return pa.table({"job_id": [job_id] * len(groups), group: groups, "step": pa.array(step_column, pa.int64()), "slowdown": values},
+                    schema=schema)
+
+
+def result_tables(validated: ValidatedJob, result: WhatIfResult) -> dict[str, pa.Table]:
+    """The per-window rows of every per-job table from one engine result (schemas/tables.py)."""
+    job, manifest, stats = validated.job, validated.manifest, validated.stats
+    meta = result.meta
+    hours = gpu_hours(manifest)
+    attributed = result.by_dp_rank is not None
+    steps = np.asarray(result.steps, dtype=np.int64)
+    summary = {
+        "job_id": job.job_id,
+        "gpus": int(manifest["gpus"]),
+        "dp_size": meta.dp_size, "pp_size": meta.pp_size, "tp_size": meta.tp_size,
+        "dsp_size": meta.dsp_size, "vpp_size": meta.vpp_size, "world_size": meta.world_size,
+        "parallelism": f"dp{meta.dp_size}-pp{meta.pp_size}-tp{meta.tp_size}-cp{meta.dsp_size}-vpp{meta.vpp_size}",
+        "model_family": manifest["model_family"],
+        "context_length": int(manifest["context_length"]),
+        "start_time": manifest["start_time"],
+        "end_time": manifest["end_time"],
+        "n_steps": int(steps.size),
+        "n_ops": stats.ops,
+        "step_time_observed": float(np.mean(result.step_t_base)),
+        "step_time": float(np.mean(result.step_t_nodelay)),
+        "step_time_ideal": float(np.mean(result.step_t_noblk)),
+        "slowdown": float(result.slowdown),
+        "waste": float(result.waste),
+        "gpu_hours": hours,
+        "wasted_gpu_hours": hours * float(result.waste),
+        "launch_slowdown": float(result.launch_slowdown),
+        "discarded": result.discarded,
+        "discard_reason": _discard_reason(result),
+        "straggling": result.straggling,
+        "attributed": attributed,
+        "m_w": _optional(result.mw.rem) if result.mw else None,
+        "m_w_add": _optional(result.mw.add) if result.mw else None,
+        "m_s": _optional(result.ms.rem) if result.ms else None,
+        "m_s_add": _optional(result.ms.add) if result.ms else None,
+    }
+    step_slowdown = pa.table(
+        {
+            "job_id": [job.job_id] * steps.size,
+            "step": steps,
+            "step_time_observed": np.asarray(result.step_t_base, np.float64),
+            "step_time": np.asarray(result.step_t_nodelay, np.float64),
+            "step_time_ideal": np.asarray(result.step_t_noblk, np.float64),
+            "slowdown": np.asarray(result.step_slowdown, np.float64),
+        },
+        schema=STEP_SLOWDOWN_SCHEMA,
+    )
+
+    workers = sorted(manifest["workers"], key=lambda w: (w["dp_rank"], w["stage"]))
+    mw_set = {tuple(w) for w in result.mw.workers} if result.mw else set()
+    worker_rows = []
+    for worker in workers:
+        dp, stage = int(worker["dp_rank"]), int(worker["stage"])
+        row = {"job_id": job.job_id, "dp_rank": dp, "stage": stage, "rank": worker["rank"], "host": worker["host"],
+               "slowdown_dp": None, "slowdown_stage": None, "slowdown_worker": None, "in_mw_set": None}
+        if attributed:
+            row.update(slowdown_dp=float(result.by_dp_rank[dp]), slowdown_stage=float(result.by_stage[stage]),
+                       slowdown_worker=float(result.worker_slowdown[dp, stage]), in_mw_set=(dp, stage) in mw_set)
+        worker_rows.append(row)
+
+    tables = {
+        "job_summary": pa.Table.from_pylist([summary], schema=JOB_SUMMARY_SCHEMA),
+        "step_slowdown": step_slowdown,
+        "worker_attribution": pa.Table.from_pylist(worker_rows, schema=WORKER_ATTRIBUTION_SCHEMA),
+        "dp_attribution": _attribution(DP_ATTRIBUTION_SCHEMA, "dp_rank", job.job_id, steps, result.by_dp_rank,
+                                       result.by_dp_rank_per_step, sorted(result.by_dp_rank or ())),
+        "stage_attribution": _attribution(STAGE_ATTRIBUTION_SCHEMA, "stage", job.job_id, steps, result.by_stage,
+                                          result.by_stage_per_step, sorted(result.by_stage or ())),
+        "optype_attribution": _attribution(OPTYPE_ATTRIBUTION_SCHEMA, "optype", job.job_id, steps, result.by_optype,
+                                           result.by_optype_per_step, sorted(result.by_optype or ())),
+        "quarantine": validated.quarantine,
+    }
+    status = "discarded" if result.discarded else "analysed"
+    tables["coverage"] = coverage_row(job, status, stats, reason_code=DISCREPANCY_REASON_CODE if result.discarded else None,
+                                      reason=summary["discard_reason"], manifest=manifest, launch_slowdown=summary["launch_slowdown"])
+    return tables
+
+
+def analyze_window(validated: ValidatedJob, engine) -> JobOutcome:
+    """Analyse one validated window with `engine(trace, meta, job_id) -> WhatIfResult` (plain function).
+
+    Typed engine errors quarantine the window (reason code = the error's `reason`).
+    """
+    job, stats = validated.job, validated.stats
+    if validated.problem is not None or validated.trace is None:
+        raise ValueError(f"job {job.job_id} on {job.date}: analyze_window got a quarantined window ({validated.problem})")
+    stats.ops = validated.trace.num_rows
+    started = time.perf_counter()
+    try:
+        result = engine(validated.trace, job_meta(validated.manifest), job.job_id)
+    except WhatIfError as error:
+        stats.seconds["analyze"] = time.perf_counter() - started
+        error.with_context(job_id=job.job_id)
+        path = error.file or f"{job.lake.rstrip('/')}/traces/date={job.date}/job_id={job.job_id}"
+        reason = (type(error).__doc__ or error.reason).strip().splitlines()[0] + " The what-if engine cannot analyse this window"
+        if stats.rows_quarantined:
+            codes = sorted(set(validated.quarantine.column("reason_code").to_pylist()))
+            reason += f" after validation rejected {stats.rows_quarantined} of its op rows ({', '.join(codes)}), which likely broke it"
+        reason += "; fix the trace writer."
+        record = pa.Table.from_pylist(
+            [{"job_id": job.job_id, "source_path": path, "level": "job", "reason_code": error.reason, "reason": reason,
+              "detail": str(error), "row_index": None, "rows": stats.ops}],
+            schema=QUARANTINE_SCHEMA,
+        )
+        count_quarantine(record)
+        problem = JobProblem(error.reason, reason, str(error), path)
+        return quarantined_outcome(job, problem, pa.concat_tables([validated.quarantine, record]), stats, validated.manifest)
+    analysed = time.perf_counter()
+    stats.seconds["analyze"] = analysed - started
+    tables = result_tables(validated, result)
+    stats.status = "discarded" if result.discarded else "analysed"
+    stats.reason_code = DISCREPANCY_REASON_CODE if result.discarded else None
+    stats.seconds["tables"] = time.perf_counter() - analysed
+    return JobOutcome(job.job_id, job.date, tables, stats, extra={"result": result})
+
+
+class _AnalyzeFn(beam.DoFn):
+    """ValidatedJob -> JobOutcome with the engine imported once per worker."""
+
+    def setup(self):
+        from transforms.whatif import analyze_job
+
+        self._engine = analyze_job
+
+    def process(self, validated: ValidatedJob) -> Iterator[JobOutcome]:
+        outcome = analyze_window(validated, self._engine)
+        beam.metrics.Metrics.counter("strag.jobs", outcome.stats.status).inc()
+        beam.metrics.Metrics.counter("strag.ops", "analysed").inc(outcome.stats.ops)
+        yield outcome
+
+
+def _outcomes(element) -> Iterator[JobOutcome]:
+    # keep only this branch's kind: on the DaskRunner tagged outputs arrive mixed
+    if isinstance(element, JobOutcome):
+        yield element
+
+
+class AnalyzeJobs(beam.PTransform):
+    """PCollection[ValidatedJob] -> PCollection[JobOutcome] (analysed, discarded or quarantined)."""
+
+    def expand(self, validated):
+        results, failed = guarded_pardo(validated, "AnalyzeJob", _AnalyzeFn())
+        analysed = results | "KeepOutcomes" >> beam.FlatMap(_outcomes).with_output_types(JobOutcome)
+        return (analysed, failed) | "MergeOutcomes" >> beam.Flatten()

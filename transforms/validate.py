@@ -1,0 +1,291 @@
+"""ValidateTraces: read one job window's files on the worker and check them against the lake contract.
+
+In: PCollection[LakeJob] (MatchJobs). Out: named outputs
+- `valid`: PCollection[ValidatedJob] with the valid op rows, ready for the engine on the
+  same worker (the step is fused with AnalyzeJobs, op rows never cross a process);
+- `invalid`: PCollection[JobOutcome] of windows quarantined whole (coverage + quarantine rows).
+
+Rules (reason codes and their checks live in schemas/expectations.py, Great Expectations
+suites plus structural checks; the Validator is built once per worker in `setup()`):
+- rejected rows go to the quarantine table one row each, and the window goes on with the
+  valid rest (the engine then decides whether the rest is still a complete trace);
+- a rejected file is one quarantine row;
+- a window with a job-level problem (no manifest, unreadable or invalid manifest, no trace
+  files, missing workers or steps), or a row problem whose rows cannot be removed (the same
+  op in two files), is quarantined whole;
+- anything unexpected (a bug, a storage error) is caught by `with_exception_handling()` and
+  quarantines that window with reason `unexpected_error`, never the run.
+Every quarantine row bumps the Beam counter `strag.quarantine/<reason_code>`.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Iterator
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+
+from schemas.expectations import REASONS, Problem, ValidationReport, Validator
+from schemas.lake import trace_dir
+from schemas.tables import COVERAGE_SCHEMA, QUARANTINE_SCHEMA
+from transforms.elements import JobOutcome, JobProblem, JobStats, ValidatedJob
+from transforms.lake import LakeJob, LakeReadError, read_manifest, read_validated_job
+
+__all__ = [
+    "ValidateTraces",
+    "validate_job_window",
+    "quarantine_rows",
+    "coverage_row",
+    "quarantined_outcome",
+    "unexpected_error_outcome",
+    "dead_letters",
+    "guarded_pardo",
+    "count_quarantine",
+    "UNEXPECTED_ERROR",
+]
+
+UNEXPECTED_ERROR = "unexpected_error"
+_UNEXPECTED_REASON = "an unexpected error stopped this job window (a bug or a storage failure); see detail, fix, rerun the date"
+
+
+class _TimedValidator:
+    """Wraps a Validator and sums the seconds spent inside it, so that reading and
+    validation can be told apart in the timings."""
+
+    def __init__(self, validator: Validator):
+        self._validator = validator
+        self.seconds = 0.0
+
+    def __getattr__(self, name: str):
+        attribute = getattr(self._validator, name)
+        if not callable(attribute):
+            return attribute
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return attribute(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+
+        return timed
+
+
+def _window_path(job: LakeJob) -> str:
+    return trace_dir(job.lake, job.date, job.job_id)
+
+
+def quarantine_rows(job: LakeJob, problems: list[Problem], invalid: pa.Table | None = None) -> pa.Table:
+    """Quarantine rows (QUARANTINE_SCHEMA) of one window: one per invalid row, one per
+    file- or job-level problem, and one per row-level problem whose rows are not listed
+    in `invalid` (e.g. duplicates across files)."""
+    listed: set[tuple[str, str]] = set()
+    parts = []
+    if invalid is not None and invalid.num_rows:
+        n = invalid.num_rows
+        codes = invalid.column("reason").to_pylist()
+        paths = invalid.column("source_path").to_pylist()
+        listed = set(zip(paths, codes))
+        job_ids = invalid.column("job_id").to_pylist() if "job_id" in invalid.column_names else [job.job_id] * n
+        parts.append(pa.table(
+            {
+                "job_id": [j or job.job_id for j in job_ids],
+                "source_path": paths,
+                "level": ["row"] * n,
+                "reason_code": codes,
+                "reason": [REASONS.get(code, ("row", code))[1] for code in codes],
+                "detail": invalid.column("detail").to_pylist(),
+                "row_index": pa.nulls(n, pa.int64()),
+                "rows": pa.nulls(n, pa.int64()),
+            },
+            schema=QUARANTINE_SCHEMA,
+        ))
+    records = [
+        {
+            "job_id": p.job_id or job.job_id,
+            "source_path": p.source_path or _window_path(job),
+            "level": "job" if p.level == "row" else p.level,
+            "reason_code": p.reason,
+            "reason": REASONS[p.reason][1] if p.reason in REASONS else p.reason,
+            "detail": p.detail,
+            "row_index": None,
+            "rows": p.rows,
+        }
+        for p in problems
+        if p.level != "row" or (p.source_path, p.reason) not in listed
+    ]
+    if records:
+        parts.append(pa.Table.from_pylist(records, schema=QUARANTINE_SCHEMA))
+    return pa.concat_tables(parts) if parts else QUARANTINE_SCHEMA.empty_table()
+
+
+def _job_problem(job: LakeJob, report: ValidationReport) -> JobProblem | None:
+    """The problem that quarantines the whole window, or None when its valid rows go on."""
+    listed = {(p, r) for p, r in zip(report.invalid.column("source_path").to_pylist(), report.invalid.column("reason").to_pylist())}
+    unremovable = [p for p in report.problems if p.level == "job" or (p.level == "row" and (p.source_path, p.reason) not in listed)]
+    if not unremovable and report.valid.num_rows:
+        return None
+    # The reason shown for the window is the most basic one (REASONS lists file problems
+    # first): a file without a column explains the workers then missing, not the reverse.
+    candidates = unremovable + [p for p in report.problems if p.level == "file"]
+    if not candidates:
+        return JobProblem("no_valid_rows", f"job {job.job_id} on {job.date}: no valid op rows to analyse", None, _window_path(job))
+    order = {code: i for i, code in enumerate(REASONS)}
+    first = min(candidates, key=lambda p: order.get(p.reason, len(order)))
+    return JobProblem(first.reason, REASONS.get(first.reason, ("job", first.reason))[1], first.detail, first.source_path or _window_path(job))
+
+
+def coverage_row(job: LakeJob, status: str, stats: JobStats, *, reason_code: str | None = None, reason: str | None = None,
+                 manifest: dict[str, Any] | None = None, launch_slowdown: float | None = None) -> pa.Table:
+    """The window's coverage row (COVERAGE_SCHEMA)."""
+    gpus = gpu_hours = None
+    if manifest is not None:
+        gpus = int(manifest["gpus"])
+        gpu_hours = gpus * (manifest["end_time"] - manifest["start_time"]).total_seconds() / 3600.0
+    return pa.Table.from_pylist(
+        [{
+            "job_id": job.job_id,
+            "status": status,
+            "reason_code": reason_code,
+            "reason": reason,
+            "has_manifest": job.manifest_path is not None,
+            "trace_files": len(job.trace_files),
+            "rows_read": stats.rows_read,
+            "rows_quarantined": stats.rows_quarantined,
+            "gpus": gpus,
+            "gpu_hours": gpu_hours,
+            "launch_slowdown": launch_slowdown,
+        }],
+        schema=COVERAGE_SCHEMA,
+    )
+
+
+def quarantined_outcome(job: LakeJob, problem: JobProblem, quarantine: pa.Table, stats: JobStats,
+                        manifest: dict[str, Any] | None = None) -> JobOutcome:
+    """JobOutcome of a window quarantined whole: coverage row + quarantine rows."""
+    stats.status, stats.reason_code = "quarantined", problem.reason_code
+    coverage = coverage_row(job, "quarantined", stats, reason_code=problem.reason_code, reason=problem.reason, manifest=manifest)
+    return JobOutcome(job.job_id, job.date, {"coverage": coverage, "quarantine": quarantine}, stats)
+
+
+def count_quarantine(quarantine: pa.Table) -> None:
+    """Bump the Beam counter strag.quarantine/<reason_code> once per quarantine row."""
+    if quarantine.num_rows == 0:
+        return
+    codes, counts = np.unique(np.asarray(quarantine.column("reason_code").to_pylist(), dtype=object), return_counts=True)
+    for code, count in zip(codes.tolist(), counts.tolist()):
+        beam.metrics.Metrics.counter("strag.quarantine", code).inc(count)
+
+
+def validate_job_window(job: LakeJob, validator: Validator) -> ValidatedJob:
+    """Read and validate one job window (plain function, the DoFn's body).
+
+    Returns a ValidatedJob whose `problem` is set when the window is quarantined whole.
+    Seconds are split into reading (files) and validating (inside the Validator).
+    """
+    started = time.perf_counter()
+    timed = _TimedValidator(validator)
+    report = read_validated_job(job, timed)
+    manifest = None
+    if job.manifest_path is not None and not any(p.reason in ("unreadable_manifest", "invalid_manifest") for p in report.problems):
+        try:
+            manifest = read_manifest(job.manifest_path)
+        except LakeReadError:
+            manifest = None  # already reported by the validator as unreadable / invalid
+    total = time.perf_counter() - started
+    quarantine = quarantine_rows(job, report.problems, report.invalid)
+    rows_read = report.valid.num_rows + report.invalid.num_rows + sum(p.rows for p in report.problems if p.level == "file")
+    stats = JobStats(job.job_id, job.date, "analysed", rows_read=rows_read, rows_quarantined=rows_read - report.valid.num_rows,
+                     seconds={"read": total - timed.seconds, "validate": timed.seconds})
+    problem = _job_problem(job, report)
+    if problem is None and manifest is None:
+        problem = JobProblem("missing_manifest", REASONS["missing_manifest"][1], f"job {job.job_id} on {job.date}: no usable manifest", _window_path(job))
+    trace = None if problem else report.valid
+    return ValidatedJob(job, manifest, trace, quarantine, problem, stats)
+
+
+def unexpected_error_outcome(element: Any, error: tuple) -> JobOutcome:
+    """JobOutcome quarantining the window behind a dead-letter element of with_exception_handling()."""
+    job = element.job if isinstance(element, ValidatedJob) else element
+    if not isinstance(job, LakeJob):
+        raise TypeError(f"dead letter for an element of type {type(element).__name__}, expected LakeJob or ValidatedJob")
+    error_type, message, lines = error
+    name = getattr(error_type, "__name__", str(error_type))
+    detail = f"{name}: {message}\n" + "".join(lines[-6:] if isinstance(lines, list) else [str(lines)])
+    stats = element.stats if isinstance(element, ValidatedJob) else JobStats(job.job_id, job.date, "quarantined")
+    problem = JobProblem(UNEXPECTED_ERROR, _UNEXPECTED_REASON, detail, _window_path(job))
+    record = pa.Table.from_pylist(
+        [{"job_id": job.job_id, "source_path": _window_path(job), "level": "job", "reason_code": UNEXPECTED_ERROR,
+          "reason": _UNEXPECTED_REASON, "detail": detail, "row_index": None, "rows": stats.rows_read}],
+        schema=QUARANTINE_SCHEMA,
+    )
+    if isinstance(element, ValidatedJob):
+        return quarantined_outcome(job, problem, pa.concat_tables([element.quarantine, record]), stats, element.manifest)
+    return quarantined_outcome(job, problem, record, stats)
+
+
+_VALIDATORS = threading.local()
+
+
+def _worker_validator() -> Validator:
+    """One Validator per worker thread, kept across DoFn instances: the DaskRunner calls
+    setup() once per partition (= per job window here), and a GX context costs seconds."""
+    validator = getattr(_VALIDATORS, "validator", None)
+    if validator is None:
+        validator = _VALIDATORS.validator = Validator()
+    return validator
+
+
+class _ValidateFn(beam.DoFn):
+    """LakeJob -> ValidatedJob; the GX context is built once per worker."""
+
+    def setup(self):
+        self._validator = _worker_validator()
+
+    def process(self, job: LakeJob) -> Iterator[ValidatedJob]:
+        validated = validate_job_window(job, self._validator)
+        count_quarantine(validated.quarantine)
+        yield validated
+
+
+def _passing(element) -> Iterator[ValidatedJob]:
+    # isinstance filters, not tagged outputs alone: on the DaskRunner every tagged output
+    # of a ParDo arrives in one mixed collection, so each branch keeps only its own kind.
+    if isinstance(element, ValidatedJob) and element.problem is None:
+        yield element
+
+
+def _rejected(element) -> Iterator[JobOutcome]:
+    if isinstance(element, ValidatedJob) and element.problem is not None:
+        beam.metrics.Metrics.counter("strag.jobs", "quarantined").inc()
+        yield quarantined_outcome(element.job, element.problem, element.quarantine, element.stats, element.manifest)
+
+
+def dead_letters(element) -> Iterator[JobOutcome]:
+    """Dead-letter tuples (element, (type, repr, traceback)) -> quarantined JobOutcome."""
+    if isinstance(element, tuple) and len(element) == 2 and isinstance(element[1], tuple) and len(element[1]) == 3:
+        outcome = unexpected_error_outcome(*element)
+        beam.metrics.Metrics.counter("strag.quarantine", UNEXPECTED_ERROR).inc()
+        beam.metrics.Metrics.counter("strag.jobs", "quarantined").inc()
+        yield outcome
+
+
+def guarded_pardo(pcoll, label: str, dofn: beam.DoFn):
+    """ParDo(dofn).with_exception_handling(): (main outputs, a quarantined JobOutcome per
+    element whose processing raised an unexpected exception)."""
+    results, errors = pcoll | label >> beam.ParDo(dofn).with_exception_handling()
+    failed = errors | f"QuarantineErrorsOf{label}" >> beam.FlatMap(dead_letters).with_output_types(JobOutcome)
+    return results, failed
+
+
+class ValidateTraces(beam.PTransform):
+    """PCollection[LakeJob] -> {"valid": PCollection[ValidatedJob], "invalid": PCollection[JobOutcome]}."""
+
+    def expand(self, jobs):
+        checked, failed = guarded_pardo(jobs, "ReadAndValidate", _ValidateFn())
+        valid = checked | "KeepValid" >> beam.FlatMap(_passing).with_output_types(ValidatedJob)
+        rejected = checked | "QuarantineInvalid" >> beam.FlatMap(_rejected).with_output_types(JobOutcome)
+        invalid = (rejected, failed) | "MergeInvalid" >> beam.Flatten()
+        return {"valid": valid, "invalid": invalid}
