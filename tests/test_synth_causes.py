@@ -218,6 +218,8 @@ def test_manifest_describes_the_job():
     (dict(dp=2, pp=2, microbatches=4, hosts=("a", "b")), "hosts must name"),
     (dict(dp=2, pp=2, microbatches=4, steps=2, sessions=3), "sessions"),
     (dict(dp=2, pp=2, microbatches=4, model_family="sparse"), "model_family"),
+    (dict(dp=2, pp=2, microbatches=4, date="2024-13-01"), "month"),
+    (dict(dp=2, pp=2, microbatches=4, start_time=__import__("datetime").datetime(2024, 1, 1)), "timezone"),
 ])
 def test_bad_specs_are_refused_with_the_job_named(bad, message):
     with pytest.raises(ValueError, match=message) as error:

@@ -47,6 +47,7 @@ __all__ = [
     "FaultContext",
     "apply_cause",
     "draw_documents",
+    "document_lengths",
     "sequence_cost",
     "attention_fraction",
     "sample_causes",
@@ -133,6 +134,15 @@ def draw_documents(rng: np.random.Generator, n_microbatches: int, context_length
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.int32())), sumsq
 
 
+def document_lengths(cause: Cause | None, context_length: int) -> tuple[float, float]:
+    """(median tokens, lognormal sigma) of document lengths: naive packing for the
+    seq_len_imbalance cause, else the balanced packing of a well-tuned loader (many
+    short documents of similar length)."""
+    if cause is None:
+        return context_length / 16, 0.3
+    return float(cause.get("doc_median", context_length / 8)), float(cause.get("doc_sigma", 1.4))
+
+
 def sequence_cost(sumsq: np.ndarray, fraction: float) -> np.ndarray:
     """Relative compute cost per microbatch (mean 1): linear part + attention part ~ sum of squares."""
     return (1.0 - fraction) + fraction * sumsq / sumsq.mean()
@@ -196,9 +206,8 @@ def apply_cause(cause: Cause, ctx: FaultContext, arrays: StepArrays, rng: np.ran
         cost = sequence_cost(seq_sumsq, fraction)
         apply_sequence_cost(program, arrays, cost)
         per_step = cost.reshape(n_steps, -1)
-        params = {"doc_median": float(cause.get("doc_median", ctx.context_length / 8)),
-                  "doc_sigma": float(cause.get("doc_sigma", 1.4)),
-                  "attention_fraction": fraction,
+        median, sigma = document_lengths(cause, ctx.context_length)
+        params = {"doc_median": median, "doc_sigma": sigma, "attention_fraction": fraction,
                   "imbalance_degree": float((per_step.max(axis=1) / per_step.mean(axis=1)).mean())}
     elif cause.kind == "gc_pauses":
         period = float(cause.get("period", 8.0))

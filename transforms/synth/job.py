@@ -17,6 +17,7 @@ from transforms.synth.faults import (
     apply_cause,
     apply_sequence_cost,
     attention_fraction,
+    document_lengths,
     draw_documents,
     sequence_cost,
 )
@@ -93,6 +94,15 @@ class JobSpec:
                 fail("last_stage_imbalance needs pp >= 2")
         if len({c.kind for c in self.causes}) != len(self.causes):
             fail("each cause kind may appear once")
+        if isinstance(self.date, str):
+            try:
+                object.__setattr__(self, "date", dt.date.fromisoformat(self.date))
+            except ValueError as error:
+                fail(f"date {self.date!r} is not YYYY-MM-DD ({error})")
+        if not isinstance(self.date, dt.date) or isinstance(self.date, dt.datetime):
+            fail(f"date must be a datetime.date or 'YYYY-MM-DD', got {self.date!r}")
+        if self.start_time is not None and self.start_time.tzinfo is None:
+            fail("start_time must be timezone-aware (UTC)")
         if self.hosts is not None:
             object.__setattr__(self, "hosts", tuple(self.hosts))
             if len(self.hosts) != self.n_hosts:
@@ -250,12 +260,7 @@ def generate_job(spec: JobSpec) -> GeneratedJob:
     seq_cause = spec.cause("seq_len_imbalance")
     seq_lens = sumsq = None
     if seq_cause is not None or spec.record_seq_lens:
-        if seq_cause is not None:
-            median = float(seq_cause.get("doc_median", spec.context_length / 8))
-            sigma = float(seq_cause.get("doc_sigma", 1.4))
-        else:
-            # Balanced packing (what a well-tuned loader does): many short documents of similar length.
-            median, sigma = spec.context_length / 16, 0.3
+        median, sigma = document_lengths(seq_cause, spec.context_length)
         seq_lens, sumsq = draw_documents(rng, n_steps * dp * spec.microbatches, spec.context_length, median, sigma)
         sumsq = sumsq.reshape(n_steps, dp, spec.microbatches)
         if seq_cause is None:
@@ -294,8 +299,6 @@ def generate_job(spec: JobSpec) -> GeneratedJob:
 
     start_time = spec.start_time or (dt.datetime.combine(spec.date, dt.time(), dt.timezone.utc)
                                      + dt.timedelta(seconds=int(rng.integers(0, 20 * 3600))))
-    if start_time.tzinfo is None:
-        raise ValueError(f"JobSpec {spec.job_id!r}: start_time must be timezone-aware (UTC)")
     submit_time = start_time - dt.timedelta(seconds=int(rng.integers(30, 3600)))
     end_time = start_time + dt.timedelta(seconds=float((steps[-1] + 1) * observed))
     workers = [{"dp_rank": d, "stage": p, "rank": int(ranks[d, p]), "host": str(hosts[d, p])}
