@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pyarrow as pa
 
-from schemas.trace import MANIFEST_SCHEMA, WORKER_STRUCT
+from schemas.trace import MANIFEST_SCHEMA
 from transforms.synth.execution import StepArrays, Timing, TracePart, draw_arrays, emit_trace, simulate, step_times
 from transforms.synth.faults import (
     Cause,
