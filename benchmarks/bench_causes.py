@@ -100,6 +100,9 @@ def evaluate_job(spec: JobSpec) -> dict:
         "cause_slowdowns": json.loads(truth["cause_slowdowns"]),
         "true_slowdown": truth["true_slowdown"], "expected_slowdown": truth["expected_slowdown"],
         "seconds_generate": generated - started, "seconds_analyse": done - generated,
+        "evidence": verdict.evidence, "explained": {c: f.explained for c, f in verdict.fixes.items()},
+        "shape": {"dp": spec.dp, "pp": spec.pp, "vpp": spec.vpp, "microbatches": spec.microbatches},
+        "cause_params": json.loads(truth["cause_params"]),
     }
 
 
@@ -172,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=2024)
     parser.add_argument("--max-records", type=int, default=250_000, help="op records per job at most (bounds the run time)")
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--dump", type=pathlib.Path, help="write every job's prediction, truth and evidence as JSON lines here")
     args = parser.parse_args(argv)
 
     fleet = sample_fleet(args.days, args.jobs_per_day, args.seed, max_records=args.max_records)
@@ -182,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         panel_rows = pool.map(evaluate_job, panel, chunksize=1)
     wall = time.perf_counter() - started
     rows = fleet_rows + panel_rows
+    if args.dump:
+        args.dump.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows))
     print(f"{len(rows)} jobs, {sum(r['ops'] for r in rows):,} ops in {wall:.0f} s on {args.processes} processes; "
           f"classification+analysis {np.mean([r['seconds_analyse'] for r in rows]):.2f} s/job")
     fleet_scores = print_report(f"natural fleet (sample_fleet {args.days} days x {args.jobs_per_day}, seed {args.seed})", fleet_rows)

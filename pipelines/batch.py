@@ -6,8 +6,8 @@
 
 Wiring only (each step is one composite PTransform from transforms/):
 
-    MatchJobs ─► ValidateTraces ─┬─valid──► AnalyzeJobs ─┬─► CommitTables (single terminal step)
-                                 └─invalid (quarantined)─┘
+    MatchJobs ─► ValidateTraces ─┬─valid──► AnalyzeJobs ─┬─┬─────────────────► CommitTables (single terminal step)
+                                 └─invalid (quarantined)─┘ └─► AggregateFleet ─┘  (+ fleet rollups as a finalizer)
 
 Runners:
 - FnApiRunner (default): Beam's embedded runner, named explicitly (the plain DirectRunner of
@@ -40,9 +40,11 @@ import apache_beam as beam
 import fsspec
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from schemas.fleet import FLEET_TABLE_SPECS
 from schemas.tables import BATCH_TABLES, RUNS_DIR
 from transforms.analyze import AnalyzeJobs
 from transforms.commit import CommitConfig, CommitTables
+from transforms.fleet import AggregateFleet, fleet_rollup_tables
 from transforms.match import MatchJobs, date_range
 from transforms.validate import ValidateTraces
 
@@ -199,8 +201,12 @@ def build(p: beam.Pipeline, opts: BatchOptions, jobs=None):
     windows = p | "MatchJobs" >> MatchJobs(opts.lake, opts.date_from, opts.date_to, jobs)
     validated = windows | "ValidateTraces" >> ValidateTraces()
     outcomes = validated["valid"] | "AnalyzeJobs" >> AnalyzeJobs()
-    config = CommitConfig(opts.out, opts.dates, opts.run_id, tables=dict(BATCH_TABLES))
-    summary = (outcomes, validated["invalid"]) | "CommitTables" >> CommitTables(config)
+    windows = (outcomes, validated["invalid"]) | "AllWindows" >> beam.Flatten()
+    # daily fleet tables + their CombineFn states; the commit rebuilds the rollups from every date's state
+    fleet = windows | "AggregateFleet" >> AggregateFleet()
+    config = CommitConfig(opts.out, opts.dates, opts.run_id, tables={**BATCH_TABLES, **FLEET_TABLE_SPECS},
+                          finalizers=(fleet_rollup_tables,))
+    summary = (windows, fleet) | "CommitTables" >> CommitTables(config)
     check_single_terminal_step(p)
     return summary
 

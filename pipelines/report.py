@@ -7,7 +7,10 @@ Writes DIR/index.html (the fleet report, JavaScript inlined: opens offline), DIR
 (PNG and SVG of every fleet chart), DIR/jobs/<date>_<job>.html (one monitor page per
 selected job window) and DIR/assets/vega-bundle.js (shared by the job pages). With
 --check, opens every page in headless Chromium and fails unless all charts are drawn
-with no console error.
+with no console error. With --lake, each job page also links its timeline (original and
+simulated ideal side by side, Chrome-trace JSON for Perfetto) under DIR/timelines/,
+exported by re-running the engine on that job's trace window (the only step that reads
+traces; everything else comes from the tables).
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ _IMAGE_FORMATS = ("svg", "png")
 class ReportOptions:
     """tables: the batch output URL; out: report folder (local path or fsspec URL).
     jobs: "straggling" (kept windows with S >= 1.1) | "all" | "none" | explicit job ids; max_jobs caps the pages (worst first).
-    images: chart file formats for the fleet report; check: verify pages in headless Chromium."""
+    images: chart file formats for the fleet report; check: verify pages in headless Chromium;
+    lake: the trace lake, to export each job page's Perfetto timeline (None: no timelines)."""
 
     tables: str
     out: str
@@ -38,6 +42,7 @@ class ReportOptions:
     max_jobs: int = 200
     images: tuple[str, ...] = _IMAGE_FORMATS
     check: bool = False
+    lake: str | None = None
 
     def __post_init__(self):
         if not self.tables:
@@ -60,10 +65,11 @@ def parse(argv: list[str]) -> ReportOptions:
     parser.add_argument("--max-jobs", type=int, default=200, help="at most this many job pages, most GPU-hours wasted first (default 200)")
     parser.add_argument("--images", default="svg,png", help="chart files for the fleet report: svg,png (default), svg, png or none")
     parser.add_argument("--check", action="store_true", help="open every page in headless Chromium and fail on undrawn charts or console errors")
+    parser.add_argument("--lake", help="trace lake URL: export a Perfetto timeline for every job page (re-runs the engine on those jobs)")
     args = parser.parse_args(argv)
     jobs = args.jobs if args.jobs in _JOB_SELECTIONS else tuple(j for j in args.jobs.split(",") if j)
     images = () if args.images == "none" else tuple(f for f in args.images.split(",") if f)
-    return ReportOptions(args.tables, args.out, jobs, args.max_jobs, images, args.check)
+    return ReportOptions(args.tables, args.out, jobs, args.max_jobs, images, args.check, args.lake)
 
 
 def _selected_jobs(data, opts: ReportOptions) -> list[tuple]:
@@ -96,8 +102,14 @@ def build(opts: ReportOptions, out_dir: pathlib.Path) -> dict:
     pages = []
     if selected:
         write_bundle(out_dir)
+    timelines = 0
     for index, (date, job_id) in enumerate(selected, 1):
-        pages.append(build_job_page(data, date, job_id, out_dir))
+        href = None
+        if opts.lake:
+            relative = f"timelines/{job_page_path(date, job_id).split('/', 1)[1].removesuffix('.html')}.json.gz"
+            if _export_timeline(opts.lake, date, job_id, out_dir / relative):
+                href, timelines = f"../{relative}", timelines + 1
+        pages.append(build_job_page(data, date, job_id, out_dir, timeline_href=href))
         if index % 25 == 0:
             print(f"  job pages: {index}/{len(selected)}", file=sys.stderr)
     linked = set(selected)
@@ -111,7 +123,29 @@ def build(opts: ReportOptions, out_dir: pathlib.Path) -> dict:
             result.raise_for_problems()
             checked.append(page)
     return {"report": report, "job_pages": len(pages), "checked": len(checked), "fleet_source": data.fleet_source,
-            "seconds": time.perf_counter() - started}
+            "timelines": timelines, "seconds": time.perf_counter() - started}
+
+
+def _export_timeline(lake: str, date, job_id: str, path: pathlib.Path) -> bool:
+    """Write one job window's Chrome-trace timeline; False (and why, on stderr) when it cannot."""
+    from pipelines.analyze import TIMELINE_EVENT_LIMIT
+    from transforms.lake import LakeError, find_job, read_manifest, read_trace_files
+    from transforms.whatif import JobMeta, WhatIfError, analyze_job
+    from transforms.whatif.timeline import write_chrome_trace
+
+    try:
+        job = find_job(lake, job_id, date)
+        if job.manifest_path is None:
+            raise LakeError(f"lake {lake}: job {job_id!r} on {date} has no manifest")
+        result = analyze_job(read_trace_files(job.trace_files), JobMeta.from_mapping(read_manifest(job.manifest_path)), job_id, timeline=True)
+    except (LakeError, WhatIfError) as error:
+        print(f"strag report: no timeline for job {job_id} on {date}: {error}", file=sys.stderr)
+        return False
+    per_step = len(result.timeline.op_optype) * result.meta.dp_size
+    steps = max(1, TIMELINE_EVENT_LIMIT // per_step) if per_step * len(result.steps) > TIMELINE_EVENT_LIMIT else None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_chrome_trace(result.timeline, path, steps)
+    return True
 
 
 def run(argv: list[str]) -> int:
@@ -138,6 +172,7 @@ def run(argv: list[str]) -> int:
         return 1
     where = opts.out.rstrip("/")
     print(f"fleet report: {where}/index.html ({summary['fleet_source']})")
-    print(f"job pages:    {summary['job_pages']} under {where}/jobs/" + (f", {summary['checked']} pages checked in Chromium" if opts.check else ""))
+    print(f"job pages:    {summary['job_pages']} under {where}/jobs/" + (f", {summary['checked']} pages checked in Chromium" if opts.check else "")
+          + (f", {summary['timelines']} Perfetto timelines under {where}/timelines/" if opts.lake else ""))
     print(f"done in {summary['seconds']:.1f} s")
     return 0

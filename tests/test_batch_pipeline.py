@@ -23,6 +23,7 @@ import pytest
 from batch_lake import DATES, ExpectedWindow, write_batch_lake
 from fixtures_s3 import moto_s3  # noqa: F401  (fixture)
 from pipelines import batch
+from schemas.fleet import FLEET_TABLE_SPECS
 from schemas.tables import BATCH_TABLES, PART_FILE, read_table
 from transforms.analyze import job_meta
 from transforms.commit import CRASH_ENV, parquet_bytes
@@ -230,7 +231,8 @@ def test_kill_during_publish_leaves_whole_partitions_and_a_rerun_is_byte_identic
     new = _table_files(fnapi_run[0])
     for path in new:
         (out / path).parent.mkdir(parents=True, exist_ok=True)
-        (out / path).write_bytes(parquet_bytes(BATCH_TABLES[path.split("/")[0]].schema.empty_table()))
+        spec = {**BATCH_TABLES, **FLEET_TABLE_SPECS}[path.split("/")[0]]
+        (out / path).write_bytes(parquet_bytes(spec.schema.empty_table()))
     old = _table_files(out)
 
     env = dict(os.environ, **{CRASH_ENV: "publish:3"})

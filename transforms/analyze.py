@@ -177,7 +177,8 @@ def result_tables(validated: ValidatedJob, result: WhatIfResult) -> dict[str, pa
 
 
 def analyze_window(validated: ValidatedJob, engine) -> JobOutcome:
-    """Analyse one validated window with `engine(trace, meta, job_id) -> WhatIfResult` (plain function).
+    """Analyse one validated window with `engine(trace, meta, job_id) -> WhatIfResult` (plain function),
+    or `-> (WhatIfResult, Verdict)`: then kept windows also get their `job_cause` row.
 
     Typed engine errors quarantine the window (reason code = the error's `reason`).
     """
@@ -188,6 +189,8 @@ def analyze_window(validated: ValidatedJob, engine) -> JobOutcome:
     started = time.perf_counter()
     try:
         result = engine(validated.trace, job_meta(validated.manifest), job.job_id)
+        # an engine may return (result, root-cause verdict): transforms.whatif.causes.analyze_and_classify
+        result, verdict = result if isinstance(result, tuple) else (result, None)
     except WhatIfError as error:
         stats.seconds["analyze"] = time.perf_counter() - started
         error.with_context(job_id=job.job_id)
@@ -208,6 +211,10 @@ def analyze_window(validated: ValidatedJob, engine) -> JobOutcome:
     analysed = time.perf_counter()
     stats.seconds["analyze"] = analysed - started
     tables = result_tables(validated, result)
+    if verdict is not None and not result.discarded:
+        from transforms.whatif.causes import job_cause_table
+
+        tables["job_cause"] = job_cause_table(verdict, gpu_hours(validated.manifest), validated.manifest["workers"])
     stats.status = "discarded" if result.discarded else "analysed"
     stats.reason_code = DISCREPANCY_REASON_CODE if result.discarded else None
     stats.seconds["tables"] = time.perf_counter() - analysed
@@ -218,9 +225,10 @@ class _AnalyzeFn(beam.DoFn):
     """ValidatedJob -> JobOutcome with the engine imported once per worker."""
 
     def setup(self):
-        from transforms.whatif import analyze_job
+        # the what-if analysis plus the root-cause verdict (job_cause table), one compile per job
+        from transforms.whatif.causes import analyze_and_classify
 
-        self._engine = analyze_job
+        self._engine = analyze_and_classify
 
     def process(self, validated: ValidatedJob) -> Iterator[JobOutcome]:
         outcome = analyze_window(validated, self._engine)

@@ -15,9 +15,14 @@ Causes and their detectors
   of the gap). Fix: those workers' compute back at ideal speed (a replaced machine). When
   idealising the workers' communication explains more than their compute, the verdict
   is communication instead (a bad link on that machine, not a slow GPU).
-- stage-imbalance: M_S >= 0.5 (the last stage explains the gap). Fix: *rebalanced
-  stages*: every model chunk's forward (and backward) compute scaled to the mean over
-  chunks, i.e. layers moved off the heavy (loss) chunk, keeping per-op variation.
+- stage-imbalance: M_S >= 0.5 (the last stage explains the gap), the heatmap's last row is
+  hot as a whole (min / max of S_w - 1 over the last stage's workers >= 0.5, so one slow
+  machine in the last stage is not a stage problem) and the fix explains at least
+  `stage_min_explained` (a flapping link or GC on the last stage is not fixed by moving
+  layers). With one DP rank the M_W set is the last stage itself: then the stage verdict
+  wins over individual-worker. Fix: *rebalanced stages*: every model chunk's forward (and
+  backward) compute scaled to the mean over chunks, i.e. layers moved off the heavy (loss)
+  chunk, keeping per-op variation.
 - sequence-imbalance: microbatches differ in work, so the forward and backward of the
   same microbatch are slow together. Signal: Pearson r of forward vs backward duration
   of the same microbatch >= 0.9. We compute r on durations normalised within each
@@ -31,7 +36,7 @@ Causes and their detectors
   observed microbatch), durations rescaled by a per-chunk linear cost model fitted on
   (workload, duration). Detected when r >= 0.9 and spreading each step's compute evenly
   over its microbatches and DP ranks (keeping each worker's persistent speed) explains at
-  least `min_explained` of the gap; that even spread is also the fix estimate when no
+  least `sequence_min_explained` of the gap; that even spread is also the fix estimate when no
   seq_lens exist (an upper bound: one huge document cannot be split by repacking).
 - python-gc: a GC pause stalls one forward compute for hundreds of ms on whichever
   worker's collector runs, a different one each time. Detector: for every (worker, step,
@@ -42,8 +47,9 @@ Causes and their detectors
   `gc_sigma` robust standard deviations (MAD) of all stalls of that chunk. GC when
   pauses hit at least two workers, no worker holds more than `gc_max_worker_share` of
   them (rotating, not a broken machine), the backward computes show no such outliers
-  (forward-only), and removing the pauses explains at least `min_explained` of the gap.
-  Fix: *planned GC*: pauses removed from the replay, then the same collection work paid
+  (forward-only), and removing the pauses explains at least `gc_min_explained` of the gap.
+  Fix: *planned GC*: pauses removed from the replay (with their echo in batched pipeline
+  transfers of the same lane, see _without_pauses), then the same collection work paid
   synchronously by every worker at once, i.e. the mean per-worker pause time per step
   added to the step time.
 - communication: comm op types dominate the optype attribution: the comm groups' share of
@@ -89,6 +95,7 @@ __all__ = [
 ]
 
 _FORWARD, _BACKWARD = OPTYPES.index("forward-compute"), OPTYPES.index("backward-compute")
+_P2P = tuple(OPTYPES.index(name) for name in ("forward-send", "forward-recv", "backward-send", "backward-recv"))
 # Attribution groups that are not communication (WhatIfResult.by_optype keys).
 COMPUTE_GROUPS = frozenset({"forward-compute", "backward-compute", "optimizer", "gc"})
 
@@ -106,7 +113,11 @@ class CauseRules:
     stage_ms: float = 0.5
     sequence_r: float = 0.9
     comm_share: float = 0.5
-    min_explained: float = 0.25
+    min_explained: float = 0.25          # worker, communication: share of T - T_ideal their fix must remove
+    stage_min_explained: float = 0.1     # the rebalancing fix (lower: it only approximates a repartition)
+    stage_row_uniformity: float = 0.5    # min / max of (S_w - 1) over the last stage's workers (dp >= 2)
+    sequence_min_explained: float = 0.15
+    gc_min_explained: float = 0.1        # the pause signature itself is specific; mixtures leave GC a small share
     gc_min_stall: float = 0.05          # seconds
     gc_sigma: float = 8.0
     gc_max_worker_share: float = 0.8
@@ -359,6 +370,28 @@ def _gc_stalls(model: JobModel, forward: np.ndarray, backward: np.ndarray, rules
 # Fix scenarios
 
 
+def _without_pauses(model: JobModel, forward: np.ndarray, pauses: np.ndarray, expected: np.ndarray,
+                    rules: CauseRules) -> np.ndarray:
+    """Cost with every detected pause removed, and its echo in pipeline transfers.
+
+    With batched send+recv (interleaved schedules), a record waits for its partner's peer,
+    so a stalled forward also inflates transfer times along the pipeline of that lane; in
+    lanes with a pause, p2p transfers longer than their type's median by more than
+    gc_min_stall go back to the median."""
+    cost = model.original_cost.copy()
+    rows, lanes = np.nonzero(pauses)
+    cost[forward[rows, lanes], lanes] = expected[rows, lanes]
+    paused_lanes = np.unique(lanes)
+    for code in _P2P:
+        ops = np.flatnonzero(model.op_optype == code)
+        if not len(ops) or not len(paused_lanes):
+            continue
+        median = float(np.median(cost[ops]))
+        block = cost[np.ix_(ops, paused_lanes)]
+        cost[np.ix_(ops, paused_lanes)] = np.where(block > median + rules.gc_min_stall, median, block)
+    return cost
+
+
 def _rebalanced_stages(model: JobModel) -> np.ndarray:
     """Compute cost with every chunk's mean forward (backward) duration set to the mean over chunks."""
     cost = model.original_cost.copy()
@@ -510,10 +543,7 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
             w = _take(workload.op_workload, forward)
             evidence["workload_forward_r"] = _pearson(w, _take(original, forward))
             scenarios.append(Scenario("sequence-greedy", greedy_cost))
-        no_pause = original.copy()
-        rows, lanes = np.nonzero(pauses)
-        no_pause[forward[rows, lanes], lanes] = expected[rows, lanes]
-        scenarios.append(Scenario("gc", no_pause))
+        scenarios.append(Scenario("gc", _without_pauses(model, forward, pauses, expected, rules)))
     fixed = replay(model, scenarios)
     step_time = {name: float(fixed.span(name).mean()) for name in fixed.names}
 
@@ -562,8 +592,18 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     stage_fix = make_fix("stage-imbalance", "stage")
     fixes["stage-imbalance"] = stage_fix
     evidence["stage_fix_explained"] = stage_fix.explained
-    if model.pp_size > 1 and ms >= rules.stage_ms:
-        detected["stage-imbalance"] = _margin(ms, rules.stage_ms, 0.8)
+    # a hot last-stage *row*: every DP rank's last-stage worker slow, not one machine in it
+    row = result.worker_slowdown[:, model.pp_size - 1] - 1.0
+    uniformity = float(row.min() / row.max()) if model.dp_size > 1 and row.max() > 0 else 1.0
+    evidence["last_stage_uniformity"] = uniformity
+    if model.pp_size > 1 and ms >= rules.stage_ms and stage_fix.explained >= rules.stage_min_explained \
+            and uniformity >= rules.stage_row_uniformity:
+        detected["stage-imbalance"] = min(_margin(ms, rules.stage_ms, 0.8), _margin(uniformity, rules.stage_row_uniformity, 0.8))
+        if model.dp_size == 1 and "individual-worker" in detected and all(p == model.pp_size - 1 for _, p in result.mw.workers):
+            # one DP rank: the M_W set is the last stage itself; the far more common stage cause wins
+            del detected["individual-worker"]
+            implicated = []
+            evidence["worker_set_is_last_stage"] = True
 
     comm_fix = make_fix("communication", "communication")
     evidence["communication_fix_explained"] = comm_fix.explained
@@ -578,8 +618,8 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         fixes["sequence-imbalance"] = seq_fix
         evidence["sequence_even_explained"] = even
         evidence["sequence_fix_explained"] = seq_fix.explained
-        if r_norm >= rules.sequence_r and even >= rules_min:
-            detected["sequence-imbalance"] = min(_margin(r_norm, rules.sequence_r, 0.97), _margin(even, rules_min, 0.6))
+        if r_norm >= rules.sequence_r and even >= rules.sequence_min_explained:
+            detected["sequence-imbalance"] = min(_margin(r_norm, rules.sequence_r, 0.97), _margin(even, rules.sequence_min_explained, 0.5))
     if "gc" in step_time:
         gc_fix = make_fix("python-gc", "gc", "gc-planned" if "gc-planned" in step_time else None)
         fixes["python-gc"] = gc_fix
@@ -587,9 +627,9 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         if evidence["gc_pauses"] >= 2 and evidence["gc_workers"] >= 2 \
                 and evidence["gc_max_worker_share"] <= rules.gc_max_worker_share \
                 and evidence["gc_backward_outliers"] <= evidence["gc_pauses"] // 4 \
-                and gc_fix.explained >= rules_min:
+                and gc_fix.explained >= rules.gc_min_explained:
             detected["python-gc"] = min(_margin(float(evidence["gc_workers"]), 2, 4),
-                                        _margin(gc_fix.explained, rules_min, 0.6))
+                                        _margin(gc_fix.explained, rules.gc_min_explained, 0.4))
             if not implicated:
                 worker_key = model.lane_dp[None, :] * model.pp_size + model.op_stage[forward]
                 implicated = [divmod(int(k), model.pp_size) for k in np.unique(worker_key[pauses])]
