@@ -196,7 +196,7 @@ def sample_timing(spec: JobSpec, rng: np.random.Generator) -> Timing:
         launch_gap=log_uniform(3e-6, 3e-5),
         data_gap=forward * rng.uniform(0.01, 0.05),
         tail_gap=log_uniform(3e-4, 3e-3),
-        grads_copy_gap=grads_reduce_scatter * rng.uniform(0.05, 0.3),
+        grads_copy_gap=grads_reduce_scatter * rng.uniform(0.02, 0.1),
         clock_jitter=log_uniform(5e-6, 6e-5),
     )
 

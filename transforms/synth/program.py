@@ -17,16 +17,22 @@ Schedules follow Megatron-LM:
   activations, last-stage sends of activations, ...) leave no record, like the published
   traces; with ``noop_ends`` they leave no-op records instead (profilers differ).
 * ``vpp > 1``: interleaved 1F1B (warm-up ``2 (pp - stage - 1) + (vpp - 1) pp``, chunk of
-  forward k = ``(k mod pp vpp) // pp``). Every loop call leaves records for all the
-  directions it handles, so transfers at the first/last global chunk appear as no-op
-  records, the warm-up's last call carries a no-op backward-send (before any backward)
-  and the last calls carry no-op receives (after the last compute). The stand-alone
-  receive before the warm-up is not recorded on stage 0 (Megatron returns early there).
+  forward k = ``(k mod pp vpp) // pp``) with Megatron's default p2p for this schedule
+  (``overlap_p2p_comm``, not batched): after each forward a ``send_forward_recv_forward``
+  call, after each backward a ``send_backward_recv_backward`` call, whose send and recv
+  are separate asynchronous ops, each on the stream of its optype (in order); compute
+  goes on and waits only for the receive that brings its input (we do not model a wait
+  on send handles). Every call leaves a record for each op it issues, so transfers at
+  the first/last global chunk appear as no-op records, the backward call issued at the
+  end of the warm-up carries a no-op backward-send, and the last calls carry no-op
+  receives (after the last compute). The stand-alone receive before the warm-up is not
+  recorded on stage 0 (Megatron returns early there).
 
 Blocking semantics: a worker's compute stream runs its units strictly in program
-order (Megatron waits on every p2p request before the next kernel); ZeRO
-params-all-gather (and, with overlapped DP, grads-reduce-scatter) run on a separate
-DP stream; collectives end when the last member has started plus a transfer time.
+order (1F1B p2p calls sit in it: Megatron waits on every request before the next
+kernel); ZeRO params-all-gather (and, with overlapped DP, grads-reduce-scatter) run on
+a separate DP stream; collectives end when the last member has started plus a transfer
+time. A batched (1F1B) call ends when every transfer it carries is done.
 """
 from __future__ import annotations
 
@@ -97,8 +103,8 @@ def interleaved_microbatch(k: int, pp: int, vpp: int) -> int:
 class Program:
     """One step of one job shape, as arrays over units (N), records (R) and p2p transfers (G).
 
-    Units are numbered stage by stage, each stage's units in program order (compute
-    stream first, then its DP-stream units). ``events`` is a topological order of the
+    Units are numbered stage by stage, each stage's units stream by stream (compute
+    stream first, in program order; then the DP stream and the p2p streams). ``events`` is a topological order of the
     2N events ``2u`` (start of u) and ``2u+1`` (end of u).
     """
 
@@ -111,7 +117,7 @@ class Program:
     unit_kind: np.ndarray         # int8 [N]
     unit_chunk: np.ndarray        # int16 [N] model chunk (compute, AG, RS), else -1
     unit_microbatch: np.ndarray   # int32 [N] microbatch id (compute), else -1
-    unit_position: np.ndarray     # int32 [N] index in its stage's compute-stream program (-1: DP stream)
+    unit_position: np.ndarray     # int32 [N] index in its stage's compute-stream program (-1: other streams)
     unit_preds: tuple[tuple[int, ...], ...]   # units whose end gates the start of each unit
     unit_transfers: tuple[tuple[int, ...], ...]  # p2p transfers (G index) each P2P unit waits for
     transfer_units: np.ndarray    # int32 [G, 2] (sending unit, receiving unit)
@@ -139,14 +145,20 @@ class Program:
 
 
 class _Stage:
-    """Collects one stage's units and records in program order."""
+    """Collects one stage's units and records, stream by stream, in program order."""
+
+    STREAMS = ("compute", "dp", "forward-send", "forward-recv", "backward-send", "backward-recv")
 
     def __init__(self, stage: int, pp: int):
         self.stage = stage
         self.pp = pp
-        self.units: list[dict] = []       # compute-stream program
-        self.dp_units: list[dict] = []    # DP stream
+        self.streams: dict[str, list[dict]] = {name: [] for name in self.STREAMS}
         self.seq: dict[str, int] = {}
+
+    @property
+    def units(self) -> list[dict]:
+        """The compute stream's program."""
+        return self.streams["compute"]
 
     def _record(self, optype: str, mc: int = -1, microbatch: int = -1, gmc: int = -1, key=None, noop=False):
         seq = self.seq.get(optype, 0)
@@ -154,25 +166,34 @@ class _Stage:
         return {"optype": _CODE[optype], "seq": seq, "mc": mc, "mb": microbatch, "gmc": gmc,
                 "key": key, "noop": noop}
 
-    def add(self, kind: int, chunk: int = -1, microbatch: int = -1, dp_stream: bool = False) -> dict:
+    def add(self, kind: int, chunk: int = -1, microbatch: int = -1, stream: str = "compute",
+            waits: list | tuple = ()) -> dict:
         optype = _UNIT_OPTYPE[kind]
         gmc = chunk * self.pp + self.stage if kind in (UnitKind.FORWARD, UnitKind.BACKWARD) else -1
         mc = chunk if kind in (UnitKind.FORWARD, UnitKind.BACKWARD, UnitKind.PARAMS_ALL_GATHER,
                                UnitKind.GRADS_REDUCE_SCATTER) else -1
         # The profiler writes mb_id 0 on its gc placeholder (see the published traces).
         mb = microbatch if kind in (UnitKind.FORWARD, UnitKind.BACKWARD) else (0 if kind == UnitKind.GC else -1)
-        unit = {"kind": kind, "chunk": chunk, "mb": microbatch, "extra_preds": [],
+        unit = {"kind": kind, "chunk": chunk, "mb": microbatch, "extra_preds": [u for u in waits if u is not None],
                 "records": [self._record(optype, mc, mb, gmc)]}
-        (self.dp_units if dp_stream else self.units).append(unit)
+        self.streams[stream].append(unit)
         return unit
 
-    def p2p(self, transfers: list) -> None:
-        """One p2p call; ``transfers`` holds (optype, key or None for a no-op) or None (not recorded)."""
+    def p2p(self, transfers: list, stream: str = "compute", after: dict | None = None) -> dict | None:
+        """One p2p call; ``transfers`` holds (optype, key or None for a no-op) or None (not recorded).
+
+        On the compute stream the call blocks the next compute; on a p2p stream (one per
+        p2p optype) it starts after ``after`` (the compute it follows) and the previous op
+        of the stream.
+        """
         records = [self._record(optype, key=key, noop=key is None) for optype, key in
                    (t for t in transfers if t is not None)]
-        if records:
-            self.units.append({"kind": UnitKind.P2P, "chunk": -1, "mb": -1, "extra_preds": [],
-                               "records": records})
+        if not records:
+            return None
+        unit = {"kind": UnitKind.P2P, "chunk": -1, "mb": -1, "extra_preds": [after] if after else [],
+                "records": records}
+        self.streams[stream].append(unit)
+        return unit
 
 
 def _one_f_one_b(st: _Stage, pp: int, microbatches: int, forward_unit, backward_unit, noop_ends: bool) -> None:
@@ -199,21 +220,21 @@ def _one_f_one_b(st: _Stage, pp: int, microbatches: int, forward_unit, backward_
     bsend = lambda i: end("backward-send", first, ("B", p, i))
     for i in range(warmup):
         st.p2p([frecv(i)])
-        forward_unit(0, i)
+        forward_unit(0, i, None)
         st.p2p([fsend(i)])
     if remaining > 0:
         st.p2p([frecv(warmup)])
     for i in range(remaining):
-        forward_unit(0, warmup + i)
+        forward_unit(0, warmup + i, None)
         st.p2p([fsend(warmup + i), brecv(i)])
-        backward_unit(0, i)
+        backward_unit(0, i, None)
         if i == remaining - 1:
             st.p2p([bsend(i)])
         else:
             st.p2p([bsend(i), frecv(warmup + i + 1)])
     for i in range(remaining, m):
         st.p2p([brecv(i)])
-        backward_unit(0, i)
+        backward_unit(0, i, None)
         st.p2p([bsend(i)])
 
 
@@ -249,41 +270,53 @@ def _interleaved(st: _Stage, pp: int, vpp: int, microbatches: int, forward_unit,
         _, mb, gmc = bwd(k)
         return ("backward-send", None if gmc == 0 else ("B", gmc, mb))
 
-    if p > 0:
-        st.p2p([frecv(0)])
+    def call(after: dict | None, *transfers) -> dict | None:
+        """Issue the sends/recvs of one Megatron call as separate async ops; return the recv op."""
+        received = None
+        for transfer in transfers:
+            unit = st.p2p([transfer], transfer[0], after=after)
+            if transfer[0].endswith("recv"):
+                received = unit
+        return received
+
+    # A forward waits for the receive of its input, a backward for the receive of its
+    # output gradient; sends complete on their own streams while compute goes on.
+    forward_input = call(None, frecv(0)) if p > 0 else None
+    backward_input = None
     for k in range(warmup):
-        forward_unit(*fwd(k)[:2])
+        unit = forward_unit(*fwd(k)[:2], forward_input)
+        forward_input = call(unit, fsend(k), frecv(k + 1) if k + 1 < total else ("forward-recv", None))
         if k == warmup - 1 and remaining > 0:
-            st.p2p([fsend(k), ("backward-send", None), frecv(k + 1), brecv(0)])
-        else:
-            st.p2p([fsend(k), frecv(k + 1) if k + 1 < total else ("forward-recv", None)])
+            backward_input = call(unit, ("backward-send", None), brecv(0))
     for k in range(remaining):
-        forward_unit(*fwd(warmup + k)[:2])
-        backward_unit(*bwd(k)[:2])
+        unit = forward_unit(*fwd(warmup + k)[:2], forward_input)
         last_iteration = k == remaining - 1
-        st.p2p([fsend(warmup + k), bsend(k),
-                ("forward-recv", None) if last_iteration else frecv(warmup + k + 1),
-                brecv(k + 1)])
+        forward_input = call(unit, fsend(warmup + k),
+                             ("forward-recv", None) if last_iteration else frecv(warmup + k + 1))
+        unit = backward_unit(*bwd(k)[:2], backward_input)
+        backward_input = call(unit, bsend(k), brecv(k + 1))
     for k in range(remaining, total):
-        backward_unit(*bwd(k)[:2])
-        st.p2p([bsend(k), ("backward-recv", None) if k == total - 1 else brecv(k + 1)])
+        unit = backward_unit(*bwd(k)[:2], backward_input)
+        backward_input = call(unit, bsend(k), ("backward-recv", None) if k == total - 1 else brecv(k + 1))
 
 
 def _build_stage(p: int, pp: int, vpp: int, microbatches: int, use_dp: bool, dp_overlap: bool,
                  noop_ends: bool) -> _Stage:
     st = _Stage(p, pp)
-    ag_units = [st.add(UnitKind.PARAMS_ALL_GATHER, chunk=c, dp_stream=True) for c in range(vpp)] if use_dp else []
+    ag_units = [st.add(UnitKind.PARAMS_ALL_GATHER, chunk=c, stream="dp") for c in range(vpp)] if use_dp else []
     first_forward_seen: set[int] = set()
     last_backward: dict[int, dict] = {}
 
-    def forward_unit(chunk: int, mb: int) -> None:
-        unit = st.add(UnitKind.FORWARD, chunk, mb)
+    def forward_unit(chunk: int, mb: int, waits_for: dict | None) -> dict:
+        unit = st.add(UnitKind.FORWARD, chunk, mb, waits=[waits_for])
         if use_dp and chunk not in first_forward_seen:
             unit["extra_preds"].append(ag_units[chunk])   # ZeRO: a chunk's params before its first forward
         first_forward_seen.add(chunk)
+        return unit
 
-    def backward_unit(chunk: int, mb: int) -> None:
-        last_backward[chunk] = st.add(UnitKind.BACKWARD, chunk, mb)
+    def backward_unit(chunk: int, mb: int, waits_for: dict | None) -> dict:
+        last_backward[chunk] = st.add(UnitKind.BACKWARD, chunk, mb, waits=[waits_for])
+        return last_backward[chunk]
 
     if vpp == 1:
         _one_f_one_b(st, pp, microbatches, forward_unit, backward_unit, noop_ends)
@@ -306,12 +339,13 @@ def _build_stage(p: int, pp: int, vpp: int, microbatches: int, use_dp: bool, dp_
         # Grads of a chunk are reduce-scattered as soon as its last backward is done.
         order = sorted(last_backward, key=lambda c: st.units.index(last_backward[c]))
         for c in order:
-            unit = st.add(UnitKind.GRADS_REDUCE_SCATTER, chunk=c, dp_stream=True)
+            unit = st.add(UnitKind.GRADS_REDUCE_SCATTER, chunk=c, stream="dp")
             unit["extra_preds"].append(last_backward[c])
             rs_units.append(unit)
-    layernorm = st.add(UnitKind.LAYERNORM)
-    if rs_units:
-        layernorm["extra_preds"].append(rs_units[-1])
+    # The tail waits for the grads (overlapped DP) and for outstanding p2p calls (interleaved).
+    layernorm = st.add(UnitKind.LAYERNORM, waits=[rs_units[-1] if rs_units else None,
+                                                  *(st.streams[name][-1] for name in _Stage.STREAMS[2:]
+                                                    if st.streams[name])])
     if p == 0 or p == pp - 1:
         st.add(UnitKind.EMBEDDING)
     if use_dp and dp_overlap:
@@ -344,21 +378,20 @@ def build_program(pp: int, vpp: int, microbatches: int, use_dp: bool, dp_overlap
 
     units: list[dict] = []
     for p, st in enumerate(stages):
-        for position, unit in enumerate(st.units):
-            unit["stage"], unit["position"] = p, position
-            units.append(unit)
-        for unit in st.dp_units:
-            unit["stage"], unit["position"] = p, -1
-            units.append(unit)
+        for name in _Stage.STREAMS:
+            for position, unit in enumerate(st.streams[name]):
+                unit["stage"], unit["position"] = p, position if name == "compute" else -1
+                units.append(unit)
     index = {id(u): i for i, u in enumerate(units)}
 
     preds: list[tuple[int, ...]] = []
     for st in stages:
-        for stream in (st.units, st.dp_units):
+        for name in _Stage.STREAMS:
+            stream = st.streams[name]
             for j, unit in enumerate(stream):
                 own = [index[id(stream[j - 1])]] if j else []
                 preds.append(tuple(own + [index[id(u)] for u in unit["extra_preds"]]))
-    # preds was appended stage by stage in the same order as `units`.
+    # preds was appended stage by stage, stream by stream: the same order as `units`.
 
     # Records and p2p transfers.
     rec = {k: [] for k in ("unit", "optype", "seq", "mc", "mb", "gmc", "noop")}
