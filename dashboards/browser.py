@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import tempfile
 
-__all__ = ["PageCheck", "BrowserError", "find_chromium", "check_page", "CHROMIUM_FLAGS"]
+__all__ = ["PageCheck", "BrowserError", "find_chromium", "check_page", "main", "CHROMIUM_FLAGS"]
 
 # Flags for a sandbox with no network: without the background-networking ones Chromium
 # keeps trying (and failing) to reach Google's services at every start.
@@ -250,3 +250,25 @@ def _collect(events: list[dict]) -> tuple[list[str], list[str], list[str]]:
             if not request_url.startswith(_LOCAL_SCHEMES):
                 external.append(request_url)
     return errors, exceptions, external
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dashboards.browser PAGE.html [--screenshot OUT.png]`: check a page, print what rendered."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dashboards.browser", description=main.__doc__)
+    parser.add_argument("page", type=pathlib.Path)
+    parser.add_argument("--screenshot", type=pathlib.Path)
+    args = parser.parse_args(argv)
+    check = check_page(args.page, screenshot=args.screenshot)
+    print(f"{check.url}: {check.charts_drawn}/{check.chart_slots} charts drawn, {check.marks} marks"
+          + (f", screenshot {args.screenshot}" if args.screenshot else ""))
+    for problem in check.problems:
+        print(f"  problem: {problem}")
+    return 1 if check.problems else 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -102,12 +102,12 @@ def build(opts: ReportOptions, out_dir: pathlib.Path) -> dict:
     pages = []
     if selected:
         write_bundle(out_dir)
-    timelines = 0
+    timelines, cache = 0, {}
     for index, (date, job_id) in enumerate(selected, 1):
         href = None
         if opts.lake:
             relative = f"timelines/{job_page_path(date, job_id).split('/', 1)[1].removesuffix('.html')}.json.gz"
-            if _export_timeline(opts.lake, date, job_id, out_dir / relative):
+            if _export_timeline(opts.lake, date, job_id, out_dir / relative, cache):
                 href, timelines = f"../{relative}", timelines + 1
         pages.append(build_job_page(data, date, job_id, out_dir, timeline_href=href))
         if index % 25 == 0:
@@ -126,18 +126,24 @@ def build(opts: ReportOptions, out_dir: pathlib.Path) -> dict:
             "timelines": timelines, "seconds": time.perf_counter() - started}
 
 
-def _export_timeline(lake: str, date, job_id: str, path: pathlib.Path) -> bool:
-    """Write one job window's Chrome-trace timeline; False (and why, on stderr) when it cannot."""
+def _export_timeline(lake: str, date, job_id: str, path: pathlib.Path, cache: dict) -> bool:
+    """Write one job window's Chrome-trace timeline from the rows the batch analysed (the same
+    validation drops the same bad files and rows); False, and why on stderr, when it cannot."""
     from pipelines.analyze import TIMELINE_EVENT_LIMIT
-    from transforms.lake import LakeError, find_job, read_manifest, read_trace_files
+    from transforms.lake import LakeError, find_job, read_manifest, read_validated_job
     from transforms.whatif import JobMeta, WhatIfError, analyze_job
     from transforms.whatif.timeline import write_chrome_trace
 
     try:
+        if "validator" not in cache:
+            from schemas.expectations import Validator
+
+            cache["validator"] = Validator()
         job = find_job(lake, job_id, date)
         if job.manifest_path is None:
             raise LakeError(f"lake {lake}: job {job_id!r} on {date} has no manifest")
-        result = analyze_job(read_trace_files(job.trace_files), JobMeta.from_mapping(read_manifest(job.manifest_path)), job_id, timeline=True)
+        report = read_validated_job(job, cache["validator"])
+        result = analyze_job(report.valid, JobMeta.from_mapping(read_manifest(job.manifest_path)), job_id, timeline=True)
     except (LakeError, WhatIfError) as error:
         print(f"strag report: no timeline for job {job_id} on {date}: {error}", file=sys.stderr)
         return False

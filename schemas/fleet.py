@@ -119,7 +119,8 @@ JOB_CAUSE_SCHEMA = _schema(
         pa.field("causes", pa.list_(pa.string()), nullable=False),      # every detected cause, strongest first
         pa.field("confidence", pa.float64(), nullable=False),           # of the primary cause, 0..1
         pa.field("evidence_json", pa.string(), nullable=False),         # metric name -> value (M_W, M_S, r, ...)
-        pa.field("implicated_dp_ranks", pa.list_(pa.int16()), nullable=False),  # workers blamed (individual-worker, python-gc)
+        pa.field("implicated_dp_ranks", pa.list_(pa.int16()), nullable=False),  # workers whose machine is blamed (M_W set of an
+                                                                                 # individual-worker or located-link verdict)
         pa.field("implicated_stages", pa.list_(pa.int16()), nullable=False),
         pa.field("implicated_hosts", pa.list_(pa.string()), nullable=False),
         pa.field("fixed_slowdown", pa.float64(), nullable=True),        # S after replaying the fix of the primary cause
@@ -224,7 +225,8 @@ FLEET_CAUSE_SCHEMA = _schema(
 )
 
 # Spatial, per machine across jobs. A host is *implicated* in a job when the verdict blames
-# one of its workers (individual-worker cause); implicated in >= 2 distinct jobs = repeat offender.
+# one of its workers (individual-worker, or a communication verdict located on one worker's
+# link); implicated in >= 2 distinct jobs = repeat offender.
 FLEET_HOST_SCHEMA = _schema(
     "fleet_host",
     _PERIOD

@@ -99,7 +99,7 @@ def test_gc_detector_sees_rotating_forward_only_pauses(analysed):
     assert evidence["gc_backward_outliers"] == 0
     assert evidence["gc_mean_pause"] == pytest.approx(truth["pause"], rel=0.3)
     assert abs(evidence["gc_pauses"] - truth["pauses"]) <= 0.2 * truth["pauses"]
-    assert len(verdict.implicated_workers) == evidence["gc_workers"]
+    assert verdict.implicated_workers == []  # GC rotates: no machine to blame
     # planned GC still pays the collection, so it saves less than deleting the pauses would
     fix = verdict.primary_fix
     assert 0 < fix.savings_fraction < 1 - 1 / result.slowdown + 1e-9

@@ -12,7 +12,8 @@ only that fix is applied to the no-delay trace.
 
 Causes and their detectors
 - individual-worker: M_W > 0.5 (the ceil(3%) workers with the highest S_w explain most
-  of the gap). Fix: those workers' compute back at ideal speed (a replaced machine). When
+  of the gap; the machines blamed are those of the set at least half as hot, in S_w - 1,
+  as the hottest). Fix: those workers' compute back at ideal speed (a replaced machine). When
   idealising the workers' communication explains more than their compute, the verdict
   is communication instead (a bad link on that machine, not a slow GPU).
 - stage-imbalance: M_S >= 0.5 (the last stage explains the gap), the heatmap's last row is
@@ -156,7 +157,7 @@ class Verdict:
     confidence: float
     confidences: dict[str, float]
     evidence: dict[str, object]
-    implicated_workers: list[tuple[int, int]]    # (dp_rank, stage) blamed
+    implicated_workers: list[tuple[int, int]]    # (dp_rank, stage) whose machine is blamed (worker / located link)
     fixes: dict[str, Fix]
 
     @property
@@ -579,14 +580,16 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     worker_compute, worker_comm = explained("worker-compute"), explained("worker-comm")
     evidence.update(worker_compute_explained=worker_compute, worker_comm_explained=worker_comm)
     if mw > rules.worker_mw:
+        # the M_W set has ceil(3%) members; blame only those as hot as half the hottest
+        hottest = max(result.worker_slowdown[d, p] for d, p in result.mw.workers) - 1.0
+        blamed = [(d, p) for d, p in result.mw.workers if result.worker_slowdown[d, p] - 1.0 >= 0.5 * hottest]
         if worker_compute >= worker_comm:
             fixes["individual-worker"] = make_fix("individual-worker", "worker-compute")
             detected["individual-worker"] = min(_margin(mw, rules.worker_mw, 0.9), _margin(worker_compute, rules_min, 0.6))
-            implicated = list(result.mw.workers)
         else:
             fixes["communication"] = make_fix("communication", "worker-comm")
             detected["communication"] = min(_margin(mw, rules.worker_mw, 0.9), _margin(worker_comm, rules_min, 0.6))
-            implicated = list(result.mw.workers)
+        implicated = blamed
     fixes.setdefault("individual-worker", make_fix("individual-worker", "worker-compute"))
 
     stage_fix = make_fix("stage-imbalance", "stage")
@@ -630,9 +633,6 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
                 and gc_fix.explained >= rules.gc_min_explained:
             detected["python-gc"] = min(_margin(float(evidence["gc_workers"]), 2, 4),
                                         _margin(gc_fix.explained, rules.gc_min_explained, 0.4))
-            if not implicated:
-                worker_key = model.lane_dp[None, :] * model.pp_size + model.op_stage[forward]
-                implicated = [divmod(int(k), model.pp_size) for k in np.unique(worker_key[pauses])]
 
     # strongest first: the share of the gap each cause's own fix removes (sequence: its even spread)
     strength = {c: (evidence["sequence_even_explained"] if c == "sequence-imbalance" else fixes[c].explained) for c in detected}
