@@ -57,6 +57,12 @@ Causes and their detectors
   sum(max(S_t - 1, 0)) >= 0.5. Fix: every communication op at its ideal transfer time.
 - unexplained: S >= 1.1 and none of the above detected.
 
+Mixtures: next to a dominant cause, another cause's share of the whole gap can fall under
+its threshold. Stage (M_S) and GC are therefore re-tested on the trace with the causes
+already detected fixed (their fix scenarios composed), as a share of the gap that remains
+(evidence m_s_given_other_fixes, gc_explained_given_other_fixes), when what remains is
+still a slowdown worth a verdict (S >= 1.05 after those fixes).
+
 Confidence: 0.5 at a detector's threshold rising linearly to 1 at a clear margin, the
 minimum over the detector's conditions; "unexplained" gets 1 - the largest share any
 undetected fix explains.
@@ -393,6 +399,17 @@ def _without_pauses(model: JobModel, forward: np.ndarray, pauses: np.ndarray, ex
     return cost
 
 
+def _compose(base: np.ndarray, fixes: Sequence[np.ndarray], reference: np.ndarray | None = None) -> np.ndarray:
+    """base with every cost a fix changed (relative to `reference`, default base) taken from that fix;
+    where two fixes change the same op, the later one wins."""
+    reference = base if reference is None else reference
+    out = base.copy()
+    for cost in fixes:
+        changed = cost != reference
+        out[changed] = cost[changed]
+    return out
+
+
 def _rebalanced_stages(model: JobModel) -> np.ndarray:
     """Compute cost with every chunk's mean forward (backward) duration set to the mean over chunks."""
     cost = model.original_cost.copy()
@@ -528,23 +545,30 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     sequence_evidence = {}
 
     # fix scenarios -------------------------------------------------------------
+    fix_costs = {   # full cost arrays of each cause's fix, to compose them for mixtures below
+        "individual-worker": np.where(w_mask & compute_ops[:, None], ideal, original),
+        "stage-imbalance": _rebalanced_stages(model),
+        "communication": np.where(model.op_is_comm[:, None], ideal, original),
+    }
     scenarios = [
-        Scenario("worker-compute", Mix(original, ideal, w_mask & compute_ops[:, None])),
+        Scenario("worker-compute", fix_costs["individual-worker"]),
         Scenario("worker-comm", Mix(original, ideal, w_mask & model.op_is_comm[:, None])),
-        Scenario("stage", _rebalanced_stages(model)),
-        Scenario("communication", Mix(original, ideal, model.op_is_comm[:, None])),
+        Scenario("stage", fix_costs["stage-imbalance"]),
+        Scenario("communication", fix_costs["communication"]),
     ]
     if len(forward):
         # even spread: how much of the gap microbatch imbalance causes (detection);
         # greedy repacking of the real documents: what a data-loader fix would save
-        scenarios.append(Scenario("sequence", _even_sequences(model)))
+        fix_costs["sequence-imbalance"] = _even_sequences(model)
+        scenarios.append(Scenario("sequence", fix_costs["sequence-imbalance"]))
         if workload is not None:
             greedy_cost, sequence_evidence = _greedy_sequences(model, workload)
             evidence.update(sequence_evidence)
             w = _take(workload.op_workload, forward)
             evidence["workload_forward_r"] = _pearson(w, _take(original, forward))
             scenarios.append(Scenario("sequence-greedy", greedy_cost))
-        scenarios.append(Scenario("gc", _without_pauses(model, forward, pauses, expected, rules)))
+        fix_costs["python-gc"] = _without_pauses(model, forward, pauses, expected, rules)
+        scenarios.append(Scenario("gc", fix_costs["python-gc"]))
     fixed = replay(model, scenarios)
     step_time = {name: float(fixed.span(name).mean()) for name in fixed.names}
 
@@ -627,12 +651,47 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         gc_fix = make_fix("python-gc", "gc", "gc-planned" if "gc-planned" in step_time else None)
         fixes["python-gc"] = gc_fix
         evidence["gc_fix_explained"] = gc_fix.explained
-        if evidence["gc_pauses"] >= 2 and evidence["gc_workers"] >= 2 \
-                and evidence["gc_max_worker_share"] <= rules.gc_max_worker_share \
-                and evidence["gc_backward_outliers"] <= evidence["gc_pauses"] // 4 \
-                and gc_fix.explained >= rules.gc_min_explained:
+        gc_signature = evidence["gc_pauses"] >= 2 and evidence["gc_workers"] >= 2 \
+            and evidence["gc_max_worker_share"] <= rules.gc_max_worker_share \
+            and evidence["gc_backward_outliers"] <= evidence["gc_pauses"] // 4
+        if gc_signature and gc_fix.explained >= rules.gc_min_explained:
             detected["python-gc"] = min(_margin(float(evidence["gc_workers"]), 2, 4),
                                         _margin(gc_fix.explained, rules.gc_min_explained, 0.4))
+
+    # Mixtures: next to a dominant cause, another one's share of the whole gap can fall under
+    # its threshold. Re-test stage (M_S) and GC (removed pauses) on the trace with the causes
+    # already found fixed, i.e. as a share of the gap that remains.
+    pending = []
+    if model.pp_size > 1 and "stage-imbalance" not in detected and uniformity >= rules.stage_row_uniformity \
+            and stage_fix.explained >= rules.stage_min_explained:
+        pending.append("stage-imbalance")
+    if "python-gc" in fix_costs and "python-gc" not in detected and gc_signature:
+        pending.append("python-gc")
+    if detected and pending:
+        base = _compose(original, [fix_costs[c] for c in sorted(detected) if c in fix_costs])
+        extra = [Scenario("base", base)]
+        if "stage-imbalance" in pending:
+            last_stage = worker_set_mask(model, [(d, model.pp_size - 1) for d in range(model.dp_size)])
+            extra.append(Scenario("base-stage", Mix(base, ideal, last_stage)))
+        if "python-gc" in pending:
+            extra.append(Scenario("base-gc", _compose(base, [fix_costs["python-gc"]], reference=original)))
+        again = replay(model, extra)
+        remaining = float(again.span("base").mean()) - tideal
+        # only a remaining slowdown worth a verdict: half the straggling margin (S 1.05 by default)
+        remaining_slowdown = float(result.slowdown) * float(again.span("base").mean()) / tori
+        evidence["slowdown_given_other_fixes"] = remaining_slowdown
+        if remaining_slowdown < 1.0 + 0.5 * (rules.straggling - 1.0):
+            remaining = 0.0
+        if remaining > 0 and "stage-imbalance" in pending:
+            conditional = (float(again.span("base").mean()) - float(again.span("base-stage").mean())) / remaining
+            evidence["m_s_given_other_fixes"] = conditional
+            if conditional >= rules.stage_ms:
+                detected["stage-imbalance"] = min(_margin(conditional, rules.stage_ms, 0.8), _margin(uniformity, rules.stage_row_uniformity, 0.8))
+        if remaining > 0 and "python-gc" in pending:
+            conditional = (float(again.span("base").mean()) - float(again.span("base-gc").mean())) / remaining
+            evidence["gc_explained_given_other_fixes"] = conditional
+            if conditional >= rules.gc_min_explained:
+                detected["python-gc"] = min(_margin(float(evidence["gc_workers"]), 2, 4), _margin(conditional, rules.gc_min_explained, 0.4))
 
     # strongest first: the share of the gap each cause's own fix removes (sequence: its even spread)
     strength = {c: (evidence["sequence_even_explained"] if c == "sequence-imbalance" else fixes[c].explained) for c in detected}
