@@ -80,8 +80,11 @@ def _worst_jobs(data: ReportData, job_href: Callable[[object, str], str | None],
     summary = data.jobs["job_summary"]
     causes = data.jobs["job_cause"]
     rows = summary[~summary["discarded"]] if not summary.empty else summary
+    verdict_columns = ["cause", "confidence", "savings_gpu_hours"]
+    # the verdict comes from job_cause; drop same-named summary columns (job_summary may repeat them)
+    rows = rows.drop(columns=[c for c in verdict_columns if c in rows.columns])
     if not causes.empty:
-        rows = rows.merge(causes[["date", "job_id", "cause", "confidence", "savings_gpu_hours"]], on=["date", "job_id"], how="left")
+        rows = rows.merge(causes[["date", "job_id", *verdict_columns]], on=["date", "job_id"], how="left")
     else:
         rows = rows.assign(cause=None, confidence=None, savings_gpu_hours=None)
     rows = rows.sort_values(["wasted_gpu_hours", "job_id"], ascending=[False, True]).reset_index(drop=True)
