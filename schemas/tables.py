@@ -132,6 +132,12 @@ JOB_SUMMARY_SCHEMA = _schema(
         pa.field("m_w_add", pa.float64(), nullable=True),          # M_W (add form)
         pa.field("m_s", pa.float64(), nullable=True),              # M_S (rem form); 0 without PP
         pa.field("m_s_add", pa.float64(), nullable=True),
+        # Root-cause verdict (transforms/whatif/causes.py); null for discarded windows. The
+        # evidence, implicated workers and fix estimates are in the job_cause table.
+        pa.field("cause", pa.string(), nullable=True),             # primary cause, schemas.fleet.CAUSES ("none": S < 1.1)
+        pa.field("causes", pa.list_(pa.string()), nullable=True),  # every detected cause, strongest first
+        pa.field("cause_confidence", pa.float64(), nullable=True),  # of the primary cause, 0..1
+        pa.field("savings_gpu_hours", pa.float64(), nullable=True),  # GPU-hours fixing the primary cause would save
     ],
 )
 

@@ -158,6 +158,19 @@ def test_straggling_job_has_attribution_rows_with_hosts(fnapi_run):
     assert len(steps) == summary["slow-b"]["n_steps"]
 
 
+def test_job_summary_carries_the_verdict_of_the_job_cause_table(fnapi_run):
+    out = fnapi_run[0]
+    summary = {r["job_id"]: r for r in read_table(str(out), "job_summary").to_pylist()}
+    causes = {r["job_id"]: r for r in read_table(str(out), "job_cause").to_pylist()}
+    kept = {job for job, row in summary.items() if not row["discarded"]}
+    assert set(causes) == kept
+    for job in kept:
+        assert (summary[job]["cause"], summary[job]["causes"], summary[job]["cause_confidence"]) == \
+            (causes[job]["cause"], causes[job]["causes"], causes[job]["confidence"])
+    assert summary["slow-b"]["cause"] == "individual-worker"
+    assert summary["cpu-d"]["cause"] is None  # discarded: no verdict
+
+
 def test_counters_match_the_quarantine_table(fnapi_run):
     out, summary, counters = fnapi_run
     quarantine = read_table(str(out), "quarantine").to_pylist()

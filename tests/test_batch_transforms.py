@@ -15,9 +15,9 @@ from schemas.expectations import Problem, Validator
 from schemas.tables import BATCH_TABLES
 from transforms.analyze import analyze_window, result_tables
 from transforms.commit import conform_rows
-from transforms.elements import ArrowElementCoder, JobOutcome, JobStats, ValidatedJob
+from transforms.elements import ArrowElementCoder, JobOutcome, JobStats, MatchedJob, ValidatedJob
 from transforms.lake import LakeJob, list_jobs, write_job
-from transforms.match import MatchJobs, date_range
+from transforms.match import MatchJobs, date_range, match_windows
 from transforms.synth.faults import Cause
 from transforms.synth.job import JobSpec, generate_job
 from transforms.validate import UNEXPECTED_ERROR, guarded_pardo, quarantine_rows, validate_job_window
@@ -43,12 +43,16 @@ def lake(tmp_path_factory) -> str:
     return root
 
 
-def _window(lake: str, job_id: str) -> LakeJob:
+def _job(lake: str, job_id: str) -> LakeJob:
     return next(j for j in list_jobs(lake, DATE, DATE) if j.job_id == job_id)
 
 
+def _window(lake: str, job_id: str, validator=None) -> MatchedJob:
+    return match_windows([_job(lake, job_id)], validator)[0]
+
+
 def test_quarantine_rows_list_each_rejected_row_and_each_unlisted_problem(lake):
-    job = _window(lake, "slow")
+    job = _job(lake, "slow")
     invalid = pa.table({"job_id": ["slow", "slow"], "source_path": ["f1.parquet", "f1.parquet"],
                         "reason": ["negative_duration", "negative_duration"], "detail": ["row a", "row b"]})
     problems = [
@@ -65,7 +69,7 @@ def test_quarantine_rows_list_each_rejected_row_and_each_unlisted_problem(lake):
 
 
 def test_validate_job_window_passes_a_valid_window_and_times_both_phases(lake, validator):
-    validated = validate_job_window(_window(lake, "clean"), validator)
+    validated = validate_job_window(_window(lake, "clean", validator), validator)
     assert validated.problem is None and validated.quarantine.num_rows == 0
     assert validated.trace.num_rows == validated.stats.rows_read > 0
     assert validated.manifest["job_id"] == "clean" and validated.manifest["dp_size"] == 2
@@ -73,15 +77,15 @@ def test_validate_job_window_passes_a_valid_window_and_times_both_phases(lake, v
 
 
 def test_a_window_without_manifest_is_quarantined_whole(lake, validator):
-    job = _window(lake, "clean")
+    job = _job(lake, "clean")
     orphan = LakeJob(job.lake, job.date, "clean", job.trace_files, None)
-    validated = validate_job_window(orphan, validator)
+    validated = validate_job_window(match_windows([orphan], validator)[0], validator)
     assert validated.problem.reason_code == "missing_manifest" and validated.trace is None
     assert "missing_manifest" in validated.quarantine.column("reason_code").to_pylist()
 
 
 def test_analyze_window_fills_every_table_that_conforms_to_its_schema(lake, validator):
-    validated = validate_job_window(_window(lake, "slow"), validator)
+    validated = validate_job_window(_window(lake, "slow", validator), validator)
     outcome = analyze_window(validated, analyze_job)
     assert outcome.stats.status == "analysed" and outcome.stats.ops == validated.trace.num_rows
     assert set(outcome.tables) == set(BATCH_TABLES)
@@ -96,7 +100,7 @@ def test_analyze_window_fills_every_table_that_conforms_to_its_schema(lake, vali
 
 
 def test_an_engine_error_quarantines_the_window_with_its_reason(lake, validator):
-    validated = validate_job_window(_window(lake, "clean"), validator)
+    validated = validate_job_window(_window(lake, "clean", validator), validator)
 
     def broken_engine(trace, meta, job_id):
         raise TraceStructureError("step 3 differs from step 1", job_id=job_id, step=3, dp_rank=1, stage=0, op="gc_0_0")
@@ -111,14 +115,14 @@ def test_an_engine_error_quarantines_the_window_with_its_reason(lake, validator)
 
 
 class _Explodes(beam.DoFn):
-    def process(self, job):
-        if job.job_id == "clean":
+    def process(self, matched):
+        if matched.job.job_id == "clean":
             raise RuntimeError("disk on fire")
-        yield job.job_id
+        yield matched.job.job_id
 
 
-def test_unexpected_errors_quarantine_the_window_not_the_run(lake):
-    jobs = list_jobs(lake, DATE, DATE)
+def test_unexpected_errors_quarantine_the_window_not_the_run(lake, validator):
+    jobs = match_windows(list_jobs(lake, DATE, DATE), validator)
     with beam.Pipeline(options=PipelineOptions(runner="FnApiRunner")) as p:
         results, failed = guarded_pardo(p | beam.Create(jobs), "Explode", _Explodes())
         assert_that(results, equal_to(["slow"]), label="CheckResults")
@@ -129,8 +133,8 @@ def test_unexpected_errors_quarantine_the_window_not_the_run(lake):
 
 def test_match_jobs_lists_each_window_once(lake):
     with beam.Pipeline(options=PipelineOptions(runner="FnApiRunner")) as p:
-        ids = p | MatchJobs(lake, DATE, DATE) | beam.Map(lambda j: (j.date, j.job_id))
-        assert_that(ids, equal_to([(DATE, "clean"), (DATE, "slow")]))
+        ids = p | MatchJobs(lake, DATE, DATE) | beam.Map(lambda m: (m.job.date, m.job.job_id, m.manifest["job_id"]))
+        assert_that(ids, equal_to([(DATE, "clean", "clean"), (DATE, "slow", "slow")]))
     assert date_range("2024-02-28", "2024-03-01") == ("2024-02-28", "2024-02-29", "2024-03-01")
     with pytest.raises(ValueError, match="reversed"):
         MatchJobs(lake, "2024-03-02", "2024-03-01")

@@ -98,8 +98,12 @@ def _attribution(schema: pa.Schema, group: str, job_id: str, steps: np.ndarray,
                     schema=schema)
 
 
-def result_tables(validated: ValidatedJob, result: WhatIfResult) -> dict[str, pa.Table]:
-    """The per-window rows of every per-job table from one engine result (schemas/tables.py)."""
+def result_tables(validated: ValidatedJob, result: WhatIfResult, verdict=None) -> dict[str, pa.Table]:
+    """The per-window rows of every per-job table from one engine result (schemas/tables.py).
+
+    verdict: the root-cause Verdict (transforms/whatif/causes.py) or None; it fills the
+    verdict columns of job_summary for windows that are not discarded.
+    """
     job, manifest, stats = validated.job, validated.manifest, validated.stats
     meta = result.meta
     hours = gpu_hours(manifest)
@@ -133,7 +137,11 @@ def result_tables(validated: ValidatedJob, result: WhatIfResult) -> dict[str, pa
         "m_w_add": _optional(result.mw.add) if result.mw else None,
         "m_s": _optional(result.ms.rem) if result.ms else None,
         "m_s_add": _optional(result.ms.add) if result.ms else None,
+        "cause": None, "causes": None, "cause_confidence": None, "savings_gpu_hours": None,
     }
+    if verdict is not None and not result.discarded:
+        summary.update(cause=verdict.cause, causes=list(verdict.causes), cause_confidence=float(verdict.confidence),
+                       savings_gpu_hours=float(verdict.savings_gpu_hours(hours)))
     step_slowdown = pa.table(
         {
             "job_id": [job.job_id] * steps.size,
@@ -210,7 +218,7 @@ def analyze_window(validated: ValidatedJob, engine) -> JobOutcome:
         return quarantined_outcome(job, problem, pa.concat_tables([validated.quarantine, record]), stats, validated.manifest)
     analysed = time.perf_counter()
     stats.seconds["analyze"] = analysed - started
-    tables = result_tables(validated, result)
+    tables = result_tables(validated, result, verdict)
     if verdict is not None and not result.discarded:
         from transforms.whatif.causes import job_cause_table
 

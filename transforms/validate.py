@@ -1,6 +1,6 @@
 """ValidateTraces: read one job window's files on the worker and check them against the lake contract.
 
-In: PCollection[LakeJob] (MatchJobs). Out: named outputs
+In: PCollection[MatchedJob] (MatchJobs: the window's files and its validated manifest). Out: named outputs
 - `valid`: PCollection[ValidatedJob] with the valid op rows, ready for the engine on the
   same worker (the step is fused with AnalyzeJobs, op rows never cross a process);
 - `invalid`: PCollection[JobOutcome] of windows quarantined whole (coverage + quarantine rows).
@@ -30,8 +30,8 @@ import pyarrow as pa
 from schemas.expectations import REASONS, Problem, ValidationReport, Validator
 from schemas.lake import trace_dir
 from schemas.tables import COVERAGE_SCHEMA, QUARANTINE_SCHEMA
-from transforms.elements import JobOutcome, JobProblem, JobStats, ValidatedJob
-from transforms.lake import LakeJob, LakeReadError, read_manifest, read_validated_job
+from transforms.elements import JobOutcome, JobProblem, JobStats, MatchedJob, ValidatedJob
+from transforms.lake import LakeJob, read_validated_job
 
 __all__ = [
     "ValidateTraces",
@@ -179,22 +179,21 @@ def count_quarantine(quarantine: pa.Table) -> None:
         beam.metrics.Metrics.counter("strag.quarantine", code).inc(count)
 
 
-def validate_job_window(job: LakeJob, validator: Validator) -> ValidatedJob:
-    """Read and validate one job window (plain function, the DoFn's body).
+def validate_job_window(matched: MatchedJob, validator: Validator) -> ValidatedJob:
+    """Read and validate one job window's trace files (plain function, the DoFn's body).
 
-    Returns a ValidatedJob whose `problem` is set when the window is quarantined whole.
-    Seconds are split into reading (files) and validating (inside the Validator).
+    matched: the window with its manifest as MatchJobs validated it. Returns a
+    ValidatedJob whose `problem` is set when the window is quarantined whole. Seconds are
+    split into reading (files) and validating (inside the Validator, plus the window's
+    share of the manifest validation).
     """
+    job, manifest = matched.job, matched.manifest
     started = time.perf_counter()
     timed = _TimedValidator(validator)
-    report = read_validated_job(job, timed)
-    manifest = None
-    if job.manifest_path is not None and not any(p.reason in ("unreadable_manifest", "invalid_manifest") for p in report.problems):
-        try:
-            manifest = read_manifest(job.manifest_path)
-        except LakeReadError:
-            manifest = None  # already reported by the validator as unreadable / invalid
-    total = time.perf_counter() - started
+    timed.seconds = matched.seconds
+    manifests = {job.manifest_path: (manifest, list(matched.manifest_problems))} if job.manifest_path else None
+    report = read_validated_job(job, timed, manifests)
+    total = time.perf_counter() - started + matched.seconds
     quarantine = quarantine_rows(job, report.problems, report.invalid)
     rows_read = report.valid.num_rows + report.invalid.num_rows + sum(p.rows for p in report.problems if p.level == "file")
     stats = JobStats(job.job_id, job.date, "analysed", rows_read=rows_read, rows_quarantined=rows_read - report.valid.num_rows,
@@ -208,9 +207,9 @@ def validate_job_window(job: LakeJob, validator: Validator) -> ValidatedJob:
 
 def unexpected_error_outcome(element: Any, error: tuple) -> JobOutcome:
     """JobOutcome quarantining the window behind a dead-letter element of with_exception_handling()."""
-    job = element.job if isinstance(element, ValidatedJob) else element
+    job = element.job if isinstance(element, (ValidatedJob, MatchedJob)) else element
     if not isinstance(job, LakeJob):
-        raise TypeError(f"dead letter for an element of type {type(element).__name__}, expected LakeJob or ValidatedJob")
+        raise TypeError(f"dead letter for an element of type {type(element).__name__}, expected MatchedJob or ValidatedJob")
     error_type, message, lines = error
     name = getattr(error_type, "__name__", str(error_type))
     detail = f"{name}: {message}\n" + "".join(lines[-6:] if isinstance(lines, list) else [str(lines)])
@@ -223,7 +222,7 @@ def unexpected_error_outcome(element: Any, error: tuple) -> JobOutcome:
     )
     if isinstance(element, ValidatedJob):
         return quarantined_outcome(job, problem, pa.concat_tables([element.quarantine, record]), stats, element.manifest)
-    return quarantined_outcome(job, problem, record, stats)
+    return quarantined_outcome(job, problem, record, stats, getattr(element, "manifest", None))
 
 
 _VALIDATORS = threading.local()
@@ -239,13 +238,13 @@ def _worker_validator() -> Validator:
 
 
 class _ValidateFn(beam.DoFn):
-    """LakeJob -> ValidatedJob; the GX context is built once per worker."""
+    """MatchedJob -> ValidatedJob; the GX context is built once per worker."""
 
     def setup(self):
         self._validator = _worker_validator()
 
-    def process(self, job: LakeJob) -> Iterator[ValidatedJob]:
-        validated = validate_job_window(job, self._validator)
+    def process(self, matched: MatchedJob) -> Iterator[ValidatedJob]:
+        validated = validate_job_window(matched, self._validator)
         count_quarantine(validated.quarantine)
         yield validated
 
@@ -281,7 +280,7 @@ def guarded_pardo(pcoll, label: str, dofn: beam.DoFn):
 
 
 class ValidateTraces(beam.PTransform):
-    """PCollection[LakeJob] -> {"valid": PCollection[ValidatedJob], "invalid": PCollection[JobOutcome]}."""
+    """PCollection[MatchedJob] -> {"valid": PCollection[ValidatedJob], "invalid": PCollection[JobOutcome]}."""
 
     def expand(self, jobs):
         checked, failed = guarded_pardo(jobs, "ReadAndValidate", _ValidateFn())

@@ -1,0 +1,130 @@
+"""Throughput of the batch pipeline on a generated fleet, on the embedded runner and on Dask. Prints figures.
+
+    .venv/bin/python benchmarks/bench_batch.py                          # 30 days x 20 jobs/day (the target)
+    .venv/bin/python benchmarks/bench_batch.py --days 2 --jobs-per-day 5  # a quick look
+    .venv/bin/python benchmarks/bench_batch.py --runners fnapi           # skip the Dask run
+
+The fleet (transforms.synth.fleet.sample_fleet + write_fleet, 2% bad input) is generated
+once into --lake and reused by later runs. Each runner then processes the whole date
+range into its own output folder.
+
+Where the time goes: every DoFn times its phases (read, validate, analyze = the what-if
+engine, tables = building result rows, stage + publish = writing) and the seconds travel
+with the elements into the run record, because the Dask runner has no metrics. Shares are
+of worker-seconds = workers x wall; "other" is what no phase accounts for (process start,
+GX set-up, Beam's own work, idle workers at the end). Pipeline overhead = everything but
+the engine = 1 - analyze / worker-seconds. Targets: overhead < 30% of wall, the 30 x 20
+fleet in < 20 minutes on 2 cores.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import shutil
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from pipelines import batch  # noqa: E402
+from transforms.lake import list_jobs  # noqa: E402
+
+
+def _generate(lake: pathlib.Path, days: int, jobs_per_day: int, seed: int, bad_fraction: float, workers: int) -> None:
+    from transforms.synth.fleet import TRUTH_PATH, sample_fleet, write_fleet
+
+    if (lake / TRUTH_PATH).exists():
+        print(f"fleet: reusing {lake}")
+        return
+    shutil.rmtree(lake, ignore_errors=True)
+    specs = sample_fleet(days, jobs_per_day, seed)
+    print(f"fleet: generating {len(specs)} jobs ({sum(s.estimated_records for s in specs):,} op records) into {lake} ...", flush=True)
+    summary = write_fleet(str(lake), specs, bad_fraction=bad_fraction, seed=seed, processes=workers,
+                          progress=lambda done, total, row, seconds: print(f"  {done}/{total}", flush=True) if done % 100 == 0 else None)
+    print(f"fleet: {summary.jobs} jobs, {summary.bad_jobs} bad, {summary.records:,} op records in {summary.seconds:.0f} s")
+
+
+def _run(lake: pathlib.Path, out: pathlib.Path, date_from: str, date_to: str, runner: str, workers: int) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    argv = ["--lake", str(lake), "--from", date_from, "--to", date_to, "--out", str(out), "--workers", str(workers)]
+    cluster = None
+    if runner == "dask":
+        from distributed import LocalCluster
+
+        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None)
+        argv += ["--runner", "DaskRunner", "--dask-address", cluster.scheduler_address]
+    started = time.perf_counter()
+    try:
+        opts = batch.parse(argv)
+        p = batch.make_pipeline(opts)
+        batch.build(p, opts)
+        result = p.run()
+        result.wait_until_finish()
+        if getattr(result, "client", None) is not None:
+            result.client.close()
+        wall = time.perf_counter() - started
+    finally:
+        if cluster is not None:
+            cluster.close()
+    summary = batch.read_run_summary(opts)
+    summary["wall"] = wall
+    return summary
+
+
+def _table_files(out: pathlib.Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*.parquet")) if not str(p.relative_to(out)).startswith("_")}
+
+
+def _report(name: str, summary: dict, workers: int) -> None:
+    wall, seconds = summary["wall"], summary["seconds"]
+    capacity = workers * wall
+    phases = {
+        "read": seconds["read"],
+        "validate": seconds["validate"],
+        "analyze (engine)": seconds["analyze"],
+        "result tables": seconds["tables"],
+        "write (stage + publish)": seconds["stage"] + seconds["publish"],
+    }
+    phases["other (start-up, Beam, idle)"] = max(0.0, capacity - sum(phases.values()))
+    windows = sum(summary["jobs"].values())
+    print(f"\n{name}: {windows} job windows ({summary['jobs']}), {summary['ops']:,} ops analysed "
+          f"of {summary['rows_read']:,} read")
+    print(f"  wall {wall:.0f} s = {wall / 60:.1f} min; {summary['ops'] / wall:,.0f} ops/s through the whole pipeline")
+    print(f"  worker-seconds ({workers} workers x wall = {capacity:.0f} s):")
+    for phase, value in phases.items():
+        print(f"    {phase:<30} {value:8.1f} s  {100 * value / capacity:5.1f}%")
+    print(f"  pipeline overhead (all but the engine): {100 * (1 - seconds['analyze'] / capacity):.1f}% of wall (target < 30%)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--days", type=int, default=30)
+    parser.add_argument("--jobs-per-day", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bad-fraction", type=float, default=0.02)
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--runners", default="fnapi,dask", help="comma list of fnapi, dask")
+    parser.add_argument("--work", default="/tmp/strag-bench", help="folder for the lake and the outputs")
+    args = parser.parse_args()
+
+    work = pathlib.Path(args.work)
+    lake = work / f"lake-{args.days}x{args.jobs_per_day}-s{args.seed}"
+    _generate(lake, args.days, args.jobs_per_day, args.seed, args.bad_fraction, args.workers)
+    dates = sorted({job.date for job in list_jobs(str(lake))})
+    print(f"lake: {len(dates)} dates {dates[0]}..{dates[-1]}; machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
+
+    outputs = {}
+    for runner in args.runners.split(","):
+        out = work / f"out-{lake.name}-{runner}"
+        summary = _run(lake, out, dates[0], dates[-1], runner, args.workers)
+        _report({"fnapi": "FnApiRunner (embedded default, multi-process)", "dask": "DaskRunner (LocalCluster)"}[runner],
+                summary, args.workers)
+        outputs[runner] = out
+    if len(outputs) == 2:
+        files = [_table_files(out) for out in outputs.values()]
+        print(f"\ntables identical across runners: {files[0] == files[1]} ({len(files[0])} files)")
+
+
+if __name__ == "__main__":
+    main()
