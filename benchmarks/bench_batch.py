@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_batch.py                          # 30 days x 20 jobs/day (the target)
     .venv/bin/python benchmarks/bench_batch.py --days 2 --jobs-per-day 5  # a quick look
     .venv/bin/python benchmarks/bench_batch.py --runners fnapi           # skip the Dask run
+    .venv/bin/python benchmarks/bench_batch.py --only-days 3             # the 30-day fleet, first 3 dates only
 
 The fleet (transforms.synth.fleet.sample_fleet + write_fleet, 2% bad input) is generated
 once into --lake and reused by later runs. Each runner then processes the whole date
@@ -56,19 +57,11 @@ def _run(lake: pathlib.Path, out: pathlib.Path, date_from: str, date_to: str, ru
         argv += ["--runner", "DaskRunner", "--dask-address", cluster.scheduler_address]
     started = time.perf_counter()
     try:
-        opts = batch.parse(argv)
-        p = batch.make_pipeline(opts)
-        batch.build(p, opts)
-        result = p.run()
-        result.wait_until_finish()
-        if getattr(result, "client", None) is not None:
-            result.client.close()
-        wall = time.perf_counter() - started
+        summary, _ = batch.execute(batch.parse(argv))
+        summary["wall"] = time.perf_counter() - started
     finally:
         if cluster is not None:
             cluster.close()
-    summary = batch.read_run_summary(opts)
-    summary["wall"] = wall
     return summary
 
 
@@ -105,13 +98,15 @@ def main() -> None:
     parser.add_argument("--bad-fraction", type=float, default=0.02)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--runners", default="fnapi,dask", help="comma list of fnapi, dask")
+    parser.add_argument("--only-days", type=int, default=None, help="process only the first N dates of the fleet")
     parser.add_argument("--work", default="/tmp/strag-bench", help="folder for the lake and the outputs")
     args = parser.parse_args()
+    batch.quiet_logs()
 
     work = pathlib.Path(args.work)
     lake = work / f"lake-{args.days}x{args.jobs_per_day}-s{args.seed}"
     _generate(lake, args.days, args.jobs_per_day, args.seed, args.bad_fraction, args.workers)
-    dates = sorted({job.date for job in list_jobs(str(lake))})
+    dates = sorted({job.date for job in list_jobs(str(lake))})[: args.only_days]
     print(f"lake: {len(dates)} dates {dates[0]}..{dates[-1]}; machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
 
     outputs = {}

@@ -2,12 +2,13 @@
 
     strag batch --lake URL --from YYYY-MM-DD --to YYYY-MM-DD --out URL
                 [--runner FnApiRunner|DaskRunner|PortableRunner|FlinkRunner|SparkRunner|DataflowRunner]
-                [--workers N] [--dask-address HOST:PORT] [beam pipeline options ...]
+                [--workers N] [--dask-address HOST:PORT] [--dask-partitions N] [beam pipeline options ...]
 
 Wiring only (each step is one composite PTransform from transforms/):
 
-    MatchJobs ─► ValidateTraces ─┬─valid──► AnalyzeJobs ─┬─┬─────────────────► CommitTables (single terminal step)
-                                 └─invalid (quarantined)─┘ └─► AggregateFleet ─┘  (+ fleet rollups as a finalizer)
+    MatchJobs ─► AnalyzeJobs ─┬────────────────────► CommitTables (single terminal step)
+    (listing,    (per window: └─► AggregateFleet ──┘  (+ fleet rollups as a finalizer)
+     manifests)   read, validate, engine)
 
 Runners:
 - FnApiRunner (default): Beam's embedded runner, named explicitly (the plain DirectRunner of
@@ -18,7 +19,9 @@ Runners:
   leaf of the graph, has no metrics, and Beam's parquet IO does not work on it; this
   pipeline ends in one terminal step (the commit), does its own IO with pyarrow + fsspec in
   DoFns, and carries its counts and timings in its elements. `build` refuses a graph with a
-  second terminal step.
+  second terminal step. Its GroupByKey is a task shuffle whose cost grows with the square
+  of the partitions, so windows are dealt into --dask-partitions (default 4 x --workers)
+  partitions of equal bytes rather than one partition each.
 - Portable runners (Flink, Spark, Dataflow): pass their options through (see README).
 
 URLs: local folders, file://, s3:// (credentials only from the environment or fsspec
@@ -31,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -45,10 +49,10 @@ from schemas.tables import BATCH_TABLES, RUNS_DIR
 from transforms.analyze import AnalyzeJobs
 from transforms.commit import CommitConfig, CommitTables
 from transforms.fleet import AggregateFleet, fleet_rollup_tables
+from transforms.lake import list_jobs
 from transforms.match import MatchJobs, date_range
-from transforms.validate import ValidateTraces
 
-__all__ = ["BatchOptions", "BatchUsageError", "parse", "pipeline_options", "make_pipeline", "build", "run", "check_single_terminal_step", "read_run_summary", "beam_counters", "RUNNERS"]
+__all__ = ["BatchOptions", "BatchUsageError", "parse", "pipeline_options", "dask_chunk", "make_pipeline", "build", "execute", "run", "quiet_logs", "check_single_terminal_step", "read_run_summary", "beam_counters", "RUNNERS"]
 
 DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
 RUNNERS = ("FnApiRunner", "DaskRunner", "PortableRunner", "FlinkRunner", "SparkRunner", "DataflowRunner")
@@ -75,6 +79,7 @@ class BatchOptions:
     workers: int = 2
     running_mode: str = "multi_processing"
     dask_address: str | None = None
+    dask_partitions: int = 0
     run_id: str = ""
     beam_args: tuple[str, ...] = ()
     quiet: bool = False
@@ -101,6 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--running-mode", choices=_RUNNING_MODES, default=None,
                         help="FnApiRunner mode (default multi_processing; memory:// URLs need in_memory)")
     parser.add_argument("--dask-address", default=None, help="dask.distributed scheduler address (DaskRunner); default: start a local cluster")
+    parser.add_argument("--dask-partitions", type=int, default=None,
+                        help="DaskRunner: deal the windows into this many partitions of equal bytes (default 4 x --workers)")
     parser.add_argument("--quiet", action="store_true", help="print only the final summary line")
     return parser
 
@@ -133,15 +140,17 @@ def parse(argv: list[str]) -> BatchOptions:
             raise BatchUsageError(f"{in_memory[0]}: memory:// lives inside one process; --running-mode {args.running_mode} "
                                   "starts worker processes that cannot see it; use --running-mode in_memory or a folder")
         running_mode = "in_memory"
-    if args.dask_address and runner != "DaskRunner":
-        raise BatchUsageError("--dask-address only applies to --runner DaskRunner")
+    if (args.dask_address or args.dask_partitions is not None) and runner != "DaskRunner":
+        raise BatchUsageError("--dask-address and --dask-partitions only apply to --runner DaskRunner")
+    if args.dask_partitions is not None and args.dask_partitions < 1:
+        raise BatchUsageError(f"--dask-partitions {args.dask_partitions}: need at least 1")
     lake, out = args.lake.rstrip("/"), args.out.rstrip("/")
     _check_lake(lake)
     if out == lake:
         raise BatchUsageError(f"--out {out} is the lake itself; write the tables to their own folder or prefix")
     run_id = f"{args.date_from}_{args.date_to}_{uuid.uuid4().hex[:12]}"
     return BatchOptions(lake, args.date_from, args.date_to, out, runner, args.workers, running_mode, args.dask_address,
-                        run_id, tuple(beam_args), args.quiet)
+                        args.dask_partitions or 4 * args.workers, run_id, tuple(beam_args), args.quiet)
 
 
 def _check_lake(lake: str) -> None:
@@ -156,8 +165,19 @@ def _check_lake(lake: str) -> None:
                               + (" (memory:// is per process)" if _memory(lake) else ""))
 
 
-def pipeline_options(opts: BatchOptions) -> PipelineOptions:
-    """Beam PipelineOptions for the chosen runner, plus the pass-through arguments."""
+def dask_chunk(opts: BatchOptions, windows: int) -> int | None:
+    """Windows per Dask partition (None: not the DaskRunner, or the user set Beam's own
+    --dask_npartitions / --dask_partition_size)."""
+    if opts.runner != "DaskRunner" or any(a.startswith(("--dask_npartitions", "--dask_partition_size")) for a in opts.beam_args):
+        return None
+    return max(1, math.ceil(windows / opts.dask_partitions))
+
+
+def pipeline_options(opts: BatchOptions, windows: int = 0) -> PipelineOptions:
+    """Beam PipelineOptions for the chosen runner, plus the pass-through arguments.
+
+    windows: how many job windows the run has (sizes the DaskRunner's partitions).
+    """
     args = list(opts.beam_args)
     if not any(a.startswith("--default_sdk_harness_log_level") for a in args):
         args.append("--default_sdk_harness_log_level=WARNING")  # workers' INFO lines drown the progress output
@@ -167,19 +187,19 @@ def pipeline_options(opts: BatchOptions) -> PipelineOptions:
         args += [f"--runner={DASK_RUNNER}"]
         if opts.dask_address:
             args.append(f"--dask_client_address={opts.dask_address}")
-        if not any(a.startswith(("--dask_npartitions", "--dask_partition_size")) for a in args):
-            # one job window per Dask partition: the scheduler balances windows of any size
-            args.append("--dask_partition_size=1")
+        chunk = dask_chunk(opts, windows)
+        if chunk is not None:
+            args.append(f"--dask_partition_size={chunk}")
     else:
         args.append(f"--runner={opts.runner}")
     return PipelineOptions(args)
 
 
-def make_pipeline(opts: BatchOptions) -> beam.Pipeline:
-    """A Beam Pipeline for `opts`. For the FnApiRunner the runner object is made here, so its
-    worker processes get the harness log level (by name, they would start with no options
-    and log every gRPC step at INFO)."""
-    options = pipeline_options(opts)
+def make_pipeline(opts: BatchOptions, windows: int = 0) -> beam.Pipeline:
+    """A Beam Pipeline for `opts` (windows: the run's job windows, see pipeline_options). For
+    the FnApiRunner the runner object is made here, so its worker processes get the harness
+    log level (by name, they would start with no options and log every gRPC step at INFO)."""
+    options = pipeline_options(opts, windows)
     if opts.runner != "FnApiRunner":
         return beam.Pipeline(options=options)
     from apache_beam.portability.api import beam_provision_api_pb2
@@ -196,17 +216,17 @@ def make_pipeline(opts: BatchOptions) -> beam.Pipeline:
 def build(p: beam.Pipeline, opts: BatchOptions, jobs=None):
     """Wire the batch pipeline on `p`; returns the PCollection of the run summary (one dict).
 
-    jobs: an already made lake listing for the range (None: MatchJobs lists).
+    jobs: an already made lake listing for the range (None: listed here).
     """
-    windows = p | "MatchJobs" >> MatchJobs(opts.lake, opts.date_from, opts.date_to, jobs)
-    validated = windows | "ValidateTraces" >> ValidateTraces()
-    outcomes = validated["valid"] | "AnalyzeJobs" >> AnalyzeJobs()
-    windows = (outcomes, validated["invalid"]) | "AllWindows" >> beam.Flatten()
+    if jobs is None:
+        jobs = list_jobs(opts.lake, opts.date_from, opts.date_to)
+    windows = p | "MatchJobs" >> MatchJobs(opts.lake, opts.date_from, opts.date_to, jobs, chunk=dask_chunk(opts, len(jobs)))
+    outcomes = windows | "AnalyzeJobs" >> AnalyzeJobs()
     # daily fleet tables + their CombineFn states; the commit rebuilds the rollups from every date's state
-    fleet = windows | "AggregateFleet" >> AggregateFleet()
+    fleet = outcomes | "AggregateFleet" >> AggregateFleet()
     config = CommitConfig(opts.out, opts.dates, opts.run_id, tables={**BATCH_TABLES, **FLEET_TABLE_SPECS},
                           finalizers=(fleet_rollup_tables,))
-    summary = (windows, fleet) | "CommitTables" >> CommitTables(config)
+    summary = (outcomes, fleet) | "CommitTables" >> CommitTables(config)
     check_single_terminal_step(p)
     return summary
 
@@ -226,6 +246,13 @@ def check_single_terminal_step(p: beam.Pipeline) -> None:
     if len(terminal) > 1:
         raise ValueError(f"the batch graph has {len(terminal)} terminal steps {terminal}: the DaskRunner executes only the "
                          "last one; route every output into CommitTables")
+
+
+def quiet_logs() -> None:
+    """Keep Beam's, GX's and Dask's INFO chatter out of the progress output."""
+    logging.getLogger().setLevel(logging.WARNING)
+    for noisy in ("great_expectations", "apache_beam", "distributed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def _start_local_dask(workers: int):
@@ -272,6 +299,23 @@ def _print_summary(opts: BatchOptions, summary: dict, counters: dict[str, int], 
     print(f"  run record: {opts.out}/{RUNS_DIR}/{opts.run_id}.json")
 
 
+def execute(opts: BatchOptions, jobs=None) -> tuple[dict, dict[str, int]]:
+    """Build and run the pipeline for parsed options; wait for it. Returns (run summary, Beam
+    counters: empty on runners without metrics). jobs: a lake listing already made, or None."""
+    if jobs is None:
+        jobs = list_jobs(opts.lake, opts.date_from, opts.date_to)
+    p = make_pipeline(opts, len(jobs))
+    build(p, opts, jobs)
+    result = p.run()
+    try:
+        result.wait_until_finish()
+    finally:
+        client = getattr(result, "client", None)  # the Dask runner's client: close before its cluster goes
+        if client is not None:
+            client.close()
+    return read_run_summary(opts), beam_counters(result)
+
+
 def run(argv: list[str]) -> int:
     """Parse, build and run; print a summary. Returns 0 on success, 2 on a usage error."""
     try:
@@ -279,33 +323,20 @@ def run(argv: list[str]) -> int:
     except BatchUsageError as error:
         print(f"strag batch: {error}", file=sys.stderr)
         return 2
-    logging.getLogger().setLevel(logging.WARNING)
-    for noisy in ("great_expectations", "apache_beam", "distributed"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    quiet_logs()
     cluster = None
     if opts.runner == "DaskRunner" and not opts.dask_address:
         cluster = _start_local_dask(opts.workers)
         opts = dataclasses.replace(opts, dask_address=cluster.scheduler_address)
     started = time.perf_counter()
     try:
-        from transforms.lake import list_jobs
-
         jobs = list_jobs(opts.lake, opts.date_from, opts.date_to)
         if not opts.quiet:
             mode = f", {opts.workers} {opts.running_mode.replace('_', '-')} workers" if opts.runner == "FnApiRunner" else ""
             print(f"strag batch: {len(jobs)} job windows in {opts.lake} for {opts.date_from}..{opts.date_to}; "
                   f"running on {opts.runner}{mode}", flush=True)
-        p = make_pipeline(opts)
-        build(p, opts, jobs)
-        result = p.run()
-        try:
-            result.wait_until_finish()
-        finally:
-            client = getattr(result, "client", None)
-            if client is not None:
-                client.close()
-        summary = read_run_summary(opts)
-        _print_summary(opts, summary, beam_counters(result), time.perf_counter() - started)
+        summary, counters = execute(opts, jobs)
+        _print_summary(opts, summary, counters, time.perf_counter() - started)
     finally:
         if cluster is not None:
             cluster.close()

@@ -27,7 +27,6 @@ from schemas.fleet import FLEET_TABLE_SPECS
 from schemas.tables import BATCH_TABLES, PART_FILE, read_table
 from transforms.analyze import job_meta
 from transforms.commit import CRASH_ENV, parquet_bytes
-from transforms.elements import ArrowElementCoder
 from transforms.lake import list_jobs, read_manifest, read_trace_files
 from transforms.whatif import analyze_job
 
@@ -41,14 +40,7 @@ def _argv(lake: str, out: str, *extra: str) -> list[str]:
 
 def _run(argv: list[str]) -> tuple[dict, dict]:
     """Run the pipeline in this process; return (run summary, Beam counters)."""
-    opts = batch.parse(argv)
-    p = batch.make_pipeline(opts)
-    batch.build(p, opts)
-    result = p.run()
-    result.wait_until_finish()
-    if getattr(result, "client", None) is not None:
-        result.client.close()
-    return batch.read_run_summary(opts), batch.beam_counters(result)
+    return batch.execute(batch.parse(argv))
 
 
 def _table_files(root: pathlib.Path) -> dict[str, bytes]:
@@ -210,15 +202,9 @@ def test_s3_lake_and_output_give_identical_tables(lake, fnapi_run, moto_s3):
     assert read_table(out, "job_summary").num_rows == read_table(str(fnapi_run[0]), "job_summary").num_rows
 
 
-def test_memory_urls_run_in_process_and_give_identical_tables(lake, fnapi_run, monkeypatch):
-    """Also checks, since this run is in-process, that no element holding op rows is ever
-    serialised: validation and analysis of a window are fused on one worker."""
+def test_memory_urls_run_in_process_and_give_identical_tables(lake, fnapi_run):
     import fsspec
 
-    encoded, estimated = [], []
-    encode, estimate = ArrowElementCoder.encode, ArrowElementCoder.estimate_size
-    monkeypatch.setattr(ArrowElementCoder, "encode", lambda self, value: encoded.append(type(value).__name__) or encode(self, value))
-    monkeypatch.setattr(ArrowElementCoder, "estimate_size", lambda self, value: estimated.append(type(value).__name__) or estimate(self, value))
     memory = fsspec.filesystem("memory")
     lake_url, out_url = "memory://batch-test/lake", "memory://batch-test/out"
     memory.put(lake[0], "/batch-test/lake", recursive=True)
@@ -229,8 +215,6 @@ def test_memory_urls_run_in_process_and_give_identical_tables(lake, fnapi_run, m
         published = {p[len("/batch-test/out/"):]: memory.cat_file(p) for p in memory.find("/batch-test/out")
                      if p.endswith(".parquet") and "/_" not in p}
         _same_tables_elsewhere(published, fnapi_run[0], lake_url, lake[0])
-        assert "ValidatedJob" in estimated  # our coder is the one Beam holds for op-row elements ...
-        assert "ValidatedJob" not in encoded  # ... and it never had to serialise one
     finally:
         memory.rm("/batch-test", recursive=True)
 

@@ -17,10 +17,10 @@ from transforms.analyze import analyze_window, result_tables
 from transforms.commit import conform_rows
 from transforms.elements import ArrowElementCoder, JobOutcome, JobStats, MatchedJob, ValidatedJob
 from transforms.lake import LakeJob, list_jobs, write_job
-from transforms.match import MatchJobs, date_range, match_windows
+from transforms.match import MatchJobs, balanced_order, date_range, match_windows
 from transforms.synth.faults import Cause
 from transforms.synth.job import JobSpec, generate_job
-from transforms.validate import UNEXPECTED_ERROR, guarded_pardo, quarantine_rows, validate_job_window
+from transforms.validate import UNEXPECTED_ERROR, ValidateTraces, guarded_pardo, quarantine_rows, validate_job_window
 from transforms.whatif import TraceStructureError, analyze_job
 
 DATE = "2024-05-01"
@@ -129,6 +129,28 @@ def test_unexpected_errors_quarantine_the_window_not_the_run(lake, validator):
         reasons = failed | beam.Map(lambda o: (o.job_id, o.stats.status, o.tables["coverage"].column("reason_code")[0].as_py(),
                                                 "disk on fire" in o.tables["quarantine"].column("detail")[0].as_py()))
         assert_that(reasons, equal_to([("clean", "quarantined", UNEXPECTED_ERROR, True)]), label="CheckFailed")
+
+
+def test_validate_traces_splits_valid_and_quarantined_windows(lake, validator):
+    clean = _job(lake, "clean")
+    orphan = LakeJob(clean.lake, clean.date, "orphan", clean.trace_files, None)
+    matched = match_windows([_job(lake, "slow"), clean, orphan], validator)
+    with beam.Pipeline(options=PipelineOptions(runner="FnApiRunner")) as p:
+        checked = p | beam.Create(matched) | ValidateTraces()
+        valid = checked["valid"] | "Valid" >> beam.Map(lambda v: (v.job.job_id, v.trace.num_rows > 0, v.problem))
+        invalid = checked["invalid"] | "Invalid" >> beam.Map(lambda o: (o.job_id, o.stats.status, o.stats.reason_code))
+        assert_that(valid, equal_to([("slow", True, None), ("clean", True, None)]), label="CheckValid")
+        assert_that(invalid, equal_to([("orphan", "quarantined", "missing_manifest")]), label="CheckInvalid")
+
+
+def test_balanced_order_deals_equal_bytes_into_each_chunk():
+    weights = [100, 1, 1, 1, 50, 50, 2, 3, 90, 10, 40, 60]
+    order = balanced_order(weights, 4)
+    assert sorted(order) == list(range(len(weights)))
+    totals = [sum(weights[i] for i in order[k:k + 4]) for k in range(0, len(weights), 4)]
+    naive = [sum(weights[k:k + 4]) for k in range(0, len(weights), 4)]  # [103, 105, 200]
+    assert max(totals) - min(totals) < 0.2 * sum(weights) / 3 < max(naive) - min(naive), totals
+    assert balanced_order([5, 1], 4) == [0, 1]
 
 
 def test_match_jobs_lists_each_window_once(lake):

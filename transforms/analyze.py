@@ -1,12 +1,14 @@
-"""AnalyzeJobs: run the what-if engine on each validated job window and emit its result tables.
+"""AnalyzeJobs: read, validate and analyse each job window on one worker; emit its result tables.
 
-In: PCollection[ValidatedJob] (ValidateTraces' `valid` output, on the worker that read the
-files). Out: PCollection[JobOutcome]: per window, Arrow tables for job_summary,
-step_slowdown, worker_attribution, dp/stage/optype_attribution, coverage and quarantine
-(schemas/tables.py, without the `date` partition key).
+In: PCollection[MatchedJob] (MatchJobs: a window's files and its validated manifest). Out:
+PCollection[JobOutcome]: per window, Arrow tables for job_summary, step_slowdown,
+worker_attribution, dp/stage/optype_attribution, job_cause, coverage and quarantine
+(schemas/tables.py and schemas/fleet.py, without the `date` partition key).
 
-- The job window is the unit of parallelism: one element = one window, analysed where its
-  files were read; only these small result tables are shuffled afterwards.
+- The job window is the unit of parallelism: the worker that gets a window reads its
+  trace files itself, validates them (transforms/validate.py: GX suites + structural
+  checks) and runs the engine; only the small result tables are shuffled afterwards.
+- Validation problems quarantine rows, files or the whole window (see validate.py).
 - A typed engine error (transforms/whatif/errors.py: bad structure, missing peer, cycle,
   too few steps, ...) quarantines that window with the error's reason code; an unexpected
   exception is caught by `with_exception_handling()` and quarantines it as
@@ -34,14 +36,22 @@ from schemas.tables import (
     STEP_SLOWDOWN_SCHEMA,
     WORKER_ATTRIBUTION_SCHEMA,
 )
-from transforms.elements import JobOutcome, JobProblem, ValidatedJob
-from transforms.validate import count_quarantine, coverage_row, guarded_pardo, quarantined_outcome
+from transforms.elements import JobOutcome, JobProblem, MatchedJob, ValidatedJob
+from transforms.validate import (
+    count_quarantine,
+    coverage_row,
+    guarded_pardo,
+    quarantined_outcome,
+    validate_job_window,
+    worker_validator,
+)
 from transforms.whatif.errors import WhatIfError
 from transforms.whatif.result import DISCREPANCY_LIMIT, JobMeta, WhatIfResult
 
 __all__ = [
     "AnalyzeJobs",
     "analyze_window",
+    "analyze_matched_window",
     "job_meta",
     "gpu_hours",
     "result_tables",
@@ -229,17 +239,33 @@ def analyze_window(validated: ValidatedJob, engine) -> JobOutcome:
     return JobOutcome(job.job_id, job.date, tables, stats, extra={"result": result})
 
 
-class _AnalyzeFn(beam.DoFn):
-    """ValidatedJob -> JobOutcome with the engine imported once per worker."""
+def analyze_matched_window(matched: MatchedJob, validator, engine) -> JobOutcome:
+    """One job window from files to outcome on this worker: read and validate its trace files
+    (transforms/validate.py), then run the engine unless validation quarantined it whole."""
+    validated = validate_job_window(matched, validator)
+    count_quarantine(validated.quarantine)
+    if validated.problem is not None:
+        return quarantined_outcome(validated.job, validated.problem, validated.quarantine, validated.stats, validated.manifest)
+    return analyze_window(validated, engine)
+
+
+class _AnalyzeJobFn(beam.DoFn):
+    """MatchedJob -> JobOutcome: read, validate and analyse one window in one call.
+
+    One DoFn rather than two fused steps: the DaskRunner materialises each ParDo's whole
+    output per partition before the next step runs, so a separate validation step would
+    hold the op rows of every window of a partition in memory at once.
+    """
 
     def setup(self):
         # the what-if analysis plus the root-cause verdict (job_cause table), one compile per job
         from transforms.whatif.causes import analyze_and_classify
 
+        self._validator = worker_validator()
         self._engine = analyze_and_classify
 
-    def process(self, validated: ValidatedJob) -> Iterator[JobOutcome]:
-        outcome = analyze_window(validated, self._engine)
+    def process(self, matched: MatchedJob) -> Iterator[JobOutcome]:
+        outcome = analyze_matched_window(matched, self._validator, self._engine)
         beam.metrics.Metrics.counter("strag.jobs", outcome.stats.status).inc()
         beam.metrics.Metrics.counter("strag.ops", "analysed").inc(outcome.stats.ops)
         yield outcome
@@ -252,9 +278,9 @@ def _outcomes(element) -> Iterator[JobOutcome]:
 
 
 class AnalyzeJobs(beam.PTransform):
-    """PCollection[ValidatedJob] -> PCollection[JobOutcome] (analysed, discarded or quarantined)."""
+    """PCollection[MatchedJob] -> PCollection[JobOutcome] (analysed, discarded or quarantined), one per window."""
 
-    def expand(self, validated):
-        results, failed = guarded_pardo(validated, "AnalyzeJob", _AnalyzeFn())
+    def expand(self, matched):
+        results, failed = guarded_pardo(matched, "AnalyzeJob", _AnalyzeJobFn())
         analysed = results | "KeepOutcomes" >> beam.FlatMap(_outcomes).with_output_types(JobOutcome)
         return (analysed, failed) | "MergeOutcomes" >> beam.Flatten()

@@ -19,11 +19,12 @@ import datetime as dt
 import time
 
 import apache_beam as beam
+import fsspec
 
 from transforms.elements import MatchedJob
 from transforms.lake import LakeJob, list_jobs, read_manifests
 
-__all__ = ["MatchJobs", "date_range", "match_windows"]
+__all__ = ["MatchJobs", "date_range", "match_windows", "trace_bytes", "balanced_order"]
 
 
 def date_range(date_from: str, date_to: str) -> tuple[str, ...]:
@@ -54,21 +55,59 @@ def match_windows(jobs: list[LakeJob], validator=None) -> list[MatchedJob]:
     return out
 
 
+def trace_bytes(jobs: list[LakeJob]) -> list[int]:
+    """Bytes of each window's trace files, from one detailed listing per date folder (the
+    cost of a window's analysis grows with its op rows, hence with its bytes)."""
+    sizes: dict[str, int] = {}
+    folders = sorted({path.rsplit("/", 2)[0] for job in jobs for path in job.trace_files})
+    fs = None
+    for folder in folders:
+        fs, root = fsspec.core.url_to_fs(folder)
+        sizes.update({path: int(info.get("size") or 0) for path, info in fs.find(root, detail=True).items()})
+    return [sum(sizes.get(fs._strip_protocol(path), 0) for path in job.trace_files) if fs else 0 for job in jobs]
+
+
+def balanced_order(weights: list[int], chunk: int) -> list[int]:
+    """Indices ordering items so that consecutive chunks of `chunk` items have near-equal total weight.
+
+    Largest first, each to the lightest chunk that has room (chunks have exactly the sizes
+    a `chunk`-sized split of the sequence gives). Deterministic (ties by index).
+    """
+    n = len(weights)
+    if chunk < 1 or n <= chunk:
+        return list(range(n))
+    capacities = [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
+    bins: list[list[int]] = [[] for _ in capacities]
+    totals = [0] * len(capacities)
+    for index in sorted(range(n), key=lambda i: (-weights[i], i)):
+        target = min((b for b in range(len(bins)) if len(bins[b]) < capacities[b]), key=lambda b: (totals[b], b))
+        bins[target].append(index)
+        totals[target] += weights[index]
+    return [index for members in bins for index in members]
+
+
 class MatchJobs(beam.PTransform):
     """PBegin -> PCollection[MatchedJob] of the lake's job windows dated date_from..date_to.
 
     jobs: an already made listing (the CLI lists once to print what it found); None lists now.
+    chunk: when the runner splits the windows into consecutive chunks of this many (the
+    DaskRunner's partitions), order them so every chunk carries about the same bytes.
     """
 
-    def __init__(self, lake: str, date_from: str, date_to: str, jobs: list[LakeJob] | None = None):
+    def __init__(self, lake: str, date_from: str, date_to: str, jobs: list[LakeJob] | None = None, chunk: int | None = None):
         super().__init__()
         date_range(date_from, date_to)  # fail at graph build, not on a worker
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"MatchJobs: chunk must be >= 1, got {chunk}")
         self._lake, self._date_from, self._date_to = lake, date_from, date_to
-        self._jobs = jobs
+        self._jobs, self._chunk = jobs, chunk
 
     def expand(self, root):
         jobs = self._jobs if self._jobs is not None else list_jobs(self._lake, self._date_from, self._date_to)
         outside = [j for j in jobs if not self._date_from <= j.date <= self._date_to]
         if outside:
             raise ValueError(f"MatchJobs: job windows outside {self._date_from}..{self._date_to}: {[(j.date, j.job_id) for j in outside[:3]]}")
-        return root | "ListJobWindows" >> beam.Create(match_windows(list(jobs))).with_output_types(MatchedJob)
+        jobs = list(jobs)
+        if self._chunk is not None:
+            jobs = [jobs[i] for i in balanced_order(trace_bytes(jobs), self._chunk)]
+        return root | "ListJobWindows" >> beam.Create(match_windows(jobs)).with_output_types(MatchedJob)

@@ -1,18 +1,22 @@
-"""ValidateTraces: read one job window's files on the worker and check them against the lake contract.
+"""Validation of one job window's trace files against the lake contract, on the worker.
 
-In: PCollection[MatchedJob] (MatchJobs: the window's files and its validated manifest). Out: named outputs
-- `valid`: PCollection[ValidatedJob] with the valid op rows, ready for the engine on the
-  same worker (the step is fused with AnalyzeJobs, op rows never cross a process);
+`validate_job_window` (plain function) reads a window's trace files and checks them with
+the Great Expectations suites and structural checks of schemas/expectations.py (the
+Validator is built once per worker thread in `setup()`); AnalyzeJobs calls it in the same
+DoFn that runs the engine, so op rows never leave the worker that read them.
+`ValidateTraces` is the same step as a composite of its own, for pipelines that only
+validate: PCollection[MatchedJob] -> named outputs
+- `valid`: PCollection[ValidatedJob] with the valid op rows;
 - `invalid`: PCollection[JobOutcome] of windows quarantined whole (coverage + quarantine rows).
 
-Rules (reason codes and their checks live in schemas/expectations.py, Great Expectations
-suites plus structural checks; the Validator is built once per worker in `setup()`):
+Rules (reason codes live in schemas/expectations.py):
 - rejected rows go to the quarantine table one row each, and the window goes on with the
   valid rest (the engine then decides whether the rest is still a complete trace);
 - a rejected file is one quarantine row;
 - a window with a job-level problem (no manifest, unreadable or invalid manifest, no trace
   files, missing workers or steps), or a row problem whose rows cannot be removed (the same
-  op in two files), is quarantined whole;
+  op in two files), is quarantined whole; coverage names the most basic reason (a file
+  missing a column before the workers it then lacks);
 - anything unexpected (a bug, a storage error) is caught by `with_exception_handling()` and
   quarantines that window with reason `unexpected_error`, never the run.
 Every quarantine row bumps the Beam counter `strag.quarantine/<reason_code>`.
@@ -42,6 +46,7 @@ __all__ = [
     "unexpected_error_outcome",
     "dead_letters",
     "guarded_pardo",
+    "worker_validator",
     "count_quarantine",
     "UNEXPECTED_ERROR",
 ]
@@ -228,7 +233,7 @@ def unexpected_error_outcome(element: Any, error: tuple) -> JobOutcome:
 _VALIDATORS = threading.local()
 
 
-def _worker_validator() -> Validator:
+def worker_validator() -> Validator:
     """One Validator per worker thread, kept across DoFn instances: the DaskRunner calls
     setup() once per partition (= per job window here), and a GX context costs seconds."""
     validator = getattr(_VALIDATORS, "validator", None)
@@ -241,7 +246,7 @@ class _ValidateFn(beam.DoFn):
     """MatchedJob -> ValidatedJob; the GX context is built once per worker."""
 
     def setup(self):
-        self._validator = _worker_validator()
+        self._validator = worker_validator()
 
     def process(self, matched: MatchedJob) -> Iterator[ValidatedJob]:
         validated = validate_job_window(matched, self._validator)
