@@ -48,7 +48,7 @@ def _generate(lake: pathlib.Path, days: int, jobs_per_day: int, seed: int, bad_f
 
 def _run(lake: pathlib.Path, out: pathlib.Path, date_from: str, date_to: str, runner: str, workers: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    argv = ["--lake", str(lake), "--from", date_from, "--to", date_to, "--out", str(out), "--workers", str(workers)]
+    argv = ["--lake", str(lake), "--from", date_from, "--to", date_to, "--out", str(out), "--workers", str(workers), "--quiet"]
     cluster = None
     if runner == "dask":
         from distributed import LocalCluster

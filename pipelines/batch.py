@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dask-address", default=None, help="dask.distributed scheduler address (DaskRunner); default: start a local cluster")
     parser.add_argument("--dask-partitions", type=int, default=None,
                         help="DaskRunner: deal the windows into this many partitions of equal bytes (default 4 x --workers)")
-    parser.add_argument("--quiet", action="store_true", help="print only the final summary line")
+    parser.add_argument("--quiet", action="store_true", help="no line per job window; only the final summary line")
     return parser
 
 
@@ -221,7 +221,7 @@ def build(p: beam.Pipeline, opts: BatchOptions, jobs=None):
     if jobs is None:
         jobs = list_jobs(opts.lake, opts.date_from, opts.date_to)
     windows = p | "MatchJobs" >> MatchJobs(opts.lake, opts.date_from, opts.date_to, jobs, chunk=dask_chunk(opts, len(jobs)))
-    outcomes = windows | "AnalyzeJobs" >> AnalyzeJobs()
+    outcomes = windows | "AnalyzeJobs" >> AnalyzeJobs(progress=not opts.quiet)
     # daily fleet tables + their CombineFn states; the commit rebuilds the rollups from every date's state
     fleet = outcomes | "AggregateFleet" >> AggregateFleet()
     config = CommitConfig(opts.out, opts.dates, opts.run_id, tables={**BATCH_TABLES, **FLEET_TABLE_SPECS},

@@ -20,6 +20,7 @@ worker_attribution, dp/stage/optype_attribution, job_cause, coverage and quarant
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Any, Iterator
 
@@ -52,6 +53,7 @@ __all__ = [
     "AnalyzeJobs",
     "analyze_window",
     "analyze_matched_window",
+    "progress_line",
     "job_meta",
     "gpu_hours",
     "result_tables",
@@ -257,6 +259,10 @@ class _AnalyzeJobFn(beam.DoFn):
     hold the op rows of every window of a partition in memory at once.
     """
 
+    def __init__(self, progress: bool = False):
+        super().__init__()
+        self._progress = progress
+
     def setup(self):
         # the what-if analysis plus the root-cause verdict (job_cause table), one compile per job
         from transforms.whatif.causes import analyze_and_classify
@@ -268,7 +274,19 @@ class _AnalyzeJobFn(beam.DoFn):
         outcome = analyze_matched_window(matched, self._validator, self._engine)
         beam.metrics.Metrics.counter("strag.jobs", outcome.stats.status).inc()
         beam.metrics.Metrics.counter("strag.ops", "analysed").inc(outcome.stats.ops)
+        if self._progress:
+            print(progress_line(outcome), file=sys.stderr, flush=True)
         yield outcome
+
+
+def progress_line(outcome: JobOutcome) -> str:
+    """One line per finished window for people watching a long run (worker stderr)."""
+    stats = outcome.stats
+    summary = outcome.tables.get("job_summary")
+    slowdown = f", S {summary.column('slowdown')[0].as_py():.3f}" if summary is not None and summary.num_rows else ""
+    reason = f" ({stats.reason_code})" if stats.reason_code else ""
+    return (f"  {outcome.date} {outcome.job_id}: {stats.status}{reason}{slowdown}, {stats.ops:,} ops, "
+            f"{sum(stats.seconds.values()):.1f} s")
 
 
 def _outcomes(element) -> Iterator[JobOutcome]:
@@ -278,9 +296,16 @@ def _outcomes(element) -> Iterator[JobOutcome]:
 
 
 class AnalyzeJobs(beam.PTransform):
-    """PCollection[MatchedJob] -> PCollection[JobOutcome] (analysed, discarded or quarantined), one per window."""
+    """PCollection[MatchedJob] -> PCollection[JobOutcome] (analysed, discarded or quarantined), one per window.
+
+    progress: print one line per finished window on the worker's stderr.
+    """
+
+    def __init__(self, progress: bool = False):
+        super().__init__()
+        self._progress = progress
 
     def expand(self, matched):
-        results, failed = guarded_pardo(matched, "AnalyzeJob", _AnalyzeJobFn())
+        results, failed = guarded_pardo(matched, "AnalyzeJob", _AnalyzeJobFn(self._progress))
         analysed = results | "KeepOutcomes" >> beam.FlatMap(_outcomes).with_output_types(JobOutcome)
         return (analysed, failed) | "MergeOutcomes" >> beam.Flatten()

@@ -42,7 +42,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from schemas.tables import BATCH_TABLES, PART_FILE, RUNS_DIR, STAGING_DIR, TableSpec, partition_path
-from transforms.elements import PHASES, JobOutcome, JobStats, TableFragment
+from transforms.elements import PHASES, JobOutcome, JobStats
 
 __all__ = [
     "CommitConfig",
