@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -536,6 +537,13 @@ def _row_detail(table: pa.Table, reason: str) -> pa.Array:
     return pc.binary_join_element_wise(*parts, "")
 
 
+# GX is not thread-safe: its suite-parameter grammar (pyparsing) learns each parse action's
+# arity on first use, and two threads doing that at once corrupt it for the rest of the
+# process (every later run fails with "push_first() missing 1 required positional argument").
+# Beam runs bundles on several threads of one worker process, so every GX call takes this lock.
+_GX_LOCK = threading.RLock()
+
+
 class Validator:
     """Validates trace files and jobs against the lake contract. Build once per worker.
 
@@ -558,6 +566,10 @@ class Validator:
             analytics_enabled=False,   # no network from pipeline workers
             progress_bars=ProgressBarsConfig(globally=False),
         )
+        with _GX_LOCK:
+            self._build(gx, config)
+
+    def _build(self, gx, config) -> None:
         context = gx.get_context(mode="ephemeral", project_config=config)
         source = context.data_sources.add_pandas(name="lake")
         trace_batch = source.add_dataframe_asset(name="trace").add_batch_definition_whole_dataframe("job")
@@ -578,12 +590,13 @@ class Validator:
 
     def _failures(self, definition: str, frame, parameters: Mapping[str, Any], where: str) -> list[tuple[str, Any, np.ndarray]]:
         """Run one suite; (reason, expectation config, failing row positions) per failed expectation."""
-        result = self._definitions[definition].run(
-            batch_parameters={"dataframe": frame},
-            expectation_parameters=dict(parameters),
-            result_format={"result_format": "COMPLETE", "partial_unexpected_count": 0,
-                           "return_unexpected_index_query": False},
-        )
+        with _GX_LOCK:
+            result = self._definitions[definition].run(
+                batch_parameters={"dataframe": frame},
+                expectation_parameters=dict(parameters),
+                result_format={"result_format": "COMPLETE", "partial_unexpected_count": 0,
+                               "return_unexpected_index_query": False},
+            )
         failures = []
         for item in result.results:
             info = item.exception_info or {}

@@ -257,3 +257,39 @@ def test_suite_json_files_match_the_code():
     for name, document in ex.suite_documents().items():
         assert json.loads((folder / name).read_text()) == json.loads(json.dumps(document)), (
             f"schemas/{name} is stale: run .venv/bin/python -c 'from schemas.expectations import write_suite_files; write_suite_files()'")
+
+
+def test_gx_runs_never_overlap_across_threads(validator, job, monkeypatch):
+    """Beam runs bundles on several threads of a worker; GX must never run twice at once
+    (its parameter grammar is corrupted for the whole process when two threads first parse together)."""
+    import threading
+
+    import great_expectations as gx
+
+    trace, manifest = job
+    inside, overlapped = threading.Semaphore(0), []
+    held_open = threading.Event()   # never set: keeps each run open 0.5 s so an unserialised second thread would enter
+    original = gx.ValidationDefinition.run
+
+    def watched_run(self, *args, **kwargs):
+        if inside.acquire(blocking=False):   # another thread is inside right now
+            overlapped.append(threading.current_thread().name)
+            inside.release()
+        inside.release()
+        held_open.wait(timeout=0.5)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            inside.acquire()
+
+    monkeypatch.setattr(gx.ValidationDefinition, "run", watched_run)
+    other = ex.Validator()
+    reports = []
+    threads = [threading.Thread(target=lambda v=v: reports.append(v.validate_job("job-a", manifest, [(PATH, trace)])))
+               for v in (validator, other)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not overlapped, f"GX ran concurrently in {overlapped}"
+    assert len(reports) == 2 and all(report.ok for report in reports)
