@@ -175,6 +175,7 @@ def render_page(
 <html lang="en">
 <head>
 <meta charset="utf-8">
+<link rel="icon" href="data:,">
 <title>{html.escape(title)}</title>
 <style>{_STYLE}</style>
 {script}

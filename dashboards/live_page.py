@@ -156,7 +156,7 @@ def live_index_page(results: pa.Table, alerts: pa.Table, job_href) -> str:
                     f"<td>{html.escape(_text(latest['verdict']))}</td><td>{count}</td></tr>")
     body = "\n".join(rows) or "<tr><td colspan=5>no session analysed yet</td></tr>"
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="5"><title>strag live</title></head>
+<html lang="en"><head><meta charset="utf-8"><link rel="icon" href="data:,"><meta http-equiv="refresh" content="5"><title>strag live</title></head>
 <body><h1>strag live monitor</h1>
 <table class="data"><tr><th>job</th><th>latest session</th><th>S</th><th>verdict</th><th>alerts</th></tr>
 {body}
