@@ -218,8 +218,7 @@ QUARANTINE_SCHEMA = _schema(
         pa.field("level", pa.string(), nullable=False),            # QUARANTINE_LEVELS
         pa.field("reason_code", pa.string(), nullable=False),      # stable, machine-readable
         pa.field("reason", pa.string(), nullable=False),           # human: what is wrong and what to do
-        pa.field("detail", pa.string(), nullable=True),            # values, op, step, worker, exception text
-        pa.field("row_index", pa.int64(), nullable=True),          # 0-based row in source_path (level = row)
+        pa.field("detail", pa.string(), nullable=True),            # the op (type, seq, step, worker) and value, or the error
         pa.field("rows", pa.int64(), nullable=True),               # rows affected (level = file / job)
     ],
 )
@@ -232,7 +231,7 @@ _SPECS = (
     TableSpec("stage_attribution", STAGE_ATTRIBUTION_SCHEMA, ("job_id", "stage", "step")),
     TableSpec("optype_attribution", OPTYPE_ATTRIBUTION_SCHEMA, ("job_id", "optype", "step")),
     TableSpec("coverage", COVERAGE_SCHEMA, ("job_id",)),
-    TableSpec("quarantine", QUARANTINE_SCHEMA, ("job_id", "source_path", "row_index", "level", "reason_code")),
+    TableSpec("quarantine", QUARANTINE_SCHEMA, ("job_id", "source_path", "level", "reason_code")),
 )
 # Name -> spec of every table the batch pipeline writes per job window.
 BATCH_TABLES: dict[str, TableSpec] = {spec.name: spec for spec in _SPECS}

@@ -222,7 +222,7 @@ def analyze_window(validated: ValidatedJob, engine) -> JobOutcome:
         reason += "; fix the trace writer."
         record = pa.Table.from_pylist(
             [{"job_id": job.job_id, "source_path": path, "level": "job", "reason_code": error.reason, "reason": reason,
-              "detail": str(error), "row_index": None, "rows": stats.ops}],
+              "detail": str(error), "rows": stats.ops}],
             schema=QUARANTINE_SCHEMA,
         )
         count_quarantine(record)

@@ -102,7 +102,6 @@ def quarantine_rows(job: LakeJob, problems: list[Problem], invalid: pa.Table | N
                 "reason_code": codes,
                 "reason": [REASONS.get(code, ("row", code))[1] for code in codes],
                 "detail": invalid.column("detail").to_pylist(),
-                "row_index": pa.nulls(n, pa.int64()),
                 "rows": pa.nulls(n, pa.int64()),
             },
             schema=QUARANTINE_SCHEMA,
@@ -115,7 +114,6 @@ def quarantine_rows(job: LakeJob, problems: list[Problem], invalid: pa.Table | N
             "reason_code": p.reason,
             "reason": REASONS[p.reason][1] if p.reason in REASONS else p.reason,
             "detail": p.detail,
-            "row_index": None,
             "rows": p.rows,
         }
         for p in problems
@@ -222,7 +220,7 @@ def unexpected_error_outcome(element: Any, error: tuple) -> JobOutcome:
     problem = JobProblem(UNEXPECTED_ERROR, _UNEXPECTED_REASON, detail, _window_path(job))
     record = pa.Table.from_pylist(
         [{"job_id": job.job_id, "source_path": _window_path(job), "level": "job", "reason_code": UNEXPECTED_ERROR,
-          "reason": _UNEXPECTED_REASON, "detail": detail, "row_index": None, "rows": stats.rows_read}],
+          "reason": _UNEXPECTED_REASON, "detail": detail, "rows": stats.rows_read}],
         schema=QUARANTINE_SCHEMA,
     )
     if isinstance(element, ValidatedJob):
