@@ -93,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="strag batch",
         description="Validate and analyse every job window of a date range; write Hive-partitioned parquet tables "
-                    f"({', '.join(BATCH_TABLES)}) under --out, replacing exactly the range's date partitions.",
+                    f"({', '.join(BATCH_TABLES)}, job_cause and the fleet_* tables) under --out, replacing exactly "
+                    "the range's date partitions.",
         epilog="Any other --option is passed to Apache Beam (e.g. --flink_master, --environment_type, --setup_file).",
     )
     parser.add_argument("--lake", required=True, help="lake URL: folder, file://, s3://bucket/prefix (memory:// in-process only)")
@@ -102,7 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="output URL for the tables (folder, file://, s3://...)")
     parser.add_argument("--runner", default="FnApiRunner", help=f"Beam runner: {', '.join(RUNNERS)} (default FnApiRunner)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                        help="worker processes: FnApiRunner processes, or the local Dask cluster's (default: cores)")
+                        help="worker processes: FnApiRunner processes, or the local Dask cluster's; with --dask-address "
+                             "the cluster's worker count, to size its partitions (default: cores)")
     parser.add_argument("--running-mode", choices=_RUNNING_MODES, default=None,
                         help="FnApiRunner mode (default multi_processing; memory:// URLs need in_memory)")
     parser.add_argument("--dask-address", default=None, help="dask.distributed scheduler address (DaskRunner); default: start a local cluster")
