@@ -72,5 +72,6 @@ def write_batch_lake(lake: str) -> list[ExpectedWindow]:
         expected.append(ExpectedWindow(spec.job_id, date, None if kind in row_level else "quarantined",
                                        badinput.EXPECTED_REASON[kind]))
     listed = {(j.date, j.job_id) for j in list_jobs(lake, DATES[0], DATES[-1])}
-    assert listed == {(e.date, e.job_id) for e in expected}, "test lake: listing differs from what was written"
+    if listed != {(e.date, e.job_id) for e in expected}:
+        raise RuntimeError(f"test lake at {lake}: the listing {sorted(listed)} differs from what was written")
     return expected
