@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -63,7 +64,9 @@ __all__ = [
     "trace_suite",
     "trace_suite_parameters",
     "trace_suite_without_manifest",
+    "trace_screen_suite",
     "manifest_suite",
+    "JobFiles",
     "check_trace_columns",
     "conform_trace",
     "manifest_problems",
@@ -186,6 +189,7 @@ class ValidationReport:
     valid: pa.Table
     invalid: pa.Table
     problems: list[Problem]
+    seconds: float = 0.0   # validation time spent on it (validate_jobs)
 
     @property
     def ok(self) -> bool:
@@ -214,6 +218,23 @@ class ValidationReport:
         return "\n".join(f"[{p.reason}] {p.detail}" for p in self.problems)
 
 
+@dataclasses.dataclass(frozen=True)
+class JobFiles:
+    """One job window to validate (Validator.validate_jobs).
+
+    files: (source path, table as read) per trace file, or (path, exception) for a file
+    that could not be read. manifest: the window's valid manifest row or None;
+    manifest_path: where it is (None = the window has none); manifest_issues: problems
+    already found with it.
+    """
+
+    job_id: str
+    manifest: Mapping[str, Any] | None
+    files: Sequence[tuple[str, pa.Table | BaseException]]
+    manifest_path: str | None = None
+    manifest_issues: Sequence[Problem] = ()
+
+
 # ---------------------------------------------------------------------------
 # Great Expectations suites
 
@@ -228,11 +249,21 @@ def _null_expectations():
     ]
 
 
-def _value_expectations(with_manifest: bool, parameters: Mapping[str, Any] | None):
+# Manifest-dependent bounds: parameter name -> the column carrying it in the screen's witness frame.
+_BOUNDS = ("dp_rank_max", "stage_max", "rank_max", "mc_max", "gmc_max", "mb_id_max")
+WINDOW_JOB_ID = "window_job_id"   # witness frame: the job the row's window belongs to
+WINDOW = "window"                 # witness frame: index of the row's window in the screened group
+
+
+def _value_expectations(with_manifest: bool, parameters: Mapping[str, Any] | None, *, bound_columns: bool = False):
     """Value rules in priority order (a row failing several gets the first one's reason).
 
     With `parameters` None, manifest-dependent bounds are GX runtime parameters
-    ({"$PARAMETER": name}); otherwise they are the given values.
+    ({"$PARAMETER": name}); otherwise they are the given values. With bound_columns the
+    bounds are columns of the frame instead (the screen's form, where rows of windows of
+    different jobs meet in one run): `x <= bound` becomes a pair expectation
+    bound >= x, `job_id in job_ids` becomes job_id == window_job_id, and the uniqueness
+    key gains the window.
     """
     import great_expectations.expectations as gxe
 
@@ -240,31 +271,42 @@ def _value_expectations(with_manifest: bool, parameters: Mapping[str, Any] | Non
         return {"$PARAMETER": name} if parameters is None else parameters[name]
 
     def between(column: str, reason: str, low, high=None):
-        return gxe.ExpectColumnValuesToBeBetween(column=column, min_value=low, max_value=high, meta={"reason": reason})
+        if bound_columns and isinstance(high, dict):   # a manifest bound: the frame's column of that name
+            return [gxe.ExpectColumnValuesToBeBetween(column=column, min_value=low, meta={"reason": reason}),
+                    gxe.ExpectColumnPairValuesAToBeGreaterThanB(column_A=high["$PARAMETER"], column_B=column,
+                                                                or_equal=True, meta={"reason": reason})]
+        return [gxe.ExpectColumnValuesToBeBetween(column=column, min_value=low, max_value=high, meta={"reason": reason})]
 
+    if bound_columns:
+        same_job = gxe.ExpectColumnPairValuesToBeEqual(column_A="job_id", column_B=WINDOW_JOB_ID,
+                                                       meta={"reason": JOB_ID_MISMATCH})
+    else:
+        same_job = gxe.ExpectColumnValuesToBeInSet(column="job_id", value_set=bound("job_ids"),
+                                                   meta={"reason": JOB_ID_MISMATCH})
     items = [
-        between("start_ts", NON_FINITE_TIME, -_FLOAT_MAX, _FLOAT_MAX),
-        between("duration", NON_FINITE_TIME, -_FLOAT_MAX, _FLOAT_MAX),
-        between("duration", NEGATIVE_DURATION, 0),
+        *between("start_ts", NON_FINITE_TIME, -_FLOAT_MAX, _FLOAT_MAX),
+        *between("duration", NON_FINITE_TIME, -_FLOAT_MAX, _FLOAT_MAX),
+        *between("duration", NEGATIVE_DURATION, 0),
         gxe.ExpectColumnValuesToBeInSet(column="optype", value_set=list(OPTYPES), meta={"reason": UNKNOWN_OPTYPE}),
-        gxe.ExpectColumnValuesToBeInSet(column="job_id", value_set=bound("job_ids"), meta={"reason": JOB_ID_MISMATCH}),
+        same_job,
     ]
     if with_manifest:
         items += [
-            between("dp_rank", RANK_OUT_OF_RANGE, 0, bound("dp_rank_max")),
-            between("stage", RANK_OUT_OF_RANGE, 0, bound("stage_max")),
-            between("rank", RANK_OUT_OF_RANGE, 0, bound("rank_max")),
-            between("mc", INDEX_OUT_OF_RANGE, -1, bound("mc_max")),
-            between("gmc", INDEX_OUT_OF_RANGE, -1, bound("gmc_max")),
-            between("mb_id", INDEX_OUT_OF_RANGE, -1, bound("mb_id_max")),
+            *between("dp_rank", RANK_OUT_OF_RANGE, 0, bound("dp_rank_max")),
+            *between("stage", RANK_OUT_OF_RANGE, 0, bound("stage_max")),
+            *between("rank", RANK_OUT_OF_RANGE, 0, bound("rank_max")),
+            *between("mc", INDEX_OUT_OF_RANGE, -1, bound("mc_max")),
+            *between("gmc", INDEX_OUT_OF_RANGE, -1, bound("gmc_max")),
+            *between("mb_id", INDEX_OUT_OF_RANGE, -1, bound("mb_id_max")),
         ]
     else:
-        items += [between(column, RANK_OUT_OF_RANGE, 0) for column in ("dp_rank", "stage", "rank")]
-        items += [between(column, INDEX_OUT_OF_RANGE, -1) for column in ("mc", "gmc", "mb_id")]
+        items += [item for column in ("dp_rank", "stage", "rank") for item in between(column, RANK_OUT_OF_RANGE, 0)]
+        items += [item for column in ("mc", "gmc", "mb_id") for item in between(column, INDEX_OUT_OF_RANGE, -1)]
+    key = [WINDOW, *_UNIQUE_KEY] if bound_columns else list(_UNIQUE_KEY)
     items += [
-        between("step", INDEX_OUT_OF_RANGE, 0),
-        between("seq_id", INDEX_OUT_OF_RANGE, 0),
-        gxe.ExpectCompoundColumnsToBeUnique(column_list=list(_UNIQUE_KEY), meta={"reason": DUPLICATE_ROW}),
+        *between("step", INDEX_OUT_OF_RANGE, 0),
+        *between("seq_id", INDEX_OUT_OF_RANGE, 0),
+        gxe.ExpectCompoundColumnsToBeUnique(column_list=key, meta={"reason": DUPLICATE_ROW}),
     ]
     return items
 
@@ -305,6 +347,19 @@ def trace_suite_without_manifest(name: str = "trace_without_manifest"):
     import great_expectations as gx
 
     return gx.ExpectationSuite(name=name, expectations=_null_expectations() + _value_expectations(False, None))
+
+
+def trace_screen_suite(name: str = "trace_screen"):
+    """GX ExpectationSuite the screen runs over witness rows of several job windows at once.
+
+    The trace suite's value rules with the manifest's bounds as columns of the frame
+    (`<column>_max`, `window_job_id`) and the window index in the uniqueness key, so one
+    run checks windows of different jobs. Nulls are not in it: Arrow counts them exactly,
+    and a window holding any goes to the row-level suites.
+    """
+    import great_expectations as gx
+
+    return gx.ExpectationSuite(name=name, expectations=_value_expectations(True, None, bound_columns=True))
 
 
 def manifest_suite(name: str = "manifest"):
@@ -537,6 +592,22 @@ def _row_detail(table: pa.Table, reason: str) -> pa.Array:
     return pc.binary_join_element_wise(*parts, "")
 
 
+def _gx_exception(info) -> str | None:
+    """The message of an exception GX caught while running an expectation, or None.
+
+    GX reports it either flat ({"raised_exception": True, "exception_message": ...}) or,
+    when a metric failed, nested per metric ({metric id: {... same keys ...}}).
+    """
+    if not isinstance(info, Mapping):
+        return None
+    if info.get("raised_exception"):
+        return str(info.get("exception_message"))
+    for value in info.values():
+        if isinstance(value, Mapping) and value.get("raised_exception"):
+            return str(value.get("exception_message"))
+    return None
+
+
 # GX is not thread-safe: its suite-parameter grammar (pyparsing) learns each parse action's
 # arity on first use, and two threads doing that at once corrupt it for the rest of the
 # process (every later run fails with "push_first() missing 1 required positional argument").
@@ -573,12 +644,14 @@ class Validator:
         context = gx.get_context(mode="ephemeral", project_config=config)
         source = context.data_sources.add_pandas(name="lake")
         trace_batch = source.add_dataframe_asset(name="trace").add_batch_definition_whole_dataframe("job")
+        witness_batch = source.add_dataframe_asset(name="witness").add_batch_definition_whole_dataframe("windows")
         manifest_batch = source.add_dataframe_asset(name="manifest").add_batch_definition_whole_dataframe("rows")
         suites = {
             # nulls are checked by GX only when Arrow reports some (null counts are exact and free)
             "trace_nulls": (trace_batch, _null_expectations()),
             "trace_values": (trace_batch, _value_expectations(True, None)),
             "trace_values_without_manifest": (trace_batch, _value_expectations(False, None)),
+            "trace_screen": (witness_batch, trace_screen_suite().expectations),
             "manifest": (manifest_batch, manifest_suite().expectations),
         }
         self._definitions = {}
@@ -599,10 +672,9 @@ class Validator:
             )
         failures = []
         for item in result.results:
-            info = item.exception_info or {}
-            if info.get("raised_exception"):
-                raise RuntimeError(f"{where}: expectation {item.expectation_config.type} could not run: "
-                                   f"{info.get('exception_message')}")
+            error = _gx_exception(item.exception_info)
+            if error is not None:
+                raise RuntimeError(f"{where}: expectation {item.expectation_config.type} could not run: {error}")
             if not item.success:
                 indices = np.asarray(item.result.get("unexpected_index_list") or [], dtype=np.int64)
                 failures.append((item.expectation_config.meta["reason"], item.expectation_config, indices))
@@ -662,79 +734,101 @@ class Validator:
         manifest: the job's valid manifest row (dict), or None (then the rules needing
         the parallelism are reduced to lower bounds). Returns valid rows (TRACE_SCHEMA),
         invalid rows with reasons, and problems (file-level rejection, or one summary per
-        row reason). For a job of several files prefer validate_job: one GX run for all.
+        row reason). Always runs the row-level suites; for whole jobs prefer
+        validate_job / validate_jobs.
         """
         job_id = manifest["job_id"] if manifest else parse_partition(source_path or "").get("job_id")
-        valid, invalid, problems = self._validate_rows(job_id, manifest, [(source_path, table)])
-        return ValidationReport(job_id, valid, invalid, problems)
+        problems, paths, tables = _conform_files(job_id, [(source_path, table)])
+        valid, invalid, row_problems = self._check_rows(job_id, manifest, paths, tables)
+        return ValidationReport(job_id, valid, invalid, problems + row_problems)
 
     def validate_job(self, job_id: str, manifest: Mapping[str, Any] | None,
                      files: Sequence[tuple[str, pa.Table | BaseException]], *,
                      manifest_path: str | None = None, manifest_issues: Sequence[Problem] = ()) -> ValidationReport:
-        """Validate a whole job: its files' rows (one GX run) and the job-level rules.
+        """Validate a whole job: its files' rows and the job-level rules (validate_jobs of one window)."""
+        return self.validate_jobs([JobFiles(job_id, manifest, tuple(files), manifest_path, tuple(manifest_issues))])[0]
 
-        files: (source path, table as read) per trace file, or (path, exception) for a
-        file that could not be read. manifest: the job's valid manifest row or None;
-        manifest_path: where it is (None = the job has none); manifest_issues: problems
-        already found with it. Job rules: a manifest exists, the job has trace files,
+    def validate_jobs(self, jobs: Sequence[JobFiles], *, screen: bool = True) -> list[ValidationReport]:
+        """Validate job windows, each against its own manifest; one report per window, in order.
+
+        Rows: schema checks per file; then one GX screen run over witness rows of all the
+        windows (see `witness_rows`); a window the screen clears has no failing row, one
+        it does not goes through the row-level suites (one GX run over all its rows, which
+        names every failing row). Job rules: a manifest exists, the job has trace files,
         every manifest worker has valid rows, every worker has every step another has.
+        Each report's `seconds` is the time spent on its window (the screen run shared
+        in proportion to rows). screen=False sends every window through the row-level suites
+        (same reports, slower: the baseline of benchmarks/bench_validation.py).
         """
-        problems = list(manifest_issues)
-        readable = []
-        for path, content in files:
-            if isinstance(content, BaseException):
-                problems += self.unreadable(path, content, job_id).problems
+        conformed, spent = [], []
+        for job in jobs:
+            started = time.perf_counter()
+            conformed.append(_conform_files(job.job_id, [(path, content) for path, content in job.files
+                                                         if not isinstance(content, BaseException)]))
+            spent.append(time.perf_counter() - started)
+        clean, screen_seconds = self._screen(jobs, [tables for _, _, tables in conformed]) if screen else (set(), 0.0)
+        rows = np.array([sum(t.num_rows for t in tables) for _, _, tables in conformed], dtype=np.float64)
+        share = rows / rows.sum() if rows.sum() else np.full(len(jobs), 1.0 / max(1, len(jobs)))
+        reports = []
+        for index, (job, (problems, paths, tables)) in enumerate(zip(jobs, conformed)):
+            window_started = time.perf_counter()
+            problems = [*job.manifest_issues, *(p for path, content in job.files if isinstance(content, BaseException)
+                                                for p in self.unreadable(path, content, job.job_id).problems), *problems]
+            if index in clean:
+                valid, invalid, row_problems = _concat(tables), INVALID_ROW_SCHEMA.empty_table(), []
             else:
-                readable.append((path, content))
-        valid, invalid, row_problems = self._validate_rows(job_id, manifest, readable)
-        problems += row_problems
-        where = f"job {job_id}"
-        if manifest is None and manifest_path is None:
-            problems.append(Problem(MISSING_MANIFEST, job_id, None,
-                                    f"{where}: trace files {[p for p, _ in files][:2]} have no manifest for "
-                                    f"their date; write manifests/date=.../{job_id}.parquet"))
-        if not files:
-            problems.append(Problem(NO_TRACE_FILES, job_id, manifest_path,
-                                    f"{where}: manifest {manifest_path} has no trace files beside it"))
-            return ValidationReport(job_id, valid, invalid, problems)
-        if manifest is not None:
-            expected = {(w["dp_rank"], w["stage"]) for w in manifest["workers"]}
-            missing = sorted(expected - _workers_present(valid))
-            if missing:
-                problems.append(Problem(MISSING_WORKERS, job_id, manifest_path,
-                                        f"{where}: {len(missing)} of {len(expected)} workers have no valid rows: "
-                                        f"(dp_rank, stage) {missing[:8]}{' ...' if len(missing) > 8 else ''}"))
-        gaps = _missing_steps(valid)
-        if gaps:
-            count, example = gaps
-            problems.append(Problem(MISSING_STEPS, job_id, None,
-                                    f"{where}: {count} (worker, step) pair(s) missing although other workers "
-                                    f"have those steps; e.g. {example}"))
-        return ValidationReport(job_id, valid, invalid, problems)
+                valid, invalid, row_problems = self._check_rows(job.job_id, job.manifest, paths, tables)
+            report = _job_report(job, valid, invalid, problems + row_problems)
+            report.seconds = spent[index] + screen_seconds * float(share[index]) + time.perf_counter() - window_started
+            reports.append(report)
+        return reports
 
-    def _validate_rows(self, job_id: str | None, manifest: Mapping[str, Any] | None,
-                       files: Sequence[tuple[str | None, pa.Table]]) -> tuple[pa.Table, pa.Table, list[Problem]]:
-        """Schema checks per file, then the row rules over all conforming files at once."""
+    def _screen(self, jobs: Sequence[JobFiles], tables: Sequence[list[pa.Table]]) -> tuple[set[int], float]:
+        """Indices of the windows proven to have no failing row, and the seconds it took.
+
+        Screened: windows with a manifest, rows, no null or NaN, every row of their job and
+        no rank disagreeing with the manifest (a window failing one of those plain facts
+        goes to the row-level suites directly). One GX run of the screen suite over the
+        witness rows of all of them, BOOLEAN_ONLY; when it fails, a COMPLETE run over the
+        same small frame says which windows to send to the row-level suites.
+        """
+        import pandas as pd
+
+        started = time.perf_counter()
+        candidates, frames = [], []
+        for index, (job, parts) in enumerate(zip(jobs, tables)):
+            if job.manifest is None or not parts:
+                continue
+            trace = _concat(parts)
+            rows = witness_rows(trace, job.job_id, job.manifest)
+            if rows is None:
+                continue
+            candidates.append(index)
+            frames.append(_witness_frame(trace.select(TRACE_REQUIRED).take(pa.array(rows)), len(candidates) - 1, job.job_id, job.manifest))
+        if not candidates:
+            return set(), time.perf_counter() - started
+        frame = pd.concat(frames, ignore_index=True)
+        where = f"screen of jobs {[jobs[i].job_id for i in candidates][:3]}{' ...' if len(candidates) > 3 else ''}"
+        with _GX_LOCK:
+            result = self._definitions["trace_screen"].run(batch_parameters={"dataframe": frame},
+                                                           result_format={"result_format": "BOOLEAN_ONLY"})
+        failed: set[int] = set()
+        if not result.success:
+            window = frame[WINDOW].to_numpy()
+            for _, _, indices in self._failures("trace_screen", frame, {}, where):
+                failed.update(window[indices].tolist())
+        return {candidates[c] for c in range(len(candidates)) if c not in failed}, time.perf_counter() - started
+
+    def _check_rows(self, job_id: str | None, manifest: Mapping[str, Any] | None, paths: list[str | None],
+                    tables: list[pa.Table]) -> tuple[pa.Table, pa.Table, list[Problem]]:
+        """The row-level suites over all conforming files of a window at once: valid rows,
+        rejected rows with their reasons, one problem per (reason, file)."""
         problems: list[Problem] = []
-        paths, tables = [], []
-        for path, table in files:
-            issues = check_trace_columns(table.schema, job_id, path)
-            if not issues:
-                try:
-                    table = conform_trace(table, job_id=job_id, source_path=path, strict=False)
-                except TraceContractError as error:
-                    issues = [Problem(error.reason, job_id, path, str(error))]
-            if issues:
-                problems += [dataclasses.replace(p, rows=table.num_rows) for p in issues]
-            elif table.num_rows:
-                paths.append(path)
-                tables.append(table)
         if not tables:
             return TRACE_SCHEMA.empty_table(), INVALID_ROW_SCHEMA.empty_table(), problems
-        trace = pa.concat_tables(tables)
+        trace = _concat(tables)
         offsets = np.cumsum([0] + [t.num_rows for t in tables])
         where = f"job {job_id}, files {paths[:2]}{' ...' if len(paths) > 2 else ''}"
-
         if manifest:
             definition, parameters = "trace_values", trace_suite_parameters(manifest)
         else:
@@ -772,6 +866,138 @@ class Validator:
         valid = _known_optypes_only(trace.filter(pa.array(~bad)))
         source = np.array(paths, dtype=object)[file_of_row]
         return valid, _invalid_rows(trace, row_reason, bad, source), problems
+
+
+def _concat(tables: Sequence[pa.Table]) -> pa.Table:
+    return pa.concat_tables(tables) if tables else TRACE_SCHEMA.empty_table()
+
+
+def _conform_files(job_id: str | None, files: Sequence[tuple[str | None, pa.Table]]
+                   ) -> tuple[list[Problem], list[str | None], list[pa.Table]]:
+    """Schema checks and cast to TRACE_SCHEMA per file: (file problems, paths and tables of
+    the conforming files that have rows)."""
+    problems: list[Problem] = []
+    paths, tables = [], []
+    for path, table in files:
+        issues = check_trace_columns(table.schema, job_id, path)
+        if not issues:
+            try:
+                table = conform_trace(table, job_id=job_id, source_path=path, strict=False)
+            except TraceContractError as error:
+                issues = [Problem(error.reason, job_id, path, str(error))]
+        if issues:
+            problems += [dataclasses.replace(p, rows=table.num_rows) for p in issues]
+        elif table.num_rows:
+            paths.append(path)
+            tables.append(table)
+    return problems, paths, tables
+
+
+def _job_report(job: JobFiles, valid: pa.Table, invalid: pa.Table, problems: list[Problem]) -> ValidationReport:
+    """Add the job-level problems (no manifest, no files, missing workers or steps) to a window's rows."""
+    job_id, where = job.job_id, f"job {job.job_id}"
+    if job.manifest is None and job.manifest_path is None:
+        problems.append(Problem(MISSING_MANIFEST, job_id, None,
+                                f"{where}: trace files {[p for p, _ in job.files][:2]} have no manifest for "
+                                f"their date; write manifests/date=.../{job_id}.parquet"))
+    if not job.files:
+        problems.append(Problem(NO_TRACE_FILES, job_id, job.manifest_path,
+                                f"{where}: manifest {job.manifest_path} has no trace files beside it"))
+        return ValidationReport(job_id, valid, invalid, problems)
+    grid = _worker_step_grid(valid) if valid.num_rows else None
+    if job.manifest is not None:
+        expected = {(w["dp_rank"], w["stage"]) for w in job.manifest["workers"]}
+        missing = sorted(expected - _workers_present(grid))
+        if missing:
+            problems.append(Problem(MISSING_WORKERS, job_id, job.manifest_path,
+                                    f"{where}: {len(missing)} of {len(expected)} workers have no valid rows: "
+                                    f"(dp_rank, stage) {missing[:8]}{' ...' if len(missing) > 8 else ''}"))
+    gaps = _missing_steps(grid)
+    if gaps:
+        count, example = gaps
+        problems.append(Problem(MISSING_STEPS, job_id, None,
+                                f"{where}: {count} (worker, step) pair(s) missing although other workers "
+                                f"have those steps; e.g. {example}"))
+    return ValidationReport(job_id, valid, invalid, problems)
+
+
+# Columns whose rules are ranges: a range rule holds on every row iff it holds on the rows of the min and max.
+_RANGE_COLUMNS = ("start_ts", "duration", "dp_rank", "stage", "rank", "mc", "gmc", "mb_id", "step", "seq_id")
+
+
+def witness_rows(trace: pa.Table, job_id: str, manifest: Mapping[str, Any]) -> np.ndarray | None:
+    """Rows of a window (TRACE_SCHEMA) on which each value rule of the trace suite fails iff
+    it fails on some row of the window; None when a plain fact already fails the window.
+
+    The witnesses: per range column the rows of its minimum and maximum (a range rule
+    holds everywhere iff it holds there), one row per distinct optype (set rule), every
+    row whose (step, worker, optype, seq_id) key occurs more than once (uniqueness; found
+    by one sort of packed keys). None, so the row-level suites run, when the window holds
+    a null or NaN, an optype name outside OPTYPES, a job_id other than its own or a rank
+    other than the manifest's: those fail for sure and need every row named.
+    """
+    if trace.num_rows == 0 or _has_missing_values(trace):
+        return None
+    optype = trace["optype"]
+    if any(len(chunk.dictionary) != len(OPTYPES) for chunk in optype.chunks):
+        return None   # conform_trace appends unknown names to the OPTYPES dictionary
+    if not pc.all(pc.equal(trace["job_id"], job_id)).as_py() or _rank_mismatch(trace, manifest).size:
+        return None
+    picks = [0]
+    for name in _RANGE_COLUMNS:
+        values = trace[name].to_numpy()
+        picks += [int(np.argmin(values)), int(np.argmax(values))]
+    codes = np.concatenate([chunk.indices.to_numpy() for chunk in optype.chunks])
+    picks += [int(np.argmax(codes == code)) for code in np.flatnonzero(np.bincount(codes, minlength=len(OPTYPES)))]
+    key = [trace[name].to_numpy() for name in ("step", "dp_rank", "stage")] + [codes, trace["seq_id"].to_numpy()]
+    return np.unique(np.concatenate([np.asarray(picks, np.int64), _duplicate_rows(key)]))
+
+
+def _duplicate_rows(columns: Sequence[np.ndarray]) -> np.ndarray:
+    """Indices of the rows whose tuple of `columns` (integer arrays) occurs more than once."""
+    n = len(columns[0])
+    keys, span = np.zeros(n, np.int64), 1
+    for values in columns:
+        low, high = int(values.min()), int(values.max())
+        width = high - low + 1
+        if span * width >= 1 << 62:   # key space too wide to pack: sort the tuples instead
+            order = np.lexsort(columns[::-1])
+            same = np.ones(n - 1, dtype=bool)
+            for column in columns:
+                ordered = column[order]
+                same &= ordered[1:] == ordered[:-1]
+            repeated = np.zeros(n, dtype=bool)
+            repeated[1:] |= same
+            repeated[:-1] |= same
+            return np.sort(order[repeated])
+        keys = keys * width + (values.astype(np.int64) - low)
+        span *= width
+    ordered = np.sort(keys)
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    if repeated.size == 0:
+        return np.empty(0, np.int64)
+    return np.flatnonzero(np.isin(keys, repeated))
+
+
+def _witness_frame(rows: pa.Table, window: int, job_id: str, manifest: Mapping[str, Any]):
+    """pandas frame of a window's witness rows for the screen suite: the required columns
+    plus the window index, its job and the manifest's bounds as columns."""
+    import pandas as pd
+
+    n = rows.num_rows
+    data: dict[str, Any] = {}
+    for name in TRACE_REQUIRED:
+        column = rows[name]
+        if name in _STRING_COLUMNS:
+            data[name] = np.asarray(pc.cast(column, pa.string()).to_pylist(), dtype=object)
+        else:
+            data[name] = column.to_numpy().astype(np.int64 if name in _INT_COLUMNS else np.float64)
+    data[WINDOW] = np.full(n, window, np.int64)
+    data[WINDOW_JOB_ID] = np.full(n, job_id, dtype=object)
+    parameters = trace_suite_parameters(manifest)
+    for name in _BOUNDS:
+        data[name] = np.full(n, parameters[name], np.int64)
+    return pd.DataFrame(data)
 
 
 def _empty_report(job_id: str | None, problems: list[Problem]) -> ValidationReport:
@@ -819,30 +1045,46 @@ def _known_optypes_only(table: pa.Table) -> pa.Table:
     return table.set_column(table.schema.get_field_index("optype"), field, pa.chunked_array(chunks, field.type))
 
 
-def _worker_keys(table: pa.Table) -> np.ndarray:
+def _dense_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct sorted values, each value's index among them), by counting when the range
+    is narrow (O(n), no sort) and np.unique otherwise."""
+    values = values.astype(np.int64)
+    low, high = int(values.min()), int(values.max())
+    if high - low > 4 * values.size + 1024:
+        return np.unique(values, return_inverse=True)
+    present = np.zeros(high - low + 1, dtype=bool)
+    present[values - low] = True
+    index_of = np.cumsum(present) - 1
+    return np.flatnonzero(present) + low, index_of[values - low]
+
+
+def _worker_step_grid(table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(dp_rank and stage of each worker, steps, seen[worker, step]) of a non-empty table of valid rows."""
     dp = table["dp_rank"].to_numpy().astype(np.int64)
     stage = table["stage"].to_numpy().astype(np.int64)
-    return (dp << 16) | (stage & 0xFFFF)
-
-
-def _workers_present(table: pa.Table) -> set[tuple[int, int]]:
-    if table.num_rows == 0:
-        return set()
-    return {(int(k >> 16), int(k & 0xFFFF)) for k in np.unique(_worker_keys(table))}
-
-
-def _missing_steps(table: pa.Table) -> tuple[int, str] | None:
-    """(count, example) of (worker, step) pairs absent while the step exists for other workers."""
-    if table.num_rows == 0:
-        return None
-    workers, worker_index = np.unique(_worker_keys(table), return_inverse=True)
-    steps, step_index = np.unique(table["step"].to_numpy(), return_inverse=True)
+    width = int(stage.max()) + 1   # valid rows have stage >= 0
+    workers, worker_index = _dense_codes(dp * width + stage)
+    steps, step_index = _dense_codes(table["step"].to_numpy())
     seen = np.zeros((workers.size, steps.size), dtype=bool)
     seen[worker_index, step_index] = True
+    return workers // width, workers % width, steps, seen
+
+
+def _workers_present(grid) -> set[tuple[int, int]]:
+    if grid is None:
+        return set()
+    return set(zip(grid[0].tolist(), grid[1].tolist()))
+
+
+def _missing_steps(grid) -> tuple[int, str] | None:
+    """(count, example) of (worker, step) pairs absent while the step exists for other workers."""
+    if grid is None:
+        return None
+    dp, stage, steps, seen = grid
     if seen.all():
         return None
     w, s = np.nonzero(~seen)
-    examples = [f"worker (dp {int(workers[i] >> 16)}, stage {int(workers[i] & 0xFFFF)}) lacks step {int(steps[j])}"
+    examples = [f"worker (dp {int(dp[i])}, stage {int(stage[i])}) lacks step {int(steps[j])}"
                 for i, j in zip(w[:3], s[:3])]
     return int(w.size), "; ".join(examples)
 
@@ -853,12 +1095,12 @@ def _missing_steps(table: pa.Table) -> tuple[int, str] | None:
 #   .venv/bin/python -c 'from schemas.expectations import write_suite_files; write_suite_files()'
 # (a test keeps them in sync).
 
-SUITE_FILES = ("trace_suite.json", "trace_suite_without_manifest.json", "manifest_suite.json")
+SUITE_FILES = ("trace_suite.json", "trace_suite_without_manifest.json", "trace_screen_suite.json", "manifest_suite.json")
 
 
 def suite_documents() -> dict[str, dict]:
     """File name -> GX JSON of each suite (the trace suite in its parameterised form)."""
-    suites = (trace_suite(), trace_suite_without_manifest(), manifest_suite())
+    suites = (trace_suite(), trace_suite_without_manifest(), trace_screen_suite(), manifest_suite())
     return {name: suite.to_json_dict() for name, suite in zip(SUITE_FILES, suites)}
 
 

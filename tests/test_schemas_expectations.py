@@ -118,6 +118,98 @@ def test_row_rule_rejects_only_the_bad_rows(validator, job, column, value, reaso
     assert report.valid["optype"].chunk(0).dictionary.to_pylist() == list(OPTYPES)
 
 
+# faults of the middle window (job-m: dp 3, pp 2, 4 microbatches), below and above each range
+_CORRUPTIONS = [
+    ("duration", -0.002), ("duration", math.inf), ("start_ts", math.nan), ("optype", "forward-compute-fused"),
+    ("dp_rank", 3), ("stage", 2), ("stage", -1), ("rank", 99), ("rank", 5), ("mb_id", 4), ("mc", 3), ("gmc", -2),
+    ("gmc", 9), ("step", -3),
+    ("seq_id", -1), ("job_id", "job-b"), ("seq_id", None), ("duplicate", None),
+]
+
+
+def _windows(bad_column=None, value=None):
+    """Three windows of different jobs and sizes; the middle one (job-m) corrupted at two inner rows."""
+    windows = []
+    for job_id, dp, pp in (("job-a", 2, 3), ("job-m", 3, 2), ("job-z", 1, 4)):
+        trace, manifest = sample_job(job_id, dp=dp, pp=pp, steps=3, microbatches=4)
+        if job_id == "job-m" and bad_column == "duplicate":
+            trace = pa.concat_tables([trace, trace.slice(7, 1)])
+        elif job_id == "job-m" and bad_column is not None:
+            middle = trace.num_rows // 2   # rows that are not otherwise extremes of any column
+            trace = _set(trace, bad_column, [0, 1] if bad_column == "rank" else [middle, middle + 7], value)
+        path = PATH.replace("job-a", job_id)
+        windows.append(ex.JobFiles(job_id, manifest, [(path, trace.slice(0, 40)), (path.replace("00000", "00001"), trace.slice(40))],
+                                   f"m/{job_id}.parquet"))
+    return windows
+
+
+def _same_reports(left, right):
+    for a, b in zip(left, right, strict=True):
+        assert a.job_id == b.job_id and a.problems == b.problems
+        assert a.valid.equals(b.valid) and a.invalid.schema.equals(b.invalid.schema)
+        assert repr(a.invalid.to_pylist()) == repr(b.invalid.to_pylist())   # repr: NaN equals NaN
+
+
+@pytest.mark.parametrize(("column", "value"), _CORRUPTIONS)
+def test_screen_gives_the_row_level_verdict(validator, column, value):
+    """One GX screen run over witness rows of three windows decides exactly as the row-level
+    suites over every row: same valid rows, rejected rows and problems, whatever the fault."""
+    windows = _windows(column, value)
+    screened = validator.validate_jobs(windows)
+    _same_reports(screened, validator.validate_jobs(windows, screen=False))
+    assert [r.ok for r in screened] == [True, False, True]
+
+
+def test_clean_windows_skip_the_row_level_suites(validator, monkeypatch):
+    runs = []
+    original = ex.Validator._failures
+    monkeypatch.setattr(ex.Validator, "_failures", lambda self, name, *a: runs.append(name) or original(self, name, *a))
+    monkeypatch.setattr(ex.Validator, "_check_rows", lambda *a: pytest.fail("a clean window reached the row-level suites"))
+    reports = validator.validate_jobs(_windows())
+    assert all(r.ok for r in reports) and runs == []
+    assert all(r.seconds > 0 for r in reports)
+    assert reports[0].valid.num_rows == sample_job("job-a", dp=2, pp=3, steps=3, microbatches=4)[0].num_rows
+
+
+def test_screen_sends_only_the_failing_window_to_the_row_level_suites(validator, monkeypatch):
+    checked = []
+    original = ex.Validator._check_rows
+    monkeypatch.setattr(ex.Validator, "_check_rows", lambda self, job_id, *a: checked.append(job_id) or original(self, job_id, *a))
+    reports = validator.validate_jobs(_windows("duration", -1.0))
+    assert checked == ["job-m"] and [r.ok for r in reports] == [True, False, True]
+
+
+def test_witness_rows_hold_each_extreme_and_every_duplicate(job):
+    trace, manifest = job
+    rows = set(ex.witness_rows(trace, "job-a", manifest).tolist())
+    for name in ("start_ts", "duration", "step", "seq_id", "mb_id"):
+        values = trace[name].to_numpy()
+        assert values[sorted(rows)].min() == values.min() and values[sorted(rows)].max() == values.max()
+    assert {trace["optype"][i].as_py() for i in rows} == set(trace["optype"].to_pylist())
+    doubled = pa.concat_tables([trace, trace.slice(11, 2)])
+    rows = set(ex.witness_rows(doubled, "job-a", manifest).tolist())
+    assert {11, 12, trace.num_rows, trace.num_rows + 1} <= rows
+    # a fault a plain check already sees sends the window to the row-level suites
+    assert ex.witness_rows(_set(trace, "rank", [0], 5), "job-a", manifest) is None
+    assert ex.witness_rows(_set(trace, "job_id", [3], "job-b"), "job-a", manifest) is None
+
+
+def test_duplicate_rows_packed_and_sorted_paths_agree():
+    rng = np.random.default_rng(7)
+    narrow = [rng.integers(0, 5, 2000), rng.integers(0, 4, 2000), rng.integers(0, 50, 2000)]
+    wide = [narrow[0] * (1 << 40), narrow[1] * (1 << 40), narrow[2]]   # too wide to pack into 62 bits
+    expected = {i for i, key in enumerate(zip(*narrow)) if list(zip(*narrow)).count(key) > 1}
+    assert set(ex._duplicate_rows(narrow).tolist()) == expected
+    assert set(ex._duplicate_rows(wide).tolist()) == expected
+
+
+def test_an_expectation_that_cannot_run_is_an_error_not_a_pass(validator, job):
+    trace, manifest = job
+    frame = ex._frame_for_gx(trace, ex.TRACE_REQUIRED).drop(columns=["seq_id"])
+    with pytest.raises(RuntimeError, match="could not run"):
+        validator._failures("trace_values", frame, ex.trace_suite_parameters(manifest), "job job-a")
+
+
 def test_duplicate_rows_within_and_across_files(validator, job):
     trace, manifest = job
     doubled = pa.concat_tables([trace, trace.slice(5, 2)])
