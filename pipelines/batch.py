@@ -2,13 +2,14 @@
 
     strag batch --lake URL --from YYYY-MM-DD --to YYYY-MM-DD --out URL
                 [--runner FnApiRunner|DaskRunner|PortableRunner|FlinkRunner|SparkRunner|DataflowRunner]
-                [--workers N] [--dask-address HOST:PORT] [--dask-partitions N] [beam pipeline options ...]
+                [--workers N] [--group N] [--dask-address HOST:PORT] [--dask-partitions N] [beam pipeline options ...]
 
 Wiring only (each step is one composite PTransform from transforms/):
 
     MatchJobs ─► AnalyzeJobs ─┬────────────────────► CommitTables (single terminal step)
-    (listing,    (per window: └─► AggregateFleet ──┘  (+ fleet rollups as a finalizer)
-     manifests)   read, validate, engine)
+    (listing,    (per group of └─► AggregateFleet ──┘  (+ fleet rollups as a finalizer)
+     manifests,   windows: read, validate
+     groups)      with one GX screen run, engine per window)
 
 Runners:
 - FnApiRunner (default): Beam's embedded runner, named explicitly (the plain DirectRunner of
@@ -20,8 +21,12 @@ Runners:
   pipeline ends in one terminal step (the commit), does its own IO with pyarrow + fsspec in
   DoFns, and carries its counts and timings in its elements. `build` refuses a graph with a
   second terminal step. Its GroupByKey is a task shuffle whose cost grows with the square
-  of the partitions, so windows are dealt into --dask-partitions (default 4 x --workers)
-  partitions of equal bytes rather than one partition each.
+  of the partitions, so window groups are dealt into --dask-partitions (default 4 x
+  --workers) partitions of equal bytes rather than one partition each.
+
+Window groups (--group, default: up to 8, fewer when that would leave a worker fewer than
+4 groups): a worker validates a group's windows with one Great Expectations screen run,
+since GX's cost per run is mostly fixed; groups carry about equal bytes.
 - Portable runners (Flink, Spark, Dataflow): pass their options through (see README).
 
 URLs: local folders, file://, s3:// (credentials only from the environment or fsspec
@@ -52,7 +57,7 @@ from transforms.fleet import AggregateFleet, fleet_rollup_tables
 from transforms.lake import list_jobs
 from transforms.match import MatchJobs, date_range
 
-__all__ = ["BatchOptions", "BatchUsageError", "parse", "pipeline_options", "dask_chunk", "make_pipeline", "build", "execute", "run", "quiet_logs", "check_single_terminal_step", "read_run_summary", "beam_counters", "RUNNERS"]
+__all__ = ["BatchOptions", "BatchUsageError", "parse", "pipeline_options", "dask_chunk", "window_group", "MAX_GROUP", "make_pipeline", "build", "execute", "run", "quiet_logs", "check_single_terminal_step", "read_run_summary", "beam_counters", "RUNNERS"]
 
 DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
 RUNNERS = ("FnApiRunner", "DaskRunner", "PortableRunner", "FlinkRunner", "SparkRunner", "DataflowRunner")
@@ -80,6 +85,7 @@ class BatchOptions:
     running_mode: str = "multi_processing"
     dask_address: str | None = None
     dask_partitions: int = 0
+    group: int | None = None
     run_id: str = ""
     beam_args: tuple[str, ...] = ()
     quiet: bool = False
@@ -107,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
                              "the cluster's worker count, to size its partitions (default: cores)")
     parser.add_argument("--running-mode", choices=_RUNNING_MODES, default=None,
                         help="FnApiRunner mode (default multi_processing; memory:// URLs need in_memory)")
+    parser.add_argument("--group", type=int, default=None,
+                        help=f"job windows per group a worker validates with one GX run (default: up to {MAX_GROUP}, "
+                             "at least 4 groups per worker)")
     parser.add_argument("--dask-address", default=None, help="dask.distributed scheduler address (DaskRunner); default: start a local cluster")
     parser.add_argument("--dask-partitions", type=int, default=None,
                         help="DaskRunner: deal the windows into this many partitions of equal bytes (default 4 x --workers)")
@@ -146,13 +155,15 @@ def parse(argv: list[str]) -> BatchOptions:
         raise BatchUsageError("--dask-address and --dask-partitions only apply to --runner DaskRunner")
     if args.dask_partitions is not None and args.dask_partitions < 1:
         raise BatchUsageError(f"--dask-partitions {args.dask_partitions}: need at least 1")
+    if args.group is not None and args.group < 1:
+        raise BatchUsageError(f"--group {args.group}: need at least 1")
     lake, out = args.lake.rstrip("/"), args.out.rstrip("/")
     _check_lake(lake)
     if out == lake:
         raise BatchUsageError(f"--out {out} is the lake itself; write the tables to their own folder or prefix")
     run_id = f"{args.date_from}_{args.date_to}_{uuid.uuid4().hex[:12]}"
     return BatchOptions(lake, args.date_from, args.date_to, out, runner, args.workers, running_mode, args.dask_address,
-                        args.dask_partitions or 4 * args.workers, run_id, tuple(beam_args), args.quiet)
+                        args.dask_partitions or 4 * args.workers, args.group, run_id, tuple(beam_args), args.quiet)
 
 
 def _check_lake(lake: str) -> None:
@@ -167,12 +178,23 @@ def _check_lake(lake: str) -> None:
                               + (" (memory:// is per process)" if _memory(lake) else ""))
 
 
-def dask_chunk(opts: BatchOptions, windows: int) -> int | None:
-    """Windows per Dask partition (None: not the DaskRunner, or the user set Beam's own
+MAX_GROUP = 8
+
+
+def window_group(opts: BatchOptions, windows: int) -> int:
+    """Job windows per group: --group, else up to MAX_GROUP while every worker still gets at
+    least 4 groups (so the last groups do not leave a worker idle for long)."""
+    if opts.group is not None:
+        return opts.group
+    return max(1, min(MAX_GROUP, windows // (4 * opts.workers)))
+
+
+def dask_chunk(opts: BatchOptions, groups: int) -> int | None:
+    """Window groups per Dask partition (None: not the DaskRunner, or the user set Beam's own
     --dask_npartitions / --dask_partition_size)."""
     if opts.runner != "DaskRunner" or any(a.startswith(("--dask_npartitions", "--dask_partition_size")) for a in opts.beam_args):
         return None
-    return max(1, math.ceil(windows / opts.dask_partitions))
+    return max(1, math.ceil(groups / opts.dask_partitions))
 
 
 def pipeline_options(opts: BatchOptions, windows: int = 0) -> PipelineOptions:
@@ -180,6 +202,7 @@ def pipeline_options(opts: BatchOptions, windows: int = 0) -> PipelineOptions:
 
     windows: how many job windows the run has (sizes the DaskRunner's partitions).
     """
+    groups = math.ceil(windows / window_group(opts, windows))
     args = list(opts.beam_args)
     if not any(a.startswith("--default_sdk_harness_log_level") for a in args):
         args.append("--default_sdk_harness_log_level=WARNING")  # workers' INFO lines drown the progress output
@@ -189,7 +212,7 @@ def pipeline_options(opts: BatchOptions, windows: int = 0) -> PipelineOptions:
         args += [f"--runner={DASK_RUNNER}"]
         if opts.dask_address:
             args.append(f"--dask_client_address={opts.dask_address}")
-        chunk = dask_chunk(opts, windows)
+        chunk = dask_chunk(opts, groups)
         if chunk is not None:
             args.append(f"--dask_partition_size={chunk}")
     else:
@@ -222,8 +245,10 @@ def build(p: beam.Pipeline, opts: BatchOptions, jobs=None):
     """
     if jobs is None:
         jobs = list_jobs(opts.lake, opts.date_from, opts.date_to)
-    windows = p | "MatchJobs" >> MatchJobs(opts.lake, opts.date_from, opts.date_to, jobs, chunk=dask_chunk(opts, len(jobs)))
-    outcomes = windows | "AnalyzeJobs" >> AnalyzeJobs(progress=not opts.quiet)
+    group = window_group(opts, len(jobs))
+    chunk = dask_chunk(opts, math.ceil(len(jobs) / group))
+    groups = p | "MatchJobs" >> MatchJobs(opts.lake, opts.date_from, opts.date_to, jobs, chunk=chunk, group=group)
+    outcomes = groups | "AnalyzeJobs" >> AnalyzeJobs(progress=not opts.quiet)
     # daily fleet tables + their CombineFn states; the commit rebuilds the rollups from every date's state
     fleet = outcomes | "AggregateFleet" >> AggregateFleet()
     config = CommitConfig(opts.out, opts.dates, opts.run_id, tables={**BATCH_TABLES, **FLEET_TABLE_SPECS},

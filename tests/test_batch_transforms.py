@@ -13,14 +13,21 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from schemas.expectations import Problem, Validator
 from schemas.tables import BATCH_TABLES
-from transforms.analyze import analyze_window, result_tables
+from transforms.analyze import analyze_group, analyze_matched_window, analyze_window, result_tables
 from transforms.commit import conform_rows
-from transforms.elements import ArrowElementCoder, JobOutcome, JobStats, MatchedJob, ValidatedJob
+from transforms.elements import ArrowElementCoder, JobOutcome, JobStats, MatchedJob, ValidatedJob, WindowGroup
 from transforms.lake import LakeJob, list_jobs, write_job
-from transforms.match import MatchJobs, balanced_order, date_range, match_windows
+from transforms.match import MatchJobs, balanced_order, date_range, group_windows, match_windows
 from transforms.synth.faults import Cause
 from transforms.synth.job import JobSpec, generate_job
-from transforms.validate import UNEXPECTED_ERROR, ValidateTraces, guarded_pardo, quarantine_rows, validate_job_window
+from transforms.validate import (
+    UNEXPECTED_ERROR,
+    ValidateTraces,
+    dead_letters,
+    guarded_pardo,
+    quarantine_rows,
+    validate_job_window,
+)
 from transforms.whatif import TraceStructureError, analyze_job
 
 DATE = "2024-05-01"
@@ -153,10 +160,73 @@ def test_balanced_order_deals_equal_bytes_into_each_chunk():
     assert balanced_order([5, 1], 4) == [0, 1]
 
 
+def test_group_windows_deals_equal_bytes_into_each_group():
+    windows = [MatchedJob(LakeJob("l", DATE, f"j{i}", (), None), None) for i in range(9)]
+    weights = [100, 90, 80, 1, 2, 3, 10, 20, 30]   # in listing order, groups of 3 weigh 270, 6, 60
+    groups = group_windows(windows, weights, 3)
+    assert [len(g.windows) for g in groups] == [3, 3, 3]
+    assert sorted(m.job.job_id for g in groups for m in g.windows) == sorted(m.job.job_id for m in windows)
+    weight = {f"j{i}": w for i, w in enumerate(weights)}
+    totals = [sum(weight[m.job.job_id] for m in g.windows) for g in groups]
+    assert max(totals) - min(totals) <= 5, totals
+    assert [g.windows for g in group_windows(windows, [0] * 9, 4)] == [tuple(windows[:4]), tuple(windows[4:8]), tuple(windows[8:])]
+    with pytest.raises(ValueError, match="group"):
+        group_windows(windows, weights, 0)
+
+
+def test_a_group_is_validated_in_one_screen_and_analysed_window_by_window(lake, validator, monkeypatch):
+    calls = []
+    original = Validator.validate_jobs
+    monkeypatch.setattr(Validator, "validate_jobs", lambda self, jobs, **k: calls.append(len(jobs)) or original(self, jobs, **k))
+    group = WindowGroup(tuple(match_windows([_job(lake, "slow"), _job(lake, "clean")], validator)))
+    outcomes = list(analyze_group(group, validator, analyze_job))
+    assert calls == [2]
+    assert [(o.job_id, o.stats.status) for o in outcomes] == [("slow", "analysed"), ("clean", "analysed")]
+    alone = [analyze_matched_window(m, validator, analyze_job) for m in group.windows]
+    for together, single in zip(outcomes, alone):
+        assert together.tables["job_summary"].equals(single.tables["job_summary"])
+        assert set(together.stats.seconds) >= {"read", "validate", "analyze"}
+
+
+def test_an_unexpected_error_in_a_group_quarantines_only_its_window(lake, validator, monkeypatch):
+    group = WindowGroup(tuple(match_windows([_job(lake, "slow"), _job(lake, "clean")], validator)))
+
+    def engine(trace, meta, job_id):
+        if job_id == "clean":
+            raise RuntimeError("disk on fire")
+        return analyze_job(trace, meta, job_id)
+
+    outcomes = {o.job_id: o for o in analyze_group(group, validator, engine)}
+    assert outcomes["slow"].stats.status == "analysed"
+    assert outcomes["clean"].stats.reason_code == UNEXPECTED_ERROR
+    assert "disk on fire" in outcomes["clean"].tables["quarantine"].column("detail")[0].as_py()
+    # validating the group together fails: each window is validated alone, and only the culprit is quarantined
+    original = Validator.validate_jobs
+
+    def fragile(self, jobs, **kwargs):
+        if any(job.job_id == "clean" for job in jobs):
+            raise OSError("bucket vanished")
+        return original(self, jobs, **kwargs)
+
+    monkeypatch.setattr(Validator, "validate_jobs", fragile)
+    outcomes = {o.job_id: o for o in analyze_group(group, validator, analyze_job)}
+    assert outcomes["slow"].stats.status == "analysed"
+    assert outcomes["clean"].stats.reason_code == UNEXPECTED_ERROR
+    assert "bucket vanished" in outcomes["clean"].tables["quarantine"].column("detail")[0].as_py()
+    # a dead letter of a whole group quarantines each of its windows
+    letters = list(dead_letters((group, (RuntimeError, "RuntimeError('boom')", ["trace"]))))
+    assert [(o.job_id, o.stats.reason_code) for o in letters] == [("slow", UNEXPECTED_ERROR), ("clean", UNEXPECTED_ERROR)]
+
+
 def test_match_jobs_lists_each_window_once(lake):
     with beam.Pipeline(options=PipelineOptions(runner="FnApiRunner")) as p:
-        ids = p | MatchJobs(lake, DATE, DATE) | beam.Map(lambda m: (m.job.date, m.job.job_id, m.manifest["job_id"]))
+        groups = p | MatchJobs(lake, DATE, DATE)
+        ids = groups | beam.FlatMap(lambda g: [(m.job.date, m.job.job_id, m.manifest["job_id"]) for m in g.windows])
         assert_that(ids, equal_to([(DATE, "clean", "clean"), (DATE, "slow", "slow")]))
+        assert_that(groups | "Sizes" >> beam.Map(lambda g: len(g.windows)), equal_to([1, 1]), label="OnePerGroup")
+    with beam.Pipeline(options=PipelineOptions(runner="FnApiRunner")) as p:
+        sizes = p | MatchJobs(lake, DATE, DATE, group=2) | beam.Map(lambda g: sorted(m.job.job_id for m in g.windows))
+        assert_that(sizes, equal_to([["clean", "slow"]]))
     assert date_range("2024-02-28", "2024-03-01") == ("2024-02-28", "2024-02-29", "2024-03-01")
     with pytest.raises(ValueError, match="reversed"):
         MatchJobs(lake, "2024-03-02", "2024-03-01")

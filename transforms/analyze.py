@@ -1,6 +1,6 @@
 """AnalyzeJobs: read, validate and analyse each job window on one worker; emit its result tables.
 
-In: PCollection[MatchedJob] (MatchJobs: a window's files and its validated manifest). Out:
+In: PCollection[WindowGroup] (MatchJobs: windows' files and their validated manifests). Out:
 PCollection[JobOutcome]: per window, Arrow tables for job_summary, step_slowdown,
 worker_attribution, dp/stage/optype_attribution, job_cause, coverage and quarantine
 (schemas/tables.py and schemas/fleet.py, without the `date` partition key).
@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+import traceback
 from typing import Any, Iterator
 
 import apache_beam as beam
@@ -37,13 +38,16 @@ from schemas.tables import (
     STEP_SLOWDOWN_SCHEMA,
     WORKER_ATTRIBUTION_SCHEMA,
 )
-from transforms.elements import JobOutcome, JobProblem, MatchedJob, ValidatedJob
+from transforms.elements import JobOutcome, JobProblem, MatchedJob, ValidatedJob, WindowGroup
 from transforms.validate import (
     count_quarantine,
+    count_quarantine_error,
     coverage_row,
     guarded_pardo,
     quarantined_outcome,
+    unexpected_error_outcome,
     validate_job_window,
+    validate_job_windows,
     worker_validator,
 )
 from transforms.whatif.errors import WhatIfError
@@ -53,6 +57,7 @@ __all__ = [
     "AnalyzeJobs",
     "analyze_window",
     "analyze_matched_window",
+    "analyze_group",
     "progress_line",
     "job_meta",
     "gpu_hours",
@@ -242,17 +247,45 @@ def analyze_window(validated: ValidatedJob, engine) -> JobOutcome:
 
 
 def analyze_matched_window(matched: MatchedJob, validator, engine) -> JobOutcome:
-    """One job window from files to outcome on this worker: read and validate its trace files
-    (transforms/validate.py), then run the engine unless validation quarantined it whole."""
-    validated = validate_job_window(matched, validator)
-    count_quarantine(validated.quarantine)
-    if validated.problem is not None:
-        return quarantined_outcome(validated.job, validated.problem, validated.quarantine, validated.stats, validated.manifest)
-    return analyze_window(validated, engine)
+    """One job window from files to outcome on this worker (analyze_group of one window)."""
+    return next(analyze_group(WindowGroup((matched,)), validator, engine))
+
+
+def analyze_group(group: WindowGroup, validator, engine) -> Iterator[JobOutcome]:
+    """A group of windows from files to outcomes on this worker: read and validate them all
+    (transforms/validate.py: one GX screen run for the group), then run the engine on each
+    window validation did not quarantine whole. Yields one JobOutcome per window, in order.
+
+    An unexpected exception quarantines only its window (reason unexpected_error): when
+    validating the group together raises, each window is validated alone to find which.
+    """
+    try:
+        validated = validate_job_windows(group.windows, validator)
+    except Exception:
+        validated = [_or_error(matched, lambda m=matched: validate_job_window(m, validator)) for matched in group.windows]
+    for item in validated:
+        if isinstance(item, JobOutcome):
+            yield item
+            continue
+        count_quarantine(item.quarantine)
+        if item.problem is not None:
+            yield quarantined_outcome(item.job, item.problem, item.quarantine, item.stats, item.manifest)
+            continue
+        yield _or_error(item, lambda v=item: analyze_window(v, engine))
+        item.trace = None   # the op rows are done with: free them before the next window
+
+
+def _or_error(element, work):
+    """work(), or the quarantined outcome of `element` when it raises unexpectedly."""
+    try:
+        return work()
+    except Exception as error:
+        count_quarantine_error()
+        return unexpected_error_outcome(element, (type(error), repr(error), traceback.format_exception(error)))
 
 
 class _AnalyzeJobFn(beam.DoFn):
-    """MatchedJob -> JobOutcome: read, validate and analyse one window in one call.
+    """WindowGroup -> JobOutcome per window: read, validate and analyse in one call.
 
     One DoFn rather than two fused steps: the DaskRunner materialises each ParDo's whole
     output per partition before the next step runs, so a separate validation step would
@@ -270,13 +303,13 @@ class _AnalyzeJobFn(beam.DoFn):
         self._validator = worker_validator()
         self._engine = analyze_and_classify
 
-    def process(self, matched: MatchedJob) -> Iterator[JobOutcome]:
-        outcome = analyze_matched_window(matched, self._validator, self._engine)
-        beam.metrics.Metrics.counter("strag.jobs", outcome.stats.status).inc()
-        beam.metrics.Metrics.counter("strag.ops", "analysed").inc(outcome.stats.ops)
-        if self._progress:
-            print(progress_line(outcome), file=sys.stderr, flush=True)
-        yield outcome
+    def process(self, group: WindowGroup) -> Iterator[JobOutcome]:
+        for outcome in analyze_group(group, self._validator, self._engine):
+            beam.metrics.Metrics.counter("strag.jobs", outcome.stats.status).inc()
+            beam.metrics.Metrics.counter("strag.ops", "analysed").inc(outcome.stats.ops)
+            if self._progress:
+                print(progress_line(outcome), file=sys.stderr, flush=True)
+            yield outcome
 
 
 def progress_line(outcome: JobOutcome) -> str:
@@ -296,7 +329,7 @@ def _outcomes(element) -> Iterator[JobOutcome]:
 
 
 class AnalyzeJobs(beam.PTransform):
-    """PCollection[MatchedJob] -> PCollection[JobOutcome] (analysed, discarded or quarantined), one per window.
+    """PCollection[WindowGroup] -> PCollection[JobOutcome] (analysed, discarded or quarantined), one per window.
 
     progress: print one line per finished window on the worker's stderr.
     """

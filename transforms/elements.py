@@ -1,13 +1,13 @@
 """The elements that flow through the batch pipeline, and the coder that carries them.
 
-    MatchJobs ──MatchedJob──► ValidateTraces ──ValidatedJob──► AnalyzeJobs ──JobOutcome──► CommitTables
-                                   └──────────────JobOutcome (quarantined)──────────────────┘
+    MatchJobs ──WindowGroup──► AnalyzeJobs (read, validate, analyse) ──JobOutcome──► CommitTables
 
 A `MatchedJob` names one job window's files (a `LakeJob`, transforms/lake.py) with its
-manifest, already read and validated (tiny). A `ValidatedJob` holds that window's
-op rows: it is produced and consumed by fused steps on the same worker and must never be
-shuffled (the job is the unit of parallelism). A `JobOutcome` holds the window's result
-tables (a few KB) and is what gets shuffled to the commit step.
+manifest, already read and validated (tiny); a `WindowGroup` is the few windows one
+worker takes in one call (one GX screen run validates them all). A `ValidatedJob` holds a
+window's op rows: it lives inside the worker that read them and is never shuffled (the
+job is the unit of parallelism). A `JobOutcome` holds the window's result tables (a few
+KB) and is what gets shuffled to the commit step.
 
 Why a coder: Beam estimates element sizes for its byte counters by encoding a sample of
 elements, even between fused steps; for an element holding millions of op rows the
@@ -28,6 +28,7 @@ from transforms.lake import LakeJob
 
 __all__ = [
     "MatchedJob",
+    "WindowGroup",
     "JobProblem",
     "ValidatedJob",
     "JobStats",
@@ -56,6 +57,14 @@ class MatchedJob:
     manifest: dict[str, Any] | None
     manifest_problems: tuple = ()
     seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowGroup:
+    """Job windows one worker reads, validates together (one GX screen run: GX's cost per run
+    is mostly fixed) and analyses one by one. MatchJobs forms groups of about equal bytes."""
+
+    windows: tuple[MatchedJob, ...]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,6 +51,7 @@ __all__ = [
     "read_trace_files",
     "read_manifests",
     "read_validated_job",
+    "read_job_files",
 ]
 
 
@@ -379,11 +380,17 @@ def read_validated_job(job: LakeJob, validator, manifests: Mapping[str, tuple[di
         if manifests is None or job.manifest_path not in manifests:
             manifests = read_manifests([job.manifest_path], validator)
         manifest, issues = manifests[job.manifest_path]
-    files: list = []
+    return validator.validate_job(job.job_id, manifest, read_job_files(job), manifest_path=job.manifest_path,
+                                  manifest_issues=issues)
+
+
+def read_job_files(job: LakeJob) -> list[tuple[str, pa.Table | BaseException]]:
+    """(path, table as written) per trace file of a job window, or (path, LakeReadError) for
+    a file that cannot be read (validation turns that into a quarantine row)."""
+    files: list[tuple[str, pa.Table | BaseException]] = []
     for path in job.trace_files:
         try:
             files.append((path, read_parquet(path)))
         except LakeReadError as error:
             files.append((path, error))
-    return validator.validate_job(job.job_id, manifest, files, manifest_path=job.manifest_path,
-                                  manifest_issues=issues)
+    return files

@@ -1,8 +1,9 @@
 """MatchJobs: find every job window of a date range in the lake, with its validated manifest.
 
-In: the pipeline root. Out: PCollection[MatchedJob], one element per (date, job_id) that
-has trace files or a manifest in [date_from, date_to] (incomplete windows included: the
-validator quarantines them with the reason).
+In: the pipeline root. Out: PCollection[WindowGroup]: every (date, job_id) that has trace
+files or a manifest in [date_from, date_to] (incomplete windows included: the validator
+quarantines them with the reason) as a MatchedJob, dealt into groups of up to `group`
+windows of about equal bytes (a worker validates a group with one GX screen run).
 
 The listing and the manifests (one small file per window) are read once, when the graph
 is built, on the machine that submits the run; the manifests are validated together in
@@ -21,10 +22,10 @@ import time
 import apache_beam as beam
 import fsspec
 
-from transforms.elements import MatchedJob
+from transforms.elements import MatchedJob, WindowGroup
 from transforms.lake import LakeJob, list_jobs, read_manifests
 
-__all__ = ["MatchJobs", "date_range", "match_windows", "trace_bytes", "balanced_order"]
+__all__ = ["MatchJobs", "date_range", "match_windows", "group_windows", "trace_bytes", "balanced_order"]
 
 
 def date_range(date_from: str, date_to: str) -> tuple[str, ...]:
@@ -86,21 +87,41 @@ def balanced_order(weights: list[int], chunk: int) -> list[int]:
     return [index for members in bins for index in members]
 
 
+def group_windows(windows: list[MatchedJob], weights: list[int], group: int, chunk: int | None = None) -> list[WindowGroup]:
+    """Deal windows into groups of `group` (the last may be smaller) of about equal weight.
+
+    chunk: when the runner splits the groups into consecutive chunks of this many (the
+    DaskRunner's partitions), order the groups so every chunk carries about the same weight.
+    """
+    if group < 1:
+        raise ValueError(f"group_windows: group must be >= 1, got {group}")
+    order = balanced_order(weights, group)
+    groups = [tuple(windows[i] for i in order[start:start + group]) for start in range(0, len(order), group)]
+    totals = [sum(weights[i] for i in order[start:start + group]) for start in range(0, len(order), group)]
+    if chunk is not None:
+        groups = [groups[i] for i in balanced_order(totals, chunk)]
+    return [WindowGroup(members) for members in groups]
+
+
 class MatchJobs(beam.PTransform):
-    """PBegin -> PCollection[MatchedJob] of the lake's job windows dated date_from..date_to.
+    """PBegin -> PCollection[WindowGroup] of the lake's job windows dated date_from..date_to.
 
     jobs: an already made listing (the CLI lists once to print what it found); None lists now.
-    chunk: when the runner splits the windows into consecutive chunks of this many (the
-    DaskRunner's partitions), order them so every chunk carries about the same bytes.
+    group: windows per group (1: a group per window). chunk: when the runner splits the
+    groups into consecutive chunks of this many (the DaskRunner's partitions), order them
+    so every chunk carries about the same bytes.
     """
 
-    def __init__(self, lake: str, date_from: str, date_to: str, jobs: list[LakeJob] | None = None, chunk: int | None = None):
+    def __init__(self, lake: str, date_from: str, date_to: str, jobs: list[LakeJob] | None = None,
+                 chunk: int | None = None, group: int = 1):
         super().__init__()
         date_range(date_from, date_to)  # fail at graph build, not on a worker
         if chunk is not None and chunk < 1:
             raise ValueError(f"MatchJobs: chunk must be >= 1, got {chunk}")
+        if group < 1:
+            raise ValueError(f"MatchJobs: group must be >= 1, got {group}")
         self._lake, self._date_from, self._date_to = lake, date_from, date_to
-        self._jobs, self._chunk = jobs, chunk
+        self._jobs, self._chunk, self._group = jobs, chunk, group
 
     def expand(self, root):
         jobs = self._jobs if self._jobs is not None else list_jobs(self._lake, self._date_from, self._date_to)
@@ -108,6 +129,7 @@ class MatchJobs(beam.PTransform):
         if outside:
             raise ValueError(f"MatchJobs: job windows outside {self._date_from}..{self._date_to}: {[(j.date, j.job_id) for j in outside[:3]]}")
         jobs = list(jobs)
-        if self._chunk is not None:
-            jobs = [jobs[i] for i in balanced_order(trace_bytes(jobs), self._chunk)]
-        return root | "ListJobWindows" >> beam.Create(match_windows(jobs)).with_output_types(MatchedJob)
+        weighed = self._group > 1 or self._chunk is not None
+        groups = group_windows(match_windows(jobs), trace_bytes(jobs) if weighed else [0] * len(jobs),
+                               self._group, self._chunk)
+        return root | "ListJobWindows" >> beam.Create(groups).with_output_types(WindowGroup)

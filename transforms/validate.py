@@ -25,21 +25,23 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Iterator
 
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 
-from schemas.expectations import REASONS, Problem, ValidationReport, Validator
+from schemas.expectations import REASONS, JobFiles, Problem, ValidationReport, Validator
 from schemas.lake import trace_dir
 from schemas.tables import COVERAGE_SCHEMA, QUARANTINE_SCHEMA
-from transforms.elements import JobOutcome, JobProblem, JobStats, MatchedJob, ValidatedJob
-from transforms.lake import LakeJob, read_validated_job
+from transforms.elements import JobOutcome, JobProblem, JobStats, MatchedJob, ValidatedJob, WindowGroup
+from transforms.lake import LakeJob, read_job_files
 
 __all__ = [
     "ValidateTraces",
     "validate_job_window",
+    "validate_job_windows",
     "quarantine_rows",
     "coverage_row",
     "quarantined_outcome",
@@ -48,34 +50,12 @@ __all__ = [
     "guarded_pardo",
     "worker_validator",
     "count_quarantine",
+    "count_quarantine_error",
     "UNEXPECTED_ERROR",
 ]
 
 UNEXPECTED_ERROR = "unexpected_error"
 _UNEXPECTED_REASON = "an unexpected error stopped this job window (a bug or a storage failure); see detail, fix, rerun the date"
-
-
-class _TimedValidator:
-    """Wraps a Validator and sums the seconds spent inside it, so that reading and
-    validation can be told apart in the timings."""
-
-    def __init__(self, validator: Validator):
-        self._validator = validator
-        self.seconds = 0.0
-
-    def __getattr__(self, name: str):
-        attribute = getattr(self._validator, name)
-        if not callable(attribute):
-            return attribute
-
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return attribute(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - started
-
-        return timed
 
 
 def _window_path(job: LakeJob) -> str:
@@ -182,25 +162,37 @@ def count_quarantine(quarantine: pa.Table) -> None:
         beam.metrics.Metrics.counter("strag.quarantine", code).inc(count)
 
 
-def validate_job_window(matched: MatchedJob, validator: Validator) -> ValidatedJob:
-    """Read and validate one job window's trace files (plain function, the DoFn's body).
+def validate_job_windows(windows: Sequence[MatchedJob], validator: Validator) -> list[ValidatedJob]:
+    """Read and validate several job windows on this worker (plain function, the DoFn's body).
 
-    matched: the window with its manifest as MatchJobs validated it. Returns a
-    ValidatedJob whose `problem` is set when the window is quarantined whole. Seconds are
-    split into reading (files) and validating (inside the Validator, plus the window's
-    share of the manifest validation).
+    windows: as MatchJobs planned them, each with its validated manifest. All are read,
+    then validated in one Validator.validate_jobs call (one GX screen run for all of
+    them). Returns one ValidatedJob per window, in order, whose `problem` is set when the
+    window is quarantined whole. Seconds per window: reading its files, and validating
+    (its share of the screen, its own checks and of the manifest validation).
     """
+    read_seconds, items = [], []
+    for matched in windows:
+        started = time.perf_counter()
+        files = read_job_files(matched.job)
+        read_seconds.append(time.perf_counter() - started)
+        items.append(JobFiles(matched.job.job_id, matched.manifest, files, matched.job.manifest_path,
+                              tuple(matched.manifest_problems)))
+    reports = validator.validate_jobs(items)
+    return [_validated(matched, report, read) for matched, report, read in zip(windows, reports, read_seconds)]
+
+
+def validate_job_window(matched: MatchedJob, validator: Validator) -> ValidatedJob:
+    """Read and validate one job window's trace files (validate_job_windows of one)."""
+    return validate_job_windows([matched], validator)[0]
+
+
+def _validated(matched: MatchedJob, report: ValidationReport, read_seconds: float) -> ValidatedJob:
     job, manifest = matched.job, matched.manifest
-    started = time.perf_counter()
-    timed = _TimedValidator(validator)
-    timed.seconds = matched.seconds
-    manifests = {job.manifest_path: (manifest, list(matched.manifest_problems))} if job.manifest_path else None
-    report = read_validated_job(job, timed, manifests)
-    total = time.perf_counter() - started + matched.seconds
     quarantine = quarantine_rows(job, report.problems, report.invalid)
     rows_read = report.valid.num_rows + report.invalid.num_rows + sum(p.rows for p in report.problems if p.level == "file")
     stats = JobStats(job.job_id, job.date, "analysed", rows_read=rows_read, rows_quarantined=rows_read - report.valid.num_rows,
-                     seconds={"read": total - timed.seconds, "validate": timed.seconds})
+                     seconds={"read": read_seconds, "validate": report.seconds + matched.seconds})
     problem = _job_problem(job, report)
     if problem is None and manifest is None:
         problem = JobProblem("missing_manifest", REASONS["missing_manifest"][1], f"job {job.job_id} on {job.date}: no usable manifest", _window_path(job))
@@ -265,13 +257,20 @@ def _rejected(element) -> Iterator[JobOutcome]:
         yield quarantined_outcome(element.job, element.problem, element.quarantine, element.stats, element.manifest)
 
 
+def count_quarantine_error() -> None:
+    """Bump the counters of a window quarantined by an unexpected error."""
+    beam.metrics.Metrics.counter("strag.quarantine", UNEXPECTED_ERROR).inc()
+    beam.metrics.Metrics.counter("strag.jobs", "quarantined").inc()
+
+
 def dead_letters(element) -> Iterator[JobOutcome]:
-    """Dead-letter tuples (element, (type, repr, traceback)) -> quarantined JobOutcome."""
+    """Dead-letter tuples (element, (type, repr, traceback)) -> a quarantined JobOutcome per
+    window of the element (a WindowGroup gives one per window)."""
     if isinstance(element, tuple) and len(element) == 2 and isinstance(element[1], tuple) and len(element[1]) == 3:
-        outcome = unexpected_error_outcome(*element)
-        beam.metrics.Metrics.counter("strag.quarantine", UNEXPECTED_ERROR).inc()
-        beam.metrics.Metrics.counter("strag.jobs", "quarantined").inc()
-        yield outcome
+        failed, error = element
+        for window in failed.windows if isinstance(failed, WindowGroup) else (failed,):
+            count_quarantine_error()
+            yield unexpected_error_outcome(window, error)
 
 
 def guarded_pardo(pcoll, label: str, dofn: beam.DoFn):
