@@ -2,7 +2,9 @@
 
     .venv/bin/python benchmarks/bench_validation.py
 
-Sizes: jobs of ~10k, ~100k and ~1M op rows, as one file and as one file per worker.
+Sizes: jobs of ~10k, ~100k and ~1M op rows, as one file per worker. For each: the
+row-level GX suites over every row (the baseline, `screen=False`), the screen for one
+window, and the screen for a group of 8 windows (what a batch worker runs), per window.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from schemas.expectations import Validator  # noqa: E402
+from schemas.expectations import JobFiles, Validator  # noqa: E402
 from tests.lake_samples import sample_job  # noqa: E402
 from transforms.lake import list_jobs, read_validated_job, write_job  # noqa: E402
 
@@ -37,18 +39,18 @@ def main() -> None:
     bulk = _best(lambda: validator.validate_manifests(many))
     print(f"manifest: one {one * 1e3:.0f} ms; 200 in one call {bulk * 1e3:.0f} ms ({bulk / 200 * 1e3:.1f} ms each)")
 
+    print(f"{'rows':>10}  {'row-level':>10}  {'screen, 1':>10}  {'screen, 8':>10}  (s per window; ratio to row-level)")
     for dp, pp, steps, microbatches in [(2, 2, 5, 16), (4, 4, 10, 32), (8, 8, 20, 32), (8, 8, 90, 32)]:
         trace, manifest = sample_job("bench", dp=dp, pp=pp, steps=steps, microbatches=microbatches)
-        rows = trace.num_rows
-        single = _best(lambda: validator.validate_job("bench", manifest, [("part-0.parquet", trace)],
-                                                      manifest_path="m.parquet"))
-        worker_files = []
-        keys = (trace["dp_rank"].to_numpy() * 1000 + trace["stage"].to_numpy())
-        for key in sorted(set(keys.tolist())):
-            worker_files.append((f"worker-{key}.parquet", trace.filter(keys == key)))
-        split = _best(lambda: validator.validate_job("bench", manifest, worker_files, manifest_path="m.parquet"))
-        print(f"validate_job {rows:>9,} rows: one file {single:.3f} s ({rows / single / 1e6:.2f} M rows/s); "
-              f"{len(worker_files)} files {split:.3f} s ({rows / split / 1e6:.2f} M rows/s)")
+        keys = trace["dp_rank"].to_numpy() * 1000 + trace["stage"].to_numpy()
+        files = [(f"worker-{key}.parquet", trace.filter(keys == key)) for key in sorted(set(keys.tolist()))]
+        window = JobFiles("bench", manifest, files, "m.parquet")
+        assert validator.validate_jobs([window])[0].ok
+        rows_level = _best(lambda: validator.validate_jobs([window], screen=False))
+        one = _best(lambda: validator.validate_jobs([window]))
+        eight = _best(lambda: validator.validate_jobs([window] * 8)) / 8
+        print(f"{trace.num_rows:>10,}  {rows_level:>10.3f}  {one:>10.3f}  {eight:>10.3f}  "
+              f"({rows_level / one:.1f}x, {rows_level / eight:.1f}x; {trace.num_rows / eight / 1e6:.1f} M rows/s)")
 
     trace, manifest = sample_job("io", dp=8, pp=8, steps=20, microbatches=32)
     for lake in ("memory://bench-lake", "/tmp/strag-bench-lake"):

@@ -24,9 +24,10 @@ Runners:
   of the partitions, so window groups are dealt into --dask-partitions (default 4 x
   --workers) partitions of equal bytes rather than one partition each.
 
-Window groups (--group, default: up to 8, fewer when that would leave a worker fewer than
-4 groups): a worker validates a group's windows with one Great Expectations screen run,
-since GX's cost per run is mostly fixed; groups carry about equal bytes.
+Window groups (--group N: about N windows each; default up to 8, in a multiple of --workers
+groups, at least 4 per worker): a worker validates a group's windows with one Great
+Expectations screen run, since GX's cost per run is mostly fixed. Groups carry about equal
+bytes, and the FnApiRunner deals them to its workers in turn, so each worker gets as many.
 - Portable runners (Flink, Spark, Dataflow): pass their options through (see README).
 
 URLs: local folders, file://, s3:// (credentials only from the environment or fsspec
@@ -57,7 +58,7 @@ from transforms.fleet import AggregateFleet, fleet_rollup_tables
 from transforms.lake import list_jobs
 from transforms.match import MatchJobs, date_range
 
-__all__ = ["BatchOptions", "BatchUsageError", "parse", "pipeline_options", "dask_chunk", "window_group", "MAX_GROUP", "make_pipeline", "build", "execute", "run", "quiet_logs", "check_single_terminal_step", "read_run_summary", "beam_counters", "RUNNERS"]
+__all__ = ["BatchOptions", "BatchUsageError", "parse", "pipeline_options", "dask_chunk", "window_groups", "MAX_GROUP", "make_pipeline", "build", "execute", "run", "quiet_logs", "check_single_terminal_step", "read_run_summary", "beam_counters", "RUNNERS"]
 
 DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
 RUNNERS = ("FnApiRunner", "DaskRunner", "PortableRunner", "FlinkRunner", "SparkRunner", "DataflowRunner")
@@ -114,8 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--running-mode", choices=_RUNNING_MODES, default=None,
                         help="FnApiRunner mode (default multi_processing; memory:// URLs need in_memory)")
     parser.add_argument("--group", type=int, default=None,
-                        help=f"job windows per group a worker validates with one GX run (default: up to {MAX_GROUP}, "
-                             "at least 4 groups per worker)")
+                        help=f"about this many job windows per group a worker validates with one GX run (default: up "
+                             f"to {MAX_GROUP}, at least 4 groups per worker)")
     parser.add_argument("--dask-address", default=None, help="dask.distributed scheduler address (DaskRunner); default: start a local cluster")
     parser.add_argument("--dask-partitions", type=int, default=None,
                         help="DaskRunner: deal the windows into this many partitions of equal bytes (default 4 x --workers)")
@@ -181,12 +182,16 @@ def _check_lake(lake: str) -> None:
 MAX_GROUP = 8
 
 
-def window_group(opts: BatchOptions, windows: int) -> int:
-    """Job windows per group: --group, else up to MAX_GROUP while every worker still gets at
-    least 4 groups (so the last groups do not leave a worker idle for long)."""
+def window_groups(opts: BatchOptions, windows: int) -> int:
+    """How many groups to deal the windows into: ceil(windows / --group); else as few as
+    keeps groups to MAX_GROUP windows, rounded up to a multiple of the workers and at least
+    4 per worker (so the last groups do not leave a worker idle for long)."""
+    if windows == 0:
+        return 0
     if opts.group is not None:
-        return opts.group
-    return max(1, min(MAX_GROUP, windows // (4 * opts.workers)))
+        return math.ceil(windows / opts.group)
+    per_worker = max(4, math.ceil(windows / (MAX_GROUP * opts.workers)))
+    return min(windows, per_worker * opts.workers)
 
 
 def dask_chunk(opts: BatchOptions, groups: int) -> int | None:
@@ -202,7 +207,7 @@ def pipeline_options(opts: BatchOptions, windows: int = 0) -> PipelineOptions:
 
     windows: how many job windows the run has (sizes the DaskRunner's partitions).
     """
-    groups = math.ceil(windows / window_group(opts, windows))
+    groups = window_groups(opts, windows)
     args = list(opts.beam_args)
     if not any(a.startswith("--default_sdk_harness_log_level") for a in args):
         args.append("--default_sdk_harness_log_level=WARNING")  # workers' INFO lines drown the progress output
@@ -245,9 +250,9 @@ def build(p: beam.Pipeline, opts: BatchOptions, jobs=None):
     """
     if jobs is None:
         jobs = list_jobs(opts.lake, opts.date_from, opts.date_to)
-    group = window_group(opts, len(jobs))
-    chunk = dask_chunk(opts, math.ceil(len(jobs) / group))
-    groups = p | "MatchJobs" >> MatchJobs(opts.lake, opts.date_from, opts.date_to, jobs, chunk=chunk, group=group)
+    count = window_groups(opts, len(jobs))
+    groups = p | "MatchJobs" >> MatchJobs(opts.lake, opts.date_from, opts.date_to, jobs,
+                                          chunk=dask_chunk(opts, count), groups=count or None)
     outcomes = groups | "AnalyzeJobs" >> AnalyzeJobs(progress=not opts.quiet)
     # daily fleet tables + their CombineFn states; the commit rebuilds the rollups from every date's state
     fleet = outcomes | "AggregateFleet" >> AggregateFleet()

@@ -160,16 +160,19 @@ def test_balanced_order_deals_equal_bytes_into_each_chunk():
     assert balanced_order([5, 1], 4) == [0, 1]
 
 
-def test_group_windows_deals_equal_bytes_into_each_group():
-    windows = [MatchedJob(LakeJob("l", DATE, f"j{i}", (), None), None) for i in range(9)]
-    weights = [100, 90, 80, 1, 2, 3, 10, 20, 30]   # in listing order, groups of 3 weigh 270, 6, 60
-    groups = group_windows(windows, weights, 3)
-    assert [len(g.windows) for g in groups] == [3, 3, 3]
+def test_group_windows_deals_equal_sizes_and_bytes_into_each_group():
+    rng = np.random.default_rng(3)
+    weights = [int(w) for w in rng.pareto(3.0, 60) * 100 + 10]   # long-tailed, like a fleet's job sizes
+    windows = [MatchedJob(LakeJob("l", DATE, f"j{i}", (), None), None) for i in range(60)]
+    groups = group_windows(windows, weights, 8)
+    assert sorted(len(g.windows) for g in groups) == [7, 7, 7, 7, 8, 8, 8, 8]
     assert sorted(m.job.job_id for g in groups for m in g.windows) == sorted(m.job.job_id for m in windows)
     weight = {f"j{i}": w for i, w in enumerate(weights)}
     totals = [sum(weight[m.job.job_id] for m in g.windows) for g in groups]
-    assert max(totals) - min(totals) <= 5, totals
-    assert [g.windows for g in group_windows(windows, [0] * 9, 4)] == [tuple(windows[:4]), tuple(windows[4:8]), tuple(windows[8:])]
+    in_order = [sum(weights[i:i + 8]) for i in range(0, 60, 8)]
+    assert max(totals) - min(totals) < 0.15 * sum(weights) / 8 < max(in_order) - min(in_order), (totals, in_order)
+    assert [g.windows for g in group_windows(windows[:10], [0] * 10, 3)] == [tuple(windows[:4]), tuple(windows[4:7]), tuple(windows[7:10])]
+    assert len(group_windows(windows[:10], weights[:10], 50)) == 10   # never an empty group
     with pytest.raises(ValueError, match="group"):
         group_windows(windows, weights, 0)
 
@@ -225,7 +228,7 @@ def test_match_jobs_lists_each_window_once(lake):
         assert_that(ids, equal_to([(DATE, "clean", "clean"), (DATE, "slow", "slow")]))
         assert_that(groups | "Sizes" >> beam.Map(lambda g: len(g.windows)), equal_to([1, 1]), label="OnePerGroup")
     with beam.Pipeline(options=PipelineOptions(runner="FnApiRunner")) as p:
-        sizes = p | MatchJobs(lake, DATE, DATE, group=2) | beam.Map(lambda g: sorted(m.job.job_id for m in g.windows))
+        sizes = p | MatchJobs(lake, DATE, DATE, groups=1) | beam.Map(lambda g: sorted(m.job.job_id for m in g.windows))
         assert_that(sizes, equal_to([["clean", "slow"]]))
     assert date_range("2024-02-28", "2024-03-01") == ("2024-02-28", "2024-02-29", "2024-03-01")
     with pytest.raises(ValueError, match="reversed"):

@@ -2,6 +2,7 @@
 daily partitions roll up to exactly the one-pass tables, and the numbers are right."""
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import io
 import json
@@ -21,9 +22,12 @@ from transforms.fleet import (
     JobFacts,
     SummaryFn,
     fleet_tables,
+    job_facts_from_tables,
     rollup_fleet,
     state_rows,
+    window_facts,
 )
+from fleet_tables_fixture import random_outcomes
 
 START = dt.date(2024, 1, 1)
 
@@ -243,3 +247,25 @@ def test_aggregate_fleet_in_a_pipeline_gives_the_daily_tables(fleet):
 
     with TestPipeline(runner="FnApiRunner") as p:
         assert_that(p | beam.Create(small, reshuffle=False) | AggregateFleet(), check)
+
+
+def _same_facts(left: JobFacts, right: JobFacts) -> None:
+    for field in dataclasses.fields(JobFacts):
+        a, b = getattr(left, field.name), getattr(right, field.name)
+        if isinstance(a, np.ndarray):
+            assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True), field.name
+        elif isinstance(a, float) and math.isnan(a):
+            assert math.isnan(b), field.name
+        else:
+            assert a == b and type(a) is type(b), (field.name, a, b)
+
+
+def test_window_facts_read_with_arrow_equal_the_table_reader():
+    """The batch pipeline's per-window fast path gives the facts the generic table reader gives."""
+    outcomes = random_outcomes(seed=5, days=4, jobs_per_day=15)
+    assert {o.tables["coverage"]["status"][0].as_py() for o in outcomes} == {"analysed", "discarded", "quarantined"}
+    for outcome in outcomes:
+        fast = window_facts(outcome.tables, outcome.date)
+        [slow] = job_facts_from_tables(outcome.tables, outcome.date)
+        _same_facts(fast, slow)
+    assert window_facts({}, "2024-03-04") is None

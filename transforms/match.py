@@ -2,8 +2,8 @@
 
 In: the pipeline root. Out: PCollection[WindowGroup]: every (date, job_id) that has trace
 files or a manifest in [date_from, date_to] (incomplete windows included: the validator
-quarantines them with the reason) as a MatchedJob, dealt into groups of up to `group`
-windows of about equal bytes (a worker validates a group with one GX screen run).
+quarantines them with the reason) as a MatchedJob, dealt into `groups` groups of about
+equal size and bytes (a worker validates a group with one GX screen run).
 
 The listing and the manifests (one small file per window) are read once, when the graph
 is built, on the machine that submits the run; the manifests are validated together in
@@ -25,7 +25,7 @@ import fsspec
 from transforms.elements import MatchedJob, WindowGroup
 from transforms.lake import LakeJob, list_jobs, read_manifests
 
-__all__ = ["MatchJobs", "date_range", "match_windows", "group_windows", "trace_bytes", "balanced_order"]
+__all__ = ["MatchJobs", "date_range", "match_windows", "group_windows", "trace_bytes", "balanced_bins", "balanced_order"]
 
 
 def date_range(date_from: str, date_to: str) -> tuple[str, ...]:
@@ -68,60 +68,66 @@ def trace_bytes(jobs: list[LakeJob]) -> list[int]:
     return [sum(sizes.get(fs._strip_protocol(path), 0) for path in job.trace_files) if fs else 0 for job in jobs]
 
 
+def balanced_bins(weights: list[int], capacities: list[int]) -> list[list[int]]:
+    """Indices dealt into bins of the given sizes so that the bins' total weights are near
+    equal: largest first, each to the lightest bin that has room (ties by index)."""
+    bins: list[list[int]] = [[] for _ in capacities]
+    totals = [0] * len(capacities)
+    for index in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        target = min((b for b in range(len(bins)) if len(bins[b]) < capacities[b]), key=lambda b: (totals[b], b))
+        bins[target].append(index)
+        totals[target] += weights[index]
+    return bins
+
+
 def balanced_order(weights: list[int], chunk: int) -> list[int]:
     """Indices ordering items so that consecutive chunks of `chunk` items have near-equal total weight.
 
-    Largest first, each to the lightest chunk that has room (chunks have exactly the sizes
-    a `chunk`-sized split of the sequence gives). Deterministic (ties by index).
+    Chunks have exactly the sizes a `chunk`-sized split of the sequence gives. Deterministic.
     """
     n = len(weights)
     if chunk < 1 or n <= chunk:
         return list(range(n))
     capacities = [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
-    bins: list[list[int]] = [[] for _ in capacities]
-    totals = [0] * len(capacities)
-    for index in sorted(range(n), key=lambda i: (-weights[i], i)):
-        target = min((b for b in range(len(bins)) if len(bins[b]) < capacities[b]), key=lambda b: (totals[b], b))
-        bins[target].append(index)
-        totals[target] += weights[index]
-    return [index for members in bins for index in members]
+    return [index for members in balanced_bins(weights, capacities) for index in members]
 
 
-def group_windows(windows: list[MatchedJob], weights: list[int], group: int, chunk: int | None = None) -> list[WindowGroup]:
-    """Deal windows into groups of `group` (the last may be smaller) of about equal weight.
+def group_windows(windows: list[MatchedJob], weights: list[int], groups: int, chunk: int | None = None) -> list[WindowGroup]:
+    """Deal windows into `groups` groups of near-equal size (counts differ by at most one)
+    and near-equal weight. Listing order is kept when all weights are equal.
 
     chunk: when the runner splits the groups into consecutive chunks of this many (the
     DaskRunner's partitions), order the groups so every chunk carries about the same weight.
     """
-    if group < 1:
-        raise ValueError(f"group_windows: group must be >= 1, got {group}")
-    order = balanced_order(weights, group)
-    groups = [tuple(windows[i] for i in order[start:start + group]) for start in range(0, len(order), group)]
-    totals = [sum(weights[i] for i in order[start:start + group]) for start in range(0, len(order), group)]
+    if groups < 1:
+        raise ValueError(f"group_windows: need at least 1 group, got {groups}")
+    groups = min(groups, len(windows)) or 1
+    size, extra = divmod(len(windows), groups)
+    bins = balanced_bins(weights, [size + (1 if b < extra else 0) for b in range(groups)])
     if chunk is not None:
-        groups = [groups[i] for i in balanced_order(totals, chunk)]
-    return [WindowGroup(members) for members in groups]
+        bins = [bins[i] for i in balanced_order([sum(weights[i] for i in members) for members in bins], chunk)]
+    return [WindowGroup(tuple(windows[i] for i in members)) for members in bins if members]
 
 
 class MatchJobs(beam.PTransform):
     """PBegin -> PCollection[WindowGroup] of the lake's job windows dated date_from..date_to.
 
     jobs: an already made listing (the CLI lists once to print what it found); None lists now.
-    group: windows per group (1: a group per window). chunk: when the runner splits the
-    groups into consecutive chunks of this many (the DaskRunner's partitions), order them
-    so every chunk carries about the same bytes.
+    groups: how many groups to deal the windows into (None: one per window). chunk: when
+    the runner splits the groups into consecutive chunks of this many (the DaskRunner's
+    partitions), order them so every chunk carries about the same bytes.
     """
 
     def __init__(self, lake: str, date_from: str, date_to: str, jobs: list[LakeJob] | None = None,
-                 chunk: int | None = None, group: int = 1):
+                 chunk: int | None = None, groups: int | None = None):
         super().__init__()
         date_range(date_from, date_to)  # fail at graph build, not on a worker
         if chunk is not None and chunk < 1:
             raise ValueError(f"MatchJobs: chunk must be >= 1, got {chunk}")
-        if group < 1:
-            raise ValueError(f"MatchJobs: group must be >= 1, got {group}")
+        if groups is not None and groups < 1:
+            raise ValueError(f"MatchJobs: groups must be >= 1, got {groups}")
         self._lake, self._date_from, self._date_to = lake, date_from, date_to
-        self._jobs, self._chunk, self._group = jobs, chunk, group
+        self._jobs, self._chunk, self._groups = jobs, chunk, groups
 
     def expand(self, root):
         jobs = self._jobs if self._jobs is not None else list_jobs(self._lake, self._date_from, self._date_to)
@@ -129,7 +135,8 @@ class MatchJobs(beam.PTransform):
         if outside:
             raise ValueError(f"MatchJobs: job windows outside {self._date_from}..{self._date_to}: {[(j.date, j.job_id) for j in outside[:3]]}")
         jobs = list(jobs)
-        weighed = self._group > 1 or self._chunk is not None
+        count = len(jobs) if self._groups is None else self._groups
+        weighed = count < len(jobs) or self._chunk is not None
         groups = group_windows(match_windows(jobs), trace_bytes(jobs) if weighed else [0] * len(jobs),
-                               self._group, self._chunk)
+                               count, self._chunk)
         return root | "ListJobWindows" >> beam.Create(groups).with_output_types(WindowGroup)

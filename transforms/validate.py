@@ -1,9 +1,10 @@
-"""Validation of one job window's trace files against the lake contract, on the worker.
+"""Validation of job windows' trace files against the lake contract, on the worker.
 
-`validate_job_window` (plain function) reads a window's trace files and checks them with
-the Great Expectations suites and structural checks of schemas/expectations.py (the
-Validator is built once per worker thread in `setup()`); AnalyzeJobs calls it in the same
-DoFn that runs the engine, so op rows never leave the worker that read them.
+`validate_job_windows` (plain function) reads a group of windows' trace files and checks
+them with the Great Expectations suites and structural checks of schemas/expectations.py
+(one GX screen run for the whole group; the Validator is built once per worker thread in
+`setup()`); AnalyzeJobs calls it in the same DoFn that runs the engine, so op rows never
+leave the worker that read them. `validate_job_window` does one window.
 `ValidateTraces` is the same step as a composite of its own, for pipelines that only
 validate: PCollection[MatchedJob] -> named outputs
 - `valid`: PCollection[ValidatedJob] with the valid op rows;
