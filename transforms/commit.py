@@ -138,8 +138,9 @@ class StagedPartition:
 # Plain functions (no Beam): conform, serialise, stage, publish
 
 
-def conform_rows(rows: pa.Table | pa.RecordBatch, spec: TableSpec, where: str = "") -> pa.Table:
-    """Select and cast `rows` to the spec's schema and sort them by its keys (then every column).
+def conform_rows(rows: pa.Table | pa.RecordBatch, spec: TableSpec, where: str = "", *, sort: bool = True) -> pa.Table:
+    """Select and cast `rows` to the spec's schema and sort them by its keys (then every column;
+    sort=False keeps their order).
 
     Raises CommitError naming the table and the missing or uncastable column.
     """
@@ -159,7 +160,7 @@ def conform_rows(rows: pa.Table | pa.RecordBatch, spec: TableSpec, where: str = 
             raise CommitError(f"table {spec.name}{where}: column {field.name} has {column.null_count} nulls but is not nullable")
         columns.append(column)
     table = pa.Table.from_arrays(columns, schema=spec.schema)
-    if table.num_rows > 1:
+    if sort and table.num_rows > 1:
         keys = list(spec.sort_keys) + [n for n in spec.schema.names if n not in spec.sort_keys and _sortable(spec.schema.field(n).type)]
         order = pc.sort_indices(table, sort_keys=[(k, "ascending", "at_start") for k in keys])
         table = table.take(order)
@@ -229,7 +230,7 @@ def stage_partition(config: CommitConfig, table: str, date: str | None, parts: I
     if not spec.partitioned and date is not None:
         raise CommitError(f"table {table} is unpartitioned but got rows for date {date}")
     where = f" date={date}" if date else ""
-    parts = [conform_rows(p, spec, where) for p in parts]
+    parts = [conform_rows(p, spec, where, sort=False) for p in parts]   # one schema, so they concatenate
     rows = conform_rows(pa.concat_tables(parts) if parts else spec.schema.empty_table(), spec, where)
     fs, root = _fs(config.staging)
     _write_file(fs, f"{root}/{_relative(table, date)}/{PART_FILE}", parquet_bytes(rows))
