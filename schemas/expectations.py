@@ -831,7 +831,8 @@ class Validator:
         if not result.success:
             window = frame[WINDOW].to_numpy()
             for _, _, indices in self._failures("trace_screen", frame, {}, where):
-                failed.update(window[indices].tolist())
+                # a failure that names no row clears nobody: every window goes to the row level
+                failed.update(window[indices].tolist() if indices.size else range(len(candidates)))
         return {candidates[c] for c in range(len(candidates)) if c not in failed}, time.perf_counter() - started
 
     def _check_rows(self, job_id: str | None, manifest: Mapping[str, Any] | None, paths: list[str | None],
