@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/bench_batch.py --days 2 --jobs-per-day 5  # a quick look
     .venv/bin/python benchmarks/bench_batch.py --runners fnapi           # skip the Dask run
     .venv/bin/python benchmarks/bench_batch.py --only-days 3             # the 30-day fleet, first 3 dates only
+    .venv/bin/python benchmarks/bench_batch.py --runners dask --dask-partitions 12   # Dask partition count
 
 The fleet (transforms.synth.fleet.sample_fleet + write_fleet, 2% bad input) is generated
 once into --lake and reused by later runs. Each runner then processes the whole date
@@ -46,7 +47,8 @@ def _generate(lake: pathlib.Path, days: int, jobs_per_day: int, seed: int, bad_f
     print(f"fleet: {summary.jobs} jobs, {summary.bad_jobs} bad, {summary.records:,} op records in {summary.seconds:.0f} s")
 
 
-def _run(lake: pathlib.Path, out: pathlib.Path, date_from: str, date_to: str, runner: str, workers: int) -> dict:
+def _run(lake: pathlib.Path, out: pathlib.Path, date_from: str, date_to: str, runner: str, workers: int,
+         dask_partitions: int | None = None) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     argv = ["--lake", str(lake), "--from", date_from, "--to", date_to, "--out", str(out), "--workers", str(workers), "--quiet"]
     cluster = None
@@ -55,6 +57,8 @@ def _run(lake: pathlib.Path, out: pathlib.Path, date_from: str, date_to: str, ru
 
         cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None)
         argv += ["--runner", "DaskRunner", "--dask-address", cluster.scheduler_address]
+        if dask_partitions:
+            argv += ["--dask-partitions", str(dask_partitions)]
     started = time.perf_counter()
     try:
         summary, _ = batch.execute(batch.parse(argv))
@@ -100,6 +104,7 @@ def main() -> None:
     parser.add_argument("--bad-fraction", type=float, default=0.02)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--runners", default="fnapi,dask", help="comma list of fnapi, dask")
+    parser.add_argument("--dask-partitions", type=int, default=None, help="strag batch --dask-partitions (default: its own)")
     parser.add_argument("--only-days", type=int, default=None, help="process only the first N dates of the fleet")
     parser.add_argument("--work", default="/tmp/strag-bench", help="folder for the lake and the outputs")
     args = parser.parse_args()
@@ -114,7 +119,7 @@ def main() -> None:
     outputs = {}
     for runner in args.runners.split(","):
         out = work / f"out-{lake.name}-{runner}"
-        summary = _run(lake, out, dates[0], dates[-1], runner, args.workers)
+        summary = _run(lake, out, dates[0], dates[-1], runner, args.workers, args.dask_partitions)
         _report({"fnapi": "FnApiRunner (embedded default, multi-process)", "dask": "DaskRunner (LocalCluster)"}[runner],
                 summary, args.workers)
         outputs[runner] = out

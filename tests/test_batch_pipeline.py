@@ -266,6 +266,17 @@ def test_parse_refuses_what_cannot_work(lake, tmp_path):
         batch.parse(_argv(lake[0], str(tmp_path / "out"), "--runner", "DirectRunner"))
 
 
+def test_window_groups_and_dask_partitions_follow_the_workers(lake, tmp_path):
+    opts = batch.parse(_argv(lake[0], str(tmp_path / "out"), "--workers", "2"))
+    # up to MAX_GROUP windows a group, a multiple of the workers, at least 4 groups each
+    assert [batch.window_groups(opts, n) for n in (0, 5, 20, 600)] == [0, 5, 8, 76]
+    assert batch.window_groups(batch.parse(_argv(lake[0], str(tmp_path / "out"), "--group", "10")), 600) == 60
+    dask = batch.parse(_argv(lake[0], str(tmp_path / "out"), "--runner", "DaskRunner", "--workers", "2"))
+    assert dask.dask_partitions == 16 and batch.dask_chunk(dask, 76) == 5 and batch.dask_chunk(opts, 76) is None
+    with pytest.raises(batch.BatchUsageError, match="--group 0"):
+        batch.parse(_argv(lake[0], str(tmp_path / "out"), "--group", "0"))
+
+
 def test_a_second_terminal_step_is_refused(lake, tmp_path):
     opts = batch.parse(_argv(lake[0], str(tmp_path / "out")))
     p = beam.Pipeline()
