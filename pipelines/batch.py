@@ -21,9 +21,8 @@ Runners:
   pipeline ends in one terminal step (the commit), does its own IO with pyarrow + fsspec in
   DoFns, and carries its counts and timings in its elements. `build` refuses a graph with a
   second terminal step. Its GroupByKey is a task shuffle whose cost grows with the square
-  of the partitions, so window groups are dealt into --dask-partitions (default 8 x
-  --workers) partitions of equal bytes rather than one partition each: few enough for
-  the shuffle, small enough that the last ones leave no worker idle for long.
+  of the partitions, so window groups are dealt into --dask-partitions (default 4 x
+  --workers) partitions of equal bytes rather than one partition each.
 
 Window groups (--group N: about N windows each; default up to 8, in a multiple of --workers
 groups, at least 4 per worker): a worker validates a group's windows with one Great
@@ -120,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
                              f"to {MAX_GROUP}, at least 4 groups per worker)")
     parser.add_argument("--dask-address", default=None, help="dask.distributed scheduler address (DaskRunner); default: start a local cluster")
     parser.add_argument("--dask-partitions", type=int, default=None,
-                        help="DaskRunner: deal the window groups into this many partitions of equal bytes (default 8 x --workers)")
+                        help="DaskRunner: deal the window groups into this many partitions of equal bytes (default 4 x --workers)")
     parser.add_argument("--quiet", action="store_true", help="no line per job window; only the final summary line")
     return parser
 
@@ -165,7 +164,7 @@ def parse(argv: list[str]) -> BatchOptions:
         raise BatchUsageError(f"--out {out} is the lake itself; write the tables to their own folder or prefix")
     run_id = f"{args.date_from}_{args.date_to}_{uuid.uuid4().hex[:12]}"
     return BatchOptions(lake, args.date_from, args.date_to, out, runner, args.workers, running_mode, args.dask_address,
-                        args.dask_partitions or 8 * args.workers, args.group, run_id, tuple(beam_args), args.quiet)
+                        args.dask_partitions or 4 * args.workers, args.group, run_id, tuple(beam_args), args.quiet)
 
 
 def _check_lake(lake: str) -> None:
