@@ -1081,9 +1081,8 @@ def _worker_step_grid(table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarr
     width = int(stage.max()) + 1   # valid rows have stage >= 0
     workers, worker_index = _dense_codes(dp * width + stage)
     steps, step_index = _dense_codes(table["step"].to_numpy())
-    seen = np.zeros((workers.size, steps.size), dtype=bool)
-    seen[worker_index, step_index] = True
-    return workers // width, workers % width, steps, seen
+    cells = np.bincount(worker_index * steps.size + step_index, minlength=workers.size * steps.size)
+    return workers // width, workers % width, steps, (cells > 0).reshape(workers.size, steps.size)
 
 
 def _workers_present(grid) -> set[tuple[int, int]]:
