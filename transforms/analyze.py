@@ -43,6 +43,7 @@ from transforms.validate import (
     count_quarantine,
     count_quarantine_error,
     coverage_row,
+    gpu_hours,
     guarded_pardo,
     quarantined_outcome,
     unexpected_error_outcome,
@@ -78,11 +79,6 @@ def job_meta(manifest: dict[str, Any]) -> JobMeta:
         vpp_size=int(manifest["vpp_size"]),
         world_size=int(manifest["world_size"]),
     )
-
-
-def gpu_hours(manifest: dict[str, Any]) -> float:
-    """GPU count x wall-clock hours of the window (manifest end_time - start_time)."""
-    return int(manifest["gpus"]) * (manifest["end_time"] - manifest["start_time"]).total_seconds() / 3600.0
 
 
 def _discard_reason(result: WhatIfResult) -> str | None:

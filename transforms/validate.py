@@ -45,6 +45,7 @@ __all__ = [
     "validate_job_windows",
     "quarantine_rows",
     "coverage_row",
+    "gpu_hours",
     "quarantined_outcome",
     "unexpected_error_outcome",
     "dead_letters",
@@ -121,13 +122,15 @@ def _job_problem(job: LakeJob, report: ValidationReport) -> JobProblem | None:
     return JobProblem(first.reason, REASONS.get(first.reason, ("job", first.reason))[1], first.detail, first.source_path or _window_path(job))
 
 
+def gpu_hours(manifest: dict[str, Any]) -> float:
+    """GPU count x wall-clock hours of the window (manifest end_time - start_time)."""
+    return int(manifest["gpus"]) * (manifest["end_time"] - manifest["start_time"]).total_seconds() / 3600.0
+
+
 def coverage_row(job: LakeJob, status: str, stats: JobStats, *, reason_code: str | None = None, reason: str | None = None,
                  manifest: dict[str, Any] | None = None, launch_slowdown: float | None = None) -> pa.Table:
     """The window's coverage row (COVERAGE_SCHEMA)."""
-    gpus = gpu_hours = None
-    if manifest is not None:
-        gpus = int(manifest["gpus"])
-        gpu_hours = gpus * (manifest["end_time"] - manifest["start_time"]).total_seconds() / 3600.0
+    gpus = int(manifest["gpus"]) if manifest is not None else None
     return pa.Table.from_pylist(
         [{
             "job_id": job.job_id,
@@ -139,7 +142,7 @@ def coverage_row(job: LakeJob, status: str, stats: JobStats, *, reason_code: str
             "rows_read": stats.rows_read,
             "rows_quarantined": stats.rows_quarantined,
             "gpus": gpus,
-            "gpu_hours": gpu_hours,
+            "gpu_hours": gpu_hours(manifest) if manifest is not None else None,
             "launch_slowdown": launch_slowdown,
         }],
         schema=COVERAGE_SCHEMA,
