@@ -27,7 +27,7 @@ import pyarrow as pa
 from schemas.expectations import MISSING_MANIFEST, MISSING_WORKERS, Problem
 from schemas.lake import LANDING
 from schemas.tables import QUARANTINE_SCHEMA
-from transforms.lake import LakeJob, LakeReadError, read_manifest, read_parquet
+from transforms.lake import LakeJob, LakeReadError, read_job_files, read_manifest
 from transforms.sessions import Assembly
 from transforms.whatif.causes import CauseError
 from transforms.whatif.errors import WhatIfError
@@ -166,13 +166,7 @@ def analyze_session(
     # path is given only for reporting.
     manifest_issues = [dataclasses.replace(p, source_path=assembly.manifest_path)
                        for p in validator.validate_manifest(manifest, None)]
-    files = []
-    for path in paths:
-        try:
-            files.append((path, read_parquet(path)))
-        except LakeReadError as error:
-            files.append((path, error))
-    report = validator.validate_job(assembly.job_id, None if manifest_issues else manifest, files,
+    report = validator.validate_job(assembly.job_id, None if manifest_issues else manifest, read_job_files(job),
                                     manifest_path=assembly.manifest_path, manifest_issues=manifest_issues)
     # Missing workers are expected in an incomplete session: reported in the row, analysed around.
     problems = [p for p in report.problems if p.reason != MISSING_WORKERS]
