@@ -110,6 +110,29 @@ def test_missing_optimizer(st):
     assert (error.stage, error.op) == (2, "optimizer_0_2")
 
 
+@pytest.mark.parametrize("optype", ["gc", "layernorm-grads-all-reduce", "embedding-grads-all-reduce", "optimizer-clip-main-grad"])
+def test_tail_op_missing_on_one_stage(st, optype):
+    """A job that records a tail op type must record it on every stage (on both ends for embedding)."""
+    frame, meta = st
+    error = raises(MissingOpError, frame[~((frame.optype == optype) & (frame.stage == 3))], meta)
+    assert (error.stage, error.op) == (3, f"{optype}_0_3")
+
+
+def test_tail_op_types_a_job_does_not_record_are_left_out(st):
+    """Converted profiler traces have no gc, layernorm, embedding or clip ops: the tail is then
+    last compute -> grads-reduce-scatter -> optimizer, and the replay still reproduces the trace."""
+    frame, meta = st
+    tail = ["gc", "layernorm-grads-all-reduce", "embedding-grads-all-reduce", "optimizer-clip-main-grad"]
+    trimmed = frame[~frame.optype.isin(tail)]
+    model = compile_job(table(trimmed), meta, JOB)
+    assert model.n_ops == 106 - 4 * 3 - 2
+    result = analyze_job(table(trimmed), meta, JOB)
+    full = analyze_job(table(frame), meta, JOB)
+    # the gc ops last 0 s and the other tail ops are short on ST: S moves, but only a little
+    assert result.slowdown == pytest.approx(full.slowdown, rel=0.1)
+    assert result.launch_slowdown == pytest.approx(full.launch_slowdown, rel=0.05)
+
+
 def test_unknown_optype(st):
     frame, meta = st
     mutated = frame.copy()

@@ -634,6 +634,16 @@ class _Template:
     def find(self, optype: int, seq_id: int, stage: int) -> int | None:
         return self.index.get((optype, int(seq_id), int(stage)))
 
+    def has(self, optype: int) -> bool:
+        """Whether the template holds any op of this type (on any stage)."""
+        return bool((self.optype == optype).any())
+
+    def tail_op(self, optype: int, stage: int, why: str) -> list[int]:
+        """[the op `{optype}_0_{stage}`], or [] when the job records no op of this type at all
+        (a trainer without that step, e.g. no grad clipping, or a converted profiler trace
+        that has no gc or layernorm all-reduce); missing on only some stages is an error."""
+        return [self.require(optype, 0, stage, why)] if self.has(optype) else []
+
     def require(self, optype: int, seq_id: int, stage: int, why: str) -> int:
         op = self.find(optype, seq_id, stage)
         if op is None:
@@ -806,9 +816,11 @@ def _build_graph(template: _Template, dp_size: int, meta: JobMeta) -> _Graph:
     if graph.uses_dp:
         for op in np.flatnonzero(np.isin(template.optype, (AG, RS, SEP))):
             graph.group([int(op)], synced=True)
-    embedding = sorted({0, pp - 1})
-    graph.group([template.require(EMB, 0, stage, "the embedding all-reduce links the first and last stage") for stage in embedding], synced=False)
-    graph.group([template.require(CLIP, 0, stage, "the grad-norm all-reduce synchronises all workers") for stage in range(pp)], synced=True)
+    if template.has(EMB):
+        embedding = sorted({0, pp - 1})
+        graph.group([template.require(EMB, 0, stage, "the embedding all-reduce links the first and last stage") for stage in embedding], synced=False)
+    if template.has(CLIP):
+        graph.group([template.require(CLIP, 0, stage, "the grad-norm all-reduce synchronises all workers") for stage in range(pp)], synced=True)
     return graph
 
 
@@ -943,15 +955,17 @@ def _step_tail(template: _Template, graph: _Graph) -> None:
         if not len(compute):
             raise template.error(MissingOpError, "stage has no compute ops", stage=stage)
         last_compute = int(compute[np.argmax(template.end[compute])])
-        gc = template.require(GC, 0, stage, "gc follows the last compute op of every stage")
-        graph.edge(last_compute, gc)
-        layernorm = template.require(LN, 0, stage, "every stage ends its step with the layernorm all-reduce")
-        embedding = [template.require(EMB, 0, stage, "the first and last stage all-reduce embedding grads")] if stage in (0, pp - 1) else []
-        clip = template.require(CLIP, 0, stage, "every stage joins the grad-norm all-reduce before the optimizer")
+        gc = template.tail_op(GC, stage, "gc follows the last compute op of every stage")
+        for op in gc:
+            graph.edge(last_compute, op)
+        after = gc or [last_compute]
+        layernorm = template.tail_op(LN, stage, "every stage ends its step with the layernorm all-reduce")
+        embedding = template.tail_op(EMB, stage, "the first and last stage all-reduce embedding grads") if stage in (0, pp - 1) else []
+        clip = template.tail_op(CLIP, stage, "every stage joins the grad-norm all-reduce before the optimizer")
         optimizer = template.require(OPT, 0, stage, "every stage ends its step with the optimizer")
         scatters = np.flatnonzero((template.stage == stage) & (template.optype == RS))
         if not graph.uses_dp:
-            graph.chain([layernorm, *embedding, clip, optimizer], after=[gc])
+            graph.chain([*layernorm, *embedding, *clip, optimizer], after=after)
             continue
         if not len(scatters):
             raise template.error(MissingOpError, "a job with data parallelism needs grads-reduce-scatter ops on every stage", stage=stage)
@@ -959,8 +973,8 @@ def _step_tail(template: _Template, graph: _Graph) -> None:
         if graph.dp_overlapped:
             last_scatter = template.require(RS, n_scatter - 1, stage, "the last reduce-scatter precedes the step tail")
             separate = template.require(SEP, 0, stage, "overlapped DP all-reduces the separate grads before clipping")
-            graph.chain([layernorm, *embedding, separate, clip, optimizer], after=[last_scatter, gc])
+            graph.chain([*layernorm, *embedding, separate, *clip, optimizer], after=[last_scatter, *after])
         else:
             chain = [template.require(RS, i, stage, "non-overlapped DP reduce-scatters all grads in the tail") for i in range(n_scatter)]
-            graph.chain([layernorm, *embedding, *chain, clip, optimizer], after=[gc])
+            graph.chain([*layernorm, *embedding, *chain, *clip, optimizer], after=after)
 
