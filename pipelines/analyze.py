@@ -3,9 +3,12 @@
     strag analyze TRACE.parquet --meta META.yaml [--job-id ID] [--json OUT.json]
                   [--timeline OUT.json.gz] [--timeline-steps N]
     strag analyze --lake URL --job-id ID [--date YYYY-MM-DD] [--json OUT.json] [--timeline ...]
+    strag analyze --format kineto|ndtimeline DIR [--job-yaml FILE] [--job-id ID] [--json ...]
 
 The first form reads a trace in the published format (or the lake's TRACE_SCHEMA)
-plus the published meta yaml; the second reads a lake job's trace files and manifest.
+plus the published meta yaml; the second reads a lake job's trace files and manifest;
+the third converts raw profiler output (a folder of per-rank torch.profiler traces, or
+NDTimeline records; transforms/ingest/) and analyses it without writing anything.
 Prints a short summary (S, waste, discrepancy verdict, top stages / DP ranks / op
 types, M_W, M_S). --json writes the reference analyzer's result-*.json fields plus
 M_W, M_S with their parts (mw / ms), waste and the verdict fields; --timeline writes
@@ -41,8 +44,20 @@ class AnalyzeOptions:
     timeline_out: pathlib.Path | None
     timeline_steps: int | None
     top: int
+    fmt: str | None = None
+    job_yaml: pathlib.Path | None = None
 
     def __post_init__(self):
+        if self.fmt is not None:
+            if self.trace is None or self.lake is not None or self.meta is not None:
+                raise ValueError(f"--format {self.fmt} reads a folder (or file) of raw traces: give DIR, without --lake or --meta")
+            if not self.trace.exists():
+                raise ValueError(f"no such file or folder: {self.trace}")
+            if self.job_yaml is not None and not self.job_yaml.is_file():
+                raise ValueError(f"no such file: {self.job_yaml}")
+            return
+        if self.job_yaml is not None:
+            raise ValueError("--job-yaml goes with --format kineto|ndtimeline")
         if (self.trace is None) == (self.lake is None):
             raise ValueError("give either TRACE.parquet --meta META.yaml, or --lake URL --job-id ID")
         if self.trace is not None:
@@ -62,7 +77,12 @@ def parse(argv: list[str]) -> AnalyzeOptions:
     parser = argparse.ArgumentParser(
         prog="strag analyze",
         description="What-if analysis of one training job (slowdown S, attribution, M_W, M_S).")
-    parser.add_argument("trace", nargs="?", type=pathlib.Path, help="trace parquet (published format or TRACE_SCHEMA)")
+    parser.add_argument("trace", nargs="?", type=pathlib.Path,
+                        help="trace parquet (published format or TRACE_SCHEMA), or with --format a folder of raw traces")
+    parser.add_argument("--format", dest="fmt", choices=("kineto", "ndtimeline"),
+                        help="raw profiler output: kineto = torch.profiler JSON per rank, ndtimeline = NDTimeline JSON lines")
+    parser.add_argument("--job-yaml", type=pathlib.Path,
+                        help="with --format: job.yaml (sizes, layout, labels; default: DIR/job.yaml when present)")
     parser.add_argument("--meta", type=pathlib.Path, help="meta yaml: dp_size, pp_size, tp_size, dsp_size, vpp_size, world_size")
     parser.add_argument("--lake", help="lake URL (folder, file://, memory://, s3://) to read the job from")
     parser.add_argument("--job-id", help="job id (required with --lake; default: the meta's trial_name or the file name)")
@@ -76,17 +96,27 @@ def parse(argv: list[str]) -> AnalyzeOptions:
     try:
         return AnalyzeOptions(trace=args.trace, meta=args.meta, lake=args.lake, job_id=args.job_id, date=args.date,
                               json_out=args.json_out, timeline_out=args.timeline_out,
-                              timeline_steps=args.timeline_steps, top=args.top)
+                              timeline_steps=args.timeline_steps, top=args.top, fmt=args.fmt, job_yaml=args.job_yaml)
     except ValueError as error:
         parser.error(str(error))
 
 
 def load_job(opts: AnalyzeOptions):
-    """(trace table, JobMeta, job id, source description) for the options' job."""
+    """(trace table, JobMeta, job id, source description, ConvertedJob or None) for the options' job."""
     import pyarrow.parquet as pq
 
     from transforms.whatif.result import JobMeta
 
+    if opts.fmt is not None:
+        from pipelines.ingest import _options, raw_files
+        from transforms.ingest import convert_window, describe_source
+
+        job_id = opts.job_id or opts.trace.resolve().name.removesuffix(".gz").removesuffix(".json")
+        converted = convert_window(opts.fmt, raw_files([str(opts.trace)], opts.fmt), job_id,
+                                   dt.datetime.now(dt.timezone.utc).date().isoformat(),
+                                   job_yaml=_options(str(opts.job_yaml) if opts.job_yaml else None))
+        return (converted.trace, JobMeta.from_mapping(converted.manifest), job_id,
+                f"{opts.trace} ({describe_source(converted.source)})", converted)
     if opts.trace is not None:
         import yaml
 
@@ -96,7 +126,7 @@ def load_job(opts: AnalyzeOptions):
             raise ValueError(f"{opts.meta}: meta yaml lacks {missing}")
         meta = JobMeta.from_mapping(fields)
         job_id = opts.job_id or str(fields.get("trial_name") or opts.trace.stem)
-        return pq.read_table(opts.trace), meta, job_id, str(opts.trace)
+        return pq.read_table(opts.trace), meta, job_id, str(opts.trace), None
     from transforms.lake import find_job, read_manifest, read_trace_files
 
     job = find_job(opts.lake, opts.job_id, opts.date)
@@ -104,7 +134,8 @@ def load_job(opts: AnalyzeOptions):
         raise ValueError(f"lake job {opts.job_id!r} on {job.date} has no manifest: its parallelism is unknown")
     manifest = read_manifest(job.manifest_path)
     meta = JobMeta.from_mapping(manifest)
-    return read_trace_files(job.trace_files), meta, job.job_id, f"{opts.lake} (date {job.date}, {len(job.trace_files)} files)"
+    return (read_trace_files(job.trace_files), meta, job.job_id, f"{opts.lake} (date {job.date}, {len(job.trace_files)} files)",
+            None)
 
 
 def summary(result, n_ops: int, seconds: float, top: int = 3) -> str:
@@ -144,6 +175,25 @@ def summary(result, n_ops: int, seconds: float, top: int = 3) -> str:
     return "\n".join(lines)
 
 
+def verdict_lines(verdict, result) -> str:
+    """The root-cause verdict for people: cause, confidence, the workers blamed (global ranks), the fix's S."""
+    if verdict.cause == "none":
+        return f"verdict: not straggling (S {verdict.slowdown:.3f} < 1.1): no root cause to look for"
+    ranks = result.worker_rank
+    lines = [f"verdict: {verdict.cause} (confidence {verdict.confidence:.2f})"
+             + (f"; also {', '.join(c for c in verdict.causes if c != verdict.cause)}" if len(verdict.causes) > 1 else "")]
+    for cause in verdict.causes:
+        fix = verdict.fixes.get(cause)
+        if fix is not None:
+            lines.append(f"  fix what-if for {cause}: S {verdict.slowdown:.3f} -> {fix.fixed_slowdown:.3f} "
+                         f"({100 * fix.explained:.0f}% of the straggling time explained)")
+    if verdict.implicated_workers:
+        blamed = ", ".join(f"dp {d} / stage {p}" + (f" (rank {int(ranks[d, p])})" if ranks is not None else "")
+                           for d, p in verdict.implicated_workers)
+        lines.append(f"  workers blamed: {blamed}")
+    return "\n".join(lines)
+
+
 def run(argv: list[str]) -> int:
     """Analyse the job, print the summary, write the requested outputs. Returns the exit code."""
     opts = parse(argv)
@@ -153,18 +203,29 @@ def run(argv: list[str]) -> int:
     from transforms.lake import LakeError
 
     try:
-        trace, meta, job_id, source = load_job(opts)
+        trace, meta, job_id, source, converted = load_job(opts)
     except (OSError, ValueError, LakeError) as error:
-        print(f"strag analyze: cannot read the job: {error}", file=sys.stderr)
+        code = f" [{error.reason_code}]" if hasattr(error, "reason_code") else ""
+        print(f"strag analyze: cannot read the job: {error}{code}", file=sys.stderr)
         return 2
     started = time.perf_counter()
+    verdict = None
     try:
-        result = analyze_job(trace, meta, job_id, timeline=opts.timeline_out is not None)
+        if converted is not None:
+            from transforms.whatif.causes import analyze_and_classify
+
+            result, verdict = analyze_and_classify(trace, meta, job_id, timeline=opts.timeline_out is not None)
+        else:
+            result = analyze_job(trace, meta, job_id, timeline=opts.timeline_out is not None)
     except WhatIfError as error:
         print(f"strag analyze: {source}: {error}", file=sys.stderr)
         return 1
     seconds = time.perf_counter() - started
+    if converted is not None:
+        print(f"source: {source}")
     print(summary(result, trace.num_rows, seconds, opts.top))
+    if verdict is not None:
+        print(verdict_lines(verdict, result))
     if opts.json_out is not None:
         opts.json_out.parent.mkdir(parents=True, exist_ok=True)
         opts.json_out.write_text(json.dumps(result.to_json(), indent=2))

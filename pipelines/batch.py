@@ -171,11 +171,11 @@ def _check_lake(lake: str) -> None:
     """A mistyped --lake must not publish empty partitions over real tables: the lake must exist."""
     try:
         fs, root = fsspec.core.url_to_fs(lake)
-        exists = fs.exists(root) and (fs.exists(f"{root}/traces") or fs.exists(f"{root}/manifests") or fs.exists(f"{root}/_lake.json"))
+        exists = fs.exists(root) and any(fs.exists(f"{root}/{part}") for part in ("traces", "manifests", "raw", "_lake.json"))
     except (OSError, ValueError, ImportError) as error:
         raise BatchUsageError(f"--lake {lake}: cannot be opened ({type(error).__name__}: {error})") from None
     if not exists:
-        raise BatchUsageError(f"--lake {lake}: no lake there (expected traces/, manifests/ or _lake.json); check the URL"
+        raise BatchUsageError(f"--lake {lake}: no lake there (expected traces/, manifests/, raw/ or _lake.json); check the URL"
                               + (" (memory:// is per process)" if _memory(lake) else ""))
 
 

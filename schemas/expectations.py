@@ -38,6 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas.lake import parse_partition
+from schemas.raw import RAW_REASONS
 from schemas.trace import MANIFEST_SCHEMA, OPTYPES, TRACE_REQUIRED, TRACE_SCHEMA
 
 __all__ = [
@@ -126,6 +127,8 @@ REASONS: dict[str, tuple[str, str]] = {
     MISSING_WORKERS: ("job", "workers of the manifest have no valid rows"),
     MISSING_STEPS: ("job", "some workers lack steps that other workers of the job have"),
 }
+# Raw profiler uploads that cannot be converted (schemas/raw.py): after the lake's own reasons.
+REASONS.update(RAW_REASONS)
 FILE_REASONS = tuple(code for code, (level, _) in REASONS.items() if level == "file")
 ROW_REASONS = tuple(code for code, (level, _) in REASONS.items() if level == "row")
 JOB_REASONS = tuple(code for code, (level, _) in REASONS.items() if level == "job")

@@ -11,6 +11,7 @@ a file holds whole workers (all rows of a worker for the steps it covers).
 from __future__ import annotations
 
 import datetime as dt
+import re
 
 __all__ = [
     "TRACES",
@@ -21,12 +22,28 @@ __all__ = [
     "manifest_path",
     "landing_dir",
     "parse_partition",
+    "safe_job_id",
 ]
 
 TRACES = "traces"
 MANIFESTS = "manifests"
 LANDING = "landing"
 LAKE_MARKER = "_lake.json"
+
+
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+@:-]{0,199}")
+
+
+def safe_job_id(job_id: str) -> str:
+    """`job_id` when it can name a lake folder and file as it is; ValueError saying why not.
+
+    Letters, digits and . _ + @ : - only, starting with a letter or digit (names starting
+    with '.' or '_' are hidden from listings; '/', '=' and '..' would leave the partition).
+    """
+    if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id) or ".." in job_id:
+        raise ValueError(f"job id {job_id!r}: use 1-200 letters, digits and . _ + @ : - starting with a letter or "
+                         "digit (no '/', '=', '..'; a leading '.' or '_' would hide it)")
+    return job_id
 
 
 def _join(lake: str, *parts: str) -> str:

@@ -138,6 +138,10 @@ JOB_SUMMARY_SCHEMA = _schema(
         pa.field("causes", pa.list_(pa.string()), nullable=True),  # every detected cause, strongest first
         pa.field("cause_confidence", pa.float64(), nullable=True),  # of the primary cause, 0..1
         pa.field("savings_gpu_hours", pa.float64(), nullable=True),  # GPU-hours fixing the primary cause would save
+        # Where the op rows came from (schemas/raw.py SOURCE_FORMATS) and, for converted
+        # profiler output, a line for people: profiler and version, ranks, device, what was left out.
+        pa.field("source_format", pa.string(), nullable=False),
+        pa.field("source", pa.string(), nullable=True),
     ],
 )
 
@@ -206,6 +210,7 @@ COVERAGE_SCHEMA = _schema(
         pa.field("gpus", pa.int32(), nullable=True),               # from the manifest, when readable
         pa.field("gpu_hours", pa.float64(), nullable=True),
         pa.field("launch_slowdown", pa.float64(), nullable=True),  # when the engine got that far
+        pa.field("source_format", pa.string(), nullable=False),    # schemas/raw.py SOURCE_FORMATS
     ],
 )
 

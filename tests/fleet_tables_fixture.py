@@ -41,7 +41,8 @@ def _outcome(rng: np.random.Generator, job_id: str, date: dt.date, hosts: list[s
     hours = float(rng.uniform(2, 20))
     gpu_hours = gpus * hours
     coverage = {"job_id": job_id, "status": "analysed", "reason_code": None, "reason": None, "has_manifest": True, "trace_files": dp * pp,
-                "rows_read": 1000, "rows_quarantined": 0, "gpus": gpus, "gpu_hours": gpu_hours, "launch_slowdown": None}
+                "rows_read": 1000, "rows_quarantined": 0, "gpus": gpus, "gpu_hours": gpu_hours, "launch_slowdown": None,
+                "source_format": "lake"}
     stats = JobStats(job_id, date.isoformat(), "analysed")
     if roll < 0.08:
         coverage.update(status="quarantined", reason_code="missing-manifest", reason="no manifest for the window", has_manifest=False)
@@ -83,7 +84,7 @@ def _outcome(rng: np.random.Generator, job_id: str, date: dt.date, hosts: list[s
             "waste": 1 - 1 / slowdown, "gpu_hours": gpu_hours, "wasted_gpu_hours": gpu_hours * (1 - 1 / slowdown), "launch_slowdown": launch,
             "discarded": discarded, "discard_reason": "replay discrepancy above 5%" if discarded else None, "straggling": slowdown >= 1.1,
             "attributed": attributed, "m_w": 0.9 if cause == "individual-worker" else 0.05, "m_w_add": None,
-            "m_s": 0.8 if cause == "stage-imbalance" else 0.02, "m_s_add": None,
+            "m_s": 0.8 if cause == "stage-imbalance" else 0.02, "m_s_add": None, "source_format": "lake",
         }],
         "step_slowdown": [{"job_id": job_id, "step": int(s), "step_time_observed": ideal * v * launch, "step_time": ideal * v,
                            "step_time_ideal": ideal, "slowdown": float(v)} for s, v in zip(steps, step_slowdown)],

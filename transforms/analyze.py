@@ -38,6 +38,7 @@ from schemas.tables import (
     STEP_SLOWDOWN_SCHEMA,
     WORKER_ATTRIBUTION_SCHEMA,
 )
+from transforms.ingest.common import describe_source
 from transforms.elements import JobOutcome, JobProblem, MatchedJob, ValidatedJob, WindowGroup
 from transforms.validate import (
     count_quarantine,
@@ -46,6 +47,7 @@ from transforms.validate import (
     gpu_hours,
     guarded_pardo,
     quarantined_outcome,
+    source_format,
     unexpected_error_outcome,
     validate_job_window,
     validate_job_windows,
@@ -151,6 +153,8 @@ def result_tables(validated: ValidatedJob, result: WhatIfResult, verdict=None) -
         "m_s": _optional(result.ms.rem) if result.ms else None,
         "m_s_add": _optional(result.ms.add) if result.ms else None,
         "cause": None, "causes": None, "cause_confidence": None, "savings_gpu_hours": None,
+        "source_format": source_format(job, manifest),
+        "source": describe_source(manifest["source"]) if isinstance(manifest.get("source"), dict) else None,
     }
     if verdict is not None and not result.discarded:
         summary.update(cause=verdict.cause, causes=list(verdict.causes), cause_confidence=float(verdict.confidence),

@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 
 from schemas.expectations import TraceContractError, conform_trace
 from schemas.lake import LAKE_MARKER, MANIFESTS, TRACES, manifest_path, trace_dir
+from schemas.raw import SOURCE_KEY
 from schemas.trace import MANIFEST_SCHEMA, SCHEMA_VERSION, TRACE_SCHEMA
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "read_lake_marker",
     "write_job",
     "list_jobs",
+    "list_raw_jobs",
     "find_job",
     "read_manifest",
     "read_manifest_table",
@@ -75,8 +77,9 @@ class LakeJob:
     lake: str
     date: str                      # YYYY-MM-DD
     job_id: str
-    trace_files: tuple[str, ...]   # URLs, sorted
+    trace_files: tuple[str, ...]   # URLs, sorted (raw windows: the raw files, job.yaml included)
     manifest_path: str | None      # URL, or None when the job has no manifest for the date
+    raw_format: str | None = None  # schemas.raw.RAW_FORMATS: raw uploads converted on the worker
 
 
 def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -283,8 +286,36 @@ def list_jobs(lake: str, date_from: dt.date | str | None = None,
                 continue
             job_id = relative.removesuffix(".parquet")
             jobs.setdefault((date, job_id), {"traces": [], "manifest": None})["manifest"] = f"{base}/{relative}"
-    return [LakeJob(lake, date, job_id, tuple(sorted(entry["traces"])), entry["manifest"])
-            for (date, job_id), entry in sorted(jobs.items())]
+    native = [LakeJob(lake, date, job_id, tuple(sorted(entry["traces"])), entry["manifest"])
+              for (date, job_id), entry in sorted(jobs.items())]
+    raw = [job for job in list_raw_jobs(lake, low, high) if (job.date, job.job_id) not in jobs]
+    return sorted(native + raw, key=lambda job: (job.date, job.job_id))
+
+
+def list_raw_jobs(lake: str, date_from: str | None = None, date_to: str | None = None) -> list[LakeJob]:
+    """Raw job windows `{lake}/raw/{format}/date=D/job_id=J/*` (schemas/raw.py) with dates in the range.
+
+    A window's trace_files are its raw files of that format plus job.yaml. list_jobs leaves
+    out a raw window whose job also has native traces or a manifest that date (an imported
+    copy): the native one is analysed.
+    """
+    from schemas.raw import JOB_YAML, RAW, RAW_FORMATS, raw_format_of
+
+    out = []
+    for fmt in RAW_FORMATS:
+        top = f"{RAW}/{fmt}"
+        for date in _partition_dates(lake, top, date_from, date_to):
+            base = f"{lake}/{top}/date={date}"
+            windows: dict[str, list[str]] = {}
+            for relative in _relative_listing(base):
+                parts = relative.split("/")
+                if len(parts) != 2 or not parts[0].startswith("job_id=") or not _visible(parts[1]):
+                    continue
+                if parts[1] != JOB_YAML and raw_format_of(parts[1]) != fmt:
+                    continue
+                windows.setdefault(parts[0].removeprefix("job_id="), []).append(f"{base}/{relative}")
+            out += [LakeJob(lake, date, job_id, tuple(sorted(files)), None, fmt) for job_id, files in sorted(windows.items())]
+    return out
 
 
 def find_job(lake: str, job_id: str, date: dt.date | str | None = None) -> LakeJob:
@@ -354,7 +385,12 @@ def read_manifests(paths: Iterable[str], validator) -> dict[str, tuple[dict | No
     for path in paths:
         job_id = path.rstrip("/").rsplit("/", 1)[-1].removesuffix(".parquet")
         try:
-            readable.append((path, read_manifest(path)))
+            table = read_manifest_table(path)
+            manifest = table.to_pylist()[0]
+            stored = (table.schema.metadata or {}).get(SOURCE_KEY.encode())
+            if stored:   # an imported raw job: where its rows came from (not a manifest column)
+                manifest["source"] = json.loads(stored)
+            readable.append((path, manifest))
         except LakeReadError as error:
             if error.reason == "invalid_manifest":
                 out[path] = (None, [Problem(INVALID_MANIFEST, job_id, path, f"job {job_id}, {error}")])

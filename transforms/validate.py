@@ -46,6 +46,7 @@ __all__ = [
     "quarantine_rows",
     "coverage_row",
     "gpu_hours",
+    "source_format",
     "quarantined_outcome",
     "unexpected_error_outcome",
     "dead_letters",
@@ -127,6 +128,13 @@ def gpu_hours(manifest: dict[str, Any]) -> float:
     return int(manifest["gpus"]) * (manifest["end_time"] - manifest["start_time"]).total_seconds() / 3600.0
 
 
+def source_format(job: LakeJob, manifest: dict[str, Any] | None = None) -> str:
+    """schemas/raw.py SOURCE_FORMATS: the raw format a window was converted from (on the worker,
+    or earlier by `strag import`: the manifest's source record), else "lake"."""
+    source = (manifest or {}).get("source")
+    return job.raw_format or (source.get("format") if isinstance(source, dict) else None) or "lake"
+
+
 def coverage_row(job: LakeJob, status: str, stats: JobStats, *, reason_code: str | None = None, reason: str | None = None,
                  manifest: dict[str, Any] | None = None, launch_slowdown: float | None = None) -> pa.Table:
     """The window's coverage row (COVERAGE_SCHEMA)."""
@@ -144,6 +152,7 @@ def coverage_row(job: LakeJob, status: str, stats: JobStats, *, reason_code: str
             "gpus": gpus,
             "gpu_hours": gpu_hours(manifest) if manifest is not None else None,
             "launch_slowdown": launch_slowdown,
+            "source_format": source_format(job, manifest),
         }],
         schema=COVERAGE_SCHEMA,
     )
@@ -175,15 +184,57 @@ def validate_job_windows(windows: Sequence[MatchedJob], validator: Validator) ->
     window is quarantined whole. Seconds per window: reading its files, and validating
     (its share of the screen, its own checks and of the manifest validation).
     """
-    read_seconds, items = [], []
+    windows = list(windows)
+    prepared: list = []   # per window: JobFiles to validate, a ConvertedJob, or a ValidatedJob quarantining it
+    read_seconds = []
     for matched in windows:
         started = time.perf_counter()
-        files = read_job_files(matched.job)
+        if matched.job.raw_format is None:
+            prepared.append(JobFiles(matched.job.job_id, matched.manifest, read_job_files(matched.job),
+                                     matched.job.manifest_path, tuple(matched.manifest_problems)))
+        else:
+            prepared.append(_convert(matched))   # conversion counts as reading
         read_seconds.append(time.perf_counter() - started)
-        items.append(JobFiles(matched.job.job_id, matched.manifest, files, matched.job.manifest_path,
-                              tuple(matched.manifest_problems)))
-    reports = validator.validate_jobs(items)
-    return [_validated(matched, report, read) for matched, report, read in zip(windows, reports, read_seconds)]
+    raw = [i for i, item in enumerate(prepared) if not isinstance(item, (JobFiles, ValidatedJob))]
+    if raw:   # converted manifests, validated together (one GX run) as MatchJobs does for the lake's
+        started = time.perf_counter()
+        issues = validator.validate_manifests([(_raw_path(windows[i].job), prepared[i].manifest) for i in raw])
+        share = (time.perf_counter() - started) / len(raw)
+        for i, problems in zip(raw, issues):
+            converted, path = prepared[i], _raw_path(windows[i].job)
+            manifest = None if problems else dict(converted.manifest, source=converted.source)
+            windows[i] = MatchedJob(windows[i].job, manifest, tuple(problems), windows[i].seconds + share)
+            prepared[i] = JobFiles(converted.job_id, manifest, [(path, converted.trace)], path, tuple(problems))
+    reports = iter(validator.validate_jobs([item for item in prepared if isinstance(item, JobFiles)]))
+    return [item if isinstance(item, ValidatedJob) else _validated(matched, next(reports), seconds)
+            for matched, item, seconds in zip(windows, prepared, read_seconds)]
+
+
+def _raw_path(job: LakeJob) -> str:
+    from schemas.raw import raw_dir
+
+    return raw_dir(job.lake, job.raw_format, job.date, job.job_id)
+
+
+def _convert(matched: MatchedJob):
+    """The ConvertedJob of a raw window, or the ValidatedJob quarantining it (RawInputError).
+    OSError (storage) is not bad data: it propagates."""
+    from transforms.ingest import RawInputError, convert_window
+
+    job = matched.job
+    started = time.perf_counter()
+    try:
+        return convert_window(job.raw_format, job.trace_files, job.job_id, job.date)
+    except RawInputError as error:
+        path = error.path or _raw_path(job)
+        record = pa.Table.from_pylist(
+            [{"job_id": job.job_id, "source_path": path, "level": error.level, "reason_code": error.reason_code,
+              "reason": REASONS[error.reason_code][1], "detail": str(error.with_job(job.job_id)), "rows": None}],
+            schema=QUARANTINE_SCHEMA,
+        )
+        stats = JobStats(job.job_id, job.date, "quarantined", seconds={"read": time.perf_counter() - started})
+        problem = JobProblem(error.reason_code, REASONS[error.reason_code][1], str(error.with_job(job.job_id)), path)
+        return ValidatedJob(job, None, None, record, problem, stats)
 
 
 def validate_job_window(matched: MatchedJob, validator: Validator) -> ValidatedJob:
