@@ -110,8 +110,8 @@ def read_job_yaml(data: bytes | str | None, *, job_id: str | None = None, path: 
     for key in ("dp_size", "pp_size", "tp_size", "cp_size", "vpp_size", "context_length"):
         if key in content and (not isinstance(content[key], int) or isinstance(content[key], bool) or content[key] < (0 if key == "context_length" else 1)):
             raise RawInputError("raw_bad_job_yaml", f"{key} must be a positive integer, got {content[key]!r}", job_id=job_id, path=path)
-    if "clock" in content and content["clock"] not in ("align", "trust"):
-        raise RawInputError("raw_bad_job_yaml", f"clock must be 'align' or 'trust', got {content['clock']!r}", job_id=job_id, path=path)
+    if "clock" in content and content["clock"] not in ("auto", "align", "trust"):
+        raise RawInputError("raw_bad_job_yaml", f"clock must be auto, align or trust, got {content['clock']!r}", job_id=job_id, path=path)
     if "gpu_hours_scale" in content:
         scale = content["gpu_hours_scale"]
         if not isinstance(scale, (int, float)) or not 0 < scale <= 1:
@@ -219,9 +219,11 @@ def describe_source(source: dict) -> str:
         parts.append(", ".join(f"{k} {v}" for k, v in version.items() if k in ("schemaVersion", "backend", "nccl_version", "torch")))
     elif version:
         parts.append(str(version))
-    parts.append(f"{source.get('ranks', '?')} ranks on {source.get('device', '?')}")
-    if source.get("tp_cp_collapsed"):
-        parts.append(f"{source['tp_cp_collapsed']} TP/CP ranks collapsed")
+    device = source.get("device")
+    parts.append(f"{source.get('ranks', '?')} ranks" + (f" on {device}" if device else ""))
+    collapsed = source.get("tp_cp_collapsed") or (source.get("tp_collapsed") or 0) + (source.get("cp_collapsed") or 0)
+    if collapsed:
+        parts.append(f"{collapsed} TP/CP ranks collapsed")
     if source.get("steps_dropped"):
         parts.append(f"steps dropped {source['steps_dropped']}")
     if source.get("clock_offset_max_s"):
