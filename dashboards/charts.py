@@ -184,7 +184,9 @@ def coverage_chart(coverage: pd.DataFrame, title: str) -> alt.Chart:
     """Job windows by what happened to them: analysed, discarded (discrepancy), quarantined (reason)."""
     if coverage.empty:
         return _empty(title)
-    rows = coverage.assign(what=[s if not r else f"{s}: {r}" for s, r in zip(coverage["status"], coverage["reason"])])
+    source = coverage["source_format"] if "source_format" in coverage else ["lake"] * len(coverage)
+    rows = coverage.assign(what=[(s if not r else f"{s}: {r}") + ("" if f == "lake" else f" ({f} upload)")
+                                 for s, r, f in zip(coverage["status"], coverage["reason"], source)])
     return (
         alt.Chart(rows, title=title, width=_WIDTH - 80, height=22 * len(rows))
         .mark_bar()
@@ -192,7 +194,8 @@ def coverage_chart(coverage: pd.DataFrame, title: str) -> alt.Chart:
             y=alt.Y("what:N", sort=list(rows["what"]), title=None),
             x=alt.X("jobs:Q", title="job windows"),
             color=alt.Color("status:N", scale=alt.Scale(domain=["analysed", "discarded", "quarantined"], range=["#54a24b", "#f58518", "#e45756"])),
-            tooltip=["status", "reason", "jobs", alt.Tooltip("gpu_hours:Q", format=",.1f")],
+            tooltip=["status", "reason", *(["source_format"] if "source_format" in rows else []), "jobs",
+                     alt.Tooltip("gpu_hours:Q", format=",.1f")],
         )
     )
 

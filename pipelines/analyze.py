@@ -167,10 +167,10 @@ def summary(result, n_ops: int, seconds: float, top: int = 3) -> str:
     if result.mw is not None:
         workers = ", ".join(f"(dp {d}, stage {p})" for d, p in result.mw.workers)
         lines.append(f"M_W = {result.mw.rem:.3f} (add {result.mw.add:.3f}) for the top {len(result.mw.workers)} worker(s): {workers}"
-                     + ("  -> individual worker problem" if result.mw.rem > 0.5 else ""))
+                     + ("  -> individual worker problem" if result.straggling and result.mw.rem > 0.5 else ""))
     if result.ms is not None:
         lines.append(f"M_S = {result.ms.rem:.3f} (add {result.ms.add:.3f}) for the last stage"
-                     + ("  -> stage partitioning imbalance" if result.ms.rem >= 0.5 else "")
+                     + ("  -> stage partitioning imbalance" if result.straggling and result.ms.rem >= 0.5 else "")
                      + ("" if result.ms.workers else " (no pipeline parallelism: 0)"))
     return "\n".join(lines)
 
@@ -228,7 +228,17 @@ def run(argv: list[str]) -> int:
         print(verdict_lines(verdict, result))
     if opts.json_out is not None:
         opts.json_out.parent.mkdir(parents=True, exist_ok=True)
-        opts.json_out.write_text(json.dumps(result.to_json(), indent=2))
+        written = result.to_json()
+        if verdict is not None:
+            written["verdict"] = {
+                "cause": verdict.cause, "causes": list(verdict.causes), "confidence": float(verdict.confidence),
+                "implicated_workers": [list(w) for w in verdict.implicated_workers],
+                "fixes": {c: {"fixed_slowdown": f.fixed_slowdown, "explained": f.explained,
+                              "savings_fraction": f.savings_fraction} for c, f in verdict.fixes.items()},
+            }
+        if converted is not None:
+            written["source"] = converted.source
+        opts.json_out.write_text(json.dumps(written, indent=2, default=float))
         print(f"result JSON: {opts.json_out}")
     if opts.timeline_out is not None:
         from transforms.whatif.timeline import write_chrome_trace

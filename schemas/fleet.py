@@ -59,7 +59,7 @@ __all__ = [
     "rollup_table",
 ]
 
-FLEET_SCHEMA_VERSION = "1"
+FLEET_SCHEMA_VERSION = "2"   # 2: fleet_coverage by source_format
 
 # Root-cause vocabulary (METHOD.md section 5). "none": the job does not straggle (S < 1.1).
 CAUSES: tuple[str, ...] = (
@@ -257,14 +257,16 @@ FLEET_POSITION_SCHEMA = _schema(
     ],
 )
 
-# Coverage: every job window seen, by what happened to it.
-#   status: analysed | discarded | quarantined; reason: "" for analysed, else the batch's reason code.
+# Coverage: every job window seen, by what happened to it and where its rows came from.
+#   status: analysed | discarded | quarantined; reason: "" for analysed, else the batch's reason code;
+#   source_format: lake (native parquet) or the raw profiler format converted (schemas/raw.py).
 FLEET_COVERAGE_SCHEMA = _schema(
     "fleet_coverage",
     _PERIOD
     + [
         pa.field("status", pa.string(), nullable=False),
         pa.field("reason", pa.string(), nullable=False),
+        pa.field("source_format", pa.string(), nullable=False),
         pa.field("jobs", pa.int64(), nullable=False),
         pa.field("gpu_hours", pa.float64(), nullable=False),
     ],
@@ -310,7 +312,7 @@ _SORT_KEYS: dict[str, tuple[str, ...]] = {
     "fleet_cause": ("cause",),
     "fleet_host": ("host",),
     "fleet_position": ("dp_rank", "stage", "last_stage"),
-    "fleet_coverage": ("status", "reason"),
+    "fleet_coverage": ("status", "reason", "source_format"),
 }
 
 # Everything this module's tables need to be published by the batch commit step

@@ -48,7 +48,8 @@ JOB_YAML_KEYS: dict[str, str] = {
     "forward_label": "regex of the per-microbatch forward annotation; group 'mb' = microbatch, optional 'chunk'",
     "backward_label": "regex of the per-microbatch backward annotation (same groups)",
     "optimizer_label": "regex of the optimizer step annotation (default ^Optimizer\\.step#)",
-    "clock": "'align' (default: per-rank clock offsets estimated from collective ends) or 'trust' (one clock)",
+    "clock": "'auto' (default: one clock per host, offsets between hosts estimated from comm ends), 'align' (every "
+             "rank its own clock) or 'trust' (the recorded clocks)",
     "model_family": "free text, e.g. dense or moe (default unknown)",
     "context_length": "tokens per sequence (default 0 = unknown)",
     "gpu_type": "e.g. H800 (default: the trace's deviceProperties, else cpu)",

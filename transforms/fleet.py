@@ -105,6 +105,7 @@ class JobFacts:
     causes: tuple[str, ...] = ()
     implicated_hosts: tuple[str, ...] = ()
     savings_gpu_hours: float = 0.0
+    source_format: str = "lake"     # schemas/raw.py SOURCE_FORMATS
 
     def __post_init__(self):
         if self.status not in STATUSES:
@@ -186,6 +187,8 @@ def job_facts_from_tables(tables: Mapping[str, pa.Table], date: str | dt.date | 
         facts = {"job_id": job_id, "date": dt.date.fromisoformat(window_date), "status": row["status"]}
         reason = row.get("reason_code")
         facts["reason"] = reason if isinstance(reason, str) else ""   # pandas gives NaN for an all-null column
+        if isinstance(row.get("source_format"), str):
+            facts["source_format"] = row["source_format"]
         if row.get("gpus") is not None and not (isinstance(row.get("gpus"), float) and math.isnan(row["gpus"])):
             facts["gpus"] = int(row["gpus"])
         if row.get("gpu_hours") is not None and math.isfinite(row["gpu_hours"]):
@@ -701,13 +704,16 @@ class CoverageFn(_TableFn):
     table = "fleet_coverage"
 
     def _add(self, tally: _Tally, facts: JobFacts) -> None:
-        tally.add((facts.status, facts.reason if not facts.analysed else ""), jobs=1, gpu_hours=_gpu_hours_fixed(facts))
+        tally.add((facts.status, facts.reason if not facts.analysed else "", facts.source_format), jobs=1,
+                  gpu_hours=_gpu_hours_fixed(facts))
 
     def _rows(self, tally: _Tally) -> list[dict]:
         order = {status: i for i, status in enumerate(STATUSES)}
         return [
-            {"status": status, "reason": reason, "jobs": sums["jobs"], "gpu_hours": sums["gpu_hours"] / _HOURS_SCALE}
-            for (status, reason), sums in sorted(tally.sums.items(), key=lambda item: (order[item[0][0]], item[0][1]))
+            {"status": status, "reason": reason, "source_format": source, "jobs": sums["jobs"],
+             "gpu_hours": sums["gpu_hours"] / _HOURS_SCALE}
+            for (status, reason, source), sums in sorted(tally.sums.items(),
+                                                         key=lambda item: (order[item[0][0]], item[0][1], item[0][2]))
         ]
 
 
@@ -873,7 +879,7 @@ def window_facts(tables: Mapping[str, pa.Table], date: str) -> JobFacts | None:
     row = coverage.to_pylist()[0]
     job_id = row["job_id"]
     facts: dict[str, Any] = {"job_id": job_id, "date": dt.date.fromisoformat(date), "status": row["status"],
-                             "reason": row.get("reason_code") or ""}
+                             "reason": row.get("reason_code") or "", "source_format": row.get("source_format") or "lake"}
     if row.get("gpus") is not None:
         facts["gpus"] = int(row["gpus"])
     if row.get("gpu_hours") is not None and math.isfinite(row["gpu_hours"]):

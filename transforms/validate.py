@@ -196,9 +196,11 @@ def validate_job_windows(windows: Sequence[MatchedJob], validator: Validator) ->
             prepared.append(_convert(matched))   # conversion counts as reading
         read_seconds.append(time.perf_counter() - started)
     raw = [i for i, item in enumerate(prepared) if not isinstance(item, (JobFiles, ValidatedJob))]
+    rejected = {i: prepared[i].rejected for i in raw}
     if raw:   # converted manifests, validated together (one GX run) as MatchJobs does for the lake's
         started = time.perf_counter()
-        issues = validator.validate_manifests([(_raw_path(windows[i].job), prepared[i].manifest) for i in raw])
+        # no manifest file: the converter made it, so no file name to check against the job id
+        issues = validator.validate_manifests([(None, prepared[i].manifest) for i in raw])
         share = (time.perf_counter() - started) / len(raw)
         for i, problems in zip(raw, issues):
             converted, path = prepared[i], _raw_path(windows[i].job)
@@ -206,8 +208,12 @@ def validate_job_windows(windows: Sequence[MatchedJob], validator: Validator) ->
             windows[i] = MatchedJob(windows[i].job, manifest, tuple(problems), windows[i].seconds + share)
             prepared[i] = JobFiles(converted.job_id, manifest, [(path, converted.trace)], path, tuple(problems))
     reports = iter(validator.validate_jobs([item for item in prepared if isinstance(item, JobFiles)]))
-    return [item if isinstance(item, ValidatedJob) else _validated(matched, next(reports), seconds)
-            for matched, item, seconds in zip(windows, prepared, read_seconds)]
+    out = [item if isinstance(item, ValidatedJob) else _validated(matched, next(reports), seconds)
+           for matched, item, seconds in zip(windows, prepared, read_seconds)]
+    for i in raw:   # raw files the converter set aside: quarantined, the window goes on without them
+        if rejected[i]:
+            out[i].quarantine = pa.concat_tables([_raw_rows(windows[i].job, rejected[i]), out[i].quarantine])
+    return out
 
 
 def _raw_path(job: LakeJob) -> str:
@@ -216,9 +222,19 @@ def _raw_path(job: LakeJob) -> str:
     return raw_dir(job.lake, job.raw_format, job.date, job.job_id)
 
 
+def _raw_rows(job: LakeJob, errors) -> pa.Table:
+    """Quarantine rows (QUARANTINE_SCHEMA) of raw input errors: one per file set aside or job refused."""
+    return pa.Table.from_pylist(
+        [{"job_id": job.job_id, "source_path": error.path or _raw_path(job), "level": error.level,
+          "reason_code": error.reason_code, "reason": REASONS[error.reason_code][1],
+          "detail": str(error.with_job(job.job_id)), "rows": None} for error in errors],
+        schema=QUARANTINE_SCHEMA,
+    )
+
+
 def _convert(matched: MatchedJob):
-    """The ConvertedJob of a raw window, or the ValidatedJob quarantining it (RawInputError).
-    OSError (storage) is not bad data: it propagates."""
+    """The ConvertedJob of a raw window (files it set aside in `.rejected`), or the ValidatedJob
+    quarantining it (RawInputError). OSError (storage) is not bad data: it propagates."""
     from transforms.ingest import RawInputError, convert_window
 
     job = matched.job
@@ -226,15 +242,12 @@ def _convert(matched: MatchedJob):
     try:
         return convert_window(job.raw_format, job.trace_files, job.job_id, job.date)
     except RawInputError as error:
-        path = error.path or _raw_path(job)
-        record = pa.Table.from_pylist(
-            [{"job_id": job.job_id, "source_path": path, "level": error.level, "reason_code": error.reason_code,
-              "reason": REASONS[error.reason_code][1], "detail": str(error.with_job(job.job_id)), "rows": None}],
-            schema=QUARANTINE_SCHEMA,
-        )
+        errors = [*error.rejected, error]
         stats = JobStats(job.job_id, job.date, "quarantined", seconds={"read": time.perf_counter() - started})
-        problem = JobProblem(error.reason_code, REASONS[error.reason_code][1], str(error.with_job(job.job_id)), path)
-        return ValidatedJob(job, None, None, record, problem, stats)
+        # the window's reason is the most basic one: the file set aside explains the rank then missing
+        cause = errors[0].with_job(job.job_id)
+        problem = JobProblem(cause.reason_code, REASONS[cause.reason_code][1], str(cause), cause.path or _raw_path(job))
+        return ValidatedJob(job, None, None, _raw_rows(job, errors), problem, stats)
 
 
 def validate_job_window(matched: MatchedJob, validator: Validator) -> ValidatedJob:

@@ -49,6 +49,7 @@ class RawInputError(ValueError):
         super().__init__(f"{where}: {message}" if where else message)
         self.reason_code, self.job_id, self.path, self.op = reason_code, job_id, path, op
         self._message = message
+        self.rejected: list[RawInputError] = []   # files set aside before this job-level error
 
     def __reduce__(self):   # crosses process pools and Beam workers intact
         return (_raw_input_error, (self.reason_code, self._message, self.job_id, self.path, self.op))
@@ -69,14 +70,15 @@ def _raw_input_error(reason_code, message, job_id, path, op) -> RawInputError:
 @dataclasses.dataclass
 class ConvertedJob:
     """One raw job window converted: `trace` (TRACE_SCHEMA), `manifest` (MANIFEST_SCHEMA fields
-    as a dict) and `source`: format, profiler and version, ranks, files, per-rank clock offsets
-    applied (seconds), steps dropped, and `unmapped` (event name -> count of events that fit
+    as a dict) and `source`: format, profiler and version, ranks, files, the clock offsets applied
+    per clock (seconds; kineto), steps dropped, and `unmapped` (event name -> count of events that fit
     no op type: counted, never dropped silently)."""
 
     job_id: str
     trace: pa.Table
     manifest: dict[str, Any]
     source: dict[str, Any]
+    rejected: list[RawInputError] = dataclasses.field(default_factory=list)   # files set aside (file-level errors)
 
     def source_json(self) -> str:
         return json.dumps(self.source, sort_keys=True, default=str)
@@ -231,4 +233,8 @@ def describe_source(source: dict) -> str:
     unmapped = source.get("unmapped") or {}
     if unmapped:
         parts.append(f"{sum(unmapped.values())} events fit no op type")
+    rejected = source.get("files_rejected") or {}
+    if rejected:
+        names = ", ".join(f"{str(path).rsplit('/', 1)[-1]} ({code})" for path, code in sorted(rejected.items()))
+        parts.append(f"set aside: {names}")
     return "; ".join(p for p in parts if p)

@@ -33,9 +33,12 @@ The mapping (ARCHITECTURE.md, "Kineto mapping"):
 - optimizer: `Optimizer.step#...` (union of the step's optimizer spans);
 - everything else that is communication or a label (broadcast, barrier, all_to_all,
   collectives of other groups, unknown labels) is counted in source.unmapped.
-- clocks: per-rank offsets estimated so that the ends of matched collectives and p2p
-  pairs coincide (least squares); the analysis then depends only on durations and the
-  order of ops within each rank. job.yaml `clock: trust` keeps the recorded clocks.
+- clocks: a rank's times are `baseTimeNanoseconds` + ts; ranks of one host (`host_name`) share
+  a clock, and between hosts offsets are estimated so that the ends of matched collectives and
+  p2p pairs coincide (least squares). A shift of one host's clock then changes nothing: the
+  analysis depends on durations, each rank's order of ops, and where matched ops end (exact when
+  they end together, else within their spread). job.yaml `clock: trust` keeps the recorded
+  clocks, `clock: align` gives every rank its own.
 """
 from __future__ import annotations
 
@@ -119,7 +122,7 @@ class Group:
 
 @dataclasses.dataclass
 class RankTrace:
-    """One rank's spans (times in µs on the rank's own clock), before the job is assembled.
+    """One rank's spans (times in µs after `origin_ns` on the rank's own clock), before the job is assembled.
 
     Span columns (equal length): kind (FWD/BWD/OPT/SEND/RECV/COLL), start, end, step
     (ProfilerStep number, -1 outside every step), mb (microbatch id or -1), chunk (global
@@ -147,6 +150,9 @@ class RankTrace:
     coll: np.ndarray             # object: str
     group: np.ndarray            # object: str
     unmapped: collections.Counter
+    host: str | None = None      # the trace's host_name, when torch wrote it
+    clock: str = ""              # ranks with equal clock keys share one clock (their host)
+    origin_ns: int = 0           # recorded instant of time 0 of the span columns (baseTimeNanoseconds + first ts)
 
     def groups_of_rank(self) -> list[Group]:
         return [g for g in self.groups.values() if self.rank in g.ranks]
@@ -167,12 +173,22 @@ def _loads(data: bytes):
 
 def parse_rank_bytes(path: str, data: bytes, options: Mapping[str, Any] | None = None) -> RankTrace:
     """One rank's raw file content (JSON, optionally gzipped) -> RankTrace. RawInputError on bad bytes."""
+    import gc
+
+    # a trace decodes into millions of small dicts: the cyclic collector would rescan them over and
+    # over (74% of the decode time on 30 MB files, benchmarks/bench_ingest.py); none of them cycle
+    enabled = gc.isenabled()
+    gc.disable()
     try:
-        document = _loads(open_bytes(data))
-    except (ValueError, EOFError, OSError) as error:   # JSON decode error, truncated or broken gzip
-        raise RawInputError("raw_unreadable", f"not a complete JSON document ({type(error).__name__}: {error})",
-                            path=path) from None
-    return parse_rank(path, document, options)
+        try:
+            document = _loads(open_bytes(data))
+        except (ValueError, EOFError, OSError) as error:   # JSON decode error, truncated or broken gzip
+            raise RawInputError("raw_unreadable", f"not a complete JSON document ({type(error).__name__}: {error})",
+                                path=path) from None
+        return parse_rank(path, document, options)
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _compile_labels(options: Mapping[str, Any], key: str, defaults: tuple[str, ...]) -> list[re.Pattern]:
@@ -231,13 +247,17 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
     unmapped: collections.Counter = collections.Counter()
 
     steps: dict[int, tuple[float, float]] = {}
+    step_tid = None
     cpu_labels: list[tuple[int, float, float, int, int, str]] = []   # kind, start, end, mb, chunk, name
     gpu_labels: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     comm: list[tuple[int, float, float, int, str, str]] = []          # kind, start, end, peer, coll, group
     comm_meta: list[dict] = []                                      # record_param_comms args, in time order
     gloo_cpu: list[tuple[str, float, float, int]] = []               # name, start, end, tid
+    c10d_p2p: list[tuple[str, float, float, int]] = []               # c10d::send / recv_: name, start, end, local peer
+    cpu_ops: list[tuple[float, float, str, object]] = []             # every cpu_op / user_annotation: start, end, name, tid
     optimizer: list[tuple[float, float]] = []
     kernels = 0
+    origin = None   # times are kept relative to it (µs), so durations stay exact
     for event in document["traceEvents"]:
         if event.get("ph") != "X":
             continue
@@ -247,46 +267,57 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
         dur = event.get("dur")
         if ts is None or dur is None:
             continue
-        ts, end = float(ts), float(ts) + float(dur)
+        if origin is None:   # a whole 2^32 µs (72 min): the same for any event order
+            origin = float(np.floor(float(ts) / 2.0 ** 32) * 2.0 ** 32)
+        ts = float(ts) - origin
+        end = ts + float(dur)
         if cat == "kernel":
             kernels += 1
             if name.startswith(_NCCL):
                 args = event.get("args") or {}
                 comm.append(_nccl_span(name, args, ts, end, rank, groups))
             continue
-        if cat in ("user_annotation", "cpu_op", "gpu_user_annotation"):
-            step = _STEP.match(name)
-            if step:
-                if cat != "gpu_user_annotation":
-                    steps[int(step.group(1))] = (ts, end)
-                continue
-            if cat == "gpu_user_annotation":
+        if cat not in ("user_annotation", "cpu_op", "gpu_user_annotation"):
+            continue
+        if cat == "gpu_user_annotation":
+            if not name.startswith("ProfilerStep#"):
                 gpu_labels[name].append((ts, end))
+            continue
+        cpu_ops.append((ts, end, name, event.get("tid")))
+        step = _STEP.match(name)
+        if step:
+            steps[int(step.group(1))] = (ts, end)
+            step_tid = event.get("tid")
+            continue
+        if name.startswith("gloo:"):
+            gloo_cpu.append((name[5:], ts, end, event.get("tid")))
+            continue
+        if name.startswith("c10d::send") or name.startswith("c10d::recv"):
+            inputs = (event.get("args") or {}).get("Concrete Inputs") or []
+            peer = inputs[2] if len(inputs) > 2 and str(inputs[2]).lstrip("-").isdigit() else -1
+            c10d_p2p.append(("send" if name.startswith("c10d::send") else "recv", ts, end, int(peer)))
+            continue
+        if name == "record_param_comms":
+            args = event.get("args") or {}
+            if "Collective name" in args:
+                comm_meta.append(dict(args, ts=ts, tid=event.get("tid")))
+            continue
+        if cat == "user_annotation":
+            if optimizer_label.match(name):
+                optimizer.append((ts, end))
                 continue
-            if name.startswith("gloo:"):
-                gloo_cpu.append((name[5:], ts, end, event.get("tid")))
-                continue
-            if name == "record_param_comms":
-                args = event.get("args") or {}
-                if "Collective name" in args:
-                    comm_meta.append(dict(args, ts=ts, tid=event.get("tid")))
-                continue
-            if cat == "user_annotation":
-                if optimizer_label.match(name):
-                    optimizer.append((ts, end))
-                    continue
-                found = _match(forward_labels, name)
-                kind = FWD
-                if found is None:
-                    found, kind = _match(backward_labels, name), BWD
-                if found is not None:
-                    groups_found = found.groupdict()
-                    mb = groups_found.get("mb")
-                    chunk = groups_found.get("stage") if "stage" in groups_found else groups_found.get("chunk")
-                    cpu_labels.append((kind, ts, end, int(mb) if mb is not None else -1,
-                                       int(chunk) if chunk is not None else -1, name))
-                else:
-                    unmapped[f"label {_label_family(name)}"] += 1
+            found = _match(forward_labels, name)
+            kind = FWD
+            if found is None:
+                found, kind = _match(backward_labels, name), BWD
+            if found is not None:
+                groups_found = found.groupdict()
+                mb = groups_found.get("mb")
+                chunk = groups_found.get("stage") if "stage" in groups_found else groups_found.get("chunk")
+                cpu_labels.append((kind, ts, end, int(mb) if mb is not None else -1,
+                                   int(chunk) if chunk is not None else -1, name))
+            elif not _UNMAPPED_QUIET.match(name):
+                unmapped[f"label {_label_family(name)}"] += 1
     if not steps:
         raise RawInputError("raw_no_steps", "no ProfilerStep#N span: call prof.step() once per training step", path=path)
     device = "cpu"
@@ -298,10 +329,92 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
     versions = {"schemaVersion": document.get("schemaVersion"), "backend": info.get("backend"),
                 "nccl_version": info.get("nccl_version"), "trace_id": document.get("trace_id")}
     if not kernels:
-        comm += _gloo_spans(gloo_cpu, comm_meta, rank, groups, unmapped)
+        comm += _gloo_spans(gloo_cpu, comm_meta, c10d_p2p, rank, groups, unmapped)
+    kinds = {label[0] for label in cpu_labels}
+    if kinds != {FWD, BWD}:
+        # no (or only forward) schedule labels: microbatches from the main thread's op runs
+        main = [op for op in cpu_ops if op[3] == step_tid]
+        cpu_labels = [label for label in cpu_labels if label[0] in kinds] + _unlabeled_compute(
+            main, sorted(steps.values()), optimizer, forward=FWD not in kinds)
     spans = _compute_spans(cpu_labels, gpu_labels if kernels else {}, comm)
-    return _rank_trace(path, rank, world, str(info.get("backend") or ""), groups, device, versions, steps, spans,
-                       comm, optimizer, unmapped)
+    trace = _rank_trace(path, rank, world, str(info.get("backend") or ""), groups, device, versions, steps, spans,
+                        comm, optimizer, unmapped)
+    host = document.get("host_name") or info.get("host_name")
+    trace.host = str(host) if host else None
+    # Kineto's ts are µs after baseTimeNanoseconds: the recorded instant of time 0 of this rank, in ns
+    base = document.get("baseTimeNanoseconds")
+    trace.origin_ns = (int(base) if isinstance(base, (int, float)) else 0) + round((origin or 0.0) * 1000)
+    # one clock per host; without a host name every rank counts as its own clock
+    trace.clock = f"host:{host}" if host else f"rank:{rank}"
+    return trace
+
+
+# Labels torch emits that are neither compute nor communication of the step (counted nowhere).
+_UNMAPPED_QUIET = re.compile(r"^(Optimizer\.zero_grad#|## |enumerate\(DataLoader\)|PP:\d*(RECV|SEND|WAIT|REDUCE))")
+_BACKWARD_OP = "autograd::engine::evaluate_function:"
+# Ops that end a run of compute on the main thread: p2p, labels, the optimizer.
+_RUN_BREAK = ("c10d::send", "c10d::recv", "gloo:send", "gloo:recv", "c10d::batch_isend_irecv", "Optimizer.")
+# Ops that neither compute nor break a run (collective issue calls inside DDP's backward hooks).
+_RUN_NEUTRAL = ("c10d::", "gloo:", "record_param_comms", "nccl:")
+
+
+def _unlabeled_compute(ops: list, steps: list[tuple[float, float]], optimizer: list, *, forward: bool) -> list:
+    """Per-microbatch compute spans of a trace without schedule labels (torch.distributed.pipelining's
+    Schedule1F1B, plain DDP), from the main thread's top-level ops in each step: a run of
+    `autograd::engine::evaluate_function:` ops is one microbatch's backward, a run of other ops
+    between p2p calls is a forward when a backward run follows it in the step (trailing grad-sync
+    copies are not); runs shorter than a tenth of the step's median backward run are bookkeeping
+    between p2p calls, not compute, and of more forward runs than backward ones the longest are the
+    forwards. Returns label tuples (kind, start, end, mb=-1, chunk=-1, name)."""
+    ops = sorted(ops, key=lambda op: (op[0], -op[1]))
+    out = []
+    for step_start, step_end in steps:
+        runs: list[list] = []            # [kind, start, end]
+        stack: list[float] = []          # ends of open ancestors below the step span
+        current = None
+        for start, end, name, _ in ops:
+            if start < step_start or start > step_end or (start == step_start and _STEP.match(name)):
+                continue
+            if name.startswith("gloo:"):
+                # gloo's p2p spans are asynchronous: they stay open until the schedule waits on
+                # them, over the compute issued meanwhile; only their start breaks a run
+                if name.startswith(("gloo:send", "gloo:recv")):
+                    current = None
+                continue
+            while stack and stack[-1] <= start:
+                stack.pop()
+            depth = len(stack)
+            stack.append(end)
+            if depth:
+                continue                 # inside a top-level op of the step
+            if name.startswith(_RUN_BREAK) or _STEP.match(name) or any(s <= start < e for s, e in optimizer):
+                current = None
+                continue
+            if name.startswith(_RUN_NEUTRAL):
+                continue
+            kind = BWD if name.startswith(_BACKWARD_OP) else FWD
+            if current is not None and current[0] == kind:
+                current[2] = max(current[2], end)
+            else:
+                current = [kind, start, end]
+                runs.append(current)
+        backward = [end - start for kind, start, end in runs if kind == BWD]
+        # bookkeeping between p2p calls (splitting inputs, allocating buffers) makes runs of
+        # microseconds; a microbatch's compute is a sizeable share of a backward
+        floor = 0.1 * float(np.median(backward)) if backward else 0.0
+        runs = [run for run in runs if run[2] - run[1] >= floor]
+        last_backward = max((i for i, run in enumerate(runs) if run[0] == BWD), default=-1)
+        forwards = [i for i, run in enumerate(runs) if run[0] == FWD and i < last_backward]
+        if len(forwards) > len(backward):
+            # every microbatch has one forward and one backward: the longest runs are the forwards,
+            # the rest is bookkeeping the OS stretched (splitting inputs, allocating recv buffers)
+            forwards = sorted(sorted(forwards, key=lambda i: runs[i][1] - runs[i][2])[:len(backward)])
+        for i, (kind, start, end) in enumerate(runs):
+            if kind == BWD:
+                out.append((BWD, start, end, -1, -1, "autograd backward"))
+            elif forward and i in forwards:
+                out.append((FWD, start, end, -1, -1, "forward ops"))
+    return out
 
 
 def _label_family(name: str) -> str:
@@ -335,14 +448,18 @@ def _global_peer(local: int, group: str, groups: Mapping[str, Group], rank: int)
     return members.ranks[local]
 
 
-def _gloo_spans(gloo: list, meta: list[dict], rank: int, groups: Mapping[str, Group],
+def _gloo_spans(gloo: list, meta: list[dict], c10d: list, rank: int, groups: Mapping[str, Group],
                 unmapped: collections.Counter) -> list[tuple[int, float, float, int, str, str]]:
-    """gloo's own spans (`gloo:all_reduce` on a runloop thread, `gloo:send`/`gloo:recv`) with the group
-    and peer of the c10d call that issued them (`record_param_comms`, matched in issue order per collective)."""
+    """gloo's own spans (`gloo:all_reduce` on a runloop thread, `gloo:send` / `gloo:recv` inside the
+    c10d call that issued them), with the group and peer of that call: from `record_param_comms`
+    where the trace has it, else (CPU traces) the c10d call's `Concrete Inputs` (the group-local
+    peer, read in the rank's pipeline group). A p2p op spans its c10d call and its gloo span."""
     issued: dict[str, list[dict]] = collections.defaultdict(list)
     for args in sorted(meta, key=lambda a: a["ts"]):
         canonical = _COLLECTIVES.get(str(args["Collective name"]).lower(), str(args["Collective name"]).lower())
         issued[canonical].append(args)
+    calls = {kind: sorted(op for op in c10d if op[0] == kind) for kind in ("send", "recv")}
+    pipeline = next((g for g in groups.values() if g.dims() == {"pp"} and rank in g.ranks), None)
     taken: dict[str, int] = collections.Counter()
     out = []
     for name, start, end, _tid in sorted(gloo, key=lambda g: g[1]):
@@ -352,11 +469,17 @@ def _gloo_spans(gloo: list, meta: list[dict], rank: int, groups: Mapping[str, Gr
             continue
         queue = issued.get(canonical, [])
         args = queue[taken[canonical]] if taken[canonical] < len(queue) else {}
+        position = taken[canonical]
         taken[canonical] += 1
         group = str(args.get("Process Group Name", ""))
         if canonical in ("send", "recv"):
             key = "Dst Rank" if canonical == "send" else "Src Rank"
             peer = _global_peer(int(args[key]), group, groups, rank) if key in args else -1
+            call = calls[canonical][position] if position < len(calls[canonical]) else None
+            if call is not None and call[1] <= start + 1.0:
+                start, end = call[1], max(end, call[2])
+                if peer < 0 and call[3] >= 0:
+                    peer = pipeline.ranks[call[3]] if pipeline and call[3] < len(pipeline.ranks) else call[3]
             out.append((SEND if canonical == "send" else RECV, start, end, peer, canonical, group))
         else:
             out.append((COLL, start, end, -1, canonical, group))
@@ -366,16 +489,21 @@ def _gloo_spans(gloo: list, meta: list[dict], rank: int, groups: Mapping[str, Gr
 def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list) -> list[tuple[int, float, float, int, int]]:
     """(kind, start, end, mb, chunk) of each compute label: its GPU span when the trace has one
     (kernel time), else the CPU span with p2p waits nested at its edges cut off."""
-    occurrences: dict[str, int] = collections.Counter()
+    next_gpu: dict[str, int] = collections.Counter()
+    gpu_sorted = {name: sorted(spans) for name, spans in gpu_labels.items()}
     p2p = sorted((s, e, k) for k, s, e, *_ in comm if k in (SEND, RECV))
     p2p_start = np.array([s for s, _, _ in p2p]) if p2p else np.zeros(0)
     out = []
     for kind, start, end, mb, chunk, name in sorted(labels, key=lambda l: l[1]):
-        index = occurrences[name]
-        occurrences[name] += 1
-        on_gpu = gpu_labels.get(name)
-        if on_gpu is not None and index < len(on_gpu):
-            gpu_start, gpu_end = on_gpu[index]
+        # the label's GPU span: the next one of that name starting after the CPU label did (GPU work
+        # follows its launch), so a span the profiler dropped costs only its own step
+        on_gpu = gpu_sorted.get(name, ())
+        position = next_gpu[name]
+        while position < len(on_gpu) and on_gpu[position][0] < start:
+            position += 1
+        if position < len(on_gpu):
+            next_gpu[name] = position + 1
+            gpu_start, gpu_end = on_gpu[position]
             out.append((kind, gpu_start, gpu_end, mb, chunk))
             continue
         lo, hi = np.searchsorted(p2p_start, start), np.searchsorted(p2p_start, end)
@@ -532,19 +660,22 @@ def _layout(ranks: Sequence[RankTrace], world: int, options: Mapping[str, Any], 
     return found
 
 
-def _dp_groups(ranks: Sequence[RankTrace], layout: _Layout) -> set[str]:
-    """pg_names of the groups whose members are exactly a stage's data-parallel ranks."""
-    by_stage: dict[int, set[int]] = collections.defaultdict(set)
-    for rank, (_, stage) in layout.worker.items():
-        by_stage[stage].add(rank)
-    wanted = {frozenset(members) for members in by_stage.values()}
-    names = set()
-    for trace in ranks:
-        for group in trace.groups.values():
-            if frozenset(group.ranks) in wanted:
-                names.add(group.name)
-    if layout.pp == 1:
-        names.add("")   # old traces name no group: with no pipeline every collective is data-parallel
+def _dp_groups(trace: RankTrace, layout: _Layout, described: bool) -> set[str]:
+    """Names (as this rank's trace spells them: pg_name differs between ranks) of the rank's
+    data-parallel groups. None when dp = 1. When some group of the job names the dp dim, only such
+    groups; otherwise the groups whose members are exactly this stage's DP ranks and that name no
+    other dim (the default group of plain DDP). Collectives whose group the trace does not name
+    (gloo CPU traces, old NCCL ones) count as data-parallel: the only collectives a training step
+    issues outside its compute."""
+    if layout.dp == 1:
+        return set()
+    stage = layout.worker[trace.rank][1]
+    peers = frozenset(rank for rank, (_, s) in layout.worker.items() if s == stage)
+    names = {""}
+    for group in trace.groups_of_rank():
+        dims = group.dims()
+        if dims == {"dp"} or (not described and not dims - {"dp"} and frozenset(group.ranks) == peers):
+            names.add(group.name)
     return names
 
 
@@ -615,11 +746,14 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
     by_position = is_p2p & ~by_peer
     if by_position.any():
         _p2p_by_position(kind, start, step, optype, by_position)
-    # collectives
+    # collectives; ZeRO-style steps reduce-scatter the grads, and their all-reduce over the DP group
+    # is then the separate (non-sharded) grads' one
+    dp_coll = (kind == COLL) & np.isin(group, list(dp_groups))
+    zero = bool((dp_coll & (coll == "reduce_scatter")).any())
     for i in np.flatnonzero(kind == COLL).tolist():
         name = coll[i]
         if group[i] in dp_groups:
-            mapped = _DP_OPTYPE.get(name)
+            mapped = "separate-grads-all-reduce" if zero and name == "all_reduce" else _DP_OPTYPE.get(name)
             if mapped is None and name not in _COLLECTIVES.values():
                 raise RawInputError("raw_unknown_collective", f"collective {name!r} over the data-parallel group "
                                     f"(step {int(step[i])}); known: {', '.join(sorted(set(_COLLECTIVES.values())))}",
@@ -682,48 +816,74 @@ def _p2p_by_position(kind, start, step, optype, which) -> None:
                     optype[i] = _CODE["forward-recv" if kind[mine[after]] == FWD else "backward-recv"]
 
 
-def _clock_offsets(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout) -> dict[int, float]:
+def _p2p_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout) -> list[tuple[int, int, int, int]]:
+    """(send rank, send row, recv rank, recv row) of every p2p pair: forward-send k of (dp, stage s)
+    with forward-recv k of (dp, s+1), backward-send k of (dp, s) with backward-recv k of (dp, s-1),
+    k counting within the step (the engine pairs them the same way)."""
+    rank_of = layout.rank_of()
+    pairs = []
+    for send, recv, direction in (("forward-send", "forward-recv", 1), ("backward-send", "backward-recv", -1)):
+        for rank, r in rows.items():
+            dp, stage = layout.worker[rank]
+            peer = rank_of.get((dp, stage + direction))
+            if peer is None or peer not in rows:
+                continue
+            p = rows[peer]
+            mine = np.flatnonzero(r["optype"] == _CODE[send])
+            theirs = np.flatnonzero(p["optype"] == _CODE[recv])
+            mine = mine[np.lexsort((r["start"][mine], r["step"][mine]))]
+            theirs = theirs[np.lexsort((p["start"][theirs], p["step"][theirs]))]
+            for step in np.intersect1d(r["step"][mine], p["step"][theirs]).tolist():
+                a, b = mine[r["step"][mine] == step], theirs[p["step"][theirs] == step]
+                pairs += [(rank, int(i), peer, int(j)) for i, j in zip(a, b)]
+    return pairs
+
+
+def _clock_offsets(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, clock_of: Mapping[int, str]) -> dict[int, float]:
     """Per-rank clock offsets (µs) that make the ends of matched comm ops coincide, least squares.
 
-    Instances: each DP collective (step, stage, optype, its index) over the stage's DP ranks, and
-    each p2p pair (forward-send k of stage s with forward-recv k of stage s+1, backward likewise).
-    Offsets are relative to the lowest rank of each connected set of ranks, so a shift of one
-    rank's clock moves its offset by exactly that shift: the result does not depend on it.
+    Ranks with the same clock key (one host) share one offset. Instances: each DP collective
+    (step, stage, optype, its index) over the stage's DP ranks, and each p2p pair. Offsets are
+    relative to the clock of the lowest rank of each connected set, so a shift of one host's
+    clock moves its offset by exactly that shift: the result does not depend on it.
     """
     ranks = sorted(rows)
-    index = {rank: i for i, rank in enumerate(ranks)}
+    clocks = sorted(set(clock_of[rank] for rank in ranks), key=lambda c: min(r for r in ranks if clock_of[r] == c))
+    if len(clocks) < 2:
+        return {rank: 0.0 for rank in ranks}
+    index = {rank: clocks.index(clock_of[rank]) for rank in ranks}
     keys, members, ends = [], [], []
     for rank in ranks:
         r = rows[rank]
-        dp, stage = layout.worker[rank]
+        _, stage = layout.worker[rank]
         seq = _index_within(r["step"], r["optype"], r["start"])
         for code in (_CODE["grads-reduce-scatter"], _CODE["params-all-gather"], _CODE["separate-grads-all-reduce"]):
             hit = np.flatnonzero(r["optype"] == code)
             keys += [("dp", int(s), stage, code, int(k)) for s, k in zip(r["step"][hit], seq[hit])]
             members += [index[rank]] * len(hit)
             ends += r["end"][hit].tolist()
-        for code, offset, name in ((_CODE["forward-send"], 0, "f"), (_CODE["forward-recv"], -1, "f"),
-                                   (_CODE["backward-send"], -1, "b"), (_CODE["backward-recv"], 0, "b")):
-            hit = np.flatnonzero(r["optype"] == code)
-            boundary = stage + offset   # the stage boundary (s, s+1) the op crosses, named by its lower stage
-            keys += [("p2p", name, dp, boundary, int(s), int(k)) for s, k in zip(r["step"][hit], seq[hit])]
-            members += [index[rank]] * len(hit)
-            ends += r["end"][hit].tolist()
+    for number, (send_rank, i, recv_rank, j) in enumerate(_p2p_pairs(rows, layout)):
+        keys += [("p2p", number)] * 2
+        members += [index[send_rank], index[recv_rank]]
+        ends += [float(rows[send_rank]["end"][i]), float(rows[recv_rank]["end"][j])]
     if not keys:
         return {rank: 0.0 for rank in ranks}
     _, instance = np.unique(np.array([repr(k) for k in keys]), return_inverse=True)
     member = np.array(members, dtype=np.int64)
     end = np.array(ends, dtype=np.float64)
-    size = np.bincount(instance)
-    shared = size[instance] > 1
+    # an instance within one clock says nothing about offsets
+    spread = np.zeros(instance.max() + 1, dtype=bool)
+    first_member = np.full(instance.max() + 1, -1)
+    first_member[instance[::-1]] = member[::-1]
+    spread[instance[member != first_member[instance]]] = True
+    shared = spread[instance]
     instance, member, end = instance[shared], member[shared], end[shared]
     if not len(instance):
         return {rank: 0.0 for rank in ranks}
     _, instance = np.unique(instance, return_inverse=True)
     size = np.bincount(instance).astype(np.float64)
-    n = len(ranks)
-    base = end.min()
-    end = end - base
+    n = len(clocks)
+    end = end - end.min()
     mean_end = np.bincount(instance, end) / size
     rhs = np.bincount(member, end - mean_end[instance], minlength=n)
 
@@ -747,7 +907,7 @@ def _clock_offsets(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout) -
         new_norm = residual @ residual
         direction = residual + (new_norm / norm) * direction
         norm = new_norm
-    # anchor each connected set of ranks at its lowest rank
+    # anchor each connected set of clocks at its first clock
     parent = list(range(n))
 
     def root(v):
@@ -765,7 +925,33 @@ def _clock_offsets(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout) -
     anchor = {}
     for i in range(n):
         anchor.setdefault(root(i), i)
-    return {rank: float(x[i] - x[anchor[root(i)]]) for i, rank in enumerate(ranks)}
+    return {rank: float(x[index[rank]] - x[anchor[root(index[rank])]]) for rank in ranks}
+
+
+def _clip_p2p_waits(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, offsets: Mapping[int, float]) -> int:
+    """Cut the idle waits off both ends of every p2p pair (clocks aligned by `offsets`, µs).
+
+    - A recv posted before its peer's send started waits idle: it starts with the send. Transfer
+      times (end - latest start of the pair) do not change; the step's observed span no longer
+      counts a stage idling on its first recv while the previous stage still finishes the
+      previous step (pipelines without a global sync at the step's end drift apart).
+    - An asynchronous send (gloo's isend) stays open until the schedule waits on it, often after
+      the data arrived: it ends when its recv ended. Otherwise the send chain of the dependency
+      model would serialise sends that overlapped.
+    Returns the number of ops changed."""
+    changed = 0
+    for send_rank, i, recv_rank, j in _p2p_pairs(rows, layout):
+        send, recv = rows[send_rank], rows[recv_rank]
+        shift = offsets[recv_rank] - offsets[send_rank]   # send clock -> recv clock
+        send_start = send["start"][i] + shift
+        if send_start > recv["start"][j]:
+            recv["start"][j] = min(send_start, recv["end"][j])
+            changed += 1
+        recv_end = recv["end"][j] - shift                  # recv clock -> send clock
+        if send["end"][i] > recv_end:
+            send["end"][i] = max(send["start"][i], recv_end)
+            changed += 1
+    return changed
 
 
 def _index_within(step: np.ndarray, optype: np.ndarray, start: np.ndarray) -> np.ndarray:
@@ -806,7 +992,7 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
     """The parsed ranks of one job -> ConvertedJob (op rows, manifest, source). RawInputError on bad input."""
     options = options or {}
     if not ranks:
-        raise RawInputError("raw_missing_rank", "no rank trace in the window", job_id=job_id)
+        raise RawInputError("raw_missing_rank", f"no readable rank trace in the window ({files or 0} file(s))", job_id=job_id)
     world = _check_job(ranks, job_id)
     layout = _layout(ranks, world, options, job_id)
     by_rank = {t.rank: t for t in ranks}
@@ -818,13 +1004,21 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
                             f"found {len(by_rank)} file(s) of world size {world}", job_id=job_id)
     analysed = [by_rank[rank] for rank in sorted(layout.worker)]
     steps, dropped = _kept_steps(analysed, job_id)
-    dp_groups = _dp_groups(ranks, layout)
+    described = any(g.dims() == {"dp"} for t in ranks for g in t.groups.values())
     unmapped: collections.Counter = collections.Counter()
     for trace in ranks:
         unmapped.update(trace.unmapped)
-    rows = {t.rank: _ops_of_rank(t, layout.worker[t.rank][1], layout, steps, dp_groups, job_id, unmapped) for t in analysed}
+    rows = {t.rank: _ops_of_rank(t, layout.worker[t.rank][1], layout, steps, _dp_groups(t, layout, described), job_id,
+                                 unmapped) for t in analysed}
+    first_origin = min(by_rank[rank].origin_ns for rank in rows)
+    for rank, r in rows.items():   # every rank on the recorded clock, µs after the earliest origin
+        shift = (by_rank[rank].origin_ns - first_origin) / 1000.0
+        r["start"], r["end"] = r["start"] + shift, r["end"] + shift
     collapsed = len(ranks) - len(analysed)
-    offsets = {rank: 0.0 for rank in rows} if options.get("clock") == "trust" else _clock_offsets(rows, layout)
+    clock = options.get("clock", "auto")
+    clock_of = {rank: (by_rank[rank].clock if clock == "auto" else f"rank:{rank}") for rank in rows}
+    offsets = {rank: 0.0 for rank in rows} if clock == "trust" else _clock_offsets(rows, layout, clock_of)
+    p2p_clipped = _clip_p2p_waits(rows, layout, offsets)
     base = min(float(r["start"].min() - offsets[rank]) for rank, r in rows.items() if len(r["start"]))
     columns: dict[str, list] = collections.defaultdict(list)
     for rank, r in rows.items():
@@ -842,7 +1036,12 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
         columns["mc"].append(r["mc"])
         columns["gmc"].append(r["gmc"])
     hosts = options.get("hosts")
-    host_of = {rank: str(hosts[rank]) for rank in rows} if isinstance(hosts, list) and len(hosts) >= world else {}
+    if isinstance(hosts, list) and len(hosts) >= world:
+        host_of = {rank: str(hosts[rank]) for rank in rows}
+    elif all(by_rank[rank].host for rank in rows):   # torch >= 2.13 writes the host's name
+        host_of = {rank: str(by_rank[rank].host) for rank in rows}
+    else:
+        host_of = {}
     if host_of:
         columns["host"] = [np.full(len(rows[rank]["step"]), host_of[rank], dtype=object) for rank in rows]
     trace = build_trace(job_id, **{name: np.concatenate(parts) for name, parts in columns.items()})
@@ -872,8 +1071,11 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
         "layout": layout.how,
         "steps": steps.tolist(),
         "steps_dropped": dropped,
-        "clock": "trust" if options.get("clock") == "trust" else "align",
+        "clock": clock,
+        "clocks": len(set(clock_of.values())) if clock != "trust" else 1,
         "clock_offset_max_s": max(abs(v) for v in offsets.values()) * 1e-6 if offsets else 0.0,
+        "clock_offsets_s": {key: offsets[rank] * 1e-6 for rank, key in sorted(clock_of.items()) if offsets[rank]},
+        "p2p_waits_clipped": p2p_clipped,
         "unmapped": dict(sorted(unmapped.items())),
     }
     return ConvertedJob(job_id, trace, manifest, source)
@@ -898,11 +1100,12 @@ def convert_kineto(paths: Sequence[str], job_id: str, date: str, options: Mappin
                    *, workers: int = 1) -> ConvertedJob:
     """Convert one job's per-rank torch.profiler traces (URLs) -> ConvertedJob.
 
+    A file that is not a readable trace (`raw_unreadable`, `raw_not_a_trace`) is set aside in
+    `ConvertedJob.rejected` and the job is assembled from the others; when that fails too (a rank
+    is then missing), the RawInputError raised carries the set-aside files in `.rejected`.
     workers > 1 parses rank files in that many processes (big jobs on a machine of their own).
     OSError while reading a file propagates (infrastructure); bad content raises RawInputError.
     """
-    from transforms.ingest import read_raw_file
-
     options = dict(options or {})
     if not paths:
         raise RawInputError("raw_missing_rank", "no trace file (*.json or *.json.gz) in the window", job_id=job_id)
@@ -910,13 +1113,30 @@ def convert_kineto(paths: Sequence[str], job_id: str, date: str, options: Mappin
         import concurrent.futures
 
         with concurrent.futures.ProcessPoolExecutor(workers) as pool:
-            ranks = list(pool.map(_parse_path, paths, [options] * len(paths)))
+            parsed = list(pool.map(_parse_path, paths, [options] * len(paths)))
     else:
-        ranks = [parse_rank_bytes(path, read_raw_file(path), options) for path in paths]
-    return assemble(ranks, job_id, date, options, files=len(paths))
+        parsed = [_parse_path(path, options) for path in paths]
+    ranks = [item for item in parsed if isinstance(item, RankTrace)]
+    rejected = [item.with_job(job_id) for item in parsed if not isinstance(item, RankTrace)]
+    try:
+        converted = assemble(ranks, job_id, date, options, files=len(paths))
+    except RawInputError as error:
+        error.rejected = rejected
+        raise
+    converted.rejected = rejected
+    if rejected:
+        converted.source["files_rejected"] = {error.path: error.reason_code for error in rejected}
+    return converted
 
 
-def _parse_path(path: str, options: Mapping[str, Any]) -> RankTrace:
+def _parse_path(path: str, options: Mapping[str, Any]) -> RankTrace | RawInputError:
+    """One rank file by URL -> RankTrace, or the file-level RawInputError that sets it aside
+    (job-level errors, e.g. a bad job.yaml regex, and OSError propagate)."""
     from transforms.ingest import read_raw_file
 
-    return parse_rank_bytes(path, read_raw_file(path), options)
+    try:
+        return parse_rank_bytes(path, read_raw_file(path), options)
+    except RawInputError as error:
+        if error.level != "file":
+            raise
+        return error

@@ -1,0 +1,246 @@
+"""Kineto ingest speed and memory (transforms/ingest/kineto.py), printed as figures.
+
+    .venv/bin/python benchmarks/bench_ingest.py [--quick] [--ranks 64] [--mb-per-rank 30]
+
+A generated 64-rank job (dp 8 x pp 8, tp 1, 32 microbatches, 4 steps, one slow worker) is
+written as one torch.profiler GPU trace per rank (transforms/synth/kineto_writer.py; one clock,
+i.e. one baseTimeNanoseconds, per 8-GPU host, so the default conversion aligns host clocks), with
+enough filler (aten ops, cudaLaunchKernel, kernels, flows) that each rank's JSON is tens of MB,
+into a temporary folder (removed at the end). Then:
+1. JSON parse speed of one rank file: the standard library's `json` vs `orjson` (also with the
+   cyclic garbage collector paused during the call), MB/s of CPU time.
+2. `convert_kineto` of the whole job in one process (a fresh subprocess): MB, seconds,
+   MB/s per core (file MB / CPU seconds of the converting processes: the machine may be
+   shared, so wall time is shown too) against the target (>= 50 MB/s per core), where the time goes (read + JSON
+   decode, the event pass, assembly), and peak RSS (VmHWM; ru_maxrss shown too), which must stay bounded:
+   the converter parses one rank at a time, so the peak follows the largest file, not the job.
+3. `convert_kineto(..., workers=2)`: the same with rank files parsed in 2 processes.
+The converted job's S is checked against the native analysis of the generated trace
+(restricted to the op types the converter maps).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TARGET_MB_S = 50.0   # per core
+MB = 1e6
+
+_CONVERT = r"""
+import json, os, resource, sys, time
+paths, workers = json.loads(sys.argv[1]), int(sys.argv[2])
+from transforms.ingest import kineto
+
+def peak_rss():
+    # VmHWM: this process's own peak. ru_maxrss would do on a fresh process, except that Linux carries
+    # the parent's high-water mark over exec (the benchmark process holds the whole job), so read both.
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+def current_rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+baseline = peak_rss()
+# what one decoded rank file costs: the converter should hold about one at a time
+import gc, pathlib
+one_document = 0
+if workers == 1:   # (not before a pool: its workers would inherit the memory)
+    largest = max(paths, key=lambda p: pathlib.Path(p).stat().st_size)
+    before = current_rss()
+    document = kineto._loads(pathlib.Path(largest).read_bytes())
+    one_document = current_rss() - before
+    del document
+    gc.collect()
+spent = {"decode": 0.0, "events": 0.0}
+loads, parse_rank = kineto._loads, kineto.parse_rank
+
+def timed_loads(data):
+    started = time.perf_counter()
+    try:
+        return loads(data)
+    finally:
+        spent["decode"] += time.perf_counter() - started
+
+def timed_parse_rank(*args, **kwargs):
+    started = time.perf_counter()
+    try:
+        return parse_rank(*args, **kwargs)
+    finally:
+        spent["events"] += time.perf_counter() - started
+
+if workers == 1:   # the breakdown is only visible in this process
+    kineto._loads, kineto.parse_rank = timed_loads, timed_parse_rank
+def cpu(who):
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+cpu_self, cpu_children = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN)
+started = time.perf_counter()
+converted = kineto.convert_kineto(paths, "bench-ingest", "2024-01-01", {}, workers=workers)
+seconds = time.perf_counter() - started
+cpu_seconds = cpu(resource.RUSAGE_SELF) - cpu_self + cpu(resource.RUSAGE_CHILDREN) - cpu_children
+import pyarrow.parquet as pq
+pq.write_table(converted.trace, sys.argv[3])
+print(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "rows": converted.trace.num_rows, "decode": spent["decode"],
+                  "events": spent["events"], "baseline_rss": baseline, "one_document": one_document,
+                  "max_rss": peak_rss(), "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "children_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+                  "manifest": {k: converted.manifest[k] for k in ("dp_size", "pp_size", "vpp_size", "tp_size", "dsp_size",
+                                                                 "world_size")},
+                  "clock_offset_max_s": converted.source["clock_offset_max_s"]}))
+"""
+
+
+def _python(code: str, *args: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=ROOT)
+    if done.returncode:
+        raise RuntimeError(done.stderr)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _shape(ranks: int) -> tuple[int, int]:
+    pp = next(p for p in (8, 4, 2, 1) if ranks % p == 0 and p <= ranks)
+    return ranks // pp, pp
+
+
+def generate(ranks: int, microbatches: int):
+    from transforms.synth.faults import Cause
+    from transforms.synth.job import JobSpec, generate_job
+
+    dp, pp = _shape(ranks)
+    spec = JobSpec(job_id="bench-ingest", dp=dp, pp=pp, tp=1, microbatches=microbatches, steps=4, sessions=1, seed=7,
+                   dp_overlap=False, vpp=1, record_noop_p2p=False,
+                   causes=(Cause("slow_worker", {"dp_rank": dp // 2, "stage": pp // 2}),))
+    return generate_job(spec)
+
+
+def calibrate(arrays, mb_per_rank: float) -> int:
+    """Filler kernels per forward that make rank 0's file about mb_per_rank MB."""
+    from transforms.synth.kineto_writer import dump_document, rank_document
+
+    empty = len(dump_document(rank_document(arrays, 0, 0, filler=0)))
+    ten = len(dump_document(rank_document(arrays, 0, 0, filler=10)))
+    return max(0, round((mb_per_rank * MB - empty) / ((ten - empty) / 10)))
+
+
+def bench_parse(path: str, repeats: int) -> None:
+    import orjson
+
+    data = pathlib.Path(path).read_bytes()
+    size = len(data) / MB
+    print(f"1. JSON parse of one rank file ({pathlib.Path(path).name}, {size:.1f} MB), best of {repeats}:")
+    results = {}
+    for name, loads, collect in (("json (stdlib)", json.loads, True), ("orjson", orjson.loads, True),
+                                 ("orjson, no GC", orjson.loads, False)):
+        times, cpu = [], []
+        for _ in range(repeats):
+            if not collect:
+                gc.disable()   # the cyclic GC runs again and again while ~10^6 containers are created
+            started, started_cpu = time.perf_counter(), time.process_time()
+            loads(data)
+            times.append(time.perf_counter() - started)
+            cpu.append(time.process_time() - started_cpu)
+            gc.enable()
+        results[name] = size / min(cpu)
+        print(f"   {name:<14} wall {min(times):6.3f} s ({size / min(times):6.1f} MB/s), "
+              f"CPU {min(cpu):6.3f} s ({results[name]:6.1f} MB/s)")
+    print(f"   orjson / json: {results['orjson'] / results['json (stdlib)']:.1f}x; "
+          f"orjson with the cyclic GC paused / json: {results['orjson, no GC'] / results['json (stdlib)']:.1f}x")
+
+
+def bench_convert(paths: list[str], folder: pathlib.Path, workers: int, total_mb: float, largest_mb: float) -> dict:
+    out = _python(_CONVERT, json.dumps(paths), str(workers), str(folder / f"converted-{workers}.parquet"))
+    per_core = total_mb / out["cpu_seconds"]
+    met = "met" if per_core >= TARGET_MB_S else "MISSED"
+    label = "one process" if workers == 1 else f"workers={workers}"
+    print(f"{'2' if workers == 1 else '3'}. convert_kineto, {len(paths)} ranks, {total_mb:,.0f} MB, {label} (fresh subprocess):")
+    print(f"   wall {out['seconds']:.2f} s ({total_mb / out['seconds']:.1f} MB/s), CPU {out['cpu_seconds']:.2f} s "
+          f"over {workers} process(es): {per_core:.1f} MB/s per core "
+          f"(target >= {TARGET_MB_S:.0f} MB/s per core: {met}); {out['rows']:,} op rows")
+    if workers == 1:
+        rest = out["seconds"] - out["decode"] - out["events"]
+        print(f"   time: JSON decode (orjson) {out['decode']:.2f} s, event pass {out['events']:.2f} s, "
+              f"read + assemble {rest:.2f} s")
+        grown, one = (out["max_rss"] - out["baseline_rss"]) / MB, out["one_document"] / MB
+        bounded = grown < 4 * one
+        print(f"   peak RSS (VmHWM) {out['max_rss'] / 2**20:,.0f} MiB = {out['baseline_rss'] / 2**20:,.0f} MiB after imports "
+              f"+ {grown:,.0f} MB = {grown / one:.1f} decoded rank files' worth (one: {one:,.0f} MB, {one / largest_mb:.0f}x "
+              f"its {largest_mb:.1f} MB; all {len(paths)}: ~{one * len(paths):,.0f} MB): "
+              f"{'bounded by one rank at a time' if bounded else 'NOT bounded by one rank'}")
+        print(f"   (ru_maxrss {out['ru_maxrss'] / 2**20:,.0f} MiB: on Linux it starts from the parent's high-water mark "
+              f"at exec, here the benchmark process holding the job)")
+    else:
+        print(f"   peak RSS: parent {out['max_rss'] / 2**20:,.0f} MiB, largest worker {out['children_rss'] / 2**20:,.0f} MiB")
+    return out
+
+
+def check(job, folder: pathlib.Path) -> None:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from transforms.whatif import analyze_job
+
+    dropped = pa.array(["gc", "layernorm-grads-all-reduce", "embedding-grads-all-reduce", "optimizer-clip-main-grad"])
+    native = job.trace.filter(pc.invert(pc.is_in(job.trace.column("optype").cast(pa.string()), value_set=dropped)))
+    s_native = analyze_job(native, job.meta, "native", attribution=False).slowdown
+    try:
+        s_converted = analyze_job(pq.read_table(folder / "converted-1.parquet"), job.meta, "converted",
+                                  attribution=False).slowdown
+    except Exception as error:   # a converter problem is a finding here, not a reason to stop
+        print(f"   check: the converted job does not analyse: {type(error).__name__}: {str(error)[:300]}")
+        return
+    print(f"   check: S converted {s_converted:.6f} vs native {s_native:.6f} "
+          f"(relative {abs(s_converted / s_native - 1):.1e}; default clock alignment of {len(job.trace.column('host').unique())} hosts)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="16 microbatches and ~8 MB per rank")
+    parser.add_argument("--ranks", type=int, default=64, help="ranks of the job (dp x pp, pp = 8 when it divides)")
+    parser.add_argument("--mb-per-rank", type=float, default=None, help="target size of one rank's JSON (default 30, quick 8)")
+    args = parser.parse_args(argv)
+    mb_per_rank = args.mb_per_rank or (8.0 if args.quick else 30.0)
+    microbatches = 16 if args.quick else 32
+
+    from transforms.synth.kineto_writer import job_arrays, write_kineto_job
+
+    started = time.perf_counter()
+    job = generate(args.ranks, microbatches)
+    arrays = job_arrays(job)
+    filler = calibrate(arrays, mb_per_rank)
+    with tempfile.TemporaryDirectory(prefix="strag-bench-ingest-") as tmp:
+        folder = pathlib.Path(tmp)
+        paths = write_kineto_job(job, folder / "raw", filler=filler, clocks="host", arrays=arrays)
+        sizes = [os.path.getsize(p) / MB for p in paths]
+        total, largest = sum(sizes), max(sizes)
+        print(f"job: {len(paths)} ranks (dp {job.spec.dp} x pp {job.spec.pp}, tp 1), {job.spec.microbatches} microbatches, "
+              f"{job.spec.steps} steps; filler {filler} kernels per forward; "
+              f"{min(sizes):.1f}-{largest:.1f} MB per rank, {total:,.0f} MB in all "
+              f"(generated and written in {time.perf_counter() - started:.0f} s)")
+        bench_parse(paths[0], repeats=2 if args.quick else 3)
+        bench_convert(paths, folder, 1, total, largest)
+        check(job, folder)
+        bench_convert(paths, folder, 2, total, largest)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""`strag batch` over a lake that holds only raw profiler uploads (schemas/raw.py).
+
+The lake: the real torch.profiler runs (tests/data/real_traces/) as kineto windows, the published
+ST trace as an NDTimeline window (exported here), and bad uploads: a truncated rank file, a
+window missing a rank, a non-trace JSON file. One FnApiRunner run; the tables must hold the same
+numbers as the plain converter + engine on the same files, every bad window must be quarantined
+with its raw_* reason naming the file, and coverage must count raw windows by format.
+"""
+from __future__ import annotations
+
+import pathlib
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipelines import batch
+from pipelines.reference import lake_trace_from_published, manifest_from_published
+from schemas.raw import raw_dir
+from schemas.tables import read_table
+from transforms.ingest import convert_window
+from transforms.ingest.ndtimeline import write_ndtimeline
+from transforms.lake import list_jobs
+from transforms.whatif import JobMeta
+from transforms.whatif.causes import analyze_and_classify
+
+pytestmark = pytest.mark.slow
+DATA = pathlib.Path(__file__).parent / "data" / "real_traces"
+DATE = "2026-11-20"
+
+
+def _copy_ranks(run: str, folder: str, keep=None) -> list[pathlib.Path]:
+    target = pathlib.Path(folder)
+    target.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for path in sorted((DATA / run).glob("rank-*.json.gz")):
+        if keep is None or keep(path):
+            copied.append(pathlib.Path(shutil.copy(path, target)))
+    return copied
+
+
+@pytest.fixture(scope="module")
+def raw_lake(tmp_path_factory, reference_dir):
+    lake = str(tmp_path_factory.mktemp("raw") / "lake")
+    _copy_ranks("pp2dp2-1f1b", raw_dir(lake, "kineto", DATE, "clean"))
+    _copy_ranks("pp2dp2-1f1b-slow-sleep", raw_dir(lake, "kineto", DATE, "slowed"))
+    _copy_ranks("dp4-ddp", raw_dir(lake, "kineto", DATE, "ddp"))
+    broken = _copy_ranks("pp2dp2-1f1b", raw_dir(lake, "kineto", DATE, "truncated"))
+    broken[2].write_bytes(broken[2].read_bytes()[:50_000])
+    _copy_ranks("pp2dp2-1f1b", raw_dir(lake, "kineto", DATE, "three-ranks"), keep=lambda p: "rank-3" not in p.name)
+    stray = _copy_ranks("pp2dp2-1f1b", raw_dir(lake, "kineto", DATE, "stray-json"))
+    (stray[0].parent / "PROVENANCE.json").write_text('{"not": "a trace"}')
+    published = pq.read_table(reference_dir / "trace-ST.parquet")
+    import yaml
+
+    meta = yaml.safe_load((reference_dir / "meta-ST.yaml").read_text())
+    trace = lake_trace_from_published(published, "st")
+    import datetime as dt
+
+    write_ndtimeline(trace, manifest_from_published(trace, meta, "st", dt.date.fromisoformat(DATE)),
+                     raw_dir(lake, "ndtimeline", DATE, "st"), "st")
+    return lake
+
+
+@pytest.fixture(scope="module")
+def raw_run(raw_lake, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("raw-out") / "tables")
+    summary, _ = batch.execute(batch.parse(["--lake", raw_lake, "--from", DATE, "--to", DATE, "--out", out,
+                                            "--workers", "2", "--quiet"]))
+    return out, summary
+
+
+def test_raw_windows_are_listed_with_their_format(raw_lake):
+    jobs = {job.job_id: job for job in list_jobs(raw_lake, DATE, DATE)}
+    assert set(jobs) == {"clean", "slowed", "ddp", "truncated", "three-ranks", "stray-json", "st"}
+    assert jobs["clean"].raw_format == "kineto" and len(jobs["clean"].trace_files) == 4
+    assert jobs["st"].raw_format == "ndtimeline" and any(p.endswith("/job.yaml") for p in jobs["st"].trace_files)
+    assert all(job.manifest_path is None for job in jobs.values())
+
+
+def test_coverage_counts_every_raw_window(raw_run):
+    out, summary = raw_run
+    coverage = {row["job_id"]: row for row in read_table(out, "coverage").to_pylist()}
+    assert set(coverage) == {"clean", "slowed", "ddp", "truncated", "three-ranks", "stray-json", "st"}
+    assert {job: row["source_format"] for job, row in coverage.items()} == {
+        **{job: "kineto" for job in ("clean", "slowed", "ddp", "truncated", "three-ranks", "stray-json")}, "st": "ndtimeline"}
+    assert coverage["truncated"]["status"] == "quarantined" and coverage["truncated"]["reason_code"] == "raw_unreadable"
+    assert coverage["three-ranks"]["reason_code"] == "raw_missing_rank"
+    assert {coverage[j]["status"] for j in ("clean", "slowed", "ddp", "st", "stray-json")} <= {"analysed", "discarded"}
+    fleet = read_table(out, "fleet_coverage").to_pandas()
+    daily = fleet[fleet.period == "day"]
+    assert daily.groupby("source_format").jobs.sum().to_dict() == {"kineto": 6, "ndtimeline": 1}
+    quarantined = daily[daily.status == "quarantined"].set_index("reason").jobs.to_dict()
+    assert quarantined == {"raw_missing_rank": 1, "raw_unreadable": 1}
+
+
+def test_quarantine_names_the_bad_file(raw_run, raw_lake):
+    out, _ = raw_run
+    table = read_table(out, "quarantine").to_pylist()
+    rows = {row["job_id"]: row for row in table if row["job_id"] != "truncated" or row["level"] == "file"}
+    truncated = rows["truncated"]
+    assert truncated["source_path"].endswith("job_id=truncated/rank-2.json.gz") and truncated["level"] == "file"
+    assert "truncated" in truncated["detail"] and "rank-2.json.gz" in truncated["detail"]
+    assert "ranks 3" in rows["three-ranks"]["detail"] and rows["three-ranks"]["level"] == "job"
+    # a stray file is set aside (quarantined on its own) and the window goes on without it
+    assert rows["stray-json"]["source_path"].endswith("PROVENANCE.json") and rows["stray-json"]["level"] == "file"
+    assert rows["stray-json"]["reason_code"] == "raw_not_a_trace"
+    # the truncated rank's window: the file, then the rank it leaves missing
+    assert sorted(r["reason_code"] for r in table if r["job_id"] == "truncated") == ["raw_missing_rank", "raw_unreadable"]
+
+
+def test_tables_equal_the_converter_and_engine_on_the_same_files(raw_run, raw_lake):
+    out, _ = raw_run
+    summary = {row["job_id"]: row for row in read_table(out, "job_summary").to_pylist()}
+    for job in list_jobs(raw_lake, DATE, DATE):
+        if job.job_id not in ("clean", "slowed", "ddp", "st"):
+            continue
+        converted = convert_window(job.raw_format, job.trace_files, job.job_id, DATE)
+        result, verdict = analyze_and_classify(converted.trace, JobMeta.from_mapping(converted.manifest), job.job_id)
+        row = summary[job.job_id]
+        assert row["slowdown"] == pytest.approx(result.slowdown, rel=1e-12)
+        assert row["launch_slowdown"] == pytest.approx(result.launch_slowdown, rel=1e-12)
+        assert row["n_ops"] == converted.trace.num_rows
+        assert row["source_format"] == job.raw_format
+        assert row["source"] and ("torch.profiler" in row["source"] or "NDTimeline" in row["source"])
+    assert summary["slowed"]["cause"] == "individual-worker"
+    workers = read_table(out, "worker_attribution").to_pandas()
+    slowed = workers[workers.job_id == "slowed"].set_index(["dp_rank", "stage"])
+    assert slowed.loc[(1, 0), "rank"] == 1 and bool(slowed.loc[(1, 0), "in_mw_set"])
+    assert set(slowed.host) == {"vm"}
+
+
+def test_ndtimeline_window_in_the_batch_equals_the_published_result(raw_run, reference_dir):
+    import json
+
+    out, _ = raw_run
+    row = next(r for r in read_table(out, "job_summary").to_pylist() if r["job_id"] == "st")
+    expected = json.loads((reference_dir / "result-ST.json").read_text())
+    assert row["slowdown"] == pytest.approx(expected["blocking_slowdown"], rel=1e-6)
+    assert row["launch_slowdown"] == pytest.approx(expected["launch_slowdown"], rel=1e-6)
