@@ -32,6 +32,18 @@ def _fmt(value, digits: int = 3) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+def _source_format(summary) -> str:
+    """Where the op rows came from: the lake's parquet, or a profiler's output converted."""
+    names = {"lake": "lake parquet", "kineto": "torch.profiler", "ndtimeline": "NDTimeline"}
+    value = getattr(summary, "source_format", None)
+    return names.get(value, str(value)) if isinstance(value, str) else "lake parquet"
+
+
+def _source_detail(summary) -> str:
+    detail = getattr(summary, "source", None)
+    return detail if isinstance(detail, str) and detail else "trace rows written in the lake's format"
+
+
 def build_job_page(data: ReportData, date: dt.date, job_id: str, out_dir: pathlib.Path, timeline_href: str | None = None) -> pathlib.Path:
     """Write the page of one job window under out_dir (see job_page_path); returns its path.
 
@@ -60,6 +72,7 @@ def build_job_page(data: ReportData, date: dt.date, job_id: str, out_dir: pathli
          f"S after the fix {_fmt(v['fixed_slowdown'])}" if v is not None else ""),
         ("replay discrepancy", f"{100 * (s.launch_slowdown - 1):.1f}%", "discarded: above 5%" if s.discarded else "within 5%: kept"),
         ("parallelism", s.parallelism, f"{s.gpus} GPUs, {s.n_steps} sampled steps"),
+        ("source", _source_format(s), _source_detail(s)),
     ])
     blocks: list = [numbers]
     if v is not None:

@@ -6,10 +6,11 @@
 
 Wiring only (each step is one composite PTransform from transforms/):
 
-    MatchJobs ─► AnalyzeJobs ─┬────────────────────► CommitTables (single terminal step)
-    (listing,    (per group of └─► AggregateFleet ──┘  (+ fleet rollups as a finalizer)
-     manifests,   windows: read, validate
-     groups)      with one GX screen run, engine per window)
+    MatchJobs ─────┬► AnalyzeJobs ─┬────────────────────► CommitTables (single terminal step)
+    (listing,      │  (per group of └─► AggregateFleet ──┘  (+ fleet rollups as a finalizer)
+     manifests,    │   windows: read or convert, validate
+     groups)       │   with one GX screen run, engine per window)
+    ConvertRawRanks┘ (big raw Kineto windows: ranks parsed on all workers, assembled per window)
 
 Runners:
 - FnApiRunner (default): Beam's embedded runner, named explicitly (the plain DirectRunner of
@@ -54,6 +55,7 @@ from schemas.fleet import FLEET_TABLE_SPECS
 from schemas.tables import BATCH_TABLES, RUNS_DIR
 from transforms.analyze import AnalyzeJobs
 from transforms.commit import CommitConfig, CommitTables
+from transforms.convert import DEFAULT_FANOUT_RANKS, ConvertRawRanks, fan_out
 from transforms.fleet import AggregateFleet, fleet_rollup_tables
 from transforms.lake import list_jobs
 from transforms.match import MatchJobs, date_range
@@ -87,6 +89,7 @@ class BatchOptions:
     dask_address: str | None = None
     dask_partitions: int = 0
     group: int | None = None
+    fanout_ranks: int = 16
     run_id: str = ""
     beam_args: tuple[str, ...] = ()
     quiet: bool = False
@@ -117,6 +120,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--group", type=int, default=None,
                         help=f"about this many job windows per group a worker validates with one GX run (default: up "
                              f"to {MAX_GROUP}, at least 4 groups per worker)")
+    parser.add_argument("--fanout-ranks", type=int, default=DEFAULT_FANOUT_RANKS,
+                        help=f"raw Kineto windows with at least this many rank files are parsed rank by rank on all "
+                             f"workers before their analysis (default {DEFAULT_FANOUT_RANKS}); smaller ones by the worker "
+                             "that analyses them")
     parser.add_argument("--dask-address", default=None, help="dask.distributed scheduler address (DaskRunner); default: start a local cluster")
     parser.add_argument("--dask-partitions", type=int, default=None,
                         help="DaskRunner: deal the window groups into this many partitions of equal bytes (default 4 x --workers)")
@@ -158,13 +165,16 @@ def parse(argv: list[str]) -> BatchOptions:
         raise BatchUsageError(f"--dask-partitions {args.dask_partitions}: need at least 1")
     if args.group is not None and args.group < 1:
         raise BatchUsageError(f"--group {args.group}: need at least 1")
+    if args.fanout_ranks < 1:
+        raise BatchUsageError(f"--fanout-ranks {args.fanout_ranks}: need at least 1")
     lake, out = args.lake.rstrip("/"), args.out.rstrip("/")
     _check_lake(lake)
     if out == lake:
         raise BatchUsageError(f"--out {out} is the lake itself; write the tables to their own folder or prefix")
     run_id = f"{args.date_from}_{args.date_to}_{uuid.uuid4().hex[:12]}"
     return BatchOptions(lake, args.date_from, args.date_to, out, runner, args.workers, running_mode, args.dask_address,
-                        args.dask_partitions or 4 * args.workers, args.group, run_id, tuple(beam_args), args.quiet)
+                        args.dask_partitions or 4 * args.workers, args.group, args.fanout_ranks, run_id, tuple(beam_args),
+                        args.quiet)
 
 
 def _check_lake(lake: str) -> None:
@@ -250,9 +260,14 @@ def build(p: beam.Pipeline, opts: BatchOptions, jobs=None):
     """
     if jobs is None:
         jobs = list_jobs(opts.lake, opts.date_from, opts.date_to)
+    big = [job for job in jobs if fan_out(job, opts.fanout_ranks)]
+    jobs = [job for job in jobs if not fan_out(job, opts.fanout_ranks)]
     count = window_groups(opts, len(jobs))
     groups = p | "MatchJobs" >> MatchJobs(opts.lake, opts.date_from, opts.date_to, jobs,
                                           chunk=dask_chunk(opts, count), groups=count or None)
+    if big:   # big raw windows: their rank files parsed on every worker, then analysed like the rest
+        converted = p | "ConvertRawRanks" >> ConvertRawRanks(big)
+        groups = (groups, converted) | "WithConvertedWindows" >> beam.Flatten()
     outcomes = groups | "AnalyzeJobs" >> AnalyzeJobs(progress=not opts.quiet)
     # daily fleet tables + their CombineFn states; the commit rebuilds the rollups from every date's state
     fleet = outcomes | "AggregateFleet" >> AggregateFleet()

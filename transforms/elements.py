@@ -57,6 +57,9 @@ class MatchedJob:
     manifest: dict[str, Any] | None
     manifest_problems: tuple = ()
     seconds: float = 0.0
+    # a raw window converted already (transforms/convert.py: ranks parsed on many workers): its
+    # transforms.ingest.ConvertedJob, or the RawInputError refusing it
+    converted: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -135,6 +135,8 @@ class MatchJobs(beam.PTransform):
         if outside:
             raise ValueError(f"MatchJobs: job windows outside {self._date_from}..{self._date_to}: {[(j.date, j.job_id) for j in outside[:3]]}")
         jobs = list(jobs)
+        if not jobs:   # an empty range (or every window converted elsewhere): an empty run, not an error
+            return root | "ListJobWindows" >> beam.Create([]).with_output_types(WindowGroup)
         count = len(jobs) if self._groups is None else self._groups
         weighed = count < len(jobs) or self._chunk is not None
         groups = group_windows(match_windows(jobs), trace_bytes(jobs) if weighed else [0] * len(jobs),

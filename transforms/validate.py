@@ -240,7 +240,11 @@ def _convert(matched: MatchedJob):
     job = matched.job
     started = time.perf_counter()
     try:
-        return convert_window(job.raw_format, job.trace_files, job.job_id, job.date)
+        if matched.converted is None:
+            return convert_window(job.raw_format, job.trace_files, job.job_id, job.date)
+        if isinstance(matched.converted, RawInputError):
+            raise matched.converted
+        return matched.converted
     except RawInputError as error:
         errors = [*error.rejected, error]
         stats = JobStats(job.job_id, job.date, "quarantined", seconds={"read": time.perf_counter() - started})

@@ -52,7 +52,7 @@ class RawInputError(ValueError):
         self.rejected: list[RawInputError] = []   # files set aside before this job-level error
 
     def __reduce__(self):   # crosses process pools and Beam workers intact
-        return (_raw_input_error, (self.reason_code, self._message, self.job_id, self.path, self.op))
+        return (_raw_input_error, (self.reason_code, self._message, self.job_id, self.path, self.op, self.rejected))
 
     def with_job(self, job_id: str) -> "RawInputError":
         """The same error naming `job_id` (errors raised while parsing one file know no job)."""
@@ -63,8 +63,10 @@ class RawInputError(ValueError):
         return RAW_REASONS[self.reason_code][0]
 
 
-def _raw_input_error(reason_code, message, job_id, path, op) -> RawInputError:
-    return RawInputError(reason_code, message, job_id=job_id, path=path, op=op)
+def _raw_input_error(reason_code, message, job_id, path, op, rejected=()) -> RawInputError:
+    error = RawInputError(reason_code, message, job_id=job_id, path=path, op=op)
+    error.rejected = list(rejected)
+    return error
 
 
 @dataclasses.dataclass
