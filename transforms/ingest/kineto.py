@@ -1054,7 +1054,7 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
         job_id, date, trace, dp_size=layout.dp, pp_size=layout.pp, tp_size=layout.tp, cp_size=layout.cp, vpp_size=vpp,
         world_size=world, worker_rank=layout.rank_of(),
         worker_host={cell: host_of[rank] for cell, rank in layout.rank_of().items()} if host_of else None,
-        start_time=_start_time(options), model_family=str(options.get("model_family", "unknown")),
+        start_time=_start_time(options) or _recorded_start(first_origin, base), model_family=str(options.get("model_family", "unknown")),
         context_length=int(options.get("context_length", 0)), gpu_hours_scale=float(options.get("gpu_hours_scale", 1.0)),
     )
     source = {
@@ -1079,6 +1079,17 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
         "unmapped": dict(sorted(unmapped.items())),
     }
     return ConvertedJob(job_id, trace, manifest, source)
+
+
+def _recorded_start(origin_ns: int, offset_us: float):
+    """The wall-clock instant `offset_us` after `origin_ns` (baseTimeNanoseconds + first ts) when it is
+    a plausible date (torch writes the epoch there; some traces do not), else None."""
+    import datetime as dt
+
+    seconds = origin_ns / 1e9 + offset_us * 1e-6
+    if not 946684800 <= seconds <= 4102444800:   # 2000-01-01 .. 2100-01-01
+        return None
+    return dt.datetime.fromtimestamp(round(seconds, 6), tz=dt.timezone.utc)
 
 
 def _start_time(options: Mapping[str, Any]):
