@@ -207,6 +207,8 @@ def run(argv: list[str]) -> int:
     except (OSError, ValueError, LakeError) as error:
         code = f" [{error.reason_code}]" if hasattr(error, "reason_code") else ""
         print(f"strag analyze: cannot read the job: {error}{code}", file=sys.stderr)
+        for rejected in getattr(error, "rejected", ()):
+            print(f"  set aside: {rejected} [{rejected.reason_code}]", file=sys.stderr)
         return 2
     started = time.perf_counter()
     verdict = None

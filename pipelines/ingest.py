@@ -122,6 +122,8 @@ def run(argv: list[str]) -> int:
     except (RawInputError, LakeError, ValueError) as error:
         code = f" [{error.reason_code}]" if isinstance(error, RawInputError) else ""
         print(f"strag import: {error}{code}", file=sys.stderr)
+        for rejected in getattr(error, "rejected", ()):
+            print(f"  set aside: {rejected} [{rejected.reason_code}]", file=sys.stderr)
         return 2
     manifest = converted.manifest
     print(f"imported job {job.job_id} on {job.date}: {converted.trace.num_rows:,} ops, dp {manifest['dp_size']} x "

@@ -195,3 +195,57 @@ def test_a_missing_rank_is_refused_by_name(tmp_path, capsys):
     assert "ranks 3" in str(caught.value)
     assert analyze_cli.run(["--format", "kineto", str(folder)]) == 2
     assert "[raw_missing_rank]" in capsys.readouterr().err
+
+
+def test_import_writes_a_lake_job_that_analyses_the_same(tmp_path, capsys):
+    """`strag import` then `strag analyze --lake`: the same S as the folder itself, and the lake
+    job remembers where it came from (manifest metadata -> source_format in the batch tables)."""
+    from pipelines import ingest
+    from transforms.lake import find_job, read_manifests
+    from schemas.expectations import Validator
+
+    lake = str(tmp_path / "lake")
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for path in rank_files("pp2dp2-1f1b-slow-sleep"):
+        shutil.copy(path, folder)
+    assert ingest.run(["--format", "kineto", str(folder), "--lake", lake, "--job-id", "imported", "--date", DATE]) == 0
+    printed = capsys.readouterr().out
+    assert "imported job imported on 2026-11-23" in printed and "dp 2 x pp 2" in printed and "torch.profiler" in printed
+    job = find_job(lake, "imported")
+    (manifest, problems), = read_manifests([job.manifest_path], Validator()).values()
+    assert not problems and manifest["source"]["format"] == "kineto" and manifest["source"]["ranks"] == 4
+    out_lake, out_folder = tmp_path / "lake.json", tmp_path / "folder.json"
+    assert analyze_cli.run(["--lake", lake, "--job-id", "imported", "--json", str(out_lake)]) == 0
+    assert analyze_cli.run(["--format", "kineto", str(folder), "--json", str(out_folder)]) == 0
+    from_lake, from_folder = (json.loads(p.read_text()) for p in (out_lake, out_folder))
+    assert from_lake["blocking_slowdown"] == pytest.approx(from_folder["blocking_slowdown"], rel=1e-12)
+    assert from_lake["launch_slowdown"] == pytest.approx(from_folder["launch_slowdown"], rel=1e-12)
+
+
+def test_import_refuses_bad_input_with_the_reason(tmp_path, capsys):
+    from pipelines import ingest
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "rank-0.json").write_text("{ not json")
+    code = ingest.run(["--format", "kineto", str(folder), "--lake", str(tmp_path / "lake"), "--job-id", "bad"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "[raw_missing_rank]" in err and "job bad" in err
+    with pytest.raises(SystemExit):
+        ingest.run(["--format", "kineto", str(folder), "--lake", str(tmp_path / "lake"), "--job-id", "../escape"])
+    assert "--job-id" in capsys.readouterr().err
+
+
+def test_a_rank_alone_whose_groups_cannot_place_the_others(tmp_path, capsys):
+    """One readable rank file (its pg_config lists only its own groups) and one broken one: the
+    missing ranks are named, and the broken file is shown as set aside with its reason."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "rank-0.json").write_text("{ not json")
+    shutil.copy(rank_files("pp2dp2-1f1b")[1], folder)
+    assert analyze_cli.run(["--format", "kineto", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "have no trace: ranks 0, 2, 3" in err and "[raw_missing_rank]" in err
+    assert "set aside" in err and "rank-0.json" in err and "[raw_unreadable]" in err

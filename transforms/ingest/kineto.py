@@ -997,11 +997,14 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
     layout = _layout(ranks, world, options, job_id)
     by_rank = {t.rank: t for t in ranks}
     missing = sorted(set(layout.worker) - set(by_rank))
+    if len(layout.worker) < layout.dp * layout.pp:
+        # the groups of the traces present do not place every worker: the absent ranks would
+        missing = sorted(set(range(world)) - set(by_rank))
     if missing:
         shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
-        raise RawInputError("raw_missing_rank", f"{len(missing)} of the {len(layout.worker)} ranks the analysis needs "
-                            f"(dp {layout.dp} x pp {layout.pp}, layout from {layout.how}) have no trace: ranks {shown}; "
-                            f"found {len(by_rank)} file(s) of world size {world}", job_id=job_id)
+        raise RawInputError("raw_missing_rank", f"{len(missing)} rank(s) the analysis needs have no trace: ranks {shown} "
+                            f"(dp {layout.dp} x pp {layout.pp} workers, layout from {layout.how}); found "
+                            f"{len(by_rank)} readable rank file(s) of world size {world}", job_id=job_id)
     analysed = [by_rank[rank] for rank in sorted(layout.worker)]
     steps, dropped = _kept_steps(analysed, job_id)
     described = any(g.dims() == {"dp"} for t in ranks for g in t.groups.values())
