@@ -249,3 +249,34 @@ def test_a_rank_alone_whose_groups_cannot_place_the_others(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "have no trace: ranks 0, 2, 3" in err and "[raw_missing_rank]" in err
     assert "set aside" in err and "rank-0.json" in err and "[raw_unreadable]" in err
+
+
+def _copy(run: str, folder: pathlib.Path, ranks=(0, 1, 2, 3)) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for rank in ranks:
+        shutil.copy(DATA / run / f"rank-{rank}.json.gz", folder)
+
+
+def test_ranks_of_two_runs_in_one_folder_are_refused(tmp_path):
+    """Same script, same mesh, different runs: only the time on the shared host clock tells them apart."""
+    _copy("pp2dp2-1f1b", tmp_path / "mixed", ranks=(0,))
+    _copy("pp2dp2-gpipe", tmp_path / "mixed", ranks=(1, 2, 3))
+    with pytest.raises(RawInputError) as caught:
+        convert_window("kineto", sorted(str(p) for p in (tmp_path / "mixed").iterdir()), "mixed", DATE)
+    assert caught.value.reason_code == "raw_mixed_jobs" and caught.value.path.endswith("rank-0.json.gz")
+    assert "another run" in str(caught.value) and "job mixed" in str(caught.value)
+
+
+def test_steps_that_do_not_line_up_are_refused(tmp_path):
+    folder = tmp_path / "misaligned"
+    _copy("pp2dp2-1f1b", folder)
+    path = folder / "rank-2.json.gz"
+    document = json.loads(gzip.decompress(path.read_bytes()))
+    for event in document["traceEvents"]:
+        if event.get("name", "").startswith("ProfilerStep#"):
+            event["name"] = f"ProfilerStep#{int(event['name'].split('#')[1]) + 100}"
+    path.write_bytes(gzip.compress(json.dumps(document).encode()))
+    with pytest.raises(RawInputError) as caught:
+        convert_window("kineto", sorted(str(p) for p in folder.iterdir()), "misaligned", DATE)
+    assert caught.value.reason_code == "raw_steps_misaligned"
+    assert "2: '102..105'" in str(caught.value) and "0: '2..5'" in str(caught.value)

@@ -978,6 +978,27 @@ def _check_job(ranks: Sequence[RankTrace], job_id: str) -> int:
     for trace in ranks:
         if not 0 <= trace.rank < world:
             raise RawInputError("raw_mixed_jobs", f"rank {trace.rank} outside world size {world}", job_id=job_id, path=trace.path)
+    # ranks sharing a clock (one host) ran their profiled steps at the same time, give or take the
+    # drift of a pipeline: a rank whose steps ran minutes away from the others' belongs to another run
+    by_clock: dict[str, list[RankTrace]] = collections.defaultdict(list)
+    for trace in ranks:
+        if trace.host:
+            by_clock[trace.clock].append(trace)
+    for members in by_clock.values():
+        if len(members) < 2:
+            continue
+        spans = {t.rank: (t.origin_ns / 1e3 + t.step_start.min(), t.origin_ns / 1e3 + t.step_end.max()) for t in members}
+        for trace in members:
+            start, end = spans[trace.rank]
+            others = [span for rank, span in spans.items() if rank != trace.rank]
+            slack = max(end - start, 1e6)   # µs: a whole profiled window (at least a second) of drift
+            if not any(o_start - slack <= end and start <= o_end + slack for o_start, o_end in others):
+                import datetime as dt
+
+                when = dt.datetime.fromtimestamp(start / 1e6, tz=dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+                raise RawInputError("raw_mixed_jobs", f"rank {trace.rank} profiled its steps at {when} UTC on host "
+                                    f"{trace.host}, away from the other ranks of that host: a trace of another run",
+                                    job_id=job_id, path=trace.path)
     defined: dict[str, tuple[int, ...]] = {}
     for trace in ranks:
         for group in trace.groups.values():
