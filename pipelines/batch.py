@@ -43,8 +43,10 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
+import traceback
 import uuid
 
 import apache_beam as beam
@@ -52,7 +54,7 @@ import fsspec
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from schemas.fleet import FLEET_TABLE_SPECS
-from schemas.tables import BATCH_TABLES, RUNS_DIR
+from schemas.tables import BATCH_TABLES, RUNS_DIR, STAGING_DIR
 from transforms.analyze import AnalyzeJobs
 from transforms.commit import CommitConfig, CommitTables
 from transforms.convert import DEFAULT_FANOUT_RANKS, ConvertRawRanks, fan_out
@@ -382,9 +384,38 @@ def run(argv: list[str]) -> int:
             mode = f", {opts.workers} {opts.running_mode.replace('_', '-')} workers" if opts.runner == "FnApiRunner" else ""
             print(f"strag batch: {len(jobs)} job windows in {opts.lake} for {opts.date_from}..{opts.date_to}; "
                   f"running on {opts.runner}{mode}", flush=True)
-        summary, counters = execute(opts, jobs)
+        try:
+            summary, counters = execute(opts, jobs)
+        except Exception as error:   # the run failed: say why, record it, publish nothing
+            record = record_failure(opts, error)
+            print(f"strag batch {opts.date_from}..{opts.date_to}: FAILED, nothing published (the tables are as before): "
+                  f"{record['reason']}\n  failure record: {opts.out}/{RUNS_DIR}/{opts.run_id}.failed.json", file=sys.stderr)
+            return 1
         _print_summary(opts, summary, counters, time.perf_counter() - started)
     finally:
         if cluster is not None:
             cluster.close()
     return 0
+
+
+_STORAGE_ERROR = re.compile(r"storage error reading [^\n]*?(?= nothing was quarantined|$)", re.MULTILINE)
+
+
+def record_failure(opts: BatchOptions, error: BaseException) -> dict:
+    """Write `{out}/_runs/{run_id}.failed.json` (what failed and why), drop the run's staging folder,
+    and return the record. A storage error (transforms/storage.py) is named by its file."""
+    text = "".join(traceback.format_exception(error))
+    storage = [match.group(0).rstrip(" ;") for match in _STORAGE_ERROR.finditer(text)]
+    reason = storage[0] if storage else f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    record = {"run_id": opts.run_id, "status": "failed", "dates": list(opts.dates), "lake": opts.lake,
+              "reason": reason, "storage_errors": sorted(set(storage)), "error": text[-4000:]}
+    try:
+        fs, root = fsspec.core.url_to_fs(f"{opts.out}/{RUNS_DIR}/{opts.run_id}.failed.json")
+        fs.makedirs(root.rsplit("/", 1)[0], exist_ok=True)
+        fs.pipe_file(root, json.dumps(record, indent=2).encode())
+        staging, staging_root = fsspec.core.url_to_fs(f"{opts.out}/{STAGING_DIR}/{opts.run_id}")
+        if staging.exists(staging_root):
+            staging.rm(staging_root, recursive=True)
+    except OSError as write_error:   # the storage may be what failed: the message on stderr still says why
+        record["record_not_written"] = f"{type(write_error).__name__}: {write_error}"
+    return record

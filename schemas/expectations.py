@@ -64,6 +64,7 @@ __all__ = [
     "NO_TRACE_FILES",
     "MISSING_WORKERS",
     "MISSING_STEPS",
+    "INCOMPLETE_WINDOW",
     "Problem",
     "ValidationReport",
     "TraceContractError",
@@ -106,6 +107,7 @@ INVALID_MANIFEST = "invalid_manifest"
 NO_TRACE_FILES = "no_trace_files"
 MISSING_WORKERS = "missing_workers"
 MISSING_STEPS = "missing_steps"
+INCOMPLETE_WINDOW = "incomplete_window"
 
 REASONS: dict[str, tuple[str, str]] = {
     UNREADABLE_FILE: ("file", "the parquet file cannot be read (truncated, corrupt bytes, checksum mismatch); re-upload it"),
@@ -126,6 +128,8 @@ REASONS: dict[str, tuple[str, str]] = {
     NO_TRACE_FILES: ("job", "a manifest without any trace file for the same date"),
     MISSING_WORKERS: ("job", "workers of the manifest have no valid rows"),
     MISSING_STEPS: ("job", "some workers lack steps that other workers of the job have"),
+    INCOMPLETE_WINDOW: ("job", "a file of the window was rejected (its own quarantine row says why): the rest is partial "
+                               "input and is not analysed; re-upload the file and rerun the date"),
 }
 # Raw profiler uploads that cannot be converted (schemas/raw.py): after the lake's own reasons.
 REASONS.update(RAW_REASONS)

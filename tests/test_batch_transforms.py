@@ -7,6 +7,7 @@ import datetime as dt
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.util import assert_that, equal_to
@@ -208,14 +209,22 @@ def test_an_unexpected_error_in_a_group_quarantines_only_its_window(lake, valida
 
     def fragile(self, jobs, **kwargs):
         if any(job.job_id == "clean" for job in jobs):
-            raise OSError("bucket vanished")
+            raise ValueError("validator meets a value it never saw")
         return original(self, jobs, **kwargs)
 
     monkeypatch.setattr(Validator, "validate_jobs", fragile)
     outcomes = {o.job_id: o for o in analyze_group(group, validator, analyze_job)}
     assert outcomes["slow"].stats.status == "analysed"
     assert outcomes["clean"].stats.reason_code == UNEXPECTED_ERROR
-    assert "bucket vanished" in outcomes["clean"].tables["quarantine"].column("detail")[0].as_py()
+    assert "never saw" in outcomes["clean"].tables["quarantine"].column("detail")[0].as_py()
+
+    # failing storage is not bad data: it is not quarantined, it fails the run
+    def unreachable(self, jobs, **kwargs):
+        raise ConnectionResetError("bucket unreachable")
+
+    monkeypatch.setattr(Validator, "validate_jobs", unreachable)
+    with pytest.raises(ConnectionResetError):
+        list(analyze_group(group, validator, analyze_job))
     # a dead letter of a whole group quarantines each of its windows
     letters = list(dead_letters((group, (RuntimeError, "RuntimeError('boom')", ["trace"]))))
     assert [(o.job_id, o.stats.reason_code) for o in letters] == [("slow", UNEXPECTED_ERROR), ("clean", UNEXPECTED_ERROR)]
@@ -244,3 +253,31 @@ def test_arrow_coder_estimates_size_without_encoding(monkeypatch):
     monkeypatch.undo()
     outcome = JobOutcome("j", DATE, {"x": table}, JobStats("j", DATE, "analysed"))
     assert coder.decode(coder.encode(outcome)).tables["x"].equals(table)
+
+
+def test_a_window_that_lost_a_file_is_not_analysed_on_the_rest(tmp_path, validator):
+    """Partial input: a job written as one file per sampled step, one of them corrupt. Every
+    worker still has rows and the steps left line up, but the window is quarantined whole
+    (incomplete_window), as `strag analyze --lake` refuses it."""
+    from pipelines import analyze as analyze_cli
+    from schemas.expectations import INCOMPLETE_WINDOW
+    from transforms.lake import list_jobs, write_job
+    from transforms.synth.job import JobSpec, generate_job
+
+    lake = str(tmp_path / "lake")
+    job = generate_job(JobSpec("per-step", dp=2, pp=2, microbatches=4, steps=4, sessions=1, seed=5))
+    steps = sorted(set(job.trace.column("step").to_pylist()))
+    files = {f"step-{s}.parquet": job.trace.filter(pc.equal(job.trace["step"], s)) for s in steps}
+    written = write_job(lake, job.spec.date, "per-step", files, job.manifest)
+    victim = written.trace_files[1]
+    with open(victim, "r+b") as handle:
+        handle.truncate(300)
+    (listed,) = list_jobs(lake)
+    group = WindowGroup(tuple(match_windows([listed], validator)))
+    (outcome,) = analyze_group(group, validator, analyze_job)
+    assert outcome.stats.status == "quarantined" and outcome.stats.reason_code == INCOMPLETE_WINDOW
+    rows = outcome.tables["quarantine"].to_pylist()
+    assert [r["reason_code"] for r in rows] == ["unreadable_file", INCOMPLETE_WINDOW]
+    assert victim in rows[1]["detail"] and rows[1]["level"] == "job"
+    assert "job_summary" not in outcome.tables
+    assert analyze_cli.run(["--lake", lake, "--job-id", "per-step"]) == 2

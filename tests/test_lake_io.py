@@ -10,6 +10,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from transforms.storage import StorageError
+
 from lake_samples import sample_job
 from schemas.lake import manifest_path, trace_dir
 from schemas.trace import MANIFEST_SCHEMA, SCHEMA_VERSION, TRACE_SCHEMA
@@ -124,7 +126,7 @@ def test_write_job_refuses_contract_breaks(lake):
         lk.write_job(lake, "2024-03-01", "job-a", {"../x.parquet": trace}, manifest)
 
 
-def test_read_errors_name_the_file_and_reason(lake):
+def test_read_errors_name_the_file_and_reason(lake, monkeypatch):
     trace, manifest = sample_job("job-a", dp=1, pp=1, steps=1)
     job = lk.write_job(lake, "2024-03-01", "job-a", trace, manifest)
     path = job.trace_files[0]
@@ -138,8 +140,11 @@ def test_read_errors_name_the_file_and_reason(lake):
     with pytest.raises(lk.LakeReadError) as error:
         lk.read_trace_file(path)
     assert error.value.reason == "missing_column" and "step" in str(error.value) and path in str(error.value)
-    with pytest.raises(lk.LakeReadError, match="cannot be read"):
+    # a file that is not there is not bad data: storage did not deliver it (retried, then StorageError)
+    monkeypatch.setenv("STRAG_IO_BACKOFF_S", "0.001")
+    with pytest.raises(StorageError, match="after 4 attempts") as error:
         lk.read_manifest(f"{lake}/manifests/date=2024-03-01/nope.parquet")
+    assert "nope.parquet" in str(error.value) and isinstance(error.value, OSError)
 
 
 def test_manifest_metadata_is_kept(lake):

@@ -11,8 +11,9 @@ worker_attribution, dp/stage/optype_attribution, job_cause, coverage and quarant
 - Validation problems quarantine rows, files or the whole window (see validate.py).
 - A typed engine error (transforms/whatif/errors.py: bad structure, missing peer, cycle,
   too few steps, ...) quarantines that window with the error's reason code; an unexpected
-  exception is caught by `with_exception_handling()` and quarantines it as
-  `unexpected_error`. Neither stops the run.
+  exception (a bug meeting odd data) is caught by `with_exception_handling()` and quarantines it
+  as `unexpected_error`. Neither stops the run. A storage failure (OSError after the IO layer's
+  retries, transforms/storage.py) does: it is not bad data, and nothing is published.
 - A window whose replay discrepancy (launch_slowdown) exceeds 5% is `discarded`: its rows
   are written (flagged in job_summary) and coverage records the reason, but fleet
   statistics leave it out.
@@ -41,6 +42,7 @@ from schemas.tables import (
 from transforms.ingest.common import describe_source
 from transforms.elements import JobOutcome, JobProblem, MatchedJob, ValidatedJob, WindowGroup
 from transforms.validate import (
+    QUARANTINED_ERRORS,
     count_quarantine,
     count_quarantine_error,
     coverage_row,
@@ -261,7 +263,7 @@ def analyze_group(group: WindowGroup, validator, engine) -> Iterator[JobOutcome]
     """
     try:
         validated = validate_job_windows(group.windows, validator)
-    except Exception:
+    except QUARANTINED_ERRORS:
         validated = [_or_error(matched, lambda m=matched: validate_job_window(m, validator)) for matched in group.windows]
     for item in validated:
         if isinstance(item, JobOutcome):
@@ -279,7 +281,7 @@ def _or_error(element, work):
     """work(), or the quarantined outcome of `element` when it raises unexpectedly."""
     try:
         return work()
-    except Exception as error:
+    except QUARANTINED_ERRORS as error:   # storage errors (OSError) are not bad data: they fail the run
         count_quarantine_error()
         return unexpected_error_outcome(element, (type(error), repr(error), traceback.format_exception(error)))
 

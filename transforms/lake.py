@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 from schemas.expectations import TraceContractError, conform_trace
 from schemas.lake import LAKE_MARKER, MANIFESTS, TRACES, manifest_path, trace_dir
 from schemas.raw import SOURCE_KEY
+from transforms.storage import read_bytes
 from schemas.trace import MANIFEST_SCHEMA, SCHEMA_VERSION, TRACE_SCHEMA
 
 __all__ = [
@@ -117,13 +118,12 @@ def write_parquet(url: str, table: pa.Table) -> None:
 def read_parquet(url: str) -> pa.Table:
     """Read one parquet file as written (no casting), verifying page checksums.
 
-    Raises LakeReadError(reason "unreadable_file") naming the file when it is missing,
-    truncated or corrupt.
+    Raises LakeReadError(reason "unreadable_file") naming the file when its bytes are truncated
+    or corrupt (bad data); StorageError (transforms/storage.py) when storage does not deliver them
+    after retries (infrastructure: never quarantined).
     """
+    data = read_bytes(url)
     try:
-        fs, path = filesystem(url)
-        with fs.open(path, "rb") as handle:
-            data = handle.read()
         return pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True).read()
     except (OSError, pa.ArrowException, ValueError, EOFError) as error:
         raise LakeReadError(f"file {url}: cannot be read ({type(error).__name__}: {error})",

@@ -13,13 +13,15 @@ validate: PCollection[MatchedJob] -> named outputs
 Rules (reason codes live in schemas/expectations.py):
 - rejected rows go to the quarantine table one row each, and the window goes on with the
   valid rest (the engine then decides whether the rest is still a complete trace);
-- a rejected file is one quarantine row;
+- a rejected file is one quarantine row, and its window is quarantined whole (`incomplete_window`):
+  the rest is partial input, whose S would be reported as if complete;
 - a window with a job-level problem (no manifest, unreadable or invalid manifest, no trace
   files, missing workers or steps), or a row problem whose rows cannot be removed (the same
   op in two files), is quarantined whole; coverage names the most basic reason (a file
   missing a column before the workers it then lacks);
-- anything unexpected (a bug, a storage error) is caught by `with_exception_handling()` and
-  quarantines that window with reason `unexpected_error`, never the run.
+- an unexpected error (a bug meeting odd data: QUARANTINED_ERRORS) is caught by
+  `with_exception_handling()` and quarantines that window with reason `unexpected_error`; a
+  storage failure (OSError, StorageError after retries) is not bad data and fails the run.
 Every quarantine row bumps the Beam counter `strag.quarantine/<reason_code>`.
 """
 from __future__ import annotations
@@ -33,7 +35,7 @@ import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 
-from schemas.expectations import REASONS, JobFiles, Problem, ValidationReport, Validator
+from schemas.expectations import INCOMPLETE_WINDOW, REASONS, JobFiles, Problem, ValidationReport, Validator
 from schemas.lake import trace_dir
 from schemas.tables import COVERAGE_SCHEMA, QUARANTINE_SCHEMA
 from transforms.elements import JobOutcome, JobProblem, JobStats, MatchedJob, ValidatedJob, WindowGroup
@@ -58,7 +60,11 @@ __all__ = [
 ]
 
 UNEXPECTED_ERROR = "unexpected_error"
-_UNEXPECTED_REASON = "an unexpected error stopped this job window (a bug or a storage failure); see detail, fix, rerun the date"
+# Unexpected errors that quarantine their window (a bug meets odd data). Everything else, above all
+# OSError (storage: transforms/storage.py), fails the run: failing infrastructure is not bad data.
+QUARANTINED_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError, ArithmeticError, AssertionError,
+                      RuntimeError, NotImplementedError, pa.ArrowException)
+_UNEXPECTED_REASON = "an unexpected error stopped this job window (a bug meeting this data); see detail, fix, rerun the date"
 
 
 def _window_path(job: LakeJob) -> str:
@@ -111,6 +117,12 @@ def _job_problem(job: LakeJob, report: ValidationReport) -> JobProblem | None:
     """The problem that quarantines the whole window, or None when its valid rows go on."""
     listed = {(p, r) for p, r in zip(report.invalid.column("source_path").to_pylist(), report.invalid.column("reason").to_pylist())}
     unremovable = [p for p in report.problems if p.level == "job" or (p.level == "row" and (p.source_path, p.reason) not in listed)]
+    lost = [p for p in report.problems if p.level == "file"]
+    if lost and not unremovable:
+        # a window that lost a file is partial input: analysing the rest would report a wrong S as complete
+        names = ", ".join(f"{p.source_path} ({p.reason})" for p in lost[:5]) + (" ..." if len(lost) > 5 else "")
+        return JobProblem(INCOMPLETE_WINDOW, REASONS[INCOMPLETE_WINDOW][1],
+                          f"job {job.job_id} on {job.date}: {len(lost)} file(s) rejected: {names}", _window_path(job))
     if not unremovable and report.valid.num_rows:
         return None
     # The reason shown for the window is the most basic one (REASONS lists file problems
@@ -268,6 +280,9 @@ def _validated(matched: MatchedJob, report: ValidationReport, read_seconds: floa
     problem = _job_problem(job, report)
     if problem is None and manifest is None:
         problem = JobProblem("missing_manifest", REASONS["missing_manifest"][1], f"job {job.job_id} on {job.date}: no usable manifest", _window_path(job))
+    if problem is not None and problem.reason_code == INCOMPLETE_WINDOW:
+        quarantine = pa.concat_tables([quarantine, quarantine_rows(job, [Problem(
+            INCOMPLETE_WINDOW, job.job_id, problem.source_path, problem.detail, report.valid.num_rows)])])
     trace = None if problem else report.valid
     return ValidatedJob(job, manifest, trace, quarantine, problem, stats)
 
@@ -348,7 +363,7 @@ def dead_letters(element) -> Iterator[JobOutcome]:
 def guarded_pardo(pcoll, label: str, dofn: beam.DoFn):
     """ParDo(dofn).with_exception_handling(): (main outputs, a quarantined JobOutcome per
     element whose processing raised an unexpected exception)."""
-    results, errors = pcoll | label >> beam.ParDo(dofn).with_exception_handling()
+    results, errors = pcoll | label >> beam.ParDo(dofn).with_exception_handling(exc_class=QUARANTINED_ERRORS)
     failed = errors | f"QuarantineErrorsOf{label}" >> beam.FlatMap(dead_letters).with_output_types(JobOutcome)
     return results, failed
 

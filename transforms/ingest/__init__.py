@@ -23,12 +23,11 @@ __all__ = ["convert_window", "read_raw_file", "describe_source", "ConvertedJob",
 
 
 def read_raw_file(path: str) -> bytes:
-    """The bytes of one raw file by URL. OSError (infrastructure) propagates unchanged."""
-    import fsspec
+    """The bytes of one raw file by URL, read with retries; StorageError (an OSError: infrastructure)
+    when storage does not deliver them."""
+    from transforms.storage import read_bytes
 
-    fs, inner = fsspec.core.url_to_fs(path)
-    with fs.open(inner, "rb") as handle:
-        return handle.read()
+    return read_bytes(path)
 
 
 def convert_window(fmt: str, paths: Sequence[str], job_id: str, date: str, *, job_yaml: dict | None = None,

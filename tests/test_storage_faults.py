@@ -1,0 +1,139 @@
+"""Failing storage is not bad data (transforms/storage.py, ARCHITECTURE.md "Errors").
+
+The lake is read through `faulty://` (tests/faulty_storage.py), which raises connection resets,
+timeouts, throttling and permission errors, or drops a connection halfway, on a schedule:
+- transient faults are retried at the IO layer and the run publishes exactly the tables of a
+  fault-free run;
+- a fault that outlasts the retries fails the run: exit code 1, the failure record names the
+  file, the published tables stay byte for byte as they were, no staging is left behind;
+- corrupt bytes that did arrive are still bad data: quarantined, and the run goes on.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from batch_lake import DATES, write_batch_lake
+from faulty_storage import PARTIAL_READ, Fault, faults, injected
+from pipelines import batch
+from schemas.raw import raw_dir
+from schemas.tables import read_table
+from transforms.storage import RetryPolicy, StorageError, read_bytes
+
+pytestmark = pytest.mark.slow
+DATA = pathlib.Path(__file__).parent / "data" / "real_traces"
+
+
+@pytest.fixture(autouse=True)
+def fast_retries(monkeypatch):
+    monkeypatch.setenv("STRAG_IO_ATTEMPTS", "4")
+    monkeypatch.setenv("STRAG_IO_BACKOFF_S", "0.001")
+
+
+@pytest.fixture(scope="module")
+def lake(tmp_path_factory) -> str:
+    """The batch test lake plus one raw Kineto window, on local disk."""
+    path = tmp_path_factory.mktemp("faults") / "lake"
+    write_batch_lake(str(path))
+    folder = pathlib.Path(raw_dir(str(path), "kineto", DATES[0], "raw-run"))
+    folder.mkdir(parents=True)
+    for rank in sorted((DATA / "pp2dp2-1f1b").glob("rank-*.json.gz")):
+        (folder / rank.name).write_bytes(rank.read_bytes())
+    return str(path)
+
+
+def _run(lake: str, out: pathlib.Path) -> int:
+    return batch.run(["--lake", f"faulty://{lake}", "--from", DATES[0], "--to", DATES[-1], "--out", str(out),
+                      "--running-mode", "in_memory", "--workers", "1", "--quiet"])
+
+
+def _published(out: pathlib.Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*.parquet"))
+            if not str(p.relative_to(out)).startswith("_")}
+
+
+@pytest.fixture(scope="module")
+def clean_tables(lake, tmp_path_factory):
+    out = tmp_path_factory.mktemp("clean") / "tables"
+    with faults({}):
+        assert _run(lake, out) == 0
+    return out, _published(out)
+
+
+def test_read_bytes_retries_then_gives_up_as_a_storage_error(tmp_path):
+    path = tmp_path / "x.bin"
+    path.write_bytes(b"payload")
+    with faults({"x.bin": Fault(TimeoutError, times=2)}):
+        assert read_bytes(f"faulty://{path}", RetryPolicy(3, 0.0)) == b"payload"
+        assert len(injected()) == 2
+    with faults({"x.bin": Fault(PermissionError, times=None)}):
+        with pytest.raises(StorageError) as caught:
+            read_bytes(f"faulty://{path}", RetryPolicy(3, 0.0))
+    assert caught.value.attempts == 3 and "PermissionError" in str(caught.value) and str(path) in str(caught.value)
+    assert isinstance(caught.value, OSError)
+
+
+@pytest.mark.parametrize("error", [ConnectionResetError, TimeoutError, PARTIAL_READ])
+def test_transient_faults_are_retried_and_change_nothing(lake, clean_tables, tmp_path, error):
+    clean_out, clean = clean_tables
+    out = tmp_path / "tables"
+    schedule = {"traces/date=": Fault(error, times=3), "manifests/date=": Fault(error, times=2),
+                "job_id=raw-run/rank-1": Fault(error, times=2)}
+    with faults(schedule):
+        assert _run(lake, out) == 0
+        assert len(injected()) == 7
+    assert _published(out) == clean
+
+
+def test_throttling_beyond_the_retries_fails_loud_and_publishes_nothing(lake, clean_tables, tmp_path, capsys):
+    """A file that stays unreadable (S3 SlowDown after the client's own retries) fails the run;
+    the tables published before stay exactly as they were."""
+    clean_out, clean = clean_tables
+    out = tmp_path / "tables"
+    with faults({}):
+        assert _run(lake, out) == 0
+    before = _published(out)
+    victim = f"traces/date={DATES[1]}/job_id=stage-c/"
+    with faults({victim: Fault(OSError, times=None, message="503 SlowDown: please reduce your request rate")}):
+        assert _run(lake, out) == 1
+    err = capsys.readouterr().err
+    assert "FAILED, nothing published" in err and "stage-c" in err and "SlowDown" in err
+    assert _published(out) == before == clean
+    failures = list((out / "_runs").glob("*.failed.json"))
+    assert len(failures) == 1
+    record = json.loads(failures[0].read_text())
+    assert record["status"] == "failed" and victim in record["reason"] and "after 4 attempts" in record["reason"]
+    assert not (out / "_staging").exists() or not any((out / "_staging").iterdir())
+
+
+def test_a_raw_window_whose_rank_file_cannot_be_fetched_fails_the_run(lake, tmp_path, capsys):
+    """Not raw_unreadable: the bytes never arrived."""
+    out = tmp_path / "tables"
+    with faults({"job_id=raw-run/rank-2": Fault(ConnectionResetError, times=None)}):
+        assert _run(lake, out) == 1
+    err = capsys.readouterr().err
+    assert "storage error reading" in err and "rank-2.json.gz" in err
+    assert not (out / "coverage").exists()
+
+
+def test_corrupt_bytes_are_still_bad_data(lake, tmp_path):
+    """A file whose bytes arrive broken is quarantined (unreadable_file) while transient faults
+    on other files are retried; the run completes."""
+    broken_lake = tmp_path / "lake"
+    import shutil
+
+    shutil.copytree(lake, broken_lake)
+    victim = sorted((broken_lake / "traces" / f"date={DATES[0]}" / "job_id=clean-a").glob("*.parquet"))[0]
+    victim.write_bytes(victim.read_bytes()[:200])
+    out = tmp_path / "tables"
+    with faults({"job_id=slow-b/": Fault(ConnectionResetError, times=2)}):
+        assert _run(str(broken_lake), out) == 0
+    quarantine = read_table(str(out), "quarantine").to_pylist()
+    assert any(r["job_id"] == "clean-a" and r["reason_code"] == "unreadable_file" for r in quarantine)
+    coverage = {r["job_id"]: r for r in read_table(str(out), "coverage").to_pylist()}
+    assert coverage["slow-b"]["status"] == "analysed"
+    # the window that lost a file is not analysed on what is left
+    assert coverage["clean-a"]["status"] == "quarantined"
+    assert not any(r["job_id"] == "clean-a" for r in read_table(str(out), "job_summary").to_pylist())
