@@ -51,13 +51,16 @@ import uuid
 
 import apache_beam as beam
 import fsspec
+import pyarrow as pa
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from schemas.fleet import FLEET_TABLE_SPECS
-from schemas.tables import BATCH_TABLES, RUNS_DIR, STAGING_DIR
+from schemas.expectations import REASONS
+from schemas.tables import BATCH_TABLES, QUARANTINE_SCHEMA, RUNS_DIR, STAGING_DIR
 from transforms.analyze import AnalyzeJobs
 from transforms.commit import CommitConfig, CommitTables
 from transforms.convert import DEFAULT_FANOUT_RANKS, ConvertRawRanks, fan_out
+from transforms.elements import TableFragment
 from transforms.fleet import AggregateFleet, fleet_rollup_tables
 from transforms.lake import list_jobs
 from transforms.match import MatchJobs, date_range
@@ -255,13 +258,15 @@ def make_pipeline(opts: BatchOptions, windows: int = 0) -> beam.Pipeline:
     return beam.Pipeline(runner=runner, options=options)
 
 
-def build(p: beam.Pipeline, opts: BatchOptions, jobs=None):
+def build(p: beam.Pipeline, opts: BatchOptions, jobs=None, strays=None):
     """Wire the batch pipeline on `p`; returns the PCollection of the run summary (one dict).
 
-    jobs: an already made lake listing for the range (None: listed here).
+    jobs: an already made lake listing for the range (None: listed here); strays: the
+    StrayEntries of that listing (files it did not pick up), quarantined with their dates.
     """
     if jobs is None:
-        jobs = list_jobs(opts.lake, opts.date_from, opts.date_to)
+        strays = []
+        jobs = list_jobs(opts.lake, opts.date_from, opts.date_to, strays=strays)
     big = [job for job in jobs if fan_out(job, opts.fanout_ranks)]
     jobs = [job for job in jobs if not fan_out(job, opts.fanout_ranks)]
     count = window_groups(opts, len(jobs))
@@ -275,9 +280,29 @@ def build(p: beam.Pipeline, opts: BatchOptions, jobs=None):
     fleet = outcomes | "AggregateFleet" >> AggregateFleet()
     config = CommitConfig(opts.out, opts.dates, opts.run_id, tables={**BATCH_TABLES, **FLEET_TABLE_SPECS},
                           finalizers=(fleet_rollup_tables,))
-    summary = (outcomes, fleet) | "CommitTables" >> CommitTables(config)
+    inputs = (outcomes, fleet)
+    stray_rows = stray_quarantine(strays or [], opts.dates)
+    if stray_rows:   # files the listing could not place: quarantined, never skipped in silence
+        inputs += (p | "ListStrayFiles" >> beam.Create(stray_rows),)
+    summary = inputs | "CommitTables" >> CommitTables(config)
     check_single_terminal_step(p)
     return summary
+
+
+def stray_quarantine(strays, dates) -> list[TableFragment]:
+    """Quarantine rows of the stray entries, one fragment per date of `dates` that has some."""
+    by_date: dict[str, list] = {}
+    for entry in strays:
+        if entry.date in dates:
+            by_date.setdefault(entry.date, []).append(entry)
+    out = []
+    for date, entries in sorted(by_date.items()):
+        rows = pa.Table.from_pylist(
+            [{"job_id": None, "source_path": e.path, "level": REASONS[e.reason][0], "reason_code": e.reason,
+              "reason": REASONS[e.reason][1], "detail": e.detail, "rows": None} for e in entries],
+            schema=QUARANTINE_SCHEMA)
+        out.append(TableFragment("quarantine", date, rows))
+    return out
 
 
 def check_single_terminal_step(p: beam.Pipeline) -> None:
@@ -348,13 +373,14 @@ def _print_summary(opts: BatchOptions, summary: dict, counters: dict[str, int], 
     print(f"  run record: {opts.out}/{RUNS_DIR}/{opts.run_id}.json")
 
 
-def execute(opts: BatchOptions, jobs=None) -> tuple[dict, dict[str, int]]:
+def execute(opts: BatchOptions, jobs=None, strays=None) -> tuple[dict, dict[str, int]]:
     """Build and run the pipeline for parsed options; wait for it. Returns (run summary, Beam
-    counters: empty on runners without metrics). jobs: a lake listing already made, or None."""
+    counters: empty on runners without metrics). jobs, strays: a lake listing already made, or None."""
     if jobs is None:
-        jobs = list_jobs(opts.lake, opts.date_from, opts.date_to)
+        strays = []
+        jobs = list_jobs(opts.lake, opts.date_from, opts.date_to, strays=strays)
     p = make_pipeline(opts, len(jobs))
-    build(p, opts, jobs)
+    build(p, opts, jobs, strays)
     result = p.run()
     try:
         result.wait_until_finish()
@@ -379,13 +405,19 @@ def run(argv: list[str]) -> int:
         opts = dataclasses.replace(opts, dask_address=cluster.scheduler_address)
     started = time.perf_counter()
     try:
-        jobs = list_jobs(opts.lake, opts.date_from, opts.date_to)
+        strays: list = []
+        jobs = list_jobs(opts.lake, opts.date_from, opts.date_to, strays=strays)
+        undated = [entry for entry in strays if entry.date is None]
+        if undated:   # no date partition to quarantine them in: said here, every run
+            print(f"strag batch: {len(undated)} folder(s) of the lake are not date partitions and are not read: "
+                  + "; ".join(entry.detail for entry in undated[:5]) + (" ..." if len(undated) > 5 else ""),
+                  file=sys.stderr)
         if not opts.quiet:
             mode = f", {opts.workers} {opts.running_mode.replace('_', '-')} workers" if opts.runner == "FnApiRunner" else ""
             print(f"strag batch: {len(jobs)} job windows in {opts.lake} for {opts.date_from}..{opts.date_to}; "
                   f"running on {opts.runner}{mode}", flush=True)
         try:
-            summary, counters = execute(opts, jobs)
+            summary, counters = execute(opts, jobs, strays)
         except Exception as error:   # the run failed: say why, record it, publish nothing
             record = record_failure(opts, error)
             print(f"strag batch {opts.date_from}..{opts.date_to}: FAILED, nothing published (the tables are as before): "

@@ -65,6 +65,9 @@ __all__ = [
     "MISSING_WORKERS",
     "MISSING_STEPS",
     "INCOMPLETE_WINDOW",
+    "MISPLACED_FILE",
+    "BAD_PARTITION",
+    "UNSAFE_JOB_ID",
     "Problem",
     "ValidationReport",
     "TraceContractError",
@@ -108,6 +111,9 @@ NO_TRACE_FILES = "no_trace_files"
 MISSING_WORKERS = "missing_workers"
 MISSING_STEPS = "missing_steps"
 INCOMPLETE_WINDOW = "incomplete_window"
+MISPLACED_FILE = "misplaced_file"
+BAD_PARTITION = "bad_partition"
+UNSAFE_JOB_ID = "unsafe_job_id"
 
 REASONS: dict[str, tuple[str, str]] = {
     UNREADABLE_FILE: ("file", "the parquet file cannot be read (truncated, corrupt bytes, checksum mismatch); re-upload it"),
@@ -128,6 +134,11 @@ REASONS: dict[str, tuple[str, str]] = {
     NO_TRACE_FILES: ("job", "a manifest without any trace file for the same date"),
     MISSING_WORKERS: ("job", "workers of the manifest have no valid rows"),
     MISSING_STEPS: ("job", "some workers lack steps that other workers of the job have"),
+    MISPLACED_FILE: ("file", "a file where the lake layout has no place for it (schemas/lake.py, schemas/raw.py): not read; "
+                             "move it or delete it"),
+    BAD_PARTITION: ("file", "a partition folder whose name is not date=YYYY-MM-DD: its files are not read; rename it"),
+    UNSAFE_JOB_ID: ("job", "a job id outside the lake's alphabet (schemas.lake.safe_job_id: no '/', '=', '..', leading "
+                           "'.' or '_'): its files are not read; rename the job"),
     INCOMPLETE_WINDOW: ("job", "a file of the window was rejected (its own quarantine row says why): the rest is partial "
                                "input and is not analysed; re-upload the file and rerun the date"),
 }

@@ -51,13 +51,13 @@ def _join(lake: str, *parts: str) -> str:
 
 
 def trace_dir(lake: str, date: dt.date | str, job_id: str) -> str:
-    """Folder holding one job's trace files for one date partition."""
-    return _join(lake, TRACES, f"date={_iso(date)}", f"job_id={job_id}")
+    """Folder holding one job's trace files for one date partition (ValueError on an unsafe job id)."""
+    return _join(lake, TRACES, f"date={_iso(date)}", f"job_id={safe_job_id(job_id)}")
 
 
 def manifest_path(lake: str, date: dt.date | str, job_id: str) -> str:
-    """Parquet file holding one job's manifest row for one date partition."""
-    return _join(lake, MANIFESTS, f"date={_iso(date)}", f"{job_id}.parquet")
+    """Parquet file holding one job's manifest row for one date partition (ValueError on an unsafe job id)."""
+    return _join(lake, MANIFESTS, f"date={_iso(date)}", f"{safe_job_id(job_id)}.parquet")
 
 
 def landing_dir(lake: str, job_id: str, session: str | int) -> str:

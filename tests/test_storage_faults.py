@@ -137,3 +137,34 @@ def test_corrupt_bytes_are_still_bad_data(lake, tmp_path):
     # the window that lost a file is not analysed on what is left
     assert coverage["clean-a"]["status"] == "quarantined"
     assert not any(r["job_id"] == "clean-a" for r in read_table(str(out), "job_summary").to_pylist())
+
+
+def test_files_the_listing_cannot_place_are_quarantined(lake, tmp_path, capsys):
+    """A misplaced file, a job id outside the alphabet (a leading '_' would hide it) and a
+    partition that is not a date: none of them silently skipped."""
+    import shutil
+
+    from transforms.lake import list_jobs
+
+    messy = tmp_path / "lake"
+    shutil.copytree(lake, messy)
+    day = messy / "traces" / f"date={DATES[0]}"
+    (day / "stray.parquet").write_bytes(b"x")
+    hidden = day / "job_id=_hidden"
+    hidden.mkdir()
+    shutil.copy(next((day / "job_id=clean-a").glob("*.parquet")), hidden / "part-0.parquet")
+    (messy / "manifests" / f"date={DATES[0]}" / "notes.txt").write_text("hello")
+    (messy / "traces" / "date=2024-3-1").mkdir()
+    strays = []
+    listed = {job.job_id for job in list_jobs(str(messy), DATES[0], DATES[-1], strays=strays)}
+    assert "_hidden" not in listed and "clean-a" in listed
+    found = {(entry.reason, entry.path.rsplit("/", 1)[-1]) for entry in strays}
+    assert found == {("misplaced_file", "stray.parquet"), ("unsafe_job_id", "part-0.parquet"),
+                     ("misplaced_file", "notes.txt"), ("bad_partition", "date=2024-3-1")}
+    out = tmp_path / "tables"
+    with faults({}):
+        assert _run(str(messy), out) == 0
+    assert "date=2024-3-1" in capsys.readouterr().err
+    quarantine = [r for r in read_table(str(out), "quarantine").to_pylist() if r["job_id"] is None]
+    assert {(r["reason_code"], r["source_path"].rsplit("/", 1)[-1]) for r in quarantine} == {
+        ("misplaced_file", "stray.parquet"), ("unsafe_job_id", "part-0.parquet"), ("misplaced_file", "notes.txt")}

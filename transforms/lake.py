@@ -46,6 +46,7 @@ __all__ = [
     "write_job",
     "list_jobs",
     "list_raw_jobs",
+    "StrayEntry",
     "find_job",
     "read_manifest",
     "read_manifest_table",
@@ -222,7 +223,21 @@ def _visible(name: str) -> bool:
     return not name.rsplit("/", 1)[-1].startswith((".", "_"))
 
 
-def _partition_dates(lake: str, top: str, date_from: str | None, date_to: str | None) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class StrayEntry:
+    """Something under traces/, manifests/ or raw/ that the listing does not pick up, and why.
+
+    date: its date partition, None when its partition name is not a date; reason: a code of
+    schemas.expectations.REASONS (misplaced_file, bad_partition, unsafe_job_id)."""
+
+    date: str | None
+    path: str
+    reason: str
+    detail: str
+
+
+def _partition_dates(lake: str, top: str, date_from: str | None, date_to: str | None,
+                     strays: list | None = None) -> list[str]:
     fs, root = filesystem(f"{lake.rstrip('/')}/{top}")
     fs.invalidate_cache(root)  # object-store listings are cached per process; the lake changes under us
     try:
@@ -232,13 +247,15 @@ def _partition_dates(lake: str, top: str, date_from: str | None, date_to: str | 
     dates = []
     for entry in entries:
         name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if not name.startswith("date="):
-            continue
         date = name.removeprefix("date=")
         try:
-            dt.date.fromisoformat(date)
+            if not name.startswith("date=") or dt.date.fromisoformat(date).isoformat() != date:
+                raise ValueError(name)
         except ValueError:
-            continue  # not a partition of ours: ignore rather than guess
+            if strays is not None and _visible(name):
+                strays.append(StrayEntry(None, f"{lake.rstrip('/')}/{top}/{name}", "bad_partition",
+                                         f"{top}/{name}: not a date=YYYY-MM-DD partition; its files are not read"))
+            continue
         if (date_from is None or date >= date_from) and (date_to is None or date <= date_to):
             dates.append(date)
     return sorted(dates)
@@ -257,42 +274,69 @@ def _relative_listing(url: str) -> list[str]:
 
 
 def list_jobs(lake: str, date_from: dt.date | str | None = None,
-              date_to: dt.date | str | None = None) -> list[LakeJob]:
+              date_to: dt.date | str | None = None, *, strays: list | None = None) -> list[LakeJob]:
     """Every (date, job) of the lake with dates in [date_from, date_to] (inclusive; None = open).
 
     A job appears when it has trace files or a manifest for the date; trace_files is
     empty or manifest_path is None for the incomplete ones (the validator reports them).
-    Raises LakeError when the lake's `_lake.json` declares another schema version.
+    strays: a list to which every entry not picked up is appended as a StrayEntry (a file in
+    the wrong place, a partition name that is not a date, a job id outside the alphabet of
+    schemas.lake.safe_job_id); names starting with '.' or '_' (in-flight writes, markers)
+    are not strays. Raises LakeError when `_lake.json` declares another schema version.
     """
     lake = lake.rstrip("/")
     read_lake_marker(lake)
     low = _iso(date_from) if date_from is not None else None
     high = _iso(date_to) if date_to is not None else None
+    found: list = [] if strays is None else strays
     jobs: dict[tuple[str, str], dict] = {}
-    for date in _partition_dates(lake, TRACES, low, high):
+    for date in _partition_dates(lake, TRACES, low, high, found):
         base = f"{lake}/{TRACES}/date={date}"
         for relative in _relative_listing(base):
             parts = relative.split("/")
-            if len(parts) != 2 or not parts[0].startswith("job_id=") or not parts[1].endswith(".parquet"):
+            if not all(_visible(part) for part in parts):
                 continue
-            if not _visible(parts[1]):
+            if len(parts) != 2 or not parts[0].startswith("job_id=") or not parts[1].endswith(".parquet"):
+                found.append(StrayEntry(date, f"{base}/{relative}", "misplaced_file",
+                                        f"traces/date={date}/{relative}: expected traces/date=D/job_id=J/NAME.parquet"))
                 continue
             job_id = parts[0].removeprefix("job_id=")
+            if _unsafe(job_id, date, f"{base}/{relative}", found):
+                continue
             jobs.setdefault((date, job_id), {"traces": [], "manifest": None})["traces"].append(f"{base}/{relative}")
-    for date in _partition_dates(lake, MANIFESTS, low, high):
+    for date in _partition_dates(lake, MANIFESTS, low, high, found):
         base = f"{lake}/{MANIFESTS}/date={date}"
         for relative in _relative_listing(base):
-            if "/" in relative or not relative.endswith(".parquet") or not _visible(relative):
+            if not all(_visible(part) for part in relative.split("/")):
+                continue
+            if "/" in relative or not relative.endswith(".parquet"):
+                found.append(StrayEntry(date, f"{base}/{relative}", "misplaced_file",
+                                        f"manifests/date={date}/{relative}: expected manifests/date=D/JOB.parquet"))
                 continue
             job_id = relative.removesuffix(".parquet")
+            if _unsafe(job_id, date, f"{base}/{relative}", found):
+                continue
             jobs.setdefault((date, job_id), {"traces": [], "manifest": None})["manifest"] = f"{base}/{relative}"
     native = [LakeJob(lake, date, job_id, tuple(sorted(entry["traces"])), entry["manifest"])
               for (date, job_id), entry in sorted(jobs.items())]
-    raw = [job for job in list_raw_jobs(lake, low, high) if (job.date, job.job_id) not in jobs]
+    raw = [job for job in list_raw_jobs(lake, low, high, strays=found) if (job.date, job.job_id) not in jobs]
     return sorted(native + raw, key=lambda job: (job.date, job.job_id))
 
 
-def list_raw_jobs(lake: str, date_from: str | None = None, date_to: str | None = None) -> list[LakeJob]:
+def _unsafe(job_id: str, date: str, path: str, strays: list) -> bool:
+    """Whether `job_id` breaks schemas.lake.safe_job_id (then recorded as a stray)."""
+    from schemas.lake import safe_job_id
+
+    try:
+        safe_job_id(job_id)
+    except ValueError as error:
+        strays.append(StrayEntry(date, path, "unsafe_job_id", f"{path}: {error}"))
+        return True
+    return False
+
+
+def list_raw_jobs(lake: str, date_from: str | None = None, date_to: str | None = None, *,
+                  strays: list | None = None) -> list[LakeJob]:
     """Raw job windows `{lake}/raw/{format}/date=D/job_id=J/*` (schemas/raw.py) with dates in the range.
 
     A window's trace_files are its raw files of that format plus job.yaml. list_jobs leaves
@@ -301,17 +345,25 @@ def list_raw_jobs(lake: str, date_from: str | None = None, date_to: str | None =
     """
     from schemas.raw import JOB_YAML, RAW, RAW_FORMATS, raw_format_of
 
+    found: list = [] if strays is None else strays
     out = []
     for fmt in RAW_FORMATS:
         top = f"{RAW}/{fmt}"
-        for date in _partition_dates(lake, top, date_from, date_to):
+        for date in _partition_dates(lake, top, date_from, date_to, found):
             base = f"{lake}/{top}/date={date}"
             windows: dict[str, list[str]] = {}
             for relative in _relative_listing(base):
                 parts = relative.split("/")
-                if len(parts) != 2 or not parts[0].startswith("job_id=") or not _visible(parts[1]):
+                if not all(_visible(part) for part in parts):
                     continue
-                if parts[1] != JOB_YAML and raw_format_of(parts[1]) != fmt:
+                if len(parts) != 2 or not parts[0].startswith("job_id=") or (
+                        parts[1] != JOB_YAML and raw_format_of(parts[1]) != fmt):
+                    found.append(StrayEntry(date, f"{base}/{relative}", "misplaced_file",
+                                            f"{top}/date={date}/{relative}: expected {top}/date=D/job_id=J/ with "
+                                            + ("*.json[.gz] rank traces" if fmt == "kineto" else "*.jsonl[.gz] records")
+                                            + " and job.yaml"))
+                    continue
+                if _unsafe(parts[0].removeprefix("job_id="), date, f"{base}/{relative}", found):
                     continue
                 windows.setdefault(parts[0].removeprefix("job_id="), []).append(f"{base}/{relative}")
             out += [LakeJob(lake, date, job_id, tuple(sorted(files)), None, fmt) for job_id, files in sorted(windows.items())]
