@@ -18,8 +18,10 @@ import argparse
 import dataclasses
 import http.server
 import json
+import sys
 import threading
 import urllib.parse
+import uuid
 
 import pyarrow.compute as pc
 
@@ -35,6 +37,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8765
     threshold: float = DEFAULT_THRESHOLD
+    allow_remote: bool = False
 
 
 def parse(argv: list[str]) -> ServeOptions:
@@ -43,10 +46,29 @@ def parse(argv: list[str]) -> ServeOptions:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 = any free port)")
     parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="alert threshold drawn on the S chart")
+    parser.add_argument("--allow-remote", action="store_true",
+                        help="allow a --host other than loopback: the pages have no authentication")
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port {args.port}: must be 0..65535")
-    return ServeOptions(args.tables.rstrip("/"), args.host, args.port, args.threshold)
+    if not _loopback(args.host):
+        if not args.allow_remote:
+            parser.error(f"--host {args.host}: other machines could read the live pages, which have no authentication; "
+                         "add --allow-remote if that is intended")
+        print(f"strag serve: WARNING: serving on {args.host}: anyone who can reach it reads every live job's pages",
+              file=sys.stderr)
+    return ServeOptions(args.tables.rstrip("/"), args.host, args.port, args.threshold, args.allow_remote)
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _job_rows(tables: str, job_id: str):
@@ -76,8 +98,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 - http.server's name
         try:
             self._route()
-        except Exception as error:  # answer 500 with the reason instead of dropping the connection
-            self._send(500, f"strag serve: {type(error).__name__}: {error}", "text/plain; charset=utf-8")
+        except Exception as error:  # answer 500 instead of dropping the connection; the reason goes to the log only
+            incident = uuid.uuid4().hex[:8]
+            print(f"strag serve: error {incident} on {self.path}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            self._send(500, f"strag serve: internal error {incident} (the server's log has the details)",
+                       "text/plain; charset=utf-8")
             raise
 
     def _route(self):

@@ -46,6 +46,15 @@ def get(url):
 
 def test_serve_binds_to_localhost_by_default():
     assert parse(["--tables", "x"]).host == "127.0.0.1"
+    assert parse(["--tables", "x", "--host", "::1"]).host == "::1"
+
+
+def test_a_remote_host_needs_allow_remote_and_warns(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--tables", "x", "--host", "0.0.0.0"])
+    assert "--allow-remote" in capsys.readouterr().err
+    assert parse(["--tables", "x", "--host", "0.0.0.0", "--allow-remote"]).allow_remote
+    assert "WARNING" in capsys.readouterr().err
 
 
 def test_page_and_version_follow_the_live_table(served):
@@ -75,3 +84,20 @@ def test_live_page_renders_in_headless_chromium(served):
     external = [url for url in check.external_requests if not url.startswith(base)]
     assert check.chart_slots == 3 and check.charts_drawn == 3 and check.marks > 0
     assert check.console_errors == [] and check.exceptions == [] and external == []
+
+
+def test_an_error_answers_500_without_the_exception_text(served, monkeypatch, capsys):
+    import urllib.error
+
+    import dashboards.live_page as live_page
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("secret path /etc/strag/credentials")
+
+    monkeypatch.setattr(live_page, "live_index_page", broken)
+    _, base = served
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        get(f"{base}/")
+    body = caught.value.read().decode()
+    assert caught.value.code == 500 and "internal error" in body and "secret" not in body and "RuntimeError" not in body
+    assert "secret path" in capsys.readouterr().err
