@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import pathlib
-import re
+import urllib.parse
 
 from dashboards import charts
 from dashboards.data import ReportData
@@ -22,8 +22,9 @@ JOBS_DIR = "jobs"
 
 
 def job_page_path(date: dt.date, job_id: str) -> str:
-    """Page path relative to the report folder: jobs/<date>_<job id with unsafe characters replaced>.html."""
-    return f"{JOBS_DIR}/{date.isoformat()}_{re.sub(r'[^A-Za-z0-9._-]', '_', job_id)}.html"
+    """Page path relative to the report folder: jobs/<date>_<job id>.html, the id percent-encoded
+    (so no two ids share a page: 'a/b' -> 'a%2Fb', 'a_b' stays)."""
+    return f"{JOBS_DIR}/{date.isoformat()}_{urllib.parse.quote(job_id, safe='')}.html"
 
 
 def _fmt(value, digits: int = 3) -> str:

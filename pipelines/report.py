@@ -20,6 +20,7 @@ import pathlib
 import sys
 import tempfile
 import time
+import urllib.parse
 
 import fsspec
 
@@ -108,12 +109,14 @@ def build(opts: ReportOptions, out_dir: pathlib.Path) -> dict:
         if opts.lake:
             relative = f"timelines/{job_page_path(date, job_id).split('/', 1)[1].removesuffix('.html')}.json.gz"
             if _export_timeline(opts.lake, date, job_id, out_dir / relative, cache):
-                href, timelines = f"../{relative}", timelines + 1
+                href, timelines = f"../{urllib.parse.quote(relative)}", timelines + 1
         pages.append(build_job_page(data, date, job_id, out_dir, timeline_href=href))
         if index % 25 == 0:
             print(f"  job pages: {index}/{len(selected)}", file=sys.stderr)
     linked = set(selected)
-    report = build_fleet_report(data, out_dir, lambda d, j: job_page_path(d, j) if (d, j) in linked else None, opts.images)
+    # hrefs: the page file names are percent-encoded ids, so their '%' is escaped once more in the link
+    report = build_fleet_report(data, out_dir, lambda d, j: urllib.parse.quote(job_page_path(d, j)) if (d, j) in linked else None,
+                                opts.images)
     checked = []
     if opts.check:
         from dashboards.browser import check_page

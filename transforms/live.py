@@ -17,6 +17,7 @@ import dataclasses
 import datetime as dt
 import logging
 import math
+import urllib.parse
 
 import apache_beam as beam
 import fsspec
@@ -54,16 +55,23 @@ def _date_of(epoch_seconds: float) -> str:
     return dt.datetime.fromtimestamp(epoch_seconds, dt.timezone.utc).date().isoformat()
 
 
+def name_part(value) -> str:
+    """An id as one part of a file name, injectively: percent-encoded, '-' included, so the '--'
+    that joins the parts never occurs inside one ('a--b' + 'c' and 'a' + 'b--c' stay apart)."""
+    return urllib.parse.quote(str(value), safe="").replace("-", "%2D").replace(".", "%2E")
+
+
 def result_path(out: str, row: dict) -> str:
     """File of one (job, session, revision) result under the output URL."""
     return (f"{out.rstrip('/')}/{LIVE_RESULTS}/date={_date_of(row['first_arrival'])}/"
-            f"{row['job_id']}--{row['session']}--r{int(row['revision']):04d}.parquet")
+            f"{name_part(row['job_id'])}--{name_part(row['session'])}--r{int(row['revision']):04d}.parquet")
 
 
 def alert_path(out: str, alert: dict, first_arrival: float) -> str:
     """File of one alert (per result revision and kind) under the output URL."""
     return (f"{out.rstrip('/')}/{ALERTS}/date={_date_of(first_arrival)}/"
-            f"{alert['job_id']}--{alert['session']}--r{int(alert['revision']):04d}--{alert['kind']}.parquet")
+            f"{name_part(alert['job_id'])}--{name_part(alert['session'])}--r{int(alert['revision']):04d}--"
+            f"{name_part(alert['kind'])}.parquet")
 
 
 def rows_table(rows: list[dict], schema: pa.Schema) -> pa.Table:
