@@ -2,10 +2,10 @@
 
     {out}/live_results/date=YYYY-MM-DD/{job}--{session}--r{revision:04d}.parquet   one row
     {out}/alerts/date=YYYY-MM-DD/{job}--{session}--r{revision:04d}--{kind}.parquet   one row
+    {out}/live_quarantine/date=YYYY-MM-DD/{name}.parquet                               QUARANTINE_SCHEMA rows
 
 {job}, {session}, {kind}: the ids percent-encoded, "-" and "." included (transforms.live.name_part),
 so the "--" joining them never occurs inside one and no two (job, session) pairs share a file.
-    {out}/live_quarantine/date=YYYY-MM-DD/{name}.parquet                               QUARANTINE_SCHEMA rows
 
 Append-only: every (job, session, revision) is its own file, written atomically and
 named by its key, so a retried write replaces the same file and a duplicate can never
