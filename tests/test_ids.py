@@ -63,3 +63,52 @@ def test_job_pages_never_collide(first, second):
     if first != second:
         assert job_page_path(date, first) != job_page_path(date, second)
     assert job_page_path(date, first).count("/") == 1
+
+
+# --------------------------------------------------------------------------- corrupt bytes
+
+
+@pytest.fixture(scope="module")
+def corruptible(tmp_path_factory):
+    """One generated job written as parquet (one file per stage), its clean S, and a validator."""
+    from schemas.expectations import Validator
+    from transforms.lake import write_job
+    from transforms.synth.job import JobSpec, generate_job
+    from transforms.whatif import analyze_job
+
+    lake = str(tmp_path_factory.mktemp("corrupt") / "lake")
+    job = generate_job(JobSpec("victim", dp=2, pp=2, microbatches=4, steps=4, sessions=1, seed=9))
+    written = write_job(lake, job.spec.date, "victim", dict(job.files()), job.manifest)
+    clean = analyze_job(job.trace, job.meta, "victim").slowdown
+    return written, clean, Validator()
+
+
+@given(st.data())
+@settings(max_examples=40, deadline=None)
+def test_random_byte_corruption_is_quarantined_or_harmless(corruptible, data):
+    """Flip random bytes of one trace file: the window is quarantined with a reason, or (the bytes
+    did not matter) analysed to exactly the clean S. Never a crash, never a different S."""
+    import pathlib
+
+    from transforms.analyze import analyze_group
+    from transforms.elements import WindowGroup
+    from transforms.match import match_windows
+    from transforms.whatif import analyze_job
+
+    written, clean, validator = corruptible
+    path = pathlib.Path(data.draw(st.sampled_from(written.trace_files)))
+    original = path.read_bytes()
+    positions = data.draw(st.lists(st.integers(0, len(original) - 1), min_size=1, max_size=4, unique=True))
+    corrupted = bytearray(original)
+    for position in positions:
+        corrupted[position] ^= data.draw(st.integers(1, 255))
+    try:
+        path.write_bytes(bytes(corrupted))
+        (outcome,) = analyze_group(WindowGroup(tuple(match_windows([written], validator))), validator, analyze_job)
+    finally:
+        path.write_bytes(original)
+    if outcome.stats.status == "quarantined":
+        assert outcome.stats.reason_code and outcome.tables["quarantine"].num_rows
+    else:
+        summary = outcome.tables["job_summary"].to_pylist()[0]
+        assert summary["slowdown"] == clean
