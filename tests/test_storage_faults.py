@@ -168,3 +168,67 @@ def test_files_the_listing_cannot_place_are_quarantined(lake, tmp_path, capsys):
     quarantine = [r for r in read_table(str(out), "quarantine").to_pylist() if r["job_id"] is None]
     assert {(r["reason_code"], r["source_path"].rsplit("/", 1)[-1]) for r in quarantine} == {
         ("misplaced_file", "stray.parquet"), ("unsafe_job_id", "part-0.parquet"), ("misplaced_file", "notes.txt")}
+
+
+# --------------------------------------------------------------------------- S3 through a faulty proxy
+
+from fixtures_s3 import moto_s3  # noqa: E402,F401  (fixture)
+
+
+@pytest.fixture(scope="module")
+def s3_lake(moto_s3, lake):
+    """The lake on moto's S3, reached through FaultProxy (tests/fault_proxy.py): every client,
+    in this process or a worker process, talks to the proxy (AWS_ENDPOINT_URL)."""
+    from s3fs import S3FileSystem
+
+    from fault_proxy import FaultProxy
+
+    moto_s3.filesystem().put(lake, f"{moto_s3.bucket}/lake", recursive=True)
+    proxy = FaultProxy(moto_s3.endpoint).start()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        patch.setenv("AWS_MAX_ATTEMPTS", "1")   # no botocore retries: the IO layer's are under test
+        S3FileSystem.clear_instance_cache()
+        yield moto_s3, proxy
+        S3FileSystem.clear_instance_cache()
+    proxy.stop()
+
+
+def _s3_run(moto, out: str, workers: str = "2") -> int:
+    return batch.run(["--lake", moto.url("lake"), "--from", DATES[0], "--to", DATES[-1], "--out", out,
+                      "--workers", workers, "--quiet"])
+
+
+def _s3_published(moto, out: str) -> dict[str, bytes]:
+    fs = moto.filesystem()
+    root = out.removeprefix("s3://")
+    return {p[len(root) + 1:]: fs.cat_file(p) for p in fs.find(root) if p.endswith(".parquet") and "/_" not in p[len(root):]}
+
+
+def test_s3_faults_across_worker_processes(s3_lake, clean_tables, monkeypatch):
+    """Throttling, 500s, resets and half-sent bodies from a real S3 endpoint, seen by Beam's worker
+    processes: retried, and the tables equal a fault-free run's; a key that stays throttled fails
+    the run and leaves the published tables as they were."""
+    from fault_proxy import ProxyFault
+
+    monkeypatch.setenv("STRAG_IO_BACKOFF_S", "0.01")
+    moto, proxy = s3_lake
+    out = moto.url("out")
+    proxy.set({})
+    assert _s3_run(moto, out) == 0
+    clean = _s3_published(moto, out)
+
+    def results(tables: str) -> list[tuple]:
+        return sorted((r["job_id"], r["slowdown"]) for r in read_table(tables, "job_summary").to_pylist())
+
+    assert results(out) == results(str(clean_tables[0])) and len(results(out)) >= 4   # the proxy is transparent
+    proxy.set({"/traces/date=": ProxyFault("throttle", times=1), "/manifests/": ProxyFault("reset", times=1),
+               "job_id=slow-b/": ProxyFault("partial", times=1), "job_id=stage-c/": ProxyFault("error", times=1)})
+    assert _s3_run(moto, out) == 0
+    assert sum(proxy.injected.values()) >= 4 and set(proxy.injected) >= {"throttle", "reset"}
+    assert _s3_published(moto, out) == clean
+    proxy.set({"job_id=clean-a/": ProxyFault("throttle", times=None)})
+    assert _s3_run(moto, out) == 1
+    assert proxy.injected["throttle"] >= 4
+    assert _s3_published(moto, out) == clean
+    proxy.set({})
