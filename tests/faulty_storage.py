@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 import threading
 import time
 
@@ -31,10 +32,12 @@ class Fault:
     times: int | None = 1          # failures before reads succeed; None = every read fails
     delay: float = 0.0             # seconds to wait before the failure (or the success)
     message: str = "injected fault"
+    rate: float | None = None      # instead of times: each matching read fails with this probability
 
 
 _LOCK = threading.Lock()
 _SCHEDULE: dict[str, Fault] = {}
+_RANDOM = random.Random(0)
 _INJECTED: list[tuple[str, str]] = []
 
 
@@ -76,10 +79,16 @@ class FaultyFileSystem(LocalFileSystem):
             fault = None
             with _LOCK:
                 for fragment, scheduled in _SCHEDULE.items():
-                    if fragment in path and (scheduled.times is None or scheduled.times > 0):
-                        fault = scheduled
-                        if scheduled.times is not None:
+                    if fragment not in path:
+                        continue
+                    if scheduled.rate is not None:
+                        hit = _RANDOM.random() < scheduled.rate
+                    else:
+                        hit = scheduled.times is None or scheduled.times > 0
+                        if hit and scheduled.times is not None:
                             scheduled.times -= 1
+                    if hit:
+                        fault = scheduled
                         _INJECTED.append((path, scheduled.error.__name__))
                         break
             if fault is not None:
@@ -96,9 +105,10 @@ PARTIAL_READ = _PartialReader   # Fault(PARTIAL_READ): half the bytes, then a re
 
 
 @contextlib.contextmanager
-def faults(schedule: dict[str, Fault]):
-    """Install `schedule` (path fragment -> Fault) for the duration of the block."""
+def faults(schedule: dict[str, Fault], seed: int = 0):
+    """Install `schedule` (path fragment -> Fault) for the duration of the block; `seed` drives `rate` faults."""
     with _LOCK:
+        _RANDOM.seed(seed)
         _SCHEDULE.clear()
         _SCHEDULE.update(schedule)
         _INJECTED.clear()
