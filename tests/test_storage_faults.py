@@ -232,3 +232,82 @@ def test_s3_faults_across_worker_processes(s3_lake, clean_tables, monkeypatch):
     assert proxy.injected["throttle"] >= 4
     assert _s3_published(moto, out) == clean
     proxy.set({})
+
+
+# --------------------------------------------------------------------------- a Dask worker killed mid-run
+
+
+def test_dask_worker_killed_mid_run_completes_identically_or_publishes_nothing(moto_s3, lake, clean_tables, tmp_path):
+    """A real cluster (`dask scheduler` + 2 `dask worker` processes with nannies), the lake on S3
+    (moto): one worker process is SIGKILLed while it analyses. Dask reruns its tasks elsewhere
+    (the run then publishes exactly the fault-free results) or gives up (the run fails loud and
+    publishes nothing): never a partial result."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from distributed import Client
+
+    fs = moto_s3.filesystem()
+    if not fs.exists(f"{moto_s3.bucket}/dask-lake"):
+        fs.put(lake, f"{moto_s3.bucket}/dask-lake", recursive=True)
+    dask = str(pathlib.Path(sys.executable).with_name("dask"))
+    scheduler_file = tmp_path / "scheduler.json"
+    processes = [subprocess.Popen([dask, "scheduler", "--scheduler-file", str(scheduler_file), "--port", "0",
+                                   "--dashboard-address", ":0", "--host", "127.0.0.1"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        for _ in range(300):
+            if scheduler_file.exists() and scheduler_file.stat().st_size:
+                break
+            time.sleep(0.1)
+        processes += [subprocess.Popen([dask, "worker", "--scheduler-file", str(scheduler_file), "--nthreads", "1",
+                                        "--nworkers", "1", "--host", "127.0.0.1", "--dashboard-address", ":0"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(2)]
+        client = Client(scheduler_file=str(scheduler_file), timeout=60)
+        client.wait_for_workers(2, timeout=120)
+        address = client.scheduler.address
+        pids = client.run(os.getpid)   # worker address -> pid of its process
+        killed = []
+
+        def kill_a_busy_worker():
+            deadline = time.time() + 120
+            while time.time() < deadline and not killed:
+                busy = [w for w, tasks in client.processing().items() if tasks]
+                if busy:
+                    pid = pids[busy[0]]
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                    return
+                time.sleep(0.05)
+
+        killer = threading.Thread(target=kill_a_busy_worker, daemon=True)
+        killer.start()
+        out = moto_s3.url("dask-out")
+        code = batch.run(["--lake", moto_s3.url("dask-lake"), "--from", DATES[0], "--to", DATES[-1], "--out", out,
+                          "--runner", "DaskRunner", "--dask-address", address, "--workers", "2", "--quiet"])
+        killer.join(timeout=5)
+        assert killed, "no worker was busy to kill"
+        print(f"dask run after a worker kill: exit {code}")
+        published = [p for p in fs.find(f"{moto_s3.bucket}/dask-out") if p.endswith(".parquet") and "/_" not in p]
+        if code == 0:
+            def results(tables: str) -> list[tuple]:
+                return sorted((r["job_id"], r["slowdown"]) for r in read_table(tables, "job_summary").to_pylist())
+
+            assert results(out) == results(str(clean_tables[0]))
+            coverage = sorted((r["job_id"], r["status"]) for r in read_table(out, "coverage").to_pylist())
+            assert coverage == sorted((r["job_id"], r["status"]) for r in read_table(str(clean_tables[0]), "coverage").to_pylist())
+        else:
+            assert code == 1 and not published
+        client.close()
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
