@@ -19,7 +19,7 @@ import pytest
 
 from pipelines import analyze as analyze_cli
 from transforms.ingest import RawInputError, convert_window
-from transforms.whatif import JobMeta, TraceStructureError, analyze_job
+from transforms.whatif import JobMeta, analyze_job
 from transforms.whatif.causes import analyze_and_classify
 
 DATA = pathlib.Path(__file__).parent / "data" / "real_traces"
@@ -133,14 +133,13 @@ def test_ddp_run_is_data_parallel_only(analysed):
     assert result.ms.rem == 0.0 and 1.0 <= result.slowdown < 1.3
 
 
-def test_interleaved_schedule_is_refused_with_the_reason(analysed):
-    """torch.distributed.pipelining's interleaved schedule records only real p2p ops; the engine's
-    model needs the no-op records Megatron writes at the pipeline ends. A clear structure error,
-    not a crash and not a wrong number."""
-    converted = convert_window("kineto", rank_files("pp2dp2-interleaved"), "interleaved", DATE)
-    assert converted.manifest["vpp_size"] == 2
-    with pytest.raises(TraceStructureError, match="forward-recv|forward-send|backward"):
-        analyze_job(converted.trace, JobMeta.from_mapping(converted.manifest), "interleaved")
+def test_interleaved_schedule_is_refused_with_the_reason():
+    """torch.distributed.pipelining's interleaved schedule issues its p2p ops asynchronously, ahead
+    of the compute they serve; the converter cannot yet tell their directions apart, sees the pairs
+    not match, and says so: a clear refusal, not a crash and not a wrong number."""
+    with pytest.raises(RawInputError) as caught:
+        convert_window("kineto", rank_files("pp2dp2-interleaved"), "interleaved", DATE)
+    assert caught.value.reason_code == "raw_unmatched_comm" and "interleaved schedule (vpp 2)" in str(caught.value)
 
 
 def test_one_host_clock_moved_changes_nothing(tmp_path):
@@ -280,3 +279,42 @@ def test_steps_that_do_not_line_up_are_refused(tmp_path):
         convert_window("kineto", sorted(str(p) for p in folder.iterdir()), "misaligned", DATE)
     assert caught.value.reason_code == "raw_steps_misaligned"
     assert "2: '102..105'" in str(caught.value) and "0: '2..5'" in str(caught.value)
+
+
+def _edited(run: str, folder: pathlib.Path, rank: int, keep) -> list[str]:
+    """The run's rank files in `folder`, rank `rank`'s events filtered by keep(event)."""
+    _copy(run, folder)
+    path = folder / f"rank-{rank}.json.gz"
+    document = json.loads(gzip.decompress(path.read_bytes()))
+    document["traceEvents"] = [event for event in document["traceEvents"] if keep(event)]
+    path.write_bytes(gzip.compress(json.dumps(document).encode()))
+    return sorted(str(p) for p in folder.iterdir())
+
+
+def test_collectives_that_do_not_pair_up_are_refused(tmp_path):
+    """Rank 1 records one gradient all-reduce per step fewer than its DP peer rank 0 (its second
+    gloo runloop thread is missing). A step that differs from a rank's other steps is dropped
+    instead (source.steps_dropped); a rank that differs from its peers in every step is refused."""
+    runloop = []
+
+    def keep(event):
+        if event.get("name") == "gloo:all_reduce":
+            if not runloop:
+                runloop.append(event["tid"])
+            return event["tid"] != runloop[0]
+        return True
+
+    paths = _edited("pp2dp2-1f1b", tmp_path / "run", 1, keep)
+    with pytest.raises(RawInputError) as caught:
+        convert_window("kineto", paths, "unpaired", DATE)
+    assert caught.value.reason_code == "raw_unmatched_comm" and "grads-reduce-scatter" in str(caught.value)
+    assert "rank 0: 2" in str(caught.value) and "rank 1: 1" in str(caught.value)
+
+
+def test_a_rank_without_backward_compute_is_refused(tmp_path):
+    paths = _edited("pp2dp2-1f1b", tmp_path / "run", 0,
+                    lambda event: not str(event.get("name", "")).startswith("autograd::engine::evaluate_function"))
+    with pytest.raises(RawInputError) as caught:
+        convert_window("kineto", paths, "no-backward", DATE)
+    assert caught.value.reason_code == "raw_no_microbatches" and "rank 0" in str(caught.value)
+    assert "backward_label" in str(caught.value)

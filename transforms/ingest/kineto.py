@@ -702,6 +702,15 @@ def _kept_steps(ranks: Sequence[RankTrace], job_id: str) -> tuple[np.ndarray, li
         raise RawInputError("raw_steps_misaligned", f"no ProfilerStep is common to all ranks (steps per rank: {spans}"
                             f"{' ...' if len(ranks) > 4 else ''})", job_id=job_id)
     candidates = np.array(sorted(common), dtype=np.int64)
+    for trace in ranks:
+        in_common = np.isin(trace.step, candidates)
+        for kind in (FWD, BWD):
+            if not ((trace.kind == kind) & in_common).any():
+                raise RawInputError("raw_no_microbatches", f"rank {trace.rank} has no {_KIND_NAMES[kind]} compute in "
+                                    "its profiled steps: the schedule's labels were not recognised (set forward_label "
+                                    "/ backward_label in job.yaml) and its main thread shows no "
+                                    + ("forward ops between p2p calls" if kind == FWD else "autograd backward ops"),
+                                    job_id=job_id, path=trace.path)
     keep = np.ones(len(candidates), dtype=bool)
     for trace in ranks:
         structure = _step_structure(trace, candidates)
@@ -837,6 +846,44 @@ def _p2p_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout) -> li
                 a, b = mine[r["step"][mine] == step], theirs[p["step"][theirs] == step]
                 pairs += [(rank, int(i), peer, int(j)) for i, j in zip(a, b)]
     return pairs
+
+
+def _check_comm_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, job_id: str) -> None:
+    """Every step's comm ops must pair up across ranks: each DP collective type as many times on
+    every DP rank of a stage, each forward-send of stage s with a forward-recv of stage s+1 (and
+    backward likewise). Raises raw_unmatched_comm naming the ranks, step and op type."""
+    rank_of = layout.rank_of()
+
+    def counts(rank: int, code: int) -> dict[int, int]:
+        r = rows[rank]
+        steps, n = np.unique(r["step"][r["optype"] == code], return_counts=True)
+        return dict(zip(steps.tolist(), n.tolist()))
+
+    steps = sorted(set(np.concatenate([r["step"] for r in rows.values()]).tolist()))
+    for code in (_CODE["grads-reduce-scatter"], _CODE["params-all-gather"], _CODE["separate-grads-all-reduce"]):
+        for stage in range(layout.pp):
+            members = [rank_of[(d, stage)] for d in range(layout.dp) if (d, stage) in rank_of]
+            per_rank = {rank: counts(rank, code) for rank in members}
+            for step in steps:
+                seen = {rank: per_rank[rank].get(step, 0) for rank in members}
+                if len(set(seen.values())) > 1:
+                    raise RawInputError("raw_unmatched_comm", f"step {step}, stage {stage}: {OPTYPES[code]} ops per DP "
+                                        f"rank differ ({', '.join(f'rank {r}: {n}' for r, n in seen.items())}); every "
+                                        "DP rank issues the same collectives", job_id=job_id, op=OPTYPES[code])
+    for send, recv, direction in (("forward-send", "forward-recv", 1), ("backward-send", "backward-recv", -1)):
+        for (dp, stage), rank in rank_of.items():
+            peer = rank_of.get((dp, stage + direction))
+            if peer is None:
+                continue
+            sent, received = counts(rank, _CODE[send]), counts(peer, _CODE[recv])
+            for step in steps:
+                if sent.get(step, 0) != received.get(step, 0):
+                    vpp = max(int(r["mc"].max()) + 1 if len(r["mc"]) else 1 for r in rows.values())
+                    hint = (f"; an interleaved schedule (vpp {vpp}): its asynchronous p2p ops cannot be told apart by "
+                            "direction yet, profile a non-interleaved schedule" if vpp > 1 else "")
+                    raise RawInputError("raw_unmatched_comm", f"step {step}: rank {rank} (stage {stage}) has "
+                                        f"{sent.get(step, 0)} {send} ops but rank {peer} (stage {stage + direction}) "
+                                        f"{received.get(step, 0)} {recv} ops{hint}", job_id=job_id, op=send)
 
 
 def _clock_offsets(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, clock_of: Mapping[int, str]) -> dict[int, float]:
@@ -1034,6 +1081,7 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
         unmapped.update(trace.unmapped)
     rows = {t.rank: _ops_of_rank(t, layout.worker[t.rank][1], layout, steps, _dp_groups(t, layout, described), job_id,
                                  unmapped) for t in analysed}
+    _check_comm_pairs(rows, layout, job_id)
     first_origin = min(by_rank[rank].origin_ns for rank in rows)
     for rank, r in rows.items():   # every rank on the recorded clock, µs after the earliest origin
         shift = (by_rank[rank].origin_ns - first_origin) / 1000.0
