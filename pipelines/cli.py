@@ -6,10 +6,12 @@ arguments (``--help`` on each). Modules are imported lazily so that, for example
 """
 from __future__ import annotations
 
+import argparse
+import datetime as dt
 import importlib
 import sys
 
-__all__ = ["main", "COMMANDS"]
+__all__ = ["main", "COMMANDS", "date_argument"]
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -25,6 +27,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("pipelines.serve", "serve the live per-job monitor pages on localhost"),
     "demo": ("pipelines.demo", "generate a small fleet, run the batch job and the report"),
 }
+
+
+def date_argument(text: str) -> dt.date:
+    """argparse type of every YYYY-MM-DD option of the subcommands."""
+    try:
+        return dt.date.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a date YYYY-MM-DD") from None
 
 
 def _usage() -> str:

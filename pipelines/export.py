@@ -18,6 +18,8 @@ import sys
 
 import numpy as np
 
+from pipelines.cli import date_argument
+
 __all__ = ["EXPORT_FORMATS", "ExportOptions", "ExportSummary", "export_job", "parse", "run"]
 
 EXPORT_FORMATS = ("ndtimeline",)
@@ -86,13 +88,6 @@ def export_job(options: ExportOptions) -> ExportSummary:
                          len(np.unique(trace.column("step").to_numpy())))
 
 
-def _date(text: str) -> dt.date:
-    try:
-        return dt.date.fromisoformat(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a date YYYY-MM-DD") from None
-
-
 def parse(argv: list[str]) -> ExportOptions:
     parser = argparse.ArgumentParser(
         prog="strag export",
@@ -101,7 +96,7 @@ def parse(argv: list[str]) -> ExportOptions:
     parser.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="raw format to write")
     parser.add_argument("--lake", required=True, help="lake URL (path, file://, memory://, s3://)")
     parser.add_argument("--job-id", required=True)
-    parser.add_argument("--date", type=_date, default=None, help="date partition YYYY-MM-DD (needed when the job has several)")
+    parser.add_argument("--date", type=date_argument, default=None, help="date partition YYYY-MM-DD (needed when the job has several)")
     parser.add_argument("--out", required=True, help="output folder (path or fsspec URL)")
     args = parser.parse_args(argv)
     return ExportOptions(args.format, args.lake, args.job_id, args.out, args.date)

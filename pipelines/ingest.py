@@ -16,6 +16,7 @@ import dataclasses
 import datetime as dt
 import sys
 
+from pipelines.cli import date_argument
 from schemas.raw import JOB_YAML, RAW_FORMATS, raw_format_of
 
 __all__ = ["ImportOptions", "parse", "raw_files", "import_raw", "run"]
@@ -79,13 +80,6 @@ def import_raw(options: ImportOptions):
     return job, converted
 
 
-def _date(text: str) -> dt.date:
-    try:
-        return dt.date.fromisoformat(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a date YYYY-MM-DD") from None
-
-
 def parse(argv: list[str]) -> ImportOptions:
     parser = argparse.ArgumentParser(
         prog="strag import",
@@ -95,7 +89,7 @@ def parse(argv: list[str]) -> ImportOptions:
     parser.add_argument("--format", dest="fmt", required=True, choices=RAW_FORMATS, help="raw format")
     parser.add_argument("--lake", required=True, help="lake URL (folder, file://, memory://, s3://)")
     parser.add_argument("--job-id", required=True, help="job id in the lake")
-    parser.add_argument("--date", type=_date, default=None, help="date partition YYYY-MM-DD (default: today, UTC)")
+    parser.add_argument("--date", type=date_argument, default=None, help="date partition YYYY-MM-DD (default: today, UTC)")
     parser.add_argument("--job-yaml", default=None,
                         help="job.yaml with what the traces cannot say (sizes, layout, labels; schemas/raw.py)")
     parser.add_argument("--workers", type=int, default=1, help="processes parsing rank files (default 1)")

@@ -43,6 +43,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import yaml
 
+from pipelines.cli import date_argument
 from transforms.lake import LakeJob, filesystem, find_job, read_manifest_table, read_trace_files, write_job
 
 __all__ = [
@@ -282,13 +283,6 @@ def export_reference(options: ExportOptions) -> tuple[str, str, list[str]]:
 # CLI
 
 
-def _date(text: str) -> dt.date:
-    try:
-        return dt.date.fromisoformat(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a date YYYY-MM-DD") from None
-
-
 def parse_import(argv: list[str]) -> ImportOptions:
     parser = argparse.ArgumentParser(
         prog="strag import-reference",
@@ -297,7 +291,7 @@ def parse_import(argv: list[str]) -> ImportOptions:
     parser.add_argument("meta", help="meta-*.yaml with dp_size, pp_size, tp_size, dsp_size, vpp_size, world_size")
     parser.add_argument("--lake", required=True, help="lake URL (path, file://, memory://, s3://)")
     parser.add_argument("--job-id", required=True, help="job id to give the trace in the lake")
-    parser.add_argument("--date", type=_date, default=None,
+    parser.add_argument("--date", type=date_argument, default=None,
                         help="date partition YYYY-MM-DD (default: today, UTC; the format has no wall clock)")
     args = parser.parse_args(argv)
     date = args.date or dt.datetime.now(dt.timezone.utc).date()
@@ -312,7 +306,7 @@ def parse_export(argv: list[str]) -> ExportOptions:
     parser.add_argument("--lake", required=True, help="lake URL (path, file://, memory://, s3://)")
     parser.add_argument("--job-id", required=True)
     parser.add_argument("--out", required=True, help="output folder (path or fsspec URL)")
-    parser.add_argument("--date", type=_date, default=None, help="date partition (needed when the job has several)")
+    parser.add_argument("--date", type=date_argument, default=None, help="date partition (needed when the job has several)")
     args = parser.parse_args(argv)
     return ExportOptions(args.lake, args.job_id, args.out, args.date)
 

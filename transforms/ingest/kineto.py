@@ -623,21 +623,14 @@ def _layout_from_groups(ranks: Sequence[RankTrace], world: int) -> _Layout | Non
 def _layout_from_peers(ranks: Sequence[RankTrace], world: int) -> _Layout:
     """No description, no job.yaml: p2p peers chain the stages (stage = position in the rank-sorted
     pipeline), the rest are data-parallel replicas; tp = cp = 1."""
-    parent = list(range(world))
-
-    def root(x):
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
+    links = []
     for trace in ranks:
         peers = trace.peer[(trace.kind == SEND) | (trace.kind == RECV)]
-        for peer in np.unique(peers[(peers >= 0) & (peers < world)]).tolist():
-            parent[root(peer)] = root(trace.rank)
+        links += [(trace.rank, peer) for peer in np.unique(peers[(peers >= 0) & (peers < world)]).tolist()]
+    component = _components(world, links)
     pipelines: dict[int, list[int]] = collections.defaultdict(list)
     for rank in range(world):
-        pipelines[root(rank)].append(rank)
+        pipelines[component[rank]].append(rank)
     sizes = {len(members) for members in pipelines.values()}
     if len(sizes) != 1:
         return None
@@ -955,24 +948,29 @@ def _clock_offsets(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, c
         direction = residual + (new_norm / norm) * direction
         norm = new_norm
     # anchor each connected set of clocks at its first clock
+    first_member = {}
+    for inst, m in zip(instance.tolist(), member.tolist()):
+        first_member.setdefault(inst, m)
+    component = _components(n, [(first_member[inst], m) for inst, m in zip(instance.tolist(), member.tolist())])
+    anchor = {}
+    for i in range(n):
+        anchor.setdefault(component[i], i)
+    return {rank: float(x[index[rank]] - x[anchor[component[index[rank]]]]) for rank in ranks}
+
+
+def _components(n: int, links) -> list[int]:
+    """Connected-component label (a member index) of each of n nodes linked by (a, b) pairs."""
     parent = list(range(n))
 
-    def root(v):
+    def root(v: int) -> int:
         while parent[v] != v:
             parent[v] = parent[parent[v]]
             v = parent[v]
         return v
 
-    first = np.full(len(size), -1)
-    for inst, m in zip(instance.tolist(), member.tolist()):
-        if first[inst] < 0:
-            first[inst] = m
-        else:
-            parent[root(m)] = root(int(first[inst]))
-    anchor = {}
-    for i in range(n):
-        anchor.setdefault(root(i), i)
-    return {rank: float(x[index[rank]] - x[anchor[root(index[rank])]]) for rank in ranks}
+    for a, b in links:
+        parent[root(int(a))] = root(int(b))
+    return [root(v) for v in range(n)]
 
 
 def _clip_p2p_waits(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, offsets: Mapping[int, float]) -> int:
