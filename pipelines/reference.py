@@ -142,29 +142,11 @@ def manifest_from_published(trace: pa.Table, meta: dict[str, Any], job_id: str, 
         raise ReferenceFormatError(f"job {job_id}: trace workers do not match dp {meta['dp_size']} x pp "
                                    f"{meta['pp_size']}: missing {sorted(expected - cells)[:5]}, "
                                    f"unexpected {sorted(cells - expected)[:5]}")
-    spans = trace.append_column("end_ts", pc.add(trace["start_ts"], trace["duration"])).group_by("step").aggregate(
-        [("start_ts", "min"), ("end_ts", "max")])
-    traced = float(np.sum(spans["end_ts_max"].to_numpy() - spans["start_ts_min"].to_numpy()))
-    start = dt.datetime.combine(date, dt.time(0, 0), tzinfo=dt.timezone.utc)
-    return {
-        "job_id": job_id,
-        "date": date,
-        "submit_time": start,
-        "start_time": start,
-        "end_time": start + dt.timedelta(microseconds=round(traced * 1e6)),
-        "gpus": meta["world_size"],
-        "dp_size": meta["dp_size"],
-        "pp_size": meta["pp_size"],
-        "tp_size": meta["tp_size"],
-        "dsp_size": meta["dsp_size"],
-        "vpp_size": meta["vpp_size"],
-        "world_size": meta["world_size"],
-        "microbatches": int(pc.max(trace["mb_id"]).as_py()) + 1,
-        "model_family": "unknown",
-        "context_length": 0,
-        "workers": [{"dp_rank": w["dp_rank"], "stage": w["stage"], "rank": w["rank_min"],
-                     "host": f"unknown:{job_id}:rank{w['rank_min']}"} for w in workers],
-    }
+    from transforms.ingest.common import build_manifest
+
+    return build_manifest(job_id, date, trace, dp_size=meta["dp_size"], pp_size=meta["pp_size"], tp_size=meta["tp_size"],
+                          cp_size=meta["dsp_size"], vpp_size=meta["vpp_size"], world_size=meta["world_size"],
+                          worker_rank={(w["dp_rank"], w["stage"]): w["rank_min"] for w in workers})
 
 
 @dataclasses.dataclass
