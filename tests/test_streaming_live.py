@@ -74,3 +74,28 @@ def test_emit_live_results_under_test_stream(tmp_path):
     assert alerts == [("a", "s1", "slowdown-above-threshold"), ("b", "s1", "slowdown-above-threshold"),
                       ("b", "s2", "slowdown-below-threshold")]
     assert count_live_sessions(out) == 3
+
+
+def test_quarantine_is_written_per_session_not_per_row(tmp_path, caplog):
+    """A session that lands a thousand bad rows makes one file and one log line per bundle, not a
+    thousand; every row is still in the table."""
+    import logging
+    import pathlib
+
+    from transforms.live import WriteLiveQuarantine
+
+    out = str(tmp_path / "out")
+    rows = [{"job_id": "job-a", "session": "s1", "source_path": f"landing/job-a/s1/worker-0-{i % 4}.parquet",
+             "level": "row", "reason_code": "negative_duration", "reason": "duration < 0", "detail": f"row {i}",
+             "rows": None, "seen_time": 1_700_000_000.0} for i in range(1000)]
+    rows += [{"job_id": "job-b", "session": "s9", "source_path": "landing/job-b/s9/x.parquet", "level": "file",
+              "reason_code": "unreadable_file", "reason": "truncated", "detail": "x", "rows": None,
+              "seen_time": 1_700_000_000.0}]
+    with caplog.at_level(logging.WARNING, logger="transforms.live"):
+        with beam.Pipeline(options=PipelineOptions(["--runner=FnApiRunner"])) as p:
+            _ = p | beam.Create(rows, reshuffle=False) | WriteLiveQuarantine(out)
+    files = sorted(pathlib.Path(out).rglob("*.parquet"))
+    assert len(files) <= 4 and {f.name.split("--")[0] for f in files} == {"job%2Da", "job%2Db"}
+    assert read_live_table(out, "live_quarantine").num_rows == 1001
+    lines = [r for r in caplog.records if "QUARANTINE" in r.getMessage()]
+    assert 2 <= len(lines) <= 4 and any("1000 row(s)" in r.getMessage() for r in lines)

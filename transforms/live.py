@@ -129,12 +129,16 @@ def count_live_sessions(out: str) -> int:
     return len(names)
 
 
-def quarantine_path(out: str, record: dict) -> str:
-    """File of one live quarantine row: named by a digest of what it says, so a repeat replaces it."""
+def quarantine_path(out: str, records: list[dict]) -> str:
+    """File of one batch of live quarantine rows (one session's rows of one bundle, all of one UTC
+    day): named by the session and a digest of what the rows say, so a repeated batch replaces it."""
     import hashlib
 
-    key = "|".join(str(record.get(name)) for name in ("job_id", "session", "source_path", "reason_code", "row_index", "detail"))
-    return (f"{out.rstrip('/')}/{LIVE_QUARANTINE}/date={_date_of(record.get('seen_time') or 0.0)}/"
+    first = records[0]
+    key = "\n".join("|".join(str(record.get(name)) for name in ("job_id", "session", "source_path", "reason_code", "detail"))
+                    for record in records)
+    return (f"{out.rstrip('/')}/{LIVE_QUARANTINE}/date={_date_of(first.get('seen_time') or 0.0)}/"
+            f"{name_part(first.get('job_id'))}--{name_part(first.get('session'))}--"
             f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.parquet")
 
 
@@ -246,14 +250,28 @@ class EmitLiveResults(beam.PTransform):
 
 
 class _WriteQuarantineFn(beam.DoFn):
+    """Quarantine rows are written per session and bundle (one poll's worth), not per row: a bad
+    session of a million rows makes a handful of files and one log line per poll, not a million."""
+
     def __init__(self, out: str):
         self._out = out
 
+    def start_bundle(self):
+        self._pending: dict[tuple, list[dict]] = {}
+
     def process(self, record: dict):
-        write_parquet(quarantine_path(self._out, record), rows_table([record], QUARANTINE_SCHEMA))
+        key = (_date_of(record.get("seen_time") or 0.0), record.get("job_id"), record.get("session"))
+        self._pending.setdefault(key, []).append(record)
         Metrics.counter("strag.quarantine", str(record.get("reason_code"))).inc()
-        _LOG.warning("QUARANTINE job %s: %s (%s)", record.get("job_id"), record.get("detail") or record.get("reason"),
-                     record.get("source_path"))
+
+    def finish_bundle(self):
+        for (_, job_id, session), records in sorted(self._pending.items(), key=lambda item: str(item[0])):
+            write_parquet(quarantine_path(self._out, records), rows_table(records, QUARANTINE_SCHEMA))
+            codes = sorted({str(record.get("reason_code")) for record in records})
+            first = records[0]
+            _LOG.warning("QUARANTINE job %s session %s: %d row(s) (%s), e.g. %s (%s)", job_id, session, len(records),
+                         ", ".join(codes), first.get("detail") or first.get("reason"), first.get("source_path"))
+        self._pending = {}
 
 
 class WriteLiveQuarantine(beam.PTransform):
