@@ -11,3 +11,14 @@ def live_row(job, session, revision, slowdown, verdict=None, status="analysed", 
             "m_w": None, "m_s": None, "verdict": verdict, "verdict_confidence": None, "steps": [1, 2, 3],
             "step_slowdown": [slowdown] * 3, "worker_slowdown": [1.0, 1.0, 1.0, slowdown],
             "first_arrival": first, "assembled": first + 1, "analysed": first + 2}
+
+
+def land_row(out: str, row: dict) -> str:
+    """Write one live result row where `strag watch` would; returns the file's URL."""
+    from schemas.live import LIVE_RESULT_SCHEMA
+    from transforms.lake import write_parquet
+    from transforms.live import result_path, rows_table
+
+    path = result_path(out, row)
+    write_parquet(path, rows_table([row], LIVE_RESULT_SCHEMA))
+    return path

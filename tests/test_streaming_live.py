@@ -99,3 +99,25 @@ def test_quarantine_is_written_per_session_not_per_row(tmp_path, caplog):
     assert read_live_table(out, "live_quarantine").num_rows == 1001
     lines = [r for r in caplog.records if "QUARANTINE" in r.getMessage()]
     assert 2 <= len(lines) <= 4 and any("1000 row(s)" in r.getMessage() for r in lines)
+
+
+def test_live_table_reads_each_file_once(tmp_path, monkeypatch):
+    """`strag serve` answers every request from the live tables: unchanged files are not re-read,
+    new and rewritten ones are."""
+    import fsspec
+
+    import transforms.live as live
+    from live_rows import land_row
+
+    out = str(tmp_path / "out")
+    land_row(out, result("job-a", "s1", 1, 1.04, first=1_700_000_000.0))
+    land_row(out, result("job-a", "s2", 1, 1.30, first=1_700_000_100.0))
+    opened = []
+    real_open = fsspec.open
+    monkeypatch.setattr(live.fsspec, "open", lambda path, *a, **k: opened.append(path) or real_open(path, *a, **k))
+    assert read_live_table(out).num_rows == 2 and len(opened) == 2
+    assert read_live_table(out).num_rows == 2 and len(opened) == 2
+    land_row(out, result("job-a", "s2", 2, 1.05, first=1_700_000_100.0))
+    table = read_live_table(out)
+    assert table.num_rows == 3 and len(opened) == 3
+    assert sorted(table["revision"].to_pylist()) == [1, 1, 2]

@@ -10,17 +10,13 @@ import urllib.request
 import pytest
 
 from dashboards import browser
-from live_rows import live_row
+from live_rows import land_row, live_row
 from pipelines.serve import ServeOptions, parse, serve_in_thread
-from schemas.live import ALERT_SCHEMA, LIVE_RESULT_SCHEMA
+from schemas.live import ALERT_SCHEMA
 from transforms.lake import write_parquet
-from transforms.live import alert_path, result_path, rows_table
+from transforms.live import alert_path, rows_table
 
 pytestmark = pytest.mark.slow
-
-
-def land_row(out, row):
-    write_parquet(result_path(out, row), rows_table([row], LIVE_RESULT_SCHEMA))
 
 
 @pytest.fixture()

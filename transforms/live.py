@@ -98,17 +98,37 @@ def _list_parquet(url: str) -> list[str]:
                   for p in fs.find(root) if p.endswith(".parquet") and "/." not in p[len(root):])
 
 
+# path -> (listing signature, rows): live files are append-only and a rewrite changes the
+# signature, so `strag serve` reads each file once instead of the whole table per request
+_READ_CACHE: dict[str, tuple[tuple, pa.Table]] = {}
+
+
+def _signature(info: dict) -> tuple:
+    return (info.get("size"), info.get("mtime") or info.get("LastModified") or info.get("created"),
+            info.get("ETag") or info.get("etag"))
+
+
 def read_live_table(out: str, table: str = LIVE_RESULTS) -> pa.Table:
-    """Every row of a live table (live_results, alerts or live_quarantine), all revisions."""
+    """Every row of a live table (live_results, alerts or live_quarantine), all revisions.
+
+    Each file is read once per process and kept while the listing shows it unchanged."""
     schema = {LIVE_RESULTS: LIVE_RESULT_SCHEMA, ALERTS: ALERT_SCHEMA, LIVE_QUARANTINE: QUARANTINE_SCHEMA}[table]
-    files = _list_parquet(f"{out.rstrip('/')}/{table}")
-    if not files:
+    url = f"{out.rstrip('/')}/{table}"
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.invalidate_cache()
+    if not fs.exists(root):
         return schema.empty_table()
+    protocol = url.split("://", 1)[0] + "://" if "://" in url else ""
+    listing = {(protocol + p if protocol and not p.startswith(protocol) else p): _signature(info)
+               for p, info in fs.find(root, detail=True).items() if p.endswith(".parquet") and "/." not in p[len(root):]}
     parts = []
-    for path in files:
-        with fsspec.open(path, "rb") as handle:
-            parts.append(pq.read_table(handle).select(schema.names).cast(schema))
-    return pa.concat_tables(parts)
+    for path in sorted(listing):
+        cached = _READ_CACHE.get(path)
+        if cached is None or cached[0] != listing[path]:
+            with fsspec.open(path, "rb") as handle:
+                cached = _READ_CACHE[path] = (listing[path], pq.read_table(handle).select(schema.names).cast(schema))
+        parts.append(cached[1])
+    return pa.concat_tables(parts) if parts else schema.empty_table()
 
 
 def current_results(results: pa.Table) -> pa.Table:
