@@ -89,13 +89,15 @@ def test_clean_run_replays_within_five_percent_and_straggles_little(analysed):
     assert verdict.cause not in ("individual-worker", "stage-imbalance")
 
 
-def test_slowed_worker_is_found_everywhere(analysed):
-    """Rank 1 (dp 1, stage 0) sleeps 40 ms in each forward: S > 1, dp 1 and stage 0 top the
-    attributions, the M_W set is that worker, and the verdict blames its rank."""
-    made = provenance("pp2dp2-1f1b-slow-sleep")
+@pytest.mark.parametrize("run", ["pp2dp2-1f1b-slow", "pp2dp2-1f1b-slow-sleep"])
+def test_slowed_worker_is_found_everywhere(analysed, run):
+    """Rank 1 (dp 1, stage 0) runs its forward matmuls 6x (compute) or sleeps 40 ms in each
+    forward: S > 1.1, dp 1 and stage 0 top the attributions, the M_W set is that worker, and the
+    verdict blames its rank."""
+    made = provenance(run)
     slow = (made["slow_rank_coords"]["dp"], made["slow_rank_coords"]["pp"])
     assert slow == (1, 0) and made["slow_rank"] == 1
-    converted, result, verdict = analysed("pp2dp2-1f1b-slow-sleep")
+    converted, result, verdict = analysed(run)
     assert result.launch_slowdown < 1.05
     assert result.slowdown > 1.1
     assert max(result.by_dp_rank, key=result.by_dp_rank.get) == slow[0]
@@ -109,17 +111,14 @@ def test_slowed_worker_is_found_everywhere(analysed):
 
 
 def test_extra_compute_on_one_rank_shows_in_its_forward(analysed):
-    """The compute-mode straggler also steals CPU from the other ranks on 2 cores, so the job's S
-    moves less; its forward is still the slowest and its worker tops the DP attribution."""
+    """The compute-mode straggler also steals CPU from the other ranks on 2 cores; its own forward
+    is still far the slowest of its stage."""
     made = provenance("pp2dp2-1f1b-slow")
-    converted, result, _ = analysed("pp2dp2-1f1b-slow")
+    converted, _, _ = analysed("pp2dp2-1f1b-slow")
     table = converted.trace.to_pandas()
     forward = table[table.optype.astype(str) == "forward-compute"].groupby(["dp_rank", "stage"]).duration.mean()
     slow = (made["slow_rank_coords"]["dp"], made["slow_rank_coords"]["pp"])
-    peer = (1 - slow[0], slow[1])
-    assert forward[slow] > 1.5 * forward[peer]
-    assert result.slowdown > 1.0
-    assert result.mw is not None and result.mw.workers == [slow]
+    assert forward[slow] > 2 * forward[(1 - slow[0], slow[1])]
 
 
 def test_ddp_run_is_data_parallel_only(analysed):

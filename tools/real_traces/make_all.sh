@@ -9,7 +9,7 @@ OUT=tests/data/real_traces
 
 declare -A ARGS=(
   [pp2dp2-1f1b]="--schedule 1f1b --microbatches 4 --seed 0"
-  [pp2dp2-1f1b-slow]="--schedule 1f1b --microbatches 4 --seed 0 --slow-rank 1 --slow-factor 3 --slow-mode compute"
+  [pp2dp2-1f1b-slow]="--schedule 1f1b --microbatches 4 --seed 0 --slow-rank 1 --slow-factor 6 --slow-mode compute"
   [pp2dp2-1f1b-slow-sleep]="--schedule 1f1b --microbatches 4 --seed 0 --slow-rank 1 --slow-mode sleep --slow-sleep-ms 40"
   [pp2dp2-gpipe]="--schedule gpipe --microbatches 4 --seed 0"
   [pp2dp2-interleaved]="--schedule interleaved --microbatches 4 --seed 0"
