@@ -136,13 +136,38 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unknown_options(beam_args: list[str]) -> list[str]:
+    """The --options of `beam_args` that no Apache Beam PipelineOptions class declares."""
+    from apache_beam.options.pipeline_options import PipelineOptions, _BeamArgumentParser
+
+    try:   # the Dask runner declares its options (--dask_npartitions, ...) in its own module
+        import apache_beam.runners.dask.dask_runner  # noqa: F401
+    except ImportError:
+        pass
+    parser = _BeamArgumentParser(allow_abbrev=False)
+    for cls in {str(c): c for c in PipelineOptions.__subclasses__()}.values():
+        cls._add_argparse_args(parser)
+    _, unknown = parser.parse_known_args(beam_args)
+    return [arg for arg in unknown if arg.startswith("--")]
+
+
 def _memory(url: str) -> bool:
     return url.startswith("memory://")
 
 
 def parse(argv: list[str]) -> BatchOptions:
     """Validate a `strag batch` command line. Raises BatchUsageError (or exits for --help)."""
-    args, beam_args = _parser().parse_known_args(argv)
+    parser = _parser()
+    args, beam_args = parser.parse_known_args(argv)
+    unknown = _unknown_options(beam_args)
+    if unknown:   # a typo (--wokers) would otherwise reach Beam and be ignored
+        import difflib
+
+        ours = [option for action in parser._actions for option in action.option_strings if option.startswith("--")]
+        close = {name: difflib.get_close_matches(name.split("=", 1)[0], ours, n=1) for name in unknown}
+        raise BatchUsageError("unknown option(s) " + ", ".join(
+            name + (f" (did you mean {close[name][0]}?)" if close[name] else "") for name in unknown)
+            + ": neither strag batch's nor an Apache Beam pipeline option")
     try:
         date_range(args.date_from, args.date_to)
     except ValueError as error:

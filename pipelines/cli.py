@@ -46,9 +46,12 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
+    if not argv:   # a command is required: say which there are, and fail like any usage error
+        print(f"strag: give a command\n\n{_usage()}", file=sys.stderr)
+        return 2
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"strag: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)

@@ -281,3 +281,25 @@ def test_a_window_that_lost_a_file_is_not_analysed_on_the_rest(tmp_path, validat
     assert victim in rows[1]["detail"] and rows[1]["level"] == "job"
     assert "job_summary" not in outcome.tables
     assert analyze_cli.run(["--lake", lake, "--job-id", "per-step"]) == 2
+
+
+def test_an_empty_range_is_an_empty_run_not_an_error(lake):
+    with beam.Pipeline(options=PipelineOptions(["--runner=FnApiRunner"])) as p:
+        groups = p | MatchJobs(lake, "2030-01-01", "2030-01-02", jobs=[])
+        assert_that(groups, equal_to([]))
+
+
+def test_a_mistyped_batch_option_is_refused_with_a_suggestion(lake):
+    from pipelines import batch
+
+    with pytest.raises(batch.BatchUsageError, match=r"--wokers \(did you mean --workers\?\)"):
+        batch.parse(["--lake", lake, "--from", DATE, "--to", DATE, "--out", "/tmp/never", "--wokers", "2"])
+    opts = batch.parse(["--lake", lake, "--from", DATE, "--to", DATE, "--out", "/tmp/never", "--flink_master=x:1"])
+    assert opts.beam_args == ("--flink_master=x:1",)
+
+
+def test_strag_without_a_command_is_a_usage_error(capsys):
+    from pipelines.cli import main
+
+    assert main([]) == 2 and "give a command" in capsys.readouterr().err
+    assert main(["--help"]) == 0
