@@ -144,7 +144,11 @@ def _unknown_options(beam_args: list[str]) -> list[str]:
         import apache_beam.runners.dask.dask_runner  # noqa: F401
     except ImportError:
         pass
-    parser = _BeamArgumentParser(allow_abbrev=False)
+    class Parser(_BeamArgumentParser):
+        def error(self, message):   # a usage error of ours, not a usage dump and an exit
+            raise BatchUsageError(f"Apache Beam options: {message}")
+
+    parser = Parser(allow_abbrev=False)
     for cls in {str(c): c for c in PipelineOptions.__subclasses__()}.values():
         cls._add_argparse_args(parser)
     _, unknown = parser.parse_known_args(beam_args)
