@@ -68,7 +68,8 @@ _UNEXPECTED_REASON = "an unexpected error stopped this job window (a bug meeting
 
 
 def _window_path(job: LakeJob) -> str:
-    return trace_dir(job.lake, job.date, job.job_id)
+    """The folder a window's files came from: its traces partition, or its raw upload folder."""
+    return trace_dir(job.lake, job.date, job.job_id) if job.raw_format is None else _raw_path(job)
 
 
 def quarantine_rows(job: LakeJob, problems: list[Problem], invalid: pa.Table | None = None) -> pa.Table:
