@@ -73,7 +73,7 @@ def _parse(element):
 
 
 def _assemble(element) -> WindowGroup:
-    """(key, [(job, RankTrace or RawInputError)]) -> WindowGroup of the converted window."""
+    """(key, [(job, RankTrace or RawInputError, job.yaml options)]) -> WindowGroup of the converted window."""
     from transforms.ingest import RawInputError
     from transforms.ingest.kineto import RankTrace, assemble
 
