@@ -71,7 +71,7 @@ RAW_REASONS: dict[str, tuple[str, str]] = {
     "raw_not_a_trace": ("file", "the file parses but is not a profiler trace of this format (no traceEvents / records)"),
     "raw_bad_job_yaml": ("job", "job.yaml is not a mapping of the documented keys (schemas/raw.py JOB_YAML_KEYS)"),
     "raw_duplicate_rank": ("job", "two files hold the same global rank; upload one trace per rank"),
-    "raw_mixed_jobs": ("job", "the folder holds ranks of more than one job (world size, process groups or run ids differ)"),
+    "raw_mixed_jobs": ("job", "the folder holds ranks of more than one job or run (world size, process groups, run ids or the time their steps ran differ)"),
     "raw_missing_rank": ("job", "ranks of the job are missing: every rank of the layout needs its trace"),
     "raw_no_steps": ("job", "no complete profiled step (ProfilerStep#N) common to all ranks"),
     "raw_steps_misaligned": ("job", "the ranks' profiled steps do not line up: profile the same steps on every rank"),

@@ -18,7 +18,7 @@ import pytest
 import transforms.ingest
 from pipelines import export
 from pipelines.reference import ImportOptions, import_reference
-from test_whatif_reference import compare
+from test_whatif_reference import reference_mismatches
 from transforms.ingest import RawInputError, convert_window
 from transforms.ingest.common import read_job_yaml
 from transforms.ingest.ndtimeline import METRIC_OPTYPES, convert_ndtimeline, export_ndtimeline, write_ndtimeline
@@ -65,9 +65,7 @@ def test_round_trip_reproduces_every_reference_field(round_trip, reference_dir):
     name, _, _, converted = round_trip
     result = analyze_job(converted.trace, JobMeta.from_mapping(converted.manifest), job_id=name)
     expected = {kind: json.loads((reference_dir / f"{kind}-{name}.json").read_text()) for kind in ("result", "mw", "ms")}
-    problems = compare(result.to_reference_json(), expected["result"], "result")
-    problems += compare(result.mw_json(), expected["mw"], "mw")
-    problems += compare(result.ms_json(), expected["ms"], "ms")
+    problems = reference_mismatches(result, expected)
     assert not problems, f"{name}: {len(problems)} mismatches, e.g. " + "; ".join(problems[:5])
 
 

@@ -67,6 +67,12 @@ def compare(ours, theirs, path: str = "") -> list[str]:
     return [] if ours == theirs else [f"{path}: {ours!r} != {theirs!r}"]
 
 
+def reference_mismatches(result, expected: dict) -> list[str]:
+    """Mismatches of a WhatIfResult against the reference's result, mw and ms JSON (keys of `expected`)."""
+    return (compare(result.to_reference_json(), expected["result"], "result")
+            + compare(result.mw_json(), expected["mw"], "mw") + compare(result.ms_json(), expected["ms"], "ms"))
+
+
 def check_order(our_keys: list[str], theirs: dict, path: str) -> list[str]:
     """Our key order must list the reference's values largest first (equal within tolerance
     may swap) when the reference dict is sorted by value; otherwise it must be identical."""
@@ -86,9 +92,7 @@ def test_every_reference_field_is_reproduced(case, form):
     name, table, meta, expected = case
     trace = table if form == "published" else as_lake_table(table, name)
     result = analyze_job(trace, meta, job_id=name)
-    problems = compare(result.to_reference_json(), expected["result"], "result")
-    problems += compare(result.mw_json(), expected["mw"], "mw")
-    problems += compare(result.ms_json(), expected["ms"], "ms")
+    problems = reference_mismatches(result, expected)
     assert not problems, f"{name} ({form}): {len(problems)} mismatches, e.g. " + "; ".join(problems[:5])
 
 
