@@ -1,13 +1,16 @@
 """`strag watch`: the streaming monitor of the lake's landing area.
 
-    strag watch --lake URL --out URL [--threshold 1.1] [--session-timeout S]
-                [--poll-interval S] [--max-runtime S] [--stop-after-sessions N]
+    strag watch --lake URL --out URL [--threshold 1.1] [--session-timeout S] [--retain S]
+                [--poll-interval S] [--status-interval S] [--max-runtime S] [--stop-after-sessions N]
 
 Wiring only (each step is one composite from transforms/):
 
     WatchLanding -> AssembleSessions -> AnalyzeSessions -> EmitLiveResults (results, alerts)
-         |                                    |
-         +-> WriteLiveQuarantine              +-> WriteLiveQuarantine (rejected rows, unexpected errors)
+         |                |                   |
+         +----------------+-------------------+-> WriteLiveQuarantine (bad files, rejected rows, unexpected errors)
+
+Sessions done for --retain seconds move to {lake}/landing_archive/ and leave the state,
+so a watcher that runs for months lists and remembers only the sessions in play.
 
 Runs until stopped (Ctrl-C), or for --max-runtime seconds, or until the live table
 holds results for --stop-after-sessions sessions; on a bounded stop it makes one final
@@ -47,7 +50,9 @@ class WatchOptions:
     out: str
     threshold: float = DEFAULT_THRESHOLD
     session_timeout: float = 30.0
+    retain: float = 600.0
     poll_interval: float = 1.0
+    status_interval: float = 60.0
     max_runtime: float | None = None
     stop_after_sessions: int | None = None
 
@@ -59,7 +64,11 @@ class WatchOptions:
             stop_time=None if self.max_runtime is None else start_time + self.max_runtime,
             stop_after_sessions=self.stop_after_sessions,
             out=self.out,
+            status_every=max(1, round(self.status_interval / self.poll_interval)),
         )
+
+    def assembly_config(self) -> AssemblyConfig:
+        return AssemblyConfig(timeout_seconds=self.session_timeout, retain_seconds=self.retain, archive=self.lake)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -74,7 +83,12 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"alert when a job's S crosses this slowdown (default {DEFAULT_THRESHOLD})")
     parser.add_argument("--session-timeout", type=float, default=30.0, metavar="S",
                         help="analyse a session this many seconds after its first file even if workers are missing (default 30)")
+    parser.add_argument("--retain", type=float, default=600.0, metavar="S",
+                        help="move a session to {lake}/landing_archive/ once analysed and unchanged for this many "
+                             "seconds; a file landing in it later is quarantined (default 600)")
     parser.add_argument("--poll-interval", type=float, default=1.0, metavar="S", help="seconds between polls of the landing area (default 1)")
+    parser.add_argument("--status-interval", type=float, default=60.0, metavar="S",
+                        help="print a status line (sessions in play, listing time, memory) this often (default 60)")
     parser.add_argument("--max-runtime", type=float, default=None, metavar="S", help="stop after this many seconds (default: run until stopped)")
     parser.add_argument("--stop-after-sessions", type=int, default=None, metavar="N",
                         help="stop once the live table holds results for N sessions")
@@ -87,7 +101,7 @@ def parse(argv: list[str]) -> WatchOptions:
     args = parser.parse_args(argv)
     if not args.threshold >= 1.0:
         parser.error(f"--threshold {args.threshold}: a slowdown threshold is >= 1.0 (1.1 = 10% slower than ideal)")
-    for name in ("session_timeout", "poll_interval"):
+    for name in ("session_timeout", "retain", "poll_interval", "status_interval"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0 seconds")
     if args.max_runtime is not None and not args.max_runtime > 0:
@@ -95,24 +109,45 @@ def parse(argv: list[str]) -> WatchOptions:
     if args.stop_after_sessions is not None and args.stop_after_sessions < 1:
         parser.error("--stop-after-sessions must be >= 1")
     return WatchOptions(lake=args.lake.rstrip("/"), out=args.out.rstrip("/"), threshold=args.threshold,
-                        session_timeout=args.session_timeout, poll_interval=args.poll_interval,
+                        session_timeout=args.session_timeout, retain=args.retain, poll_interval=args.poll_interval,
+                        status_interval=args.status_interval,
                         max_runtime=args.max_runtime, stop_after_sessions=args.stop_after_sessions)
 
 
 def build(pipeline: beam.Pipeline, options: WatchOptions, start_time: float | None = None) -> None:
     """Wire the monitor into `pipeline`. start_time: epoch seconds of the first poll (now by default)."""
     watched = pipeline | "WatchLanding" >> WatchLanding(options.watch_config(time.time() if start_time is None else start_time))
-    analysed = (
-        watched["events"]
-        | "AssembleSessions" >> AssembleSessions(AssemblyConfig(timeout_seconds=options.session_timeout))
-        | "AnalyzeSessions" >> AnalyzeSessions()
-    )
+    assembled = watched["sessions"] | "AssembleSessions" >> AssembleSessions(options.assembly_config())
+    analysed = assembled["assemblies"] | "AnalyzeSessions" >> AnalyzeSessions()
     analysed["results"] | "EmitLiveResults" >> EmitLiveResults(AlertConfig(out=options.out, threshold=options.threshold))
-    # Two writers rather than a Flatten: on the FnApiRunner a Flatten in an unbounded
-    # pipeline held its bundles back until the source ended.
+    # One writer per input rather than a Flatten: on the FnApiRunner a Flatten in an
+    # unbounded pipeline held its bundles back until the source ended.
     watched["quarantine"] | "QuarantineLanding" >> WriteLiveQuarantine(options.out)
+    assembled["quarantine"] | "QuarantineFiles" >> WriteLiveQuarantine(options.out)
     analysed["quarantine"] | "QuarantineSessions" >> WriteLiveQuarantine(options.out)
     analysed["unexpected"] | "QuarantineUnexpected" >> WriteLiveQuarantine(options.out)
+
+
+def bound_runner_metrics() -> None:
+    """Keep the embedded runner's memory flat over a long watch.
+
+    In this Beam version (2.77) the FnApiRunner merges each bundle's metrics into the stage's
+    with a lazy generator (`consolidate_monitoring_infos(chain(new, previous))`), so every poll
+    adds a generator layer holding that bundle's MonitoringInfo protos: an idle watcher grew
+    by 36 MiB in 600 polls (~60 KB a poll, 5 GB a day at one poll a second). Materialising the
+    merge keeps one consolidated list per stage: the same watcher stays flat (322 MiB after
+    1,200 polls; benchmarks/bench_watch_soak.py measures it under load)."""
+    from apache_beam.runners.portability.fn_api_runner import fn_runner
+
+    merge = fn_runner.consolidate_monitoring_infos
+    if getattr(merge, "materialised", False):
+        return
+
+    def materialised(infos):
+        return list(merge(infos))
+
+    materialised.materialised = True
+    fn_runner.consolidate_monitoring_infos = materialised
 
 
 def run(argv: list[str]) -> int:
@@ -120,6 +155,7 @@ def run(argv: list[str]) -> int:
     options = parse(argv)
     from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
+    bound_runner_metrics()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     started = time.time()
     print(f"strag watch: {options.lake}/landing -> {options.out} (threshold {options.threshold:g}, "

@@ -3,6 +3,7 @@
     {lake}/traces/date=YYYY-MM-DD/job_id={job_id}/{name}.parquet   op records (TRACE_SCHEMA)
     {lake}/manifests/date=YYYY-MM-DD/{job_id}.parquet              one row (MANIFEST_SCHEMA)
     {lake}/landing/{job_id}/{session}/worker-{dp}-{stage}.parquet  streaming arrivals
+    {lake}/landing_archive/{job_id}/{session}/...                  sessions the watcher is done with
     {lake}/_lake.json                                              {"schema_version": ...}
 
 A job's trace window for a date is every parquet file under its traces partition;
@@ -17,6 +18,7 @@ __all__ = [
     "TRACES",
     "MANIFESTS",
     "LANDING",
+    "LANDING_ARCHIVE",
     "LAKE_MARKER",
     "trace_dir",
     "manifest_path",
@@ -28,20 +30,22 @@ __all__ = [
 TRACES = "traces"
 MANIFESTS = "manifests"
 LANDING = "landing"
+LANDING_ARCHIVE = "landing_archive"
 LAKE_MARKER = "_lake.json"
 
 
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+@:-]{0,199}")
 
 
-def safe_job_id(job_id: str) -> str:
+def safe_job_id(job_id: str, what: str = "job id") -> str:
     """`job_id` when it can name a lake folder and file as it is; ValueError saying why not.
 
     Letters, digits and . _ + @ : - only, starting with a letter or digit (names starting
     with '.' or '_' are hidden from listings; '/', '=' and '..' would leave the partition).
+    The same alphabet names live sessions (what="session").
     """
     if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id) or ".." in job_id:
-        raise ValueError(f"job id {job_id!r}: use 1-200 letters, digits and . _ + @ : - starting with a letter or "
+        raise ValueError(f"{what} {job_id!r}: use 1-200 letters, digits and . _ + @ : - starting with a letter or "
                          "digit (no '/', '=', '..'; a leading '.' or '_' would hide it)")
     return job_id
 
@@ -61,8 +65,8 @@ def manifest_path(lake: str, date: dt.date | str, job_id: str) -> str:
 
 
 def landing_dir(lake: str, job_id: str, session: str | int) -> str:
-    """Folder where the per-worker files of one live profiling session land."""
-    return _join(lake, LANDING, job_id, str(session))
+    """Folder where the per-worker files of one live profiling session land (ValueError on an unsafe id)."""
+    return _join(lake, LANDING, safe_job_id(job_id), safe_job_id(str(session), "session"))
 
 
 def parse_partition(path: str) -> dict[str, str]:

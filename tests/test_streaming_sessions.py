@@ -9,7 +9,8 @@ from apache_beam.runners.direct.direct_runner import BundleBasedDirectRunner
 from apache_beam.testing import test_stream
 from apache_beam.testing.util import assert_that, equal_to
 
-from transforms.landing import LandingEvent
+from transforms.lake import manifest_table, write_parquet
+from transforms.landing import LandingEvent, SessionListing, landing_manifest_path
 from transforms.sessions import AssembleSessions, AssemblyConfig, SessionState
 
 WORKERS = ((0, 0), (0, 1), (1, 0), (1, 1))
@@ -78,70 +79,221 @@ def test_final_tick_flushes_pending_session():
     assert run_state(events)[0][3] == "watcher-stopped"
 
 
-def test_config_rejects_nonpositive_timeout():
+def test_config_rejects_nonpositive_timeout_and_retention():
     with pytest.raises(ValueError, match="timeout_seconds"):
         AssemblyConfig(timeout_seconds=0)
+    with pytest.raises(ValueError, match="retain_seconds"):
+        AssemblyConfig(retain_seconds=-1)
 
 
-def test_assemble_sessions_under_test_stream_late_and_duplicate_files():
-    """Two sessions interleaved: s1 times out (worker 1-1 missing), then 1-1 arrives late
-    and supersedes it; s2 completes with duplicate deliveries that never double-count."""
+@pytest.fixture(scope="module")
+def small_job():
+    from transforms.synth.job import JobSpec, generate_job
+
+    return generate_job(JobSpec(job_id="j1", dp=2, pp=2, microbatches=2, steps=2, sessions=1, seed=1))
+
+
+def land_manifest(lake, job, session):
+    path = landing_manifest_path(lake, "j1", session)
+    write_parquet(path, manifest_table(job.manifest))
+    return path
+
+
+def listing(lake, session, t, names, final=False, mtime=None):
+    """A poll's SessionListing of landing/j1/{session}/ holding `names` (modification time 0, or mtime[name])."""
+    files = tuple(sorted((f"{lake}/landing/j1/{session}/{name}", (mtime or {}).get(name, 0.0)) for name in names))
+    return SessionListing("j1", session, t, files, final)
+
+
+def run_listings(listings, config, assemblies=(), quarantine=()):
+    """AssembleSessions over TestStream polls (one bundle per poll); asserts the assembly summaries
+    and the quarantine rows' (file name, reason code, session)."""
+    stream = test_stream.TestStream()
+    for poll in listings:
+        stream = stream.advance_watermark_to(poll[0].poll_time).add_elements([(item.key, item) for item in poll])
+    stream = stream.advance_watermark_to_infinity()
+    with beam.Pipeline(runner=BundleBasedDirectRunner(), options=PipelineOptions(flags=[], streaming=True)) as pipeline:
+        out = pipeline | stream | AssembleSessions(config)
+        assert_that(out["assemblies"] | beam.Map(summary), equal_to(list(assemblies)), label="Assemblies")
+        assert_that(out["quarantine"] | beam.Map(lambda r: (r["source_path"].rsplit("/", 1)[-1], r["reason_code"],
+                                                            r["session"])),
+                    equal_to(list(quarantine)), label="Quarantine")
+
+
+W = [f"worker-{dp}-{stage}.parquet" for dp, stage in WORKERS]
+
+
+def test_assemble_sessions_under_test_stream_late_and_duplicate_files(tmp_path, small_job):
+    """Two sessions polled together: s1 times out (worker 1-1 missing), then 1-1 arrives late
+    and supersedes it; s2 completes, its re-delivered worker counted, never added twice;
+    the manifest is read once although every poll lists it."""
+    lake = str(tmp_path / "lake")
+    for session in ("s1", "s2"):
+        land_manifest(lake, small_job, session)
+    m = "manifest.parquet"
+    polls = [
+        [listing(lake, "s1", 100, [m, W[0], W[1]]), listing(lake, "s2", 100, [m, W[0]])],
+        [listing(lake, "s1", 101, [m, W[0], W[1], W[2]]), listing(lake, "s2", 101, [m, W[0], W[1]], mtime={W[0]: 1.0})],
+        [listing(lake, "s1", 104, [m, *W[:3]]), listing(lake, "s2", 104, [m, *W], mtime={W[0]: 1.0})],
+        [listing(lake, "s1", 106, [m, *W[:3]]), listing(lake, "s2", 106, [m, *W], mtime={W[0]: 1.0})],
+        [listing(lake, "s1", 110, [m, *W]), listing(lake, "s2", 110, [m, *W], mtime={W[0]: 1.0})],
+        [listing(lake, "s1", 111, [m, *W], mtime={W[3]: 5.0})],
+    ]
+    run_listings(polls, AssemblyConfig(timeout_seconds=5.0), assemblies=[
+        ("j1", "s1", 1, "timeout", ((0, 0), (0, 1), (1, 0)), ((1, 1),), 0),
+        ("j1", "s1", 2, "late", WORKERS, (), 0),
+        ("j1", "s2", 1, "complete", WORKERS, (), 1),
+    ])
+
+
+def test_done_sessions_retire_into_the_archive_and_late_files_are_set_aside(tmp_path, small_job):
+    """With an archive: a session analysed and quiet for retain_seconds moves to
+    landing_archive/ (state cleared, landing folder gone); a file landing in it afterwards is
+    moved beside it and quarantined as session_closed; a stray name is quarantined once."""
+    lake = str(tmp_path / "lake")
+    land_manifest(lake, small_job, "s1")
+    for name in [*W, "notes.txt"]:
+        (tmp_path / "lake/landing/j1/s1" / name).write_bytes(b"x")
+    names = ["manifest.parquet", *W, "notes.txt"]
+    polls = [[listing(lake, "s1", 0, names)], [listing(lake, "s1", 5, names)], [listing(lake, "s1", 20, names)]]
+    config = AssemblyConfig(timeout_seconds=5.0, retain_seconds=10.0, archive=lake)
+    run_listings(polls, config, assemblies=[("j1", "s1", 1, "complete", WORKERS, (), 0)],
+                 quarantine=[("notes.txt", "landing_layout", "s1")])
+    assert not (tmp_path / "lake/landing/j1").exists()
+    assert sorted(p.name for p in (tmp_path / "lake/landing_archive/j1/s1").iterdir()) == sorted(names)
+
+    (tmp_path / "lake/landing/j1/s1").mkdir(parents=True)
+    (tmp_path / "lake/landing/j1/s1" / W[3]).write_bytes(b"late")
+    run_listings([[listing(lake, "s1", 30, [W[3]])]], config, quarantine=[(W[3], "session_closed", "s1")])
+    late = list((tmp_path / "lake/landing_archive/j1/s1/_late").iterdir())
+    assert [p.read_bytes() for p in late] == [b"late"] and late[0].name.endswith(W[3])
+    assert not (tmp_path / "lake/landing/j1").exists()
+
+
+def test_observe_and_retirable():
+    state, config = SessionState(), AssemblyConfig(timeout_seconds=5.0, retain_seconds=10.0)
+    first = listing("lake", "s", 0, ["a", "b"])
+    assert state.observe(first) == (["lake/landing/j1/s/a", "lake/landing/j1/s/b"], [])
+    assert state.observe(listing("lake", "s", 1, ["a", "b"])) == ([], [])
+    assert state.observe(listing("lake", "s", 2, ["a", "b"], mtime={"b": 3.0})) == ([], ["lake/landing/j1/s/b"])
+    state.apply(worker("s", 2, 0, 0), config)
+    assert not state.retirable(50, config)  # a worker file, never analysed: waits for its timeout
+    state.apply(tick("s", 8), config)  # timeout: analysed at 8
+    assert state.revision == 1
+    assert not state.retirable(17.9, config) and state.retirable(18, config)
+    garbage = SessionState()
+    garbage.observe(listing("lake", "s", 0, ["notes.txt"]))  # only files that were quarantined
+    assert garbage.retirable(10, config) and not garbage.retirable(9, config)
+
+
+def test_list_landing_groups_sessions_and_passes_strays_on(tmp_path):
+    """One poll: files grouped per session folder; temporaries skipped; files outside a session
+    folder or in folders whose names cannot be ids go to 'strays'."""
+    from transforms.landing import _ListLandingFn
+
+    landing = tmp_path / "lake" / "landing"
+    for relative in ["j1/s1/worker-0-0.parquet", "j1/s1/.worker-0-1.parquet.tmp", "j1/s2/manifest.parquet",
+                     "loose.parquet", "j1/s1/deep/worker-0-0.parquet", "_j/s1/worker-0-0.parquet",
+                     "j1/bad session/worker-0-0.parquet"]:
+        (landing / relative).parent.mkdir(parents=True, exist_ok=True)
+        (landing / relative).write_bytes(b"x")
+    fn = _ListLandingFn(str(landing))
+    fn.setup()
+    out = list(fn.process((0, 7.0, False)))
+    sessions = [value for value in out if not isinstance(value, beam.pvalue.TaggedOutput)]
+    strays = sorted(value.value[0][len(str(landing)) + 1:] for value in out if isinstance(value, beam.pvalue.TaggedOutput))
+    assert [(key, [url.rsplit("/", 1)[-1] for url, _ in item.files], item.poll_time) for key, item in sessions] == [
+        ("j1/s1", ["worker-0-0.parquet"], 7.0), ("j1/s2", ["manifest.parquet"], 7.0)]
+    assert strays == ["_j/s1/worker-0-0.parquet", "j1/bad session/worker-0-0.parquet", "j1/s1/deep/worker-0-0.parquet",
+                      "loose.parquet"]
+
+
+def test_strays_are_quarantined_once_under_test_stream():
+    """Every poll lists every stray again: quarantined once, and again only when re-delivered."""
+    from transforms.landing import _QuarantineStrayFn
+
     stream = (
         test_stream.TestStream()
-        .advance_watermark_to(0)
-        .add_elements([manifest("s1", 100), worker("s1", 100, 0, 0), worker("s1", 100, 0, 1),
-                       manifest("s2", 100), worker("s2", 100, 0, 0)])
-        .advance_watermark_to(101)
-        .add_elements([worker("s1", 101, 1, 0), worker("s2", 101, 0, 0, kind="redelivery"),
-                       worker("s2", 101, 0, 1), worker("s2", 101, 0, 1), tick("s1", 101), tick("s2", 101)])
-        .advance_watermark_to(104)
-        .add_elements([tick("s1", 104), tick("s2", 104), worker("s2", 104, 1, 0), worker("s2", 104, 1, 1)])
-        .advance_watermark_to(106)
-        .add_elements([tick("s1", 106), tick("s2", 106)])
-        .advance_watermark_to(110)
-        .add_elements([worker("s1", 110, 1, 1), tick("s1", 110), tick("s2", 110),
-                       worker("s1", 111, 1, 1, kind="redelivery")])
-        .advance_watermark_to_infinity()
-    )
-    options = PipelineOptions(flags=[], streaming=True)
-    with beam.Pipeline(runner=BundleBasedDirectRunner(), options=options) as pipeline:
-        assemblies = (
-            pipeline
-            | stream
-            | "Key" >> beam.Map(lambda event: (event.key, event))
-            | AssembleSessions(AssemblyConfig(timeout_seconds=5.0))
-        )
-        assert_that(assemblies | beam.Map(summary), equal_to([
-            ("j1", "s1", 1, "timeout", ((0, 0), (0, 1), (1, 0)), ((1, 1),), 0),
-            ("j1", "s1", 2, "late", WORKERS, (), 0),
-            ("j1", "s2", 1, "complete", WORKERS, (), 2),
-        ]))
-
-
-def test_landing_dedup_and_parse_under_test_stream():
-    """Every poll lists every file again: only first sightings and re-deliveries (newer
-    modification time) pass; a misplaced file is quarantined once; ticks pass through."""
-    from transforms.landing import _DeduplicateByPathFn, _ReadLandingEventFn
-
-    root = "/lake/landing/j1/s1"
-    listing = lambda poll, files: [(f"{root}/{name}", (mtime, poll)) for name, mtime in files]  # noqa: E731
-    stream = (
-        test_stream.TestStream()
-        .add_elements(listing(1.0, [("worker-0-0.parquet", 0.5), ("notes.txt", 0.5)]))
-        .add_elements(listing(2.0, [("worker-0-0.parquet", 0.5), ("notes.txt", 0.5), ("worker-0-1.parquet", 1.5)]))
-        .add_elements(listing(3.0, [("worker-0-0.parquet", 2.5), ("notes.txt", 0.5), ("worker-0-1.parquet", 1.5)])
-                      + [("\x00tick:j1/s1", tick("s1", 3.0))])
+        .add_elements([("/lake/landing/loose.parquet", (0.5, 1.0)), ("/lake/landing/_j/s/worker-0-0.parquet", (0.5, 1.0))])
+        .add_elements([("/lake/landing/loose.parquet", (0.5, 2.0)), ("/lake/landing/_j/s/worker-0-0.parquet", (0.5, 2.0))])
+        .add_elements([("/lake/landing/loose.parquet", (2.5, 3.0))])
         .advance_watermark_to_infinity()
     )
     with beam.Pipeline(runner=BundleBasedDirectRunner(), options=PipelineOptions(flags=[], streaming=True)) as pipeline:
-        events = (
-            pipeline
-            | stream
-            | beam.ParDo(_DeduplicateByPathFn())
-            | beam.ParDo(_ReadLandingEventFn()).with_outputs("quarantine", main="events")
-        )
-        assert_that(events.events | beam.Map(lambda e: (e.kind, e.dp_rank, e.stage, e.poll_time)), equal_to([
-            ("worker", 0, 0, 1.0), ("worker", 0, 1, 2.0), ("redelivery", 0, 0, 3.0), ("tick", -1, -1, 3.0)]),
-            label="Events")
-        assert_that(events.quarantine | beam.Map(lambda r: (r["source_path"].rsplit("/", 1)[-1], r["reason_code"])),
-                    equal_to([("notes.txt", "landing_layout")]), label="Quarantine")
+        rows = pipeline | stream | beam.ParDo(_QuarantineStrayFn())
+        assert_that(rows | beam.Map(lambda r: (r["source_path"].rsplit("/landing/", 1)[-1], r["reason_code"], r["seen_time"],
+                                               "job id '_j'" in r["detail"] or "expected landing/" in r["detail"])),
+                    equal_to([("loose.parquet", "landing_layout", 1.0, True),
+                              ("_j/s/worker-0-0.parquet", "landing_layout", 1.0, True),
+                              ("loose.parquet", "landing_layout", 3.0, True)]))
+
+
+def test_runner_metrics_merge_is_materialised():
+    """The watcher's fix for the FnApiRunner's per-bundle metrics chain (pipelines/streaming.py):
+    the merge returns a list with the same metrics, and applying it twice wraps once."""
+    from apache_beam.metrics import monitoring_infos
+    from apache_beam.runners.portability.fn_api_runner import fn_runner
+
+    from pipelines.streaming import bound_runner_metrics
+
+    bound_runner_metrics()
+    bound_runner_metrics()
+    merge = fn_runner.consolidate_monitoring_infos
+    assert getattr(merge, "materialised", False)
+    infos = [monitoring_infos.int64_user_counter("ns", "n", 2, ptransform="t"),
+             monitoring_infos.int64_user_counter("ns", "n", 3, ptransform="t")]
+    merged = merge(infos)
+    assert isinstance(merged, list) and merged == list(monitoring_infos.consolidate(infos))
+    assert len(merged) == 1 and monitoring_infos.extract_counter_value(merged[0]) == 5
+
+
+def _assembly(lake, job, session):
+    from transforms.landing import land_generated_session
+    from transforms.sessions import Assembly
+
+    paths = land_generated_session(lake, job, 0, session)
+    workers = {(int(p.rsplit("-", 2)[1]), int(p.rsplit("-", 1)[1].split(".")[0])): p for p in paths[1:]}
+    return Assembly(job.spec.job_id, session, 1, "complete", paths[0], workers, tuple(sorted(workers)), (), 1.0, 2.0, 0)
+
+
+def test_analysis_per_bundle_isolates_a_bug_and_stops_on_storage_failure(tmp_path, small_job, monkeypatch):
+    """Sessions of one bundle are validated together; an unexpected error in one session's analysis
+    becomes that session's 'unexpected' row while the other is analysed; a storage failure
+    (OSError) is not bad data: it propagates and stops the watcher."""
+    from transforms import analyze_sessions as module
+
+    from transforms.synth.job import JobSpec, generate_job
+
+    lake = str(tmp_path / "lake")
+    other = generate_job(JobSpec(job_id="j2", dp=2, pp=2, microbatches=2, steps=2, sessions=1, seed=2))
+    good, bad = _assembly(lake, small_job, "good"), _assembly(lake, other, "bad")
+    real = module.analyze_with_verdict
+
+    def engine(trace, meta, job_id):
+        if job_id == "j2":
+            raise KeyError("a bug")
+        return real(trace, meta, job_id)
+
+    monkeypatch.setattr(module, "analyze_with_verdict", engine)
+    fn = module._AnalyzeSessionFn()
+    fn.setup()
+    fn.start_bundle()
+    for assembly in (good, bad):
+        fn.process(assembly, 0, beam.transforms.window.GlobalWindow())
+    out = list(fn.finish_bundle())
+    tags = [(value.tag, value.value.value) if isinstance(value, beam.pvalue.TaggedOutput) else (None, value.value)
+            for value in out]
+    results = [value for tag, value in tags if tag is None]
+    unexpected = [value for tag, value in tags if tag == "unexpected"]
+    assert [(row["session"], row["status"]) for row in results] == [("good", "analysed")]
+    assert [(row["session"], row["reason_code"]) for row in unexpected] == [("bad", "unexpected_error")]
+    assert "KeyError" in unexpected[0]["detail"]
+
+    def storage_down(trace, meta, job_id):
+        raise ConnectionResetError("injected")
+
+    monkeypatch.setattr(module, "analyze_with_verdict", storage_down)
+    fn.start_bundle()
+    fn.process(good, 0, beam.transforms.window.GlobalWindow())
+    with pytest.raises(ConnectionResetError):
+        list(fn.finish_bundle())

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import traceback
 from typing import Any, Callable
 
 import apache_beam as beam
 import numpy as np
+from apache_beam.utils.windowed_value import WindowedValue
 import pyarrow as pa
 
-from schemas.expectations import MISSING_MANIFEST, MISSING_WORKERS, Problem
+from schemas.expectations import MISSING_MANIFEST, MISSING_WORKERS, JobFiles, Problem
 from schemas.lake import LANDING
 from schemas.tables import QUARANTINE_SCHEMA
 from transforms.lake import LakeJob, LakeReadError, read_job_files, read_manifest
@@ -33,7 +35,7 @@ from transforms.whatif.causes import CauseError
 from transforms.whatif.errors import WhatIfError
 from transforms.whatif.result import JobMeta, WhatIfResult
 
-__all__ = ["AnalyzeSessions", "analyze_session", "analyze_with_verdict", "complete_dp_ranks", "NO_COMPLETE_DP_RANK", "ENGINE_ERROR"]
+__all__ = ["AnalyzeSessions", "analyze_session", "analyze_sessions", "analyze_with_verdict", "complete_dp_ranks", "NO_COMPLETE_DP_RANK", "ENGINE_ERROR"]
 
 NO_COMPLETE_DP_RANK = "no_complete_dp_rank"
 ENGINE_ERROR = "engine_error"
@@ -131,43 +133,77 @@ def _result_fields(result: WhatIfResult, kept: list[int], dp_size: int, pp_size:
     }
 
 
-def analyze_session(
-    assembly: Assembly,
-    validator,
-    engine: Callable[[pa.Table, Any, str], tuple[WhatIfResult, Any]],
-) -> tuple[dict[str, Any], pa.Table]:
-    """One assembled session -> (live result row, quarantine rows).
+@dataclasses.dataclass
+class _Opened:
+    """A session whose manifest was read: waiting for validation with the others of its bundle."""
 
-    validator: a schemas.expectations.Validator; engine: (trace, meta, job_id) ->
-    (WhatIfResult, root-cause Verdict or None), e.g. `analyze_with_verdict`.
-    """
+    assembly: Assembly
+    row: dict[str, Any]
+    job: LakeJob
+    manifest: dict[str, Any]
+    files: list
+
+
+def _open(assembly: Assembly, validator) -> _Opened | tuple[dict[str, Any], pa.Table]:
+    """Read a session's manifest and files; (row, quarantine) at once when there is no usable manifest."""
     row = _base_row(assembly)
     paths = tuple(assembly.worker_paths[w] for w in sorted(assembly.worker_paths))
+    day = time.strftime("%Y-%m-%d", time.gmtime(assembly.first_arrival))
     if not assembly.manifest_path:
         lake = _lake_of(paths[0]) if paths else ""
-        job = LakeJob(lake, time.strftime("%Y-%m-%d", time.gmtime(assembly.first_arrival)), assembly.job_id, paths, None)
         row["error"] = (f"job {assembly.job_id} session {assembly.session}: no manifest.parquet arrived "
                         f"({assembly.reason}); the parallelism (dp, pp) is unknown, so it cannot be analysed")
         folder = paths[0].rsplit("/", 1)[0] if paths else f"{LANDING}/{assembly.job_id}/{assembly.session}"
         problem = Problem(MISSING_MANIFEST, assembly.job_id, folder, row["error"], 0)
-        return row, _quarantine(job, [problem])
+        return row, _quarantine(LakeJob(lake, day, assembly.job_id, paths, None), [problem])
     lake = _lake_of(assembly.manifest_path)
     try:
         manifest = read_manifest(assembly.manifest_path)
     except LakeReadError as error:
-        job = LakeJob(lake, time.strftime("%Y-%m-%d", time.gmtime(assembly.first_arrival)), assembly.job_id, paths,
-                      assembly.manifest_path)
         row["error"] = str(error)
+        job = LakeJob(lake, day, assembly.job_id, paths, assembly.manifest_path)
         return row, _quarantine(job, validator.unreadable(assembly.manifest_path, error, assembly.job_id, manifest=True).problems)
     job = LakeJob(lake, manifest["date"].isoformat(), assembly.job_id, paths, assembly.manifest_path)
+    row.update(dp_size=int(manifest["dp_size"]), pp_size=int(manifest["pp_size"]))
+    return _Opened(assembly, row, job, manifest, read_job_files(job))
+
+
+def analyze_sessions(
+    assemblies: list[Assembly],
+    validator,
+    engine: Callable[[pa.Table, Any, str], tuple[WhatIfResult, Any]],
+) -> list[tuple[dict[str, Any], pa.Table]]:
+    """Assembled sessions -> one (live result row, quarantine rows) each, in order.
+
+    The sessions are validated together (one GX run for their manifests, one screen run for
+    their traces), as the batch validates a window group: GX's cost is per run, not per row,
+    so a watcher that falls behind catches up with bigger bundles. validator: a
+    schemas.expectations.Validator; engine: (trace, meta, job_id) -> (WhatIfResult, root-cause
+    Verdict or None), e.g. `analyze_with_verdict`.
+    """
+    opened = [_open(assembly, validator) for assembly in assemblies]
+    waiting = [item for item in opened if isinstance(item, _Opened)]
+    # The session manifest is not named after the job (the batch layout's rule), so the path
+    # is given only for reporting.
+    manifest_issues = [[dataclasses.replace(p, source_path=item.assembly.manifest_path) for p in issues]
+                       for item, issues in zip(waiting, validator.validate_manifests([(None, w.manifest) for w in waiting]))]
+    reports = validator.validate_jobs([
+        JobFiles(item.assembly.job_id, None if issues else item.manifest, tuple(item.files),
+                 item.assembly.manifest_path, tuple(issues))
+        for item, issues in zip(waiting, manifest_issues)])
+    finished = {id(item): _analyse(item, report, engine) for item, report in zip(waiting, reports)}
+    return [finished[id(item)] if isinstance(item, _Opened) else item for item in opened]
+
+
+def analyze_session(assembly: Assembly, validator, engine) -> tuple[dict[str, Any], pa.Table]:
+    """One assembled session -> (live result row, quarantine rows); see `analyze_sessions`."""
+    return analyze_sessions([assembly], validator, engine)[0]
+
+
+def _analyse(item: _Opened, report, engine) -> tuple[dict[str, Any], pa.Table]:
+    """A validated session -> its row: analysed on its complete DP ranks, or failed with the reason."""
+    assembly, row, job, manifest = item.assembly, item.row, item.job, item.manifest
     dp_size, pp_size = int(manifest["dp_size"]), int(manifest["pp_size"])
-    row.update(dp_size=dp_size, pp_size=pp_size)
-    # The session manifest is not named after the job (the batch layout's rule), so the
-    # path is given only for reporting.
-    manifest_issues = [dataclasses.replace(p, source_path=assembly.manifest_path)
-                       for p in validator.validate_manifest(manifest, None)]
-    report = validator.validate_job(assembly.job_id, None if manifest_issues else manifest, read_job_files(job),
-                                    manifest_path=assembly.manifest_path, manifest_issues=manifest_issues)
     # Missing workers are expected in an incomplete session: reported in the row, analysed around.
     problems = [p for p in report.problems if p.reason != MISSING_WORKERS]
     quarantine = _quarantine(job, problems, report.invalid)
@@ -221,32 +257,68 @@ def analyze_with_verdict(trace: pa.Table, meta, job_id: str):
 
 
 class _AnalyzeSessionFn(beam.DoFn):
-    """Assembly -> live row; quarantine rows (dicts with seen_time) on 'quarantine'."""
+    """Assemblies -> live rows, analysed per bundle (`analyze_sessions`); quarantine rows (dicts
+    with seen_time) on 'quarantine'; a session whose analysis raised a bug's exception -> one
+    row on 'unexpected' (the watcher goes on). Storage failures (OSError, after the IO layer's
+    retries) are not bad data: they stop the watcher loud, and its sessions are still in the
+    landing area when it restarts."""
 
     def setup(self):
         from schemas.expectations import Validator
 
         self._validator = Validator()
 
-    def process(self, assembly: Assembly):
-        row, quarantine = analyze_session(assembly, self._validator, analyze_with_verdict)
-        row["analysed"] = time.time()
-        beam.metrics.Metrics.counter("strag.sessions", row["status"]).inc()
-        for record in quarantine.to_pylist():
-            record["seen_time"] = assembly.assembled
-            record["session"] = assembly.session
-            yield beam.pvalue.TaggedOutput("quarantine", record)
-        yield row
+    def start_bundle(self):
+        self._pending: list[tuple[Assembly, Any, Any]] = []
+
+    def process(self, assembly: Assembly, timestamp=beam.DoFn.TimestampParam, window=beam.DoFn.WindowParam):
+        self._pending.append((assembly, timestamp, window))
+
+    def finish_bundle(self):
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        assemblies = [assembly for assembly, _, _ in pending]
+        try:
+            outcomes = [_tagged(assembly, *result) for assembly, result in
+                        zip(assemblies, analyze_sessions(assemblies, self._validator, analyze_with_verdict))]
+        except OSError:
+            raise
+        except Exception:  # a bug in one session must not stop the others: analyse them one by one
+            outcomes = [self._alone(assembly) for assembly in assemblies]
+        for (assembly, timestamp, window), outcome in zip(pending, outcomes):
+            for tag, value in outcome:
+                out = WindowedValue(value, timestamp, [window])
+                yield out if tag is None else beam.pvalue.TaggedOutput(tag, out)
+
+    def _alone(self, assembly: Assembly) -> list[tuple[str | None, dict]]:
+        try:
+            return _tagged(assembly, *analyze_session(assembly, self._validator, analyze_with_verdict))
+        except OSError:
+            raise
+        except Exception as error:
+            return [("unexpected", _unexpected_record(assembly, error))]
 
 
-def _unexpected_records(dead_letter) -> list[dict]:
-    """A dead letter of with_exception_handling() -> one job-level quarantine row (a bug or a storage failure)."""
-    assembly, (error_type, error, trace_text) = dead_letter
-    detail = f"session {assembly.session} r{assembly.revision}: {error_type.__name__}: {error}; {trace_text[-600:]}"
+def _tagged(assembly: Assembly, row: dict[str, Any], quarantine: pa.Table) -> list[tuple[str | None, dict]]:
+    """(output tag, value) pairs of one analysed session: its quarantine rows, then its live row."""
+    row["analysed"] = time.time()
+    beam.metrics.Metrics.counter("strag.sessions", row["status"]).inc()
+    records = quarantine.to_pylist()
+    for record in records:
+        record["seen_time"] = assembly.assembled
+        record["session"] = assembly.session
+    return [*(("quarantine", record) for record in records), (None, row)]
+
+
+def _unexpected_record(assembly: Assembly, error: BaseException) -> dict:
+    """One job-level quarantine row for a session whose analysis raised an unexpected error."""
+    trace_text = "".join(traceback.format_exception(error))
+    detail = f"session {assembly.session} r{assembly.revision}: {type(error).__name__}: {error}; {trace_text[-600:]}"
     folder = assembly.manifest_path.rsplit("/", 1)[0] if assembly.manifest_path else ""
     record = _job_record(assembly.job_id, folder, UNEXPECTED_ERROR, detail, 0).to_pylist()[0]
     record.update(seen_time=assembly.assembled, session=assembly.session)
-    return [record]
+    return record
 
 
 class AnalyzeSessions(beam.PTransform):
@@ -255,7 +327,6 @@ class AnalyzeSessions(beam.PTransform):
     raised an unexpected error (the watcher goes on)}."""
 
     def expand(self, assemblies):
-        analysed = assemblies | "AnalyzeSession" >> beam.ParDo(_AnalyzeSessionFn()).with_outputs(
-            "quarantine", main="results").with_exception_handling(main_tag="results", dead_letter_tag="errors")
-        unexpected = analysed.errors | "QuarantineUnexpected" >> beam.FlatMap(_unexpected_records)
-        return {"results": analysed.results, "quarantine": analysed.quarantine, "unexpected": unexpected}
+        analysed = assemblies | "AnalyzeSession" >> beam.ParDo(_AnalyzeSessionFn()).with_output_types(
+            dict, quarantine=dict, unexpected=dict).with_outputs("quarantine", "unexpected", main="results")
+        return {"results": analysed.results, "quarantine": analysed.quarantine, "unexpected": analysed.unexpected}

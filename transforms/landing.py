@@ -11,13 +11,19 @@ starting with ``.`` or ``_`` are never read. The manifest sits in the session fo
 (not under ``manifests/date=...``) so that a session is self-contained: the watcher
 needs no date to find it, and the manifest's own ``date`` names the partition.
 
-`WatchLanding` turns the landing area into a stream of `LandingEvent`s keyed by
-``"{job_id}/{session}"``: one event per newly seen file (first sighting of a path;
-a re-delivery of the same path with a new modification time is passed on as a
-``redelivery`` so it can be counted, never analysed twice), plus one ``tick`` per
-session folder per poll that carries the poll time. The ticks are the clock of the
-session timeout downstream: they make the timeout independent of the runner's
-timer and watermark support (see ARCHITECTURE.md, streaming).
+`WatchLanding` turns each poll of the landing area into one `SessionListing` per
+session folder, keyed by ``"{job_id}/{session}"``: the folder's files with their
+modification times and the poll time. The listings are the clock of the session
+timeout downstream (transforms/sessions.py), which makes the timeout independent of
+the runner's timer and watermark support (see ARCHITECTURE.md, streaming). Files that
+are not in a session folder are quarantined once each (`landing_layout`).
+
+History does not accumulate: once a session has been analysed and nothing has
+changed for the retention period, its files move to
+``{lake}/landing_archive/{job_id}/{session}/`` (`LandingArchive`) and its state is
+dropped, so a poll lists only the sessions still in play. A file that lands in a
+session already archived is set aside beside it (``_late/``) and quarantined
+(`session_closed`).
 
 Plain helpers here also land a generated job as per-worker session files
 (`land_session`), for tests, the benchmark and demos.
@@ -27,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import re
 import time
 import typing
@@ -42,17 +49,20 @@ from apache_beam.metrics import Metrics
 from apache_beam.transforms.userstate import ReadModifyWriteStateSpec
 from apache_beam.utils.timestamp import Timestamp
 
-from schemas.lake import LANDING, landing_dir
-from transforms.lake import LakeReadError, manifest_table, read_manifest, write_parquet
+from schemas.lake import LANDING, LANDING_ARCHIVE, landing_dir, safe_job_id
+from transforms.lake import manifest_table, write_parquet
 
 __all__ = [
     "LANDING_MANIFEST",
     "LANDING_LAYOUT",
     "LandingEvent",
+    "SessionListing",
+    "LandingArchive",
     "LandingPathError",
     "WatchConfig",
     "WatchLanding",
     "parse_landing_path",
+    "parse_landing_name",
     "landing_worker_path",
     "landing_manifest_path",
     "expected_workers",
@@ -66,7 +76,8 @@ _LOG = logging.getLogger(__name__)
 
 LANDING_MANIFEST = "manifest.parquet"
 LANDING_LAYOUT = "landing_layout"  # quarantine reason code of a misplaced landing file
-_TICK_KEY = "\x00tick:"  # cannot start a path
+SESSION_CLOSED = "session_closed"  # quarantine reason code of a file landing in an archived session
+LATE_FOLDER = "_late"  # beside an archived session: files that landed after it was archived
 _WORKER_FILE = re.compile(r"^worker-(\d+)-(\d+)\.parquet$")
 
 
@@ -76,7 +87,8 @@ class LandingPathError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class LandingEvent:
-    """One thing that happened in the landing area, as seen by one poll.
+    """One thing that happened to a session, as seen by one poll (the input of
+    transforms.sessions.SessionState, derived from the poll's SessionListing).
 
     kind: ``worker`` (a worker file, first sighting), ``manifest`` (the session
     manifest, with `workers` = the (dp_rank, stage) pairs it expects),
@@ -105,6 +117,22 @@ def session_key(job_id: str, session: str) -> str:
     return f"{job_id}/{session}"
 
 
+@dataclasses.dataclass(frozen=True)
+class SessionListing:
+    """One poll's view of one session folder: its files as ((url, modification time), ...)
+    sorted by url, the poll time (epoch seconds) and whether this is the watcher's last poll."""
+
+    job_id: str
+    session: str
+    poll_time: float
+    files: tuple[tuple[str, float], ...] = ()
+    final: bool = False
+
+    @property
+    def key(self) -> str:
+        return session_key(self.job_id, self.session)
+
+
 def landing_worker_path(lake: str, job_id: str, session: str | int, dp_rank: int, stage: int) -> str:
     """Where worker (dp_rank, stage) of a session lands."""
     return f"{landing_dir(lake, job_id, session)}/worker-{int(dp_rank)}-{int(stage)}.parquet"
@@ -131,15 +159,19 @@ def parse_landing_path(path: str) -> tuple[str, str, str, int, int]:
             f"{path}: expected {LANDING}/JOB_ID/SESSION/worker-DP-STAGE.parquet or .../{LANDING_MANIFEST}"
         )
     job_id, session, name = rest
+    return (job_id, session, *parse_landing_name(name, f"{path}: job {job_id} session {session}"))
+
+
+def parse_landing_name(name: str, where: str) -> tuple[str, int, int]:
+    """A file name in a session folder -> ('worker', dp, stage) or ('manifest', -1, -1).
+
+    where: how to name the file in the LandingPathError raised for any other name."""
     if name == LANDING_MANIFEST:
-        return job_id, session, "manifest", -1, -1
+        return "manifest", -1, -1
     match = _WORKER_FILE.match(name)
     if not match:
-        raise LandingPathError(
-            f"{path}: job {job_id} session {session}: file name {name!r} is neither "
-            f"worker-DP-STAGE.parquet nor {LANDING_MANIFEST}"
-        )
-    return job_id, session, "worker", int(match.group(1)), int(match.group(2))
+        raise LandingPathError(f"{where}: file name {name!r} is neither worker-DP-STAGE.parquet nor {LANDING_MANIFEST}")
+    return "worker", int(match.group(1)), int(match.group(2))
 
 
 def expected_workers(row: dict) -> tuple[tuple[int, int], ...]:
@@ -228,7 +260,8 @@ class WatchConfig:
     default evaluated at import time would be stale). stop_time: wall-clock
     seconds after which the watcher makes one final poll and ends (None: never).
     stop_after_sessions / out: end once the live table under output URL `out` holds
-    results for this many sessions (None: never).
+    results for this many sessions (None: never). status_every: print a status line
+    every this many polls (0: never).
     """
 
     lake: str
@@ -237,6 +270,7 @@ class WatchConfig:
     stop_time: float | None = None
     stop_after_sessions: int | None = None
     out: str | None = None
+    status_every: int = 0
 
     def __post_init__(self):
         if not self.lake:
@@ -284,7 +318,7 @@ class _PollRestrictionProvider(beam.transforms.core.RestrictionProvider):
 
 
 class _PollClockFn(beam.DoFn):
-    """Emits (poll_time, final) at `interval_seconds` from `start_time`, timestamped
+    """Emits (poll index, poll_time, final) at `interval_seconds` from `start_time`, timestamped
     with the poll time, until the config's stop condition holds; the last poll has
     final=True. Between polls it defers its remainder (runners that honour the resume
     time wait without a thread), after waiting out at most one interval itself."""
@@ -295,7 +329,7 @@ class _PollClockFn(beam.DoFn):
         config: WatchConfig,
         tracker=beam.DoFn.RestrictionParam(_PollRestrictionProvider()),
         watermark=beam.DoFn.WatermarkEstimatorParam(ManualWatermarkEstimator.default_provider()),
-    ) -> Iterator[tuple[float, bool]]:
+    ) -> Iterator[tuple[int, float, bool]]:
         # One poll per bundle, so its files go downstream at once; a poll that fell behind
         # (a slow poll) runs immediately on re-entry.
         index = tracker.current_restriction().start
@@ -316,7 +350,7 @@ class _PollClockFn(beam.DoFn):
             return
         final = config.should_stop(now)
         _advance(watermark, Timestamp.of(now))
-        yield beam.window.TimestampedValue((now, final), now)
+        yield beam.window.TimestampedValue((index, now, final), now)
         if final:
             # Claiming past the end marks the restriction done: the source ends.
             tracker.try_claim(tracker.current_restriction().stop)
@@ -332,42 +366,65 @@ def _advance(watermark: ManualWatermarkEstimator, to: Timestamp) -> None:
 
 
 class _ListLandingFn(beam.DoFn):
-    """One poll: every landing file as (path, (modification time, poll time)), and one
-    (tick key, tick LandingEvent) per session folder."""
+    """One poll: a (session key, SessionListing) per session folder on the main output, and
+    (path, (modification time, poll time)) on 'strays' for files outside any session folder.
 
-    def __init__(self, landing: str):
+    Every `status_every` polls it prints one status line (poll number, sessions and files
+    listed, listing time, process RSS): what an on-call engineer checks to see that the
+    watcher keeps up, and what benchmarks/bench_watch_soak.py reads."""
+
+    def __init__(self, landing: str, status_every: int = 0):
         self._landing = landing
+        self._status_every = status_every
 
     def setup(self):
         self._fs, self._root = fsspec.core.url_to_fs(self._landing)
         self._protocol = self._landing.split("://", 1)[0] + "://" if "://" in self._landing else ""
 
-    def process(self, poll: tuple[float, bool]):
-        poll_time, final = poll
+    def process(self, poll: tuple[int, float, bool]):
+        index, poll_time, final = poll
+        started = time.perf_counter()
         self._fs.invalidate_cache()
         try:
             found = self._fs.find(self._root, detail=True)
         except FileNotFoundError:
             found = {}
-        sessions = set()
+        listed = time.perf_counter() - started
+        sessions: dict[tuple[str, str], list[tuple[str, float]]] = {}
         root = self._root.rstrip("/")
         for path, info in found.items():
             relative = path[len(root):].lstrip("/").split("/")
             if relative[-1].startswith((".", "_")):
                 continue  # in-flight temporaries and markers
             url = self._protocol + path if self._protocol and not path.startswith(self._protocol) else path
-            if len(relative) == 3:
-                sessions.add((relative[0], relative[1]))
-            yield url, (_modification_time(info), poll_time)
-        # Ticks share the files' path (and key space) so that one PCollection reaches
-        # the assembly: a Flatten of two inputs there held bundles back on the
-        # FnApiRunner until the source ended.
-        for job_id, session in sorted(sessions):
-            tick = LandingEvent("tick", job_id, session, poll_time, final=final)
-            yield f"{_TICK_KEY}{tick.key}", tick
-        if final and not sessions:
-            # Nothing to flush; still tell downstream the watcher is ending.
-            _LOG.info("landing watcher: final poll, no sessions in %s", self._landing)
+            if len(relative) == 3 and _safe_ids(relative[0], relative[1]):
+                sessions.setdefault((relative[0], relative[1]), []).append((url, _modification_time(info)))
+            else:
+                yield beam.pvalue.TaggedOutput("strays", (url, (_modification_time(info), poll_time)))
+        for (job_id, session), files in sorted(sessions.items()):
+            listing = SessionListing(job_id, session, poll_time, tuple(sorted(files)), final)
+            yield listing.key, listing
+        if self._status_every and ((index + 1) % self._status_every == 0 or final):
+            print(f"strag watch: poll {index + 1}: {len(sessions)} session(s) in play, {len(found)} file(s) listed "
+                  f"in {listed * 1e3:.1f} ms, RSS {_rss_mib():.0f} MiB", flush=True)
+
+
+def _safe_ids(job_id: str, session: str) -> bool:
+    try:
+        safe_job_id(job_id)
+        safe_job_id(session, "session")
+    except ValueError:
+        return False
+    return True
+
+
+def _rss_mib() -> float:
+    """Resident memory of this process in MiB (Linux /proc; nan elsewhere)."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return math.nan
 
 
 def _modification_time(info: dict) -> float:
@@ -379,74 +436,43 @@ def _modification_time(info: dict) -> float:
     return math.nan
 
 
-class _DeduplicateByPathFn(beam.DoFn):
-    """Keyed by path: passes the first sighting, and a re-delivery (same path, newer
-    modification time) as such; drops the repeats every poll makes of a known file."""
+class _QuarantineStrayFn(beam.DoFn):
+    """Keyed by path, for files outside any session folder: quarantines each once (and again
+    only when it is re-delivered with a newer modification time), not on every poll."""
 
     SEEN = ReadModifyWriteStateSpec("modification_time", beam.coders.FloatCoder())
 
     def __init__(self):
-        self._relisted = Metrics.counter("landing", "relisted_files")
-        self._redelivered = Metrics.counter("landing", "redelivered_files")
-        self._new = Metrics.counter("landing", "new_files")
-
-    def process(self, element, seen=beam.DoFn.StateParam(SEEN)):
-        path, value = element
-        if isinstance(value, LandingEvent):
-            yield value  # a tick: no state
-            return
-        modified, poll_time = value
-        before = seen.read()
-        if before is None:
-            seen.write(modified)
-            self._new.inc()
-            yield path, poll_time, False
-        elif modified > before:
-            seen.write(modified)
-            self._redelivered.inc()
-            yield path, poll_time, True
-        else:
-            self._relisted.inc()
-
-
-class _ReadLandingEventFn(beam.DoFn):
-    """(path, poll_time, redelivered) -> LandingEvent; bad paths and unreadable
-    manifests go to the 'quarantine' output as {path, job_id, reason}."""
-
-    def __init__(self):
         self._quarantined = Metrics.counter("landing", "quarantined_files")
 
-    def process(self, element):
-        if isinstance(element, LandingEvent):
-            yield element  # a tick
+    def process(self, element, seen=beam.DoFn.StateParam(SEEN)):
+        path, (modified, poll_time) = element
+        before = seen.read()
+        if before is not None and not modified > before:
             return
-        path, poll_time, redelivered = element
-        try:
-            job_id, session, kind, dp_rank, stage = parse_landing_path(path)
-        except LandingPathError as error:
-            self._quarantined.inc()
-            yield beam.pvalue.TaggedOutput("quarantine", _quarantine_row(path, None, "", LANDING_LAYOUT, str(error), poll_time))
-            return
-        if redelivered:
-            yield LandingEvent("redelivery", job_id, session, poll_time, path, dp_rank, stage)
-            return
-        if kind == "worker":
-            yield LandingEvent("worker", job_id, session, poll_time, path, dp_rank, stage)
-            return
-        try:
-            workers = expected_workers(read_manifest(path))
-        except LakeReadError as error:
-            self._quarantined.inc()
-            yield beam.pvalue.TaggedOutput(
-                "quarantine", _quarantine_row(path, job_id, session, error.reason,
-                                              f"job {job_id} session {session}: {error}", poll_time))
-            return
-        yield LandingEvent("manifest", job_id, session, poll_time, path, workers=workers)
+        seen.write(modified)
+        self._quarantined.inc()
+        yield quarantine_row(path, None, "", LANDING_LAYOUT, _stray_detail(path), poll_time)
 
 
-def _quarantine_row(path: str, job_id: str | None, session: str, reason_code: str, detail: str, poll_time: float) -> dict:
+def _stray_detail(path: str) -> str:
+    """Why a file of the landing area is outside every session folder."""
+    try:
+        job_id, session, *_ = parse_landing_path(path)
+        safe_job_id(job_id)
+        safe_job_id(session, "session")
+    except LandingPathError as error:
+        return str(error)
+    except ValueError as error:  # an id that cannot name a session
+        return f"{path}: {error}"
+    return f"{path}: not in a session folder under {LANDING}/"
+
+
+def quarantine_row(path: str, job_id: str | None, session: str, reason_code: str, detail: str, poll_time: float) -> dict:
     """A QUARANTINE_SCHEMA row (file level) plus the session and the poll time that saw it."""
     reasons = {LANDING_LAYOUT: "the file does not follow the landing layout; rename or remove it",
+               SESSION_CLOSED: "the file landed after its session was analysed and archived; its result stands "
+                               "without it: land the session again under a new name, or raise --retain",
                "unreadable_manifest": "the session manifest cannot be read; re-upload it",
                "invalid_manifest": "the session manifest breaks the manifest contract; fix the writer"}
     return {"job_id": job_id, "session": session, "source_path": path, "level": "file", "reason_code": reason_code,
@@ -454,26 +480,92 @@ def _quarantine_row(path: str, job_id: str | None, session: str, reason_code: st
             "seen_time": poll_time}
 
 
+class LandingArchive:
+    """Where sessions go once they are done: {lake}/landing_archive/{job_id}/{session}/.
+
+    Moving them out of the landing area keeps each poll's listing as small as the sessions
+    still in play, however long the watcher runs. Moves go through fsspec (a rename on a
+    local disk, copy + delete on object storage); a failure raises OSError and the caller
+    keeps the session to try again at the next poll."""
+
+    def __init__(self, lake: str):
+        self.lake = lake.rstrip("/")
+        self._fs = None
+
+    def _filesystem(self):
+        if self._fs is None:
+            self._fs, root = fsspec.core.url_to_fs(self.lake)
+            self._landing = f"{root.rstrip('/')}/{LANDING}"
+            self._archive = f"{root.rstrip('/')}/{LANDING_ARCHIVE}"
+        return self._fs
+
+    def __getstate__(self):  # a filesystem handle does not travel to workers
+        return {"lake": self.lake, "_fs": None}
+
+    def session_dir(self, job_id: str, session: str) -> str:
+        self._filesystem()
+        return f"{self._archive}/{job_id}/{session}"
+
+    def holds(self, job_id: str, session: str) -> bool:
+        """True when this session was archived earlier."""
+        return self._filesystem().exists(self.session_dir(job_id, session))
+
+    def retire(self, job_id: str, session: str, urls: Iterable[str]) -> None:
+        """Move a session's files (manifest last) into the archive; drop its empty folders."""
+        fs = self._filesystem()
+        target = self.session_dir(job_id, session)
+        for url in sorted(urls, key=lambda url: url.endswith(f"/{LANDING_MANIFEST}")):
+            self._move(url, f"{target}/{url.rsplit('/', 1)[-1]}")
+        self._drop_empty(f"{self._landing}/{job_id}/{session}")
+        self._drop_empty(f"{self._landing}/{job_id}")
+        _LOG.debug("archived job %s session %s into %s", job_id, session, target)
+
+    def set_aside(self, job_id: str, session: str, urls: Iterable[str], poll_time: float) -> list[str]:
+        """Move files that landed in an archived session beside it (_late/, named by poll time);
+        returns where each went."""
+        moved = []
+        stamp = f"{int(poll_time * 1000)}"
+        for url in sorted(urls):
+            target = f"{self.session_dir(job_id, session)}/{LATE_FOLDER}/{stamp}-{url.rsplit('/', 1)[-1]}"
+            self._move(url, target)
+            moved.append(target)
+        self._drop_empty(f"{self._landing}/{job_id}/{session}")
+        self._drop_empty(f"{self._landing}/{job_id}")
+        return moved
+
+    def _move(self, url: str, target: str) -> None:
+        fs = self._filesystem()
+        _, source = fsspec.core.url_to_fs(url)
+        fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+        fs.mv(source, target)
+
+    def _drop_empty(self, folder: str) -> None:
+        """Remove a folder left empty (local disks; object stores have no folders)."""
+        fs = self._filesystem()
+        try:
+            if fs.isdir(folder) and not fs.ls(folder):
+                fs.rmdir(folder)
+        except OSError:
+            pass  # a file landed meanwhile: the folder stays, the next poll sees the file
+
+
 class WatchLanding(beam.PTransform):
-    """PBegin -> {'events': (session key, LandingEvent) for every new landing file and a
-    tick per session per poll, 'quarantine': QUARANTINE_SCHEMA dicts (+ session,
-    seen_time) for files that break the landing layout or unreadable manifests}."""
+    """PBegin -> {'sessions': (session key, SessionListing) per session folder per poll,
+    'quarantine': QUARANTINE_SCHEMA dicts (+ session, seen_time) for files outside any
+    session folder, once each}."""
 
     def __init__(self, config: WatchConfig):
         super().__init__()
         self._config = config
 
     def expand(self, pbegin):
-        polls = (
+        listed = (
             pbegin
             | "Start" >> beam.Create([self._config])
             | "PollEvery" >> beam.ParDo(_PollClockFn())
+            | "ListLanding" >> beam.ParDo(_ListLandingFn(self._config.landing, self._config.status_every))
+            .with_output_types(tuple[str, SessionListing], strays=tuple[str, typing.Any])
+            .with_outputs("strays", main="sessions")
         )
-        events = (
-            polls
-            | "ListLanding" >> beam.ParDo(_ListLandingFn(self._config.landing))
-            | "DeduplicateByPath" >> beam.ParDo(_DeduplicateByPathFn()).with_input_types(tuple[str, typing.Any])
-            | "ReadLandingEvent" >> beam.ParDo(_ReadLandingEventFn()).with_outputs("quarantine", main="events")
-        )
-        keyed = events.events | "KeyBySession" >> beam.Map(lambda event: (event.key, event))
-        return {"events": keyed, "quarantine": events.quarantine}
+        quarantine = listed.strays | "QuarantineStrays" >> beam.ParDo(_QuarantineStrayFn())
+        return {"sessions": listed.sessions, "quarantine": quarantine}

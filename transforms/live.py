@@ -27,6 +27,7 @@ from apache_beam.coders import PickleCoder
 from apache_beam.metrics import Metrics
 from apache_beam.transforms.userstate import ReadModifyWriteStateSpec
 
+from schemas.lake import LANDING
 from schemas.live import ALERT_SCHEMA, ALERTS, LIVE_QUARANTINE, LIVE_RESULT_SCHEMA, LIVE_RESULTS
 from schemas.tables import QUARANTINE_SCHEMA
 from transforms.lake import write_parquet
@@ -158,7 +159,7 @@ def quarantine_path(out: str, records: list[dict]) -> str:
     key = "\n".join("|".join(str(record.get(name)) for name in ("job_id", "session", "source_path", "reason_code", "detail"))
                     for record in records)
     return (f"{out.rstrip('/')}/{LIVE_QUARANTINE}/date={_date_of(first.get('seen_time') or 0.0)}/"
-            f"{name_part(first.get('job_id'))}--{name_part(first.get('session'))}--"
+            f"{name_part(first.get('job_id') or LANDING)}--{name_part(first.get('session'))}--"
             f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.parquet")
 
 
@@ -264,8 +265,8 @@ class EmitLiveResults(beam.PTransform):
     def expand(self, results):
         return (
             results
-            | "WriteLiveResult" >> beam.ParDo(_WriteLiveResultFn(self._config.out))
-            | "DetectAlerts" >> beam.ParDo(_DetectAlertsFn(self._config)).with_input_types(tuple[str, dict])
+            | "WriteLiveResult" >> beam.ParDo(_WriteLiveResultFn(self._config.out)).with_output_types(tuple[str, dict])
+            | "DetectAlerts" >> beam.ParDo(_DetectAlertsFn(self._config))
         )
 
 
@@ -289,8 +290,9 @@ class _WriteQuarantineFn(beam.DoFn):
             write_parquet(quarantine_path(self._out, records), rows_table(records, QUARANTINE_SCHEMA))
             codes = sorted({str(record.get("reason_code")) for record in records})
             first = records[0]
-            _LOG.warning("QUARANTINE job %s session %s: %d row(s) (%s), e.g. %s (%s)", job_id, session, len(records),
-                         ", ".join(codes), first.get("detail") or first.get("reason"), first.get("source_path"))
+            subject = f"job {job_id} session {session}" if job_id else "landing area"
+            _LOG.warning("QUARANTINE %s: %d row(s) (%s), e.g. %s", subject, len(records), ", ".join(codes),
+                         first.get("detail") or first.get("reason"))
         self._pending = {}
 
 

@@ -9,19 +9,29 @@ delivery of a worker never adds it twice; it is only counted.
 
 The state machine is plain Python (`SessionState.apply`), tested without a
 pipeline; `AssembleSessions` keeps one `SessionState` per session key in Beam
-state. The clock is the poll time carried by the events (ticks), so the timeout
-behaves the same on every runner and under TestStream.
+state, fed one `SessionListing` per poll: files not seen before (or re-delivered
+with a newer modification time) become events, and the poll itself is the tick.
+The clock is the poll time carried by the listings, so the timeout behaves the
+same on every runner and under TestStream.
+
+State is bounded: a session that was analysed and has not changed for
+`retain_seconds` of poll time is retired: its files move to the landing archive
+(transforms.landing.LandingArchive) and its state is cleared, so neither the state
+nor the next listing grows with the watcher's history.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import apache_beam as beam
 from apache_beam.coders import PickleCoder
 from apache_beam.metrics import Metrics
 from apache_beam.transforms.userstate import ReadModifyWriteStateSpec
 
-from transforms.landing import LandingEvent
+from transforms.lake import LakeReadError, read_manifest
+from transforms.landing import (LANDING_LAYOUT, SESSION_CLOSED, LandingArchive, LandingEvent, LandingPathError,
+                                SessionListing, expected_workers, parse_landing_name, quarantine_row)
 
 __all__ = [
     "REASON_COMPLETE",
@@ -39,16 +49,26 @@ REASON_TIMEOUT = "timeout"        # timeout passed first: analysed with what arr
 REASON_LATE = "late"              # a file arrived after an earlier revision: corrected result
 REASON_STOPPED = "watcher-stopped"  # the watcher ended before the session completed
 
+_LOG = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(frozen=True)
 class AssemblyConfig:
-    """timeout_seconds: poll-time seconds from a session's first file to analysing it incomplete."""
+    """timeout_seconds: poll-time seconds from a session's first file to analysing it incomplete.
+
+    retain_seconds: poll-time seconds a session stays after its last analysis and its last
+    new file before it is retired into the archive of lake `archive` (None: sessions are never
+    retired, for pipelines fed listings of no real lake)."""
 
     timeout_seconds: float = 30.0
+    retain_seconds: float = 600.0
+    archive: str | None = None
 
     def __post_init__(self):
         if not (self.timeout_seconds > 0):
             raise ValueError(f"AssemblyConfig.timeout_seconds must be > 0, got {self.timeout_seconds!r}")
+        if not (self.retain_seconds > 0):
+            raise ValueError(f"AssemblyConfig.retain_seconds must be > 0, got {self.retain_seconds!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +113,29 @@ class SessionState:
     revision: int = 0
     duplicate_deliveries: int = 0
     changed_since_assembly: bool = False
+    seen: dict = dataclasses.field(default_factory=dict)  # url -> modification time of every file listed
+    last_activity: float | None = None  # poll time of the last new file, re-delivery or assembly
+
+    def observe(self, listing: SessionListing) -> tuple[list[str], list[str]]:
+        """Record one poll's files: (urls never seen, urls re-delivered with a newer modification time)."""
+        new, redelivered = [], []
+        for url, modified in listing.files:
+            before = self.seen.get(url)
+            if before is None:
+                new.append(url)
+            elif modified > before:
+                redelivered.append(url)
+            else:
+                continue
+            self.seen[url] = modified
+            self.last_activity = listing.poll_time
+        return new, redelivered
+
+    def retirable(self, now: float, config: AssemblyConfig) -> bool:
+        """Done (analysed, or holding only files that were quarantined) and nothing new for
+        retain_seconds: the session can leave the landing area and the state."""
+        done = self.revision > 0 or self.first_arrival is None
+        return done and self.last_activity is not None and now - self.last_activity >= config.retain_seconds
 
     def apply(self, event: LandingEvent, config: AssemblyConfig) -> list[Assembly]:
         """Update with one event; return the assemblies it triggers (zero or one)."""
@@ -138,6 +181,7 @@ class SessionState:
     def _assemble(self, reason: str, now: float) -> Assembly:
         self.revision += 1
         self.changed_since_assembly = False
+        self.last_activity = now
         missing = tuple(worker for worker in self.expected if worker not in self.worker_paths)
         return Assembly(
             job_id=self.job_id,
@@ -155,34 +199,98 @@ class SessionState:
 
 
 class _AssembleSessionFn(beam.DoFn):
+    """(session key, SessionListing) -> Assembly; quarantine rows (dicts) on 'quarantine'."""
+
     STATE = ReadModifyWriteStateSpec("session", PickleCoder())
 
     def __init__(self, config: AssemblyConfig):
         self._config = config
-        self._counters = {}
 
     def setup(self):
-        for reason in (REASON_COMPLETE, REASON_TIMEOUT, REASON_LATE, REASON_STOPPED):
-            self._counters[reason] = Metrics.counter("sessions", f"assembled_{reason}")
+        self._counters = {reason: Metrics.counter("sessions", f"assembled_{reason}")
+                          for reason in (REASON_COMPLETE, REASON_TIMEOUT, REASON_LATE, REASON_STOPPED)}
+        self._retired = Metrics.counter("sessions", "retired")
+        self._archive = LandingArchive(self._config.archive) if self._config.archive else None
 
     def process(self, element, state=beam.DoFn.StateParam(STATE)):
-        _, event = element
-        session = state.read() or SessionState()
-        assemblies = session.apply(event, self._config)
-        if event.kind != "tick" or assemblies:
+        _, listing = element
+        session = state.read()
+        if session is None:
+            if self._archive is not None and self._archive.holds(listing.job_id, listing.session):
+                yield from self._set_aside(listing)
+                return
+            session = SessionState()
+        new, redelivered = session.observe(listing)
+        assemblies = []
+        for url in redelivered:
+            assemblies += session.apply(LandingEvent("redelivery", listing.job_id, listing.session, listing.poll_time, url),
+                                        self._config)
+        for url in new:
+            event = _file_event(listing, url)
+            if isinstance(event, dict):
+                yield beam.pvalue.TaggedOutput("quarantine", event)
+                continue
+            assemblies += session.apply(event, self._config)
+        assemblies += session.apply(LandingEvent("tick", listing.job_id, listing.session, listing.poll_time,
+                                                 final=listing.final), self._config)
+        if self._archive is not None and not listing.final and session.retirable(listing.poll_time, self._config):
+            self._retire(session, listing, state)
+        elif new or redelivered or assemblies:
             state.write(session)
         for assembly in assemblies:
             self._counters[assembly.reason].inc()
             yield assembly
 
+    def _retire(self, session: SessionState, listing: SessionListing, state) -> None:
+        try:
+            self._archive.retire(listing.job_id, listing.session, session.seen)
+        except OSError as error:  # storage trouble: keep the session and try again at the next poll
+            _LOG.warning("job %s session %s: could not archive yet (%s); retrying at the next poll",
+                         listing.job_id, listing.session, error)
+            return
+        state.clear()
+        self._retired.inc()
+
+    def _set_aside(self, listing: SessionListing):
+        """Files that landed in a session already archived: moved beside it and quarantined."""
+        urls = [url for url, _ in listing.files]
+        moved = self._archive.set_aside(listing.job_id, listing.session, urls, listing.poll_time)
+        for url, target in zip(sorted(urls), moved):
+            detail = (f"job {listing.job_id} session {listing.session}: {url.rsplit('/', 1)[-1]} landed after the "
+                      f"session was analysed and archived; moved to {target}")
+            yield beam.pvalue.TaggedOutput("quarantine", quarantine_row(url, listing.job_id, listing.session,
+                                                                        SESSION_CLOSED, detail, listing.poll_time))
+
+
+def _file_event(listing: SessionListing, url: str) -> LandingEvent | dict:
+    """A newly listed file of a session -> its LandingEvent, or a quarantine row (a name that is
+    neither a worker file nor the manifest, or a manifest that cannot be read)."""
+    name = url.rsplit("/", 1)[-1]
+    where = f"job {listing.job_id} session {listing.session}: {url}"
+    try:
+        kind, dp_rank, stage = parse_landing_name(name, where)
+    except LandingPathError as error:
+        return quarantine_row(url, listing.job_id, listing.session, LANDING_LAYOUT, str(error), listing.poll_time)
+    if kind == "worker":
+        return LandingEvent("worker", listing.job_id, listing.session, listing.poll_time, url, dp_rank, stage)
+    try:
+        workers = expected_workers(read_manifest(url))
+    except LakeReadError as error:
+        return quarantine_row(url, listing.job_id, listing.session, error.reason,
+                              f"job {listing.job_id} session {listing.session}: {error}", listing.poll_time)
+    return LandingEvent("manifest", listing.job_id, listing.session, listing.poll_time, url, workers=workers)
+
 
 class AssembleSessions(beam.PTransform):
-    """(session key, LandingEvent) -> Assembly, one per (job, session, revision)."""
+    """(session key, SessionListing) per poll -> {'assemblies': Assembly, one per (job, session,
+    revision); 'quarantine': QUARANTINE_SCHEMA dicts (+ session, seen_time) for files that break
+    the landing layout, unreadable manifests and files landing in archived sessions}."""
 
     def __init__(self, config: AssemblyConfig):
         super().__init__()
         self._config = config
 
-    def expand(self, events):
-        return events | "AssembleSession" >> beam.ParDo(_AssembleSessionFn(self._config)).with_input_types(
-            tuple[str, LandingEvent])
+    def expand(self, listings):
+        out = listings | "AssembleSession" >> beam.ParDo(_AssembleSessionFn(self._config)).with_output_types(
+            Assembly, quarantine=dict).with_outputs("quarantine", main="assemblies")
+        return {"assemblies": out.assemblies, "quarantine": out.quarantine}
