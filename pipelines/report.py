@@ -125,7 +125,7 @@ def build(opts: ReportOptions, out_dir: pathlib.Path) -> dict:
             result = check_page(page)
             result.raise_for_problems()
             checked.append(page)
-    return {"report": report, "job_pages": len(pages), "checked": len(checked), "fleet_source": data.fleet_source,
+    return {"report": report, "job_pages": len(pages), "checked": len(checked),
             "timelines": timelines, "seconds": time.perf_counter() - started}
 
 
@@ -180,7 +180,7 @@ def run(argv: list[str]) -> int:
         print(f"strag report: {error}", file=sys.stderr)
         return 1
     where = opts.out.rstrip("/")
-    print(f"fleet report: {where}/index.html ({summary['fleet_source']})")
+    print(f"fleet report: {where}/index.html")
     print(f"job pages:    {summary['job_pages']} under {where}/jobs/" + (f", {summary['checked']} pages checked in Chromium" if opts.check else "")
           + (f", {summary['timelines']} Perfetto timelines under {where}/timelines/" if opts.lake else ""))
     print(f"done in {summary['seconds']:.1f} s")

@@ -853,17 +853,10 @@ def fleet_rollup_tables(out: str) -> dict[str, pa.Table]:
     In: the batch output URL (its fleet_state partitions are already published). Out:
     {"fleet_<name>_rollup": table} for every fleet table, ready to publish unpartitioned.
     """
-    from schemas.tables import read_table
+    from schemas.tables import read_table, table_exists
 
-    states = read_table(out, FLEET_STATE_TABLE) if _has_table(out, FLEET_STATE_TABLE) else []
+    states = read_table(out, FLEET_STATE_TABLE) if table_exists(out, FLEET_STATE_TABLE) else []
     return {rollup_table(name): table for name, table in rollup_fleet(states).items()}
-
-
-def _has_table(out: str, table: str) -> bool:
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(f"{out.rstrip('/')}/{table}")
-    return fs.exists(root)
 
 
 def window_facts(tables: Mapping[str, pa.Table], date: str) -> JobFacts | None:
