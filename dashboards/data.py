@@ -15,6 +15,7 @@ import pandas as pd
 
 from schemas.fleet import FLEET_TABLES, JOB_CAUSE_TABLE, rollup_table
 from schemas.tables import BATCH_TABLES, read_table, table_exists
+from transforms.lake import LAKE_PARTS
 
 __all__ = ["ReportData", "ReportDataError", "load_report_data"]
 
@@ -46,8 +47,11 @@ class ReportData:
 def load_report_data(out: str, storage_options: dict | None = None) -> ReportData:
     """Read every table a report needs from `out` (see module docstring)."""
     if not any(table_exists(out, name, storage_options=storage_options) for name in ("coverage", "job_summary")):
-        raise ReportDataError(f"no coverage or job_summary table under {out}: is it the --out of `strag batch`? "
-                              f"(run `strag batch --lake LAKE --from D --to D --out {out}` first)")
+        if any(table_exists(out, part, storage_options=storage_options) for part in LAKE_PARTS):
+            raise ReportDataError(f"{out} is a lake, not the tables of `strag batch`: give --tables the --out of "
+                                  f"`strag batch --lake {out} --from D --to D --out TABLES`")
+        raise ReportDataError(f"no coverage or job_summary table under {out}: give --tables the --out of `strag batch` "
+                              "(run it first if there is none)")
     missing = [rollup_table(name) for name in FLEET_TABLES if not table_exists(out, rollup_table(name), storage_options=storage_options)]
     if missing:
         raise ReportDataError(f"no {', '.join(missing)} under {out}: these tables were published before the fleet rollups "

@@ -30,7 +30,6 @@ analyzer's JobMeta fields (trial_name = the imported trial, else the job id).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime as dt
 import json
@@ -44,6 +43,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from pipelines.cli import date_argument
+from pipelines.usage import ArgumentParser
 from transforms.lake import LakeJob, filesystem, find_job, read_manifest_table, read_trace_files, write_job
 
 __all__ = [
@@ -266,7 +266,7 @@ def export_reference(options: ExportOptions) -> tuple[str, str, list[str]]:
 
 
 def parse_import(argv: list[str]) -> ImportOptions:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="strag import-reference",
         description="Import a published trace (parquet + meta yaml) as one lake job, losslessly.")
     parser.add_argument("trace", help="trace-*.parquet in the published format")
@@ -281,12 +281,12 @@ def parse_import(argv: list[str]) -> ImportOptions:
 
 
 def parse_export(argv: list[str]) -> ExportOptions:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="strag export-reference",
         description="Export a lake job as a published-format trace parquet + meta yaml "
                     "(input for the authors' analyzer).")
     parser.add_argument("--lake", required=True, help="lake URL (path, file://, memory://, s3://)")
-    parser.add_argument("--job-id", required=True)
+    parser.add_argument("--job-id", required=True, help="the lake job to export")
     parser.add_argument("--out", required=True, help="output folder (path or fsspec URL)")
     parser.add_argument("--date", type=date_argument, default=None, help="date partition (needed when the job has several)")
     args = parser.parse_args(argv)

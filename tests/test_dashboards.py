@@ -132,12 +132,12 @@ def test_report_cli_builds_pages_for_straggling_jobs(tables, data, tmp_path, cap
 
 
 def test_report_cli_explains_missing_tables(tmp_path, capsys):
-    assert report.run(["--tables", str(tmp_path / "empty"), "--out", str(tmp_path / "r")]) == 1
-    assert "run `strag batch" in capsys.readouterr().err
+    assert report.run(["--tables", str(tmp_path / "empty"), "--out", str(tmp_path / "r")]) == 2
+    assert "give --tables the --out of `strag batch`" in capsys.readouterr().err
 
 
 def test_report_cli_rejects_unknown_job_ids(tables, tmp_path, capsys):
-    assert report.run(["--tables", str(tables), "--out", str(tmp_path / "r"), "--jobs", "job-000-00,ghost"]) == 1
+    assert report.run(["--tables", str(tables), "--out", str(tmp_path / "r"), "--jobs", "job-000-00,ghost"]) == 2
     assert "ghost" in capsys.readouterr().err
     assert report.run(["--tables", str(tables), "--out", str(tmp_path / "r"), "--images", "gif"]) == 2
 

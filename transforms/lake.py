@@ -35,6 +35,8 @@ from transforms.storage import read_bytes
 from schemas.trace import MANIFEST_SCHEMA, SCHEMA_VERSION, TRACE_SCHEMA
 
 __all__ = [
+    "LAKE_PARTS",
+    "check_lake",
     "LakeError",
     "LakeReadError",
     "LakeJob",
@@ -370,10 +372,28 @@ def list_raw_jobs(lake: str, date_from: str | None = None, date_to: str | None =
     return out
 
 
+# What a folder holds when it is a lake: trace or raw partitions, manifests or the marker file.
+LAKE_PARTS = ("traces", "manifests", "raw", "_lake.json")
+
+
+def check_lake(lake: str, parts: tuple[str, ...] = LAKE_PARTS) -> None:
+    """Raise LakeError unless the URL `lake` opens and holds one of `parts` (a mistyped --lake
+    must be named as such, not read as a lake with no jobs). parts=(): the folder need only exist."""
+    try:
+        fs, root = fsspec.core.url_to_fs(lake)
+        exists = fs.exists(root) and (not parts or any(fs.exists(f"{root}/{part}") for part in parts))
+    except (OSError, ValueError, ImportError) as error:
+        raise LakeError(f"--lake {lake}: cannot be opened ({type(error).__name__}: {error})") from None
+    if not exists:
+        what = f"no lake there (expected {', '.join(p if '.' in p else p + '/' for p in parts)})" if parts else "no folder there"
+        raise LakeError(f"--lake {lake}: {what}; check the URL" + (" (memory:// is per process)" if lake.startswith("memory://") else ""))
+
+
 def find_job(lake: str, job_id: str, date: dt.date | str | None = None) -> LakeJob:
     """The lake job `job_id` (on `date`, or its only date). Raises LakeError if absent or ambiguous."""
     found = [job for job in list_jobs(lake, date, date) if job.job_id == job_id]
     if not found:
+        check_lake(lake)   # a mistyped --lake is named as such, not as a missing job
         raise LakeError(f"lake {lake}: no job {job_id!r}" + (f" on {_iso(date)}" if date else ""))
     if len(found) > 1:
         raise LakeError(f"lake {lake}: job {job_id!r} has trace windows on {[j.date for j in found]}; pass a date")
