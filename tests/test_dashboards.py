@@ -184,3 +184,17 @@ def test_category_cdf_has_a_panel_per_category_with_its_job_count(data):
     jobs = categories[categories["weighting"] == "job"].groupby("category")["count"].sum()
     assert len(panels) == categories["category"].nunique()
     assert all(any(p.startswith(f"{c}: {n} job windows") for p in panels) for c, n in jobs.items())
+
+
+def test_readme_sql_example_runs_on_the_tables(tables, data):
+    """The README's DuckDB query (the `sql` extra), run as written on published tables."""
+    import pathlib
+
+    import duckdb
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    query = re.search(r"```sql\n(.*?)```", readme, re.S).group(1)
+    rows = duckdb.sql(query.replace("demo-out", str(tables))).df()
+    kept = data.jobs["job_summary"].query("not discarded").sort_values("wasted_gpu_hours", ascending=False).head(10)
+    assert list(rows["job_id"]) == list(kept["job_id"])
+    assert [d.isoformat() for d in pd.to_datetime(rows["date"]).dt.date] == [d.isoformat() for d in kept["date"]]
