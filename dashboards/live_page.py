@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from dashboards import charts
 from dashboards.html import HtmlTable, Numbers, Text, Chart, render_page
-from transforms.live import current_results
+from transforms.live_tables import current_results
 
 __all__ = ["live_job_page", "live_index_page", "live_version", "REFRESH_SECONDS"]
 

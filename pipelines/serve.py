@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 
 from pipelines.usage import ArgumentParser
 from schemas.live import ALERTS, LIVE_RESULTS
-from transforms.live import DEFAULT_THRESHOLD, read_live_table
+from transforms.live_tables import DEFAULT_THRESHOLD, read_live_table
 
 __all__ = ["ServeOptions", "parse", "make_server", "serve_in_thread", "run"]
 

@@ -18,7 +18,7 @@ import pytest
 from pipelines import streaming
 from transforms.landing import land_generated_session, session_trace, split_workers
 from transforms.lake import write_parquet
-from transforms.live import current_results, read_live_table
+from transforms.live_tables import current_results, read_live_table
 from transforms.synth.faults import Cause
 from transforms.synth.job import JobSpec, generate_job
 from transforms.whatif import analyze_job
