@@ -44,10 +44,10 @@ import yaml
 
 from pipelines.cli import date_argument
 from pipelines.usage import ArgumentParser
+from schemas.trace import PUBLISHED_COLUMNS
 from transforms.lake import LakeJob, filesystem, find_job, read_manifest_table, read_trace_files, write_job
 
 __all__ = [
-    "PUBLISHED_COLUMNS",
     "META_FIELDS",
     "REFERENCE_META_KEY",
     "ReferenceFormatError",
@@ -64,20 +64,6 @@ __all__ = [
     "run_export_reference",
 ]
 
-# column -> published type (the authors' pandas dtypes)
-PUBLISHED_COLUMNS: dict[str, pa.DataType] = {
-    "dp_rank": pa.int8(),
-    "stage": pa.int8(),
-    "rank": pa.int16(),
-    "step": pa.int64(),
-    "optype": pa.dictionary(pa.int8(), pa.string()),
-    "start_ts": pa.float32(),
-    "duration": pa.float32(),
-    "seq_id": pa.int32(),
-    "mc": pa.int8(),
-    "mb_id": pa.int8(),
-    "gmc": pa.int16(),
-}
 # The analyzer builds JobMeta(**yaml): exactly these keys, in the published order.
 META_FIELDS = ("trial_name", "run_id", "dp_size", "dsp_size", "pp_size", "tp_size", "vpp_size", "world_size")
 SIZE_FIELDS = ("dp_size", "dsp_size", "pp_size", "tp_size", "vpp_size", "world_size")
