@@ -65,7 +65,7 @@ from transforms.fleet import AggregateFleet, fleet_rollup_tables
 from transforms.lake import LakeError, check_lake, list_jobs
 from transforms.match import MatchJobs, date_range
 
-__all__ = ["BatchOptions", "BatchUsageError", "parse", "pipeline_options", "dask_chunk", "window_groups", "MAX_GROUP", "make_pipeline", "build", "execute", "run", "quiet_logs", "check_single_terminal_step", "read_run_summary", "beam_counters", "RUNNERS"]
+__all__ = ["BatchOptions", "BatchUsageError", "parse", "pipeline_options", "dask_chunk", "window_groups", "MAX_GROUP", "make_pipeline", "list_lake", "build", "execute", "run", "quiet_logs", "check_single_terminal_step", "read_run_summary", "beam_counters", "RUNNERS"]
 
 DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
 RUNNERS = ("FnApiRunner", "DaskRunner", "PortableRunner", "FlinkRunner", "SparkRunner", "DataflowRunner")
@@ -283,6 +283,12 @@ def make_pipeline(opts: BatchOptions, windows: int = 0) -> beam.Pipeline:
     return beam.Pipeline(runner=runner, options=options)
 
 
+def list_lake(opts: BatchOptions) -> tuple[list, list]:
+    """The run's one listing of the lake: (job windows of the date range, StrayEntries of the files it could not place)."""
+    strays: list = []
+    return list_jobs(opts.lake, opts.date_from, opts.date_to, strays=strays), strays
+
+
 def build(p: beam.Pipeline, opts: BatchOptions, jobs=None, strays=None):
     """Wire the batch pipeline on `p`; returns the PCollection of the run summary (one dict).
 
@@ -290,8 +296,7 @@ def build(p: beam.Pipeline, opts: BatchOptions, jobs=None, strays=None):
     StrayEntries of that listing (files it did not pick up), quarantined with their dates.
     """
     if jobs is None:
-        strays = []
-        jobs = list_jobs(opts.lake, opts.date_from, opts.date_to, strays=strays)
+        jobs, strays = list_lake(opts)
     big = [job for job in jobs if fan_out(job, opts.fanout_ranks)]
     jobs = [job for job in jobs if not fan_out(job, opts.fanout_ranks)]
     count = window_groups(opts, len(jobs))
@@ -400,8 +405,7 @@ def execute(opts: BatchOptions, jobs=None, strays=None) -> tuple[dict, dict[str,
     """Build and run the pipeline for parsed options; wait for it. Returns (run summary, Beam
     counters: empty on runners without metrics). jobs, strays: a lake listing already made, or None."""
     if jobs is None:
-        strays = []
-        jobs = list_jobs(opts.lake, opts.date_from, opts.date_to, strays=strays)
+        jobs, strays = list_lake(opts)
     p = make_pipeline(opts, len(jobs))
     build(p, opts, jobs, strays)
     with worker_output():
@@ -429,8 +433,7 @@ def run(argv: list[str]) -> int:
         opts = dataclasses.replace(opts, dask_address=cluster.scheduler_address)
     started = time.perf_counter()
     try:
-        strays: list = []
-        jobs = list_jobs(opts.lake, opts.date_from, opts.date_to, strays=strays)
+        jobs, strays = list_lake(opts)
         undated = [entry for entry in strays if entry.date is None]
         if undated:   # no date partition to quarantine them in: said here, every run
             print(f"strag batch: {len(undated)} folder(s) of the lake are not date partitions and are not read: "
