@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import pathlib
 import uuid
 
 import fsspec
@@ -85,8 +86,8 @@ def test_export_reproduces_the_published_files(reference_dir, memory_lake, tmp_p
     # same column types (dictionary order included) and the same values, row by row
     assert exported.schema.equals(original.schema.remove_metadata())
     assert exported.equals(original.replace_schema_metadata(None))
-    assert (yaml.safe_load(open(meta_path)) == yaml.safe_load((reference_dir / f"meta-{trial}.yaml").read_text()))
-    assert list(yaml.safe_load(open(meta_path))) == list(ref.META_FIELDS)
+    assert (yaml.safe_load(pathlib.Path(meta_path).read_text()) == yaml.safe_load((reference_dir / f"meta-{trial}.yaml").read_text()))
+    assert list(yaml.safe_load(pathlib.Path(meta_path).read_text())) == list(ref.META_FIELDS)
 
 
 def test_cli_round_trip(reference_dir, tmp_path, capsys):
@@ -131,7 +132,7 @@ def test_export_of_a_generated_job_uses_published_dtypes(memory_lake, tmp_path):
     start = trace["start_ts"].to_numpy()
     expected = start - (steps - 10) * 10.0  # sample_job puts each step's first op at (step-10)*10 s
     assert abs(exported["start_ts"].to_numpy().astype(float) - expected).max() < 1e-6
-    meta = yaml.safe_load(open(meta_path))
+    meta = yaml.safe_load(pathlib.Path(meta_path).read_text())
     assert meta == {"trial_name": "gen-1", "run_id": 0, "dp_size": 2, "dsp_size": 1, "pp_size": 2,
                     "tp_size": 1, "vpp_size": 1, "world_size": 4}
 
