@@ -14,7 +14,10 @@ from schemas.fleet import CAUSES
 
 __all__ = [
     "HEATMAP_DOMAIN",
+    "WEIGHTING_LABELS",
+    "heatmap_colour",
     "cdf_chart",
+    "category_cdf_chart",
     "optype_waste_chart",
     "size_chart",
     "cause_chart",
@@ -28,10 +31,33 @@ __all__ = [
     "attribution_bars",
 ]
 
-# SMon's colour range for S_w: 1.0 (white) to 1.5 (dark red), clamped.
+# SMon's colour range for S_w: 1.0 (white) to 1.5 (dark red), clamped; every heatmap of a
+# slowdown uses it, so one colour means one value on every chart.
 HEATMAP_DOMAIN = (1.0, 1.5)
+_HEATMAP_COLOURS = ["#ffffff", "#fcbba1", "#fb6a4a", "#cb181d", "#67000d"]
 _WIDTH, _HEIGHT = 440, 250
 _CATEGORY_ORDER = ["compute", "pp-comm", "dp-comm", "other"]
+# What each weighting of fleet_distribution counts, in the words of a legend.
+WEIGHTING_LABELS = {"job": "each job window once", "gpu_hours": "by GPU-hours", "step": "each (job, step) pair once"}
+_STRAGGLING_LABELS = {False: "S < 1.1", True: "straggling, S >= 1.1"}
+_TREND_MEASURES = {"straggling_share": "share of job windows with S >= 1.1", "waste_gpu_weighted": "share of GPU-hours wasted"}
+
+
+def heatmap_colour(field: str, title: str) -> alt.Color:
+    """The colour channel of every slowdown heatmap: HEATMAP_DOMAIN from white to dark red, clamped."""
+    return alt.Color(f"{field}:Q", title=title, scale=alt.Scale(domain=list(HEATMAP_DOMAIN), range=_HEATMAP_COLOURS, interpolate="rgb", clamp=True),
+                     legend=alt.Legend(values=[1.0, 1.1, 1.2, 1.3, 1.4, 1.5], format=".1f"))
+
+
+def _axis(**kwargs) -> alt.Axis:
+    """A quantitative axis whose labels never overlap (greedy: a label that would touch its neighbour is dropped)."""
+    return alt.Axis(labelOverlap="greedy", labelSeparation=6, **kwargs)
+
+
+def _count_axis(maximum: int, title: str) -> alt.Axis:
+    """An axis of a whole-number count: integer ticks only, at most about ten of them."""
+    step = max(1, -(-int(maximum) // 10))
+    return alt.Axis(title=title, values=list(range(0, int(maximum) + step, step)), format="d")
 
 
 def _empty(title: str, message: str = "no data in the tables for this chart") -> alt.Chart:
@@ -43,35 +69,84 @@ def _empty(title: str, message: str = "no data in the tables for this chart") ->
     )
 
 
-def cdf_chart(distribution: pd.DataFrame, metric: str, title: str, x_title: str, *, percent: bool = False,
-              threshold: float | None = None, colour_field: str = "weighting") -> alt.Chart:
-    """Step CDF of one fleet_distribution metric (rows of every weighting, or series in colour_field).
+def _cdf_points(rows: pd.DataFrame, series_field: str) -> pd.DataFrame:
+    """Step points (series, value, cumulative_share) of histogram rows: each bin's upper edge at its
+    cumulative share, after a zero at the first bin's lower edge so each step starts on the axis."""
+    frame = rows[[series_field, "bin_upper", "cumulative_share"]].rename(columns={series_field: "series", "bin_upper": "value"})
+    starts = rows.sort_values("bin_lower").groupby(series_field, as_index=False).first()
+    return pd.concat([pd.DataFrame({"series": starts[series_field], "value": starts["bin_lower"], "cumulative_share": 0.0}), frame])
+
+
+def _cdf_encoding(x_title: str, y_title: str, percent: bool) -> dict:
+    """x and y channels of a CDF: both padded, so a step on the first value or at 100% is not hidden under an axis."""
+    x_axis = _axis(title=x_title, format="%") if percent else _axis(title=x_title)
+    return {
+        "x": alt.X("value:Q", axis=x_axis, scale=alt.Scale(zero=False, nice=False, padding=10)),
+        "y": alt.Y("cumulative_share:Q", title=y_title, axis=alt.Axis(format="%"), scale=alt.Scale(domain=[0, 1], padding=6)),
+    }
+
+
+def cdf_chart(distribution: pd.DataFrame, metric: str, title: str, x_title: str, *, y_title: str = "share of job windows (CDF)",
+              percent: bool = False, threshold: tuple[float, str] | None = None) -> alt.Chart:
+    """Step CDF of one fleet_distribution metric, one line per weighting (legend: what each counts).
 
     distribution: fleet_distribution rows (one period). The x value of a point is the bin's
-    upper edge, its y the cumulative share of weight below it.
+    upper edge, its y the cumulative share of weight below it. threshold: (x, label) of a
+    dashed rule.
     """
-    rows = distribution[distribution["metric"] == metric] if metric else distribution
+    rows = distribution[distribution["metric"] == metric]
     if rows.empty:
         return _empty(title)
-    frame = rows[[colour_field, "bin_upper", "cumulative_share"]].rename(columns={colour_field: "series", "bin_upper": "value"})
-    # start each curve at zero so the step begins at its first bin
-    starts = rows.sort_values("bin_lower").groupby(colour_field, as_index=False).first()
-    frame = pd.concat([pd.DataFrame({"series": starts[colour_field], "value": starts["bin_lower"], "cumulative_share": 0.0}), frame])
-    axis = alt.Axis(format="%") if percent else alt.Axis()
-    line = (
-        alt.Chart(frame)
-        .mark_line(interpolate="step-after")
-        .encode(
-            x=alt.X("value:Q", title=x_title, axis=axis, scale=alt.Scale(zero=False, nice=False)),
-            y=alt.Y("cumulative_share:Q", title="share of jobs (CDF)", axis=alt.Axis(format="%"), scale=alt.Scale(domain=[0, 1])),
-            color=alt.Color("series:N", title=None, legend=alt.Legend(orient="bottom-right")),
-            tooltip=[alt.Tooltip("series:N"), alt.Tooltip("value:Q", format=".3f"), alt.Tooltip("cumulative_share:Q", format=".1%")],
-        )
+    frame = _cdf_points(rows, "weighting")
+    frame["series"] = frame["series"].map(WEIGHTING_LABELS).fillna(frame["series"])
+    several = frame["series"].nunique() > 1
+    line = alt.Chart(frame).mark_line(interpolate="step-after").encode(
+        **_cdf_encoding(x_title, y_title, percent),
+        color=alt.Color("series:N", title="counting", legend=alt.Legend(orient="bottom-right") if several else None),
+        tooltip=[alt.Tooltip("series:N", title="counting"), alt.Tooltip("value:Q", format=".3f"),
+                 alt.Tooltip("cumulative_share:Q", format=".1%")],
     )
     layers = [line]
     if threshold is not None:
-        layers.append(alt.Chart(pd.DataFrame({"value": [threshold]})).mark_rule(strokeDash=[4, 3], color="#999").encode(x="value:Q"))
+        marker = alt.Chart(pd.DataFrame({"value": [threshold[0]], "label": [threshold[1]]}))
+        layers += [marker.mark_rule(strokeDash=[4, 3], color="#999").encode(x="value:Q"),
+                   marker.mark_text(align="left", dx=4, dy=-6, y=0, color="#666", fontSize=11).encode(x="value:Q", text="label:N")]
     return alt.layer(*layers).properties(title=title, width=_WIDTH, height=_HEIGHT)
+
+
+def _cdf_quantile(rows: pd.DataFrame, q: float) -> float:
+    """Upper edge of the first histogram bin whose cumulative share reaches q (to the bin width)."""
+    reached = rows[rows["cumulative_share"] >= q - 1e-9]
+    return float(reached["bin_upper"].min())
+
+
+def category_cdf_chart(categories: pd.DataFrame, title: str) -> alt.Chart:
+    """One small CDF of S_t per op-type category (fleet_distribution rows of the metrics
+    optype_slowdown:<category>, a `category` column added), all on one x scale.
+
+    A panel per category rather than four lines on one plot: a category whose jobs all sit
+    at S_t = 1.0 draws its own step at 1.0 instead of a line hidden under the axis.
+    """
+    if categories.empty:
+        return _empty(title)
+    jobs = categories[categories["weighting"] == "job"].groupby("category")["count"].sum()
+    rows = categories[categories["weighting"] == "job"]
+    frame = _cdf_points(rows, "category")
+    order = [c for c in _CATEGORY_ORDER if c in jobs.index] + sorted(set(jobs.index) - set(_CATEGORY_ORDER))
+    headers = {c: f"{c}: {jobs[c]} job windows, median {_cdf_quantile(rows[rows['category'] == c], 0.5):.2f}, "
+                  f"max {_cdf_quantile(rows[rows['category'] == c], 1.0):.2f}" for c in order}
+    frame["panel"] = frame["series"].map(headers)
+    return (
+        alt.Chart(frame, width=_WIDTH // 2 - 20, height=110)
+        .mark_line(interpolate="step-after")
+        .encode(
+            **_cdf_encoding("S_t", "share of job windows", False),
+            color=alt.Color("series:N", sort=order, legend=None),
+            tooltip=[alt.Tooltip("series:N", title="category"), alt.Tooltip("value:Q", title="S_t", format=".3f"),
+                     alt.Tooltip("cumulative_share:Q", format=".1%")],
+        )
+        .facet(facet=alt.Facet("panel:N", sort=[headers[c] for c in order], title=None), columns=2, title=title)
+    )
 
 
 def optype_waste_chart(optype: pd.DataFrame, title: str) -> alt.Chart:
@@ -97,20 +172,22 @@ def size_chart(jobs: pd.DataFrame, size: pd.DataFrame, pearson: float | None, ti
     if jobs.empty:
         return _empty(title)
     subtitle = f"Pearson r(log2 GPUs, S) = {pearson:.2f}" if pearson is not None and np.isfinite(pearson) else "too few jobs for a correlation"
+    jobs = jobs.assign(straggling=jobs["straggling"].map(_STRAGGLING_LABELS))
+    x = alt.X("gpus:Q", title="GPUs (log scale)", scale=alt.Scale(type="log", base=2, padding=12), axis=_axis())
+    y = alt.Y("slowdown:Q", title="slowdown S", scale=alt.Scale(zero=False, padding=8))
     points = (
         alt.Chart(jobs)
         .mark_circle(size=28, opacity=0.6)
         .encode(
-            x=alt.X("gpus:Q", scale=alt.Scale(type="log", base=2), title="GPUs"),
-            y=alt.Y("slowdown:Q", scale=alt.Scale(zero=False), title="slowdown S"),
-            color=alt.Color("straggling:N", title="S >= 1.1", scale=alt.Scale(domain=[False, True], range=["#4c78a8", "#e45756"])),
+            x=x, y=y,
+            color=alt.Color("straggling:N", title="job window", scale=alt.Scale(domain=list(_STRAGGLING_LABELS.values()), range=["#4c78a8", "#e45756"])),
             tooltip=["job_id", "gpus", alt.Tooltip("slowdown:Q", format=".3f")],
         )
     )
     layers = [points]
     if not size.empty:
-        buckets = size.assign(gpus=np.sqrt(size["gpus_lower"] * size["gpus_upper"]))
-        layers.append(alt.Chart(buckets).mark_line(point=True, color="#333").encode(x="gpus:Q", y="slowdown_mean:Q",
+        buckets = size.assign(gpus=np.sqrt(size["gpus_lower"] * size["gpus_upper"]), slowdown=size["slowdown_mean"])
+        layers.append(alt.Chart(buckets).mark_line(point=True, color="#333").encode(x=x, y=y,
                       tooltip=["gpus_lower", "gpus_upper", "jobs", alt.Tooltip("slowdown_mean:Q", format=".3f")]))
     return alt.layer(*layers).properties(title=alt.TitleParams(title, subtitle=subtitle), width=_WIDTH, height=_HEIGHT)
 
@@ -131,51 +208,62 @@ def cause_chart(cause: pd.DataFrame, title: str) -> alt.Chart:
     return alt.layer(bars, text).properties(title=title, width=_WIDTH - 80, height=24 * len(order))
 
 
+def _long_measures(frame: pd.DataFrame) -> pd.DataFrame:
+    """fleet_summary rows as (period_start, measure, value) rows of the trend measures."""
+    long = frame.melt(id_vars=["period_start"], value_vars=list(_TREND_MEASURES), var_name="measure", value_name="value")
+    long["measure"] = long["measure"].map(_TREND_MEASURES)
+    long["period_start"] = pd.to_datetime(long["period_start"])
+    return long.dropna(subset=["value"])
+
+
 def trend_chart(daily: pd.DataFrame, weekly: pd.DataFrame, title: str) -> alt.Chart:
-    """Straggling share and GPU-hour-weighted waste per day (thin) and per ISO week (thick)."""
+    """Straggling share and GPU-hour-weighted waste: a point per day (joined by a thin line) and a
+    wide translucent bar across each ISO week at that week's value."""
     if daily.empty and weekly.empty:
         return _empty(title)
-    measures = {"straggling_share": "share of jobs with S >= 1.1", "waste_gpu_weighted": "GPU-hours wasted (share)"}
-    parts = []
-    for frame, period in ((daily, "day"), (weekly, "week")):
-        if frame.empty:
-            continue
-        long = frame.melt(id_vars=["period_start"], value_vars=list(measures), var_name="measure", value_name="value")
-        long["measure"] = long["measure"].map(measures)
-        long["period"] = period
-        parts.append(long)
-    data = pd.concat(parts).dropna(subset=["value"])
-    data["period_start"] = pd.to_datetime(data["period_start"])
-    return (
-        alt.Chart(data, title=title, width=_WIDTH + 200, height=_HEIGHT)
-        .mark_line(point=True)
-        .encode(
-            x=alt.X("period_start:T", title="date"),
-            y=alt.Y("value:Q", axis=alt.Axis(format="%"), title=None),
-            color=alt.Color("measure:N", title=None, legend=alt.Legend(orient="top")),
-            strokeDash=alt.StrokeDash("period:N", title="period", scale=alt.Scale(domain=["day", "week"], range=[[2, 2], [1, 0]])),
-            size=alt.Size("period:N", scale=alt.Scale(domain=["day", "week"], range=[1, 2.5]), legend=None),
-            tooltip=["period", alt.Tooltip("period_start:T"), "measure", alt.Tooltip("value:Q", format=".1%")],
-        )
-    )
+    days, weeks = _long_measures(daily), _long_measures(weekly)
+    first = min(f["period_start"].min() for f in (days, weeks) if not f.empty)
+    last = max(f["period_start"].max() for f in (days, weeks) if not f.empty)
+    step = max(1, -(-((last - first).days + 1) // 12))    # about a dozen date ticks, whole days apart
+    x = alt.X("period_start:T", title="date",
+              axis=alt.Axis(format="%a %d %b", tickCount={"interval": "day", "step": step}, labelOverlap="greedy", labelAngle=0))
+    y = alt.Y("value:Q", axis=alt.Axis(format="%"), title=None)
+    colour = alt.Color("measure:N", title=None, legend=alt.Legend(orient="top", symbolOpacity=1))
+    layers = []
+    if not weeks.empty:
+        # a week bar spans the week's published days only
+        weeks = weeks.assign(period_start=weeks["period_start"].clip(lower=first),
+                             period_end=(weeks["period_start"] + pd.Timedelta(days=6)).clip(upper=last))
+        layers.append(alt.Chart(weeks).mark_rule(strokeWidth=8, opacity=0.35).encode(
+            x=x, x2="period_end:T", y=y, color=colour,
+            tooltip=[alt.Tooltip("period_start:T", title="week from"), "measure", alt.Tooltip("value:Q", format=".1%")]))
+    if not days.empty:
+        layers.append(alt.Chart(days).mark_line(point=True, strokeWidth=1.5).encode(
+            x=x, y=y, color=colour,
+            tooltip=[alt.Tooltip("period_start:T", title="day"), "measure", alt.Tooltip("value:Q", format=".1%")]))
+    return alt.layer(*layers).properties(title=alt.TitleParams(title, subtitle="dots: one day; wide bars: the ISO week"),
+                                         width=_WIDTH + 200, height=_HEIGHT)
 
 
 def host_chart(host: pd.DataFrame, title: str, top: int = 20) -> alt.Chart:
-    """Hosts implicated in the most distinct jobs (repeat offenders red), then by straggling workers."""
-    if host.empty:
-        return _empty(title)
-    rows = host.sort_values(["implicated_jobs", "straggling_workers", "host"], ascending=[False, False, True]).head(top)
-    rows = rows[(rows["implicated_jobs"] > 0) | (rows["straggling_workers"] > 0)]
+    """The `top` hosts blamed in the most distinct jobs (repeat offenders red); hosts never blamed are left out."""
+    rows = host[host["implicated_jobs"] > 0] if not host.empty else host
     if rows.empty:
-        return _empty(title, "no host held a straggling worker")
+        return _empty(title, "no host was blamed: no individual-worker verdict implicated a worker")
+    rows = rows.sort_values(["implicated_jobs", "straggling_workers", "host"], ascending=[False, False, True]).head(top)
+    rows = rows.assign(offender=rows["repeat_offender"].map({True: "repeat offender (2+ jobs)", False: "blamed in 1 job"}))
+    most = int(rows["implicated_jobs"].max())
     return (
-        alt.Chart(rows, title=title, width=_WIDTH - 80, height=18 * len(rows))
+        alt.Chart(rows, title=title, width=_WIDTH - 80, height=max(40, 20 * len(rows)))
         .mark_bar()
         .encode(
             y=alt.Y("host:N", sort=list(rows["host"]), title=None),
-            x=alt.X("implicated_jobs:Q", title="distinct jobs where a worker on the host was blamed", axis=alt.Axis(tickMinStep=1)),
-            color=alt.Color("repeat_offender:N", title="repeat offender", scale=alt.Scale(domain=[False, True], range=["#9ecae9", "#e45756"])),
-            tooltip=["host", "implicated_jobs", "job_windows", "straggling_workers", alt.Tooltip("slowdown_max:Q", format=".3f")],
+            x=alt.X("implicated_jobs:Q", axis=_count_axis(max(most, 2), "distinct jobs where a worker on the host was blamed"),
+                    scale=alt.Scale(domain=[0, max(most, 2)])),
+            color=alt.Color("offender:N", title=None, legend=alt.Legend(orient="bottom"),
+                            scale=alt.Scale(domain=["blamed in 1 job", "repeat offender (2+ jobs)"], range=["#9ecae9", "#e45756"])),
+            tooltip=["host", alt.Tooltip("implicated_jobs:Q", title="jobs blamed"), "job_windows", "straggling_workers",
+                     alt.Tooltip("slowdown_max:Q", format=".3f")],
         )
     )
 
@@ -216,23 +304,35 @@ def position_chart(position: pd.DataFrame, title: str, max_dp: int = 32, max_sta
         .encode(
             x=alt.X("dp_rank:O", title="DP rank"),
             y=alt.Y("stage:O", title="PP rank (stage)"),
-            color=alt.Color("slowdown_mean:Q", title="mean S_w", scale=alt.Scale(domain=list(HEATMAP_DOMAIN), scheme="reds", clamp=True)),
+            color=heatmap_colour("slowdown_mean", "mean S_w"),
             tooltip=["dp_rank", "stage", "worker_windows", alt.Tooltip("slowdown_mean:Q", format=".3f")],
         )
     )
 
 
+def _sampled_runs(steps: np.ndarray) -> np.ndarray:
+    """Run number of each sampled step (ascending): a new run starts after a gap over twice the
+    median gap, so the line never bridges a stretch of steps that was not sampled."""
+    gaps = np.diff(steps)
+    if len(gaps) == 0:
+        return np.zeros(len(steps), dtype=int)
+    return np.concatenate([[0], np.cumsum(gaps > max(1.0, 2 * float(np.median(gaps))))])
+
+
 def step_slowdown_chart(steps: pd.DataFrame, slowdown: float, title: str) -> alt.Chart:
-    """S_s per sampled step, with the job's S as a dashed rule."""
+    """S_s per sampled step, joined only across nearby sampled steps, with the job's S as a dashed rule."""
     if steps.empty:
         return _empty(title)
+    steps = steps.sort_values("step")
+    steps = steps.assign(run=_sampled_runs(steps["step"].to_numpy()))
     line = alt.Chart(steps).mark_line(point=True).encode(
-        x=alt.X("step:Q", title="step", axis=alt.Axis(tickMinStep=1, format="d")),
-        y=alt.Y("slowdown:Q", title="per-step slowdown S_s", scale=alt.Scale(zero=False)),
+        x=alt.X("step:Q", title="step", axis=_axis(tickMinStep=1, format="d")),
+        y=alt.Y("slowdown:Q", title="per-step slowdown S_s", scale=alt.Scale(zero=False, padding=6)),
+        detail="run:N",
         tooltip=["step", alt.Tooltip("slowdown:Q", format=".3f"), alt.Tooltip("step_time:Q", format=".3f"), alt.Tooltip("step_time_ideal:Q", format=".3f")],
     )
     rule = alt.Chart(pd.DataFrame({"slowdown": [slowdown]})).mark_rule(strokeDash=[4, 3], color="#e45756").encode(y="slowdown:Q")
-    return alt.layer(line, rule).properties(title=title, width=_WIDTH, height=200)
+    return alt.layer(line, rule).properties(title=alt.TitleParams(title, subtitle="gaps in the line: steps not sampled"), width=_WIDTH, height=200)
 
 
 def worker_heatmap(workers: pd.DataFrame, title: str) -> alt.Chart:
@@ -247,7 +347,7 @@ def worker_heatmap(workers: pd.DataFrame, title: str) -> alt.Chart:
         y=alt.Y("stage:O", title="PP rank"),
     )
     rects = base.mark_rect(stroke="white", strokeWidth=0.5).encode(
-        color=alt.Color("slowdown_worker:Q", title="S_w", scale=alt.Scale(domain=list(HEATMAP_DOMAIN), scheme="reds", clamp=True)),
+        color=heatmap_colour("slowdown_worker", "S_w"),
         tooltip=["dp_rank", "stage", "host", alt.Tooltip("slowdown_worker:Q", format=".3f"), alt.Tooltip("slowdown_dp:Q", format=".3f"),
                  alt.Tooltip("slowdown_stage:Q", format=".3f")],
     )
@@ -273,7 +373,7 @@ def step_heatmap(per_step: pd.DataFrame, group: str, title: str) -> alt.Chart:
         .encode(
             x=alt.X("step:O", title="step", axis=alt.Axis(labelOverlap=True)),
             y=alt.Y(f"{group}:O", title=label),
-            color=alt.Color("slowdown:Q", title="S", scale=alt.Scale(domain=list(HEATMAP_DOMAIN), scheme="reds", clamp=True)),
+            color=heatmap_colour("slowdown", "S_stage" if group == "stage" else "S_dp"),
             tooltip=["step", group, alt.Tooltip("slowdown:Q", format=".3f")],
         )
     )
@@ -287,7 +387,7 @@ def attribution_bars(rows: pd.DataFrame, field: str, title: str) -> alt.Chart:
     kind = "N" if field == "optype" else "O"
     bars = alt.Chart(rows).mark_bar(color="#f58518").encode(
         y=alt.Y(f"{field}:{kind}", title=None if field == "optype" else "PP rank", sort="-x" if field == "optype" else "ascending"),
-        x=alt.X("excess:Q", title="S_g - 1 (slowdown this group alone causes)"),
+        x=alt.X("excess:Q", axis=_axis(title="S_g - 1 (slowdown this group alone causes)", tickCount=5)),
         tooltip=[field, alt.Tooltip("slowdown:Q", format=".4f")],
     ).transform_calculate(excess="datum.slowdown - 1")
     return bars.properties(title=title, width=_WIDTH - 120, height=20 * len(rows))

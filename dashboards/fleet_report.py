@@ -15,7 +15,7 @@ import pandas as pd
 from dashboards import charts
 from dashboards.data import ReportData
 from dashboards.html import Chart, HtmlTable, Numbers, Text, export_chart, render_page
-from transforms.whatif.result import STRAGGLING_THRESHOLD
+from transforms.whatif.result import ATTRIBUTION_THRESHOLD, STRAGGLING_THRESHOLD
 
 __all__ = ["build_fleet_report", "fleet_charts", "REPORT_FILE"]
 
@@ -44,23 +44,32 @@ def fleet_charts(data: ReportData) -> list[Chart]:
     categories = distribution[distribution["metric"].str.startswith("optype_slowdown:")].copy()
     categories["category"] = categories["metric"].str.split(":").str[1]
     return [
-        Chart("slowdown_cdf", "CDF of job slowdown S", charts.cdf_chart(distribution, "slowdown", "Job slowdown S", "slowdown S", threshold=STRAGGLING_THRESHOLD),
-              "S = T / T_ideal per job window: how much longer than straggler-free a step took. Dashed: the straggling threshold 1.1."),
+        Chart("slowdown_cdf", "CDF of job slowdown S",
+              charts.cdf_chart(distribution, "slowdown", "Job slowdown S", "slowdown S",
+                               threshold=(STRAGGLING_THRESHOLD, f"straggling: S >= {STRAGGLING_THRESHOLD}")),
+              f"S = T / T_ideal per job window: how much longer than straggler-free a step took. Dashed: the straggling "
+              f"threshold {STRAGGLING_THRESHOLD}. Two counts: each job window once, or each by its GPU-hours."),
         Chart("waste_cdf", "CDF of wasted GPU time", charts.cdf_chart(distribution, "waste", "Waste 1 - 1/S", "share of the job's GPU-hours wasted", percent=True),
               "Job-weighted (each window counts once) and GPU-hour-weighted (each window counts by its GPU-hours)."),
-        Chart("optype_cdf", "Slowdown by op-type category", charts.cdf_chart(categories, "", "S_t per category (jobs with S >= 1.03)", "S_t", colour_field="category"),
-              "S_t: the job's slowdown when only that category's ops keep their real durations. Compute vs pipeline (pp) vs data-parallel (dp) communication."),
+        Chart("optype_cdf", "Slowdown by op-type category", charts.category_cdf_chart(categories, f"CDF of S_t per category (job windows with S >= {ATTRIBUTION_THRESHOLD})"),
+              f"S_t: the job's slowdown when only that category's ops keep their real durations; compute vs pipeline (pp) vs "
+              f"data-parallel (dp) communication. Only job windows with S >= {ATTRIBUTION_THRESHOLD} have S_t: the method (and the "
+              f"authors' analyzer) attributes slowdown only from S {ATTRIBUTION_THRESHOLD} up, so this is not the same set of jobs as "
+              f"the straggling ones (S >= {STRAGGLING_THRESHOLD})."),
         Chart("optype_waste", "GPU-hours wasted by op-type category", charts.optype_waste_chart(data.fleet_period("fleet_optype"), "Attributed waste by category")),
         Chart("step_normalised_cdf", "Per-step slowdown normalised by job S",
-              charts.cdf_chart(distribution, "step_slowdown_normalised", "S_s / S over all (job, step)", "S_s / S"),
+              charts.cdf_chart(distribution, "step_slowdown_normalised", "S_s / S over all (job, step) pairs", "S_s / S",
+                               y_title="share of (job, step) pairs (CDF)"),
               "Close to 1 everywhere means slowdown persists across steps: a few sampled steps characterise a job."),
         Chart("size", "Slowdown against job size", charts.size_chart(jobs, data.fleet_period("fleet_size"), pearson, "S vs GPUs"),
               "Each dot a job window; the line is the mean S per power-of-two GPU bucket."),
         Chart("causes", "Root causes of straggling jobs", charts.cause_chart(data.fleet_period("fleet_cause"), "Share of straggling jobs per cause"),
               "A job may show several causes; the label is the mean S of the jobs where the cause is primary."),
-        Chart("trends", "Trends", charts.trend_chart(data.daily_summary, weekly, "Straggling share and waste per day and week")),
+        Chart("trends", "Trends", charts.trend_chart(data.daily_summary, weekly, "Straggling share and waste per day and per week"),
+              "Share of job windows that straggle, and share of all GPU-hours lost to stragglers."),
         Chart("hosts", "Repeat-offender hosts", charts.host_chart(data.fleet_period("fleet_host"), "Hosts blamed in the most distinct jobs"),
-              "A host is blamed in a job when the verdict is individual-worker and one of its workers is implicated; red = blamed in two or more jobs."),
+              "A host is blamed in a job when the verdict is individual-worker and one of its workers is implicated; "
+              "red = blamed in two or more jobs (listed under the charts). Hosts never blamed are not shown."),
         Chart("positions", "Slowdown by (DP rank, PP rank) position", charts.position_chart(data.fleet_period("fleet_position"), "Mean S_w per position across jobs"),
               "A hot bottom row is the last stage carrying the loss layer across the fleet."),
         Chart("coverage", "Coverage", charts.coverage_chart(data.fleet_period("fleet_coverage"), "Job windows by outcome"),
@@ -107,15 +116,17 @@ def _worst_jobs(data: ReportData, job_href: Callable[[object, str], str | None],
     )
 
 
-def _offenders(data: ReportData) -> HtmlTable:
+def _offenders(data: ReportData) -> HtmlTable | Text:
+    """The repeat offenders' table, or a line saying there are none (not an empty table)."""
     host = data.fleet_period("fleet_host")
     rows = host[host["repeat_offender"]].sort_values(["implicated_jobs", "host"], ascending=[False, True]) if not host.empty else host
+    if rows.empty:
+        return Text("Repeat offenders: no host was blamed in two or more distinct jobs.")
     return HtmlTable(
         "Repeat offenders",
         ["host", "jobs blamed", "job ids", "max S_w", "windows seen"],
         [[r.host, int(r.implicated_jobs), ", ".join(r.implicated_job_ids), _num(r.slowdown_max), int(r.job_windows)] for r in rows.itertuples()],
-        "Hosts blamed for a straggling worker in two or more distinct jobs: candidates for hardware checks." if len(rows) else
-        "No host was blamed in two or more distinct jobs.",
+        "Hosts blamed for a straggling worker in two or more distinct jobs: candidates for hardware checks.",
     )
 
 
@@ -156,7 +167,7 @@ def build_fleet_report(
     span = f"{dates.min()} to {dates.max()}" if len(dates) else "no dates"
     blocks = [
         _headline(data),
-        Text(f"Fleet statistics from {data.fleet_source} ({span}); tables: {data.out}."),
+        Text(f"Fleet statistics of every published date ({span}), from the fleet_*_rollup tables under {data.out}."),
         [by_name["slowdown_cdf"], by_name["waste_cdf"]],
         [by_name["optype_cdf"], by_name["optype_waste"]],
         [by_name["step_normalised_cdf"], by_name["size"]],

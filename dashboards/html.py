@@ -18,7 +18,7 @@ from typing import Sequence
 
 import altair as alt
 
-__all__ = ["Chart", "Numbers", "HtmlTable", "Text", "render_page", "export_chart", "write_bundle", "BUNDLE_PATH"]
+__all__ = ["Chart", "Numbers", "HtmlTable", "Text", "fmt", "render_page", "export_chart", "write_bundle", "BUNDLE_PATH"]
 
 BUNDLE_PATH = "assets/vega-bundle.js"
 
@@ -56,6 +56,13 @@ class Text:
 
     text: str
     link: tuple[str, str] | None = None   # (label, href)
+
+
+def fmt(value, digits: int = 3) -> str:
+    """A table cell's number: floats to `digits` decimals, "n/a" for a missing or NaN value."""
+    if value is None or (isinstance(value, float) and value != value):
+        return "n/a"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
 @functools.lru_cache(maxsize=1)

@@ -14,7 +14,7 @@ import urllib.parse
 
 from dashboards import charts
 from dashboards.data import ReportData
-from dashboards.html import BUNDLE_PATH, Chart, HtmlTable, Numbers, Text, render_page
+from dashboards.html import BUNDLE_PATH, Chart, HtmlTable, Numbers, Text, fmt, render_page
 
 __all__ = ["build_job_page", "job_page_path", "JOBS_DIR"]
 
@@ -25,12 +25,6 @@ def job_page_path(date: dt.date, job_id: str) -> str:
     """Page path relative to the report folder: jobs/<date>_<job id>.html, the id percent-encoded
     (so no two ids share a page: 'a/b' -> 'a%2Fb', 'a_b' stays)."""
     return f"{JOBS_DIR}/{date.isoformat()}_{urllib.parse.quote(job_id, safe='')}.html"
-
-
-def _fmt(value, digits: int = 3) -> str:
-    if value is None or (isinstance(value, float) and value != value):
-        return "n/a"
-    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
 def _source_format(summary) -> str:
@@ -65,12 +59,12 @@ def build_job_page(data: ReportData, date: dt.date, job_id: str, out_dir: pathli
 
     cause = v["cause"] if v is not None else "n/a"
     numbers = Numbers([
-        ("slowdown S", _fmt(s.slowdown), "S >= 1.1: straggling" if s.straggling else "below the 1.1 straggling threshold"),
+        ("slowdown S", fmt(s.slowdown), "S >= 1.1: straggling" if s.straggling else "below the 1.1 straggling threshold"),
         ("waste", f"{100 * s.waste:.1f}%", f"{s.wasted_gpu_hours:,.0f} of {s.gpu_hours:,.0f} GPU-hours"),
         ("verdict", cause, f"confidence {v['confidence']:.2f}" if v is not None else "no verdict (discarded window)"),
-        ("M_W / M_S", f"{_fmt(s.m_w, 2)} / {_fmt(s.m_s, 2)}", "> 0.5: a few workers / the last stage explain S"),
+        ("M_W / M_S", f"{fmt(s.m_w, 2)} / {fmt(s.m_s, 2)}", "> 0.5: a few workers / the last stage explain S"),
         ("saved by the fix", f"{v['savings_gpu_hours']:,.0f} GPU-h" if v is not None and v["savings_gpu_hours"] == v["savings_gpu_hours"] and v["savings_gpu_hours"] is not None else "n/a",
-         f"S after the fix {_fmt(v['fixed_slowdown'])}" if v is not None else ""),
+         f"S after the fix {fmt(v['fixed_slowdown'])}" if v is not None else ""),
         ("replay discrepancy", f"{100 * (s.launch_slowdown - 1):.1f}%", "discarded: above 5%" if s.discarded else "within 5%: kept"),
         ("parallelism", s.parallelism, f"{s.gpus} GPUs, {s.n_steps} sampled steps"),
         ("source", _source_format(s), _source_detail(s)),
@@ -78,7 +72,7 @@ def build_job_page(data: ReportData, date: dt.date, job_id: str, out_dir: pathli
     blocks: list = [numbers]
     if v is not None:
         evidence = json.loads(v["evidence_json"])
-        blocks.append(HtmlTable("Evidence", ["metric", "value"], [[k, _fmt(x, 4) if isinstance(x, float) else json.dumps(x)] for k, x in evidence.items()],
+        blocks.append(HtmlTable("Evidence", ["metric", "value"], [[k, fmt(x, 4) if isinstance(x, float) else json.dumps(x)] for k, x in evidence.items()],
                                 "The metric values behind the verdict (see transforms/whatif/causes.py)."))
     if timeline_href:
         blocks.append(Text("Timeline (original and simulated ideal side by side, Chrome-trace JSON): open it in Perfetto (ui.perfetto.dev, Open trace file).",

@@ -20,18 +20,12 @@ import pandas as pd
 import pyarrow as pa
 
 from dashboards import charts
-from dashboards.html import HtmlTable, Numbers, Text, Chart, render_page
-from transforms.live import current_results
+from dashboards.html import Chart, HtmlTable, Numbers, Text, fmt, render_page
+from transforms.live_tables import current_results
 
 __all__ = ["live_job_page", "live_index_page", "live_version", "REFRESH_SECONDS"]
 
 REFRESH_SECONDS = 2.0
-
-
-def _fmt(value, digits: int = 3) -> str:
-    if value is None or (isinstance(value, float) and value != value):
-        return "n/a"
-    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
 def live_version(results: pa.Table, alerts: pa.Table) -> str:
@@ -113,16 +107,16 @@ def live_job_page(job_id: str, results: pa.Table, alerts: pa.Table, *, threshold
     latest = current.sort_values(["first_arrival", "session"]).iloc[-1].to_dict()
     missing = _listed(latest["missing_workers"])
     numbers = Numbers([
-        ("slowdown S", _fmt(latest["slowdown"]), f"session {latest['session']} r{latest['revision']} ({latest['reason']})"),
+        ("slowdown S", fmt(latest["slowdown"]), f"session {latest['session']} r{latest['revision']} ({latest['reason']})"),
         ("waste", "n/a" if latest["waste"] is None or latest["waste"] != latest["waste"] else f"{100 * latest['waste']:.1f}%",
          "1 - 1/S"),
-        ("verdict", _text(latest["verdict"]), f"confidence {_fmt(latest['verdict_confidence'], 2)}"),
+        ("verdict", _text(latest["verdict"]), f"confidence {fmt(latest['verdict_confidence'], 2)}"),
         ("status", latest["status"], _text(latest["error"], f"{latest['dp_ranks_analysed']} DP rank(s) analysed")),
         ("workers", f"{latest['workers_present']} / {latest['workers_expected']}",
          f"missing {[(w['dp_rank'], w['stage']) for w in missing][:6]}" if len(missing) else "all arrived"),
         ("alerts", str(alerts.num_rows), f"threshold {threshold:g}"),
     ])
-    table_rows = [[r["session"], r["revision"], r["reason"], r["status"], _fmt(r["slowdown"]), _text(r["verdict"]),
+    table_rows = [[r["session"], r["revision"], r["reason"], r["status"], fmt(r["slowdown"]), _text(r["verdict"]),
                    f"{r['workers_present']}/{r['workers_expected']}", r["duplicate_deliveries"],
                    pd.Timestamp(r["analysed"]).strftime("%Y-%m-%d %H:%M:%S")]
                   for r in current.sort_values(["first_arrival", "session"], ascending=False).to_dict("records")]
@@ -152,7 +146,7 @@ def live_index_page(results: pa.Table, alerts: pa.Table, job_href) -> str:
         latest = group.sort_values(["first_arrival", "session"]).iloc[-1]
         count = sum(1 for a in alerts["job_id"].to_pylist() if a == job_id)
         rows.append(f"<tr><td><a href=\"{html.escape(job_href(job_id))}\">{html.escape(job_id)}</a></td>"
-                    f"<td>{html.escape(str(latest['session']))}</td><td>{_fmt(latest['slowdown'])}</td>"
+                    f"<td>{html.escape(str(latest['session']))}</td><td>{fmt(latest['slowdown'])}</td>"
                     f"<td>{html.escape(_text(latest['verdict']))}</td><td>{count}</td></tr>")
     body = "\n".join(rows) or "<tr><td colspan=5>no session analysed yet</td></tr>"
     return f"""<!DOCTYPE html>

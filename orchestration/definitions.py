@@ -10,30 +10,31 @@ STRAG_PARTITIONS_START (first partition, default 2024-01-01).
 """
 from __future__ import annotations
 
+import datetime as dt
+
 import dagster as dg
 
-from orchestration.assets import DAILY, StragSettings, batch_tables, fleet_report
+from orchestration.assets import StragSettings, batch_tables, fleet_report
 
 __all__ = ["daily_job", "nightly_schedule", "defs", "NIGHTLY_HOUR_UTC"]
 
 NIGHTLY_HOUR_UTC = 2
 
+# Partitioned like its assets (DAILY): Dagster infers it from the selection.
 daily_job = dg.define_asset_job(
     "strag_daily",
     selection=dg.AssetSelection.assets(batch_tables, fleet_report),
-    partitions_def=DAILY,
     description="strag batch + strag report for the selected day(s)",
 )
 
-# For a daily-partitioned job the schedule targets the last complete partition: the tick
-# at 02:00 on day D runs partition D-1.
-nightly_schedule = dg.build_schedule_from_partitioned_job(
-    daily_job,
-    name="strag_nightly",
-    hour_of_day=NIGHTLY_HOUR_UTC,
-    minute_of_hour=0,
-    description="nightly: yesterday's partition of the batch tables, then the fleet report",
-)
+
+@dg.schedule(job=daily_job, cron_schedule=f"0 {NIGHTLY_HOUR_UTC} * * *", execution_timezone="UTC", name="strag_nightly",
+             description="nightly: yesterday's partition of the batch tables, then the fleet report")
+def nightly_schedule(context: dg.ScheduleEvaluationContext) -> dg.RunRequest:
+    """The tick at 02:00 UTC on day D runs partition D-1, the last complete day."""
+    day = context.scheduled_execution_time.astimezone(dt.timezone.utc).date() - dt.timedelta(days=1)
+    return dg.RunRequest(partition_key=day.isoformat())   # DAILY's keys are YYYY-MM-DD
+
 
 defs = dg.Definitions(
     assets=[batch_tables, fleet_report],

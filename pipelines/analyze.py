@@ -16,13 +16,14 @@ the original and ideal timelines as Chrome-trace JSON for Perfetto.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime as dt
 import json
 import pathlib
 import sys
 import time
+
+from pipelines.usage import ArgumentParser
 
 __all__ = ["AnalyzeOptions", "parse", "load_job", "summary", "run"]
 
@@ -74,7 +75,7 @@ class AnalyzeOptions:
 
 def parse(argv: list[str]) -> AnalyzeOptions:
     """Parse and validate the command line; exits with a usage message on bad arguments."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="strag analyze",
         description="What-if analysis of one training job (slowdown S, attribution, M_W, M_S).")
     parser.add_argument("trace", nargs="?", type=pathlib.Path,
@@ -101,6 +102,21 @@ def parse(argv: list[str]) -> AnalyzeOptions:
         parser.error(str(error))
 
 
+def _read_meta(path: pathlib.Path) -> dict:
+    """The fields of a meta yaml; ValueError naming the file when it is not a YAML mapping."""
+    import yaml
+
+    try:
+        fields = yaml.safe_load(path.read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise ValueError(f"--meta {path}: not a meta yaml ({type(error).__name__}); give the job's meta yaml "
+                         "(dp_size: N, pp_size: N, ...)") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"--meta {path}: not a meta yaml (it holds a {type(fields).__name__}, not 'key: value' lines); "
+                         "give the job's meta yaml (dp_size: N, pp_size: N, ...)")
+    return fields
+
+
 def load_job(opts: AnalyzeOptions):
     """(trace table, JobMeta, job id, source description, ConvertedJob or None) for the options' job."""
     import pyarrow.parquet as pq
@@ -118,9 +134,7 @@ def load_job(opts: AnalyzeOptions):
         return (converted.trace, JobMeta.from_mapping(converted.manifest), job_id,
                 f"{opts.trace} ({describe_source(converted.source)})", converted)
     if opts.trace is not None:
-        import yaml
-
-        fields = yaml.safe_load(opts.meta.read_text()) or {}
+        fields = _read_meta(opts.meta)
         missing = [name for name in ("dp_size", "pp_size") if name not in fields]
         if missing:
             raise ValueError(f"{opts.meta}: meta yaml lacks {missing}")

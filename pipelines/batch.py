@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import math
 import os
 import re
@@ -54,6 +53,7 @@ import fsspec
 import pyarrow as pa
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from pipelines.usage import ArgumentParser, configure_logs, worker_output
 from schemas.fleet import FLEET_TABLE_SPECS
 from schemas.expectations import REASONS
 from schemas.tables import BATCH_TABLES, QUARANTINE_SCHEMA, RUNS_DIR, STAGING_DIR
@@ -62,10 +62,10 @@ from transforms.commit import CommitConfig, CommitTables
 from transforms.convert import DEFAULT_FANOUT_RANKS, ConvertRawRanks, fan_out
 from transforms.elements import TableFragment
 from transforms.fleet import AggregateFleet, fleet_rollup_tables
-from transforms.lake import list_jobs
+from transforms.lake import LakeError, check_lake, list_jobs
 from transforms.match import MatchJobs, date_range
 
-__all__ = ["BatchOptions", "BatchUsageError", "parse", "pipeline_options", "dask_chunk", "window_groups", "MAX_GROUP", "make_pipeline", "build", "execute", "run", "quiet_logs", "check_single_terminal_step", "read_run_summary", "beam_counters", "RUNNERS"]
+__all__ = ["BatchOptions", "BatchUsageError", "parse", "pipeline_options", "dask_chunk", "window_groups", "MAX_GROUP", "make_pipeline", "list_lake", "build", "execute", "run", "quiet_logs", "check_single_terminal_step", "read_run_summary", "beam_counters", "RUNNERS"]
 
 DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
 RUNNERS = ("FnApiRunner", "DaskRunner", "PortableRunner", "FlinkRunner", "SparkRunner", "DataflowRunner")
@@ -105,7 +105,7 @@ class BatchOptions:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="strag batch",
         description="Validate and analyse every job window of a date range; write Hive-partitioned parquet tables "
                     f"({', '.join(BATCH_TABLES)}, job_cause and the fleet_* tables) under --out, replacing exactly "
@@ -214,13 +214,9 @@ def parse(argv: list[str]) -> BatchOptions:
 def _check_lake(lake: str) -> None:
     """A mistyped --lake must not publish empty partitions over real tables: the lake must exist."""
     try:
-        fs, root = fsspec.core.url_to_fs(lake)
-        exists = fs.exists(root) and any(fs.exists(f"{root}/{part}") for part in ("traces", "manifests", "raw", "_lake.json"))
-    except (OSError, ValueError, ImportError) as error:
-        raise BatchUsageError(f"--lake {lake}: cannot be opened ({type(error).__name__}: {error})") from None
-    if not exists:
-        raise BatchUsageError(f"--lake {lake}: no lake there (expected traces/, manifests/, raw/ or _lake.json); check the URL"
-                              + (" (memory:// is per process)" if _memory(lake) else ""))
+        check_lake(lake)
+    except LakeError as error:
+        raise BatchUsageError(str(error)) from None
 
 
 MAX_GROUP = 8
@@ -287,6 +283,12 @@ def make_pipeline(opts: BatchOptions, windows: int = 0) -> beam.Pipeline:
     return beam.Pipeline(runner=runner, options=options)
 
 
+def list_lake(opts: BatchOptions) -> tuple[list, list]:
+    """The run's one listing of the lake: (job windows of the date range, StrayEntries of the files it could not place)."""
+    strays: list = []
+    return list_jobs(opts.lake, opts.date_from, opts.date_to, strays=strays), strays
+
+
 def build(p: beam.Pipeline, opts: BatchOptions, jobs=None, strays=None):
     """Wire the batch pipeline on `p`; returns the PCollection of the run summary (one dict).
 
@@ -294,8 +296,7 @@ def build(p: beam.Pipeline, opts: BatchOptions, jobs=None, strays=None):
     StrayEntries of that listing (files it did not pick up), quarantined with their dates.
     """
     if jobs is None:
-        strays = []
-        jobs = list_jobs(opts.lake, opts.date_from, opts.date_to, strays=strays)
+        jobs, strays = list_lake(opts)
     big = [job for job in jobs if fan_out(job, opts.fanout_ranks)]
     jobs = [job for job in jobs if not fan_out(job, opts.fanout_ranks)]
     count = window_groups(opts, len(jobs))
@@ -352,10 +353,8 @@ def check_single_terminal_step(p: beam.Pipeline) -> None:
 
 
 def quiet_logs() -> None:
-    """Keep Beam's, GX's and Dask's INFO chatter out of the progress output."""
-    logging.getLogger().setLevel(logging.WARNING)
-    for noisy in ("great_expectations", "apache_beam", "distributed"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    """Keep Beam's, GX's and Dask's log lines out of the progress output (unless --verbose)."""
+    configure_logs()
 
 
 def _start_local_dask(workers: int):
@@ -406,17 +405,17 @@ def execute(opts: BatchOptions, jobs=None, strays=None) -> tuple[dict, dict[str,
     """Build and run the pipeline for parsed options; wait for it. Returns (run summary, Beam
     counters: empty on runners without metrics). jobs, strays: a lake listing already made, or None."""
     if jobs is None:
-        strays = []
-        jobs = list_jobs(opts.lake, opts.date_from, opts.date_to, strays=strays)
+        jobs, strays = list_lake(opts)
     p = make_pipeline(opts, len(jobs))
     build(p, opts, jobs, strays)
-    result = p.run()
-    try:
-        result.wait_until_finish()
-    finally:
-        client = getattr(result, "client", None)  # the Dask runner's client: close before its cluster goes
-        if client is not None:
-            client.close()
+    with worker_output():
+        result = p.run()
+        try:
+            result.wait_until_finish()
+        finally:
+            client = getattr(result, "client", None)  # the Dask runner's client: close before its cluster goes
+            if client is not None:
+                client.close()
     return read_run_summary(opts), beam_counters(result)
 
 
@@ -434,8 +433,7 @@ def run(argv: list[str]) -> int:
         opts = dataclasses.replace(opts, dask_address=cluster.scheduler_address)
     started = time.perf_counter()
     try:
-        strays: list = []
-        jobs = list_jobs(opts.lake, opts.date_from, opts.date_to, strays=strays)
+        jobs, strays = list_lake(opts)
         undated = [entry for entry in strays if entry.date is None]
         if undated:   # no date partition to quarantine them in: said here, every run
             print(f"strag batch: {len(undated)} folder(s) of the lake are not date partitions and are not read: "

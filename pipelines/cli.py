@@ -39,8 +39,9 @@ def date_argument(text: str) -> dt.date:
 
 def _usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: strag COMMAND [--help] [ARGS...]", "", "commands:"]
+    lines = ["usage: strag COMMAND [--help] [--verbose] [ARGS...]", "", "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "--verbose (any command): also show the log lines of Apache Beam and the other libraries"]
     return "\n".join(lines)
 
 
@@ -56,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"strag: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    from pipelines.usage import configure_logs, set_verbose
+
+    if "--verbose" in rest:   # before the import: Beam logs warnings as it is imported
+        set_verbose()
+    configure_logs()
     module = importlib.import_module(COMMANDS[name][0])
     run = getattr(module, "run_" + name.replace("-", "_"), None) or module.run
     return int(run(rest) or 0)

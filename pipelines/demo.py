@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import logging
 import pathlib
 import shutil
 import sys
@@ -20,11 +19,13 @@ import sys
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from pipelines.usage import ArgumentParser, configure_logs
+
 __all__ = ["parse", "run", "fleet_summary"]
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="strag demo", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="strag demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--lake", default="demo-lake", help="lake folder to (re)generate (default ./demo-lake)")
     parser.add_argument("--out", default="demo-out", help="folder for tables and reports (default ./demo-out)")
     parser.add_argument("--days", type=int, default=7, help="days of fleet (default 7)")
@@ -74,7 +75,7 @@ def run(argv: list[str]) -> int:
     from pipelines import batch, generate, report
 
     args = parse(argv)
-    logging.getLogger().setLevel(logging.ERROR)   # Beam's worker start-up chatter hides the demo's own output
+    configure_logs()   # Beam's worker start-up chatter would hide the demo's own output
     lake, out = pathlib.Path(args.lake).resolve(), pathlib.Path(args.out).resolve()
     # The demo owns these folders: start from a clean lake so the generated fleet is the one described.
     shutil.rmtree(lake, ignore_errors=True)

@@ -10,7 +10,6 @@ raw source record), else the job id and 0.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime as dt
 import json
@@ -19,6 +18,7 @@ import sys
 import numpy as np
 
 from pipelines.cli import date_argument
+from pipelines.usage import ArgumentParser
 
 __all__ = ["EXPORT_FORMATS", "ExportOptions", "ExportSummary", "export_job", "parse", "run"]
 
@@ -89,13 +89,13 @@ def export_job(options: ExportOptions) -> ExportSummary:
 
 
 def parse(argv: list[str]) -> ExportOptions:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="strag export",
         description="Export a lake job as raw profiler output (NDTimeline JSON-lines records + job.yaml). "
                     "--out {lake}/raw/ndtimeline/date=D/job_id=J lands it for `strag import`.")
     parser.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="raw format to write")
     parser.add_argument("--lake", required=True, help="lake URL (path, file://, memory://, s3://)")
-    parser.add_argument("--job-id", required=True)
+    parser.add_argument("--job-id", required=True, help="the lake job to export")
     parser.add_argument("--date", type=date_argument, default=None, help="date partition YYYY-MM-DD (needed when the job has several)")
     parser.add_argument("--out", required=True, help="output folder (path or fsspec URL)")
     args = parser.parse_args(argv)

@@ -12,6 +12,8 @@ import argparse
 import datetime as dt
 import sys
 
+from pipelines.usage import ArgumentParser
+
 __all__ = ["parse", "run"]
 
 
@@ -31,7 +33,7 @@ def _fraction(text: str) -> float:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     """Parse and validate the command line (raises SystemExit with a message on bad arguments)."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="strag generate",
         description="Write a synthetic fleet (traces, manifests, truth table) into a lake. "
                     "Jobs have 128 to 6,144 GPUs; a job's trace is capped at --max-records op records "

@@ -11,12 +11,12 @@ the manifest file's metadata. Exit code 2 with the reason on bad input.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime as dt
 import sys
 
 from pipelines.cli import date_argument
+from pipelines.usage import ArgumentParser
 from schemas.raw import JOB_YAML, RAW_FORMATS, raw_format_of
 
 __all__ = ["ImportOptions", "parse", "raw_files", "import_raw", "run"]
@@ -81,7 +81,7 @@ def import_raw(options: ImportOptions):
 
 
 def parse(argv: list[str]) -> ImportOptions:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="strag import",
         description="Convert one job's raw profiler output (torch.profiler traces, one per rank, or NDTimeline "
                     "records) into a lake job.")

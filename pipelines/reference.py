@@ -30,7 +30,6 @@ analyzer's JobMeta fields (trial_name = the imported trial, else the job id).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime as dt
 import json
@@ -44,10 +43,11 @@ import pyarrow.parquet as pq
 import yaml
 
 from pipelines.cli import date_argument
+from pipelines.usage import ArgumentParser
+from schemas.trace import PUBLISHED_COLUMNS
 from transforms.lake import LakeJob, filesystem, find_job, read_manifest_table, read_trace_files, write_job
 
 __all__ = [
-    "PUBLISHED_COLUMNS",
     "META_FIELDS",
     "REFERENCE_META_KEY",
     "ReferenceFormatError",
@@ -64,20 +64,6 @@ __all__ = [
     "run_export_reference",
 ]
 
-# column -> published type (the authors' pandas dtypes)
-PUBLISHED_COLUMNS: dict[str, pa.DataType] = {
-    "dp_rank": pa.int8(),
-    "stage": pa.int8(),
-    "rank": pa.int16(),
-    "step": pa.int64(),
-    "optype": pa.dictionary(pa.int8(), pa.string()),
-    "start_ts": pa.float32(),
-    "duration": pa.float32(),
-    "seq_id": pa.int32(),
-    "mc": pa.int8(),
-    "mb_id": pa.int8(),
-    "gmc": pa.int16(),
-}
 # The analyzer builds JobMeta(**yaml): exactly these keys, in the published order.
 META_FIELDS = ("trial_name", "run_id", "dp_size", "dsp_size", "pp_size", "tp_size", "vpp_size", "world_size")
 SIZE_FIELDS = ("dp_size", "dsp_size", "pp_size", "tp_size", "vpp_size", "world_size")
@@ -266,7 +252,7 @@ def export_reference(options: ExportOptions) -> tuple[str, str, list[str]]:
 
 
 def parse_import(argv: list[str]) -> ImportOptions:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="strag import-reference",
         description="Import a published trace (parquet + meta yaml) as one lake job, losslessly.")
     parser.add_argument("trace", help="trace-*.parquet in the published format")
@@ -281,12 +267,12 @@ def parse_import(argv: list[str]) -> ImportOptions:
 
 
 def parse_export(argv: list[str]) -> ExportOptions:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="strag export-reference",
         description="Export a lake job as a published-format trace parquet + meta yaml "
                     "(input for the authors' analyzer).")
     parser.add_argument("--lake", required=True, help="lake URL (path, file://, memory://, s3://)")
-    parser.add_argument("--job-id", required=True)
+    parser.add_argument("--job-id", required=True, help="the lake job to export")
     parser.add_argument("--out", required=True, help="output folder (path or fsspec URL)")
     parser.add_argument("--date", type=date_argument, default=None, help="date partition (needed when the job has several)")
     args = parser.parse_args(argv)

@@ -14,7 +14,6 @@ traces; everything else comes from the tables).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import pathlib
 import sys
@@ -23,6 +22,8 @@ import time
 import urllib.parse
 
 import fsspec
+
+from pipelines.usage import ArgumentParser
 
 __all__ = ["ReportOptions", "parse", "build", "run"]
 
@@ -58,7 +59,7 @@ class ReportOptions:
 
 
 def parse(argv: list[str]) -> ReportOptions:
-    parser = argparse.ArgumentParser(prog="strag report", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="strag report", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tables", required=True, help="output URL of `strag batch` (local folder, file://, s3://)")
     parser.add_argument("--out", required=True, help="report folder (local path or fsspec URL)")
     parser.add_argument("--jobs", default="straggling",
@@ -125,7 +126,7 @@ def build(opts: ReportOptions, out_dir: pathlib.Path) -> dict:
             result = check_page(page)
             result.raise_for_problems()
             checked.append(page)
-    return {"report": report, "job_pages": len(pages), "checked": len(checked), "fleet_source": data.fleet_source,
+    return {"report": report, "job_pages": len(pages), "checked": len(checked),
             "timelines": timelines, "seconds": time.perf_counter() - started}
 
 
@@ -176,11 +177,14 @@ def run(argv: list[str]) -> int:
             with tempfile.TemporaryDirectory(prefix="strag-report-") as staging:
                 summary = build(opts, pathlib.Path(staging))
                 fs.put(staging.rstrip("/") + "/", root.rstrip("/") + "/", recursive=True)
-    except (ReportDataError, BrowserError, ValueError, KeyError) as error:
+    except (ReportDataError, ValueError, KeyError) as error:   # the command line names something that is not there
+        print(f"strag report: {error}", file=sys.stderr)
+        return 2
+    except BrowserError as error:   # --check: a page did not render
         print(f"strag report: {error}", file=sys.stderr)
         return 1
     where = opts.out.rstrip("/")
-    print(f"fleet report: {where}/index.html ({summary['fleet_source']})")
+    print(f"fleet report: {where}/index.html")
     print(f"job pages:    {summary['job_pages']} under {where}/jobs/" + (f", {summary['checked']} pages checked in Chromium" if opts.check else "")
           + (f", {summary['timelines']} Perfetto timelines under {where}/timelines/" if opts.lake else ""))
     print(f"done in {summary['seconds']:.1f} s")

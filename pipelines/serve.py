@@ -14,7 +14,6 @@ proxy with authentication in front to share them.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import http.server
 import json
@@ -25,8 +24,9 @@ import uuid
 
 import pyarrow.compute as pc
 
+from pipelines.usage import ArgumentParser
 from schemas.live import ALERTS, LIVE_RESULTS
-from transforms.live import DEFAULT_THRESHOLD, read_live_table
+from transforms.live_tables import DEFAULT_THRESHOLD, read_live_table
 
 __all__ = ["ServeOptions", "parse", "make_server", "serve_in_thread", "run"]
 
@@ -41,7 +41,7 @@ class ServeOptions:
 
 
 def parse(argv: list[str]) -> ServeOptions:
-    parser = argparse.ArgumentParser(prog="strag serve", description="Serve the live per-job monitor pages (from `strag watch` tables).")
+    parser = ArgumentParser(prog="strag serve", description="Serve the live per-job monitor pages (from `strag watch` tables).")
     parser.add_argument("--tables", required=True, help="the `strag watch --out` URL (live_results/, alerts/ under it)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 = any free port)")

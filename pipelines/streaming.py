@@ -32,8 +32,10 @@ import time
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from pipelines.usage import ArgumentParser
 from transforms.analyze_sessions import AnalyzeSessions
 from transforms.landing import WatchConfig, WatchLanding
+from transforms.lake import LakeError, check_lake
 from transforms.live import DEFAULT_THRESHOLD, AlertConfig, EmitLiveResults, WriteLiveQuarantine, count_live_sessions
 from transforms.sessions import AssembleSessions, AssemblyConfig
 
@@ -72,7 +74,7 @@ class WatchOptions:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="strag watch",
         description="Streaming monitor: assemble profiling sessions as they land, analyse each, "
                     "append results to the live table and alert when S crosses the threshold or the verdict changes.",
@@ -108,6 +110,10 @@ def parse(argv: list[str]) -> WatchOptions:
         parser.error("--max-runtime must be > 0 seconds")
     if args.stop_after_sessions is not None and args.stop_after_sessions < 1:
         parser.error("--stop-after-sessions must be >= 1")
+    try:   # a mistyped --lake would otherwise be watched, silently, forever
+        check_lake(args.lake.rstrip("/"), parts=())
+    except LakeError as error:
+        parser.error(str(error))
     return WatchOptions(lake=args.lake.rstrip("/"), out=args.out.rstrip("/"), threshold=args.threshold,
                         session_timeout=args.session_timeout, retain=args.retain, poll_interval=args.poll_interval,
                         status_interval=args.status_interval,

@@ -25,6 +25,7 @@ __all__ = [
     "landing_dir",
     "parse_partition",
     "safe_job_id",
+    "iso_date",
 ]
 
 TRACES = "traces"
@@ -56,12 +57,12 @@ def _join(lake: str, *parts: str) -> str:
 
 def trace_dir(lake: str, date: dt.date | str, job_id: str) -> str:
     """Folder holding one job's trace files for one date partition (ValueError on an unsafe job id)."""
-    return _join(lake, TRACES, f"date={_iso(date)}", f"job_id={safe_job_id(job_id)}")
+    return _join(lake, TRACES, f"date={iso_date(date)}", f"job_id={safe_job_id(job_id)}")
 
 
 def manifest_path(lake: str, date: dt.date | str, job_id: str) -> str:
     """Parquet file holding one job's manifest row for one date partition (ValueError on an unsafe job id)."""
-    return _join(lake, MANIFESTS, f"date={_iso(date)}", f"{safe_job_id(job_id)}.parquet")
+    return _join(lake, MANIFESTS, f"date={iso_date(date)}", f"{safe_job_id(job_id)}.parquet")
 
 
 def landing_dir(lake: str, job_id: str, session: str | int) -> str:
@@ -79,5 +80,6 @@ def parse_partition(path: str) -> dict[str, str]:
     return out
 
 
-def _iso(date: dt.date | str) -> str:
-    return date.isoformat() if isinstance(date, dt.date) else dt.date.fromisoformat(date).isoformat()
+def iso_date(date: dt.date | str) -> str:
+    """A date or date text as YYYY-MM-DD (ValueError for text that is no date)."""
+    return date.isoformat() if isinstance(date, dt.date) else dt.date.fromisoformat(str(date)).isoformat()

@@ -52,6 +52,7 @@ __all__ = [
     "partition_path",
     "table_path",
     "read_table",
+    "table_exists",
 ]
 
 TABLES_SCHEMA_VERSION = "1"
@@ -255,17 +256,32 @@ def partition_path(out: str, table: str, date: dt.date | str | None) -> str:
     return f"{table_path(out, table)}/{PARTITION_KEY}={iso}"
 
 
+def table_exists(out: str, table: str, *, storage_options: dict | None = None) -> bool:
+    """Whether the folder of `table` exists under the output URL `out` (it may still hold no files)."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(table_path(out, table), **(storage_options or {}))
+    return fs.exists(root)
+
+
+def _published_spec(table: str) -> TableSpec | None:
+    """The spec of a table the batch publishes: a per-job table, or a fleet table (schemas/fleet.py)."""
+    from schemas.fleet import FLEET_TABLE_SPECS   # schemas.fleet builds on this module
+
+    return BATCH_TABLES.get(table) or FLEET_TABLE_SPECS.get(table)
+
+
 def read_table(out: str, table: str, *, storage_options: dict | None = None) -> pa.Table:
     """Read one published table (every partition) with its `date` column, as DuckDB or Spark would.
 
-    out: the batch pipeline's --out URL; table: a table name. Returns an empty table with
-    the known schema when the table has no files yet. Staging and run folders are never read.
+    out: the batch pipeline's --out URL; table: a table name (per-job or fleet). Returns an
+    empty table with the known schema when the table has no files yet. Staging and run folders are never read.
     """
     import fsspec
     import pyarrow.dataset as ds
 
     fs, root = fsspec.core.url_to_fs(table_path(out, table), **(storage_options or {}))
-    spec = BATCH_TABLES.get(table)
+    spec = _published_spec(table)
     files = sorted(p for p in fs.find(root) if p.endswith(".parquet") and "/." not in p[len(root):]) if fs.exists(root) else []
     if not files:
         if spec is None:

@@ -18,6 +18,7 @@ __all__ = [
     "TRACE_REQUIRED",
     "MANIFEST_SCHEMA",
     "WORKER_STRUCT",
+    "PUBLISHED_COLUMNS",
 ]
 
 SCHEMA_VERSION = "1"
@@ -100,3 +101,19 @@ MANIFEST_SCHEMA = pa.schema(
     ],
     metadata={"strag.schema_version": SCHEMA_VERSION, "strag.table": "manifest"},
 )
+
+# The authors' published trace format (strag import-reference / export-reference):
+# column -> published type (their pandas dtypes).
+PUBLISHED_COLUMNS: dict[str, pa.DataType] = {
+    "dp_rank": pa.int8(),
+    "stage": pa.int8(),
+    "rank": pa.int16(),
+    "step": pa.int64(),
+    "optype": pa.dictionary(pa.int8(), pa.string()),
+    "start_ts": pa.float32(),
+    "duration": pa.float32(),
+    "seq_id": pa.int32(),
+    "mc": pa.int8(),
+    "mb_id": pa.int8(),
+    "gmc": pa.int16(),
+}

@@ -63,20 +63,35 @@ def test_fleet_report_numbers_come_from_the_tables(data, tmp_path):
     points = [row for values in spec["datasets"].values() for row in values if "cumulative_share" in row]
     job_weighted = data.fleet_period("fleet_distribution").query("metric == 'slowdown' and weighting == 'job'")
     assert max(p["cumulative_share"] for p in points) == pytest.approx(1.0)
-    assert len([p for p in points if p["series"] == "job"]) == len(job_weighted) + 1  # + the zero start
+    job_series = charts.WEIGHTING_LABELS["job"]
+    assert len([p for p in points if p["series"] == job_series]) == len(job_weighted) + 1  # + the zero start
 
 
-def test_fleet_tables_from_per_job_tables_equal_the_published_state(tables, data, tmp_path):
-    """The report's fallback (no fleet_state) runs the same CombineFns: same numbers."""
+def test_report_reads_the_published_rollups_which_merge_every_dates_state(tables, data):
+    """The report recomputes nothing: its fleet frames are the fleet_*_rollup tables, and those
+    equal the rollups rebuilt here from the published fleet_state of every date."""
+    from schemas.tables import read_table
+    from transforms.fleet import rollup_fleet
+
+    rebuilt = rollup_fleet(read_table(str(tables), "fleet_state"))
+    assert set(data.fleet) == set(rebuilt)
+    for name, table in rebuilt.items():
+        expected = table.to_pandas()
+        keys = [c for c in expected.columns if expected[c].map(lambda v: isinstance(v, (str, int, dt.date))).all()]
+        ordered = [frame.sort_values(keys).reset_index(drop=True) for frame in (data.fleet[name], expected)]
+        pd.testing.assert_frame_equal(*ordered, check_exact=True, obj=name)
+
+
+def test_report_without_rollup_tables_says_to_rerun_the_batch(tables, tmp_path):
     import shutil
+
+    from dashboards.data import ReportDataError
 
     copy = tmp_path / "copy"
     shutil.copytree(tables, copy)
-    shutil.rmtree(copy / "fleet_state")
-    fallback = load_report_data(str(copy))
-    assert fallback.fleet_source == "per-job tables" and data.fleet_source == "fleet_state"
-    for name in data.fleet:
-        pd.testing.assert_frame_equal(fallback.fleet[name], data.fleet[name], check_exact=True, obj=name)
+    shutil.rmtree(copy / "fleet_host_rollup")
+    with pytest.raises(ReportDataError, match=r"no fleet_host_rollup under .*strag batch"):
+        load_report_data(str(copy))
 
 
 def test_job_page_shows_the_smon_views(data, tmp_path):
@@ -117,11 +132,69 @@ def test_report_cli_builds_pages_for_straggling_jobs(tables, data, tmp_path, cap
 
 
 def test_report_cli_explains_missing_tables(tmp_path, capsys):
-    assert report.run(["--tables", str(tmp_path / "empty"), "--out", str(tmp_path / "r")]) == 1
-    assert "run `strag batch" in capsys.readouterr().err
+    assert report.run(["--tables", str(tmp_path / "empty"), "--out", str(tmp_path / "r")]) == 2
+    assert "give --tables the --out of `strag batch`" in capsys.readouterr().err
 
 
 def test_report_cli_rejects_unknown_job_ids(tables, tmp_path, capsys):
-    assert report.run(["--tables", str(tables), "--out", str(tmp_path / "r"), "--jobs", "job-000-00,ghost"]) == 1
+    assert report.run(["--tables", str(tables), "--out", str(tmp_path / "r"), "--jobs", "job-000-00,ghost"]) == 2
     assert "ghost" in capsys.readouterr().err
     assert report.run(["--tables", str(tables), "--out", str(tmp_path / "r"), "--images", "gif"]) == 2
+
+
+def _chart_rows(chart) -> list[dict]:
+    spec = chart.to_dict()
+    return [row for values in spec.get("datasets", {}).values() for row in values]
+
+
+def test_host_chart_shows_only_blamed_hosts_on_a_whole_number_axis():
+    host = pd.DataFrame({"host": ["a", "b", "c"], "implicated_jobs": [3, 1, 0], "straggling_workers": [4, 1, 9],
+                         "repeat_offender": [True, False, False], "job_windows": [5, 2, 9], "slowdown_max": [1.3, 1.2, 1.1]})
+    chart = charts.host_chart(host, "hosts")
+    assert sorted(r["host"] for r in _chart_rows(chart)) == ["a", "b"]
+    axis = chart.to_dict()["encoding"]["x"]["axis"]
+    assert axis["values"] == [0, 1, 2, 3] and axis["format"] == "d"
+    never = charts.host_chart(host.assign(implicated_jobs=0), "hosts").to_dict()
+    assert "no host was blamed" in json.dumps(never)
+
+
+def test_step_line_is_broken_where_steps_were_not_sampled():
+    steps = pd.DataFrame({"step": [35, 37, 38, 40, 48, 49, 111, 113, 114], "slowdown": 1.1, "step_time": 1.0, "step_time_ideal": 0.9})
+    runs = {r["step"]: r["run"] for r in _chart_rows(charts.step_slowdown_chart(steps, 1.1, "steps")) if "step" in r}
+    assert runs[49] != runs[111]                 # 62 steps unsampled: no line across
+    assert runs[35] == runs[40] and runs[111] == runs[114]
+
+
+def test_every_heatmap_uses_one_colour_scale(data):
+    summary = data.jobs["job_summary"]
+    row = summary[summary["attributed"] & ~summary["discarded"]].iloc[0]
+    scales = [
+        charts.position_chart(data.fleet_period("fleet_position"), "p").to_dict()["encoding"]["color"]["scale"],
+        charts.worker_heatmap(data.job("worker_attribution", row.date, row.job_id), "w").to_dict()["layer"][0]["encoding"]["color"]["scale"],
+        charts.step_heatmap(data.job("stage_attribution", row.date, row.job_id), "stage", "s").to_dict()["encoding"]["color"]["scale"],
+    ]
+    assert all(scale == scales[0] for scale in scales) and scales[0]["domain"] == list(charts.HEATMAP_DOMAIN)
+
+
+def test_category_cdf_has_a_panel_per_category_with_its_job_count(data):
+    distribution = data.fleet_period("fleet_distribution")
+    categories = distribution[distribution["metric"].str.startswith("optype_slowdown:")].copy()
+    categories["category"] = categories["metric"].str.split(":").str[1]
+    panels = {r["panel"] for r in _chart_rows(charts.category_cdf_chart(categories, "t"))}
+    jobs = categories[categories["weighting"] == "job"].groupby("category")["count"].sum()
+    assert len(panels) == categories["category"].nunique()
+    assert all(any(p.startswith(f"{c}: {n} job windows") for p in panels) for c, n in jobs.items())
+
+
+def test_readme_sql_example_runs_on_the_tables(tables, data):
+    """The README's DuckDB query (the `sql` extra), run as written on published tables."""
+    import pathlib
+
+    import duckdb
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    query = re.search(r"```sql\n(.*?)```", readme, re.S).group(1)
+    rows = duckdb.sql(query.replace("demo-out", str(tables))).df()
+    kept = data.jobs["job_summary"].query("not discarded").sort_values("wasted_gpu_hours", ascending=False).head(10)
+    assert list(rows["job_id"]) == list(kept["job_id"])
+    assert [d.isoformat() for d in pd.to_datetime(rows["date"]).dt.date] == [d.isoformat() for d in kept["date"]]

@@ -310,6 +310,7 @@ def test_storage_errors_propagate_unchanged(monkeypatch):
 def test_export_of_an_absent_job_exits_2(tmp_path, capsys):
     from pipelines.cli import main
 
+    (tmp_path / "traces").mkdir()   # a lake, without that job
     assert main(["export", "--format", "ndtimeline", "--lake", str(tmp_path), "--job-id", "nope", "--out", str(tmp_path)]) == 2
     error = capsys.readouterr().err
     assert error.startswith("strag export: ") and "'nope'" in error

@@ -47,7 +47,8 @@ def direct_batch(lake: str, out: pathlib.Path, first: str, last: str) -> dict[st
 
 def test_nightly_schedule_runs_yesterdays_partition():
     schedule = defs.resolve_schedule_def("strag_nightly")
-    tick = dg.build_schedule_context(scheduled_execution_time=dt.datetime(2024, 3, 5, 2, 0, tzinfo=dt.timezone.utc))
+    tick = dg.build_schedule_context(scheduled_execution_time=dt.datetime(2024, 3, 5, 2, 0, tzinfo=dt.timezone.utc),
+                                     repository_def=defs.get_repository_def())
     requests = schedule.evaluate_tick(tick).run_requests
     assert [r.partition_key for r in requests] == ["2024-03-04"]
     assert schedule.cron_schedule == "0 2 * * *"

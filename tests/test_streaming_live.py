@@ -9,7 +9,8 @@ from apache_beam.runners.direct.direct_runner import BundleBasedDirectRunner
 from apache_beam.testing import test_stream
 
 from live_rows import live_row as result
-from transforms.live import AlertConfig, AlertState, EmitLiveResults, count_live_sessions, current_results, read_live_table
+from transforms.live import AlertConfig, AlertState, EmitLiveResults
+from transforms.live_tables import count_live_sessions, current_results, read_live_table
 
 
 def kinds(state, rows, threshold=1.1):
@@ -106,7 +107,7 @@ def test_live_table_reads_each_file_once(tmp_path, monkeypatch):
     new and rewritten ones are."""
     import fsspec
 
-    import transforms.live as live
+    import transforms.live_tables as live
     from live_rows import land_row
 
     out = str(tmp_path / "out")

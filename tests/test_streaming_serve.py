@@ -97,3 +97,15 @@ def test_an_error_answers_500_without_the_exception_text(served, monkeypatch, ca
     body = caught.value.read().decode()
     assert caught.value.code == 500 and "internal error" in body and "secret" not in body and "RuntimeError" not in body
     assert "secret path" in capsys.readouterr().err
+
+
+def test_serve_and_the_live_pages_do_not_import_beam():
+    """`strag serve` only reads the live tables: loading it must not pay for Apache Beam."""
+    import pathlib
+    import subprocess
+    import sys
+
+    code = "import sys, pipelines.serve, dashboards.live_page; print(sorted(m for m in sys.modules if m.startswith('apache_beam'))[:3])"
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                           cwd=pathlib.Path(__file__).parents[1])
+    assert shown.stdout.strip() == "[]"

@@ -18,7 +18,7 @@ import pytest
 from pipelines import streaming
 from transforms.landing import land_generated_session, session_trace, split_workers
 from transforms.lake import write_parquet
-from transforms.live import current_results, read_live_table
+from transforms.live_tables import current_results, read_live_table
 from transforms.synth.faults import Cause
 from transforms.synth.job import JobSpec, generate_job
 from transforms.whatif import analyze_job
@@ -56,6 +56,7 @@ def jobs():
 def test_watch_assembles_corrects_and_alerts_while_files_land(tmp_path, jobs):
     clean, slow = jobs
     lake, out = str(tmp_path / "lake"), str(tmp_path / "out")
+    (tmp_path / "lake").mkdir()   # watch refuses a --lake that is not there (a typo would be watched forever)
     argv = ["--lake", lake, "--out", out, "--session-timeout", "2", "--poll-interval", "0.2",
             "--stop-after-sessions", "3", "--max-runtime", str(DEADLINE_SECONDS)]
     codes = []

@@ -43,6 +43,7 @@ import pyarrow.parquet as pq
 
 from schemas.tables import BATCH_TABLES, PART_FILE, RUNS_DIR, STAGING_DIR, TableSpec, partition_path
 from transforms.elements import PHASES, JobOutcome, JobStats
+from transforms.lake import is_local, write_file_atomic
 
 __all__ = [
     "CommitConfig",
@@ -178,34 +179,10 @@ def parquet_bytes(table: pa.Table) -> bytes:
     return sink.getvalue()
 
 
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    return "file" in protocol or "local" in protocol
-
-
-def _write_file(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
-    """Write a whole file so that readers see either nothing/the old file or the new one.
-
-    Local disk: write a hidden temp file beside it, then rename over (atomic on POSIX).
-    Object stores: a single PUT is atomic per object.
-    """
-    parent = path.rsplit("/", 1)[0]
-    fs.makedirs(parent, exist_ok=True)
-    if _is_local(fs):
-        temp = f"{parent}/.{path.rsplit('/', 1)[1]}.{os.getpid()}.writing"
-        with open(temp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    else:
-        fs.pipe_file(path, data)
-
-
 def _move_file(fs: fsspec.AbstractFileSystem, source: str, target: str) -> None:
     """Replace `target` by `source` in one atomic step (local rename / server-side object copy)."""
     fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
-    if _is_local(fs):
+    if is_local(fs):
         os.replace(source, target)
     else:
         fs.copy(source, target)
@@ -233,7 +210,7 @@ def stage_partition(config: CommitConfig, table: str, date: str | None, parts: I
     parts = [conform_rows(p, spec, where, sort=False) for p in parts]   # one schema, so they concatenate
     rows = conform_rows(pa.concat_tables(parts) if parts else spec.schema.empty_table(), spec, where)
     fs, root = _fs(config.staging)
-    _write_file(fs, f"{root}/{_relative(table, date)}/{PART_FILE}", parquet_bytes(rows))
+    write_file_atomic(fs, f"{root}/{_relative(table, date)}/{PART_FILE}", parquet_bytes(rows))
     return StagedPartition(table, date, rows.num_rows, time.perf_counter() - started)
 
 
@@ -279,7 +256,7 @@ def publish_run(config: CommitConfig, staged: Iterable[StagedPartition], stats: 
     summary = summarize_run(stats, staged)
     summary.update(run_id=config.run_id, out=config.out, dates=[config.dates[0], config.dates[-1]])
     summary["seconds"]["publish"] = time.perf_counter() - started
-    _write_file(fs, f"{root}/{RUNS_DIR}/{config.run_id}.json", json.dumps(summary, indent=1, sort_keys=True).encode())
+    write_file_atomic(fs, f"{root}/{RUNS_DIR}/{config.run_id}.json", json.dumps(summary, indent=1, sort_keys=True).encode())
     return summary
 
 

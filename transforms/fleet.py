@@ -136,87 +136,44 @@ class JobFacts:
         return self.gpu_hours * self.waste
 
 
-def _frame(tables: Mapping[str, pa.Table], name: str, date: str | None):
-    """The rows of one per-job table as a pandas frame with a `date` ISO-text column."""
-    table = tables.get(name)
-    if table is None or table.num_rows == 0:
-        return None
-    frame = table.to_pandas()
-    if "date" in frame.columns:
-        frame["date"] = frame["date"].map(lambda d: d.isoformat() if isinstance(d, dt.date) else str(d))
-    elif date is not None:
-        frame["date"] = date
-    else:
-        raise ValueError(f"table {name} has no date column and no date was given")
-    return frame
-
-
-def _groups(frame, by=("date", "job_id")) -> dict:
-    return {} if frame is None else {key: group for key, group in frame.groupby(list(by), sort=False)}
+def _windows(tables: Mapping[str, pa.Table], date: str | None) -> dict[tuple[str, str], dict[str, pa.Table]]:
+    """Per-job tables cut into one {table: rows} per (ISO date, job_id), without their `date` column."""
+    windows: dict[tuple[str, str], dict[str, pa.Table]] = {}
+    for name, table in tables.items():
+        if table is None or table.num_rows == 0:
+            continue
+        if "date" in table.column_names:
+            dates = [d.isoformat() if isinstance(d, dt.date) else str(d) for d in table["date"].to_pylist()]
+            table = table.drop_columns(["date"])
+        elif date is not None:
+            dates = [date] * table.num_rows
+        else:
+            raise ValueError(f"table {name} has no date column and no date was given")
+        rows: dict[tuple[str, str], list[int]] = {}
+        for index, key in enumerate(zip(dates, table["job_id"].to_pylist())):
+            rows.setdefault(key, []).append(index)
+        for key, indices in rows.items():
+            windows.setdefault(key, {})[name] = table.take(indices)
+    return windows
 
 
 def job_facts_from_tables(tables: Mapping[str, pa.Table], date: str | dt.date | None = None) -> list[JobFacts]:
     """JobFacts of every job window in per-job tables (schemas/tables.py + job_cause).
 
     tables: table name -> rows, either as read from the output URL (with a `date` column)
-    or as one window's JobOutcome tables (no `date` column: pass `date`). Windows are
-    taken from `coverage` (every window seen), completed from job_summary, step_slowdown,
-    optype_attribution (window rows, step null), worker_attribution and job_cause. Out:
-    JobFacts sorted by (date, job_id).
+    or as one window's JobOutcome tables (no `date` column: pass `date`). Windows are the
+    ones `coverage` or job_summary name (a window only in job_summary gets its status from
+    `discarded`); each is read by window_facts. Out: JobFacts sorted by (date, job_id).
     """
     iso = date.isoformat() if isinstance(date, dt.date) else date
-    coverage = _frame(tables, "coverage", iso)
-    summary = _groups(_frame(tables, "job_summary", iso))
-    steps = _groups(_frame(tables, "step_slowdown", iso))
-    optypes = _frame(tables, "optype_attribution", iso)
-    if optypes is not None:
-        optypes = optypes[optypes["step"].isna()]
-    optypes = _groups(optypes)
-    workers = _groups(_frame(tables, "worker_attribution", iso))
-    causes = _groups(_frame(tables, "job_cause", iso))
-    windows: dict[tuple[str, str], dict] = {}
-    if coverage is not None:
-        for row in coverage.to_dict("records"):
-            windows[(row["date"], row["job_id"])] = row
-    for key, group in summary.items():
-        windows.setdefault(key, {"status": "discarded" if bool(group["discarded"].iloc[0]) else "analysed"})
     out = []
-    for key in sorted(windows):
-        window_date, job_id = key
-        row = windows[key]
-        facts = {"job_id": job_id, "date": dt.date.fromisoformat(window_date), "status": row["status"]}
-        reason = row.get("reason_code")
-        facts["reason"] = reason if isinstance(reason, str) else ""   # pandas gives NaN for an all-null column
-        if isinstance(row.get("source_format"), str):
-            facts["source_format"] = row["source_format"]
-        if row.get("gpus") is not None and not (isinstance(row.get("gpus"), float) and math.isnan(row["gpus"])):
-            facts["gpus"] = int(row["gpus"])
-        if row.get("gpu_hours") is not None and math.isfinite(row["gpu_hours"]):
-            facts["gpu_hours"] = float(row["gpu_hours"])
-        if key in summary:
-            head = summary[key].iloc[0]
-            facts.update(gpus=int(head["gpus"]), gpu_hours=float(head["gpu_hours"]), pp_size=int(head["pp_size"]))
-            if facts["status"] == "analysed":
-                facts["slowdown"] = float(head["slowdown"])
-        if facts["status"] == "analysed":
-            if key in steps:
-                facts["step_slowdown"] = steps[key].sort_values("step")["slowdown"].to_numpy(np.float64)
-            if key in optypes:
-                facts["optype_slowdown"] = dict(zip(optypes[key]["optype"], optypes[key]["slowdown"].astype(float)))
-            if key in workers:
-                group = workers[key].sort_values(["dp_rank", "stage"])
-                facts["worker_dp_rank"] = group["dp_rank"].to_numpy(np.int64)
-                facts["worker_stage"] = group["stage"].to_numpy(np.int64)
-                facts["worker_host"] = tuple("" if h is None or h != h else str(h) for h in group["host"])
-                facts["worker_slowdown"] = group["slowdown_worker"].to_numpy(np.float64, na_value=np.nan)
-            if key in causes:
-                verdict = causes[key].iloc[0]
-                facts["cause"] = verdict["cause"]
-                facts["causes"] = tuple(verdict["causes"])
-                facts["implicated_hosts"] = tuple(verdict["implicated_hosts"])
-                savings = verdict["savings_gpu_hours"]
-                facts["savings_gpu_hours"] = float(savings) if savings is not None and savings == savings else 0.0
-        out.append(JobFacts(**facts))
+    for (window_date, job_id), window in sorted(_windows(tables, iso).items()):
+        if "coverage" not in window:
+            if "job_summary" not in window:
+                continue
+            discarded = bool(window["job_summary"]["discarded"][0].as_py())
+            window["coverage"] = pa.Table.from_pylist([{"job_id": job_id, "status": "discarded" if discarded else "analysed"}])
+        out.append(window_facts(window, window_date))
     return out
 
 
@@ -853,26 +810,16 @@ def fleet_rollup_tables(out: str) -> dict[str, pa.Table]:
     In: the batch output URL (its fleet_state partitions are already published). Out:
     {"fleet_<name>_rollup": table} for every fleet table, ready to publish unpartitioned.
     """
-    from schemas.tables import read_table
+    from schemas.tables import read_table, table_exists
 
-    states = read_table(out, FLEET_STATE_TABLE) if _has_table(out, FLEET_STATE_TABLE) else []
+    states = read_table(out, FLEET_STATE_TABLE) if table_exists(out, FLEET_STATE_TABLE) else []
     return {rollup_table(name): table for name, table in rollup_fleet(states).items()}
 
 
-def _has_table(out: str, table: str) -> bool:
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(f"{out.rstrip('/')}/{table}")
-    return fs.exists(root)
-
-
 def window_facts(tables: Mapping[str, pa.Table], date: str) -> JobFacts | None:
-    """JobFacts of ONE job window's tables (a batch JobOutcome's), read with Arrow alone;
-    None when the tables do not hold exactly one window (use job_facts_from_tables).
-
-    Gives what job_facts_from_tables gives for the same tables, without its pandas frames
-    and group-bys (~15 ms per window, as much as validating it).
-    """
+    """JobFacts of ONE job window's tables (a batch JobOutcome's, or one window cut out by
+    job_facts_from_tables), read with Arrow alone; None when `coverage` does not hold
+    exactly one row (use job_facts_from_tables)."""
     coverage = tables.get("coverage")
     if coverage is None or coverage.num_rows != 1:
         return None

@@ -20,6 +20,7 @@ import dataclasses
 import datetime as dt
 import io
 import json
+import os
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -29,12 +30,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.expectations import TraceContractError, conform_trace
-from schemas.lake import LAKE_MARKER, MANIFESTS, TRACES, manifest_path, trace_dir
+from schemas.lake import LAKE_MARKER, MANIFESTS, TRACES, iso_date, manifest_path, trace_dir
 from schemas.raw import SOURCE_KEY
 from transforms.storage import read_bytes
 from schemas.trace import MANIFEST_SCHEMA, SCHEMA_VERSION, TRACE_SCHEMA
 
 __all__ = [
+    "LAKE_PARTS",
+    "is_local",
+    "write_file_atomic",
+    "check_lake",
     "LakeError",
     "LakeReadError",
     "LakeJob",
@@ -89,24 +94,33 @@ def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     return fsspec.core.url_to_fs(url)
 
 
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     return "file" in protocol or "local" in protocol
 
 
-def _write_bytes(url: str, data: bytes) -> None:
-    """Write `data` to `url` atomically (readers never see a partial file)."""
-    fs, path = filesystem(url)
+def write_file_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write a whole file so that readers see either nothing (or the old file) or the new one, durably.
+
+    Local disk: a hidden temporary file beside it, flushed and fsynced, then renamed over
+    (atomic on POSIX). Object stores (S3, multipart too) and memory://: one put, whole or nothing.
+    """
     parent = path.rsplit("/", 1)[0]
-    if _is_local(fs):
-        fs.makedirs(parent, exist_ok=True)
+    fs.makedirs(parent, exist_ok=True)
+    if is_local(fs):
         temporary = f"{parent}/.{path.rsplit('/', 1)[-1]}.{uuid.uuid4().hex}.tmp"
-        with fs.open(temporary, "wb") as handle:
+        with open(temporary, "wb") as handle:
             handle.write(data)
-        fs.mv(temporary, path)  # os.replace: atomic within one filesystem
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
     else:
-        # One put: S3 objects (multipart too) appear whole or not at all; memory:// likewise.
         fs.pipe_file(path, data)
+
+
+def _write_bytes(url: str, data: bytes) -> None:
+    """Write `data` to the file URL `url` atomically (write_file_atomic)."""
+    write_file_atomic(*filesystem(url), data)
 
 
 def write_parquet(url: str, table: pa.Table) -> None:
@@ -190,7 +204,7 @@ def write_job(lake: str, date: dt.date | str, job_id: str,
     Creates `_lake.json` on first write. Raises TraceContractError or ValueError on
     tables that break the contract, naming the job and file.
     """
-    date = _iso(date)
+    date = iso_date(date)
     write_lake_marker(lake)
     if isinstance(traces, pa.Table):
         named = {"part-00000.parquet": traces}
@@ -286,8 +300,8 @@ def list_jobs(lake: str, date_from: dt.date | str | None = None,
     """
     lake = lake.rstrip("/")
     read_lake_marker(lake)
-    low = _iso(date_from) if date_from is not None else None
-    high = _iso(date_to) if date_to is not None else None
+    low = iso_date(date_from) if date_from is not None else None
+    high = iso_date(date_to) if date_to is not None else None
     found: list = [] if strays is None else strays
     jobs: dict[tuple[str, str], dict] = {}
     for date in _partition_dates(lake, TRACES, low, high, found):
@@ -370,11 +384,29 @@ def list_raw_jobs(lake: str, date_from: str | None = None, date_to: str | None =
     return out
 
 
+# What a folder holds when it is a lake: trace or raw partitions, manifests or the marker file.
+LAKE_PARTS = ("traces", "manifests", "raw", "_lake.json")
+
+
+def check_lake(lake: str, parts: tuple[str, ...] = LAKE_PARTS) -> None:
+    """Raise LakeError unless the URL `lake` opens and holds one of `parts` (a mistyped --lake
+    must be named as such, not read as a lake with no jobs). parts=(): the folder need only exist."""
+    try:
+        fs, root = fsspec.core.url_to_fs(lake)
+        exists = fs.exists(root) and (not parts or any(fs.exists(f"{root}/{part}") for part in parts))
+    except (OSError, ValueError, ImportError) as error:
+        raise LakeError(f"--lake {lake}: cannot be opened ({type(error).__name__}: {error})") from None
+    if not exists:
+        what = f"no lake there (expected {', '.join(p if '.' in p else p + '/' for p in parts)})" if parts else "no folder there"
+        raise LakeError(f"--lake {lake}: {what}; check the URL" + (" (memory:// is per process)" if lake.startswith("memory://") else ""))
+
+
 def find_job(lake: str, job_id: str, date: dt.date | str | None = None) -> LakeJob:
     """The lake job `job_id` (on `date`, or its only date). Raises LakeError if absent or ambiguous."""
     found = [job for job in list_jobs(lake, date, date) if job.job_id == job_id]
     if not found:
-        raise LakeError(f"lake {lake}: no job {job_id!r}" + (f" on {_iso(date)}" if date else ""))
+        check_lake(lake)   # a mistyped --lake is named as such, not as a missing job
+        raise LakeError(f"lake {lake}: no job {job_id!r}" + (f" on {iso_date(date)}" if date else ""))
     if len(found) > 1:
         raise LakeError(f"lake {lake}: job {job_id!r} has trace windows on {[j.date for j in found]}; pass a date")
     return found[0]
@@ -417,10 +449,6 @@ def read_trace_files(paths: Iterable[str]) -> pa.Table:
     """Several trace files as one TRACE_SCHEMA table (file order kept). Errors name the file."""
     tables = [read_trace_file(path) for path in paths]
     return pa.concat_tables(tables) if tables else TRACE_SCHEMA.empty_table()
-
-
-def _iso(date: dt.date | str) -> str:
-    return date.isoformat() if isinstance(date, dt.date) else dt.date.fromisoformat(str(date)).isoformat()
 
 
 def read_manifests(paths: Iterable[str], validator) -> dict[str, tuple[dict | None, list]]:

@@ -9,7 +9,7 @@ Duplicates never double-count: a result file is named by (job, session, revision
 a retried write replaces it; the alert state remembers the highest revision seen per
 session, so a repeated or superseded result raises nothing. A late file produces a
 higher revision, which readers take as the session's current result
-(`current_results`).
+(`transforms.live_tables.current_results`).
 """
 from __future__ import annotations
 
@@ -20,9 +20,7 @@ import math
 import urllib.parse
 
 import apache_beam as beam
-import fsspec
 import pyarrow as pa
-import pyarrow.parquet as pq
 from apache_beam.coders import PickleCoder
 from apache_beam.metrics import Metrics
 from apache_beam.transforms.userstate import ReadModifyWriteStateSpec
@@ -31,6 +29,7 @@ from schemas.lake import LANDING
 from schemas.live import ALERT_SCHEMA, ALERTS, LIVE_QUARANTINE, LIVE_RESULT_SCHEMA, LIVE_RESULTS
 from schemas.tables import QUARANTINE_SCHEMA
 from transforms.lake import write_parquet
+from transforms.live_tables import DEFAULT_THRESHOLD, count_live_sessions  # noqa: F401 (the watcher imports them from here)
 
 __all__ = [
     "DEFAULT_THRESHOLD",
@@ -40,17 +39,12 @@ __all__ = [
     "result_path",
     "alert_path",
     "rows_table",
-    "read_live_table",
-    "current_results",
     "count_live_sessions",
     "quarantine_path",
     "WriteLiveQuarantine",
 ]
 
 _LOG = logging.getLogger("strag.watch")
-
-DEFAULT_THRESHOLD = 1.1  # METHOD.md: a job straggles when S >= 1.1
-
 
 def _date_of(epoch_seconds: float) -> str:
     return dt.datetime.fromtimestamp(epoch_seconds, dt.timezone.utc).date().isoformat()
@@ -87,67 +81,6 @@ def rows_table(rows: list[dict], schema: pa.Schema) -> pa.Table:
             item[field.name] = value
         converted.append(item)
     return pa.Table.from_pylist(converted, schema=schema)
-
-
-def _list_parquet(url: str) -> list[str]:
-    fs, root = fsspec.core.url_to_fs(url)
-    fs.invalidate_cache()
-    if not fs.exists(root):
-        return []
-    protocol = url.split("://", 1)[0] + "://" if "://" in url else ""
-    return sorted(protocol + p if protocol and not p.startswith(protocol) else p
-                  for p in fs.find(root) if p.endswith(".parquet") and "/." not in p[len(root):])
-
-
-# path -> (listing signature, rows): live files are append-only and a rewrite changes the
-# signature, so `strag serve` reads each file once instead of the whole table per request
-_READ_CACHE: dict[str, tuple[tuple, pa.Table]] = {}
-
-
-def _signature(info: dict) -> tuple:
-    return (info.get("size"), info.get("mtime") or info.get("LastModified") or info.get("created"),
-            info.get("ETag") or info.get("etag"))
-
-
-def read_live_table(out: str, table: str = LIVE_RESULTS) -> pa.Table:
-    """Every row of a live table (live_results, alerts or live_quarantine), all revisions.
-
-    Each file is read once per process and kept while the listing shows it unchanged."""
-    schema = {LIVE_RESULTS: LIVE_RESULT_SCHEMA, ALERTS: ALERT_SCHEMA, LIVE_QUARANTINE: QUARANTINE_SCHEMA}[table]
-    url = f"{out.rstrip('/')}/{table}"
-    fs, root = fsspec.core.url_to_fs(url)
-    fs.invalidate_cache()
-    if not fs.exists(root):
-        return schema.empty_table()
-    protocol = url.split("://", 1)[0] + "://" if "://" in url else ""
-    listing = {(protocol + p if protocol and not p.startswith(protocol) else p): _signature(info)
-               for p, info in fs.find(root, detail=True).items() if p.endswith(".parquet") and "/." not in p[len(root):]}
-    parts = []
-    for path in sorted(listing):
-        cached = _READ_CACHE.get(path)
-        if cached is None or cached[0] != listing[path]:
-            with fsspec.open(path, "rb") as handle:
-                cached = _READ_CACHE[path] = (listing[path], pq.read_table(handle).select(schema.names).cast(schema))
-        parts.append(cached[1])
-    return pa.concat_tables(parts) if parts else schema.empty_table()
-
-
-def current_results(results: pa.Table) -> pa.Table:
-    """The current result of each (job, session): its highest revision; sorted by job, first arrival."""
-    if results.num_rows == 0:
-        return results
-    latest: dict[tuple[str, str], int] = {}
-    keys = list(zip(results["job_id"].to_pylist(), results["session"].to_pylist()))
-    for key, revision in zip(keys, results["revision"].to_pylist()):
-        latest[key] = max(revision, latest.get(key, 0))
-    keep = pa.array([revision == latest[key] for key, revision in zip(keys, results["revision"].to_pylist())])
-    return results.filter(keep).sort_by([("job_id", "ascending"), ("first_arrival", "ascending"), ("session", "ascending")])
-
-
-def count_live_sessions(out: str) -> int:
-    """Distinct (job, session) with at least one result in the live table (file names only)."""
-    names = {path.rsplit("/", 1)[-1].rsplit("--r", 1)[0] for path in _list_parquet(f"{out.rstrip('/')}/{LIVE_RESULTS}")}
-    return len(names)
 
 
 def quarantine_path(out: str, records: list[dict]) -> str:

@@ -45,9 +45,10 @@ tail); :mod:`~transforms.synth.execution` simulates it vectorised over (step, dp
 """
 from __future__ import annotations
 
+from schemas.truth import TRUTH_SCHEMA
 from transforms.synth.execution import Timing
 from transforms.synth.faults import CAUSE_KINDS, Cause
-from transforms.synth.fleet import TRUTH_PATH, TRUTH_SCHEMA, FleetSummary, sample_fleet, truth_table, write_fleet
+from transforms.synth.fleet import TRUTH_PATH, FleetSummary, sample_fleet, truth_table, write_fleet
 from transforms.synth.job import GeneratedJob, JobSpec, generate_job
 
 __all__ = [

@@ -34,11 +34,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
+from schemas.truth import TRUTH_SCHEMA
 from transforms.synth.faults import sample_causes
 from transforms.synth.job import GPUS_PER_HOST, JobSpec, generate_job
 
 __all__ = [
-    "TRUTH_SCHEMA",
     "TRUTH_PATH",
     "HOST_POOL",
     "BAD_HOSTS",
@@ -52,46 +52,6 @@ __all__ = [
 TRUTH_PATH = "_truth/truth.parquet"
 HOST_POOL = 8192   # machines in the fleet (8 GPUs each)
 BAD_HOSTS = 4      # of which persistently slow (the slow-worker cause lives there)
-
-_WORKER = pa.struct([pa.field("dp_rank", pa.int16()), pa.field("stage", pa.int16())])
-
-# One row per generated job: the answer key. Times are mean step times in seconds.
-TRUTH_SCHEMA = pa.schema(
-    [
-        pa.field("job_id", pa.string(), nullable=False),
-        pa.field("date", pa.date32(), nullable=False),
-        pa.field("seed", pa.int64(), nullable=False),
-        pa.field("gpus", pa.int32(), nullable=False),
-        pa.field("dp_size", pa.int32(), nullable=False),
-        pa.field("pp_size", pa.int32(), nullable=False),
-        pa.field("tp_size", pa.int32(), nullable=False),
-        pa.field("dsp_size", pa.int32(), nullable=False),
-        pa.field("vpp_size", pa.int32(), nullable=False),
-        pa.field("microbatches", pa.int32(), nullable=False),
-        pa.field("model_family", pa.string(), nullable=False),
-        pa.field("context_length", pa.int32(), nullable=False),
-        pa.field("dp_overlap", pa.bool_(), nullable=False),       # overlapped ZeRO (separate-grads-all-reduce)
-        pa.field("sampled_steps", pa.int32(), nullable=False),
-        pa.field("records", pa.int64(), nullable=False),          # op records written (before corruption)
-        pa.field("causes", pa.list_(pa.string()), nullable=False),  # injected cause kinds; [] = clean
-        pa.field("primary_cause", pa.string(), nullable=False),   # cause with the largest effect alone, or "clean"
-        pa.field("cause_params", pa.string(), nullable=False),    # JSON {kind: {parameter: value, "steps": [...]}}
-        pa.field("cause_slowdowns", pa.string(), nullable=False),  # JSON {kind: step time with it alone / fault-free}
-        pa.field("affected_workers", pa.list_(_WORKER), nullable=False),
-        pa.field("affected_hosts", pa.list_(pa.string()), nullable=False),
-        pa.field("step_time", pa.float64(), nullable=False),             # observed (simulated) step time
-        pa.field("fault_free_step_time", pa.float64(), nullable=False),  # same draws, no injected cause
-        pa.field("true_slowdown", pa.float64(), nullable=False),         # step_time / fault_free_step_time
-        pa.field("nodelay_step_time", pa.float64(), nullable=False),     # step_time without untraced CPU gaps
-        pa.field("ideal_step_time", pa.float64(), nullable=False),       # ops at their type's mean/median, no gaps
-        pa.field("expected_slowdown", pa.float64(), nullable=False),     # nodelay / ideal: what S should be near
-        pa.field("expected_discrepancy", pa.float64(), nullable=False),  # step_time / nodelay: ~ launch_slowdown
-        pa.field("bad_kind", pa.string(), nullable=True),     # corruption applied (transforms.synth.badinput), or null
-        pa.field("bad_detail", pa.string(), nullable=True),
-    ],
-    metadata={"strag.table": "synth_truth"},
-)
-
 
 def truth_table(rows: Sequence[dict]) -> pa.Table:
     """TRUTH_SCHEMA table of truth rows (GeneratedJob.truth dicts), sorted by job_id."""

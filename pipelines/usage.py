@@ -1,0 +1,119 @@
+"""What a `strag` user sees: one-line usage errors, and no library logs unless --verbose.
+
+- `ArgumentParser`: every subcommand's parser. An argparse error becomes one line naming
+  the option and pointing at --help (`strag watch: the following arguments are required:
+  --out (see `strag watch --help`)`), exit 2, instead of a usage dump; every parser takes
+  --verbose.
+- `configure_logs`: one handler on the root logger that lets through strag's own log lines
+  (loggers `strag.*` and our packages) and, only with --verbose, the libraries' (Apache
+  Beam, Great Expectations, Dask, gRPC) warnings and errors. Beam logs some of its
+  warnings on the root logger at import time ("apitools not found"), so the CLI calls it
+  before importing a subcommand.
+- `worker_output`: Beam's worker processes write their own log lines straight to the
+  inherited stderr, next to strag's progress lines; without --verbose their log lines are
+  dropped for the duration of a run.
+
+--verbose is remembered in the environment (STRAG_VERBOSE=1) so that worker processes and
+the subcommands `strag demo` runs see it too.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import re
+import sys
+import threading
+
+__all__ = ["ArgumentParser", "VERBOSE_ENV", "verbose", "set_verbose", "configure_logs", "worker_output"]
+
+VERBOSE_ENV = "STRAG_VERBOSE"
+_OURS = frozenset({"strag", "pipelines", "transforms", "dashboards", "schemas", "orchestration"})
+_LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+def verbose() -> bool:
+    """Whether library logs are shown (--verbose given to this command or to the `strag` that started it)."""
+    return os.environ.get(VERBOSE_ENV) == "1"
+
+
+def set_verbose() -> None:
+    os.environ[VERBOSE_ENV] = "1"
+    configure_logs()
+
+
+class _Verbose(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=False,
+                         help="also show the log lines of Apache Beam and the other libraries (off by default)")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, True)
+        set_verbose()
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit 2) and a --verbose option."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("--verbose", action=_Verbose)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+class _OursOrVerbose(logging.Filter):
+    """Pass strag's own records; library records only with --verbose, and then from WARNING up."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.split(".", 1)[0] in _OURS:
+            return True
+        return verbose() and record.levelno >= logging.WARNING
+
+
+def configure_logs() -> None:
+    """Install (once) the root handler that shows strag's log lines and hides the libraries' unless --verbose."""
+    root = logging.getLogger()
+    if not any(isinstance(f, _OursOrVerbose) for handler in root.handlers for f in handler.filters):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+        handler.addFilter(_OursOrVerbose())
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+# A line Python's default logging format wrote in a child process: "WARNING:root:apitools not found ..."
+_CHILD_LOG_LINE = re.compile(rb"^(DEBUG|INFO|WARNING|ERROR|CRITICAL):[\w.<>]+:")
+
+
+@contextlib.contextmanager
+def worker_output():
+    """Without --verbose, drop the log lines child processes (Beam's workers) write to the inherited
+    stderr while the block runs, and pass everything else (strag's progress lines) through."""
+    if verbose():
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    forwarder = threading.Thread(target=_forward, args=(read_end, os.dup(saved)), name="strag-stderr", daemon=True)
+    forwarder.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)      # the pipe's last writer in this process goes; children's copies end with them
+        os.close(saved)
+        forwarder.join(timeout=5)
+
+
+def _forward(read_end: int, out: int) -> None:
+    with os.fdopen(read_end, "rb") as lines:
+        for line in lines:
+            if not _CHILD_LOG_LINE.match(line):
+                os.write(out, line)
+    os.close(out)

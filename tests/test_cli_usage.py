@@ -1,0 +1,80 @@
+"""Every subcommand given bad arguments: one line on stderr naming the thing and the fix, exit 2, no traceback.
+
+Run in-process through `pipelines.cli.main` (what the `strag` script calls), plus one run of
+the installed script to show that no library log line reaches the user.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from pipelines import cli
+
+README = str(pathlib.Path(__file__).parents[1] / "README.md")
+
+
+def _cases(tmp: pathlib.Path) -> list[tuple[list[str], str]]:
+    lake = tmp / "lake"
+    (lake / "traces").mkdir(parents=True, exist_ok=True)
+    out = str(tmp / "out")
+    return [
+        (["generate", "--lake", str(tmp / "g"), "--days", "0", "--jobs-per-day", "1", "--seed", "1"], "--days"),
+        (["import-reference", "/nope/t.parquet", "/nope/m.yaml", "--lake", str(lake), "--job-id", "x"], "/nope"),
+        (["import-reference", "/nope/t.parquet", "/nope/m.yaml", "--lake", str(lake)], "--job-id"),
+        (["export-reference", "--lake", "/nope", "--job-id", "x", "--out", out], "no lake there"),
+        (["import", "--format", "kineto", "--lake", str(lake), "--job-id", "x", "/nope"], "/nope"),
+        (["export", "--format", "ndtimeline", "--lake", "/nope", "--job-id", "x", "--out", out], "no lake there"),
+        (["analyze", README, "--meta", README], "--meta"),
+        (["analyze", "--lake", "/nope", "--job-id", "x"], "no lake there"),
+        (["analyze", "--lake", str(lake), "--job-id", "x"], "no job 'x'"),
+        (["batch", "--lake", str(lake), "--from", "2024-01-01", "--to", "2024-01-02", "--out", out, "--wokers", "2"], "did you mean --workers"),
+        (["batch", "--lake", "/nope", "--from", "2024-01-01", "--to", "2024-01-02", "--out", out], "no lake there"),
+        (["batch", "--lake", str(lake), "--from", "2024-01-02", "--to", "2024-01-01", "--out", out], "--from/--to"),
+        (["report", "--tables", str(lake), "--out", out], "is a lake, not the tables"),
+        (["report", "--tables", str(tmp / "none"), "--out", out], "give --tables the --out of `strag batch`"),
+        (["watch", "--lake", "/nope", "--out", out], "no folder there"),
+        (["watch", "--lake", str(lake)], "--out"),
+        (["serve", "--tables", out, "--port", "70000"], "--port"),
+        (["demo", "--days", "0"], "--days"),
+        (["nope"], "unknown command"),
+        ([], "give a command"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(20))
+def test_bad_arguments_give_one_line_and_exit_2(index, tmp_path, capsys):
+    argv, expected = _cases(tmp_path)[index]
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2, (argv, err)
+    assert "Traceback" not in err
+    first = err.strip().splitlines()[0]
+    assert expected in first, (argv, err)
+    if argv and argv[0] != "nope":   # the unknown command also lists the commands
+        assert len(err.strip().splitlines()) == 1, err
+
+
+def test_cases_cover_every_subcommand(tmp_path):
+    assert {argv[0] for argv, _ in _cases(tmp_path) if argv} >= set(cli.COMMANDS)
+    assert len(_cases(tmp_path)) == 20
+
+
+def test_the_strag_script_shows_no_library_log_lines(tmp_path):
+    """`strag batch` imports Apache Beam, which logs warnings as it loads; none reach the user."""
+    script = pathlib.Path(sys.executable).with_name("strag")
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1])}
+    env.pop("STRAG_VERBOSE", None)
+    argv = [str(script), "batch", "--lake", "/nope", "--from", "2024-01-01", "--to", "2024-01-01", "--out", str(tmp_path)]
+    quiet = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    assert quiet.returncode == 2
+    assert quiet.stderr.splitlines() == ["strag batch: --lake /nope: no lake there (expected traces/, manifests/, raw/, _lake.json); "
+                                         "check the URL"]
+    loud = subprocess.run([*argv, "--verbose"], capture_output=True, text=True, env=env, timeout=120)
+    assert loud.returncode == 2 and "apitools not found" in loud.stderr   # Beam's own warning, shown on request
