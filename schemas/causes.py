@@ -67,7 +67,7 @@ EVIDENCE_LABELS: dict[str, tuple[str, str]] = {
     "imbalance_degree_rebalanced": ("imbalance degree after repacking", "the same after greedy document repacking"),
     "workload_forward_r": ("workload/forward correlation", "Pearson r of a microbatch's workload and its forward time"),
     "gc_fix_explained": ("planned GC: share explained", "share removed when pauses are paid by all workers at once"),
-    "explained_given_others": ("share explained after the other fixes", "per cause: what its fix removes once every other listed cause is fixed"),
+    "explained_given_others": ("share explained after the other fixes", "per cause: the share of the remaining straggling time its fix removes once every other cause is fixed"),
     "joint_fix_explained": ("all fixes together: share explained", "share removed when every listed cause is fixed"),
     "worker_set_is_last_stage": ("top workers are the last stage", "one DP rank: the M_W set is the last stage itself"),
 }

@@ -33,10 +33,12 @@ Signatures (a cause is a candidate when its signature holds)
   removing the pauses; the fix reported is planned GC (the same work paid by all at once).
 
 The listing rule (`causes`): a candidate is listed when its fix removes at least its
-`*_min_explained` share of T - T_ideal (worker and communication 10%, stage 10%, sequence
-15%, GC 10%) either alone or as the last fix applied, after the fixes of every other
-candidate (so a cause masked by a bigger one still counts: a last stage that is the
-bottleneck only once a slow worker is repaired). Listed causes are ordered by the
+`*_min_explained` share (worker and communication 10%, stage 10%, sequence 15%, GC 10%)
+of the straggling time T - T_ideal alone, or of the straggling time that remains once the
+fixes of every other candidate are applied, when that remainder is still a slowdown of at
+least 1.05 (over the lower of T_ideal and the step time with every fix: a repaired slow
+worker can beat an ideal whose means include it) (so a cause masked by a bigger one still counts: a last stage that is the
+bottleneck only once a slow worker is repaired, GC pauses beside a 2x slower machine). Listed causes are ordered by the
 GPU-hours their fix saves alone (ties: by the share after the others); `cause` is the
 first. Each has a confidence (0.5 at a threshold, 1 at a clear margin, the minimum over
 its conditions), a Fix (S after it, share explained alone and after the others, savings)

@@ -130,7 +130,7 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
     worker-peer: blamed workers at peer speed; worker-compute / worker-comm: the M_W set's
     compute / transfers at ideal; stage: rebalanced chunks; communication: every transfer
     at ideal; sequence: even spread; sequence-repacked: greedy document repacking (with
-    seq_lens); gc: pauses removed."""
+    seq_lens, when the sequence signature holds); gc: pauses removed."""
     original = model.original_cost
     ideal = model.ideal_cost()[:, None]
     mw_mask = worker_set_mask(model, result.mw.workers)
@@ -147,7 +147,7 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
     if len(signals.forward):
         costs["sequence"] = even_sequences(model)
         costs["gc"] = without_pauses(model, signals.forward, signals.gc, rules.gc_min_stall)
-        if workload is not None:
+        if workload is not None and signals.r_norm >= rules.sequence_r:    # only the sequence cause's fix needs it
             started = time.perf_counter()
             costs["sequence-repacked"], sequence_evidence = repacked_sequences(model, workload)
             timings["sequence"] = time.perf_counter() - started
@@ -281,7 +281,8 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     _record_shares(evidence, share)
     candidates = _candidates(model, result, signals, share, rules, evidence)
     reported = {c.cause: _reported_fix(c, costs) for c in candidates}
-    given, joint = _given_others(model, costs, reported, planned_gc, step_time, gap)
+    worth = (1.0 + 0.5 * (rules.straggling - 1.0)) * tideal        # a remaining S of 1.05 by default
+    given, joint = _given_others(model, costs, reported, planned_gc, step_time, tideal, worth)
     listed = {}
     for c in candidates:
         best = max(share(c.scenario), given.get(c.cause, -math.inf))
@@ -300,7 +301,7 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     joint_fix = None
     if len(ranked) >= 2:
         if set(ranked) != set(reported):
-            _, joint = _given_others(model, costs, {c: reported[c] for c in ranked}, planned_gc, step_time, gap)
+            _, joint = _given_others(model, costs, {c: reported[c] for c in ranked}, planned_gc, step_time, tideal, worth)
         joint_fix = make_fix("all", "all", t=joint)
         evidence["joint_fix_explained"] = joint_fix.explained
     by_cause = {c.cause: c for c in candidates}
@@ -335,15 +336,19 @@ def _record_shares(evidence: dict, share) -> None:
 
 
 def _given_others(model: JobModel, costs: dict, reported: dict[str, str], planned_gc: float,
-                  step_time: dict[str, float], gap: float) -> tuple[dict[str, float], float | None]:
-    """Per cause, the share of T - T_ideal its fix removes once every other cause's fix is
-    applied; and the step time with all of them (None with fewer than two causes)."""
+                  step_time: dict[str, float], tideal: float, worth: float) -> tuple[dict[str, float], float | None]:
+    """Per cause, the share of what remains of the straggling time once every other cause's fix
+    is applied (T_others - T_floor, T_floor the lower of T_ideal and T with every fix) that
+    its own fix removes, when what remains is still a slowdown (T_others / T_floor) of at
+    least worth / T_ideal; and the step time with every fix (None with fewer than two causes)."""
     if len(reported) < 2:
         return {}, None
     every = tuple(sorted(reported.values()))
     without = {c: tuple(sorted(f for o, f in reported.items() if o != c)) for c in reported}
     times = _combined_times(model, costs, [every, *without.values()], planned_gc, step_time)
-    return {c: (times[without[c]] - times[every]) / gap for c in reported}, times[every]
+    floor = min(tideal, times[every])       # fixing a slow worker can beat the ideal, whose means include it
+    return {c: (times[without[c]] - times[every]) / (times[without[c]] - floor)
+            for c in reported if times[without[c]] >= worth * floor / tideal}, times[every]
 
 
 def analyze_and_classify(trace: pa.Table, meta: JobMeta, job_id: str = "", *, rules: CauseRules = CauseRules(),

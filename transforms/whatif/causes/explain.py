@@ -27,7 +27,7 @@ def _masked(fix: Fix) -> str:
     given = fix.explained_given_others
     if given is None or given < fix.explained + 0.05:
         return ""
-    return f" (once the other causes are fixed it removes {_pct(given)} of the straggling time)"
+    return f" (once the other causes are fixed, it removes {_pct(given)} of the straggling time that remains)"
 
 
 def _worker(evidence: dict, fix: Fix, implicated) -> str:

@@ -106,41 +106,44 @@ def _assign_rounds(lengths: np.ndarray, capacity: np.ndarray, bins: int) -> np.n
 
     lengths: [steps, documents] each row sorted longest first (0 = padding); capacity:
     [steps] tokens a microbatch may hold. Longest first, each document goes to the lightest
-    bin (sum of squared lengths) with room for it. Vectorised in rounds: a round hands the
-    next documents of every step to its bins lightest first (bins without room for the
-    round's first document last), the i-th document to the i-th bin, for as long as each
-    stays under the waterline (the heaviest load so far, or the load the round's first
-    document makes) and fits; a round's first document that fits nowhere goes to the
-    lightest bin. A round costs one sort of the bins.
+    bin (sum of squared lengths) with room for it, or to the lightest bin when none has
+    room. Vectorised in rounds, one sort of the bins each: a round hands the next documents
+    of a step to its bins lightest first (bins without room for the round's first document
+    last), the i-th document to the i-th bin, for as long as that is what one-at-a-time
+    greedy would do: the i-th bin is still no heavier than any bin the round already filled,
+    and the document fits. A round that this would cut below bins / 8 documents (nearly full
+    microbatches) deals one document to each of the first bins / 8 bins instead: the
+    documents left then are the shorter ones, a microbatch may exceed the capacity by one of
+    them, and the rounds stay few (at most about 8 x documents per microbatch).
     """
     steps, n_docs = lengths.shape
     loads = np.zeros((steps, bins))
     tokens = np.zeros((steps, bins))
     target = np.zeros((steps, n_docs), dtype=np.int64)
-    rows = np.arange(steps)[:, None]
     offsets = np.arange(bins)[None, :]
     n_real = (lengths > 0).sum(axis=1)
     pointer = np.zeros(steps, dtype=np.int64)
     while (pointer < n_real).any():
-        index = np.minimum(pointer[:, None] + offsets, n_docs - 1)
-        real = (pointer[:, None] + offsets) < n_real[:, None]
-        block = np.where(real, np.take_along_axis(lengths, index, axis=1), 0.0)
-        crowded = tokens + block[:, :1] > capacity[:, None] + 1e-9     # no room for the round's longest document
-        order = np.lexsort((loads, crowded), axis=-1)
-        light, room = np.take_along_axis(loads, order, axis=1), capacity[:, None] - np.take_along_axis(tokens, order, axis=1)
-        waterline = np.maximum(loads.max(axis=1), light[:, 0] + block[:, 0] ** 2)[:, None]
-        fits = (light + block ** 2 <= waterline * (1 + 1e-12)) & (block <= room + 1e-9)
-        taken = np.cumprod(fits, axis=1).astype(bool) & real
-        # a round's first document that fits nowhere under the waterline: the lightest bin with room, else the lightest
-        stuck = ~taken[:, 0] & real[:, 0]
-        if stuck.any():
-            has_room = block[stuck, :1] <= room[stuck] + 1e-9
-            order[stuck, 0] = np.take_along_axis(order[stuck], np.where(has_room.any(axis=1), has_room.argmax(axis=1), 0)[:, None], axis=1)[:, 0]
-            taken[stuck, 0] = True
+        position = pointer[:, None] + offsets
+        real = position < n_real[:, None]
+        block = np.where(real, np.take_along_axis(lengths, np.minimum(position, n_docs - 1), axis=1), 0.0)
+        crowded = tokens + block[:, :1] > capacity[:, None] + 1e-9
+        overflow = crowded.all(axis=1, keepdims=True)     # room nowhere: the lightest bins take it
+        order = np.argsort(np.where(crowded, loads + loads.max() + 1.0, loads), axis=1)
+        light = np.take_along_axis(loads, order, axis=1)
+        room = capacity[:, None] - np.take_along_axis(tokens, order, axis=1)
+        filled = np.minimum.accumulate(light + block ** 2, axis=1)
+        lightest_filled = np.concatenate([np.full((steps, 1), np.inf), filled[:, :-1]], axis=1)
+        greedy = light <= lightest_filled * (1 + 1e-12)
+        taken = np.cumprod(greedy & ((block <= room + 1e-9) | overflow), axis=1).astype(bool) & real
+        # a round cut short (nearly full microbatches) deals one document to each of the bins//8 first bins
+        least = max(1, bins // 8)
+        short = taken.sum(axis=1) < np.minimum(n_real - pointer, least)
+        taken[short] = real[short] & (offsets < least)
         r, j = np.nonzero(taken)
         target[r, pointer[r] + j] = order[r, j]
-        np.add.at(loads, (r, order[r, j]), block[r, j] ** 2)
-        np.add.at(tokens, (r, order[r, j]), block[r, j])
+        loads[r, order[r, j]] += block[r, j] ** 2          # a bin takes one document per round at most
+        tokens[r, order[r, j]] += block[r, j]
         pointer += taken.sum(axis=1)
     return target
 
@@ -173,7 +176,7 @@ def _repacked_workload(model: JobModel, workload: SequenceWorkload) -> tuple[np.
         in_group = np.isin(step_of_doc, steps)
         row = np.searchsorted(steps, step_of_doc[in_group])
         length = workload.doc_length[in_group]
-        order = np.lexsort((-length, row))
+        order = np.argsort(row * (2.0 * length.max() + 1.0) - length, kind="stable")   # by step, longest first
         row, length = row[order], length[order]
         rank = np.arange(len(row)) - np.searchsorted(row, row)          # position within its step
         padded = np.zeros((len(steps), int(rank.max()) + 1 if len(rank) else 1))

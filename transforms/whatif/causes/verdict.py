@@ -58,8 +58,9 @@ class Fix:
     step_time: mean step time after the fix (s); fixed_slowdown: S after the fix;
     explained: share of T - T_ideal the fix removes alone; savings_fraction: 1 - T_fix / T,
     the share of the job's GPU-hours it would save; description: the fix in words;
-    explained_given_others: share of T - T_ideal it removes once every other listed cause
-    is fixed (None when no other cause is listed).
+    explained_given_others: once every other candidate cause is fixed, the share of what
+    remains of the straggling time that this fix removes (None with no other candidate, or
+    when what remains is below S 1.05).
     """
 
     cause: str
