@@ -11,7 +11,7 @@ __all__ = ["CAUSE_TITLES", "FIX_NAMES", "EVIDENCE_LABELS", "evidence_label"]
 # The cause as a person would say it (schemas.fleet.CAUSES).
 CAUSE_TITLES: dict[str, str] = {
     "individual-worker": "slow worker",
-    "stage-imbalance": "pipeline stage imbalance",
+    "stage-imbalance": "stage partitioning imbalance",
     "sequence-imbalance": "sequence-length imbalance",
     "python-gc": "Python garbage collection",
     "communication": "slow communication",

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from transforms.whatif.causes.detect import COMPUTE_GROUPS, analyze_and_classify, classify
 from transforms.whatif.causes.sequences import SequenceWorkload, greedy_rebalance, imbalance_degree, sequence_workload
-from transforms.whatif.causes.verdict import CauseError, CauseRules, Fix, Verdict, job_cause_table, verdict_row
+from transforms.whatif.causes.verdict import CauseError, CauseRules, Fix, Verdict, job_cause_table, verdict_json, verdict_row
 
 __all__ = [
     "CauseRules",
@@ -65,6 +65,7 @@ __all__ = [
     "greedy_rebalance",
     "imbalance_degree",
     "verdict_row",
+    "verdict_json",
     "job_cause_table",
     "analyze_and_classify",
     "COMPUTE_GROUPS",

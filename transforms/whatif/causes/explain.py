@@ -15,7 +15,7 @@ CAUSE_ORDER = ("individual-worker", "stage-imbalance", "sequence-imbalance", "py
 
 
 def _pct(share: float) -> str:
-    return f"{100 * share:.0f}%"
+    return f"{int(round(100 * share))}%"
 
 
 def _faster(fix: Fix) -> str:

@@ -11,7 +11,7 @@ import pyarrow as pa
 from schemas.fleet import JOB_CAUSE_SCHEMA
 from transforms.whatif.result import STRAGGLING_THRESHOLD
 
-__all__ = ["CauseError", "CauseRules", "Fix", "Verdict", "verdict_row", "job_cause_table"]
+__all__ = ["CauseError", "CauseRules", "Fix", "Verdict", "fix_fields", "verdict_json", "verdict_row", "job_cause_table"]
 
 
 class CauseError(ValueError):
@@ -114,22 +114,38 @@ class Verdict:
         return float(gpu_hours * max(fix.savings_fraction, 0.0)) if fix else 0.0
 
 
+def fix_fields(verdict: Verdict, fix: Fix, gpu_hours: float | None) -> dict:
+    """A fix as JSON fields (its cause's confidence and sentence when the cause is listed);
+    savings_gpu_hours is None when the window's GPU-hours are unknown."""
+    fields = {"fixed_slowdown": fix.fixed_slowdown, "explained": fix.explained, "savings_fraction": fix.savings_fraction,
+              "savings_gpu_hours": None if gpu_hours is None else gpu_hours * max(fix.savings_fraction, 0.0),
+              "fix": fix.description, "explained_given_others": fix.explained_given_others}
+    if fix.cause in verdict.confidences:
+        fields.update(confidence=verdict.confidences[fix.cause], explanation=verdict.explanations.get(fix.cause, ""))
+    return fields
+
+
+def verdict_json(verdict: Verdict, gpu_hours: float | None = None) -> dict:
+    """The verdict as JSON: primary cause, the listed causes in order with confidence, sentence
+    and fix, the joint fix, blamed workers, and every fix replayed (cause -> fix_fields)."""
+    return {
+        "cause": verdict.cause, "causes": list(verdict.causes), "confidence": float(verdict.confidence),
+        "explanation": verdict.explanation,
+        "verdicts": [{"cause": c, **fix_fields(verdict, verdict.fixes[c], gpu_hours)} for c in verdict.causes],
+        "joint_fix": fix_fields(verdict, verdict.joint_fix, gpu_hours) if verdict.joint_fix else None,
+        "implicated_workers": [list(w) for w in verdict.implicated_workers],
+        "fixes": {c: fix_fields(verdict, f, gpu_hours) for c, f in sorted(verdict.fixes.items())},
+        "gpu_hours": gpu_hours,
+    }
+
+
 def verdict_row(verdict: Verdict, gpu_hours: float, hosts: Mapping[tuple[int, int], str] | None = None) -> dict:
     """One JOB_CAUSE_SCHEMA row (schemas/fleet.py) of a verdict; hosts: (dp_rank, stage) -> host."""
     hosts = hosts or {}
     fix = verdict.primary_fix
-
-    def fix_fields(cause: str, f: Fix) -> dict:
-        fields = {"fixed_slowdown": f.fixed_slowdown, "explained": f.explained, "savings_fraction": f.savings_fraction,
-                  "savings_gpu_hours": gpu_hours * max(f.savings_fraction, 0.0), "fix": f.description,
-                  "explained_given_others": f.explained_given_others}
-        if cause in verdict.confidences:
-            fields.update(confidence=verdict.confidences[cause], explanation=verdict.explanations.get(cause, ""))
-        return fields
-
-    savings = {c: fix_fields(c, f) for c, f in sorted(verdict.fixes.items())}
+    savings = {c: fix_fields(verdict, f, gpu_hours) for c, f in sorted(verdict.fixes.items())}
     if verdict.joint_fix is not None:
-        savings["all"] = fix_fields("all", verdict.joint_fix)
+        savings["all"] = fix_fields(verdict, verdict.joint_fix, gpu_hours)
     return {
         "job_id": verdict.job_id,
         "slowdown": verdict.slowdown,
