@@ -204,6 +204,7 @@ def analyze_session(
     row.update(_result_fields(result, kept, dp_size, pp_size))
     if verdict is not None:
         row["verdict"], row["verdict_confidence"] = verdict.cause, float(verdict.confidence)
+        row["verdict_explanation"] = verdict.explanation
     return row, quarantine
 
 
