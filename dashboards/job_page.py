@@ -15,6 +15,7 @@ import urllib.parse
 from dashboards import charts
 from dashboards.data import ReportData
 from dashboards.html import BUNDLE_PATH, Chart, HtmlTable, Numbers, Text, fmt, render_page
+from schemas.causes import CAUSE_TITLES, evidence_label
 
 __all__ = ["build_job_page", "job_page_path", "JOBS_DIR"]
 
@@ -39,6 +40,63 @@ def _source_detail(summary) -> str:
     return detail if isinstance(detail, str) and detail else "trace rows written in the lake's format"
 
 
+def _share(value) -> str:
+    return "n/a" if value is None or value != value else f"{int(round(100 * value))}%"
+
+
+def _saved_number(fixes: dict, cause: str) -> tuple[str, str, str]:
+    """Headline: GPU-hours the primary cause's fix saves, naming the fix (all fixes when several causes)."""
+    fix = fixes.get("all") or fixes.get(cause)
+    if cause in ("none", "unexplained", "n/a") or fix is None or fix.get("savings_gpu_hours") is None:
+        return ("saved by the fix", "n/a", "no listed cause to fix")
+    label = "saved by fixing every cause" if "all" in fixes else f"saved by fixing the {CAUSE_TITLES.get(cause, cause)}"
+    return (label, f"{fix['savings_gpu_hours']:,.0f} GPU-h",
+            f"{fix.get('fix', 'its fix')}: S after {fmt(fix['fixed_slowdown'])}, {_share(fix.get('explained'))} of the straggling time")
+
+
+def _evidence_value(value) -> str:
+    if isinstance(value, float):
+        return fmt(value, 3)
+    if isinstance(value, list) and not value:
+        return "none"
+    if isinstance(value, list) and isinstance(value[0], dict):     # peer workers
+        return "; ".join(f"dp {w['dp_rank']} / stage {w['stage']}: {w['ratio']:.2f}x in {w['slow_steps']} of {w['steps']} steps"
+                         for w in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {fmt(x, 3)}" for k, x in value.items())
+    return json.dumps(value)
+
+
+def _verdict_blocks(v, fixes: dict, slowdown: float) -> list:
+    """Why: the sentence of each listed cause, the fixes with what each saves, the evidence with labels."""
+    sentences = [f"{i}. {CAUSE_TITLES.get(c, c)}: {fixes[c]['explanation']}" for i, c in enumerate(v["causes"], 1)
+                 if fixes.get(c, {}).get("explanation")]
+    explanation = v.get("explanation")
+    if not sentences:
+        sentences = [explanation if isinstance(explanation, str) and explanation
+                     else "No explanation recorded for this window (analysed before explanations existed)."]
+    blocks: list = [Text(f"Why{' (' + str(len(sentences)) + ' causes)' if len(sentences) > 1 else ''}:"), *map(Text, sentences)]
+
+    def row(title: str, fix: dict) -> list:
+        saved = fix.get("savings_gpu_hours")
+        return [title, fmt(fix.get("confidence"), 2) if "confidence" in fix else "", fix.get("fix", "n/a"), f"{slowdown:.3f} -> {fix['fixed_slowdown']:.3f}",
+                _share(fix.get("explained")), _share(fix.get("explained_given_others")), "n/a" if saved is None else f"{saved:,.0f}"]
+
+    rows = [row(CAUSE_TITLES.get(c, c), fixes[c]) for c in v["causes"] if c in fixes]
+    if "all" in fixes:
+        rows.append(row("all of them", fixes["all"]))
+    if rows:
+        blocks.append(HtmlTable("Causes and their fixes", ["cause", "confidence", "fix (what-if replay)", "S", "straggling time removed",
+                                                           "... of what remains after the other fixes", "GPU-h saved"], rows,
+                                "Each fix is replayed on the trace; the straggling time is the step time above the ideal "
+                                "(every op at its type's typical duration). Causes are ordered by the GPU-hours their fix saves alone."))
+    evidence = json.loads(v["evidence_json"])
+    labelled = [(*evidence_label(k), _evidence_value(x)) for k, x in evidence.items()]
+    blocks.append(HtmlTable("Evidence", ["measure", "value", "what it means"], [[label, value, meaning] for label, meaning, value in labelled],
+                            "The measurements behind the verdict. Shares are of the straggling time."))
+    return blocks
+
+
 def build_job_page(data: ReportData, date: dt.date, job_id: str, out_dir: pathlib.Path, timeline_href: str | None = None) -> pathlib.Path:
     """Write the page of one job window under out_dir (see job_page_path); returns its path.
 
@@ -58,22 +116,20 @@ def build_job_page(data: ReportData, date: dt.date, job_id: str, out_dir: pathli
     optypes = data.job("optype_attribution", date, job_id)
 
     cause = v["cause"] if v is not None else "n/a"
+    fixes = json.loads(v["savings_json"]) if v is not None else {}
     numbers = Numbers([
         ("slowdown S", fmt(s.slowdown), "S >= 1.1: straggling" if s.straggling else "below the 1.1 straggling threshold"),
         ("waste", f"{100 * s.waste:.1f}%", f"{s.wasted_gpu_hours:,.0f} of {s.gpu_hours:,.0f} GPU-hours"),
-        ("verdict", cause, f"confidence {v['confidence']:.2f}" if v is not None else "no verdict (discarded window)"),
-        ("M_W / M_S", f"{fmt(s.m_w, 2)} / {fmt(s.m_s, 2)}", "> 0.5: a few workers / the last stage explain S"),
-        ("saved by the fix", f"{v['savings_gpu_hours']:,.0f} GPU-h" if v is not None and v["savings_gpu_hours"] == v["savings_gpu_hours"] and v["savings_gpu_hours"] is not None else "n/a",
-         f"S after the fix {fmt(v['fixed_slowdown'])}" if v is not None else ""),
+        ("verdict", CAUSE_TITLES.get(cause, cause), f"{cause}, confidence {v['confidence']:.2f}" if v is not None else "no verdict (discarded window)"),
+        ("M_W / M_S", f"{fmt(s.m_w, 2)} / {fmt(s.m_s, 2)}", "share of the straggling time the top 3% workers / the last stage explain"),
+        _saved_number(fixes, cause),
         ("replay discrepancy", f"{100 * (s.launch_slowdown - 1):.1f}%", "discarded: above 5%" if s.discarded else "within 5%: kept"),
         ("parallelism", s.parallelism, f"{s.gpus} GPUs, {s.n_steps} sampled steps"),
         ("source", _source_format(s), _source_detail(s)),
     ])
     blocks: list = [numbers]
     if v is not None:
-        evidence = json.loads(v["evidence_json"])
-        blocks.append(HtmlTable("Evidence", ["metric", "value"], [[k, fmt(x, 4) if isinstance(x, float) else json.dumps(x)] for k, x in evidence.items()],
-                                "The metric values behind the verdict (see transforms/whatif/causes.py)."))
+        blocks += _verdict_blocks(v, fixes, float(s.slowdown))
     if timeline_href:
         blocks.append(Text("Timeline (original and simulated ideal side by side, Chrome-trace JSON): open it in Perfetto (ui.perfetto.dev, Open trace file).",
                            ("download the timeline", timeline_href)))

@@ -122,8 +122,10 @@ def live_job_page(job_id: str, results: pa.Table, alerts: pa.Table, *, threshold
                   for r in current.sort_values(["first_arrival", "session"], ascending=False).to_dict("records")]
     alert_rows = [[pd.Timestamp(a["alert_time"]).strftime("%Y-%m-%d %H:%M:%S"), a["kind"], a["message"]]
                   for a in sorted(alerts.to_pylist(), key=lambda a: a["alert_time"], reverse=True)]
+    explanation = latest.get("verdict_explanation")
     blocks = [
         numbers,
+        Text(f"Why: {explanation}" if isinstance(explanation, str) and explanation else "Why: no verdict for this session yet."),
         [Chart("sessions", "S per session", _session_chart(current, threshold)),
          Chart("steps", "Per-step slowdown, latest session",
                charts.step_slowdown_chart(_steps_frame(latest), float(latest["slowdown"] or 1.0), "S_s per sampled step (dashed: S)"))],

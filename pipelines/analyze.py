@@ -10,9 +10,11 @@ plus the published meta yaml; the second reads a lake job's trace files and mani
 the third converts raw profiler output (a folder of per-rank torch.profiler traces, or
 NDTimeline records; transforms/ingest/) and analyses it without writing anything.
 Prints a short summary (S, waste, discrepancy verdict, top stages / DP ranks / op
-types, M_W, M_S). --json writes the reference analyzer's result-*.json fields plus
-M_W, M_S with their parts (mw / ms), waste and the verdict fields; --timeline writes
-the original and ideal timelines as Chrome-trace JSON for Perfetto.
+types, M_W, M_S) and the root-cause verdict: every listed cause with its confidence, a
+sentence, S after its fix and the GPU-hours it saves (when the manifest gives GPU-hours).
+--json writes the reference analyzer's result-*.json fields plus M_W, M_S with their
+parts (mw / ms), waste and the verdict (transforms.whatif.causes.verdict_json); --timeline
+writes the original and ideal timelines as Chrome-trace JSON for Perfetto.
 """
 from __future__ import annotations
 
@@ -118,7 +120,8 @@ def _read_meta(path: pathlib.Path) -> dict:
 
 
 def load_job(opts: AnalyzeOptions):
-    """(trace table, JobMeta, job id, source description, ConvertedJob or None) for the options' job."""
+    """(trace table, JobMeta, job id, source description, ConvertedJob or None, GPU-hours or None) for the
+    options' job; GPU-hours (GPUs x manifest end - start, as the batch counts them) need a lake manifest."""
     import pyarrow.parquet as pq
 
     from transforms.whatif.result import JobMeta
@@ -132,7 +135,7 @@ def load_job(opts: AnalyzeOptions):
                                    dt.datetime.now(dt.timezone.utc).date().isoformat(),
                                    job_yaml=_options(str(opts.job_yaml) if opts.job_yaml else None))
         return (converted.trace, JobMeta.from_mapping(converted.manifest), job_id,
-                f"{opts.trace} ({describe_source(converted.source)})", converted)
+                f"{opts.trace} ({describe_source(converted.source)})", converted, None)
     if opts.trace is not None:
         fields = _read_meta(opts.meta)
         missing = [name for name in ("dp_size", "pp_size") if name not in fields]
@@ -140,7 +143,7 @@ def load_job(opts: AnalyzeOptions):
             raise ValueError(f"{opts.meta}: meta yaml lacks {missing}")
         meta = JobMeta.from_mapping(fields)
         job_id = opts.job_id or str(fields.get("trial_name") or opts.trace.stem)
-        return pq.read_table(opts.trace), meta, job_id, str(opts.trace), None
+        return pq.read_table(opts.trace), meta, job_id, str(opts.trace), None, None
     from transforms.lake import find_job, read_manifest, read_trace_files
 
     job = find_job(opts.lake, opts.job_id, opts.date)
@@ -148,8 +151,9 @@ def load_job(opts: AnalyzeOptions):
         raise ValueError(f"lake job {opts.job_id!r} on {job.date} has no manifest: its parallelism is unknown")
     manifest = read_manifest(job.manifest_path)
     meta = JobMeta.from_mapping(manifest)
+    hours = int(manifest["gpus"]) * (manifest["end_time"] - manifest["start_time"]).total_seconds() / 3600.0
     return (read_trace_files(job.trace_files), meta, job.job_id, f"{opts.lake} (date {job.date}, {len(job.trace_files)} files)",
-            None)
+            None, hours)
 
 
 def summary(result, n_ops: int, seconds: float, top: int = 3) -> str:
@@ -180,44 +184,64 @@ def summary(result, n_ops: int, seconds: float, top: int = 3) -> str:
         lines.append("top op types: " + ranking(result.by_optype, str))
     if result.mw is not None:
         workers = ", ".join(f"(dp {d}, stage {p})" for d, p in result.mw.workers)
-        lines.append(f"M_W = {result.mw.rem:.3f} (add {result.mw.add:.3f}) for the top {len(result.mw.workers)} worker(s): {workers}"
-                     + ("  -> individual worker problem" if result.straggling and result.mw.rem > 0.5 else ""))
+        lines.append(f"M_W = {result.mw.rem:.3f}: idealising the top {len(result.mw.workers)} worker(s) {workers} removes "
+                     f"{_percent(result.mw.rem)} of the straggling time; {_add_form(result.mw.add, 'them')}")
     if result.ms is not None:
-        lines.append(f"M_S = {result.ms.rem:.3f} (add {result.ms.add:.3f}) for the last stage"
-                     + ("  -> stage partitioning imbalance" if result.straggling and result.ms.rem >= 0.5 else "")
-                     + ("" if result.ms.workers else " (no pipeline parallelism: 0)"))
+        lines.append(f"M_S = {result.ms.rem:.3f}: idealising the last stage removes {_percent(result.ms.rem)} of the straggling time; "
+                     + (_add_form(result.ms.add, "the last stage") if result.ms.workers else "no pipeline parallelism: 0"))
     return "\n".join(lines)
 
 
-def verdict_lines(verdict, result) -> str:
-    """The root-cause verdict for people: cause, confidence, the workers blamed (global ranks), the fix's S."""
-    if verdict.cause == "none":
-        return f"verdict: not straggling (S {verdict.slowdown:.3f} < 1.1): no root cause to look for"
-    ranks = result.worker_rank
-    lines = [f"verdict: {verdict.cause} (confidence {verdict.confidence:.2f})"
-             + (f"; also {', '.join(c for c in verdict.causes if c != verdict.cause)}" if len(verdict.causes) > 1 else "")]
-    for cause in verdict.causes:
-        fix = verdict.fixes.get(cause)
-        if fix is not None:
-            lines.append(f"  fix what-if for {cause}: S {verdict.slowdown:.3f} -> {fix.fixed_slowdown:.3f} "
-                         f"({100 * fix.explained:.0f}% of the straggling time explained)")
+def _percent(share: float) -> str:
+    return f"{int(round(100 * share))}%"
+
+
+def _add_form(add: float, subject: str) -> str:
+    """The "add" form of M_W / M_S in words: the straggling time that remains with only that set slow."""
+    return f"with only {subject} slow, {_percent(add)} of it remains (add form {add:.3f})"
+
+
+def verdict_lines(verdict, result, gpu_hours: float | None = None) -> str:
+    """The root-cause verdict for people: each listed cause with its confidence, sentence, fix
+    (S after it, share of the straggling time, GPU-hours saved when known), the joint fix,
+    the workers blamed (global ranks)."""
+    from schemas.causes import CAUSE_TITLES
+
+    lines = [f"verdict: {verdict.cause} ({CAUSE_TITLES[verdict.cause]}), confidence {verdict.confidence:.2f}"]
+    if not verdict.causes:
+        lines.append(f"  {verdict.explanation}")
+    for rank, cause in enumerate(verdict.causes, 1):
+        lines.append(f"  {rank}. {cause} ({CAUSE_TITLES[cause]}), confidence {verdict.confidences[cause]:.2f}: "
+                     f"{verdict.explanations[cause]}")
+        lines.append("     " + _fix_line(verdict.fixes[cause], verdict.slowdown, gpu_hours))
+    if verdict.joint_fix is not None:
+        lines.append("  " + _fix_line(verdict.joint_fix, verdict.slowdown, gpu_hours))
     if verdict.implicated_workers:
+        ranks = result.worker_rank
         blamed = ", ".join(f"dp {d} / stage {p}" + (f" (rank {int(ranks[d, p])})" if ranks is not None else "")
                            for d, p in verdict.implicated_workers)
         lines.append(f"  workers blamed: {blamed}")
     return "\n".join(lines)
 
 
+def _fix_line(fix, slowdown: float, gpu_hours: float | None) -> str:
+    saved = f"{100 * max(fix.savings_fraction, 0.0):.1f}% of the GPU-hours"
+    if gpu_hours is not None:
+        saved += f" ({gpu_hours * max(fix.savings_fraction, 0.0):,.1f} of {gpu_hours:,.1f} GPU-h)"
+    return (f"fix: {fix.description}: S {slowdown:.3f} -> {fix.fixed_slowdown:.3f}, "
+            f"{100 * fix.explained:.0f}% of the straggling time removed, saves {saved}")
+
+
 def run(argv: list[str]) -> int:
     """Analyse the job, print the summary, write the requested outputs. Returns the exit code."""
     opts = parse(argv)
-    from transforms.whatif import analyze_job
+    from transforms.whatif.causes import analyze_and_classify, verdict_json
     from transforms.whatif.errors import WhatIfError
 
     from transforms.lake import LakeError
 
     try:
-        trace, meta, job_id, source, converted = load_job(opts)
+        trace, meta, job_id, source, converted, gpu_hours = load_job(opts)
     except (OSError, ValueError, LakeError) as error:
         code = f" [{error.reason_code}]" if hasattr(error, "reason_code") else ""
         print(f"strag analyze: cannot read the job: {error}{code}", file=sys.stderr)
@@ -225,14 +249,8 @@ def run(argv: list[str]) -> int:
             print(f"  set aside: {rejected} [{rejected.reason_code}]", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    verdict = None
     try:
-        if converted is not None:
-            from transforms.whatif.causes import analyze_and_classify
-
-            result, verdict = analyze_and_classify(trace, meta, job_id, timeline=opts.timeline_out is not None)
-        else:
-            result = analyze_job(trace, meta, job_id, timeline=opts.timeline_out is not None)
+        result, verdict = analyze_and_classify(trace, meta, job_id, timeline=opts.timeline_out is not None)
     except WhatIfError as error:
         print(f"strag analyze: {source}: {error}", file=sys.stderr)
         return 1
@@ -240,18 +258,11 @@ def run(argv: list[str]) -> int:
     if converted is not None:
         print(f"source: {source}")
     print(summary(result, trace.num_rows, seconds, opts.top))
-    if verdict is not None:
-        print(verdict_lines(verdict, result))
+    print(verdict_lines(verdict, result, gpu_hours))
     if opts.json_out is not None:
         opts.json_out.parent.mkdir(parents=True, exist_ok=True)
         written = result.to_json()
-        if verdict is not None:
-            written["verdict"] = {
-                "cause": verdict.cause, "causes": list(verdict.causes), "confidence": float(verdict.confidence),
-                "implicated_workers": [list(w) for w in verdict.implicated_workers],
-                "fixes": {c: {"fixed_slowdown": f.fixed_slowdown, "explained": f.explained,
-                              "savings_fraction": f.savings_fraction} for c, f in verdict.fixes.items()},
-            }
+        written["verdict"] = verdict_json(verdict, gpu_hours)
         if converted is not None:
             written["source"] = converted.source
         opts.json_out.write_text(json.dumps(written, indent=2, default=float))

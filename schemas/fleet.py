@@ -63,8 +63,8 @@ FLEET_SCHEMA_VERSION = "2"   # 2: fleet_coverage by source_format
 
 # Root-cause vocabulary (METHOD.md section 5). "none": the job does not straggle (S < 1.1).
 CAUSES: tuple[str, ...] = (
-    "individual-worker",   # M_W > 0.5: one or a few workers (hardware / software on a machine)
-    "stage-imbalance",     # M_S >= 0.5: the last pipeline stage carries more work
+    "individual-worker",   # a worker >= 1.2x slower than its DP peers (one DP rank: M_W > 0.5)
+    "stage-imbalance",     # one model chunk carries more compute (M_S >= 0.5 when it is the last stage)
     "sequence-imbalance",  # forward/backward durations of a microbatch move together (r >= 0.9)
     "python-gc",           # sporadic forward-only stalls on a rotating worker
     "communication",       # comm op types dominate the per-optype attribution
@@ -125,7 +125,10 @@ JOB_CAUSE_SCHEMA = _schema(
         pa.field("implicated_hosts", pa.list_(pa.string()), nullable=False),
         pa.field("fixed_slowdown", pa.float64(), nullable=True),        # S after replaying the fix of the primary cause
         pa.field("savings_gpu_hours", pa.float64(), nullable=True),     # GPU-hours the fix of the primary cause saves
-        pa.field("savings_json", pa.string(), nullable=False),          # cause -> {"fixed_slowdown", "savings_fraction"}
+        pa.field("savings_json", pa.string(), nullable=False),          # cause -> {"fixed_slowdown", "explained", "savings_fraction",
+                                                                         # "savings_gpu_hours", "fix", "explained_given_others",
+                                                                         # listed causes: "confidence", "explanation"}; "all": joint fix
+        pa.field("explanation", pa.string(), nullable=True),            # one sentence per listed cause, for people (schemas/causes.py)
     ],
 )
 

@@ -76,6 +76,7 @@ LIVE_RESULT_SCHEMA = _schema(
         pa.field("m_s", pa.float64(), nullable=True),
         pa.field("verdict", pa.string(), nullable=True),             # root cause (transforms/whatif/causes.py)
         pa.field("verdict_confidence", pa.float64(), nullable=True),
+        pa.field("verdict_explanation", pa.string(), nullable=True),  # one sentence per listed cause, for people
         pa.field("steps", pa.list_(pa.int64()), nullable=True),
         pa.field("step_slowdown", pa.list_(pa.float64()), nullable=True),   # S_s, aligned with steps
         # Worker heatmap: S_w row-major [dp_rank][stage], dp_size x pp_size values; null for

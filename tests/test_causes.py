@@ -5,6 +5,7 @@ The generator's truth is read here (evaluation), never by transforms/whatif/caus
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -13,7 +14,9 @@ import pytest
 from schemas.fleet import JOB_CAUSE_SCHEMA
 from transforms.synth import Cause, JobSpec, generate_job
 from transforms.whatif import analyze_model, compile_job
+from schemas.causes import EVIDENCE_LABELS, FIX_NAMES
 from transforms.whatif.causes import CauseError, classify, greedy_rebalance, imbalance_degree, sequence_workload, verdict_row
+from transforms.whatif.causes.signals import peer_median
 
 STAGE = Cause("last_stage_imbalance", {"forward_extra": 0.6, "backward_extra": 0.25})
 GC = Cause("gc_pauses", {"period": 3, "pause": 0.4})
@@ -26,6 +29,9 @@ CASES = {
     "gc": ((GC,), 4096, False),
     "flapping-link": ((Cause("comm_flapping", {"dp_rank": 2, "stage": 1, "factor": 12, "steps_fraction": 0.4}),), 4096, False),
     "stage-and-gc": ((STAGE, GC), 4096, False),
+    # the hard case: a 1.6x slower worker on stage 1 hides the heavy last stage from M_W and M_S
+    "worker-and-stage": ((Cause("slow_worker", {"dp_rank": 1, "stage": 1, "factor": 1.6}), STAGE), 4096, False),
+    "gc-and-worker": ((Cause("slow_worker", {"dp_rank": 3, "stage": 0, "factor": 2.0}), GC), 4096, False),
 }
 
 
@@ -123,6 +129,49 @@ def test_a_mixture_reports_both_causes_strongest_first(analysed):
     assert strengths == sorted(strengths, reverse=True)
 
 
+def test_a_slow_worker_does_not_hide_the_stage_imbalance_it_masks(analysed):
+    job, _, result, verdict, _ = analysed("worker-and-stage")
+    assert result.mw.workers == [(1, 1)] and result.ms.rem < 0.5, "the case M_W / M_S alone misread"
+    assert verdict.causes == ["individual-worker", "stage-imbalance"] and verdict.implicated_workers == [(1, 1)]
+    peers = verdict.evidence["peer_workers"]
+    assert [(w["dp_rank"], w["stage"]) for w in peers] == [(1, 1)] and peers[0]["ratio"] == pytest.approx(1.6, rel=0.05)
+    stage = verdict.fixes["stage-imbalance"]
+    # alone, rebalancing the stages barely helps (the slow worker stays the bottleneck); after it, it removes most of the rest
+    assert stage.explained < 0.1 <= stage.explained_given_others
+    joint = verdict.joint_fix
+    assert joint.fixed_slowdown < min(f.fixed_slowdown for c, f in verdict.fixes.items() if c in verdict.causes)
+    assert joint.fixed_slowdown < 1.05
+    assert "dp 1 / stage 1" in verdict.explanations["individual-worker"] and "1.6x" in verdict.explanations["individual-worker"]
+
+
+def test_gc_pauses_beside_a_slow_worker_are_listed_too(analysed):
+    _, _, _, verdict, _ = analysed("gc-and-worker")
+    assert verdict.cause == "individual-worker" and set(verdict.causes) == {"individual-worker", "python-gc"}
+    assert verdict.implicated_workers == [(3, 0)], "GC rotates: only the slow machine is blamed"
+
+
+@pytest.mark.parametrize("name", ["slow-worker", "last-stage", "sequence", "gc", "flapping-link", "worker-and-stage", "clean"])
+def test_every_verdict_has_a_sentence_and_readable_evidence(analysed, name):
+    _, _, _, verdict, _ = analysed(name)
+    assert verdict.explanation and set(verdict.explanations) >= set(verdict.causes or [verdict.cause])
+    for cause in verdict.causes:
+        sentence = verdict.explanations[cause]
+        assert sentence.endswith(".") and not re.search(r"[a-z]+_[a-z]+", sentence), sentence   # words, not metric names
+        assert f"{100 * verdict.fixes[cause].savings_fraction:.0f}% faster" in sentence
+        assert verdict.fixes[cause].description in FIX_NAMES.values()
+    assert set(verdict.evidence) <= set(EVIDENCE_LABELS), set(verdict.evidence) - set(EVIDENCE_LABELS)
+    ranked = [verdict.fixes[c].savings_fraction for c in verdict.causes]
+    assert ranked == sorted(ranked, reverse=True), "listed by GPU-hours saved"
+
+
+def test_peer_median_leaves_each_element_out():
+    pairs = np.array([[1.0, 2.0], [5.0, 1.0], [3.0, 9.0]])             # two DP ranks: each one's peer is the other
+    np.testing.assert_allclose(peer_median(pairs), [[2.0, 1.0], [1.0, 5.0], [9.0, 3.0]])
+    row = np.array([4.0, 1.0, 7.0, 2.0])
+    expected = [np.median(np.delete(row, i)) for i in range(len(row))]
+    np.testing.assert_allclose(peer_median(row), expected)
+
+
 def test_verdict_row_fits_the_job_cause_schema(analysed):
     job, model, _, verdict, _ = analysed("slow-worker")
     hosts = {(1, 2): "node-bad"}
@@ -132,7 +181,10 @@ def test_verdict_row_fits_the_job_cause_schema(analysed):
     assert row["implicated_hosts"] == ["node-bad"] and row["cause"] == "individual-worker"
     assert row["savings_gpu_hours"] == pytest.approx(100.0 * verdict.primary_fix.savings_fraction)
     assert json.loads(row["evidence_json"])["m_w"] == pytest.approx(verdict.evidence["m_w"])
-    assert set(json.loads(row["savings_json"])) >= {"individual-worker", "stage-imbalance", "communication"}
+    savings = json.loads(row["savings_json"])
+    assert set(savings) >= {"individual-worker", "stage-imbalance", "communication"}
+    assert row["explanation"] == verdict.explanation and savings["individual-worker"]["explanation"] in row["explanation"]
+    assert savings["individual-worker"]["fix"] == verdict.primary_fix.description
 
 
 def test_classify_refuses_a_result_of_another_job(analysed):

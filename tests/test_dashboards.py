@@ -198,3 +198,32 @@ def test_readme_sql_example_runs_on_the_tables(tables, data):
     kept = data.jobs["job_summary"].query("not discarded").sort_values("wasted_gpu_hours", ascending=False).head(10)
     assert list(rows["job_id"]) == list(kept["job_id"])
     assert [d.isoformat() for d in pd.to_datetime(rows["date"]).dt.date] == [d.isoformat() for d in kept["date"]]
+
+
+def test_job_page_explains_the_verdict_in_words(data, tmp_path):
+    """A real verdict (slow worker masking a heavy last stage) in place of the fixture's: the page
+    says why in sentences, names each fix and what it saves, and labels the evidence."""
+    import dataclasses
+
+    from transforms.synth import Cause, JobSpec, generate_job
+    from transforms.whatif.causes import analyze_and_classify, verdict_row
+
+    spec = JobSpec(job_id="masked", dp=4, pp=4, microbatches=8, steps=16, sessions=2, seed=3,
+                   causes=(Cause("slow_worker", {"dp_rank": 1, "stage": 1, "factor": 1.6}),
+                           Cause("last_stage_imbalance", {"forward_extra": 0.6, "backward_extra": 0.25})))
+    job = generate_job(spec)
+    _, verdict = analyze_and_classify(job.trace, job.meta, "masked")
+    summary = data.jobs["job_summary"]
+    row = summary[summary["attributed"] & ~summary["discarded"]].iloc[0]
+    causes = data.jobs["job_cause"]
+    replaced = causes[~((causes["date"] == row.date) & (causes["job_id"] == row.job_id))]
+    real = {**verdict_row(dataclasses.replace(verdict, job_id=row.job_id), gpu_hours=100.0), "date": row.date}
+    with_real = dataclasses.replace(data, jobs={**data.jobs, "job_cause": pd.concat([replaced, pd.DataFrame([real])])})
+    page = build_job_page(with_real, row.date, row.job_id, tmp_path).read_text()
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", page))
+    assert "Why (2 causes):" in text and "1. slow worker: Worker dp 1 / stage 1 runs" in text
+    assert "2. stage partitioning imbalance: Model chunk" in text
+    assert "saved by fixing every cause" in text and "every listed cause fixed at once" in text
+    assert "layers repartitioned so every model chunk does the same compute" in text
+    assert "M_W: share explained by the top 3% workers" in text and "forward_backward_r_normalised" not in text
+    assert "transforms/whatif/causes" not in text

@@ -35,7 +35,14 @@ def test_file_form_writes_json_and_timeline_without_beam(reference_dir, tmp_path
     assert "BEAM_MODULES=\n" in done.stdout + "\n"
     assert "S = 1.1787" in done.stdout and "M_S = 1.219" in done.stdout and "stage partitioning imbalance" in done.stdout
     assert "top stages:   stage 3 1.232" in done.stdout
+    assert "verdict: stage-imbalance (stage partitioning imbalance)" in done.stdout
+    assert "Model chunk 3 on the last stage does 1.63x the compute per microbatch" in done.stdout
     result = json.loads(out.read_text())
+    verdict = result["verdict"]
+    assert verdict["causes"] == ["stage-imbalance"] and verdict["verdicts"][0]["explanation"] in done.stdout
+    assert verdict["verdicts"][0]["savings_gpu_hours"] is None, "a trace file has no manifest: GPU-hours unknown"
+    fix = verdict["verdicts"][0]
+    assert f"S 1.179 -> {fix['fixed_slowdown']:.3f}" in done.stdout and fix["fix"] in done.stdout
     expected = json.loads((reference_dir / "result-ST.json").read_text())
     assert result["job_meta"] == expected["job_meta"]
     assert result["blocking_slowdown"] == pytest.approx(expected["blocking_slowdown"], rel=1e-6)
@@ -62,8 +69,28 @@ def test_lake_form(tmp_path):
     result = json.loads(out.read_text())
     assert result["job_meta"]["trial_name"] == "cli-job" and result["job_meta"]["dp_size"] == 2
     assert result["mw"]["workers"] == [[1, 0]]
+    verdict = result["verdict"]
+    assert verdict["cause"] == "individual-worker" and verdict["implicated_workers"] == [[1, 0]]
+    saved = verdict["verdicts"][0]["savings_gpu_hours"]
+    assert saved == pytest.approx(verdict["gpu_hours"] * verdict["verdicts"][0]["savings_fraction"]) and saved > 0
+    assert f"{saved:,.1f} of {verdict['gpu_hours']:,.1f} GPU-h" in done.stdout
+    assert "Worker dp 1 / stage 0 runs" in done.stdout
     wrong_date = strag("--lake", lake, "--job-id", spec.job_id, "--date", "2020-01-01")
     assert wrong_date.returncode == 2 and "cli-job" in wrong_date.stderr
+
+
+def test_published_slow_worker_trace_keeps_its_verdict_with_a_sentence(reference_dir, tmp_path):
+    """AR: global rank 0 slowed on purpose; the verdict blames it by peer comparison, and says so."""
+    out = tmp_path / "ar.json"
+    done = strag(reference_dir / "trace-AR.parquet", "--meta", reference_dir / "meta-AR.yaml", "--json", out)
+    assert done.returncode == 0, done.stderr
+    assert "S = 1.9730" in done.stdout and "verdict: individual-worker (slow worker)" in done.stdout
+    assert "Worker dp 0 / stage 0 runs forward 2.5x and backward 2.3x slower than the other DP ranks of stage 0 in 44 of 44 steps" \
+        in done.stdout
+    verdict = json.loads(out.read_text())["verdict"]
+    assert verdict["causes"] == ["individual-worker"] and verdict["implicated_workers"] == [[0, 0]]
+    assert json.loads(out.read_text())["blocking_slowdown"] == pytest.approx(
+        json.loads((reference_dir / "result-AR.json").read_text())["blocking_slowdown"], rel=1e-6)
 
 
 def test_bad_trace_exits_1_with_the_typed_error(reference_dir, tmp_path):

@@ -240,6 +240,7 @@ def _analyse(item: _Opened, report, engine) -> tuple[dict[str, Any], pa.Table]:
     row.update(_result_fields(result, kept, dp_size, pp_size))
     if verdict is not None:
         row["verdict"], row["verdict_confidence"] = verdict.cause, float(verdict.confidence)
+        row["verdict_explanation"] = verdict.explanation
     return row, quarantine
 
 

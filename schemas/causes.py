@@ -1,0 +1,78 @@
+"""Words for root-cause verdicts: what each cause and its fix are called, what each evidence metric means.
+
+The classifier (transforms/whatif/causes/) writes evidence as metric name -> value; pages
+and the CLI show these labels and the glossary instead of the names, so a reader never
+needs the code. Every evidence key the classifier writes has an entry (tests check it).
+"""
+from __future__ import annotations
+
+__all__ = ["CAUSE_TITLES", "FIX_NAMES", "EVIDENCE_LABELS", "evidence_label"]
+
+# The cause as a person would say it (schemas.fleet.CAUSES).
+CAUSE_TITLES: dict[str, str] = {
+    "individual-worker": "slow worker",
+    "stage-imbalance": "stage partitioning imbalance",
+    "sequence-imbalance": "sequence-length imbalance",
+    "python-gc": "Python garbage collection",
+    "communication": "slow communication",
+    "unexplained": "unexplained slowdown",
+    "none": "not straggling",
+}
+
+# The fix of each what-if replay (classifier scenario name), as the verdict names it.
+FIX_NAMES: dict[str, str] = {
+    "worker-peer": "the slow worker at the speed of its DP peers (repair or replace its machine)",
+    "worker-compute": "the top workers' compute at ideal speed (repair or replace their machines)",
+    "worker-comm": "the blamed worker's transfers at their typical time (repair its link)",
+    "stage": "layers repartitioned so every model chunk does the same compute",
+    "communication": "every transfer at its typical time (repair the network)",
+    "sequence": "each step's compute spread evenly over its microbatches (balanced data loading)",
+    "sequence-repacked": "documents repacked across microbatches (greedy, longest first)",
+    "gc": "planned GC: every worker collects at the same moment",
+    "all": "every listed cause fixed at once",
+}
+
+# evidence key -> (label, one-line meaning). Shares are of the straggling time T - T_ideal.
+EVIDENCE_LABELS: dict[str, tuple[str, str]] = {
+    "slowdown": ("slowdown S", "mean step time over the ideal step time (1.0 = no straggling)"),
+    "launch_slowdown": ("replay discrepancy", "observed over replayed step time; above 1.05 the window is discarded"),
+    "attributed": ("attributed", "whether per-worker and per-type attribution ran (S >= 1.03)"),
+    "m_w": ("M_W: share explained by the top 3% workers", "idealising the slowest 3% of workers removes this share"),
+    "m_s": ("M_S: share explained by the last stage", "idealising the last pipeline stage removes this share"),
+    "m_w_workers": ("top 3% workers", "(dp rank, stage) of the workers M_W idealises"),
+    "comm_share": ("communication share of the per-type slowdown", "communication op types' part of the slowdown by op type"),
+    "comm_excess": ("slowdown from communication types", "sum of S_t - 1 over communication op types"),
+    "top_comm_optype": ("slowest communication type", "the communication op type with the largest S_t"),
+    "forward_backward_r": ("forward/backward correlation (raw)", "Pearson r of a microbatch's forward and backward times"),
+    "forward_backward_r_normalised": ("forward/backward correlation", "the same r within each worker and chunk, so slow workers and stages cancel"),
+    "peer_workers": ("workers slower than their DP peers", "dp rank, stage, ratio to the peers' median and steps where >= the threshold"),
+    "peer_ratio_max": ("largest worker/peer ratio", "compute time of the slowest worker over the median of its stage's other DP ranks"),
+    "chunk_ratio": ("heaviest model chunk over the median chunk", "compute per microbatch of the heaviest chunk (its fastest DP rank)"),
+    "heaviest_chunk": ("heaviest model chunk", "global chunk id (and its stage) with the most compute per microbatch"),
+    "gc_pauses": ("forward-only pauses", "forward computes stalled beyond their backward's proportion"),
+    "gc_workers": ("workers with pauses", "how many workers the pauses hit (GC rotates)"),
+    "gc_max_worker_share": ("largest share of pauses on one worker", "near 1: one machine, not GC"),
+    "gc_steps": ("steps with pauses", "sampled steps with at least one pause"),
+    "gc_mean_pause": ("mean pause (s)", "mean stall of a paused forward compute"),
+    "gc_backward_outliers": ("backward stalls", "the same test on backward computes (GC pauses forwards only)"),
+    "worker_fix_explained": ("worker fix: share explained", "share removed with the blamed workers at their peers' speed"),
+    "worker_compute_explained": ("top workers at ideal compute: share explained", "share removed with the M_W workers' compute at ideal speed"),
+    "worker_comm_explained": ("top workers at ideal communication: share explained", "share removed with the M_W workers' transfers at ideal time"),
+    "stage_fix_explained": ("stage rebalancing: share explained", "share removed when every chunk's compute is the mean chunk's"),
+    "last_stage_uniformity": ("last-stage row uniformity", "min/max of S_w - 1 over the last stage (1: the whole row is hot)"),
+    "communication_fix_explained": ("ideal communication: share explained", "share removed with every transfer at its typical time"),
+    "sequence_even_explained": ("even microbatches: share explained", "share removed when each step's compute is spread evenly (an upper bound)"),
+    "sequence_fix_explained": ("document repacking: share explained", "share removed by the microbatch fix (repacking when lengths are recorded)"),
+    "imbalance_degree": ("microbatch imbalance degree", "max / mean microbatch workload (sum of squared lengths) per step"),
+    "imbalance_degree_rebalanced": ("imbalance degree after repacking", "the same after greedy document repacking"),
+    "workload_forward_r": ("workload/forward correlation", "Pearson r of a microbatch's workload and its forward time"),
+    "gc_fix_explained": ("planned GC: share explained", "share removed when pauses are paid by all workers at once"),
+    "explained_given_others": ("share explained after the other fixes", "per cause: the share of the remaining straggling time its fix removes once every other cause is fixed"),
+    "joint_fix_explained": ("all fixes together: share explained", "share removed when every listed cause is fixed"),
+    "worker_set_is_last_stage": ("top workers are the last stage", "one DP rank: the M_W set is the last stage itself"),
+}
+
+
+def evidence_label(key: str) -> tuple[str, str]:
+    """(label, meaning) of an evidence key; unknown keys keep their name and have no meaning."""
+    return EVIDENCE_LABELS.get(key, (key.replace("_", " "), ""))

@@ -1,0 +1,72 @@
+"""Root causes of a straggling job (METHOD.md section 5), what fixing each would save, and why, in words.
+
+Plain numpy, no Beam. In: a compiled JobModel, its WhatIfResult (with attribution: S >=
+1.03) and, when the trainer recorded them, the per-microbatch document lengths. Out: a
+`Verdict`: every listed cause (most GPU-hours saved first) with its confidence, its fix
+what-if and one sentence for people; the primary cause; the evidence; the workers blamed.
+
+Every fix is a scenario of the engine's batched replay, so "explained" always means: the
+share of the straggling time T - T_ideal that disappears when that fix is applied to the
+no-delay trace; "saves" means 1 - T_fix / T, the share of the job's GPU-hours.
+
+Signatures (a cause is a candidate when its signature holds)
+- individual-worker: a worker's compute against the other DP ranks of its stage, per
+  microbatch and step (signals.peer_comparison: robust to stage imbalance, which hits every
+  DP rank of a stage alike, and to GC pauses, which hit one microbatch): >= `peer_ratio`
+  (1.2x) in at least `peer_steps` (half) of the steps. Fix: that worker at peer speed.
+  With one DP rank (no peers): M_W > 0.5, fix: the M_W set's compute at ideal speed.
+- communication: located when M_W > 0.5 and idealising the M_W set's transfers explains
+  more than their compute (a bad link, not a slow GPU; fix: those transfers at typical
+  time); else global when communication types hold >= `comm_share` of the per-type
+  slowdown or add >= `comm_excess` to it (fix: every transfer at its typical time).
+- stage-imbalance: M_S >= 0.5 with a hot last-stage row (min/max of S_w - 1 >= 0.5), or
+  one model chunk doing >= `stage_chunk_ratio` (1.1x) the compute per microbatch of the
+  median chunk, measured on each chunk's fastest DP rank (a slow machine does not make its
+  stage heavy). Fix: rebalanced stages, every chunk's compute scaled to the chunks' mean.
+- sequence-imbalance: Pearson r >= 0.9 between forward and backward durations of the same
+  microbatch, normalised within each (step, worker, chunk) so persistent worker and stage
+  differences cancel. Measured by an even spread of each step's compute over microbatches
+  and DP ranks (an upper bound); the fix reported is greedy repacking of the recorded
+  documents (sequences.py) when the trace has seq_lens, else that even spread.
+- python-gc: forward-only stalls (forward beyond ratio_median x its backward, > 50 ms and
+  8 MADs), on >= 2 workers, no worker holding > 80% of them, backwards clean. Measured by
+  removing the pauses; the fix reported is planned GC (the same work paid by all at once).
+
+The listing rule (`causes`): a candidate is listed when its fix removes at least its
+`*_min_explained` share (worker and communication 10%, stage 10%, sequence 15%, GC 10%)
+of the straggling time T - T_ideal alone, or of the straggling time that remains once the
+fixes of every other candidate are applied, when that remainder is still a slowdown of at
+least 1.05 (over the lower of T_ideal and the step time with every fix: a repaired slow
+worker can beat an ideal whose means include it) (so a cause masked by a bigger one still counts: a last stage that is the
+bottleneck only once a slow worker is repaired, GC pauses beside a 2x slower machine). Listed causes are ordered by the
+GPU-hours their fix saves alone (ties: by the share after the others); `cause` is the
+first. Each has a confidence (0.5 at a threshold, 1 at a clear margin, the minimum over
+its conditions), a Fix (S after it, share explained alone and after the others, savings)
+and a sentence (explain.py). With two or more, `joint_fix` replays all fixes together
+(fixes.compose). "unexplained": straggling, nothing listed; "none": S below 1.1.
+
+Modules: verdict (dataclasses, job_cause row), signals, sequences, fixes, detect
+(classify), explain (sentences). Words for causes, fixes and evidence: schemas/causes.py.
+"""
+from __future__ import annotations
+
+from transforms.whatif.causes.detect import COMPUTE_GROUPS, analyze_and_classify, classify
+from transforms.whatif.causes.sequences import SequenceWorkload, greedy_rebalance, imbalance_degree, sequence_workload
+from transforms.whatif.causes.verdict import CauseError, CauseRules, Fix, Verdict, job_cause_table, verdict_json, verdict_row
+
+__all__ = [
+    "CauseRules",
+    "Fix",
+    "Verdict",
+    "SequenceWorkload",
+    "CauseError",
+    "classify",
+    "sequence_workload",
+    "greedy_rebalance",
+    "imbalance_degree",
+    "verdict_row",
+    "verdict_json",
+    "job_cause_table",
+    "analyze_and_classify",
+    "COMPUTE_GROUPS",
+]

@@ -1,0 +1,363 @@
+"""classify: signals -> one batched replay of every fix -> detectors -> the listing rule -> ranked verdict."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+import pyarrow as pa
+
+from transforms.whatif.causes import explain
+from transforms.whatif.causes.fixes import at_peer_speed, compose, planned_gc_seconds, rebalanced_stages, without_pauses
+from transforms.whatif.causes.sequences import BACKWARD, FORWARD, SequenceWorkload, even_sequences, repacked_sequences, sequence_workload
+from transforms.whatif.causes.signals import (
+    ChunkBalance,
+    GcStalls,
+    PeerComparison,
+    chunk_balance,
+    gc_stalls,
+    margin,
+    pairs,
+    pearson,
+    peer_comparison,
+    take,
+    within_group_normalised,
+)
+from transforms.whatif.causes.verdict import CauseError, CauseRules, Fix, Verdict
+from transforms.whatif.metrics import analyze_model, worker_set_mask
+from transforms.whatif.model import JobModel, compile_job
+from transforms.whatif.replay import Mix, Scenario, replay
+from transforms.whatif.result import JobMeta, WhatIfResult
+from schemas.causes import FIX_NAMES
+
+__all__ = ["classify", "analyze_and_classify", "COMPUTE_GROUPS"]
+
+# Attribution groups that are not communication (WhatIfResult.by_optype keys).
+COMPUTE_GROUPS = frozenset({"forward-compute", "backward-compute", "optimizer", "gc"})
+
+
+@dataclasses.dataclass
+class _Signals:
+    """What the detectors read (see signals.py); forward/backward: the [k, lane] op pairs."""
+
+    mw: float
+    ms: float
+    comm_share: float
+    comm_excess: float
+    forward: np.ndarray
+    backward: np.ndarray
+    r_norm: float
+    uniformity: float
+    gc: GcStalls | None
+    peers: PeerComparison | None
+    chunks: ChunkBalance | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+    """A cause whose signature holds: the replay measuring its share, the confidence of the
+    signature, the share needed to list it (`needed`) and the share where confidence is full."""
+
+    cause: str
+    scenario: str
+    signature: float
+    needed: float
+    clear: float
+    implicated: tuple[tuple[int, int], ...] = ()
+    fix_scenario: str | None = None      # the fix reported, when it is not the measuring replay
+
+
+def _signals(model: JobModel, result: WhatIfResult, rules: CauseRules, evidence: dict) -> _Signals:
+    mw, ms = float(result.mw.rem), float(result.ms.rem) if result.ms is not None else 0.0
+    excess = {name: max(value - 1.0, 0.0) for name, value in result.by_optype.items()}
+    total = sum(excess.values())
+    comm_excess = sum(v for k, v in excess.items() if k not in COMPUTE_GROUPS)
+    top_comm = max((k for k in excess if k not in COMPUTE_GROUPS), key=lambda k: excess[k], default=None)
+    row = result.worker_slowdown[:, model.pp_size - 1] - 1.0
+    uniformity = float(row.min() / row.max()) if model.dp_size > 1 and row.max() > 0 else 1.0
+    evidence.update(m_w=mw, m_s=ms, m_w_workers=[list(w) for w in result.mw.workers],
+                    comm_share=comm_excess / total if total > 0 else 0.0, comm_excess=comm_excess,
+                    top_comm_optype=top_comm, last_stage_uniformity=uniformity)
+    forward, backward = pairs(model)
+    r_norm, gc, peers, chunks = math.nan, None, None, None
+    if len(forward):
+        f, b = take(model.original_cost, forward), take(model.original_cost, backward)
+        gc = gc_stalls(model, forward, backward, rules)
+        chunk = model.op_stage[forward] * (int(model.op_gmc.max()) + 2) + model.op_gmc[forward]
+        keep = ~gc.pauses
+        if forward.shape[0] > model.pp_size * max(model.vpp_size, 1):
+            r_norm = pearson(within_group_normalised(f, chunk)[keep], within_group_normalised(b, chunk)[keep])
+        evidence.update(forward_backward_r=pearson(f, b), forward_backward_r_normalised=r_norm)
+        peers = peer_comparison(model, forward, backward, rules)
+        chunks = chunk_balance(model, forward, backward)
+        _gc_evidence(model, forward, gc, evidence)
+    else:
+        evidence["gc_pauses"] = 0
+    if peers is not None:
+        blamed = peers.blamed(rules)
+        evidence["peer_ratio_max"] = float(np.nanmax(peers.ratio))
+        evidence["peer_workers"] = [{"dp_rank": d, "stage": p, "ratio": float(peers.ratio[d, p]),
+                                     "forward": float(peers.forward[d, p]), "backward": float(peers.backward[d, p]),
+                                     "slow_steps": int(peers.slow_steps[d, p]), "steps": peers.n_steps} for d, p in blamed]
+    if chunks is not None:
+        evidence.update(chunk_ratio=chunks.ratio, heaviest_chunk=[chunks.heaviest_chunk, chunks.heaviest_stage])
+    return _Signals(mw, ms, evidence["comm_share"], comm_excess, forward, backward, r_norm, uniformity, gc, peers, chunks)
+
+
+def _gc_evidence(model: JobModel, forward: np.ndarray, gc: GcStalls, evidence: dict) -> None:
+    """Counts of the GC signature: pauses, workers hit, the largest share on one worker, steps."""
+    evidence["gc_pauses"] = int(gc.pauses.sum())
+    if not gc.pauses.any():
+        return
+    rows, lanes = np.nonzero(gc.pauses)
+    worker = model.lane_dp[lanes] * model.pp_size + model.op_stage[forward[rows, lanes]]
+    counts = np.bincount(worker, minlength=model.dp_size * model.pp_size)
+    evidence.update(gc_workers=int((counts > 0).sum()), gc_max_worker_share=float(counts.max() / counts.sum()),
+                    gc_steps=int(len(np.unique(model.lane_step[lanes]))), gc_mean_pause=float(gc.stall[gc.pauses].mean()),
+                    gc_backward_outliers=int(gc.backward_outliers))
+
+
+def _dense(cost) -> np.ndarray:
+    """A fix cost as a full [op, lane] array (a Mix resolved)."""
+    return np.where(cost.where, cost.alt, cost.base) if isinstance(cost, Mix) else cost
+
+
+def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workload: SequenceWorkload | None,
+               rules: CauseRules, evidence: dict, timings: dict) -> dict[str, object]:
+    """Scenario name -> cost of every fix (arrays or Mix), all replayed in one batch.
+
+    worker-peer: blamed workers at peer speed; worker-compute / worker-comm: the M_W set's
+    compute / transfers at ideal; stage: rebalanced chunks; communication: every transfer
+    at ideal; sequence: even spread; sequence-repacked: greedy document repacking (with
+    seq_lens, when the sequence signature holds); gc: pauses removed."""
+    original = model.original_cost
+    ideal = model.ideal_cost()[:, None]
+    mw_mask = worker_set_mask(model, result.mw.workers)
+    compute = np.isin(model.op_optype, (FORWARD, BACKWARD))[:, None]
+    costs: dict[str, object] = {
+        "worker-compute": np.where(mw_mask & compute, ideal, original),
+        "worker-comm": Mix(original, ideal, mw_mask & model.op_is_comm[:, None]),
+        "stage": rebalanced_stages(model),
+        "communication": Mix(original, ideal, model.op_is_comm[:, None]),
+    }
+    blamed = signals.peers.blamed(rules) if signals.peers is not None else []
+    if blamed:
+        costs["worker-peer"] = at_peer_speed(model, blamed, signals.peers)
+    if len(signals.forward):
+        costs["sequence"] = even_sequences(model)
+        costs["gc"] = without_pauses(model, signals.forward, signals.gc, rules.gc_min_stall)
+        if workload is not None and signals.r_norm >= rules.sequence_r:    # only the sequence cause's fix needs it
+            started = time.perf_counter()
+            costs["sequence-repacked"], sequence_evidence = repacked_sequences(model, workload)
+            timings["sequence"] = time.perf_counter() - started
+            evidence.update(sequence_evidence)
+            evidence["workload_forward_r"] = pearson(take(workload.op_workload, signals.forward), take(original, signals.forward))
+    return costs
+
+
+def _hot_half(result: WhatIfResult) -> tuple[tuple[int, int], ...]:
+    """The M_W workers at least half as hot (in S_w - 1) as the hottest: the machines M_W blames."""
+    hottest = max(result.worker_slowdown[d, p] for d, p in result.mw.workers) - 1.0
+    return tuple((int(d), int(p)) for d, p in result.mw.workers if result.worker_slowdown[d, p] - 1.0 >= 0.5 * hottest)
+
+
+def _candidates(model: JobModel, result: WhatIfResult, signals: _Signals, share, rules: CauseRules,
+                evidence: dict) -> list[_Candidate]:
+    """Every cause whose signature holds (package docstring), with the replay that measures it."""
+    out: list[_Candidate] = []
+    blamed = signals.peers.blamed(rules) if signals.peers is not None else []
+    located_comm = signals.mw > rules.worker_mw and share("worker-comm") > share("worker-compute")
+    if blamed:
+        ratio = float(signals.peers.ratio[blamed[0]])
+        out.append(_Candidate("individual-worker", "worker-peer", margin(ratio, rules.peer_ratio, 1.5), rules.min_explained, 0.5,
+                              tuple(blamed)))
+    elif model.dp_size == 1 and signals.mw > rules.worker_mw and not located_comm:
+        out.append(_Candidate("individual-worker", "worker-compute", margin(signals.mw, rules.worker_mw, 0.9),
+                              rules.min_explained, 0.6, _hot_half(result)))
+    if located_comm:
+        out.append(_Candidate("communication", "worker-comm", margin(signals.mw, rules.worker_mw, 0.9), rules.min_explained, 0.6,
+                              _hot_half(result)))
+    elif signals.comm_share >= rules.comm_share or signals.comm_excess >= rules.comm_excess:
+        signature = max(margin(signals.comm_share, rules.comm_share, 0.9), margin(signals.comm_excess, rules.comm_excess, 4 * rules.comm_excess))
+        out.append(_Candidate("communication", "communication", signature, rules.min_explained, 0.6))
+    if model.pp_size > 1:
+        by_ms = min(margin(signals.ms, rules.stage_ms, 0.8), margin(signals.uniformity, rules.stage_row_uniformity, 0.8)) \
+            if signals.ms >= rules.stage_ms and signals.uniformity >= rules.stage_row_uniformity else 0.0
+        by_chunk = margin(signals.chunks.ratio, rules.stage_chunk_ratio, 1.4) \
+            if signals.chunks is not None and signals.chunks.ratio >= rules.stage_chunk_ratio else 0.0
+        if by_ms or by_chunk:
+            out.append(_Candidate("stage-imbalance", "stage", max(by_ms, by_chunk), rules.stage_min_explained, 0.4))
+    if len(signals.forward) and signals.r_norm >= rules.sequence_r:
+        out.append(_Candidate("sequence-imbalance", "sequence", margin(signals.r_norm, rules.sequence_r, 0.97),
+                              rules.sequence_min_explained, 0.5))
+    if signals.gc is not None and _gc_signature(evidence, rules):
+        out.append(_Candidate("python-gc", "gc", margin(float(evidence["gc_workers"]), 2, 4), rules.gc_min_explained, 0.4))
+    causes = {c.cause: c for c in out}
+    if model.dp_size == 1 and "individual-worker" in causes and "stage-imbalance" in causes \
+            and all(p == model.pp_size - 1 for _, p in result.mw.workers):
+        # one DP rank: the M_W set is the last stage itself; the far more common stage cause wins
+        out.remove(causes["individual-worker"])
+        evidence["worker_set_is_last_stage"] = True
+    return out
+
+
+def _gc_signature(evidence: dict, rules: CauseRules) -> bool:
+    """Forward-only pauses on at least two workers, none holding most of them (rotating, not a machine)."""
+    return evidence["gc_pauses"] >= 2 and evidence["gc_workers"] >= 2 \
+        and evidence["gc_max_worker_share"] <= rules.gc_max_worker_share \
+        and evidence["gc_backward_outliers"] <= evidence["gc_pauses"] // 4
+
+
+def _reported_fix(candidate: _Candidate, costs: dict) -> str:
+    """The fix named to people: repacking when lengths are recorded, planned GC, else the measuring replay."""
+    if candidate.cause == "sequence-imbalance" and "sequence-repacked" in costs:
+        return "sequence-repacked"
+    return candidate.scenario
+
+
+def _combined_times(model: JobModel, costs: dict, sets: list[tuple[str, ...]], planned_gc: float,
+                    known: dict[str, float]) -> dict[tuple[str, ...], float]:
+    """Mean step time with every fix of each set applied together (sets of one are looked up in `known`)."""
+    times, scenarios = {}, []
+    for fixes in sets:
+        if len(fixes) == 1:
+            times[fixes] = known[fixes[0]] + (planned_gc if fixes[0] == "gc" else 0.0)
+        elif fixes:
+            scenarios.append(Scenario("+".join(fixes), compose(model, [_dense(costs[f]) for f in fixes])))
+    if scenarios:
+        replayed = replay(model, scenarios)
+        for fixes in sets:
+            if len(fixes) > 1:
+                times[fixes] = float(replayed.span("+".join(fixes)).mean()) + (planned_gc if "gc" in fixes else 0.0)
+    return times
+
+
+def _default_scenario(cause: str, costs: dict) -> str | None:
+    """The fix replayed for a cause that no signature proposed (shown for comparison)."""
+    return {"individual-worker": "worker-peer" if "worker-peer" in costs else "worker-compute",
+            "stage-imbalance": "stage", "communication": "communication",
+            "sequence-imbalance": "sequence-repacked" if "sequence-repacked" in costs else "sequence",
+            "python-gc": "gc"}[cause] if cause != "sequence-imbalance" or "sequence" in costs else None
+
+
+def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkload | None = None,
+             rules: CauseRules = CauseRules()) -> Verdict:
+    """Root-cause verdict of one analysed job (see the package docstring).
+
+    model: the compiled job (transforms.whatif.compile_job); result: analyze_model(model)
+    (attribution needed when S >= 1.03); workload: sequence_workload(trace, model) or None.
+    Jobs with S below rules.straggling get cause "none" (evidence and fixes still computed
+    when attribution exists). Raises CauseError when model and result are of different jobs.
+    """
+    if result.job_id != model.job_id or len(result.steps) != model.n_steps:
+        raise CauseError(f"job {model.job_id!r}: result of job {result.job_id!r} with {len(result.steps)} steps "
+                         f"does not belong to this model ({model.n_steps} steps)")
+    slowdown = float(result.slowdown)
+    straggling = slowdown >= rules.straggling
+    evidence: dict[str, object] = {"slowdown": slowdown, "launch_slowdown": float(result.launch_slowdown)}
+    tori, tideal = float(result.step_t_nodelay.mean()), float(result.step_t_noblk.mean())
+    gap = tori - tideal
+    if result.by_optype is None or result.mw is None or gap <= 0:
+        evidence["attributed"] = False
+        cause = "unexplained" if straggling else "none"
+        return Verdict(model.job_id, slowdown, cause, [], 1.0, {}, evidence, [], {},
+                       {cause: explain.verdict_sentence(cause, slowdown, rules.straggling, None)})
+
+    timings: dict[str, float] = {}
+    signals = _signals(model, result, rules, evidence)
+    costs = _fix_costs(model, result, signals, workload, rules, evidence, timings)
+    fixed = replay(model, [Scenario(name, cost) for name, cost in costs.items()])
+    step_time = {name: float(fixed.span(name).mean()) for name in fixed.names}
+    planned_gc = planned_gc_seconds(model, signals.forward, signals.gc) if evidence["gc_pauses"] else 0.0
+
+    def share(scenario: str) -> float:
+        return (tori - step_time[scenario]) / gap
+
+    def make_fix(cause: str, scenario: str, given: float | None = None, t: float | None = None) -> Fix:
+        t = step_time[scenario] + (planned_gc if scenario == "gc" else 0.0) if t is None else t
+        return Fix(cause, t, slowdown * t / tori, (tori - t) / gap, 1.0 - t / tori, FIX_NAMES[scenario], given)
+
+    _record_shares(evidence, share)
+    candidates = _candidates(model, result, signals, share, rules, evidence)
+    reported = {c.cause: _reported_fix(c, costs) for c in candidates}
+    worth = (1.0 + 0.5 * (rules.straggling - 1.0)) * tideal        # a remaining S of 1.05 by default
+    given, joint = _given_others(model, costs, reported, planned_gc, step_time, tideal, worth)
+    listed = {}
+    for c in candidates:
+        best = max(share(c.scenario), given.get(c.cause, -math.inf))
+        if best >= c.needed:
+            listed[c.cause] = min(c.signature, margin(best, c.needed, c.clear))
+    fixes = {cause: make_fix(cause, scenario) for cause in explain.CAUSE_ORDER
+             if (scenario := _default_scenario(cause, costs)) is not None}
+    fixes.update({c: make_fix(c, reported[c], given.get(c)) for c in reported})
+    if given:
+        evidence["explained_given_others"] = given
+    evidence["sequence_fix_explained"] = fixes["sequence-imbalance"].explained if "sequence-imbalance" in fixes else None
+    if evidence["sequence_fix_explained"] is None:
+        del evidence["sequence_fix_explained"]
+
+    ranked = sorted(listed, key=lambda c: (-fixes[c].savings_fraction, -(fixes[c].explained_given_others or 0.0), c))
+    joint_fix = None
+    if len(ranked) >= 2:
+        if set(ranked) != set(reported):
+            _, joint = _given_others(model, costs, {c: reported[c] for c in ranked}, planned_gc, step_time, tideal, worth)
+        joint_fix = make_fix("all", "all", t=joint)
+        evidence["joint_fix_explained"] = joint_fix.explained
+    by_cause = {c.cause: c for c in candidates}
+    if not straggling:
+        primary, ranked, confidence = "none", [], 1.0
+    elif ranked:
+        primary, confidence = ranked[0], listed[ranked[0]]
+    else:
+        primary = "unexplained"
+        confidence = float(np.clip(1.0 - max((f.explained for f in fixes.values()), default=0.0), 0.0, 1.0))
+    implicated = list(dict.fromkeys(w for c in ranked for w in by_cause[c].implicated))
+    evidence = {k: (float(v) if isinstance(v, (np.floating, float)) else v) for k, v in evidence.items()}
+    explanations = {c: explain.cause_sentence(c, evidence, fixes[c], by_cause[c].implicated, model.pp_size) for c in ranked}
+    if primary in ("none", "unexplained"):
+        best = max(fixes.values(), key=lambda f: f.explained, default=None)
+        explanations[primary] = explain.verdict_sentence(primary, slowdown, rules.straggling, best)
+    return Verdict(model.job_id, slowdown, primary, ranked, float(confidence),
+                   {c: float(listed[c]) for c in ranked}, evidence, implicated, fixes, explanations, joint_fix,
+                   timings)
+
+
+def _record_shares(evidence: dict, share) -> None:
+    """Share of T - T_ideal each replayed fix removes alone, under its evidence name."""
+    names = {"worker-peer": "worker_fix_explained", "worker-compute": "worker_compute_explained",
+             "worker-comm": "worker_comm_explained", "stage": "stage_fix_explained",
+             "communication": "communication_fix_explained", "sequence": "sequence_even_explained", "gc": "gc_fix_explained"}
+    for scenario, name in names.items():
+        try:
+            evidence[name] = share(scenario)
+        except KeyError:
+            continue
+
+
+def _given_others(model: JobModel, costs: dict, reported: dict[str, str], planned_gc: float,
+                  step_time: dict[str, float], tideal: float, worth: float) -> tuple[dict[str, float], float | None]:
+    """Per cause, the share of what remains of the straggling time once every other cause's fix
+    is applied (T_others - T_floor, T_floor the lower of T_ideal and T with every fix) that
+    its own fix removes, when what remains is still a slowdown (T_others / T_floor) of at
+    least worth / T_ideal; and the step time with every fix (None with fewer than two causes)."""
+    if len(reported) < 2:
+        return {}, None
+    every = tuple(sorted(reported.values()))
+    without = {c: tuple(sorted(f for o, f in reported.items() if o != c)) for c in reported}
+    times = _combined_times(model, costs, [every, *without.values()], planned_gc, step_time)
+    floor = min(tideal, times[every])       # fixing a slow worker can beat the ideal, whose means include it
+    return {c: (times[without[c]] - times[every]) / (times[without[c]] - floor)
+            for c in reported if times[without[c]] >= worth * floor / tideal}, times[every]
+
+
+def analyze_and_classify(trace: pa.Table, meta: JobMeta, job_id: str = "", *, rules: CauseRules = CauseRules(),
+                         timeline: bool = False) -> tuple[WhatIfResult, Verdict]:
+    """What-if analysis and root-cause verdict of one trace window, compiling the job once.
+
+    The same WhatIfResult as transforms.whatif.analyze_job, plus the Verdict; raises the
+    engine's WhatIfError subclasses on traces it cannot analyse.
+    """
+    model = compile_job(trace, meta, job_id)
+    result = analyze_model(model, timeline=timeline)
+    return result, classify(model, result, workload=sequence_workload(trace, model), rules=rules)

@@ -1,0 +1,115 @@
+"""One sentence per verdict, in plain words, built from its evidence and its fix what-if.
+
+"worker dp 1 / stage 1 runs forward and backward compute 1.6x slower than the other DP
+ranks of stage 1 in 32 of 32 steps; at peer speed the job would be 12% faster."
+Percentages of the straggling time are shares of T - T_ideal; "x% faster" is the share of
+step time (and so of GPU-hours) the fix saves.
+"""
+from __future__ import annotations
+
+from transforms.whatif.causes.verdict import Fix
+
+__all__ = ["CAUSE_ORDER", "cause_sentence", "verdict_sentence"]
+
+CAUSE_ORDER = ("individual-worker", "stage-imbalance", "sequence-imbalance", "python-gc", "communication")
+
+
+def _pct(share: float) -> str:
+    return f"{int(round(100 * share))}%"
+
+
+def _faster(fix: Fix) -> str:
+    return f"the job would be {_pct(max(fix.savings_fraction, 0.0))} faster"
+
+
+def _masked(fix: Fix) -> str:
+    """The share after the other causes are fixed, when it says more than the share alone."""
+    given = fix.explained_given_others
+    if given is None or given < fix.explained + 0.05:
+        return ""
+    return f" (once the other causes are fixed, it removes {_pct(given)} of the straggling time that remains)"
+
+
+def _worker(evidence: dict, fix: Fix, implicated) -> str:
+    peers = {(w["dp_rank"], w["stage"]): w for w in evidence.get("peer_workers", [])}
+    if implicated and all(w in peers for w in implicated):
+        parts = []
+        for d, p in implicated:
+            w = peers[(d, p)]
+            speed = (f"forward and backward compute {w['ratio']:.1f}x" if abs(w["forward"] - w["backward"]) < 0.1
+                     else f"forward {w['forward']:.1f}x and backward {w['backward']:.1f}x")
+            parts.append(f"worker dp {d} / stage {p} runs {speed} slower than the other DP ranks of stage {p} "
+                         f"in {w['slow_steps']} of {w['steps']} steps")
+        return "; ".join(parts) + f"; at peer speed {_faster(fix)}{_masked(fix)}."
+    workers = ", ".join(f"dp {d} / stage {p}" for d, p in implicated) or "a few workers"
+    return (f"worker {workers} explains {_pct(evidence['m_w'])} of the straggling time (M_W, no DP peers to compare with); "
+            f"with its compute at ideal speed {_faster(fix)}.")
+
+
+def _stage(evidence: dict, fix: Fix, pp_size: int) -> str:
+    heavy = ""
+    if "heaviest_chunk" in evidence and evidence.get("chunk_ratio", 0.0) >= 1.0:
+        chunk, stage = evidence["heaviest_chunk"]
+        where = "the last stage" if stage == pp_size - 1 else f"stage {stage}"
+        heavy = f"model chunk {chunk} on {where} does {evidence['chunk_ratio']:.2f}x the compute per microbatch of the median chunk; "
+    return (f"{heavy}the last stage explains {_pct(max(evidence['m_s'], 0.0))} of the straggling time (M_S); "
+            f"with layers repartitioned evenly {_faster(fix)}{_masked(fix)}.")
+
+
+def _sequence(evidence: dict, fix: Fix) -> str:
+    text = (f"the forward and backward of the same microbatch are slow together (r = {evidence['forward_backward_r_normalised']:.2f}), "
+            f"so microbatches carry unequal work")
+    if "imbalance_degree" in evidence:
+        text += f" (the heaviest has {evidence['imbalance_degree']:.2f}x the mean workload per step)"
+    text += f"; spreading each step's work evenly would remove {_pct(evidence['sequence_even_explained'])} of the straggling time"
+    if "imbalance_degree_rebalanced" in evidence:
+        text += (f"; greedy repacking of the recorded documents (imbalance {evidence['imbalance_degree_rebalanced']:.2f}x) "
+                 f"removes {_pct(fix.explained)}: {_faster(fix)}")
+    else:
+        text += f": {_faster(fix)}"
+    return text + f"{_masked(fix)}."
+
+
+def _gc(evidence: dict, fix: Fix) -> str:
+    return (f"forward computes stall {evidence['gc_mean_pause']:.2f} s on average, {evidence['gc_pauses']} times on "
+            f"{evidence['gc_workers']} workers in {evidence['gc_steps']} steps, no worker holding more than "
+            f"{_pct(evidence['gc_max_worker_share'])} of them: Python garbage collection; the pauses are "
+            f"{_pct(evidence['gc_fix_explained'])} of the straggling time, and with planned GC (all workers at once) "
+            f"{_faster(fix)}{_masked(fix)}.")
+
+
+def _communication(evidence: dict, fix: Fix, implicated) -> str:
+    if implicated:
+        workers = ", ".join(f"dp {d} / stage {p}" for d, p in implicated)
+        return (f"the transfers of worker {workers} are slow: at their typical time they remove "
+                f"{_pct(evidence['worker_comm_explained'])} of the straggling time (its compute only "
+                f"{_pct(max(evidence['worker_compute_explained'], 0.0))}); with its link repaired {_faster(fix)}{_masked(fix)}.")
+    return (f"communication op types make {_pct(evidence['comm_share'])} of the slowdown by op type "
+            f"(slowest: {evidence['top_comm_optype']}); with every transfer at its typical time {_faster(fix)}{_masked(fix)}.")
+
+
+def cause_sentence(cause: str, evidence: dict, fix: Fix, implicated, pp_size: int) -> str:
+    """The sentence of one listed cause (its evidence keys as classify writes them)."""
+    if cause == "individual-worker":
+        text = _worker(evidence, fix, implicated)
+    elif cause == "stage-imbalance":
+        text = _stage(evidence, fix, pp_size)
+    elif cause == "sequence-imbalance":
+        text = _sequence(evidence, fix)
+    elif cause == "python-gc":
+        text = _gc(evidence, fix)
+    elif cause == "communication":
+        text = _communication(evidence, fix, implicated)
+    else:
+        raise ValueError(f"no sentence for cause {cause!r}")
+    return text[0].upper() + text[1:]
+
+
+def verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix | None) -> str:
+    """The sentence of a verdict without a listed cause: "none" or "unexplained"."""
+    if verdict == "none":
+        return f"S = {slowdown:.3f} is below the {threshold:g} straggling threshold: nothing to fix."
+    if best is None or best.explained <= 0:
+        return f"S = {slowdown:.3f} but no detector could run (no attribution): the cause is unknown."
+    return (f"S = {slowdown:.3f} but no cause's signature holds; the best single fix ({best.description}) "
+            f"would remove only {_pct(best.explained)} of the straggling time.")

@@ -1,0 +1,84 @@
+"""Cost arrays ([op, lane] seconds) of each cause's fix, replayed by the engine like any scenario."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from transforms.whatif.causes.sequences import BACKWARD, FORWARD
+from transforms.whatif.causes.signals import GcStalls, PeerComparison
+from transforms.whatif.model import JobModel
+from schemas.trace import OPTYPES
+
+__all__ = ["at_peer_speed", "rebalanced_stages", "without_pauses", "planned_gc_seconds", "compose"]
+
+_P2P = tuple(OPTYPES.index(name) for name in ("forward-send", "forward-recv", "backward-send", "backward-recv"))
+
+
+def at_peer_speed(model: JobModel, workers: Sequence[tuple[int, int]], peers: PeerComparison) -> np.ndarray:
+    """Cost with each given worker's forward (backward) computes divided by its forward (backward)
+    ratio to its DP peers: the machine repaired, its own microbatch variation kept."""
+    cost = model.original_cost.copy()
+    for code, ratios in ((FORWARD, peers.forward), (BACKWARD, peers.backward)):
+        for d, p in workers:
+            ops = np.flatnonzero((model.op_optype == code) & (model.op_stage == p))
+            lanes = np.flatnonzero(model.lane_dp == d)
+            if np.isfinite(ratios[d, p]) and ratios[d, p] > 0:
+                cost[np.ix_(ops, lanes)] /= ratios[d, p]
+    return cost
+
+
+def rebalanced_stages(model: JobModel) -> np.ndarray:
+    """Compute cost with every chunk's mean forward (backward) duration set to the mean over chunks."""
+    cost = model.original_cost.copy()
+    for code in (FORWARD, BACKWARD):
+        ops = np.flatnonzero(model.op_optype == code)
+        chunks = model.op_gmc[ops]
+        means = {int(g): cost[ops[chunks == g]].mean() for g in np.unique(chunks)}
+        target = float(np.mean(list(means.values())))
+        for g, mean in means.items():
+            if mean > 0:
+                cost[ops[chunks == g]] *= target / mean
+    return cost
+
+
+def without_pauses(model: JobModel, forward: np.ndarray, gc: GcStalls, min_stall: float) -> np.ndarray:
+    """Cost with every detected pause removed, and its echo in pipeline transfers.
+
+    With batched send+recv (interleaved schedules), a record waits for its partner's peer,
+    so a stalled forward also inflates transfer times along the pipeline of that lane; in
+    lanes with a pause, p2p transfers longer than their type's median by more than
+    min_stall seconds go back to the median."""
+    cost = model.original_cost.copy()
+    rows, lanes = np.nonzero(gc.pauses)
+    cost[forward[rows, lanes], lanes] = gc.expected[rows, lanes]
+    paused_lanes = np.unique(lanes)
+    for code in _P2P:
+        ops = np.flatnonzero(model.op_optype == code)
+        if not len(ops) or not len(paused_lanes):
+            continue
+        median = float(np.median(cost[ops]))
+        block = cost[np.ix_(ops, paused_lanes)]
+        cost[np.ix_(ops, paused_lanes)] = np.where(block > median + min_stall, median, block)
+    return cost
+
+
+def planned_gc_seconds(model: JobModel, forward: np.ndarray, gc: GcStalls) -> float:
+    """Step time planned GC adds back: the mean per-worker pause time per step, paid by all at once."""
+    worker_key = model.lane_dp[None, :] * model.pp_size + model.op_stage[forward]
+    pause_time = np.where(gc.pauses, gc.stall, 0.0)
+    per_worker = np.bincount(worker_key.ravel(), weights=pause_time.ravel(), minlength=model.dp_size * model.pp_size)
+    return float(per_worker.mean() / model.n_steps)
+
+
+def compose(model: JobModel, fixes: Sequence[np.ndarray]) -> np.ndarray:
+    """Several fixes at once: compute ops take the product of the fixes' speed-ups (a repaired
+    worker on a rebalanced stage gets both), other ops the lowest cost any fix gives."""
+    original = model.original_cost
+    compute = np.isin(model.op_optype, (FORWARD, BACKWARD))[:, None]
+    factor = np.ones_like(original)
+    lowest = original.copy()
+    for cost in fixes:
+        np.multiply(factor, np.divide(cost, original, out=np.ones_like(original), where=original > 0), out=factor)
+        np.minimum(lowest, cost, out=lowest)
+    return np.where(compute, original * factor, lowest)

@@ -1,0 +1,195 @@
+"""The signals root-cause detectors read from a compiled job: forward/backward pairs, peer
+comparison of workers, compute per model chunk, GC stalls. Plain numpy over [op, lane] arrays."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from transforms.whatif.causes.verdict import CauseRules
+from transforms.whatif.model import JobModel
+from transforms.whatif.causes.sequences import BACKWARD, FORWARD
+
+__all__ = ["pairs", "take", "pearson", "within_group_normalised", "margin", "peer_median", "PeerComparison",
+           "peer_comparison", "ChunkBalance", "chunk_balance", "GcStalls", "gc_stalls"]
+
+
+def pairs(model: JobModel) -> tuple[np.ndarray, np.ndarray]:
+    """Forward and backward op indices of the same (stage, chunk, microbatch), per lane.
+
+    Returns two [n_pairs, n_lanes] op-index arrays (row k of both = one microbatch; the same
+    stage and chunk in every lane); empty when forwards and backwards do not pair up.
+    """
+    forward = np.flatnonzero(model.op_optype == FORWARD)
+    backward = np.flatnonzero(model.op_optype == BACKWARD)
+    empty = np.zeros((0, model.n_lanes), np.int64)
+    if len(forward) != len(backward) or not len(forward):
+        return empty, empty
+    chunks = int(model.op_gmc.max()) + 2
+
+    def keyed(ops):
+        key = (model.op_stage[ops, None].astype(np.int64) * chunks + model.op_gmc[ops, None]) * (1 << 20) + model.mb_id[ops]
+        order = np.argsort(key, axis=0, kind="stable")
+        return ops[order], np.take_along_axis(key, order, axis=0)
+
+    f_ops, f_key = keyed(forward)
+    b_ops, b_key = keyed(backward)
+    if not np.array_equal(f_key, b_key):
+        return empty, empty
+    return f_ops, b_ops
+
+
+def take(values: np.ndarray, ops: np.ndarray) -> np.ndarray:
+    """values[op, lane] gathered at ops[k, lane]."""
+    return np.take_along_axis(values, ops, axis=0)
+
+
+def within_group_normalised(values: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """values / mean of values with the same group id in the same lane ([k, lane] arrays)."""
+    out = np.empty_like(values)
+    for g in np.unique(group[:, 0]):
+        rows = group[:, 0] == g
+        block = values[rows]
+        out[rows] = block / block.mean(axis=0, keepdims=True)
+    return out
+
+
+def pearson(x: np.ndarray, y: np.ndarray) -> float:
+    x, y = np.asarray(x, np.float64).ravel(), np.asarray(y, np.float64).ravel()
+    keep = np.isfinite(x) & np.isfinite(y)
+    x, y = x[keep], y[keep]
+    if len(x) < 3 or x.std() == 0 or y.std() == 0:
+        return math.nan
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def margin(value: float, threshold: float, clear: float) -> float:
+    """Confidence 0.5 at the threshold, 1.0 at `clear`, linear between (clipped)."""
+    if not math.isfinite(value):
+        return 0.0
+    if clear == threshold:
+        return 1.0 if value >= threshold else 0.0
+    return float(np.clip(0.5 + 0.5 * (value - threshold) / (clear - threshold), 0.0, 1.0))
+
+
+def peer_median(values: np.ndarray) -> np.ndarray:
+    """Median over the last axis of every *other* element (leave-one-out), same shape as values.
+
+    Needs at least 2 elements on the last axis. One sort: the j-th smallest of the others is
+    sorted[j] when the element itself sits above j, else sorted[j + 1]."""
+    n = values.shape[-1]
+    order = np.argsort(values, axis=-1, kind="stable")
+    ordered = np.take_along_axis(values, order, axis=-1)
+    position = np.empty_like(order)
+    np.put_along_axis(position, order, np.arange(n), axis=-1)
+    others = n - 1
+
+    def kth_of_others(j: int) -> np.ndarray:
+        return np.take_along_axis(ordered, np.where(position > j, j, j + 1), axis=-1)
+
+    return 0.5 * (kth_of_others((others - 1) // 2) + kth_of_others(others // 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerComparison:
+    """Each worker's compute against the other DP ranks of its stage ([dp_size, pp_size] arrays).
+
+    A step ratio is the median, over the worker's microbatches and chunks of that step, of
+    its duration over the leave-one-out median of the other DP ranks' same microbatch: a
+    GC pause (one microbatch) or a heavy stage (all DP ranks alike) does not move it.
+    ratio / forward / backward: median step ratio over steps (compute, forwards, backwards);
+    slow_steps: steps whose ratio is >= the rule's peer_ratio; n_steps: sampled steps.
+    """
+
+    ratio: np.ndarray
+    forward: np.ndarray
+    backward: np.ndarray
+    slow_steps: np.ndarray
+    n_steps: int
+
+    def blamed(self, rules: CauseRules) -> list[tuple[int, int]]:
+        """Workers >= rules.peer_ratio their peers in at least rules.peer_steps of the steps, slowest first."""
+        slow = (self.ratio >= rules.peer_ratio) & (self.slow_steps >= rules.peer_steps * self.n_steps)
+        cells = [(int(d), int(p)) for d, p in zip(*np.nonzero(slow))]
+        return sorted(cells, key=lambda w: (-self.ratio[w], w))
+
+
+def peer_comparison(model: JobModel, forward: np.ndarray, backward: np.ndarray, rules: CauseRules) -> PeerComparison | None:
+    """PeerComparison of every worker; None without DP peers or forward/backward pairs."""
+    if model.dp_size < 2 or not len(forward):
+        return None
+    shape = (len(forward), model.n_steps, model.dp_size)          # lanes are step-major, dp minor
+    f = take(model.original_cost, forward).reshape(shape)
+    b = take(model.original_cost, backward).reshape(shape)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        f_ratio, b_ratio = f / peer_median(f), b / peer_median(b)
+    stage_of_row = model.op_stage[forward[:, 0]]
+    step_ratio = np.full((model.pp_size, model.n_steps, model.dp_size), np.nan)
+    step_forward, step_backward = step_ratio.copy(), step_ratio.copy()
+    for p in np.unique(stage_of_row):
+        rows = stage_of_row == p
+        step_ratio[p] = np.nanmedian(np.concatenate([f_ratio[rows], b_ratio[rows]]), axis=0)
+        step_forward[p] = np.nanmedian(f_ratio[rows], axis=0)
+        step_backward[p] = np.nanmedian(b_ratio[rows], axis=0)
+    by_worker = lambda a: np.nanmedian(a, axis=1).T                # [pp, S, dp] -> [dp, pp]
+    return PeerComparison(by_worker(step_ratio), by_worker(step_forward), by_worker(step_backward),
+                          (step_ratio >= rules.peer_ratio).sum(axis=1).T, model.n_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkBalance:
+    """Compute per microbatch of each model chunk, taken on its fastest DP rank (so a slow
+    machine does not make its stage look heavy). ratio: heaviest chunk over the median chunk."""
+
+    ratio: float
+    heaviest_chunk: int
+    heaviest_stage: int
+
+
+def chunk_balance(model: JobModel, forward: np.ndarray, backward: np.ndarray) -> ChunkBalance | None:
+    """ChunkBalance of a pipeline job; None without pipeline stages or forward/backward pairs."""
+    if model.pp_size < 2 or not len(forward):
+        return None
+    shape = (len(forward), model.n_steps, model.dp_size)
+    work = (take(model.original_cost, forward) + take(model.original_cost, backward)).reshape(shape)
+    chunk_of_row = model.op_gmc[forward[:, 0]]
+    chunks = np.unique(chunk_of_row)
+    per_chunk = np.array([work[chunk_of_row == g].mean(axis=(0, 1)).min() for g in chunks])
+    heaviest = int(np.argmax(per_chunk))
+    stage = int(model.op_stage[forward[np.flatnonzero(chunk_of_row == chunks[heaviest])[0], 0]])
+    return ChunkBalance(float(per_chunk[heaviest] / np.median(per_chunk)), int(chunks[heaviest]), stage)
+
+
+@dataclasses.dataclass(frozen=True)
+class GcStalls:
+    """Forward stalls of every pair ([k, lane]): seconds beyond the forward its backward predicts,
+    the pause mask, that expected forward; and the count of backward stalls (GC spares them)."""
+
+    stall: np.ndarray
+    pauses: np.ndarray
+    expected: np.ndarray
+    backward_outliers: int
+
+
+def gc_stalls(model: JobModel, forward: np.ndarray, backward: np.ndarray, rules: CauseRules) -> GcStalls:
+    """Forward stalls: observed forward minus ratio_median x backward, per (stage, chunk); a pause
+    exceeds both gc_min_stall seconds and gc_sigma robust standard deviations (MAD) of its chunk."""
+    f = take(model.original_cost, forward)
+    b = take(model.original_cost, backward)
+    chunk = model.op_stage[forward] * (int(model.op_gmc.max()) + 2) + model.op_gmc[forward]
+    expected = np.empty_like(f)
+    pauses = np.zeros(f.shape, dtype=bool)
+    stall = np.empty_like(f)
+    backward_outliers = 0
+    for g in np.unique(chunk[:, 0]):
+        rows = chunk[:, 0] == g
+        ratio = np.median(f[rows] / b[rows])
+        expected[rows] = ratio * b[rows]
+        stall[rows] = f[rows] - expected[rows]
+        sigma = 1.4826 * np.median(np.abs(stall[rows] - np.median(stall[rows])))
+        limit = max(rules.gc_min_stall, rules.gc_sigma * sigma)
+        pauses[rows] = stall[rows] > limit
+        # the mirror test on backward: a stall there would not be GC's forward-only signature
+        backward_outliers += int(((b[rows] - f[rows] / ratio) > limit).sum())
+    return GcStalls(stall, pauses, expected, backward_outliers)

@@ -1,0 +1,174 @@
+"""The verdict of one job window: dataclasses, thresholds, and its job_cause row."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Mapping, Sequence
+
+import pyarrow as pa
+
+from schemas.fleet import JOB_CAUSE_SCHEMA
+from transforms.whatif.result import STRAGGLING_THRESHOLD
+
+__all__ = ["CauseError", "CauseRules", "Fix", "Verdict", "fix_fields", "verdict_json", "verdict_row", "job_cause_table"]
+
+
+class CauseError(ValueError):
+    """The inputs of the root-cause analysis do not fit together (names the job)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CauseRules:
+    """Thresholds of the detectors (see the package docstring); seconds where noted.
+
+    A `*_min_explained` is the share of the straggling time T - T_ideal a cause's fix must
+    remove, alone or after every other detected cause is fixed, for the cause to be listed.
+    """
+
+    straggling: float = STRAGGLING_THRESHOLD
+    worker_mw: float = 0.5               # M_W rule (one DP rank: no peers to compare with)
+    peer_ratio: float = 1.2              # a worker's compute over its DP peers' median
+    peer_steps: float = 0.5              # ... in at least this share of the sampled steps
+    stage_ms: float = 0.5
+    stage_chunk_ratio: float = 1.1       # heaviest chunk's compute per microbatch over the median chunk's
+    sequence_r: float = 0.9
+    comm_share: float = 0.5
+    comm_excess: float = 0.05            # sum of S_t - 1 over communication types (mixtures)
+    min_explained: float = 0.1           # worker (peer fix) and communication
+    stage_min_explained: float = 0.1
+    stage_row_uniformity: float = 0.5    # min / max of (S_w - 1) over the last stage (M_S route, dp >= 2)
+    sequence_min_explained: float = 0.15
+    gc_min_explained: float = 0.1
+    gc_min_stall: float = 0.05           # seconds
+    gc_sigma: float = 8.0
+    gc_max_worker_share: float = 0.8
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"CauseRules.{field.name} must be a finite number >= 0, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fix:
+    """What-if replay of one cause's fix.
+
+    step_time: mean step time after the fix (s); fixed_slowdown: S after the fix;
+    explained: share of T - T_ideal the fix removes alone; savings_fraction: 1 - T_fix / T,
+    the share of the job's GPU-hours it would save; description: the fix in words;
+    explained_given_others: once every other candidate cause is fixed, the share of what
+    remains of the straggling time that this fix removes (None with no other candidate, or
+    when what remains is below S 1.05).
+    """
+
+    cause: str
+    step_time: float
+    fixed_slowdown: float
+    explained: float
+    savings_fraction: float
+    description: str = ""
+    explained_given_others: float | None = None
+
+
+@dataclasses.dataclass
+class Verdict:
+    """Root-cause verdict of one job window (see the package docstring).
+
+    causes: every listed cause, by GPU-hours its fix saves alone (most first); cause: the
+    first, or "none" / "unexplained"; explanations: cause -> one sentence for people (also
+    for "none" and "unexplained"); joint_fix: every listed cause fixed at once (two or more);
+    timings: seconds spent in parts of classify ("sequence": repacking and its cost model).
+    """
+
+    job_id: str
+    slowdown: float
+    cause: str                                   # primary: schemas.fleet.CAUSES
+    causes: list[str]
+    confidence: float
+    confidences: dict[str, float]
+    evidence: dict[str, object]
+    implicated_workers: list[tuple[int, int]]    # (dp_rank, stage) whose machine is blamed (worker / located link)
+    fixes: dict[str, Fix]
+    explanations: dict[str, str] = dataclasses.field(default_factory=dict)
+    joint_fix: Fix | None = None
+    timings: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)  # seconds per part of classify
+
+    @property
+    def straggling(self) -> bool:
+        return self.cause != "none"
+
+    @property
+    def primary_fix(self) -> Fix | None:
+        return self.fixes.get(self.cause)
+
+    @property
+    def explanation(self) -> str:
+        """The sentences of every listed cause, strongest first (or of the verdict when none is listed)."""
+        return " ".join(self.explanations[c] for c in (self.causes or [self.cause]) if c in self.explanations)
+
+    def savings_gpu_hours(self, gpu_hours: float, cause: str | None = None) -> float:
+        """GPU-hours the fix of `cause` (default: the primary) saves on a window of `gpu_hours`."""
+        fix = self.fixes.get(cause or self.cause)
+        return float(gpu_hours * max(fix.savings_fraction, 0.0)) if fix else 0.0
+
+
+def fix_fields(verdict: Verdict, fix: Fix, gpu_hours: float | None) -> dict:
+    """A fix as JSON fields (its cause's confidence and sentence when the cause is listed);
+    savings_gpu_hours is None when the window's GPU-hours are unknown."""
+    fields = {"fixed_slowdown": fix.fixed_slowdown, "explained": fix.explained, "savings_fraction": fix.savings_fraction,
+              "savings_gpu_hours": None if gpu_hours is None else gpu_hours * max(fix.savings_fraction, 0.0),
+              "fix": fix.description, "explained_given_others": fix.explained_given_others}
+    if fix.cause in verdict.confidences:
+        fields.update(confidence=verdict.confidences[fix.cause], explanation=verdict.explanations.get(fix.cause, ""))
+    return fields
+
+
+def verdict_json(verdict: Verdict, gpu_hours: float | None = None) -> dict:
+    """The verdict as JSON: primary cause, the listed causes in order with confidence, sentence
+    and fix, the joint fix, blamed workers, and every fix replayed (cause -> fix_fields)."""
+    return {
+        "cause": verdict.cause, "causes": list(verdict.causes), "confidence": float(verdict.confidence),
+        "explanation": verdict.explanation,
+        "verdicts": [{"cause": c, **fix_fields(verdict, verdict.fixes[c], gpu_hours)} for c in verdict.causes],
+        "joint_fix": fix_fields(verdict, verdict.joint_fix, gpu_hours) if verdict.joint_fix else None,
+        "implicated_workers": [list(w) for w in verdict.implicated_workers],
+        "fixes": {c: fix_fields(verdict, f, gpu_hours) for c, f in sorted(verdict.fixes.items())},
+        "gpu_hours": gpu_hours,
+    }
+
+
+def verdict_row(verdict: Verdict, gpu_hours: float, hosts: Mapping[tuple[int, int], str] | None = None) -> dict:
+    """One JOB_CAUSE_SCHEMA row (schemas/fleet.py) of a verdict; hosts: (dp_rank, stage) -> host."""
+    hosts = hosts or {}
+    fix = verdict.primary_fix
+    savings = {c: fix_fields(verdict, f, gpu_hours) for c, f in sorted(verdict.fixes.items())}
+    if verdict.joint_fix is not None:
+        savings["all"] = fix_fields(verdict, verdict.joint_fix, gpu_hours)
+    return {
+        "job_id": verdict.job_id,
+        "slowdown": verdict.slowdown,
+        "cause": verdict.cause,
+        "causes": list(verdict.causes),
+        "confidence": verdict.confidence,
+        "evidence_json": json.dumps(verdict.evidence, sort_keys=True, allow_nan=True, default=str),
+        "implicated_dp_ranks": [d for d, _ in verdict.implicated_workers],
+        "implicated_stages": [p for _, p in verdict.implicated_workers],
+        "implicated_hosts": sorted({hosts[w] for w in verdict.implicated_workers if hosts.get(w)}),
+        "fixed_slowdown": fix.fixed_slowdown if fix else None,
+        "savings_gpu_hours": verdict.savings_gpu_hours(gpu_hours) if fix else None,
+        "savings_json": json.dumps(savings, sort_keys=True),
+        "explanation": verdict.explanation,
+    }
+
+
+def job_cause_table(verdict: Verdict, gpu_hours: float, workers: Sequence[Mapping] = ()) -> pa.Table:
+    """The job_cause rows (JOB_CAUSE_SCHEMA, without `date`) of one job window.
+
+    gpu_hours: the window's GPU-hours; workers: the manifest's worker entries (dp_rank,
+    stage, host) to name the hosts of blamed workers. Callers write it for windows kept
+    in fleet statistics (not discarded).
+    """
+    hosts = {(int(w["dp_rank"]), int(w["stage"])): w.get("host") for w in workers}
+    return pa.Table.from_pylist([verdict_row(verdict, gpu_hours, hosts)], schema=JOB_CAUSE_SCHEMA)
