@@ -732,7 +732,8 @@ class Validator:
             frame = pd.DataFrame({f.name: [manifests[i][1][f.name] for i in complete]
                                   for f in MANIFEST_SCHEMA if f.name != "workers"})
             for column in ("submit_time", "start_time", "end_time"):
-                frame[column] = pd.to_datetime(frame[column], utc=True)
+                # naive UTC: GX reads Series.values, which drops a zone with a deprecation warning
+                frame[column] = pd.to_datetime(frame[column], utc=True).dt.tz_convert(None)
             for _, config, indices in self._failures("manifest", frame, {}, f"{len(complete)} manifests"):
                 for position in indices.tolist():
                     i = complete[position]

@@ -267,14 +267,14 @@ def test_analysis_per_bundle_isolates_a_bug_and_stops_on_storage_failure(tmp_pat
     lake = str(tmp_path / "lake")
     other = generate_job(JobSpec(job_id="j2", dp=2, pp=2, microbatches=2, steps=2, sessions=1, seed=2))
     good, bad = _assembly(lake, small_job, "good"), _assembly(lake, other, "bad")
-    real = module.analyze_with_verdict
+    real = module.analyze_and_classify
 
     def engine(trace, meta, job_id):
         if job_id == "j2":
             raise KeyError("a bug")
         return real(trace, meta, job_id)
 
-    monkeypatch.setattr(module, "analyze_with_verdict", engine)
+    monkeypatch.setattr(module, "analyze_and_classify", engine)
     fn = module._AnalyzeSessionFn()
     fn.setup()
     fn.start_bundle()
@@ -292,7 +292,7 @@ def test_analysis_per_bundle_isolates_a_bug_and_stops_on_storage_failure(tmp_pat
     def storage_down(trace, meta, job_id):
         raise ConnectionResetError("injected")
 
-    monkeypatch.setattr(module, "analyze_with_verdict", storage_down)
+    monkeypatch.setattr(module, "analyze_and_classify", storage_down)
     fn.start_bundle()
     fn.process(good, 0, beam.transforms.window.GlobalWindow())
     with pytest.raises(ConnectionResetError):

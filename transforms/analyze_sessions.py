@@ -31,11 +31,11 @@ from schemas.lake import LANDING
 from schemas.tables import QUARANTINE_SCHEMA
 from transforms.lake import LakeJob, LakeReadError, read_job_files, read_manifest
 from transforms.sessions import Assembly
-from transforms.whatif.causes import CauseError
+from transforms.whatif.causes import CauseError, analyze_and_classify
 from transforms.whatif.errors import WhatIfError
 from transforms.whatif.result import JobMeta, WhatIfResult
 
-__all__ = ["AnalyzeSessions", "analyze_session", "analyze_sessions", "analyze_with_verdict", "complete_dp_ranks", "NO_COMPLETE_DP_RANK", "ENGINE_ERROR"]
+__all__ = ["AnalyzeSessions", "analyze_session", "analyze_sessions", "complete_dp_ranks", "NO_COMPLETE_DP_RANK", "ENGINE_ERROR"]
 
 NO_COMPLETE_DP_RANK = "no_complete_dp_rank"
 ENGINE_ERROR = "engine_error"
@@ -179,7 +179,7 @@ def analyze_sessions(
     their traces), as the batch validates a window group: GX's cost is per run, not per row,
     so a watcher that falls behind catches up with bigger bundles. validator: a
     schemas.expectations.Validator; engine: (trace, meta, job_id) -> (WhatIfResult, root-cause
-    Verdict or None), e.g. `analyze_with_verdict`.
+    Verdict or None), e.g. `analyze_and_classify`.
     """
     opened = [_open(assembly, validator) for assembly in assemblies]
     waiting = [item for item in opened if isinstance(item, _Opened)]
@@ -244,19 +244,6 @@ def _analyse(item: _Opened, report, engine) -> tuple[dict[str, Any], pa.Table]:
     return row, quarantine
 
 
-def analyze_with_verdict(trace: pa.Table, meta, job_id: str):
-    """The engine and the root-cause classifier on one trace: (WhatIfResult, causes.Verdict).
-
-    The same calls as the batch pipeline's: compile once, analyse, classify (with the
-    sum-of-squares workload when the trace has seq_lens)."""
-    from transforms.whatif import analyze_model, compile_job
-    from transforms.whatif.causes import classify, sequence_workload
-
-    model = compile_job(trace, meta, job_id)
-    result = analyze_model(model)
-    return result, classify(model, result, workload=sequence_workload(trace, model))
-
-
 class _AnalyzeSessionFn(beam.DoFn):
     """Assemblies -> live rows, analysed per bundle (`analyze_sessions`); quarantine rows (dicts
     with seen_time) on 'quarantine'; a session whose analysis raised a bug's exception -> one
@@ -282,7 +269,7 @@ class _AnalyzeSessionFn(beam.DoFn):
         assemblies = [assembly for assembly, _, _ in pending]
         try:
             outcomes = [_tagged(assembly, *result) for assembly, result in
-                        zip(assemblies, analyze_sessions(assemblies, self._validator, analyze_with_verdict))]
+                        zip(assemblies, analyze_sessions(assemblies, self._validator, analyze_and_classify))]
         except OSError:
             raise
         except Exception:  # a bug in one session must not stop the others: analyse them one by one
@@ -294,7 +281,7 @@ class _AnalyzeSessionFn(beam.DoFn):
 
     def _alone(self, assembly: Assembly) -> list[tuple[str | None, dict]]:
         try:
-            return _tagged(assembly, *analyze_session(assembly, self._validator, analyze_with_verdict))
+            return _tagged(assembly, *analyze_session(assembly, self._validator, analyze_and_classify))
         except OSError:
             raise
         except Exception as error:
