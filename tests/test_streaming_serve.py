@@ -32,6 +32,7 @@ def served(tmp_path):
     server, thread = serve_in_thread(ServeOptions(tables=out, port=0))
     yield out, f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
+    server.server_close()
     thread.join(timeout=10)
 
 
@@ -94,7 +95,8 @@ def test_an_error_answers_500_without_the_exception_text(served, monkeypatch, ca
     _, base = served
     with pytest.raises(urllib.error.HTTPError) as caught:
         get(f"{base}/")
-    body = caught.value.read().decode()
+    with caught.value as reply:
+        body = reply.read().decode()
     assert caught.value.code == 500 and "internal error" in body and "secret" not in body and "RuntimeError" not in body
     assert "secret path" in capsys.readouterr().err
 
