@@ -694,15 +694,23 @@ class Validator:
                 gx.ValidationDefinition(name=name, data=batch, suite=suite))
         self._context = context
 
+    def _run(self, definition: str, frame, result_format: Mapping[str, Any], parameters: Mapping[str, Any] | None = None):
+        """One GX run of a suite over a frame; its result, which GX is not allowed to keep."""
+        with _GX_LOCK:
+            result = self._definitions[definition].run(batch_parameters={"dataframe": frame},
+                                                       expectation_parameters=dict(parameters or {}),
+                                                       result_format=dict(result_format))
+            # GX keeps every run's result in the context's store (~22 KB each, in memory here): a
+            # watcher validating a session a second would grow without end.
+            store = self._context.validation_results_store
+            for key in store.list_keys():
+                store.remove_key(key)
+        return result
+
     def _failures(self, definition: str, frame, parameters: Mapping[str, Any], where: str) -> list[tuple[str, Any, np.ndarray]]:
         """Run one suite; (reason, expectation config, failing row positions) per failed expectation."""
-        with _GX_LOCK:
-            result = self._definitions[definition].run(
-                batch_parameters={"dataframe": frame},
-                expectation_parameters=dict(parameters),
-                result_format={"result_format": "COMPLETE", "partial_unexpected_count": 0,
-                               "return_unexpected_index_query": False},
-            )
+        result = self._run(definition, frame, {"result_format": "COMPLETE", "partial_unexpected_count": 0,
+                                               "return_unexpected_index_query": False}, parameters)
         failures = []
         for item in result.results:
             error = _gx_exception(item.exception_info)
@@ -843,9 +851,7 @@ class Validator:
             return set(), time.perf_counter() - started
         frame = pd.concat(frames, ignore_index=True)
         where = f"screen of jobs {[jobs[i].job_id for i in candidates][:3]}{' ...' if len(candidates) > 3 else ''}"
-        with _GX_LOCK:
-            result = self._definitions["trace_screen"].run(batch_parameters={"dataframe": frame},
-                                                           result_format={"result_format": "BOOLEAN_ONLY"})
+        result = self._run("trace_screen", frame, {"result_format": "BOOLEAN_ONLY"})
         failed: set[int] = set()
         if not result.success:
             window = frame[WINDOW].to_numpy()

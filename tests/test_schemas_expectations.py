@@ -74,6 +74,15 @@ def test_clean_job_passes(validator, job):
     assert report.invalid.num_rows == 0
 
 
+def test_validation_results_are_not_kept(validator, job):
+    """GX stores every run's result in its context; a long-running watcher validates a session a
+    second, so the Validator drops them: the store is empty after runs of every kind."""
+    validator.validate_manifest(job[1], "m.parquet")
+    validator.validate_manifest(job[1], "m.parquet")
+    validator.validate_job("job-a", job[1], [("t.parquet", job[0])])
+    assert validator._context.validation_results_store.list_keys() == []
+
+
 def test_clean_manifest_passes(validator, job):
     assert validator.validate_manifest(job[1], "memory://lake/manifests/date=2024-03-01/job-a.parquet") == []
 
