@@ -12,9 +12,9 @@ Wiring only (each step is one composite from transforms/):
 Sessions done for --retain seconds move to {lake}/landing_archive/ and leave the state,
 so a watcher that runs for months lists and remembers only the sessions in play.
 
-Runs until stopped (Ctrl-C), or for --max-runtime seconds, or until the live table
-holds results for --stop-after-sessions sessions; on a bounded stop it makes one final
-poll and analyses every pending session with what it has. Tables: schemas/live.py.
+Runs until stopped (Ctrl-C or SIGTERM), or for --max-runtime seconds, or until the live
+table holds results for --stop-after-sessions sessions; every stop makes one final poll
+and analyses every pending session with what it has. Tables: schemas/live.py.
 
 Runner: Beam's FnApiRunner in-process, named explicitly. In this Beam version the
 DirectRunner resolves to it for this pipeline anyway (after failing to download a
@@ -25,8 +25,12 @@ instead of relying on timers, see transforms/landing.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
+import os
+import signal
+import threading
 import time
 
 import apache_beam as beam
@@ -34,7 +38,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipelines.usage import ArgumentParser
 from transforms.analyze_sessions import AnalyzeSessions
-from transforms.landing import WatchConfig, WatchLanding
+from transforms.landing import STOP_REQUESTED, WatchConfig, WatchLanding
 from transforms.lake import LakeError, check_lake
 from transforms.live import DEFAULT_THRESHOLD, AlertConfig, EmitLiveResults, WriteLiveQuarantine, count_live_sessions
 from transforms.sessions import AssembleSessions, AssemblyConfig
@@ -156,8 +160,35 @@ def bound_runner_metrics() -> None:
     fn_runner.consolidate_monitoring_infos = materialised
 
 
+@contextlib.contextmanager
+def stop_on_signals():
+    """Ctrl-C or SIGTERM ends the watcher at its next poll, which is a final one: sessions still
+    pending are analysed with what they have, then the pipeline ends. A second signal exits at
+    once (130); every output file is written atomically, so nothing is left half-written.
+    Signal handlers exist only in the main thread: elsewhere (tests) only the flag is reset."""
+    STOP_REQUESTED.clear()
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if STOP_REQUESTED.is_set():
+            print("strag watch: stopped at once", flush=True)
+            os._exit(130)
+        STOP_REQUESTED.set()
+        print(f"strag watch: {signal.Signals(signum).name}: stopping after the next poll (pending sessions are "
+              "analysed first; again to stop at once)", flush=True)
+
+    previous = {number: signal.signal(number, handler) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, before in previous.items():
+            signal.signal(number, before)
+
+
 def run(argv: list[str]) -> int:
-    """`strag watch`: runs the monitor; returns 0 when it stops normally."""
+    """`strag watch`: runs the monitor; returns 0 when it stops normally (bounded run, Ctrl-C, SIGTERM)."""
     options = parse(argv)
     from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
@@ -168,10 +199,8 @@ def run(argv: list[str]) -> int:
           f"session timeout {options.session_timeout:g} s, poll every {options.poll_interval:g} s)", flush=True)
     pipeline = beam.Pipeline(runner=FnApiRunner(), options=PipelineOptions(flags=[], streaming=True))
     build(pipeline, options, start_time=started)
-    try:
+    with stop_on_signals():
         pipeline.run().wait_until_finish()
-    except KeyboardInterrupt:
-        print("strag watch: interrupted", flush=True)
     print(f"strag watch: stopped after {time.time() - started:.1f} s; {count_live_sessions(options.out)} sessions in "
           f"{options.out}/live_results, alerts in {options.out}/alerts, quarantine in {options.out}/live_quarantine",
           flush=True)

@@ -104,3 +104,31 @@ def test_watch_assembles_corrects_and_alerts_while_files_land(tmp_path, jobs):
     alerts = read_live_table(out, "alerts").to_pylist()
     assert [(a["job_id"], a["kind"]) for a in alerts] == [("slow", "slowdown-above-threshold")]
     assert read_live_table(out, "live_quarantine").num_rows == 0
+
+
+def test_ctrl_c_stops_after_a_final_poll_that_analyses_pending_sessions(tmp_path, jobs):
+    """SIGINT to a running `strag watch` process: the next poll is the last, the session still
+    waiting for a worker is analysed with what arrived ('watcher-stopped'), and it exits 0."""
+    import signal
+    import subprocess
+    import sys
+
+    clean, _ = jobs
+    lake, out = tmp_path / "lake", tmp_path / "out"
+    land_generated_session(str(lake), clean, 0, "s0", workers=[(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)])
+    watcher = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "watch", "--lake", str(lake), "--out", str(out),
+                                "--session-timeout", "600", "--poll-interval", "0.2", "--status-interval", "0.2"],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in watcher.stdout:   # polls are running once the first status line says the session is in play
+            if "1 session(s) in play" in line:
+                break
+        watcher.send_signal(signal.SIGINT)
+        rest, _ = watcher.communicate(timeout=DEADLINE_SECONDS)
+    finally:
+        watcher.kill()
+    assert watcher.returncode == 0, rest
+    assert "SIGINT: stopping after the next poll" in rest and "strag watch: stopped after" in rest
+    row = results_for(str(out), "clean", "s0", 1)
+    assert row["reason"] == "watcher-stopped" and row["missing_workers"] == [{"dp_rank": 2, "stage": 1}]
+    assert row["status"] == "analysed" and row["dp_ranks_analysed"] == 2

@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import re
+import threading
 import time
 import typing
 from collections.abc import Iterable, Iterator
@@ -61,6 +62,7 @@ __all__ = [
     "LandingPathError",
     "WatchConfig",
     "WatchLanding",
+    "STOP_REQUESTED",
     "parse_landing_path",
     "parse_landing_name",
     "landing_worker_path",
@@ -291,6 +293,8 @@ class WatchConfig:
 
     def should_stop(self, now: float) -> bool:
         """True when the watcher must end after this poll."""
+        if STOP_REQUESTED.is_set():
+            return True
         if self.stop_time is not None and now >= self.stop_time:
             return True
         if self.stop_after_sessions is not None:
@@ -299,6 +303,13 @@ class WatchConfig:
 
             return count_live_sessions(self.out) >= self.stop_after_sessions
         return False
+
+
+# Set (e.g. by `strag watch`'s Ctrl-C handler) to end the watcher at its next poll: that poll is
+# the final one, so pending sessions are analysed with what they have before the pipeline ends.
+# A process-wide flag: it reaches the poll clock when the runner runs it in this process (the
+# embedded default); on a distributed runner, stop the job with the runner's drain instead.
+STOP_REQUESTED = threading.Event()
 
 
 class _PollRestrictionProvider(beam.transforms.core.RestrictionProvider):
@@ -340,7 +351,7 @@ class _PollClockFn(beam.DoFn):
             # time: deferring alone spun a core at ~35% while idle. Its stages run in turn,
             # so by now downstream work of the previous poll is done; waiting out the rest
             # of one interval here costs no latency.
-            time.sleep(due - now)
+            STOP_REQUESTED.wait(due - now)
             now = time.time()
         if due > now:
             _advance(watermark, Timestamp.of(due))
