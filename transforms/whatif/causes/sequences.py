@@ -3,7 +3,8 @@ fixes of it the classifier replays (an even spread of each step's work, greedy r
 
 The workload of a microbatch is the sum of squared document lengths (attention cost); the
 WLB-LLM imbalance degree of a step is max / mean workload over its microbatches. Repacking
-runs vectorised over steps (see `_assign_rounds`): it costs a few percent of the analysis.
+runs vectorised over steps in rounds (see `_assign_rounds`); benchmarks/bench_causes.py times
+it against the analysis.
 """
 from __future__ import annotations
 
@@ -118,12 +119,17 @@ def _greedy_prefix(loads: np.ndarray, room: np.ndarray, block: np.ndarray, order
     """[rows, width] which of the round's next documents (block) go to bins order[:, j] as
     one-at-a-time greedy would send them: the bin is no heavier than any bin the round already
     filled, and the document fits (or fits nowhere); a prefix of each row."""
-    light = _along(loads, order)
+    at = order + (np.arange(len(order)) * loads.shape[1])[:, None]     # flat positions of the bins
+    light = loads.reshape(-1)[at]
     filled = np.minimum.accumulate(light + block ** 2, axis=1)
-    greedy = np.ones(order.shape, dtype=bool)
-    greedy[:, 1:] = light[:, 1:] <= filled[:, :-1] * (1 + 1e-12)
-    fits = (block <= _along(room, order) + 1e-9) | overflow
-    return np.logical_and.accumulate(greedy & fits, axis=1) & real
+    ok = (block <= room.reshape(-1)[at] + 1e-9) | overflow
+    ok[:, 1:] &= light[:, 1:] <= filled[:, :-1] * (1 + 1e-12)
+    return np.logical_and.accumulate(ok, axis=1) & real
+
+
+def _rows(mask: np.ndarray) -> np.ndarray | slice:
+    """The rows where mask holds: a slice (views, no copies) when that is every row."""
+    return slice(None) if mask.all() else np.flatnonzero(mask)
 
 
 def _lightest(key: np.ndarray, width: int) -> np.ndarray:
@@ -168,11 +174,13 @@ def _assign_rounds(lengths: np.ndarray, capacity: np.ndarray, bins: int) -> tupl
         overflow = crowded.all(axis=1, keepdims=True)     # room nowhere: the lightest bins take it
         key = loads + heavy * crowded
         order, taken = np.zeros((len(live), least), dtype=np.int64), np.zeros((len(live), least), dtype=bool)
-        if len(narrow := np.flatnonzero(~wide)):
+        if not wide.all():
+            narrow = _rows(~wide)
             order[narrow] = _lightest(key[narrow], least)
             taken[narrow] = _greedy_prefix(loads[narrow], room[narrow], block[narrow], order[narrow], overflow[narrow], real[narrow])
             wide[narrow] = taken[narrow, -1] & (pointer[narrow] + least < n_real[narrow]) & (least < bins)
-        if len(further := np.flatnonzero(wide)):
+        if wide.any():
+            further = _rows(wide)
             order = np.concatenate([order, np.zeros((len(live), bins - least), dtype=np.int64)], axis=1)
             taken = np.concatenate([taken, np.zeros((len(live), bins - least), dtype=bool)], axis=1)
             order[further] = np.argsort(key[further], axis=1)
@@ -182,10 +190,10 @@ def _assign_rounds(lengths: np.ndarray, capacity: np.ndarray, bins: int) -> tupl
         taken[short, :least] = real[short]  # a round cut short deals one document to each of the least first bins
         r, j = np.nonzero(taken)
         bin_, position = order[r, j], pointer[r] + j
-        length = docs[r, position]
+        length, flat = docs[r, position], r * bins + bin_
         target[live[r], position] = bin_
-        loads.reshape(-1)[r * bins + bin_] += length ** 2   # a bin takes one document per round at most
-        room.reshape(-1)[r * bins + bin_] -= length
+        loads.reshape(-1)[flat] += length ** 2              # a bin takes one document per round at most
+        room.reshape(-1)[flat] -= length
         pointer += taken.sum(axis=1)
         wide = taken.sum(axis=1) > least          # a long round: the next one likely is too
         if (done := pointer >= n_real).any():
