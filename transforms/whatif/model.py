@@ -28,7 +28,6 @@ import dataclasses
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from schemas.trace import OPTYPES
 from transforms.whatif.errors import (
@@ -216,15 +215,20 @@ class JobModel:
         DP ranks, stages, microbatches and chunks: the mean for compute-like types,
         the median (of transfer time, or of duration for ops outside comm groups) for comm types."""
         ideal = np.zeros(self.n_ops)
-        for code in np.unique(self.op_optype):
+        for code in self.optype_codes():
             rows = self.op_optype == code
             values = self.original_cost[rows]
             ideal[rows] = values.mean() if OPTYPES[code] in COMPUTE_LIKE_OPTYPES else np.median(values)
         return ideal
 
-    def ideal_by_optype(self) -> dict[str, float]:
-        ideal = self.ideal_cost()
-        return {OPTYPES[code]: float(ideal[np.flatnonzero(self.op_optype == code)[0]]) for code in np.unique(self.op_optype)}
+    def ideal_by_optype(self, ideal: np.ndarray | None = None) -> dict[str, float]:
+        """optype name -> ideal cost; `ideal` is `ideal_cost()` when the caller already has it."""
+        ideal = self.ideal_cost() if ideal is None else ideal
+        return {OPTYPES[code]: float(ideal[np.flatnonzero(self.op_optype == code)[0]]) for code in self.optype_codes()}
+
+    def optype_codes(self) -> np.ndarray:
+        """Sorted OPTYPES codes present (bincount: np.unique would import numpy.ma, ~15 ms)."""
+        return np.flatnonzero(np.bincount(self.op_optype, minlength=len(OPTYPES)))
 
     def step_times_observed(self) -> np.ndarray:
         """step_t_base [n_steps]: latest op end minus earliest op start of each step (seconds)."""
@@ -254,10 +258,10 @@ def read_trace_columns(trace: pa.Table, job_id: str = "") -> TraceColumns:
             raise TraceValueError(f"column {name!r} has {nulls} null values", job_id=job_id)
 
     def ints(name: str) -> np.ndarray:
-        return np.asarray(trace.column(name).to_numpy(), dtype=np.int64)
+        return np.asarray(_values(trace.column(name)), dtype=np.int64)
 
     def floats(name: str) -> np.ndarray:
-        return np.asarray(trace.column(name).to_numpy(), dtype=np.float64)
+        return np.asarray(_values(trace.column(name)), dtype=np.float64)
 
     columns = TraceColumns(
         dp_rank=ints("dp_rank"), stage=ints("stage"), rank=ints("rank"), step=ints("step"),
@@ -281,17 +285,34 @@ def read_trace_columns(trace: pa.Table, job_id: str = "") -> TraceColumns:
     return columns
 
 
+def _values(column: pa.ChunkedArray) -> np.ndarray:
+    """A null-free integer or float column as one numpy array, read from its value buffers.
+
+    Not `to_numpy()`: since pyarrow 2x that imports pandas (~0.3 s), which the one-job path
+    of `strag analyze` otherwise never needs. Other types fall back to `to_numpy()`."""
+    kind = column.type
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+        return column.to_numpy()
+    prefix = "f" if pa.types.is_floating(kind) else "i" if pa.types.is_signed_integer(kind) else "u"
+    dtype = np.dtype(f"{prefix}{kind.bit_width // 8}")
+    parts = [np.frombuffer(chunk.buffers()[1], dtype=dtype, count=len(chunk), offset=chunk.offset * dtype.itemsize)
+             for chunk in column.chunks if len(chunk)]
+    if not parts:
+        return np.empty(0, dtype)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
 def _optype_codes(column: pa.ChunkedArray, job_id: str) -> np.ndarray:
     """OPTYPES codes of a string or dictionary column; unknown names raise UnknownOptypeError."""
     if not pa.types.is_dictionary(column.type):
-        column = pc.dictionary_encode(column)
+        column = column.dictionary_encode()   # a method: no pyarrow.compute import on this path
     column = column.unify_dictionaries() if isinstance(column, pa.ChunkedArray) else column
     chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
     if not chunks:
         return np.zeros(0, dtype=np.int64)
     names = chunks[0].dictionary.to_pylist()
     lookup = np.array([_CODE.get(name, -1) for name in names] + [-1], dtype=np.int64)
-    indices = np.concatenate([np.asarray(chunk.indices.to_numpy(zero_copy_only=False), dtype=np.int64) for chunk in chunks])
+    indices = np.asarray(_values(pa.chunked_array([chunk.indices for chunk in chunks])), dtype=np.int64)
     codes = lookup[indices]
     if (codes < 0).any():
         row = int(np.flatnonzero(codes < 0)[0])
