@@ -218,7 +218,7 @@ class JobModel:
         for code in self.optype_codes():
             rows = self.op_optype == code
             values = self.original_cost[rows]
-            ideal[rows] = values.mean() if OPTYPES[code] in COMPUTE_LIKE_OPTYPES else np.median(values)
+            ideal[rows] = values.mean() if OPTYPES[code] in COMPUTE_LIKE_OPTYPES else median(values)
         return ideal
 
     def ideal_by_optype(self, ideal: np.ndarray | None = None) -> dict[str, float]:
@@ -236,6 +236,17 @@ class JobModel:
         end = self.observed_end.max(axis=0).reshape(shape).max(axis=1)
         start = self.observed_start.min(axis=0).reshape(shape).min(axis=1)
         return end - start
+
+
+def median(values: np.ndarray) -> float:
+    """np.median of a non-empty, NaN-free array, equal to it bit for bit (the mean of the two
+    middle values when the count is even) but without its numpy.ma import (~10 ms a process)."""
+    values = values.ravel()
+    half = len(values) // 2
+    if len(values) % 2:
+        return float(np.partition(values, half)[half])
+    middle = np.partition(values, (half - 1, half))
+    return float((middle[half - 1] + middle[half]) / 2)
 
 
 def _op_name(optype: int, seq_id: int, stage: int) -> str:
