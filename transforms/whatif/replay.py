@@ -19,8 +19,8 @@ Two backends give equal results bit for bit. numpy (the reference): arrays are o
 slice of the op axis, so gathering predecessors copies whole contiguous
 `[scenario, lane]` rows, and DP synchronisation is a max over the last axis reshaped to
 `(step, dp_rank)`; scenarios are replayed in chunks sized to `memory_limit` bytes. The
-compiled kernel (kernel.py, numba) runs the same operations scenario by scenario for big
-jobs; `STRAG_REPLAY=numpy|kernel` forces one.
+compiled kernel (kernel.py, C) runs the same operations scenario by scenario whenever it
+can be built; `STRAG_REPLAY=numpy|kernel` forces one.
 """
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def replay(model: JobModel, scenarios: Sequence[Scenario], *, memory_limit: int 
     names = [scenario.name for scenario in scenarios]
     if len(set(names)) != len(names):
         raise ValueError(f"scenario names must be unique: {names}")
-    backend = _replay_compiled if kernel.wanted(model.n_ops * model.n_lanes) else _replay_numpy
+    backend = _replay_compiled if kernel.wanted() else _replay_numpy
     step_time = np.empty((len(scenarios), model.n_steps))
     step_span = np.empty((len(scenarios), model.n_steps))
     starts: dict[str, np.ndarray] = {}
