@@ -89,15 +89,16 @@ OWN, MULTI, SYNCED = 0, 1, 2
 
 @dataclasses.dataclass
 class TraceColumns:
-    """The trace as flat numpy columns (one entry per row), optype as an OPTYPES code."""
+    """The trace as flat numpy columns (one entry per row), optype as an OPTYPES code.
+    Integer and float columns keep the table's widths: widen before arithmetic that could overflow."""
 
     dp_rank: np.ndarray
     stage: np.ndarray
     rank: np.ndarray
     step: np.ndarray
     optype: np.ndarray
-    start: np.ndarray      # float64 seconds, as recorded
-    duration: np.ndarray   # float64 seconds
+    start: np.ndarray      # seconds, as recorded (float32 or float64)
+    duration: np.ndarray   # seconds
     seq_id: np.ndarray
     mc: np.ndarray
     mb_id: np.ndarray
@@ -268,11 +269,15 @@ def read_trace_columns(trace: pa.Table, job_id: str = "") -> TraceColumns:
         if nulls:
             raise TraceValueError(f"column {name!r} has {nulls} null values", job_id=job_id)
 
+    # Columns keep their recorded widths (int8 ranks, float32 times in the published format):
+    # often zero-copy views of the Arrow buffers, a third of the memory of int64 / float64.
     def ints(name: str) -> np.ndarray:
-        return np.asarray(_values(trace.column(name)), dtype=np.int64)
+        values = _values(trace.column(name))
+        return values if values.dtype.kind in "iu" else values.astype(np.int64)
 
     def floats(name: str) -> np.ndarray:
-        return np.asarray(_values(trace.column(name)), dtype=np.float64)
+        values = _values(trace.column(name))
+        return values if values.dtype.kind == "f" else values.astype(np.float64)
 
     columns = TraceColumns(
         dp_rank=ints("dp_rank"), stage=ints("stage"), rank=ints("rank"), step=ints("step"),
@@ -322,7 +327,7 @@ def _optype_codes(column: pa.ChunkedArray, job_id: str) -> np.ndarray:
     if not chunks:
         return np.zeros(0, dtype=np.int64)
     names = chunks[0].dictionary.to_pylist()
-    lookup = np.array([_CODE.get(name, -1) for name in names] + [-1], dtype=np.int64)
+    lookup = np.array([_CODE.get(name, -1) for name in names] + [-1], dtype=np.int8)
     indices = np.asarray(_values(pa.chunked_array([chunk.indices for chunk in chunks])), dtype=np.int64)
     codes = lookup[indices]
     if (codes < 0).any():
@@ -380,7 +385,7 @@ def _compile(columns: TraceColumns, meta: JobMeta, job_id: str, structure_from: 
     if structure_from is not None:
         structure = {name: getattr(structure_from, name) for name in _STRUCTURE_FIELDS}
         seq_dim = max(seq_dim, int(structure["op_seq_id"].max()) + 1)
-    keys = (columns.optype * pp_size + columns.stage) * seq_dim + columns.seq_id
+    keys = (columns.optype.astype(np.int64) * pp_size + columns.stage) * seq_dim + columns.seq_id
 
     if structure_from is None:
         # Template: the first step of dp_rank 0 (every step and DP rank must match it).
@@ -402,9 +407,9 @@ def _compile(columns: TraceColumns, meta: JobMeta, job_id: str, structure_from: 
     # Sorted op keys of the structure and the replay index of each.
     op_keys = (structure["op_optype"] * pp_size + structure["op_stage"]) * seq_dim + structure["op_seq_id"]
     order = np.argsort(op_keys, kind="stable")
-    op_of_row = _map_rows_to_ops(columns, keys, op_keys[order], order, step_index, dp_size, steps, structure)
+    flat = _map_rows_to_ops(columns, keys, op_keys[order], order, step_index, dp_size, steps, structure)
+    del keys, step_index
     n_ops, n_lanes = len(op_keys), len(steps) * dp_size
-    flat = op_of_row * n_lanes + step_index * dp_size + columns.dp_rank
 
     def layout(values: np.ndarray, dtype=np.float64) -> np.ndarray:
         out = np.empty(n_ops * n_lanes, dtype=dtype)
@@ -505,8 +510,8 @@ def _factorize_steps(step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _map_rows_to_ops(columns, keys, template_keys, inverse, step_index, dp_size, steps, structure) -> np.ndarray:
-    """Replay-order op index of every row (template_keys: sorted op keys, inverse: the replay
-    index of each); raises when a lane's op set differs from the template."""
+    """Position of every row in the [op, lane] layout (op * n_lanes + lane; template_keys: sorted
+    op keys, inverse: the replay index of each); raises when a lane's op set differs from the template."""
     key_space = int(keys.max()) + 1
     if key_space <= 50_000_000:
         lookup = np.full(key_space, -1, dtype=np.int64)
@@ -525,9 +530,10 @@ def _map_rows_to_ops(columns, keys, template_keys, inverse, step_index, dp_size,
     op = inverse[template_index]
     n_ops, n_lanes = len(template_keys), len(steps) * dp_size
     lane = step_index * dp_size + columns.dp_rank
-    counts = np.bincount(op * n_lanes + lane, minlength=n_ops * n_lanes)
+    flat = op * n_lanes + lane
+    counts = np.bincount(flat, minlength=n_ops * n_lanes)
     if (counts == 1).all():
-        return op
+        return flat
     lane_rows = np.bincount(lane, minlength=n_lanes)
     if (lane_rows == 0).any():
         empty = int(np.flatnonzero(lane_rows == 0)[0])
@@ -548,7 +554,12 @@ def _map_rows_to_ops(columns, keys, template_keys, inverse, step_index, dp_size,
 
 
 def _worker_ranks(columns: TraceColumns, dp_size: int, pp_size: int) -> np.ndarray:
-    worker = columns.dp_rank * pp_size + columns.stage
+    """[dp_size, pp_size] global rank of each worker; raises when a worker has several."""
+    worker = columns.dp_rank.astype(np.int64) * pp_size + columns.stage
+    rank = np.zeros(dp_size * pp_size, dtype=np.int64)
+    rank[worker] = columns.rank            # any row's rank; then check that every row agrees
+    if (rank[worker] == columns.rank).all():
+        return rank.reshape(dp_size, pp_size)
     low = np.full(dp_size * pp_size, np.iinfo(np.int64).max)
     high = np.full(dp_size * pp_size, np.iinfo(np.int64).min)
     np.minimum.at(low, worker, columns.rank)
@@ -571,12 +582,12 @@ def _original_cost(model: JobModel) -> np.ndarray:
         return cost
     comm = comm[np.argsort(model.op_group[comm], kind="stable")]
     groups, first = np.unique(model.op_group[comm], return_index=True)
-    latest = np.maximum.reduceat(model.observed_start[comm], first, axis=0)
+    sizes = np.diff(np.append(first, len(comm)))
+    latest = _segment_max(model.observed_start, comm, first, sizes)
     synced = model.group_synced[groups]
     if synced.any():
         shape = (int(synced.sum()), model.n_steps, model.dp_size)
         latest[synced] = np.broadcast_to(latest[synced].reshape(shape).max(axis=2, keepdims=True), shape).reshape(shape[0], -1)
-    sizes = np.diff(np.append(first, len(comm)))
     transfer = model.observed_end[comm] - np.repeat(latest, sizes, axis=0)
     if model.recorded_float32:
         transfer = transfer.astype(np.float32).astype(np.float64)
@@ -587,13 +598,27 @@ def _original_cost(model: JobModel) -> np.ndarray:
 
 def _launch_delays(model: JobModel) -> np.ndarray:
     """start - latest end of the op's predecessors (or - step start when it has none); <= -10 ms -> 0."""
-    ends = np.vstack([model.observed_end, np.zeros((1, model.n_lanes))])
-    ready = np.maximum.reduceat(ends[model.pred_index], model.pred_ptr[:-1], axis=0)   # once per job
+    # Source ops have the single predecessor n_ops (the step start, time 0): read row 0, then zero it.
+    index = np.where(model.pred_index < model.n_ops, model.pred_index, 0)
+    ready = _segment_max(model.observed_end, index, model.pred_ptr[:-1], np.diff(model.pred_ptr))
+    ready[model.pred_index[model.pred_ptr[:-1]] == model.n_ops] = 0.0
     delay = model.observed_start - ready
     if model.recorded_float32:
         delay = delay.astype(np.float32).astype(np.float64)
     delay[delay <= -NEGATIVE_CLAMP] = 0.0
     return delay
+
+
+def _segment_max(values: np.ndarray, index: np.ndarray, first: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Row-wise max over segments of rows: out[i] = max of values[index[first[i] + j]] for
+    j < sizes[i] (every size >= 1). The same as np.maximum.reduceat(values[index], first, axis=0),
+    without gathering every row first and ~6x faster on [op, lane] arrays: one pass per position
+    in a segment (segments are short), not per segment."""
+    out = values[index[first]]
+    for j in range(1, int(sizes.max())):
+        rows = np.flatnonzero(sizes > j)
+        out[rows] = np.maximum(out[rows], values[index[first[rows] + j]])
+    return out
 
 
 def _levels(level: np.ndarray, kind: np.ndarray, group: np.ndarray, pred_ptr: np.ndarray, pred_index: np.ndarray,
@@ -642,13 +667,13 @@ class _Template:
 
     def __init__(self, columns: TraceColumns, rows: np.ndarray, pp_size: int, step: int):
         self.step = int(step)
-        self.optype = columns.optype[rows]
-        self.seq_id = columns.seq_id[rows]
-        self.stage = columns.stage[rows]
-        self.mc = columns.mc[rows]
-        self.gmc = columns.gmc[rows]
-        self.start = columns.start[rows]
-        self.end = self.start + columns.duration[rows]
+        self.optype = columns.optype[rows].astype(np.int64)
+        self.seq_id = columns.seq_id[rows].astype(np.int64)
+        self.stage = columns.stage[rows].astype(np.int64)
+        self.mc = columns.mc[rows].astype(np.int64)
+        self.gmc = columns.gmc[rows].astype(np.int64)
+        self.start = columns.start[rows].astype(np.float64)
+        self.end = self.start + columns.duration[rows].astype(np.float64)
         self.n = len(rows)
         self.pp = pp_size
         self.vpp = max(int(self.mc.max()) + 1, 1) if self.n else 1
