@@ -13,19 +13,16 @@ are equal bit for bit (tests/test_whatif_replay.py checks every schedule variant
 Why C and not numba: on the 8,192-GPU job both replay at the same speed, but numba costs
 ~0.5 s per process to import and load its cached code (more than the whole replay), the C
 kernel ~5 ms. It is built once per machine with the system C compiler (`$CC`, else `cc`)
-into `$STRAG_KERNEL_CACHE` (default `~/.cache/strag`), named by a hash of source and flags;
+into `$STRAG_KERNEL_CACHE` (default `~/.cache/strag`), named by a CRC of source and flags;
 without a compiler replay falls back to numpy (same results, ~4x slower on big jobs).
 `STRAG_REPLAY=numpy|kernel` forces one path (tests, benchmarks).
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import pathlib
-import platform
-import subprocess
-import tempfile
+import zlib
 
 import numpy as np
 
@@ -82,14 +79,13 @@ def _load() -> ctypes.CDLL:
         raise KernelBuildError(_build_error)
     compiler = os.environ.get("CC", "cc")
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"replay-{key}.so"
+    key = zlib.crc32(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), os.uname().machine.encode()]))
+    target = _cache_dir() / f"replay-{key:08x}.so"
     try:
         if not target.exists():
             _build(compiler, target)
         library = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError, KernelBuildError) as error:
+    except (OSError, KernelBuildError) as error:
         _build_error = f"cannot build the replay kernel {SOURCE} with {compiler!r}: {error}"
         raise KernelBuildError(_build_error) from None
     function = library.strag_replay
@@ -102,11 +98,18 @@ def _load() -> ctypes.CDLL:
 
 def _build(compiler: str, target: pathlib.Path) -> None:
     """Compile the kernel into `target` atomically (concurrent builders each write their own file)."""
+    import subprocess   # here, not at the top: only the first use on a machine builds
+    import tempfile
+
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so", dir=target.parent)
     os.close(handle)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        try:
+            done = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
+                                  timeout=120)
+        except subprocess.SubprocessError as error:   # timeout
+            raise KernelBuildError(str(error)) from None
         if done.returncode:
             raise KernelBuildError(done.stderr.strip()[-2000:] or f"exit status {done.returncode}")
         os.replace(partial, target)

@@ -186,7 +186,7 @@ def _on_lanes(scenario: Scenario, lanes: np.ndarray, taken: dict[int, np.ndarray
         if _lane_free(values):
             return values
         if id(values) not in taken:
-            taken[id(values)] = np.asarray(values)[..., lanes]
+            taken[id(values)] = np.take(values, lanes, axis=-1)   # faster than [..., lanes]
         return taken[id(values)]
 
     delay = None if scenario.delay is None else take(scenario.delay)
