@@ -67,7 +67,8 @@ def load() -> str:
     return f"load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
 
 
-def _env() -> dict[str, str]:
+def subprocess_env() -> dict[str, str]:
+    """This checkout first on the path, one thread per numeric library (the machine is shared)."""
     return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
 
 
@@ -81,7 +82,7 @@ def timed(command: list[str], log: pathlib.Path) -> tuple[float, int]:
     """Run a whole command (output to `log`); (wall seconds, its max RSS in bytes). Fails loud."""
     with log.open("w") as out:
         started = time.perf_counter()
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=subprocess_env(), cwd=ROOT)
         _, status, usage = os.wait4(process.pid, 0)
         seconds = time.perf_counter() - started
     process.returncode = os.waitstatus_to_exitcode(status)
@@ -152,7 +153,7 @@ def import_cost(trace: pathlib.Path, meta: pathlib.Path) -> None:
     """`python -X importtime` of the one-job path: total, biggest top-level imports, heavy modules."""
     code = "import sys; from pipelines.cli import main; sys.exit(main(sys.argv[1:]))"
     done = subprocess.run([sys.executable, "-X", "importtime", "-c", code, "analyze", str(trace), "--meta", str(meta)],
-                          capture_output=True, text=True, env=_env(), cwd=ROOT)
+                          capture_output=True, text=True, env=subprocess_env(), cwd=ROOT)
     if done.returncode:
         raise RuntimeError(done.stderr[-2000:])
     rows = []
@@ -176,7 +177,7 @@ def generate(gpus: int, folder: pathlib.Path) -> tuple[pathlib.Path, pathlib.Pat
     trial = f"gen{gpus}"
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", _GENERATE, str(dp), str(pp), str(folder), trial],
-                          capture_output=True, text=True, env=_env(), cwd=ROOT)
+                          capture_output=True, text=True, env=subprocess_env(), cwd=ROOT)
     if done.returncode:
         raise RuntimeError(done.stderr[-2000:])
     ops = int(done.stdout.strip().splitlines()[-1])
