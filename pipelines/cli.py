@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def date_argument(text: str) -> "dt.date":
+def date_argument(text: str) -> dt.date:
     """argparse type of every YYYY-MM-DD option of the subcommands."""
     import datetime as dt   # here: `strag analyze` on a file never needs it
 
