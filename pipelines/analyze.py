@@ -127,7 +127,7 @@ def load_job(opts: AnalyzeOptions):
         meta = JobMeta.from_mapping(fields)
         job_id = opts.job_id or str(fields.get("trial_name") or opts.trace.stem)
         # ParquetFile, not pq.read_table: the latter imports pyarrow.dataset and pandas (~0.5 s)
-        return pq.ParquetFile(opts.trace).read(), meta, job_id, str(opts.trace), None
+        return pq.ParquetFile(opts.trace, memory_map=True).read(), meta, job_id, str(opts.trace), None
     from transforms.lake import find_job, read_manifest, read_trace_files
 
     job = find_job(opts.lake, opts.job_id, opts.date)

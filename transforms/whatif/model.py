@@ -385,7 +385,9 @@ def _compile(columns: TraceColumns, meta: JobMeta, job_id: str, structure_from: 
     if structure_from is not None:
         structure = {name: getattr(structure_from, name) for name in _STRUCTURE_FIELDS}
         seq_dim = max(seq_dim, int(structure["op_seq_id"].max()) + 1)
-    keys = (columns.optype.astype(np.int64) * pp_size + columns.stage) * seq_dim + columns.seq_id
+    # op key of every row; int32 when the key space fits (half the memory traffic of int64)
+    key_type = np.int32 if len(OPTYPES) * pp_size * seq_dim < 2**31 else np.int64
+    keys = (columns.optype.astype(key_type) * pp_size + columns.stage) * seq_dim + columns.seq_id
 
     if structure_from is None:
         # Template: the first step of dp_rank 0 (every step and DP rank must match it).
@@ -416,15 +418,14 @@ def _compile(columns: TraceColumns, meta: JobMeta, job_id: str, structure_from: 
         out[flat] = values
         return out.reshape(n_ops, n_lanes)
 
-    start_abs = layout(columns.start)
-    step_start = start_abs.min(axis=0).reshape(len(steps), dp_size).min(axis=1)
-    observed_start = start_abs - np.repeat(step_start, dp_size)[None, :]
-    del start_abs
+    observed_start = layout(columns.start)   # absolute, made relative to the step start in place
+    step_start = observed_start.min(axis=0).reshape(len(steps), dp_size).min(axis=1)
+    lane_start = np.repeat(step_start, dp_size)[None, :]
+    observed_start -= lane_start
     duration = layout(columns.duration)
     if columns.float32:
-        end_abs = (columns.start.astype(np.float32) + columns.duration.astype(np.float32)).astype(np.float64)
-        observed_end = layout(end_abs) - np.repeat(step_start, dp_size)[None, :]
-        del end_abs
+        observed_end = layout(np.add(columns.start, columns.duration, dtype=np.float32))   # no copies of float32 inputs
+        observed_end -= lane_start
     else:
         observed_end = observed_start + duration
 
@@ -502,9 +503,10 @@ def _factorize_steps(step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sorted distinct steps and each row's index into them (O(n) when steps are dense)."""
     low, high = int(step.min()), int(step.max())
     if high - low < 50_000_000:
-        present = np.bincount(step - low, minlength=high - low + 1) > 0
+        offset = step - low
+        present = np.bincount(offset, minlength=high - low + 1) > 0
         index_of = np.cumsum(present) - 1
-        return np.flatnonzero(present) + low, index_of[step - low]
+        return np.flatnonzero(present) + low, index_of[offset]
     steps, index = np.unique(step, return_inverse=True)
     return steps, index
 
@@ -513,27 +515,31 @@ def _map_rows_to_ops(columns, keys, template_keys, inverse, step_index, dp_size,
     """Position of every row in the [op, lane] layout (op * n_lanes + lane; template_keys: sorted
     op keys, inverse: the replay index of each); raises when a lane's op set differs from the template."""
     key_space = int(keys.max()) + 1
-    if key_space <= 50_000_000:
+    if key_space <= 50_000_000:   # key -> replay index in one gather
         lookup = np.full(key_space, -1, dtype=np.int64)
-        lookup[template_keys] = np.arange(len(template_keys))
-        template_index = lookup[keys]
+        lookup[template_keys] = inverse
+        op = lookup[keys]
     else:
         pos = np.minimum(np.searchsorted(template_keys, keys), len(template_keys) - 1)
-        template_index = np.where(template_keys[pos] == keys, pos, -1)
-    unknown = template_index < 0
+        op = np.where(template_keys[pos] == keys, inverse[pos], -1)
+    unknown = op < 0
     if unknown.any():
         row = int(np.flatnonzero(unknown)[0])
         raise TraceStructureError(
             f"op not present in the template (step {int(steps[0])}, dp_rank 0): the op structure must be the same "
             f"in every step and DP rank", **_row_context(columns, row),
         )
-    op = inverse[template_index]
     n_ops, n_lanes = len(template_keys), len(steps) * dp_size
-    lane = step_index * dp_size + columns.dp_rank
-    flat = op * n_lanes + lane
-    counts = np.bincount(flat, minlength=n_ops * n_lanes)
-    if (counts == 1).all():
+    flat = op   # in place, no [row]-sized temporaries: flat = op * n_lanes + step_index * dp_size + dp_rank
+    flat *= n_lanes
+    flat += step_index * dp_size
+    flat += columns.dp_rank
+    seen = np.zeros(n_ops * n_lanes, dtype=bool)
+    seen[flat] = True
+    if len(flat) == n_ops * n_lanes and seen.all():   # every (op, lane) present, so each exactly once
         return flat
+    lane = flat % n_lanes
+    counts = np.bincount(flat, minlength=n_ops * n_lanes)
     lane_rows = np.bincount(lane, minlength=n_lanes)
     if (lane_rows == 0).any():
         empty = int(np.flatnonzero(lane_rows == 0)[0])
@@ -555,7 +561,7 @@ def _map_rows_to_ops(columns, keys, template_keys, inverse, step_index, dp_size,
 
 def _worker_ranks(columns: TraceColumns, dp_size: int, pp_size: int) -> np.ndarray:
     """[dp_size, pp_size] global rank of each worker; raises when a worker has several."""
-    worker = columns.dp_rank.astype(np.int64) * pp_size + columns.stage
+    worker = columns.dp_rank.astype(np.int32 if dp_size * pp_size < 2**31 else np.int64) * pp_size + columns.stage
     rank = np.zeros(dp_size * pp_size, dtype=np.int64)
     rank[worker] = columns.rank            # any row's rank; then check that every row agrees
     if (rank[worker] == columns.rank).all():
@@ -602,9 +608,9 @@ def _launch_delays(model: JobModel) -> np.ndarray:
     index = np.where(model.pred_index < model.n_ops, model.pred_index, 0)
     ready = _segment_max(model.observed_end, index, model.pred_ptr[:-1], np.diff(model.pred_ptr))
     ready[model.pred_index[model.pred_ptr[:-1]] == model.n_ops] = 0.0
-    delay = model.observed_start - ready
+    delay = np.subtract(model.observed_start, ready, out=ready)
     if model.recorded_float32:
-        delay = delay.astype(np.float32).astype(np.float64)
+        delay[...] = delay.astype(np.float32)
     delay[delay <= -NEGATIVE_CLAMP] = 0.0
     return delay
 
@@ -617,7 +623,10 @@ def _segment_max(values: np.ndarray, index: np.ndarray, first: np.ndarray, sizes
     out = values[index[first]]
     for j in range(1, int(sizes.max())):
         rows = np.flatnonzero(sizes > j)
-        out[rows] = np.maximum(out[rows], values[index[first[rows] + j]])
+        if 2 * len(rows) > len(first):   # most segments go on: one pass over all (a short one repeats its last)
+            np.maximum(out, values[index[first + np.minimum(j, sizes - 1)]], out=out)
+        else:
+            out[rows] = np.maximum(out[rows], values[index[first[rows] + j]])
     return out
 
 
