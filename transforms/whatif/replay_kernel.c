@@ -18,33 +18,33 @@
 
 #define ROW(array, rows, cols, op) ((array) + ((rows) > 1 ? (op) : 0) * (cols))
 
-/* out[j] += the value of op `op` in lane first_lane + j, for j < w. */
-static void add_values(double *restrict out, int64_t op, int64_t first_lane, int64_t w,
-                       const double *base, int64_t base_rows, int64_t base_cols,
+/* out[j] = in[j] + the value of op `op` in lane first_lane + j, for j < w (out may be in); when
+   `high` is not NULL, also high[j] = max(high[j], out[j]). */
+static void add_values(double *out, const double *in, double *restrict high, int64_t op, int64_t first_lane,
+                       int64_t w, const double *base, int64_t base_rows, int64_t base_cols,
                        const double *alt, int64_t alt_rows, int64_t alt_cols,
                        const uint8_t *where, int64_t where_rows, int64_t where_cols)
 {
     const uint8_t *choice = ROW(where, where_rows, where_cols, op);
-    if (where_cols == 1) {
-        int pick_alt = choice[0] != 0;
-        const double *source = pick_alt ? alt : base;
-        int64_t rows = pick_alt ? alt_rows : base_rows, cols = pick_alt ? alt_cols : base_cols;
-        const double *restrict values = ROW(source, rows, cols, op);
-        if (cols == 1) {
+    const double *base_row = ROW(base, base_rows, base_cols, op), *alt_row = ROW(alt, alt_rows, alt_cols, op);
+    if (where_cols == 1) {                                      /* one source for the whole row */
+        const double *values = choice[0] ? alt_row : base_row;
+        if ((choice[0] ? alt_cols : base_cols) == 1) {
             double value = values[0];
-            for (int64_t j = 0; j < w; j++) out[j] += value;
+            for (int64_t j = 0; j < w; j++) out[j] = in[j] + value;
         } else {
             values += first_lane;
-            for (int64_t j = 0; j < w; j++) out[j] += values[j];
+            for (int64_t j = 0; j < w; j++) out[j] = in[j] + values[j];
         }
-        return;
+    } else {
+        int64_t base_step = base_cols > 1, alt_step = alt_cols > 1;
+        for (int64_t j = 0; j < w; j++) {
+            int64_t lane = first_lane + j;
+            out[j] = in[j] + (choice[lane] ? alt_row[lane * alt_step] : base_row[lane * base_step]);
+        }
     }
-    const double *base_row = ROW(base, base_rows, base_cols, op), *alt_row = ROW(alt, alt_rows, alt_cols, op);
-    int64_t base_step = base_cols > 1, alt_step = alt_cols > 1;
-    for (int64_t j = 0; j < w; j++) {
-        int64_t lane = first_lane + j;
-        out[j] += choice[lane] ? alt_row[lane * alt_step] : base_row[lane * base_step];
-    }
+    if (high)
+        for (int64_t j = 0; j < w; j++) high[j] = out[j] > high[j] ? out[j] : high[j];
 }
 
 /* Replay one scenario over n_steps x dp lanes: step_time / step_span per step, and the full
@@ -76,19 +76,33 @@ int strag_replay(int64_t n_ops, const int64_t *pred_ptr, const int64_t *pred_ind
             for (int64_t op = lo; op < hi; op++) {               /* starts: max over predecessors (+ delay) */
                 double *restrict row = starts + op * width;
                 const double *restrict source = ends + pred_index[pred_ptr[op]] * width;
-                for (int64_t j = 0; j < w; j++) row[j] = source[j];
-                for (int64_t k = pred_ptr[op] + 1; k < pred_ptr[op + 1]; k++) {
+                int64_t k = pred_ptr[op] + 1;
+                if (k < pred_ptr[op + 1]) {                       /* the first two predecessors in one pass */
+                    const double *restrict second = ends + pred_index[k++] * width;
+                    for (int64_t j = 0; j < w; j++) row[j] = second[j] > source[j] ? second[j] : source[j];
+                } else {
+                    for (int64_t j = 0; j < w; j++) row[j] = source[j];
+                }
+                for (; k < pred_ptr[op + 1]; k++) {
                     source = ends + pred_index[k] * width;
                     for (int64_t j = 0; j < w; j++) row[j] = source[j] > row[j] ? source[j] : row[j];
                 }
                 if (has_delay)
-                    add_values(row, op, first_lane, w, delay_base, dims[6], dims[7], delay_alt, dims[8], dims[9],
-                               delay_where, dims[10], dims[11]);
+                    add_values(row, row, NULL, op, first_lane, w, delay_base, dims[6], dims[7], delay_alt, dims[8],
+                               dims[9], delay_where, dims[10], dims[11]);
                 for (int64_t j = 0; j < w; j++) low[j] = row[j] < low[j] ? row[j] : low[j];
             }
             for (int64_t op = lo; op < hi; op = group_end[op]) {  /* ends, one group (or own op) at a time */
                 int64_t stop = group_end[op];
                 const double *restrict first = starts + op * width;
+                if (stop == op + 1 && !synced[op]) {               /* an op on its own: end = start + cost */
+                    double *restrict out = ends + op * width;
+                    add_values(out, first, high, op, first_lane, w, cost_base, dims[0], dims[1], cost_alt, dims[2],
+                               dims[3], cost_where, dims[4], dims[5]);
+                    if (optimizer[op])
+                        for (int64_t j = 0; j < w; j++) top[j] = out[j] > top[j] ? out[j] : top[j];
+                    continue;
+                }
                 for (int64_t j = 0; j < w; j++) latest[j] = first[j];
                 for (int64_t member = op + 1; member < stop; member++) {
                     const double *restrict row = starts + member * width;
@@ -103,10 +117,8 @@ int strag_replay(int64_t n_ops, const int64_t *pred_ptr, const int64_t *pred_ind
                 }
                 for (int64_t member = op; member < stop; member++) {
                     double *restrict out = ends + member * width;
-                    for (int64_t j = 0; j < w; j++) out[j] = latest[j];
-                    add_values(out, member, first_lane, w, cost_base, dims[0], dims[1], cost_alt, dims[2], dims[3],
-                               cost_where, dims[4], dims[5]);
-                    for (int64_t j = 0; j < w; j++) high[j] = out[j] > high[j] ? out[j] : high[j];
+                    add_values(out, latest, high, member, first_lane, w, cost_base, dims[0], dims[1], cost_alt, dims[2],
+                               dims[3], cost_where, dims[4], dims[5]);
                     if (optimizer[member])
                         for (int64_t j = 0; j < w; j++) top[j] = out[j] > top[j] ? out[j] : top[j];
                 }
