@@ -15,7 +15,11 @@ Wiring only (each step is one composite PTransform from transforms/):
 Runners:
 - FnApiRunner (default): Beam's embedded runner, named explicitly (the plain DirectRunner of
   this Beam version first tries to download a Prism binary, which fails offline), in
-  multi-process mode with --workers processes (default: the machine's cores).
+  multi-process mode with --workers processes (default: the machine's cores). A small run
+  (at most SMALL_RUN job windows) without --running-mode runs in this process instead: each
+  worker process would import Beam, pyarrow and Great Expectations (seconds) for a
+  second or two of analysis; in-process, GX is imported once, for the manifests and the
+  windows alike. The run summary prints where the start-up time went.
 - DaskRunner: the same graph on a dask.distributed cluster (--dask-address; without it a
   local cluster of --workers processes is started). The Dask runner executes only the last
   leaf of the graph, has no metrics, and Beam's parquet IO does not work on it; this
@@ -42,6 +46,7 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import re
 import sys
 import time
@@ -65,7 +70,9 @@ from transforms.fleet import AggregateFleet, fleet_rollup_tables
 from transforms.lake import LakeError, check_lake, list_jobs
 from transforms.match import MatchJobs, date_range
 
-__all__ = ["BatchOptions", "BatchUsageError", "parse", "pipeline_options", "dask_chunk", "window_groups", "MAX_GROUP", "make_pipeline", "list_lake", "build", "execute", "run", "quiet_logs", "check_single_terminal_step", "read_run_summary", "beam_counters", "RUNNERS"]
+__all__ = ["BatchOptions", "BatchUsageError", "parse", "pipeline_options", "dask_chunk", "window_groups", "MAX_GROUP",
+           "SMALL_RUN", "for_run", "make_pipeline", "list_lake", "build", "execute", "run", "quiet_logs",
+           "check_single_terminal_step", "read_run_summary", "beam_counters", "RUNNERS"]
 
 DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
 RUNNERS = ("FnApiRunner", "DaskRunner", "PortableRunner", "FlinkRunner", "SparkRunner", "DataflowRunner")
@@ -98,6 +105,7 @@ class BatchOptions:
     run_id: str = ""
     beam_args: tuple[str, ...] = ()
     quiet: bool = False
+    running_mode_given: bool = False   # --running-mode (or a memory:// URL) chose the mode: keep it
 
     @property
     def dates(self) -> tuple[str, ...]:
@@ -208,7 +216,7 @@ def parse(argv: list[str]) -> BatchOptions:
     run_id = f"{args.date_from}_{args.date_to}_{uuid.uuid4().hex[:12]}"
     return BatchOptions(lake, args.date_from, args.date_to, out, runner, args.workers, running_mode, args.dask_address,
                         args.dask_partitions or 4 * args.workers, args.group, args.fanout_ranks, run_id, tuple(beam_args),
-                        args.quiet)
+                        args.quiet, running_mode_given=args.running_mode is not None or bool(in_memory))
 
 
 def _check_lake(lake: str) -> None:
@@ -220,16 +228,28 @@ def _check_lake(lake: str) -> None:
 
 
 MAX_GROUP = 8
+SMALL_RUN = 10   # job windows: a run of at most this many goes in-process (see the module docstring)
+
+
+def for_run(opts: BatchOptions, windows: int) -> BatchOptions:
+    """The options a run of `windows` job windows uses: on the FnApiRunner, with no
+    --running-mode given, a small run goes in-process (in_memory, one worker)."""
+    if opts.runner != "FnApiRunner" or opts.running_mode_given or windows > SMALL_RUN:
+        return opts
+    return dataclasses.replace(opts, running_mode="in_memory", workers=1)
 
 
 def window_groups(opts: BatchOptions, windows: int) -> int:
-    """How many groups to deal the windows into: ceil(windows / --group); else as few as
-    keeps groups to MAX_GROUP windows, rounded up to a multiple of the workers and at least
-    4 per worker (so the last groups do not leave a worker idle for long)."""
+    """How many groups to deal the windows into: ceil(windows / --group); in-process, as few
+    as keeps groups to MAX_GROUP windows (one GX screen run each, nothing runs in parallel);
+    else rounded up to a multiple of the workers and at least 4 per worker (so the last
+    groups do not leave a worker idle for long)."""
     if windows == 0:
         return 0
     if opts.group is not None:
         return math.ceil(windows / opts.group)
+    if opts.running_mode == "in_memory":
+        return math.ceil(windows / MAX_GROUP)
     per_worker = max(4, math.ceil(windows / (MAX_GROUP * opts.workers)))
     return min(windows, per_worker * opts.workers)
 
@@ -393,6 +413,9 @@ def _print_summary(opts: BatchOptions, summary: dict, counters: dict[str, int], 
         print("  reasons: " + ", ".join(f"{code} {n}" for code, n in summary["reasons"].items()))
     if summary["rows_quarantined"]:
         print(f"  op rows quarantined: {summary['rows_quarantined']:,} of {summary['rows_read']:,} read")
+    where = "in this process" if summary.get("running_mode") == "in_memory" else None
+    print("  start-up and run (wall s): " + ", ".join(f"{name} {value:.1f}" for name, value in summary["startup"].items())
+          + (f" ({where})" if where else ""))
     work = {k: round(v, 2) for k, v in summary["seconds"].items() if v}
     print(f"  seconds in workers: {work}")
     if counters:
@@ -403,11 +426,26 @@ def _print_summary(opts: BatchOptions, summary: dict, counters: dict[str, int], 
 
 def execute(opts: BatchOptions, jobs=None, strays=None) -> tuple[dict, dict[str, int]]:
     """Build and run the pipeline for parsed options; wait for it. Returns (run summary, Beam
-    counters: empty on runners without metrics). jobs, strays: a lake listing already made, or None."""
+    counters: empty on runners without metrics). jobs, strays: a lake listing already made, or None.
+
+    The summary also holds `startup`: wall seconds of this process's steps before and around
+    the pipeline (listing, Great Expectations import, graph build with the manifest checks,
+    the pipeline itself), and `running_mode` (a small run goes in-process: `for_run`)."""
+    startup: dict[str, float] = {}
+    clock = time.perf_counter()
     if jobs is None:
         jobs, strays = list_lake(opts)
+        startup["lake listing"] = time.perf_counter() - clock
+    opts = for_run(opts, len(jobs))
+    clock = time.perf_counter()
+    import great_expectations  # noqa: F401 - here, to time it: the manifest checks of the graph build need it
+
+    startup["Great Expectations import"] = time.perf_counter() - clock
+    clock = time.perf_counter()
     p = make_pipeline(opts, len(jobs))
     build(p, opts, jobs, strays)
+    startup["graph build + manifest checks"] = time.perf_counter() - clock
+    clock = time.perf_counter()
     with worker_output():
         result = p.run()
         try:
@@ -416,7 +454,19 @@ def execute(opts: BatchOptions, jobs=None, strays=None) -> tuple[dict, dict[str,
             client = getattr(result, "client", None)  # the Dask runner's client: close before its cluster goes
             if client is not None:
                 client.close()
-    return read_run_summary(opts), beam_counters(result)
+    startup["pipeline"] = time.perf_counter() - clock
+    summary = read_run_summary(opts)
+    summary.update(startup=startup, running_mode=opts.running_mode if opts.runner == "FnApiRunner" else None)
+    return summary, beam_counters(result)
+
+
+def _seconds_since_process_start() -> float | None:
+    """Wall seconds since this process started: Python and the imports before `run` (Linux; None elsewhere)."""
+    try:
+        fields = pathlib.Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def run(argv: list[str]) -> int:
@@ -431,16 +481,21 @@ def run(argv: list[str]) -> int:
     if opts.runner == "DaskRunner" and not opts.dask_address:
         cluster = _start_local_dask(opts.workers)
         opts = dataclasses.replace(opts, dask_address=cluster.scheduler_address)
+    imports = _seconds_since_process_start()
     started = time.perf_counter()
     try:
         jobs, strays = list_lake(opts)
+        listing = time.perf_counter() - started
+        opts = for_run(opts, len(jobs))
         undated = [entry for entry in strays if entry.date is None]
         if undated:   # no date partition to quarantine them in: said here, every run
             print(f"strag batch: {len(undated)} folder(s) of the lake are not date partitions and are not read: "
                   + "; ".join(entry.detail for entry in undated[:5]) + (" ..." if len(undated) > 5 else ""),
                   file=sys.stderr)
         if not opts.quiet:
-            mode = f", {opts.workers} {opts.running_mode.replace('_', '-')} workers" if opts.runner == "FnApiRunner" else ""
+            mode = "" if opts.runner != "FnApiRunner" else (
+                " in this process" + ("" if opts.running_mode_given else f" (a small run: at most {SMALL_RUN} windows)")
+                if opts.running_mode == "in_memory" else f", {opts.workers} {opts.running_mode.replace('_', '-')} workers")
             print(f"strag batch: {len(jobs)} job windows in {opts.lake} for {opts.date_from}..{opts.date_to}; "
                   f"running on {opts.runner}{mode}", flush=True)
         try:
@@ -450,6 +505,8 @@ def run(argv: list[str]) -> int:
             print(f"strag batch {opts.date_from}..{opts.date_to}: FAILED, nothing published (the tables are as before): "
                   f"{record['reason']}\n  failure record: {opts.out}/{RUNS_DIR}/{opts.run_id}.failed.json", file=sys.stderr)
             return 1
+        summary["startup"] = {**({"Python + imports": imports} if imports is not None else {}), "lake listing": listing,
+                              **summary["startup"]}
         _print_summary(opts, summary, counters, time.perf_counter() - started)
     finally:
         if cluster is not None:

@@ -7,7 +7,6 @@ arguments (``--help`` on each). Modules are imported lazily so that, for example
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import importlib
 import sys
 
@@ -31,6 +30,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def date_argument(text: str) -> dt.date:
     """argparse type of every YYYY-MM-DD option of the subcommands."""
+    import datetime as dt   # here: `strag analyze` on a file never needs it
+
     try:
         return dt.date.fromisoformat(text)
     except ValueError:

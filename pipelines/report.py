@@ -8,9 +8,9 @@ Writes DIR/index.html (the fleet report, JavaScript inlined: opens offline), DIR
 selected job window) and DIR/assets/vega-bundle.js (shared by the job pages). With
 --check, opens every page in headless Chromium and fails unless all charts are drawn
 with no console error. With --lake, each job page also links its timeline (original and
-simulated ideal side by side, Chrome-trace JSON for Perfetto) under DIR/timelines/,
-exported by re-running the engine on that job's trace window (the only step that reads
-traces; everything else comes from the tables).
+simulated ideal side by side, Chrome-trace JSON for Perfetto) under DIR/timelines/, made
+from that job's trace window with one replay, the ideal (the only step that reads traces;
+the what-if analysis and everything else come from the tables).
 """
 from __future__ import annotations
 
@@ -135,8 +135,8 @@ def _export_timeline(lake: str, date, job_id: str, path: pathlib.Path, cache: di
     validation drops the same bad files and rows); False, and why on stderr, when it cannot."""
     from pipelines.analyze import TIMELINE_EVENT_LIMIT
     from transforms.lake import LakeError, find_job, read_manifest, read_validated_job
-    from transforms.whatif import JobMeta, WhatIfError, analyze_job
-    from transforms.whatif.timeline import write_chrome_trace
+    from transforms.whatif import JobMeta, WhatIfError, compile_job
+    from transforms.whatif.timeline import ideal_timeline, write_chrome_trace
 
     try:
         if "validator" not in cache:
@@ -147,14 +147,15 @@ def _export_timeline(lake: str, date, job_id: str, path: pathlib.Path, cache: di
         if job.manifest_path is None:
             raise LakeError(f"lake {lake}: job {job_id!r} on {date} has no manifest")
         report = read_validated_job(job, cache["validator"])
-        result = analyze_job(report.valid, JobMeta.from_mapping(read_manifest(job.manifest_path)), job_id, timeline=True)
+        # the ideal replay only: the what-if analysis itself is in the tables already
+        timeline = ideal_timeline(compile_job(report.valid, JobMeta.from_mapping(read_manifest(job.manifest_path)), job_id))
     except (LakeError, WhatIfError) as error:
         print(f"strag report: no timeline for job {job_id} on {date}: {error}", file=sys.stderr)
         return False
-    per_step = len(result.timeline.op_optype) * result.meta.dp_size
-    steps = max(1, TIMELINE_EVENT_LIMIT // per_step) if per_step * len(result.steps) > TIMELINE_EVENT_LIMIT else None
+    per_step = len(timeline.op_optype) * timeline.dp_size
+    steps = max(1, TIMELINE_EVENT_LIMIT // per_step) if per_step * len(timeline.steps) > TIMELINE_EVENT_LIMIT else None
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_chrome_trace(result.timeline, path, steps)
+    write_chrome_trace(timeline, path, steps)
     return True
 
 

@@ -59,8 +59,32 @@ def lake(tmp_path_factory) -> tuple[str, list[ExpectedWindow]]:
 def fnapi_run(lake, tmp_path_factory):
     """The reference run: FnApiRunner, two worker processes, local folders."""
     out = tmp_path_factory.mktemp("batch") / "out"
-    summary, counters = _run(_argv(lake[0], str(out), "--workers", "2"))
+    summary, counters = _run(_argv(lake[0], str(out), "--workers", "2", "--running-mode", "multi_processing"))
+    assert summary["running_mode"] == "multi_processing"
     return out, summary, counters
+
+
+def test_a_small_run_goes_in_process_with_identical_tables(lake, fnapi_run, tmp_path):
+    """Without --running-mode, a run of at most SMALL_RUN windows (here: the first date's) runs
+    in this process, in as few window groups as MAX_GROUP allows, and publishes that date's
+    partitions byte for byte like the multi-process run; its summary says where the start-up went."""
+    argv = ["--lake", lake[0], "--from", DATES[0], "--to", DATES[0], "--out", str(tmp_path / "out"), "--workers", "2"]
+    windows = len(list_jobs(lake[0], DATES[0], DATES[0]))
+    assert 1 < windows <= batch.SMALL_RUN
+    opts = batch.parse(argv)
+    small = batch.for_run(opts, windows)
+    assert (small.running_mode, small.workers) == ("in_memory", 1)
+    assert batch.window_groups(small, windows) == -(-windows // batch.MAX_GROUP)
+    assert batch.for_run(opts, batch.SMALL_RUN + 1) == opts
+    given = batch.parse([*argv, "--running-mode", "multi_processing"])
+    assert batch.for_run(given, windows) == given
+    summary, _ = _run(argv)
+    assert summary["running_mode"] == "in_memory"
+    assert set(summary["startup"]) == {"lake listing", "Great Expectations import", "graph build + manifest checks", "pipeline"}
+    assert all(value >= 0 for value in summary["startup"].values())
+    partition = f"/date={DATES[0]}/"
+    ours = {path: data for path, data in _table_files(tmp_path / "out").items() if partition in path}
+    assert ours and ours == {path: data for path, data in _table_files(fnapi_run[0]).items() if partition in path}
 
 
 def _same_tables_elsewhere(published: dict[str, bytes], reference: pathlib.Path, lake_url: str, reference_lake: str) -> None:

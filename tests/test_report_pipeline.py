@@ -6,6 +6,7 @@ import gzip
 import json
 import re
 
+import pyarrow.compute as pc
 import pytest
 
 from batch_lake import DATES, write_batch_lake
@@ -67,8 +68,15 @@ def test_report_links_each_job_page_to_its_perfetto_timeline(tables, tmp_path):
     assert report.run(["--tables", str(out), "--out", str(target), "--jobs", "all", "--images", "none", "--lake", lake]) == 0
     pages = sorted((target / "jobs").glob("*.html"))
     assert pages
+    steps_table = read_table(str(out), "step_slowdown")
     for page in pages:
         link = re.search(r'href="(\.\./timelines/[^"]+\.json\.gz)"', page.read_text())
         assert link, page.name
         trace = json.loads(gzip.decompress((page.parent / link.group(1)).read_bytes()))
         assert trace["traceEvents"] and {e["ph"] for e in trace["traceEvents"]} >= {"X", "M"}
+        # the report's one ideal replay reproduces the batch's ideal step times (step_slowdown table)
+        job_id = trace["otherData"]["job_id"]
+        ideal = {e["args"]["step"]: e["args"]["step_time_s"] for e in trace["traceEvents"]
+                 if e.get("cat") == "step" and e["args"]["version"] == "ideal"}
+        steps = steps_table.filter(pc.equal(steps_table["job_id"], job_id)).to_pylist()
+        assert ideal and {row["step"]: row["step_time_ideal"] for row in steps if row["step"] in ideal} == pytest.approx(ideal, rel=1e-12)

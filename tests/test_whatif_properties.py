@@ -155,3 +155,12 @@ def test_memory_limit_only_changes_chunking():
     small = analyze_model(model, attribution=True, memory_limit=1)
     assert small.slowdown == result.slowdown
     assert small.by_stage == result.by_stage and small.mw.rem == result.mw.rem
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, 8, 1001])
+def test_median_equals_numpy_median_bit_for_bit(size):
+    from transforms.whatif.model import median
+
+    values = np.random.default_rng(size).lognormal(size=(size, 3))
+    assert median(values) == np.median(values)
+    assert median(values[:, 0]) == np.median(values[:, 0])

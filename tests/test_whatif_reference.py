@@ -13,8 +13,8 @@ import yaml
 
 from schemas.trace import TRACE_SCHEMA
 from transforms.whatif import JobMeta, analyze_job
+from transforms.whatif.parity import TOLERANCE, compare, json_mismatches, reference_mismatches
 
-TOLERANCE = 1e-6
 TRACES = ("AR", "ST")
 
 
@@ -46,45 +46,6 @@ def case(request, reference_dir):
     meta = load_meta(reference_dir / f"meta-{name}.yaml")
     expected = {kind: json.loads((reference_dir / f"{kind}-{name}.json").read_text()) for kind in ("result", "mw", "ms")}
     return name, table, meta, expected
-
-
-def compare(ours, theirs, path: str = "") -> list[str]:
-    """Mismatches between two JSON values: keys, values (1e-6 relative) and dict order."""
-    if isinstance(theirs, dict):
-        if not isinstance(ours, dict):
-            return [f"{path}: expected a dict, got {type(ours).__name__}"]
-        if set(ours) != set(theirs):
-            return [f"{path}: keys {sorted(ours)} != {sorted(theirs)}"]
-        problems = []
-        for key in theirs:
-            problems += compare(ours[key], theirs[key], f"{path}/{key}")
-        problems += check_order(list(ours), theirs, path)
-        return problems
-    if isinstance(theirs, float):
-        if not isinstance(ours, float) or not np.isclose(ours, theirs, rtol=TOLERANCE, atol=0.0):
-            return [f"{path}: {ours!r} != {theirs!r}"]
-        return []
-    return [] if ours == theirs else [f"{path}: {ours!r} != {theirs!r}"]
-
-
-def reference_mismatches(result, expected: dict) -> list[str]:
-    """Mismatches of a WhatIfResult against the reference's result, mw and ms JSON (keys of `expected`)."""
-    return (compare(result.to_reference_json(), expected["result"], "result")
-            + compare(result.mw_json(), expected["mw"], "mw") + compare(result.ms_json(), expected["ms"], "ms"))
-
-
-def check_order(our_keys: list[str], theirs: dict, path: str) -> list[str]:
-    """Our key order must list the reference's values largest first (equal within tolerance
-    may swap) when the reference dict is sorted by value; otherwise it must be identical."""
-    values = list(theirs.values())
-    sortable = all(isinstance(v, float) for v in values)
-    if sortable and all(a >= b for a, b in zip(values, values[1:])) and len(set(values)) > 1:
-        ordered = [theirs[key] for key in our_keys]
-        bad = [(a, b) for a, b in zip(ordered, ordered[1:]) if a < b * (1 - TOLERANCE)]
-        return [f"{path}: order {our_keys} is not largest-first ({bad[0]})"] if bad else []
-    if path.endswith("_per_step"):
-        return []   # outer order follows the per-step slowdown, checked on that dict
-    return [] if our_keys == list(theirs) else [f"{path}: key order {our_keys[:8]} != {list(theirs)[:8]}"]
 
 
 @pytest.mark.parametrize("form", ["published", "lake"])
@@ -138,3 +99,27 @@ def test_replay_with_launch_delays_reproduces_observed_steps(case):
     name, table, meta, _ = case
     result = analyze_job(table, meta, job_id=name)
     np.testing.assert_allclose(result.step_t_replayed, result.step_t_base, rtol=1e-6)
+
+
+def test_cli_json_layout_is_compared_field_by_field(case):
+    """`strag analyze --json` output (what bench_whatif.py compares) matches the reference,
+    and the comparison catches a value 2e-6 off, a missing key and a wrong order."""
+    name, table, meta, expected = case
+    ours = json.loads(json.dumps(analyze_job(table, meta, job_id=name).to_json()))
+    assert json_mismatches(ours, expected) == []
+    off = json.loads(json.dumps(ours))
+    off["mw"]["trem"] *= 1 + 2 * TOLERANCE
+    assert json_mismatches(off, expected) == [f"mw/trem: {off['mw']['trem']!r} != {expected['mw']['trem']!r}"]
+    near = json.loads(json.dumps(ours))
+    near["blocking_slowdown"] *= 1 + TOLERANCE / 2
+    assert json_mismatches(near, expected) == []
+    del off["launch_slowdown"]
+    assert any(p.startswith("result: keys") for p in json_mismatches(off, expected))
+
+
+def test_compare_checks_largest_first_order():
+    theirs = {"a": 3.0, "b": 2.0, "c": 1.0}
+    assert compare({"a": 3.0, "b": 2.0, "c": 1.0}, theirs) == []
+    assert compare({"b": 2.0, "a": 3.0, "c": 1.0}, theirs, "x") != []
+    assert compare({"a": 1.0, "b": 1.0 + 1e-7}, {"a": 1.0, "b": 1.0}) == []   # equal within tolerance: any order
+    assert compare(float("nan"), 1.0) != [] and compare(float("inf"), float("inf")) == []

@@ -2,6 +2,8 @@
 what-if scenarios on."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,7 @@ from schemas.trace import OPTYPES
 from transforms.synth.faults import Cause
 from transforms.synth.job import JobSpec, generate_job
 from transforms.whatif import Mix, Scenario, analyze_model, compile_job, replay
+from test_whatif_properties import VARIANTS
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +70,88 @@ def test_op_names_round_trip(model):
 def test_scenario_names_must_be_unique(model):
     with pytest.raises(ValueError, match="unique"):
         replay(model, [Scenario("a", model.original_cost), Scenario("a", model.original_cost)])
+
+
+def test_lane_plans_give_the_materialised_answer():
+    """Scenarios replayed on fewer lanes (one DP rank original, the ideal everywhere, the worker
+    set of M_W, one DP rank's launch delays) equal, bit for bit, the same values materialised
+    into full [op, lane] arrays, which are replayed on every lane."""
+    from transforms.whatif.metrics import worker_set_mask
+    from transforms.whatif.replay import ALL_LANES, LanePlan, lane_plan
+
+    generated = generate_job(JobSpec(job_id="lanes", dp=4, pp=2, microbatches=4, steps=3, sessions=1, seed=5,
+                                     causes=(Cause("slow_worker", {"dp_rank": 1, "stage": 1}),)))
+    model = compile_job(generated.trace, generated.meta, "lanes")
+    ideal = model.ideal_cost()[:, None]
+    rank1 = (model.lane_dp == 1)[None, :]
+    reduced = [
+        Scenario("dp-1", Mix(ideal, model.original_cost, rank1)),
+        Scenario("ideal", ideal),
+        Scenario("mw-add", Mix(ideal, model.original_cost, worker_set_mask(model, [(1, 1)]))),
+        Scenario("delay-dp-1", ideal, Mix(0.0, model.launch_delay, rank1)),
+    ]
+    assert [lane_plan(model, s) for s in reduced] == [LanePlan((0, 1)), LanePlan((0,), every_step=False),
+                                                      LanePlan((0, 1)), LanePlan((0, 1))]
+
+    def full(values):
+        if isinstance(values, Mix):
+            return np.where(np.broadcast_to(values.where, model.original_cost.shape), values.alt, values.base)
+        return np.broadcast_to(values, model.original_cost.shape).copy()
+
+    materialised = [Scenario(f"full-{s.name}", full(s.cost), None if s.delay is None else full(s.delay)) for s in reduced]
+    assert all(lane_plan(model, scenario) == ALL_LANES for scenario in materialised)
+    out = replay(model, reduced + materialised)
+    for scenario in reduced:
+        np.testing.assert_array_equal(out.time(scenario.name), out.time(f"full-{scenario.name}"))
+        np.testing.assert_array_equal(out.span(scenario.name), out.span(f"full-{scenario.name}"))
+
+
+@pytest.mark.parametrize("variant", ["1f1b-dp-overlapped", "interleaved-dp-not-overlapped", "no-dp-context-parallel", "pp1"])
+def test_compiled_kernel_equals_numpy(variant, monkeypatch):
+    """The compiled kernel and the numpy replay give identical results (every field, bit for bit),
+    with attribution, launch delays, M_W / M_S and kept timelines, and on custom scenarios with
+    negative costs and per-[op, lane] masks."""
+    from transforms.whatif import kernel
+    from transforms.whatif.metrics import worker_set_mask
+
+    if not kernel.available():
+        pytest.skip("no C compiler: the replay kernel cannot be built (numpy replay only)")
+
+    generated = generate_job(JobSpec(job_id=variant, steps=5, sessions=2, seed=2, **VARIANTS[variant],
+                                     causes=(Cause("slow_worker", {"dp_rank": 0, "stage": 0}),)))
+    model = compile_job(generated.trace, generated.meta, variant)
+    ideal = model.ideal_cost()[:, None]
+    negative = model.original_cost - 0.5 * model.original_cost.mean()
+    scenarios = [
+        Scenario("negative", negative, Mix(model.launch_delay, -0.001, worker_set_mask(model, [(0, 0)]))),
+        Scenario("kept", Mix(ideal, model.original_cost, (model.op_stage == 0)[:, None]), keep_times=True),
+    ]
+    results = {}
+    for backend in ("numpy", "kernel"):
+        monkeypatch.setenv("STRAG_REPLAY", backend)
+        analysed_ = analyze_model(model, timeline=True, attribution=True)
+        out = replay(model, scenarios)
+        results[backend] = (json.dumps(analysed_.to_json()), analysed_.timeline.versions["ideal"][1].tobytes(),
+                            out.step_time.tobytes(), out.step_span.tobytes(), out.starts["kept"].tobytes(),
+                            out.ends["kept"].tobytes())
+    assert results["numpy"] == results["kernel"]
+
+
+def test_replay_backend_choice(monkeypatch, tmp_path):
+    """STRAG_REPLAY picks the backend; a kernel that cannot be built is an error only when forced."""
+    from transforms.whatif import kernel
+
+    monkeypatch.setenv("STRAG_REPLAY", "numpy")
+    assert not kernel.wanted()
+    monkeypatch.setenv("STRAG_REPLAY", "fast")
+    with pytest.raises(ValueError, match="STRAG_REPLAY='fast'"):
+        kernel.wanted()
+    monkeypatch.setattr(kernel, "_library", None)
+    monkeypatch.setattr(kernel, "_build_error", None)
+    monkeypatch.setenv("STRAG_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("STRAG_REPLAY", "auto")
+    assert not kernel.wanted()
+    monkeypatch.setenv("STRAG_REPLAY", "kernel")
+    with pytest.raises(kernel.KernelBuildError, match="no-such-compiler"):
+        kernel.wanted()

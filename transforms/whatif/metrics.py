@@ -81,7 +81,8 @@ def analyze_model(model: JobModel, *, timeline: bool = False, attribution: bool 
                   memory_limit: int = DEFAULT_MEMORY_LIMIT) -> WhatIfResult:
     """`analyze_job` on an already compiled model."""
     original = model.original_cost
-    ideal = model.ideal_cost()[:, None]
+    ideal_ops = model.ideal_cost()
+    ideal = ideal_ops[:, None]
     last_stage = [(d, model.pp_size - 1) for d in range(model.dp_size)] if model.pp_size > 1 else []
     last_stage_mask = worker_set_mask(model, last_stage)
 
@@ -105,7 +106,7 @@ def analyze_model(model: JobModel, *, timeline: bool = False, attribution: bool 
         step_slowdown=nodelay_span / ideal_time,
         launch_step_slowdown=base / nodelay_time,
         step_t_replayed=batch.span("original"),
-        ideal_durations=model.ideal_by_optype(),
+        ideal_durations=model.ideal_by_optype(ideal_ops),
         worker_rank=model.worker_rank.copy(),
     )
     result.ms = _decomposition(batch, "ms", nodelay_span, ideal_span, last_stage)

@@ -10,11 +10,17 @@ outside comm groups, the transfer time of a comm-group member) and optionally a
     end(op)   = max(start over its group [and over the step's DP ranks when the
                 group is DP-synchronised]) + cost(op)          comm-group members
 
-Arrays are op-major, `[op, lane]` per scenario, `[op, scenario, lane]` inside a
-chunk: a level is a contiguous slice of the op axis, so gathering predecessors
-copies whole contiguous `[scenario, lane]` rows, and DP synchronisation is a max
-over the last axis reshaped to `(step, dp_rank)`. Scenarios are replayed in chunks
-sized to `memory_limit` bytes.
+Only the lanes that can differ are replayed (`lane_plan`): where a scenario's lanes take
+the same lane-independent values (the ideal cost everywhere but in DP rank d, say), one
+of them stands for all, which is exact because identical inputs give identical timelines.
+
+Two backends give equal results bit for bit. numpy (the reference): arrays are op-major,
+`[op, lane]` per scenario, `[op, scenario, lane]` inside a chunk: a level is a contiguous
+slice of the op axis, so gathering predecessors copies whole contiguous
+`[scenario, lane]` rows, and DP synchronisation is a max over the last axis reshaped to
+`(step, dp_rank)`; scenarios are replayed in chunks sized to `memory_limit` bytes. The
+compiled kernel (kernel.py, C) runs the same operations scenario by scenario whenever it
+can be built; `STRAG_REPLAY=numpy|kernel` forces one.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from typing import Sequence, Union
 
 import numpy as np
 
+from transforms.whatif import kernel
 from transforms.whatif.model import JobModel
 
 __all__ = ["Mix", "Scenario", "ReplayResult", "replay", "DEFAULT_MEMORY_LIMIT"]
@@ -87,21 +94,143 @@ def replay(model: JobModel, scenarios: Sequence[Scenario], *, memory_limit: int 
     names = [scenario.name for scenario in scenarios]
     if len(set(names)) != len(names):
         raise ValueError(f"scenario names must be unique: {names}")
-    n_scenarios = len(scenarios)
-    step_time = np.empty((n_scenarios, model.n_steps))
-    step_span = np.empty((n_scenarios, model.n_steps))
+    backend = _replay_compiled if kernel.wanted() else _replay_numpy
+    step_time = np.empty((len(scenarios), model.n_steps))
+    step_span = np.empty((len(scenarios), model.n_steps))
     starts: dict[str, np.ndarray] = {}
     ends: dict[str, np.ndarray] = {}
-    per_scenario = (model.n_ops + 2) * model.n_lanes * 8 * 3
-    chunk = max(1, int(memory_limit // per_scenario))
-    for first in range(0, n_scenarios, chunk):
-        members = list(range(first, min(first + chunk, n_scenarios)))
-        times, spans, kept = _replay_chunk(model, [scenarios[i] for i in members])
-        step_time[members] = times
+    plans: dict[LanePlan, list[int]] = {}
+    for index, scenario in enumerate(scenarios):
+        plans.setdefault(lane_plan(model, scenario), []).append(index)
+    for plan, members in plans.items():
+        lanes, taken = plan.lanes(model), {}
+        batch = [scenarios[i] if lanes is None else _on_lanes(scenarios[i], lanes, taken) for i in members]
+        times, spans, kept = backend(model, plan.n_steps(model), plan.dp(model), batch, memory_limit)
+        step_time[members] = times   # [members, 1] broadcasts when one lane stands for every step
         step_span[members] = spans
         for name, (start, end) in kept.items():
             starts[name], ends[name] = start, end
     return ReplayResult(names, step_time, step_span, starts, ends)
+
+
+@dataclasses.dataclass(frozen=True)
+class LanePlan:
+    """Which lanes a scenario needs replayed. Lanes whose every cost and delay comes from the
+    same lane-independent source (e.g. the ideal cost in all lanes but DP rank d's) have equal
+    timelines, so one of them stands for all: `ranks` are the DP ranks replayed in every step
+    (all of them, or the others plus one per such class), or with `every_step=False` a single
+    lane stands for every lane of every step (a scenario with no lane-dependent value)."""
+
+    ranks: tuple[int, ...] | None = None   # None: all DP ranks
+    every_step: bool = True
+
+    def n_steps(self, model: JobModel) -> int:
+        return model.n_steps if self.every_step else 1
+
+    def dp(self, model: JobModel) -> int:
+        return model.dp_size if self.ranks is None else len(self.ranks)
+
+    def lanes(self, model: JobModel) -> np.ndarray | None:
+        """Lane indices replayed (None: all lanes, in order)."""
+        if self.ranks is None:
+            return None
+        steps = np.arange(self.n_steps(model))[:, None] * model.dp_size
+        return (steps + np.array(self.ranks)[None, :]).ravel()
+
+
+ALL_LANES = LanePlan()
+
+
+def lane_plan(model: JobModel, scenario: Scenario) -> LanePlan:
+    """The fewest lanes that give `scenario`'s step times exactly (see LanePlan)."""
+    if scenario.keep_times:
+        return ALL_LANES
+    cost = _lane_sources(scenario.cost, model.n_lanes)
+    delay = _lane_sources(0.0 if scenario.delay is None else scenario.delay, model.n_lanes)
+    classes = np.where((cost < 0) | (delay < 0), -1, cost * 2 + delay).reshape(model.n_steps, model.dp_size)
+    row = classes[0]
+    if (classes != row).any():
+        return ALL_LANES
+    if (row >= 0).all() and (row == row[0]).all():
+        return LanePlan((0,), every_step=False)
+    kept = sorted({*np.flatnonzero(row < 0).tolist(), *(int(np.argmax(row == c)) for c in set(row.tolist()) - {-1})})
+    return ALL_LANES if len(kept) == model.dp_size else LanePlan(tuple(kept))
+
+
+def _lane_free(values) -> bool:
+    """Whether an array (or scalar) broadcast to [n_ops, n_lanes] is the same in every lane."""
+    shape = np.shape(values)
+    return not shape or shape[-1] == 1
+
+
+def _lane_sources(values: Values, n_lanes: int) -> np.ndarray:
+    """Per lane: 0 (1) when every op of the lane takes the base (alt) and that is lane-independent, else -1."""
+    if not isinstance(values, Mix):
+        return np.full(n_lanes, 0 if _lane_free(values) else -1)
+    where = np.asarray(values.where, dtype=bool)
+    where = where.reshape((1,) * (2 - where.ndim) + where.shape)
+    sources = np.full(n_lanes, -1)
+    if _lane_free(values.base):
+        sources[np.broadcast_to(~where.any(axis=0), (n_lanes,))] = 0
+    if _lane_free(values.alt):
+        sources[np.broadcast_to(where.all(axis=0), (n_lanes,))] = 1
+    return sources
+
+
+def _on_lanes(scenario: Scenario, lanes: np.ndarray, taken: dict[int, np.ndarray]) -> Scenario:
+    """The scenario restricted to the given lanes (lane-independent values are kept as they are;
+    `taken` memoises restrictions by array identity: scenarios of a batch share their arrays)."""
+    def take(values):
+        if isinstance(values, Mix):
+            return Mix(take(values.base), take(values.alt), take(values.where))
+        if _lane_free(values):
+            return values
+        if id(values) not in taken:
+            taken[id(values)] = np.take(values, lanes, axis=-1)   # faster than [..., lanes]
+        return taken[id(values)]
+
+    delay = None if scenario.delay is None else take(scenario.delay)
+    return dataclasses.replace(scenario, cost=take(scenario.cost), delay=delay)
+
+
+def _replay_numpy(model: JobModel, n_steps: int, dp: int, scenarios: Sequence[Scenario], memory_limit: int):
+    """Numpy backend: scenarios in chunks of `memory_limit` bytes, each chunk one pass over the levels."""
+    times, spans, kept = [], [], {}
+    per_scenario = (model.n_ops + 2) * n_steps * dp * 8 * 3
+    chunk = max(1, int(memory_limit // per_scenario))
+    for first in range(0, len(scenarios), chunk):
+        step_time, step_span, chunk_kept = _replay_chunk(model, n_steps, dp, scenarios[first:first + chunk])
+        times.append(step_time)
+        spans.append(step_span)
+        kept.update(chunk_kept)
+    return np.concatenate(times), np.concatenate(spans), kept
+
+
+def _replay_compiled(model: JobModel, n_steps: int, dp: int, scenarios: Sequence[Scenario], memory_limit: int):
+    """Compiled backend (kernel.py): one scenario at a time, no chunk arrays (memory_limit unused)."""
+    layout = kernel.op_layout(model)
+    shape = (model.n_ops, n_steps * dp)
+    step_time = np.empty((len(scenarios), n_steps))
+    step_span = np.empty((len(scenarios), n_steps))
+    kept = {}
+    for s, scenario in enumerate(scenarios):
+        delay = _parts(0.0 if scenario.delay is None else scenario.delay, shape)
+        parts = (*_parts(scenario.cost, shape), *delay, scenario.delay is not None)
+        step_time[s], step_span[s], start, end = kernel.replay_scenario(model, layout, n_steps, dp, parts,
+                                                                        scenario.keep_times)
+        if scenario.keep_times:
+            kept[scenario.name] = (start, end)
+    return step_time, step_span, kept
+
+
+def _parts(values: Values, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(base, alt, where) of a scenario's values as the kernel's canonical arrays (float64,
+    float64, bool): the kernel takes alt where `where`, else base."""
+    if isinstance(values, Mix):
+        return (kernel.canonical(values.base, np.float64, shape), kernel.canonical(values.alt, np.float64, shape),
+                kernel.canonical(values.where, np.bool_, shape))
+    base = kernel.canonical(values, np.float64, shape)
+    return base, base, kernel.canonical(False, np.bool_, shape)
 
 
 def _fill(out: np.ndarray, values: Values) -> None:
@@ -122,8 +251,8 @@ def _fill(out: np.ndarray, values: Values) -> None:
         np.copyto(out, alt, where=np.broadcast_to(where, out.shape))
 
 
-def _replay_chunk(model: JobModel, batch: list[Scenario]):
-    n_ops, n_lanes, n_steps, dp = model.n_ops, model.n_lanes, model.n_steps, model.dp_size
+def _replay_chunk(model: JobModel, n_steps: int, dp: int, batch: Sequence[Scenario]):
+    n_ops, n_lanes = model.n_ops, n_steps * dp
     size = len(batch)
     cost = np.empty((n_ops, size, n_lanes))
     with_delay = any(scenario.delay is not None for scenario in batch)
@@ -133,7 +262,7 @@ def _replay_chunk(model: JobModel, batch: list[Scenario]):
         if with_delay:
             _fill(delay[:, s, :], 0.0 if scenario.delay is None else scenario.delay)
     keep = any(scenario.keep_times for scenario in batch)
-    ends, starts, earliest = _run_levels(model, cost, delay, keep)
+    ends, starts, earliest = _run_levels(model, n_steps, dp, cost, delay, keep)
     ends = ends[:n_ops]
 
     shape = (size, n_steps, dp)
@@ -147,11 +276,10 @@ def _replay_chunk(model: JobModel, batch: list[Scenario]):
     return step_time, step_span, kept
 
 
-def _run_levels(model: JobModel, cost: np.ndarray, delay: np.ndarray | None, keep: bool):
+def _run_levels(model: JobModel, n_steps: int, dp: int, cost: np.ndarray, delay: np.ndarray | None, keep: bool):
     """Walk the levels once: ends [n_ops + 2, S, L] (row n_ops = step start 0, row n_ops + 1 =
     -inf padding), starts if kept, and the earliest start per [S, L]."""
     n_ops, size, n_lanes = cost.shape
-    n_steps, dp = model.n_steps, model.dp_size
     ends = np.empty((n_ops + 2, size, n_lanes))
     ends[n_ops] = 0.0
     ends[n_ops + 1] = -np.inf

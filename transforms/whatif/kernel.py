@@ -1,0 +1,179 @@
+"""Compiled replay kernel (C, loaded with ctypes); `replay.py`'s numpy path is the reference.
+
+The numpy path walks the levels with a few vectorised calls per level over
+`[op, scenario, lane]` blocks: Python cost per level, but every value crosses memory
+several times (gathers, temporaries, the scenario arrays themselves). The kernel
+(`replay_kernel.c`) runs the same replay rule as one compiled loop per scenario, a block
+of steps at a time: the block's `[op, lane]` starts and ends stay in cache, every inner
+loop is a vectorised pass over the block's lanes, each scenario's cost and delay are read
+straight from its `Mix` parts (no materialised `[op, lane]` arrays), and only step times
+and spans come back. It uses the same float64 operations in the same order, so results
+are equal bit for bit (tests/test_whatif_replay.py checks every schedule variant both ways).
+
+Why C and not numba: on the 8,192-GPU job both replay at the same speed, but numba costs
+~0.5 s per process to import and load its cached code (more than the whole replay), the C
+kernel ~5 ms. It is built once per machine with the system C compiler (`$CC`, else `cc`)
+into `$STRAG_KERNEL_CACHE` (default `~/.cache/strag`), named by a CRC of source and flags;
+without a compiler replay falls back to numpy (same results, ~4x slower on big jobs).
+`STRAG_REPLAY=numpy|kernel` forces one path (tests, benchmarks).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import pathlib
+import zlib
+
+import numpy as np
+
+__all__ = ["BLOCK_LANES", "available", "wanted", "canonical", "replay_scenario", "op_layout", "KernelBuildError"]
+
+# Lanes replayed together (whole steps): long enough rows to vectorise, short enough for cache.
+BLOCK_LANES = 256
+SOURCE = pathlib.Path(__file__).with_name("replay_kernel.c")
+FLAGS = ("-O3", "-std=c99", "-ffp-contract=off", "-fPIC", "-shared")   # no -ffast-math: exact IEEE order
+_ENV = "STRAG_REPLAY"
+_library: ctypes.CDLL | None = None
+_build_error: str | None = None
+
+
+class KernelBuildError(RuntimeError):
+    """The C kernel could not be built or loaded (no compiler, compiler error); says why."""
+
+
+def wanted() -> bool:
+    """Use the compiled kernel? STRAG_REPLAY=numpy|kernel forces it; by default whenever it builds."""
+    choice = os.environ.get(_ENV, "auto")
+    if choice not in ("auto", "numpy", "kernel"):
+        raise ValueError(f"{_ENV}={choice!r}: expected auto, numpy or kernel")
+    if choice == "numpy":
+        return False
+    if choice == "kernel":
+        _load()   # raises KernelBuildError with the compiler's message
+        return True
+    return available()
+
+
+def available() -> bool:
+    """Whether the kernel is built (building it on first use) and loadable."""
+    try:
+        _load()
+    except KernelBuildError:
+        return False
+    return True
+
+
+def _cache_dir() -> pathlib.Path:
+    configured = os.environ.get("STRAG_KERNEL_CACHE")
+    if configured:
+        return pathlib.Path(configured)
+    return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "strag"
+
+
+def _load() -> ctypes.CDLL:
+    """The kernel library, built on first use on this machine; KernelBuildError if it cannot be."""
+    global _library, _build_error
+    if _library is not None:
+        return _library
+    if _build_error is not None:
+        raise KernelBuildError(_build_error)
+    compiler = os.environ.get("CC", "cc")
+    source = SOURCE.read_bytes()
+    key = zlib.crc32(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), os.uname().machine.encode()]))
+    target = _cache_dir() / f"replay-{key:08x}.so"
+    try:
+        if not target.exists():
+            _build(compiler, target)
+        library = ctypes.CDLL(str(target))
+    except (OSError, KernelBuildError) as error:
+        _build_error = f"cannot build the replay kernel {SOURCE} with {compiler!r}: {error}"
+        raise KernelBuildError(_build_error) from None
+    function = library.strag_replay
+    function.restype = ctypes.c_int
+    function.argtypes = ([ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4
+                         + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 7 + [ctypes.c_int] + [ctypes.c_void_p] * 4)
+    _library = library
+    return library
+
+
+def _build(compiler: str, target: pathlib.Path) -> None:
+    """Compile the kernel into `target` atomically (concurrent builders each write their own file)."""
+    import subprocess   # here, not at the top: only the first use on a machine builds
+    import tempfile
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so", dir=target.parent)
+    os.close(handle)
+    try:
+        try:
+            done = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
+                                  timeout=120)
+        except subprocess.SubprocessError as error:   # timeout
+            raise KernelBuildError(str(error)) from None
+        if done.returncode:
+            raise KernelBuildError(done.stderr.strip()[-2000:] or f"exit status {done.returncode}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+def op_layout(model) -> tuple[np.ndarray, ...]:
+    """The model's graph as the kernel reads it: (pred_ptr, pred_index, level bounds
+    [n_levels + 1], group end [n_ops], synced [n_ops], optimizer [n_ops]). A group's members
+    are contiguous in replay order, so each op records where its group ends (its own op + 1
+    outside groups); the first member stands for the group."""
+    pred_ptr = np.ascontiguousarray(model.pred_ptr, dtype=np.int64)
+    pred_index = np.ascontiguousarray(model.pred_index, dtype=np.int64)
+    bounds = np.array([level.lo for level in model.levels] + [model.n_ops], dtype=np.int64)
+    group = model.op_group
+    group_end = np.arange(1, model.n_ops + 1, dtype=np.int64)
+    members = np.flatnonzero(group >= 0)
+    if len(members):
+        last = np.flatnonzero(np.diff(np.append(group[members], -2)))   # last member of each group
+        group_end[members] = np.repeat(members[last] + 1, np.diff(np.concatenate([[-1], last])))
+    synced = np.zeros(model.n_ops, dtype=np.uint8)
+    synced[members] = model.group_synced[group[members]]
+    optimizer = np.zeros(model.n_ops, dtype=np.uint8)
+    optimizer[model.optimizer_ops] = 1
+    return pred_ptr, pred_index, bounds, group_end, synced, optimizer
+
+
+def canonical(values, dtype, shape: tuple[int, int]) -> np.ndarray:
+    """`values` as a C-contiguous 2-D array of `dtype` whose dims are 1 or `shape`'s (a
+    lane-independent value stays [n_ops or 1, 1]: the kernel reads what it needs, and a full
+    [op, lane] array is copied only when its layout or dtype demands it)."""
+    array = np.asarray(values, dtype=dtype)
+    if array.ndim > 2:
+        raise ValueError(f"scenario values must broadcast to [n_ops, n_lanes] = {shape}, got shape {array.shape}")
+    array = array.reshape((1,) * (2 - array.ndim) + array.shape)
+    if any(size not in (1, full) for size, full in zip(array.shape, shape)):
+        array = np.broadcast_to(array, shape)
+    return np.ascontiguousarray(array)
+
+
+def replay_scenario(model, layout, n_steps: int, dp: int, parts, keep: bool):
+    """One scenario over n_steps x dp lanes: (step_time [n_steps], step_span [n_steps], starts, ends).
+
+    parts: (cost base, cost alt, cost where, delay base, delay alt, delay where, has delay) as
+    `canonical` arrays (float64, float64, bool). starts / ends are [n_ops, n_steps * dp] when
+    keep, else None."""
+    pred_ptr, pred_index, bounds, group_end, synced, optimizer = layout
+    *arrays, has_delay = parts
+    dims = np.array([size for array in arrays for size in array.shape], dtype=np.int64)
+    step_time, step_span = np.empty(n_steps), np.empty(n_steps)
+    starts = ends = None
+    if keep:
+        starts, ends = np.empty((model.n_ops, n_steps * dp)), np.empty((model.n_ops, n_steps * dp))
+
+    def pointer(array):
+        return None if array is None else array.ctypes.data
+
+    status = _load().strag_replay(
+        model.n_ops, pointer(pred_ptr), pointer(pred_index), len(bounds) - 1, pointer(bounds),
+        pointer(group_end), pointer(synced), pointer(optimizer), n_steps, dp, max(1, BLOCK_LANES // dp),
+        *(pointer(array) for array in arrays), pointer(dims), int(has_delay),
+        pointer(starts), pointer(ends), pointer(step_time), pointer(step_span))
+    if status:
+        raise MemoryError(f"replay kernel: cannot allocate a block of {BLOCK_LANES} lanes x {model.n_ops} ops")
+    return step_time, step_span, starts, ends
