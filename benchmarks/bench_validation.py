@@ -14,7 +14,8 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from schemas.expectations import JobFiles, Validator  # noqa: E402
+from schemas.expectations import JobFiles  # noqa: E402
+from transforms.validation import Validator  # noqa: E402
 from tests.lake_samples import sample_job  # noqa: E402
 from transforms.lake import list_jobs, read_validated_job, write_job  # noqa: E402
 

@@ -103,7 +103,8 @@ def _read_meta(path: str) -> dict[str, Any]:
 
 def lake_trace_from_published(table: pa.Table, job_id: str, source: str = "<table>") -> pa.Table:
     """Published trace columns -> TRACE_SCHEMA table (lossless widening; optype in OPTYPES order)."""
-    from schemas.expectations import TraceContractError, conform_trace
+    from schemas.expectations import TraceContractError
+    from transforms.validation import conform_trace
 
     missing = [c for c in PUBLISHED_COLUMNS if c not in table.column_names]
     if missing:

@@ -140,7 +140,7 @@ def _export_timeline(lake: str, date, job_id: str, path: pathlib.Path, cache: di
 
     try:
         if "validator" not in cache:
-            from schemas.expectations import Validator
+            from transforms.validation import Validator
 
             cache["validator"] = Validator()
         job = find_job(lake, job_id, date)

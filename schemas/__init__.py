@@ -1,9 +1,10 @@
-"""The lake contract: Arrow schemas (trace), layout (lake), validation (expectations).
+"""The lake contract: Arrow schemas (trace), layout (lake), validation rules (expectations).
 
 Importing this package (or `schemas.trace`) is cheap: the validation names are loaded
 from `schemas.expectations` on first use (PEP 562), so the one-job path of
-`strag analyze` never pays for pyarrow.compute or the validation module, and Great
-Expectations itself is imported only when a suite or a Validator is built.
+`strag analyze` never pays for the validation module, and Great Expectations itself is
+imported only when a suite is built. The runtime that applies the rules (`Validator`,
+`conform_trace`) is `transforms.validation`.
 """
 import importlib
 
@@ -13,8 +14,8 @@ from schemas.trace import __all__ as _TRACE_NAMES
 
 # name -> module that defines it, imported when the name is first read
 _LAZY = {name: "schemas.expectations" for name in (
-    "REASONS", "Problem", "ValidationReport", "Validator", "TraceContractError", "PROBLEM_SCHEMA",
-    "INVALID_ROW_SCHEMA", "trace_suite", "trace_suite_without_manifest", "manifest_suite", "conform_trace",
+    "REASONS", "Problem", "ValidationReport", "TraceContractError", "PROBLEM_SCHEMA",
+    "INVALID_ROW_SCHEMA", "trace_suite", "trace_suite_without_manifest", "manifest_suite",
 )}
 
 __all__ = [*_TRACE_NAMES, "LAKE_MARKER", "trace_dir", "manifest_path", "landing_dir", "parse_partition", *_LAZY]

@@ -12,7 +12,7 @@ import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.util import assert_that, equal_to
 
-from schemas.expectations import Problem, Validator
+from schemas.expectations import Problem
 from schemas.tables import BATCH_TABLES
 from transforms.analyze import analyze_group, analyze_matched_window, analyze_window, result_tables
 from transforms.commit import conform_rows
@@ -29,6 +29,7 @@ from transforms.validate import (
     quarantine_rows,
     validate_job_window,
 )
+from transforms.validation import Validator
 from transforms.whatif import TraceStructureError, analyze_job
 
 DATE = "2024-05-01"

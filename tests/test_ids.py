@@ -71,7 +71,7 @@ def test_job_pages_never_collide(first, second):
 @pytest.fixture(scope="module")
 def corruptible(tmp_path_factory):
     """One generated job written as parquet (one file per stage), its clean S, and a validator."""
-    from schemas.expectations import Validator
+    from transforms.validation import Validator
     from transforms.lake import write_job
     from transforms.synth.job import JobSpec, generate_job
     from transforms.whatif import analyze_job

@@ -200,7 +200,7 @@ def test_import_writes_a_lake_job_that_analyses_the_same(tmp_path, capsys):
     job remembers where it came from (manifest metadata -> source_format in the batch tables)."""
     from pipelines import ingest
     from transforms.lake import find_job, read_manifests
-    from schemas.expectations import Validator
+    from transforms.validation import Validator
 
     lake = str(tmp_path / "lake")
     folder = tmp_path / "run"

@@ -10,12 +10,13 @@ import pytest
 from lake_samples import sample_job
 from schemas import expectations as ex
 from transforms import lake as lk
+from transforms import validation as va
 from transforms.synth.badinput import BAD_KINDS, EXPECTED_REASON, BadInputError, corrupt_job
 
 
 @pytest.fixture(scope="module")
-def validator() -> ex.Validator:
-    return ex.Validator()
+def validator() -> va.Validator:
+    return va.Validator()
 
 
 @pytest.fixture(params=["memory", "local"])

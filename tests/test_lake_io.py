@@ -175,7 +175,7 @@ def test_optype_dictionary_is_normalised_on_write(lake):
 
 
 def test_read_validated_job_end_to_end(lake):
-    from schemas.expectations import Validator
+    from transforms.validation import Validator
 
     trace, manifest = sample_job("job-a", dp=2, pp=2, steps=2)
     job = lk.write_job(lake, "2024-03-01", "job-a", [trace.slice(0, 50), trace.slice(50)], manifest)

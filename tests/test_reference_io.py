@@ -55,7 +55,7 @@ def test_import_reads_back_equal(reference_dir, memory_lake, trial):
 
 @pytest.mark.parametrize("trial", TRIALS)
 def test_import_builds_a_valid_documented_manifest(reference_dir, memory_lake, trial):
-    from schemas.expectations import Validator
+    from transforms.validation import Validator
 
     job = _import(reference_dir, memory_lake, trial)
     meta = yaml.safe_load((reference_dir / f"meta-{trial}.yaml").read_text())

@@ -1,4 +1,5 @@
-"""The lake contract's validation: GX suites and plain checks, one rule at a time."""
+"""The lake contract's validation, one rule at a time: GX suites (schemas.expectations) and the
+runtime that applies them with the plain checks (transforms.validation)."""
 from __future__ import annotations
 
 import datetime as dt
@@ -11,14 +12,15 @@ import pytest
 
 from schemas import expectations as ex
 from schemas.trace import OPTYPES, TRACE_SCHEMA
+from transforms import validation as va
 from lake_samples import sample_job
 
 PATH = "memory://lake/traces/date=2024-03-01/job_id=job-a/part-00000.parquet"
 
 
 @pytest.fixture(scope="module")
-def validator() -> ex.Validator:
-    return ex.Validator()
+def validator() -> va.Validator:
+    return va.Validator()
 
 
 @pytest.fixture(scope="module")
@@ -171,9 +173,9 @@ def test_screen_gives_the_row_level_verdict(validator, column, value):
 
 def test_clean_windows_skip_the_row_level_suites(validator, monkeypatch):
     runs = []
-    original = ex.Validator._failures
-    monkeypatch.setattr(ex.Validator, "_failures", lambda self, name, *a: runs.append(name) or original(self, name, *a))
-    monkeypatch.setattr(ex.Validator, "_check_rows", lambda *a: pytest.fail("a clean window reached the row-level suites"))
+    original = va.Validator._failures
+    monkeypatch.setattr(va.Validator, "_failures", lambda self, name, *a: runs.append(name) or original(self, name, *a))
+    monkeypatch.setattr(va.Validator, "_check_rows", lambda *a: pytest.fail("a clean window reached the row-level suites"))
     reports = validator.validate_jobs(_windows())
     assert all(r.ok for r in reports) and runs == []
     assert all(r.seconds > 0 for r in reports)
@@ -182,25 +184,25 @@ def test_clean_windows_skip_the_row_level_suites(validator, monkeypatch):
 
 def test_screen_sends_only_the_failing_window_to_the_row_level_suites(validator, monkeypatch):
     checked = []
-    original = ex.Validator._check_rows
-    monkeypatch.setattr(ex.Validator, "_check_rows", lambda self, job_id, *a: checked.append(job_id) or original(self, job_id, *a))
+    original = va.Validator._check_rows
+    monkeypatch.setattr(va.Validator, "_check_rows", lambda self, job_id, *a: checked.append(job_id) or original(self, job_id, *a))
     reports = validator.validate_jobs(_windows("duration", -1.0))
     assert checked == ["job-m"] and [r.ok for r in reports] == [True, False, True]
 
 
 def test_witness_rows_hold_each_extreme_and_every_duplicate(job):
     trace, manifest = job
-    rows = set(ex.witness_rows(trace, "job-a", manifest).tolist())
+    rows = set(va.witness_rows(trace, "job-a", manifest).tolist())
     for name in ("start_ts", "duration", "step", "seq_id", "mb_id"):
         values = trace[name].to_numpy()
         assert values[sorted(rows)].min() == values.min() and values[sorted(rows)].max() == values.max()
     assert {trace["optype"][i].as_py() for i in rows} == set(trace["optype"].to_pylist())
     doubled = pa.concat_tables([trace, trace.slice(11, 2)])
-    rows = set(ex.witness_rows(doubled, "job-a", manifest).tolist())
+    rows = set(va.witness_rows(doubled, "job-a", manifest).tolist())
     assert {11, 12, trace.num_rows, trace.num_rows + 1} <= rows
     # a fault a plain check already sees sends the window to the row-level suites
-    assert ex.witness_rows(_set(trace, "rank", [0], 5), "job-a", manifest) is None
-    assert ex.witness_rows(_set(trace, "job_id", [3], "job-b"), "job-a", manifest) is None
+    assert va.witness_rows(_set(trace, "rank", [0], 5), "job-a", manifest) is None
+    assert va.witness_rows(_set(trace, "job_id", [3], "job-b"), "job-a", manifest) is None
 
 
 def test_duplicate_rows_packed_and_sorted_paths_agree():
@@ -208,13 +210,13 @@ def test_duplicate_rows_packed_and_sorted_paths_agree():
     narrow = [rng.integers(0, 5, 2000), rng.integers(0, 4, 2000), rng.integers(0, 50, 2000)]
     wide = [narrow[0] * (1 << 40), narrow[1] * (1 << 40), narrow[2]]   # too wide to pack into 62 bits
     expected = {i for i, key in enumerate(zip(*narrow)) if list(zip(*narrow)).count(key) > 1}
-    assert set(ex._duplicate_rows(narrow).tolist()) == expected
-    assert set(ex._duplicate_rows(wide).tolist()) == expected
+    assert set(va._duplicate_rows(narrow).tolist()) == expected
+    assert set(va._duplicate_rows(wide).tolist()) == expected
 
 
 def test_an_expectation_that_cannot_run_is_an_error_not_a_pass(validator, job):
     trace, manifest = job
-    frame = ex._frame_for_gx(trace, ex.TRACE_REQUIRED).drop(columns=["seq_id"])
+    frame = va._frame_for_gx(trace, ex.TRACE_REQUIRED).drop(columns=["seq_id"])
     with pytest.raises(RuntimeError, match="could not run"):
         validator._failures("trace_values", frame, ex.trace_suite_parameters(manifest), "job job-a")
 
@@ -339,14 +341,14 @@ def test_problems_table_has_quarantine_shape(validator, job):
 def test_conform_trace_raises_typed_errors():
     trace, _ = sample_job("job-a", dp=1, pp=1, steps=1, microbatches=1)
     with pytest.raises(ex.TraceContractError) as error:
-        ex.conform_trace(_set(trace, "optype", [0], "bogus"), job_id="job-a", source_path=PATH)
+        va.conform_trace(_set(trace, "optype", [0], "bogus"), job_id="job-a", source_path=PATH)
     assert error.value.reason == ex.UNKNOWN_OPTYPE and PATH in str(error.value) and "bogus" in str(error.value)
-    kept = ex.conform_trace(_set(trace, "optype", [0], "bogus"), job_id="job-a", strict=False)
+    kept = va.conform_trace(_set(trace, "optype", [0], "bogus"), job_id="job-a", strict=False)
     assert kept["optype"][0].as_py() == "bogus"
     shuffled = trace.set_column(trace.schema.get_field_index("optype"), "optype",
                                 pc.dictionary_encode(pc.cast(trace["optype"], pa.string())))
-    assert ex.conform_trace(shuffled, job_id="job-a").equals(trace)
-    assert np.array_equal(ex.conform_trace(shuffled)["optype"].chunk(0).indices.to_numpy(),
+    assert va.conform_trace(shuffled, job_id="job-a").equals(trace)
+    assert np.array_equal(va.conform_trace(shuffled)["optype"].chunk(0).indices.to_numpy(),
                           trace["optype"].chunk(0).indices.to_numpy())
 
 
@@ -384,7 +386,7 @@ def test_gx_runs_never_overlap_across_threads(validator, job, monkeypatch):
             inside.acquire()
 
     monkeypatch.setattr(gx.ValidationDefinition, "run", watched_run)
-    other = ex.Validator()
+    other = va.Validator()
     reports = []
     threads = [threading.Thread(target=lambda v=v: reports.append(v.validate_job("job-a", manifest, [(PATH, trace)])))
                for v in (validator, other)]

@@ -178,7 +178,7 @@ def analyze_sessions(
     The sessions are validated together (one GX run for their manifests, one screen run for
     their traces), as the batch validates a window group: GX's cost is per run, not per row,
     so a watcher that falls behind catches up with bigger bundles. validator: a
-    schemas.expectations.Validator; engine: (trace, meta, job_id) -> (WhatIfResult, root-cause
+    transforms.validation.Validator; engine: (trace, meta, job_id) -> (WhatIfResult, root-cause
     Verdict or None), e.g. `analyze_and_classify`.
     """
     opened = [_open(assembly, validator) for assembly in assemblies]
@@ -252,7 +252,7 @@ class _AnalyzeSessionFn(beam.DoFn):
     landing area when it restarts."""
 
     def setup(self):
-        from schemas.expectations import Validator
+        from transforms.validation import Validator
 
         self._validator = Validator()
 

@@ -29,10 +29,11 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from schemas.expectations import TraceContractError, conform_trace
+from schemas.expectations import TraceContractError
 from schemas.lake import LAKE_MARKER, MANIFESTS, TRACES, iso_date, manifest_path, trace_dir
 from schemas.raw import SOURCE_KEY
 from transforms.storage import read_bytes
+from transforms.validation import conform_trace
 from schemas.trace import MANIFEST_SCHEMA, SCHEMA_VERSION, TRACE_SCHEMA
 
 __all__ = [
@@ -455,7 +456,7 @@ def read_manifests(paths: Iterable[str], validator) -> dict[str, tuple[dict | No
     """Read and validate many manifests with one GX run: path -> (manifest or None, problems).
 
     The manifest is None when it is unreadable or invalid (its problems say why).
-    validator: a schemas.expectations.Validator. GX costs ~0.2 s per run whatever the
+    validator: a transforms.validation.Validator. GX costs ~0.2 s per run whatever the
     row count, so the batch pipeline validates all manifests of a run together.
     """
     from schemas.expectations import INVALID_MANIFEST, Problem
@@ -484,7 +485,7 @@ def read_manifests(paths: Iterable[str], validator) -> dict[str, tuple[dict | No
 def read_validated_job(job: LakeJob, validator, manifests: Mapping[str, tuple[dict | None, list]] | None = None):
     """Read and validate one lake job: the batch pipeline's per-job call.
 
-    validator: a schemas.expectations.Validator (built once per worker). manifests:
+    validator: a transforms.validation.Validator (built once per worker). manifests:
     output of `read_manifests` covering this job's manifest (read here when None).
     Unreadable files and manifests become problems of the returned
     schemas.expectations.ValidationReport, never exceptions: `valid` holds the rows that

@@ -39,11 +39,11 @@ def date_range(date_from: str, date_to: str) -> tuple[str, ...]:
 def match_windows(jobs: list[LakeJob], validator=None) -> list[MatchedJob]:
     """Attach to each window its manifest, read and validated with all the others in one GX run.
 
-    validator: a schemas.expectations.Validator (built here when None: GX import ~3 s).
+    validator: a transforms.validation.Validator (built here when None: GX import ~3 s).
     """
     paths = [job.manifest_path for job in jobs if job.manifest_path is not None]
     if validator is None and paths:
-        from schemas.expectations import Validator
+        from transforms.validation import Validator
 
         validator = Validator()  # set-up, like a worker's: not counted as validation time
     started = time.perf_counter()

@@ -1,7 +1,8 @@
 """Validation of job windows' trace files against the lake contract, on the worker.
 
 `validate_job_windows` (plain function) reads a group of windows' trace files and checks
-them with the Great Expectations suites and structural checks of schemas/expectations.py
+them with the Validator of transforms/validation.py (the Great Expectations suites of
+schemas/expectations.py plus structural checks)
 (one GX screen run for the whole group; the Validator is built once per worker thread in
 `setup()`); AnalyzeJobs calls it in the same DoFn that runs the engine, so op rows never
 leave the worker that read them. `validate_job_window` does one window.
@@ -35,11 +36,12 @@ import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 
-from schemas.expectations import INCOMPLETE_WINDOW, REASONS, JobFiles, Problem, ValidationReport, Validator
+from schemas.expectations import INCOMPLETE_WINDOW, REASONS, JobFiles, Problem, ValidationReport
 from schemas.lake import trace_dir
 from schemas.tables import COVERAGE_SCHEMA, QUARANTINE_SCHEMA
 from transforms.elements import JobOutcome, JobProblem, JobStats, MatchedJob, ValidatedJob, WindowGroup
 from transforms.lake import LakeJob, read_job_files
+from transforms.validation import Validator
 
 __all__ = [
     "ValidateTraces",
