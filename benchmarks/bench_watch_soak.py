@@ -89,7 +89,8 @@ def soak(sessions: int, seconds: float, retain: float, report: float, trace, man
             rss.append((time.time() - started, _rss_mib(watcher.pid)))
             if not lander.is_alive():
                 analysed = count_live_sessions(out)
-                if analysed >= sessions and time.time() - landed[-1] > retain + 5 * POLL + 1:
+                # done: all analysed, and (with retention) time to archive the last ones
+                if analysed >= sessions and time.time() - landed[-1] > min(retain, 10.0) + 5 * POLL + 1:
                     break
         watcher.send_signal(signal.SIGINT)
         watcher.wait(timeout=60)
@@ -113,11 +114,11 @@ def summarise(name: str, run: dict, sessions: int) -> tuple[float, float, float,
           f"run {run['elapsed']:.0f} s")
     print(f"  {'t (s)':>6} {'landed':>7} {'in play':>8} {'files':>6} {'listing ms':>11} {'RSS MiB':>8}")
     landed = run["landed"]
-    rss = dict((round(t), value) for t, value in run["rss"])
+    samples = run["rss"]
     step = max(1, len(run["status"]) // 12)
     for t, (_, in_play, files, listing_ms, _) in run["status"][::step]:
         count = sum(1 for x in landed if x - run["started"] <= t)
-        memory = rss.get(round(t), rss.get(round(t) - 1, float("nan")))
+        memory = min(samples, key=lambda sample: abs(sample[0] - t))[1] if samples else float("nan")
         print(f"  {t:6.0f} {count:7d} {in_play:8.0f} {files:6.0f} {listing_ms:11.2f} {memory:8.0f}")
     end = run["landed"][-1] - run["started"]
     listing = [(t, values[3]) for t, values in run["status"]]
