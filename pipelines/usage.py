@@ -76,6 +76,11 @@ class _OursOrVerbose(logging.Filter):
 def configure_logs() -> None:
     """Install (once) the root handler that shows strag's log lines and hides the libraries' unless --verbose."""
     root = logging.getLogger()
+    for handler in list(root.handlers):
+        # logging.basicConfig()'s plain stderr handler (Beam's PipelineOptions installs one when
+        # nothing is configured yet) would print every library line past the filter
+        if type(handler) is logging.StreamHandler and not handler.filters:
+            root.removeHandler(handler)
     if not any(isinstance(f, _OursOrVerbose) for handler in root.handlers for f in handler.filters):
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(_LOG_FORMAT))
