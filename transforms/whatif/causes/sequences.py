@@ -14,7 +14,6 @@ from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from schemas.trace import OPTYPES
 from transforms.whatif.model import JobModel
@@ -43,6 +42,8 @@ class SequenceWorkload:
 
 def _rows_with_lengths(trace: pa.Table) -> pa.Table:
     """Rows carrying seq_lens: one stage's forwards of one chunk hold them all; else every row that has them."""
+    import pyarrow.compute as pc   # here: ~60 ms to import, and only traces with seq_lens get this far
+
     forward = pc.equal(pc.cast(trace["optype"], pa.string()), "forward-compute")
     first = pc.and_(pc.equal(trace["stage"], 0), pc.equal(trace["mc"], 0))
     valid = pc.is_valid(trace["seq_lens"])
@@ -69,6 +70,8 @@ def sequence_workload(trace: pa.Table, model: JobModel) -> SequenceWorkload | No
     slot = (step_index * model.dp_size + dp) * n_mb + mb
     _, first = np.unique(np.where(known, slot, -1), return_index=True)
     first = first[known[first]]                       # the first row of every slot
+    import pyarrow.compute as pc
+
     lists = rows["seq_lens"].combine_chunks()
     counts = pc.list_value_length(lists).to_numpy(zero_copy_only=False).astype(np.int64)
     lengths = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(np.float64)
