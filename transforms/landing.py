@@ -408,7 +408,7 @@ class _ListLandingFn(beam.DoFn):
             if relative[-1].startswith((".", "_")):
                 continue  # in-flight temporaries and markers
             url = self._protocol + path if self._protocol and not path.startswith(self._protocol) else path
-            if len(relative) == 3 and _safe_ids(relative[0], relative[1]):
+            if len(relative) == 3 and _id_problem(relative[0], relative[1]) is None:
                 sessions.setdefault((relative[0], relative[1]), []).append((url, _modification_time(info)))
             else:
                 yield beam.pvalue.TaggedOutput("strays", (url, (_modification_time(info), poll_time)))
@@ -420,13 +420,14 @@ class _ListLandingFn(beam.DoFn):
                   f"in {listed * 1e3:.1f} ms, RSS {_rss_mib():.0f} MiB", flush=True)
 
 
-def _safe_ids(job_id: str, session: str) -> bool:
+def _id_problem(job_id: str, session: str) -> str | None:
+    """Why a job id / session pair cannot name a session folder; None when both can."""
     try:
         safe_job_id(job_id)
         safe_job_id(session, "session")
-    except ValueError:
-        return False
-    return True
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _rss_mib() -> float:
@@ -470,13 +471,10 @@ def _stray_detail(path: str) -> str:
     """Why a file of the landing area is outside every session folder."""
     try:
         job_id, session, *_ = parse_landing_path(path)
-        safe_job_id(job_id)
-        safe_job_id(session, "session")
     except LandingPathError as error:
         return str(error)
-    except ValueError as error:  # an id that cannot name a session
-        return f"{path}: {error}"
-    return f"{path}: not in a session folder under {LANDING}/"
+    problem = _id_problem(job_id, session)
+    return f"{path}: {problem}" if problem else f"{path}: not in a session folder under {LANDING}/"
 
 
 def quarantine_row(path: str, job_id: str | None, session: str, reason_code: str, detail: str, poll_time: float) -> dict:
@@ -523,25 +521,22 @@ class LandingArchive:
 
     def retire(self, job_id: str, session: str, urls: Iterable[str]) -> None:
         """Move a session's files (manifest last) into the archive; drop its empty folders."""
-        fs = self._filesystem()
         target = self.session_dir(job_id, session)
         for url in sorted(urls, key=lambda url: url.endswith(f"/{LANDING_MANIFEST}")):
             self._move(url, f"{target}/{url.rsplit('/', 1)[-1]}")
-        self._drop_empty(f"{self._landing}/{job_id}/{session}")
-        self._drop_empty(f"{self._landing}/{job_id}")
+        self._drop_landing_folders(job_id, session)
         _LOG.debug("archived job %s session %s into %s", job_id, session, target)
 
-    def set_aside(self, job_id: str, session: str, urls: Iterable[str], poll_time: float) -> list[str]:
+    def set_aside(self, job_id: str, session: str, urls: Iterable[str], poll_time: float) -> list[tuple[str, str]]:
         """Move files that landed in an archived session beside it (_late/, named by poll time);
-        returns where each went."""
+        returns (url, where it went) per file."""
         moved = []
         stamp = f"{int(poll_time * 1000)}"
         for url in sorted(urls):
             target = f"{self.session_dir(job_id, session)}/{LATE_FOLDER}/{stamp}-{url.rsplit('/', 1)[-1]}"
             self._move(url, target)
-            moved.append(target)
-        self._drop_empty(f"{self._landing}/{job_id}/{session}")
-        self._drop_empty(f"{self._landing}/{job_id}")
+            moved.append((url, target))
+        self._drop_landing_folders(job_id, session)
         return moved
 
     def _move(self, url: str, target: str) -> None:
@@ -550,14 +545,16 @@ class LandingArchive:
         fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
         fs.mv(source, target)
 
-    def _drop_empty(self, folder: str) -> None:
-        """Remove a folder left empty (local disks; object stores have no folders)."""
+    def _drop_landing_folders(self, job_id: str, session: str) -> None:
+        """Remove the session's landing folder and then its job's, each if left empty (local
+        disks; object stores have no folders)."""
         fs = self._filesystem()
-        try:
-            if fs.isdir(folder) and not fs.ls(folder):
-                fs.rmdir(folder)
-        except OSError:
-            pass  # a file landed meanwhile: the folder stays, the next poll sees the file
+        for folder in (f"{self._landing}/{job_id}/{session}", f"{self._landing}/{job_id}"):
+            try:
+                if fs.isdir(folder) and not fs.ls(folder):
+                    fs.rmdir(folder)
+            except OSError:
+                pass  # a file landed meanwhile: the folder stays, the next poll sees the file
 
 
 class WatchLanding(beam.PTransform):

@@ -112,7 +112,6 @@ class SessionState:
     first_arrival: float | None = None
     revision: int = 0
     duplicate_deliveries: int = 0
-    changed_since_assembly: bool = False
     seen: dict = dataclasses.field(default_factory=dict)  # url -> modification time of every file listed
     last_activity: float | None = None  # poll time of the last new file, re-delivery or assembly
 
@@ -160,7 +159,6 @@ class SessionState:
             self.worker_paths[worker] = event.path
         else:
             raise ValueError(f"job {event.job_id} session {event.session}: unknown landing event kind {event.kind!r}")
-        self.changed_since_assembly = True
         if self.revision == 0:
             return [self._assemble(REASON_COMPLETE, event.poll_time)] if self._complete() else []
         # Already analysed: anything new corrects the published result.
@@ -180,7 +178,6 @@ class SessionState:
 
     def _assemble(self, reason: str, now: float) -> Assembly:
         self.revision += 1
-        self.changed_since_assembly = False
         self.last_activity = now
         missing = tuple(worker for worker in self.expected if worker not in self.worker_paths)
         return Assembly(
@@ -254,8 +251,7 @@ class _AssembleSessionFn(beam.DoFn):
     def _set_aside(self, listing: SessionListing):
         """Files that landed in a session already archived: moved beside it and quarantined."""
         urls = [url for url, _ in listing.files]
-        moved = self._archive.set_aside(listing.job_id, listing.session, urls, listing.poll_time)
-        for url, target in zip(sorted(urls), moved):
+        for url, target in self._archive.set_aside(listing.job_id, listing.session, urls, listing.poll_time):
             detail = (f"job {listing.job_id} session {listing.session}: {url.rsplit('/', 1)[-1]} landed after the "
                       f"session was analysed and archived; moved to {target}")
             yield beam.pvalue.TaggedOutput("quarantine", quarantine_row(url, listing.job_id, listing.session,
