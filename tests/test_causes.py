@@ -15,8 +15,7 @@ from schemas.fleet import JOB_CAUSE_SCHEMA
 from transforms.synth import Cause, JobSpec, generate_job
 from transforms.whatif import analyze_model, compile_job
 from schemas.causes import EVIDENCE_LABELS, FIX_NAMES
-from transforms.whatif.causes import CauseError, classify, greedy_rebalance, imbalance_degree, sequence_workload, verdict_row
-from transforms.whatif.causes.sequences import _assign_rounds
+from transforms.whatif.causes import CauseError, classify, sequence_workload, verdict_row
 from transforms.whatif.causes.signals import peer_median
 
 STAGE = Cause("last_stage_imbalance", {"forward_extra": 0.6, "backward_extra": 0.25})
@@ -193,79 +192,6 @@ def test_classify_refuses_a_result_of_another_job(analysed):
     _, _, other, _, _ = analysed("gc")
     with pytest.raises(CauseError, match="'clean'"):
         classify(model, other)
-
-
-def test_greedy_rebalance_keeps_every_document_and_lowers_imbalance():
-    rng = np.random.default_rng(0)
-    documents = [rng.integers(50, 2000, rng.integers(2, 8)).astype(float) for _ in range(16)]
-    capacity = max(d.sum() for d in documents)
-    packed = greedy_rebalance(documents)
-    assert sorted(np.concatenate(packed)) == sorted(np.concatenate(documents))
-    assert max(b.sum() for b in packed) <= capacity + 1e-9
-    before = imbalance_degree([np.sum(d * d) for d in documents])
-    after = imbalance_degree([np.sum(b * b) for b in packed])
-    assert after < before
-    assert imbalance_degree([4.0, 4.0]) == 1.0 and imbalance_degree([6.0, 2.0]) == 1.5
-
-
-def _greedy_one_at_a_time(lengths: np.ndarray, capacity: float, bins: int) -> np.ndarray:
-    """Reference: longest first, each document to the lightest bin (sum of squares) with room,
-    else to the lightest bin; the bins' loads, sorted."""
-    loads, tokens = np.zeros(bins), np.zeros(bins)
-    for d in np.sort(lengths)[::-1]:
-        room = tokens + d <= capacity + 1e-9
-        b = int(np.argmin(np.where(room, loads, np.inf) if room.any() else loads))
-        loads[b] += d * d
-        tokens[b] += d
-    return np.sort(loads)
-
-
-def _packed_microbatches(rng, bins: int, context: float) -> list[np.ndarray]:
-    """Lognormal documents packed into full microbatches of `context` tokens (the last one cut)."""
-    out = []
-    for _ in range(bins):
-        lengths = np.exp(rng.standard_normal(64) * 1.4) * context / 8
-        begins = np.cumsum(lengths) - lengths
-        out.append(np.minimum(lengths, context - begins)[begins < context])
-    return out
-
-
-def test_repacking_rounds_follow_the_one_at_a_time_greedy_and_each_step_alone():
-    """Microbatches with room: the greedy's loads (a round cut short, which deals the few-token
-    documents left over the lightest eighth of the bins, moves at most a tiny share). Many steps in
-    one call, with different document counts, give each step's own result."""
-    rng = np.random.default_rng(5)
-    bins = 48
-    steps = [np.maximum(1.0, np.rint(np.exp(rng.standard_normal(int(rng.integers(20, 600))) * 1.4) * 500)) for _ in range(6)]
-    padded = np.zeros((len(steps), max(map(len, steps))))
-    for row, lengths in enumerate(steps):
-        padded[row, :len(lengths)] = np.sort(lengths)[::-1]
-    target, loads = _assign_rounds(padded, np.full(len(steps), 1e12), bins)
-    for row, lengths in enumerate(steps):
-        expected = _greedy_one_at_a_time(lengths, 1e12, bins)
-        assert np.abs(np.sort(loads[row]) - expected).max() <= 1e-3 * expected.mean()
-        assert np.array_equal(np.bincount(target[row, :len(lengths)], weights=padded[row, :len(lengths)] ** 2, minlength=bins),
-                              loads[row])
-    packed = [np.sort(np.concatenate(_packed_microbatches(rng, bins, 4096.0)))[::-1] for _ in range(4)]
-    padded = np.zeros((len(packed), max(map(len, packed))))
-    for row, lengths in enumerate(packed):
-        padded[row, :len(lengths)] = lengths
-    _, together = _assign_rounds(padded, np.full(len(packed), 4096.0), bins)
-    for row, lengths in enumerate(packed):
-        assert np.array_equal(together[row], _assign_rounds(lengths[None, :], np.array([4096.0]), bins)[1][0])
-
-
-def test_repacking_full_microbatches_stays_within_3_percent_of_the_greedy():
-    """Full microbatches: rounds cut short deal the short documents left over the lightest
-    eighth of the bins (see _assign_rounds), a bounded departure from one-at-a-time greedy."""
-    rng = np.random.default_rng(6)
-    for bins in (16, 90, 160):
-        documents = _packed_microbatches(rng, bins, 4096.0)
-        packed = greedy_rebalance(documents, 4096.0)
-        loads = np.sort([np.sum(b * b) for b in packed])
-        expected = _greedy_one_at_a_time(np.concatenate(documents), 4096.0, bins)
-        assert np.abs(loads - expected).max() <= 0.03 * expected.mean()
-        assert imbalance_degree(loads) == pytest.approx(imbalance_degree(expected), rel=1e-3)
 
 
 def test_analyze_and_classify_is_analyze_job_plus_the_verdict(analysed):

@@ -1,21 +1,28 @@
-"""Compiled replay kernel (C, loaded with ctypes); `replay.py`'s numpy path is the reference.
+"""The engine's compiled functions (C, `kernel.c`, loaded with ctypes), each with an exactly
+equal numpy / Python fallback: the replay of a what-if scenario (`replay.py`'s numpy path is the
+reference) and greedy document repacking (`causes/sequences.py`'s Python path).
 
-The numpy path walks the levels with a few vectorised calls per level over
+Replay: the numpy path walks the levels with a few vectorised calls per level over
 `[op, scenario, lane]` blocks: Python cost per level, but every value crosses memory
-several times (gathers, temporaries, the scenario arrays themselves). The kernel
-(`replay_kernel.c`) runs the same replay rule as one compiled loop per scenario, a block
-of steps at a time: the block's `[op, lane]` starts and ends stay in cache, every inner
-loop is a vectorised pass over the block's lanes, each scenario's cost and delay are read
-straight from its `Mix` parts (no materialised `[op, lane]` arrays), and only step times
-and spans come back. It uses the same float64 operations in the same order, so results
-are equal bit for bit (tests/test_whatif_replay.py checks every schedule variant both ways).
+several times (gathers, temporaries, the scenario arrays themselves). `strag_replay` runs the
+same replay rule as one compiled loop per scenario, a block of steps at a time: the block's
+`[op, lane]` starts and ends stay in cache, every inner loop is a vectorised pass over the
+block's lanes, each scenario's cost and delay are read straight from its `Mix` parts (no
+materialised `[op, lane]` arrays), and only step times and spans come back. It uses the same
+float64 operations in the same order, so results are equal bit for bit
+(tests/test_whatif_replay.py checks every schedule variant both ways).
+
+Repacking: one-at-a-time greedy over every document of every step is a loop with a decision
+per document; `strag_repack` runs it over all steps in one call with binary heaps of bins
+(O(documents x log bins)), ~100x faster than the same heaps in Python
+(tests/test_causes_repack.py checks both against a plain reference).
 
 Why C and not numba: on the 8,192-GPU job both replay at the same speed, but numba costs
 ~0.5 s per process to import and load its cached code (more than the whole replay), the C
 kernel ~5 ms. It is built once per machine with the system C compiler (`$CC`, else `cc`)
 into `$STRAG_KERNEL_CACHE` (default `~/.cache/strag`), named by a CRC of source and flags;
-without a compiler replay falls back to numpy (same results, ~4x slower on big jobs).
-`STRAG_REPLAY=numpy|kernel` forces one path (tests, benchmarks).
+without a compiler both fall back (same results; replay ~4x slower on big jobs).
+`STRAG_REPLAY=numpy|kernel` forces one path for both functions (tests, benchmarks).
 """
 from __future__ import annotations
 
@@ -26,13 +33,16 @@ import zlib
 
 import numpy as np
 
-__all__ = ["BLOCK_LANES", "available", "wanted", "canonical", "replay_scenario", "op_layout", "KernelBuildError"]
+__all__ = ["BLOCK_LANES", "available", "wanted", "canonical", "replay_scenario", "op_layout", "repack",
+           "KernelBuildError"]
 
 # Lanes replayed together (whole steps): long enough rows to vectorise, short enough for cache.
 BLOCK_LANES = 256
-SOURCE = pathlib.Path(__file__).with_name("replay_kernel.c")
+SOURCE = pathlib.Path(__file__).with_name("kernel.c")
 FLAGS = ("-O3", "-std=c99", "-ffp-contract=off", "-fPIC", "-shared")   # no -ffast-math: exact IEEE order
 _ENV = "STRAG_REPLAY"
+INVALID_REPACK = ("repacking: document lengths must be finite, >= 0 and longest first within each step, "
+                  "and a step with documents needs a bin")
 _library: ctypes.CDLL | None = None
 _build_error: str | None = None
 
@@ -42,7 +52,8 @@ class KernelBuildError(RuntimeError):
 
 
 def wanted() -> bool:
-    """Use the compiled kernel? STRAG_REPLAY=numpy|kernel forces it; by default whenever it builds."""
+    """Use the compiled kernel (replay and repacking)? STRAG_REPLAY=numpy|kernel forces the choice;
+    by default whenever it builds."""
     choice = os.environ.get(_ENV, "auto")
     if choice not in ("auto", "numpy", "kernel"):
         raise ValueError(f"{_ENV}={choice!r}: expected auto, numpy or kernel")
@@ -80,18 +91,20 @@ def _load() -> ctypes.CDLL:
     compiler = os.environ.get("CC", "cc")
     source = SOURCE.read_bytes()
     key = zlib.crc32(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), os.uname().machine.encode()]))
-    target = _cache_dir() / f"replay-{key:08x}.so"
+    target = _cache_dir() / f"kernel-{key:08x}.so"
     try:
         if not target.exists():
             _build(compiler, target)
         library = ctypes.CDLL(str(target))
     except (OSError, KernelBuildError) as error:
-        _build_error = f"cannot build the replay kernel {SOURCE} with {compiler!r}: {error}"
+        _build_error = f"cannot build the C kernel {SOURCE} with {compiler!r}: {error}"
         raise KernelBuildError(_build_error) from None
     function = library.strag_replay
     function.restype = ctypes.c_int
     function.argtypes = ([ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4
                          + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 7 + [ctypes.c_int] + [ctypes.c_void_p] * 4)
+    library.strag_repack.restype = ctypes.c_int
+    library.strag_repack.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 6
     _library = library
     return library
 
@@ -177,3 +190,20 @@ def replay_scenario(model, layout, n_steps: int, dp: int, parts, keep: bool):
     if status:
         raise MemoryError(f"replay kernel: cannot allocate a block of {BLOCK_LANES} lanes x {model.n_ops} ops")
     return step_time, step_span, starts, ends
+
+
+def repack(lengths: np.ndarray, doc_ptr: np.ndarray, bin_ptr: np.ndarray, capacity: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy repacking of every step in one call (the rule: `kernel.c`, strag_repack); the
+    arguments as `causes.sequences.greedy_repack` checked them. Returns (every document's bin
+    within its step [n_docs] int64, the bins' loads [bin_ptr[-1]] float64)."""
+    lengths = np.ascontiguousarray(lengths, dtype=np.float64)
+    doc_ptr, bin_ptr = (np.ascontiguousarray(a, dtype=np.int64) for a in (doc_ptr, bin_ptr))
+    capacity = np.ascontiguousarray(capacity, dtype=np.float64)
+    target, loads = np.empty(len(lengths), dtype=np.int64), np.empty(int(bin_ptr[-1]))
+    status = _load().strag_repack(len(doc_ptr) - 1, doc_ptr.ctypes.data, lengths.ctypes.data, bin_ptr.ctypes.data,
+                                  capacity.ctypes.data, target.ctypes.data, loads.ctypes.data)
+    if status == -2:
+        raise ValueError(INVALID_REPACK)
+    if status:
+        raise MemoryError(f"repacking kernel: cannot allocate the tree of {int(np.diff(bin_ptr).max())} bins")
+    return target, loads
