@@ -174,8 +174,10 @@ static inline uint64_t bits(double key) { uint64_t out; memcpy(&out, &key, sizeo
    node the (key bits, bin) of the lighter child (of equal keys, the lower bin). */
 typedef struct { uint64_t *key; int64_t *bin; int64_t leaves; } Tree;
 
-/* Bin b now weighs `key`: climb to the root. Selected with masks, not branches: which
-   sibling wins is unpredictable. */
+/* Bin b now weighs `key`: climb to the root. Of equal keys the left child's wins (its bins
+   have the lower indices): the climbing entry, when a right child, yields to a left sibling
+   no heavier, one integer comparison against its key + 1. Selected with masks, not branches:
+   which sibling wins is unpredictable. */
 static void update(Tree tree, int64_t b, double key)
 {
     uint64_t climbing = bits(key);
@@ -185,9 +187,9 @@ static void update(Tree tree, int64_t b, double key)
     for (; node > 1; node >>= 1) {
         uint64_t other = tree.key[node ^ 1];
         int64_t other_bin = tree.bin[node ^ 1];
-        uint64_t take = -(uint64_t)((other < climbing) | ((other == climbing) & (other_bin < who)));
+        uint64_t take = -(uint64_t)(other < climbing + (uint64_t)(node & 1));
         climbing = (other & take) | (climbing & ~take);
-        who = (other_bin & (int64_t)take) | (who & ~(int64_t)take);
+        who = (int64_t)(((uint64_t)other_bin & take) | ((uint64_t)who & ~take));
         tree.key[node >> 1] = climbing;
         tree.bin[node >> 1] = who;
     }

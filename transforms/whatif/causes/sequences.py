@@ -216,13 +216,22 @@ def _repacked_workload(model: JobModel, workload: SequenceWorkload) -> tuple[np.
     _, loads = greedy_repack(length, doc_ptr, bins, capacity)
     new_loads = np.full(old.shape, -np.inf)
     new_loads[present] = loads                                 # each step's bins, in any order
-    heaviest_first = np.argsort(np.where(present, -old, np.inf), axis=1, kind="stable")
-    rows, first = np.nonzero(np.arange(old.shape[1]) < bins[:, None])    # the k-th heaviest, k < bins
+    heaviest_first = np.argsort(np.where(present, -old, np.inf), axis=1, kind="stable")   # ties: in slot order
+    rows, rank = np.nonzero(np.arange(old.shape[1]) < bins[:, None])    # the k-th heaviest, k < bins
     new = np.full_like(old, np.nan)
-    new[rows, heaviest_first[rows, first]] = -np.sort(-new_loads, axis=1)[rows, first]
-    degree = lambda w: float(np.nanmean(np.nanmax(w, axis=1) / np.nanmean(w, axis=1)))
-    evidence = {"imbalance_degree": degree(old), "imbalance_degree_rebalanced": degree(new)}
+    new[rows, heaviest_first[rows, rank]] = -np.sort(-new_loads, axis=1)[rows, rank]
+    evidence = {"imbalance_degree": _mean_degree(old, present, bins),
+                "imbalance_degree_rebalanced": _mean_degree(new, present, bins)}
     return new.reshape(workload.slot_workload.shape), evidence
+
+
+def _mean_degree(workloads: np.ndarray, present: np.ndarray, bins: np.ndarray) -> float:
+    """Mean over steps of the imbalance degree (max / mean of the present workloads of a step)."""
+    steps = bins > 0
+    high = np.where(present, workloads, -np.inf)[steps].max(axis=1)
+    mean = np.where(present, workloads, 0.0)[steps].sum(axis=1) / bins[steps]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return float(np.nanmean(high / mean)) if steps.any() else math.nan
 
 
 def repacked_sequences(model: JobModel, workload: SequenceWorkload) -> tuple[np.ndarray, dict]:
@@ -235,9 +244,17 @@ def repacked_sequences(model: JobModel, workload: SequenceWorkload) -> tuple[np.
     cost = model.original_cost.copy()
     old_x, new_x, y = workload.op_workload[rows], _op_values(model, new_table, rows), cost[rows]
     intercept, slope = (fit[group, None] for fit in _linear_fits(group, old_x, y))
-    old_model, new_model = intercept + slope * old_x, intercept + slope * new_x
-    factor = np.where(np.isfinite(new_model) & (old_model > 0), new_model / old_model, 1.0)
-    cost[rows] = y * np.clip(factor, 0.05, 20.0)
+    old_model = old_x * slope
+    old_model += intercept
+    factor = new_x * slope                         # in place from here: these arrays are [ops, lanes]
+    factor += intercept
+    usable = old_model > 0
+    usable &= np.isfinite(factor)
+    np.divide(factor, old_model, out=factor, where=usable)
+    factor[~usable] = 1.0
+    np.clip(factor, 0.05, 20.0, out=factor)
+    factor *= y
+    cost[rows] = factor
     return cost, evidence
 
 
@@ -246,19 +263,23 @@ def _linear_fits(group: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple[np.nd
     (x NaN: left out), all groups at once, summed over lanes first; a group with fewer than
     3 points or one x value gets the line 0 + 0 x (no rescaling)."""
     keep = np.isfinite(x)
+    every = bool(keep.all())                      # the usual case: no masking passes
     n_groups = int(group.max(initial=-1)) + 1
-    n = np.bincount(group, keep.sum(axis=1), n_groups)
-    low = np.full(n_groups, np.inf)
-    high = np.full(n_groups, -np.inf)
-    np.minimum.at(low, group, np.where(keep, x, np.inf).min(axis=1, initial=np.inf))
-    np.maximum.at(high, group, np.where(keep, x, -np.inf).max(axis=1, initial=-np.inf))
+    n = np.bincount(group, minlength=n_groups) * float(x.shape[1]) if every else \
+        np.bincount(group, np.count_nonzero(keep, axis=1), n_groups)
+    low, high = np.full(n_groups, np.inf), np.full(n_groups, -np.inf)
+    np.minimum.at(low, group, (x if every else np.where(keep, x, np.inf)).min(axis=1, initial=np.inf))
+    np.maximum.at(high, group, (x if every else np.where(keep, x, -np.inf)).max(axis=1, initial=-np.inf))
     fitted = (n >= 3) & (high > low)
     n = np.maximum(n, 1.0)
-    mean_x = np.bincount(group, np.where(keep, x, 0.0).sum(axis=1), n_groups) / n
-    mean_y = np.bincount(group, np.where(keep, y, 0.0).sum(axis=1), n_groups) / n
-    dx = np.where(keep, x - mean_x[group, None], 0.0)
-    sxy = np.bincount(group, (dx * (y - mean_y[group, None])).sum(axis=1), n_groups)
-    sxx = np.bincount(group, (dx * dx).sum(axis=1), n_groups)
+    x, y = (x, y) if every else (np.where(keep, x, 0.0), np.where(keep, y, 0.0))
+    mean_x = np.bincount(group, x.sum(axis=1), n_groups) / n
+    mean_y = np.bincount(group, y.sum(axis=1), n_groups) / n
+    dx = x - mean_x[group, None]
+    if not every:
+        dx[~keep] = 0.0
+    sxy = np.bincount(group, np.einsum("ij,ij->i", dx, y - mean_y[group, None]), n_groups)
+    sxx = np.bincount(group, np.einsum("ij,ij->i", dx, dx), n_groups)
     slope = sxy / np.where(fitted, sxx, 1.0)
     intercept = mean_y - slope * mean_x
     return np.where(fitted, intercept, 0.0), np.where(fitted, slope, 0.0)
