@@ -23,7 +23,8 @@ generator's primary cause (largest effect alone) with ours (largest saving alone
 
 Timing: classify time against analysis time (compile + replay + attribution) per job, and
 the sequence part of classify (document repacking and its cost model) on jobs with
-recorded seq_lens, whose target is <= 20% of the analysis.
+recorded seq_lens, whose target is <= 20% of the analysis: over the fleet jobs where it ran
+(one run each, in the pool) and on one larger job (best of 3 runs, in this process).
 """
 from __future__ import annotations
 
@@ -192,6 +193,23 @@ def print_timing(rows: list[dict]) -> None:
               f"total {total:.3f}, median {np.median(share):.3f}, p90 {np.quantile(share, 0.9):.3f} (target <= 0.20)")
 
 
+def time_large_job(spec: JobSpec, repeats: int = 3) -> dict:
+    """Analysis, classify and sequence repacking seconds of one job, each the best of `repeats`
+    runs (one run on a shared machine varies by +-30%); the job is generated once."""
+    job = generate_job(spec)
+    best = {"analyse": np.inf, "classify": np.inf, "sequence": np.inf}
+    for _ in range(repeats):
+        started = time.perf_counter()
+        model = compile_job(job.trace, job.meta, spec.job_id)
+        result = analyze_model(model)
+        analysed = time.perf_counter()
+        verdict = classify(model, result, workload=sequence_workload(job.trace, model))
+        times = {"analyse": analysed - started, "classify": time.perf_counter() - analysed,
+                 "sequence": verdict.timings.get("sequence", 0.0)}
+        best = {part: min(best[part], times[part]) for part in best}
+    return {"ops": job.trace.num_rows, **best}
+
+
 def large_sequence_job(seed: int) -> JobSpec:
     """One bigger long-context job with recorded document lengths, to time repacking at scale."""
     return JobSpec(job_id="timing-seq", dp=16, pp=4, microbatches=32, tp=8, steps=24, sessions=2, context_length=131072,
@@ -227,10 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(rows)} jobs, {sum(r['ops'] for r in rows):,} ops in {wall:.0f} s on {args.processes} processes")
     scores = {name: print_report(name, group) for name, group in results.items()}
     print_timing(rows)
-    timing = evaluate_job(large_sequence_job(args.seed))
-    print(f"large sequence job ({timing['ops']:,} ops, seq_lens recorded): analysis {timing['seconds_analyse'] * 1e3:.1f} ms, "
-          f"classify {timing['seconds_classify'] * 1e3:.1f} ms, of which sequence repacking {timing['seconds_sequence'] * 1e3:.1f} ms "
-          f"= {timing['seconds_sequence'] / timing['seconds_analyse']:.1%} of the analysis (target <= 20%)")
+    timing = time_large_job(large_sequence_job(args.seed))
+    print(f"large sequence job ({timing['ops']:,} ops, seq_lens recorded, best of 3): analysis {timing['analyse'] * 1e3:.1f} ms, "
+          f"classify {timing['classify'] * 1e3:.1f} ms, sequence repacking {timing['sequence'] * 1e3:.1f} ms "
+          f"= {timing['sequence'] / timing['analyse']:.1%} of the analysis (target <= 20%)")
     print()
     for name, target in TARGETS.items():
         if name in scores:

@@ -27,7 +27,8 @@ Signatures (a cause is a candidate when its signature holds)
   microbatch, normalised within each (step, worker, chunk) so persistent worker and stage
   differences cancel. Measured by an even spread of each step's compute over microbatches
   and DP ranks (an upper bound); the fix reported is greedy repacking of the recorded
-  documents (sequences.py) when the trace has seq_lens, else that even spread.
+  documents (sequences.py: longest first, each to the lightest microbatch of the step with
+  room) when the trace has seq_lens, else that even spread.
 - python-gc: forward-only stalls (forward beyond ratio_median x its backward, > 50 ms and
   8 MADs), on >= 2 workers, no worker holding > 80% of them, backwards clean. Measured by
   removing the pauses; the fix reported is planned GC (the same work paid by all at once).
