@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+# One BLAS thread, unless the user says otherwise, set before anything imports numpy: strag's
+# numeric work is sorts, gathers and elementwise passes (no large matrix products), and its
+# parallelism is worker processes, which a BLAS pool per process would oversubscribe.
+# OpenBLAS also starts its pool at import: ~50 ms of every command on this 2-core machine.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 __all__ = ["main", "COMMANDS", "date_argument"]
 

@@ -53,6 +53,8 @@ __all__ = [
     "JobModel",
     "read_trace_columns",
     "compile_job",
+    "median",
+    "distinct",
 ]
 
 # A job needs at least this many complete steps. With a single step nothing checks
@@ -240,14 +242,23 @@ class JobModel:
 
 
 def median(values: np.ndarray) -> float:
-    """np.median of a non-empty, NaN-free array, equal to it bit for bit (the mean of the two
-    middle values when the count is even) but without its numpy.ma import (~10 ms a process)."""
+    """np.median of a non-empty array, equal to it bit for bit (the mean of the two middle values
+    when the count is even; NaN when any value is) but without its numpy.ma import (~10 ms a process)."""
     values = values.ravel()
+    if np.isnan(values).any():
+        return float("nan")
     half = len(values) // 2
     if len(values) % 2:
         return float(np.partition(values, half)[half])
     middle = np.partition(values, (half - 1, half))
     return float((middle[half - 1] + middle[half]) / 2)
+
+
+def distinct(values: np.ndarray) -> np.ndarray:
+    """np.unique(values) (sorted distinct values) of a NaN-free array, without the masked-array
+    check numpy 2.4's np.unique makes, which imports numpy.ma (~12 ms a process)."""
+    ordered = np.sort(np.asarray(values).ravel())
+    return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))] if len(ordered) else ordered
 
 
 def _op_name(optype: int, seq_id: int, stage: int) -> str:

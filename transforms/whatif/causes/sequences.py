@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from schemas.trace import OPTYPES
-from transforms.whatif.model import JobModel
+from transforms.whatif.model import JobModel, distinct
 
 __all__ = ["SequenceWorkload", "sequence_workload", "imbalance_degree", "greedy_rebalance", "even_sequences",
            "repacked_sequences"]
@@ -299,7 +299,7 @@ def even_sequences(model: JobModel) -> np.ndarray:
     step_of_lane = np.searchsorted(model.steps, model.lane_step)
     for code in (FORWARD, BACKWARD):
         ops = np.flatnonzero(model.op_optype == code)
-        for g in np.unique(model.op_gmc[ops]):
+        for g in distinct(model.op_gmc[ops]):
             rows = ops[model.op_gmc[ops] == g]
             block = cost[rows]                                       # [mb, lane]
             per_dp = np.bincount(model.lane_dp, weights=block.sum(axis=0), minlength=model.dp_size)
