@@ -72,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     configure_logs()
     module = importlib.import_module(COMMANDS[name][0])
     run = getattr(module, "run_" + name.replace("-", "_"), None) or module.run
-    return int(run(rest) or 0)
+    try:
+        return int(run(rest) or 0)
+    except BrokenPipeError:   # `strag analyze ... | head`: the reader is gone, nothing to report to it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # Python's flush at exit would fail again
+        return 141                                                     # what a shell reports for SIGPIPE
 
 
 if __name__ == "__main__":

@@ -173,6 +173,11 @@ def test_peer_median_leaves_each_element_out():
     row = np.array([4.0, 1.0, 7.0, 2.0])
     expected = [np.median(np.delete(row, i)) for i in range(len(row))]
     np.testing.assert_allclose(peer_median(row), expected)
+    rng = np.random.default_rng(5)
+    for n in range(2, 9):                                               # ties, odd and even peer counts
+        rows = rng.integers(0, 4, size=(200, n)).astype(np.float64)
+        brute = [[np.median(np.delete(r, i)) for i in range(n)] for r in rows]
+        assert np.array_equal(peer_median(rows), brute)
 
 
 def test_median_helpers_equal_numpy_bit_for_bit():

@@ -35,11 +35,20 @@ static void add_values(double *out, const double *in, double *restrict high, int
             values += first_lane;
             for (int64_t j = 0; j < w; j++) out[j] = in[j] + values[j];
         }
-    } else {
-        int64_t base_step = base_cols > 1, alt_step = alt_cols > 1;
-        for (int64_t j = 0; j < w; j++) {
-            int64_t lane = first_lane + j;
-            out[j] = in[j] + (choice[lane] ? alt_row[lane * alt_step] : base_row[lane * base_step]);
+    } else {                                                    /* a source per lane: one loop per kind of row */
+        choice += first_lane;
+        if (base_cols > 1 && alt_cols > 1) {
+            const double *b = base_row + first_lane, *a = alt_row + first_lane;
+            for (int64_t j = 0; j < w; j++) out[j] = in[j] + (choice[j] ? a[j] : b[j]);
+        } else if (base_cols > 1) {
+            const double *b = base_row + first_lane, a = alt_row[0];
+            for (int64_t j = 0; j < w; j++) out[j] = in[j] + (choice[j] ? a : b[j]);
+        } else if (alt_cols > 1) {
+            const double b = base_row[0], *a = alt_row + first_lane;
+            for (int64_t j = 0; j < w; j++) out[j] = in[j] + (choice[j] ? a[j] : b);
+        } else {
+            const double b = base_row[0], a = alt_row[0];
+            for (int64_t j = 0; j < w; j++) out[j] = in[j] + (choice[j] ? a : b);
         }
     }
     if (high)

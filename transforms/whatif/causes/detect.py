@@ -136,7 +136,7 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
     mw_mask = worker_set_mask(model, result.mw.workers)
     compute = np.isin(model.op_optype, (FORWARD, BACKWARD))[:, None]
     costs: dict[str, object] = {
-        "worker-compute": np.where(mw_mask & compute, ideal, original),
+        "worker-compute": Mix(original, ideal, mw_mask & compute),
         "worker-comm": Mix(original, ideal, mw_mask & model.op_is_comm[:, None]),
         "stage": rebalanced_stages(model),
         "communication": Mix(original, ideal, model.op_is_comm[:, None]),

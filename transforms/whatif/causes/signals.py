@@ -30,6 +30,9 @@ def pairs(model: JobModel) -> tuple[np.ndarray, np.ndarray]:
 
     def keyed(ops):
         key = (model.op_stage[ops, None].astype(np.int64) * chunks + model.op_gmc[ops, None]) * (1 << 20) + model.mb_id[ops]
+        if (key == key[:, :1]).all():        # the usual case: microbatch ids alike in every lane, one order for all
+            order = np.argsort(key[:, 0], kind="stable")
+            return np.broadcast_to(ops[order, None], key.shape), key[order]
         order = np.argsort(key, axis=0, kind="stable")
         return ops[order], np.take_along_axis(key, order, axis=0)
 
@@ -76,17 +79,14 @@ def margin(value: float, threshold: float, clear: float) -> float:
 def peer_median(values: np.ndarray) -> np.ndarray:
     """Median over the last axis of every *other* element (leave-one-out), same shape as values.
 
-    Needs at least 2 elements on the last axis. One sort: the j-th smallest of the others is
-    sorted[j] when the element itself sits above j, else sorted[j + 1]."""
-    n = values.shape[-1]
-    order = np.argsort(values, axis=-1, kind="stable")
-    ordered = np.take_along_axis(values, order, axis=-1)
-    position = np.empty_like(order)
-    np.put_along_axis(position, order, np.arange(n), axis=-1)
-    others = n - 1
+    Needs at least 2 elements on the last axis, NaN-free. One sort: the j-th smallest of the
+    others is sorted[j] when the element itself is above sorted[j], else sorted[j + 1] (an
+    element equal to sorted[j] either sits at or below j, or sorted[j + 1] equals sorted[j])."""
+    ordered = np.sort(values, axis=-1)
+    others = values.shape[-1] - 1
 
     def kth_of_others(j: int) -> np.ndarray:
-        return np.take_along_axis(ordered, np.where(position > j, j, j + 1), axis=-1)
+        return np.where(values > ordered[..., j:j + 1], ordered[..., j:j + 1], ordered[..., j + 1:j + 2])
 
     return 0.5 * (kth_of_others((others - 1) // 2) + kth_of_others(others // 2))
 
