@@ -91,3 +91,15 @@ def test_one_blas_thread_unless_the_user_sets_it(given, expected):
     probe = "import pipelines.cli, os; import numpy; print(os.environ['OPENBLAS_NUM_THREADS'])"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60)
     assert out.stdout.strip() == expected, out.stderr
+
+
+def test_a_closed_pipe_ends_the_command_quietly(reference_dir):
+    """`strag analyze ... | head -1`: once the reader is gone the command stops with the shell's
+    SIGPIPE status (141) and no traceback."""
+    script = pathlib.Path(sys.executable).with_name("strag")
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1])}
+    argv = [str(script), "analyze", str(reference_dir / "trace-AR.parquet"), "--meta", str(reference_dir / "meta-AR.yaml")]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    process.stdout.close()                                  # the reader leaves before the first line
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 141 and stderr == b"", stderr.decode()
