@@ -38,7 +38,7 @@ PUBLISHED = REFERENCE / "straggler-analysis"
 RUN_REFERENCE = REFERENCE / "run-reference"
 SHAPES = {1024: (8, 8), 8192: (32, 16)}   # GPUs -> (dp, pp) at tp 16
 AR_TARGET, BIG_TARGET, BIG_MEMORY = 15.0, 40.0, 2**30
-HEAVY_MODULES = ("pandas", "pyarrow.dataset", "pyarrow.compute", "fsspec", "apache_beam", "great_expectations")
+HEAVY_MODULES = ("pandas", "pyarrow.dataset", "pyarrow.compute", "numpy.ma", "fsspec", "apache_beam", "great_expectations")
 
 # Writes a generated job as trace-{trial}.parquet + meta-{trial}.yaml in the published format.
 _GENERATE = r"""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import os
 import pathlib
 import sys
 import time
@@ -49,8 +50,11 @@ class AnalyzeOptions:
     top: int
     fmt: str | None = None
     job_yaml: pathlib.Path | None = None
+    threads: int = 1
 
     def __post_init__(self):
+        if self.threads < 1:
+            raise ValueError(f"--threads {self.threads}: need at least 1")
         if self.fmt is not None:
             if self.trace is None or self.lake is not None or self.meta is not None:
                 raise ValueError(f"--format {self.fmt} reads a folder (or file) of raw traces: give DIR, without --lake or --meta")
@@ -95,11 +99,14 @@ def parse(argv: list[str]) -> AnalyzeOptions:
                         help="write original + ideal timelines as Chrome-trace JSON (.json or .json.gz) for Perfetto")
     parser.add_argument("--timeline-steps", type=int, help="only the first N steps in the timeline (large jobs)")
     parser.add_argument("--top", type=int, default=3, help="entries shown per ranking (default 3)")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="what-if scenarios replayed at once (default: the CPUs this process may use)")
     args = parser.parse_args(argv)
     try:
         return AnalyzeOptions(trace=args.trace, meta=args.meta, lake=args.lake, job_id=args.job_id, date=args.date,
                               json_out=args.json_out, timeline_out=args.timeline_out,
-                              timeline_steps=args.timeline_steps, top=args.top, fmt=args.fmt, job_yaml=args.job_yaml)
+                              timeline_steps=args.timeline_steps, top=args.top, fmt=args.fmt, job_yaml=args.job_yaml,
+                              threads=args.threads)
     except ValueError as error:
         parser.error(str(error))
 
@@ -248,6 +255,7 @@ def run(argv: list[str]) -> int:
     opts = parse(argv)
     from transforms.whatif.causes import analyze_and_classify, verdict_json
     from transforms.whatif.errors import WhatIfError
+    from transforms.whatif.replay import replay_threads
 
     try:
         trace, meta, job_id, source, converted, gpu_hours = load_job(opts)
@@ -259,7 +267,8 @@ def run(argv: list[str]) -> int:
         return 2
     started = time.perf_counter()
     try:
-        result, verdict = analyze_and_classify(trace, meta, job_id, timeline=opts.timeline_out is not None)
+        with replay_threads(opts.threads):
+            result, verdict = analyze_and_classify(trace, meta, job_id, timeline=opts.timeline_out is not None)
     except WhatIfError as error:
         print(f"strag analyze: {source}: {error}", file=sys.stderr)
         return 1

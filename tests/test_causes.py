@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 
 import numpy as np
 import pyarrow as pa
@@ -14,9 +15,10 @@ import pytest
 from schemas.fleet import JOB_CAUSE_SCHEMA
 from transforms.synth import Cause, JobSpec, generate_job
 from transforms.whatif import analyze_model, compile_job
+from transforms.whatif.model import distinct, median
 from schemas.causes import EVIDENCE_LABELS, FIX_NAMES
 from transforms.whatif.causes import CauseError, classify, sequence_workload, verdict_row
-from transforms.whatif.causes.signals import peer_median
+from transforms.whatif.causes.signals import nanmedian, peer_median
 
 STAGE = Cause("last_stage_imbalance", {"forward_extra": 0.6, "backward_extra": 0.25})
 GC = Cause("gc_pauses", {"period": 3, "pause": 0.4})
@@ -170,6 +172,31 @@ def test_peer_median_leaves_each_element_out():
     row = np.array([4.0, 1.0, 7.0, 2.0])
     expected = [np.median(np.delete(row, i)) for i in range(len(row))]
     np.testing.assert_allclose(peer_median(row), expected)
+    rng = np.random.default_rng(5)
+    for n in range(2, 9):                                               # ties, odd and even peer counts
+        rows = rng.integers(0, 4, size=(200, n)).astype(np.float64)
+        brute = [[np.median(np.delete(r, i)) for i in range(n)] for r in rows]
+        assert np.array_equal(peer_median(rows), brute)
+
+
+def test_median_helpers_equal_numpy_bit_for_bit():
+    """nanmedian, median and distinct (which spare the one-job path numpy.ma's import) against
+    numpy: small arrays (numpy's masked-array path), NaN-heavy and all-NaN slices, infinities,
+    ties, every axis."""
+    rng = np.random.default_rng(3)
+    for _ in range(500):
+        shape = tuple(rng.integers(1, 7, size=rng.integers(1, 4)))
+        values = np.round(rng.lognormal(size=shape), 1)                  # ties
+        values[rng.random(shape) < rng.random()] = np.nan
+        values[rng.random(shape) < 0.05] = np.inf
+        axis = int(rng.integers(0, len(shape)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)          # numpy warns on all-NaN slices
+            expected, whole = np.nanmedian(values, axis=axis), np.median(values)
+        assert np.array_equal(nanmedian(values, axis), expected, equal_nan=True), (values, axis)
+        assert np.array_equal(median(values), whole, equal_nan=True), values
+        integers = rng.integers(-3, 4, size=shape)
+        assert np.array_equal(distinct(integers), np.unique(integers))
 
 
 def test_verdict_row_fits_the_job_cause_schema(analysed):

@@ -78,3 +78,28 @@ def test_the_strag_script_shows_no_library_log_lines(tmp_path):
                                          "check the URL"]
     loud = subprocess.run([*argv, "--verbose"], capture_output=True, text=True, env=env, timeout=120)
     assert loud.returncode == 2 and "apitools not found" in loud.stderr   # Beam's own warning, shown on request
+
+
+@pytest.mark.parametrize("given, expected", [(None, "1"), ("4", "4")])
+def test_one_blas_thread_unless_the_user_sets_it(given, expected):
+    """The CLI starts numpy with one OpenBLAS thread (its pool costs ~50 ms a start and
+    oversubscribes worker processes); a user's own OPENBLAS_NUM_THREADS is kept."""
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1])}
+    env.pop("OPENBLAS_NUM_THREADS", None)
+    if given is not None:
+        env["OPENBLAS_NUM_THREADS"] = given
+    probe = "import pipelines.cli, os; import numpy; print(os.environ['OPENBLAS_NUM_THREADS'])"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60)
+    assert out.stdout.strip() == expected, out.stderr
+
+
+def test_a_closed_pipe_ends_the_command_quietly(reference_dir):
+    """`strag analyze ... | head -1`: once the reader is gone the command stops with the shell's
+    SIGPIPE status (141) and no traceback."""
+    script = pathlib.Path(sys.executable).with_name("strag")
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1])}
+    argv = [str(script), "analyze", str(reference_dir / "trace-AR.parquet"), "--meta", str(reference_dir / "meta-AR.yaml")]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    process.stdout.close()                                  # the reader leaves before the first line
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 141 and stderr == b"", stderr.decode()

@@ -108,11 +108,13 @@ def test_lane_plans_give_the_materialised_answer():
 
 @pytest.mark.parametrize("variant", ["1f1b-dp-overlapped", "interleaved-dp-not-overlapped", "no-dp-context-parallel", "pp1"])
 def test_compiled_kernel_equals_numpy(variant, monkeypatch):
-    """The compiled kernel and the numpy replay give identical results (every field, bit for bit),
-    with attribution, launch delays, M_W / M_S and kept timelines, and on custom scenarios with
-    negative costs and per-[op, lane] masks."""
+    """The compiled kernel (one scenario at a time, or several in threads) and the numpy replay
+    give identical results (every field, bit for bit), with attribution, launch delays,
+    M_W / M_S and kept timelines, and on custom scenarios with negative costs and per-[op,
+    lane] masks."""
     from transforms.whatif import kernel
     from transforms.whatif.metrics import worker_set_mask
+    from transforms.whatif.replay import replay_threads
 
     if not kernel.available():
         pytest.skip("no C compiler: the replay kernel cannot be built (numpy replay only)")
@@ -127,14 +129,15 @@ def test_compiled_kernel_equals_numpy(variant, monkeypatch):
         Scenario("kept", Mix(ideal, model.original_cost, (model.op_stage == 0)[:, None]), keep_times=True),
     ]
     results = {}
-    for backend in ("numpy", "kernel"):
+    for backend, threads in (("numpy", 1), ("kernel", 1), ("kernel", 3)):
         monkeypatch.setenv("STRAG_REPLAY", backend)
-        analysed_ = analyze_model(model, timeline=True, attribution=True)
-        out = replay(model, scenarios)
-        results[backend] = (json.dumps(analysed_.to_json()), analysed_.timeline.versions["ideal"][1].tobytes(),
-                            out.step_time.tobytes(), out.step_span.tobytes(), out.starts["kept"].tobytes(),
-                            out.ends["kept"].tobytes())
-    assert results["numpy"] == results["kernel"]
+        with replay_threads(threads):
+            analysed_ = analyze_model(model, timeline=True, attribution=True)
+            out = replay(model, scenarios)
+        results[backend, threads] = (json.dumps(analysed_.to_json()), analysed_.timeline.versions["ideal"][1].tobytes(),
+                                     out.step_time.tobytes(), out.step_span.tobytes(), out.starts["kept"].tobytes(),
+                                     out.ends["kept"].tobytes())
+    assert results["numpy", 1] == results["kernel", 1] == results["kernel", 3]
 
 
 def test_replay_backend_choice(monkeypatch, tmp_path):
@@ -155,3 +158,30 @@ def test_replay_backend_choice(monkeypatch, tmp_path):
     monkeypatch.setenv("STRAG_REPLAY", "kernel")
     with pytest.raises(kernel.KernelBuildError, match="no-such-compiler"):
         kernel.wanted()
+
+
+def test_replay_threads_spreads_scenarios_over_threads(model, monkeypatch):
+    """Inside replay_threads(n) the kernel calls run on n pool threads; outside, on the caller's."""
+    import threading
+
+    from transforms.whatif import kernel
+    from transforms.whatif.replay import replay_threads
+
+    if not kernel.available():
+        pytest.skip("no C compiler: the replay kernel cannot be built (numpy replay only)")
+    monkeypatch.setenv("STRAG_REPLAY", "kernel")
+    seen, real = [], kernel.replay_scenario
+
+    def spy(*args, **kwargs):
+        seen.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "replay_scenario", spy)
+    scenarios = [Scenario(f"scaled-{k}", model.original_cost * (1 + k / 10)) for k in range(6)]
+    replay(model, scenarios)
+    assert set(seen) == {threading.current_thread().name}
+    seen.clear()
+    with replay_threads(2):
+        threaded = replay(model, scenarios)
+    assert len(seen) == 6 and {name.rsplit("_", 1)[0] for name in seen} == {"strag-replay"}
+    np.testing.assert_array_equal(threaded.step_time, replay(model, scenarios).step_time)

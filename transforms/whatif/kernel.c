@@ -38,11 +38,20 @@ static void add_values(double *out, const double *in, double *restrict high, int
             values += first_lane;
             for (int64_t j = 0; j < w; j++) out[j] = in[j] + values[j];
         }
-    } else {
-        int64_t base_step = base_cols > 1, alt_step = alt_cols > 1;
-        for (int64_t j = 0; j < w; j++) {
-            int64_t lane = first_lane + j;
-            out[j] = in[j] + (choice[lane] ? alt_row[lane * alt_step] : base_row[lane * base_step]);
+    } else {                                                    /* a source per lane: one loop per kind of row */
+        choice += first_lane;
+        if (base_cols > 1 && alt_cols > 1) {
+            const double *b = base_row + first_lane, *a = alt_row + first_lane;
+            for (int64_t j = 0; j < w; j++) out[j] = in[j] + (choice[j] ? a[j] : b[j]);
+        } else if (base_cols > 1) {
+            const double *b = base_row + first_lane, a = alt_row[0];
+            for (int64_t j = 0; j < w; j++) out[j] = in[j] + (choice[j] ? a : b[j]);
+        } else if (alt_cols > 1) {
+            const double b = base_row[0], *a = alt_row + first_lane;
+            for (int64_t j = 0; j < w; j++) out[j] = in[j] + (choice[j] ? a[j] : b);
+        } else {
+            const double b = base_row[0], a = alt_row[0];
+            for (int64_t j = 0; j < w; j++) out[j] = in[j] + (choice[j] ? a : b);
         }
     }
     if (high)
@@ -51,21 +60,20 @@ static void add_values(double *out, const double *in, double *restrict high, int
 
 /* Replay one scenario over n_steps x dp lanes: step_time / step_span per step, and the full
    starts / ends ([n_ops, n_steps * dp]) when starts_out and ends_out are not NULL.
-   Returns 0, or -1 when memory for the block cannot be allocated. */
-int strag_replay(int64_t n_ops, const int64_t *pred_ptr, const int64_t *pred_index,
+   workspace: (2 * n_ops + 5) * block * dp doubles of scratch, the caller's to reuse from one
+   scenario to the next (fresh memory for every scenario costs a page fault per 4 KiB, as
+   much time as the replay itself on a trace the size of AR). */
+void strag_replay(int64_t n_ops, const int64_t *pred_ptr, const int64_t *pred_index,
                  int64_t n_levels, const int64_t *bounds, const int64_t *group_end,
                  const uint8_t *synced, const uint8_t *optimizer,
                  int64_t n_steps, int64_t dp, int64_t block,
                  const double *cost_base, const double *cost_alt, const uint8_t *cost_where,
                  const double *delay_base, const double *delay_alt, const uint8_t *delay_where,
-                 const int64_t *dims, int has_delay,
+                 const int64_t *dims, int has_delay, double *workspace,
                  double *starts_out, double *ends_out, double *step_time, double *step_span)
 {
     int64_t width = block * dp, n_lanes = n_steps * dp;
-    double *ends = malloc(sizeof(double) * (n_ops + 1) * width);
-    double *starts = malloc(sizeof(double) * n_ops * width);
-    double *work = malloc(sizeof(double) * 4 * width);
-    if (!ends || !starts || !work) { free(ends); free(starts); free(work); return -1; }
+    double *ends = workspace, *starts = workspace + (n_ops + 1) * width, *work = starts + n_ops * width;
     double *restrict latest = work, *restrict low = work + width, *restrict high = work + 2 * width;
     double *restrict top = work + 3 * width;
     for (int64_t first_step = 0; first_step < n_steps; first_step += block) {
@@ -143,8 +151,6 @@ int strag_replay(int64_t n_ops, const int64_t *pred_ptr, const int64_t *pred_ind
                 memcpy(ends_out + op * n_lanes + first_lane, ends + op * width, sizeof(double) * w);
             }
     }
-    free(ends); free(starts); free(work);
-    return 0;
 }
 
 

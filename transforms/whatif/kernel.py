@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import os
 import pathlib
+import threading
 import zlib
 
 import numpy as np
@@ -100,9 +101,9 @@ def _load() -> ctypes.CDLL:
         _build_error = f"cannot build the C kernel {SOURCE} with {compiler!r}: {error}"
         raise KernelBuildError(_build_error) from None
     function = library.strag_replay
-    function.restype = ctypes.c_int
+    function.restype = None
     function.argtypes = ([ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4
-                         + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 7 + [ctypes.c_int] + [ctypes.c_void_p] * 4)
+                         + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 7 + [ctypes.c_int] + [ctypes.c_void_p] * 5)
     library.strag_repack.restype = ctypes.c_int
     library.strag_repack.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 6
     _library = library
@@ -178,18 +179,31 @@ def replay_scenario(model, layout, n_steps: int, dp: int, parts, keep: bool):
     starts = ends = None
     if keep:
         starts, ends = np.empty((model.n_ops, n_steps * dp)), np.empty((model.n_ops, n_steps * dp))
+    block = max(1, BLOCK_LANES // dp)
 
     def pointer(array):
         return None if array is None else array.ctypes.data
 
-    status = _load().strag_replay(
+    _load().strag_replay(
         model.n_ops, pointer(pred_ptr), pointer(pred_index), len(bounds) - 1, pointer(bounds),
-        pointer(group_end), pointer(synced), pointer(optimizer), n_steps, dp, max(1, BLOCK_LANES // dp),
+        pointer(group_end), pointer(synced), pointer(optimizer), n_steps, dp, block,
         *(pointer(array) for array in arrays), pointer(dims), int(has_delay),
+        pointer(_workspace((2 * model.n_ops + 5) * block * dp)),
         pointer(starts), pointer(ends), pointer(step_time), pointer(step_span))
-    if status:
-        raise MemoryError(f"replay kernel: cannot allocate a block of {BLOCK_LANES} lanes x {model.n_ops} ops")
     return step_time, step_span, starts, ends
+
+
+_scratch = threading.local()
+
+
+def _workspace(size: int) -> np.ndarray:
+    """This thread's kernel scratch of at least `size` doubles, kept from call to call (grown,
+    never shrunk): touched once, not page-faulted in afresh by every scenario. Per thread, as
+    the kernel runs without the GIL and a runner may replay in several threads."""
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or len(buffer) < size:
+        buffer = _scratch.buffer = np.empty(size)
+    return buffer
 
 
 def repack(lengths: np.ndarray, doc_ptr: np.ndarray, bin_ptr: np.ndarray, capacity: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

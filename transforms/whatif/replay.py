@@ -24,17 +24,34 @@ can be built; `STRAG_REPLAY=numpy|kernel` forces one.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Sequence, Union
+from typing import Iterator, Sequence, Union
 
 import numpy as np
 
 from transforms.whatif import kernel
 from transforms.whatif.model import JobModel
 
-__all__ = ["Mix", "Scenario", "ReplayResult", "replay", "DEFAULT_MEMORY_LIMIT"]
+__all__ = ["Mix", "Scenario", "ReplayResult", "replay", "replay_threads", "DEFAULT_MEMORY_LIMIT"]
 
 DEFAULT_MEMORY_LIMIT = 1 << 30   # bytes of replay arrays per chunk of scenarios
+_THREADS = contextvars.ContextVar("strag_replay_threads", default=1)
+
+
+@contextlib.contextmanager
+def replay_threads(threads: int) -> Iterator[None]:
+    """Within the block, `replay` runs up to `threads` scenarios at once (compiled kernel only).
+
+    For a one-job command, which has the machine's cores to itself: the analysis and the
+    classifier replay through several layers of calls, which need not pass it along. Beam
+    workers keep the default of 1: their processes already share the cores."""
+    token = _THREADS.set(max(1, int(threads)))
+    try:
+        yield
+    finally:
+        _THREADS.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +106,15 @@ class ReplayResult:
         return self.step_span[self.index(name)]
 
 
-def replay(model: JobModel, scenarios: Sequence[Scenario], *, memory_limit: int = DEFAULT_MEMORY_LIMIT) -> ReplayResult:
-    """Replay every scenario over the compiled model; see the module docstring."""
+def replay(model: JobModel, scenarios: Sequence[Scenario], *, memory_limit: int = DEFAULT_MEMORY_LIMIT,
+           threads: int | None = None) -> ReplayResult:
+    """Replay every scenario over the compiled model; see the module docstring.
+
+    threads: scenarios the compiled kernel replays at once (it runs without the GIL);
+    default: `replay_threads`'s setting, else 1."""
     names = [scenario.name for scenario in scenarios]
     if len(set(names)) != len(names):
         raise ValueError(f"scenario names must be unique: {names}")
-    backend = _replay_compiled if kernel.wanted() else _replay_numpy
     step_time = np.empty((len(scenarios), model.n_steps))
     step_span = np.empty((len(scenarios), model.n_steps))
     starts: dict[str, np.ndarray] = {}
@@ -102,15 +122,31 @@ def replay(model: JobModel, scenarios: Sequence[Scenario], *, memory_limit: int 
     plans: dict[LanePlan, list[int]] = {}
     for index, scenario in enumerate(scenarios):
         plans.setdefault(lane_plan(model, scenario), []).append(index)
+    groups = []
     for plan, members in plans.items():
         lanes, taken = plan.lanes(model), {}
         batch = [scenarios[i] if lanes is None else _on_lanes(scenarios[i], lanes, taken) for i in members]
-        times, spans, kept = backend(model, plan.n_steps(model), plan.dp(model), batch, memory_limit)
-        step_time[members] = times   # [members, 1] broadcasts when one lane stands for every step
-        step_span[members] = spans
+        groups.append(_Group(members, plan.n_steps(model), plan.dp(model), batch))
+    if kernel.wanted():
+        outcomes = _replay_compiled(model, groups, _THREADS.get() if threads is None else threads)
+    else:
+        outcomes = [_replay_numpy(model, group.n_steps, group.dp, group.scenarios, memory_limit) for group in groups]
+    for group, (times, spans, kept) in zip(groups, outcomes):
+        step_time[group.members] = times   # [members, 1] broadcasts when one lane stands for every step
+        step_span[group.members] = spans
         for name, (start, end) in kept.items():
             starts[name], ends[name] = start, end
     return ReplayResult(names, step_time, step_span, starts, ends)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """Scenarios of one lane plan, restricted to its lanes: `members` are their indices in the batch."""
+
+    members: list[int]
+    n_steps: int
+    dp: int
+    scenarios: list[Scenario]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,21 +242,35 @@ def _replay_numpy(model: JobModel, n_steps: int, dp: int, scenarios: Sequence[Sc
     return np.concatenate(times), np.concatenate(spans), kept
 
 
-def _replay_compiled(model: JobModel, n_steps: int, dp: int, scenarios: Sequence[Scenario], memory_limit: int):
-    """Compiled backend (kernel.py): one scenario at a time, no chunk arrays (memory_limit unused)."""
+def _replay_compiled(model: JobModel, groups: Sequence[_Group], threads: int) -> list[tuple]:
+    """Compiled backend (kernel.py): one kernel call per scenario, no chunk arrays; with
+    threads > 1 that many at once, the widest first (they take longest). Per group:
+    (step_time, step_span, kept) as _replay_numpy returns them."""
     layout = kernel.op_layout(model)
-    shape = (model.n_ops, n_steps * dp)
-    step_time = np.empty((len(scenarios), n_steps))
-    step_span = np.empty((len(scenarios), n_steps))
-    kept = {}
-    for s, scenario in enumerate(scenarios):
+    tasks = [(g, s) for g, group in enumerate(groups) for s in range(len(group.scenarios))]
+    tasks.sort(key=lambda task: -groups[task[0]].n_steps * groups[task[0]].dp)
+
+    def run(task: tuple[int, int]):
+        group = groups[task[0]]
+        scenario, shape = group.scenarios[task[1]], (model.n_ops, group.n_steps * group.dp)
         delay = _parts(0.0 if scenario.delay is None else scenario.delay, shape)
         parts = (*_parts(scenario.cost, shape), *delay, scenario.delay is not None)
-        step_time[s], step_span[s], start, end = kernel.replay_scenario(model, layout, n_steps, dp, parts,
-                                                                        scenario.keep_times)
-        if scenario.keep_times:
-            kept[scenario.name] = (start, end)
-    return step_time, step_span, kept
+        return kernel.replay_scenario(model, layout, group.n_steps, group.dp, parts, scenario.keep_times)
+
+    if threads > 1 and len(tasks) > 1:
+        from concurrent.futures import ThreadPoolExecutor   # here: a one-job command's path only
+
+        with ThreadPoolExecutor(min(threads, len(tasks)), thread_name_prefix="strag-replay") as pool:
+            replayed = dict(zip(tasks, pool.map(run, tasks)))
+    else:
+        replayed = {task: run(task) for task in tasks}
+    outcomes = []
+    for g, group in enumerate(groups):
+        rows = [replayed[g, s] for s in range(len(group.scenarios))]
+        kept = {scenario.name: (start, end) for scenario, (_, _, start, end) in zip(group.scenarios, rows)
+                if scenario.keep_times}
+        outcomes.append((np.array([row[0] for row in rows]), np.array([row[1] for row in rows]), kept))
+    return outcomes
 
 
 def _parts(values: Values, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

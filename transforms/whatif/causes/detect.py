@@ -26,7 +26,7 @@ from transforms.whatif.causes.signals import (
 )
 from transforms.whatif.causes.verdict import CauseError, CauseRules, Fix, Verdict
 from transforms.whatif.metrics import analyze_model, worker_set_mask
-from transforms.whatif.model import JobModel, compile_job
+from transforms.whatif.model import JobModel, compile_job, distinct
 from transforms.whatif.replay import Mix, Scenario, replay
 from transforms.whatif.result import JobMeta, WhatIfResult
 from schemas.causes import FIX_NAMES
@@ -114,7 +114,7 @@ def _gc_evidence(model: JobModel, forward: np.ndarray, gc: GcStalls, evidence: d
     worker = model.lane_dp[lanes] * model.pp_size + model.op_stage[forward[rows, lanes]]
     counts = np.bincount(worker, minlength=model.dp_size * model.pp_size)
     evidence.update(gc_workers=int((counts > 0).sum()), gc_max_worker_share=float(counts.max() / counts.sum()),
-                    gc_steps=int(len(np.unique(model.lane_step[lanes]))), gc_mean_pause=float(gc.stall[gc.pauses].mean()),
+                    gc_steps=int(len(distinct(model.lane_step[lanes]))), gc_mean_pause=float(gc.stall[gc.pauses].mean()),
                     gc_backward_outliers=int(gc.backward_outliers))
 
 
@@ -136,7 +136,7 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
     mw_mask = worker_set_mask(model, result.mw.workers)
     compute = np.isin(model.op_optype, (FORWARD, BACKWARD))[:, None]
     costs: dict[str, object] = {
-        "worker-compute": np.where(mw_mask & compute, ideal, original),
+        "worker-compute": Mix(original, ideal, mw_mask & compute),
         "worker-comm": Mix(original, ideal, mw_mask & model.op_is_comm[:, None]),
         "stage": rebalanced_stages(model),
         "communication": Mix(original, ideal, model.op_is_comm[:, None]),

@@ -7,7 +7,7 @@ import numpy as np
 
 from transforms.whatif.causes.sequences import BACKWARD, FORWARD
 from transforms.whatif.causes.signals import GcStalls, PeerComparison
-from transforms.whatif.model import JobModel
+from transforms.whatif.model import JobModel, distinct, median
 from schemas.trace import OPTYPES
 
 __all__ = ["at_peer_speed", "rebalanced_stages", "without_pauses", "planned_gc_seconds", "compose"]
@@ -34,7 +34,7 @@ def rebalanced_stages(model: JobModel) -> np.ndarray:
     for code in (FORWARD, BACKWARD):
         ops = np.flatnonzero(model.op_optype == code)
         chunks = model.op_gmc[ops]
-        means = {int(g): cost[ops[chunks == g]].mean() for g in np.unique(chunks)}
+        means = {int(g): cost[ops[chunks == g]].mean() for g in distinct(chunks)}
         target = float(np.mean(list(means.values())))
         for g, mean in means.items():
             if mean > 0:
@@ -52,14 +52,14 @@ def without_pauses(model: JobModel, forward: np.ndarray, gc: GcStalls, min_stall
     cost = model.original_cost.copy()
     rows, lanes = np.nonzero(gc.pauses)
     cost[forward[rows, lanes], lanes] = gc.expected[rows, lanes]
-    paused_lanes = np.unique(lanes)
+    paused_lanes = distinct(lanes)
     for code in _P2P:
         ops = np.flatnonzero(model.op_optype == code)
         if not len(ops) or not len(paused_lanes):
             continue
-        median = float(np.median(cost[ops]))
+        typical = median(cost[ops])
         block = cost[np.ix_(ops, paused_lanes)]
-        cost[np.ix_(ops, paused_lanes)] = np.where(block > median + min_stall, median, block)
+        cost[np.ix_(ops, paused_lanes)] = np.where(block > typical + min_stall, typical, block)
     return cost
 
 

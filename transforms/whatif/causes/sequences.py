@@ -22,7 +22,7 @@ import pyarrow as pa
 from schemas.trace import OPTYPES
 from transforms.whatif import kernel
 from transforms.whatif.errors import TraceValueError
-from transforms.whatif.model import JobModel
+from transforms.whatif.model import JobModel, distinct
 
 __all__ = ["SequenceWorkload", "sequence_workload", "imbalance_degree", "greedy_repack", "greedy_rebalance",
            "even_sequences", "repacked_sequences"]
@@ -258,7 +258,8 @@ def repacked_sequences(model: JobModel, workload: SequenceWorkload) -> tuple[np.
     the imbalance evidence."""
     new_table, evidence = _repacked_workload(model, workload)
     rows = np.flatnonzero((model.op_optype == FORWARD) | (model.op_optype == BACKWARD))
-    _, group = np.unique(model.op_gmc[rows] * 2 + (model.op_optype[rows] == BACKWARD), return_inverse=True)
+    chunk_and_kind = model.op_gmc[rows] * 2 + (model.op_optype[rows] == BACKWARD)
+    group = np.searchsorted(distinct(chunk_and_kind), chunk_and_kind)
     cost = model.original_cost.copy()
     old_x, new_x, y = workload.op_workload[rows], _op_values(model, new_table, rows), cost[rows]
     intercept, slope = (fit[group, None] for fit in _linear_fits(group, old_x, y))
@@ -310,7 +311,7 @@ def even_sequences(model: JobModel) -> np.ndarray:
     step_of_lane = np.searchsorted(model.steps, model.lane_step)
     for code in (FORWARD, BACKWARD):
         ops = np.flatnonzero(model.op_optype == code)
-        for g in np.unique(model.op_gmc[ops]):
+        for g in distinct(model.op_gmc[ops]):
             rows = ops[model.op_gmc[ops] == g]
             block = cost[rows]                                       # [mb, lane]
             per_dp = np.bincount(model.lane_dp, weights=block.sum(axis=0), minlength=model.dp_size)
