@@ -202,9 +202,13 @@ def _by_step_longest_first(step_of_doc: np.ndarray, length: np.ndarray, n_steps:
     seq_lens), several times faster than an argsort. Step s's keys lie within half a span of
     s x span, so the offsets are a search for the midpoints."""
     span = 2.0 * (length.max() if len(length) else 0.0) + 1.0
-    key = np.sort(step_of_doc * span - length)
+    key = step_of_doc * span
+    key -= length
+    key.sort()                                   # in place: these arrays are as long as the documents
     doc_ptr = np.searchsorted(key, (np.arange(n_steps + 1) - 0.5) * span)
-    return doc_ptr, np.repeat(np.arange(n_steps) * span, np.diff(doc_ptr)) - key
+    ordered = np.repeat(np.arange(n_steps) * span, np.diff(doc_ptr))
+    ordered -= key
+    return doc_ptr, ordered
 
 
 def _repacked_workload(model: JobModel, workload: SequenceWorkload) -> tuple[np.ndarray, dict]:
