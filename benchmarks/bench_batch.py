@@ -52,14 +52,12 @@ def _run(lake: pathlib.Path, out: pathlib.Path, date_from: str, date_to: str, ru
     shutil.rmtree(out, ignore_errors=True)
     argv = ["--lake", str(lake), "--from", date_from, "--to", date_to, "--out", str(out), "--workers", str(workers), "--quiet"]
     cluster = None
+    started = time.perf_counter()   # the Dask cluster's start counts, as the FnApiRunner's worker processes do
     if runner == "dask":
-        from distributed import LocalCluster
-
-        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None)
+        cluster = batch.local_dask_cluster(workers)   # the cluster `strag batch --runner DaskRunner` starts
         argv += ["--runner", "DaskRunner", "--dask-address", cluster.scheduler_address]
         if dask_partitions:
             argv += ["--dask-partitions", str(dask_partitions)]
-    started = time.perf_counter()
     try:
         summary, _ = batch.execute(batch.parse(argv))
         summary["wall"] = time.perf_counter() - started

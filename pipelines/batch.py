@@ -21,7 +21,8 @@ Runners:
   second or two of analysis; in-process, GX is imported once, for the manifests and the
   windows alike. The run summary prints where the start-up time went.
 - DaskRunner: the same graph on a dask.distributed cluster (--dask-address; without it a
-  local cluster of --workers processes is started). The Dask runner executes only the last
+  local cluster of --workers processes is started, whose workers keep glibc's default
+  malloc: `local_dask_cluster`). The Dask runner executes only the last
   leaf of the graph, has no metrics, and Beam's parquet IO does not work on it; this
   pipeline ends in one terminal step (the commit), does its own IO with pyarrow + fsspec in
   DoFns, and carries its counts and timings in its elements. `build` refuses a graph with a
@@ -72,7 +73,7 @@ from transforms.match import MatchJobs, date_range
 
 __all__ = ["BatchOptions", "BatchUsageError", "parse", "pipeline_options", "dask_chunk", "window_groups", "MAX_GROUP",
            "SMALL_RUN", "for_run", "make_pipeline", "list_lake", "build", "execute", "run", "quiet_logs",
-           "check_single_terminal_step", "read_run_summary", "beam_counters", "RUNNERS"]
+           "check_single_terminal_step", "read_run_summary", "beam_counters", "local_dask_cluster", "RUNNERS"]
 
 DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
 RUNNERS = ("FnApiRunner", "DaskRunner", "PortableRunner", "FlinkRunner", "SparkRunner", "DataflowRunner")
@@ -377,10 +378,20 @@ def quiet_logs() -> None:
     configure_logs()
 
 
-def _start_local_dask(workers: int):
+def local_dask_cluster(workers: int):
+    """A local dask.distributed cluster for the batch: `workers` processes of one thread each
+    (the analysis holds the GIL), no dashboard.
+
+    Its workers keep glibc's default malloc tuning. Dask's nannies set MALLOC_TRIM_THRESHOLD_
+    in their workers' environment, and setting any malloc threshold turns off glibc's dynamic
+    mmap threshold: every array over 128 KiB then becomes a fresh mmap, page-faulted in and
+    unmapped again (5x the page faults, the engine ~40% slower: benchmarks/bench_batch.py).
+    """
+    import dask
     from distributed import LocalCluster
 
-    return LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None)
+    with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+        return LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None)
 
 
 def read_run_summary(opts: BatchOptions) -> dict:
@@ -479,7 +490,7 @@ def run(argv: list[str]) -> int:
     quiet_logs()
     cluster = None
     if opts.runner == "DaskRunner" and not opts.dask_address:
-        cluster = _start_local_dask(opts.workers)
+        cluster = local_dask_cluster(opts.workers)
         opts = dataclasses.replace(opts, dask_address=cluster.scheduler_address)
     imports = _seconds_since_process_start()
     started = time.perf_counter()

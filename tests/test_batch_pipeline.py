@@ -207,7 +207,9 @@ def test_every_date_has_a_partition_in_every_table(fnapi_run):
 def test_dask_runner_gives_identical_tables(lake, fnapi_run, tmp_path):
     distributed = pytest.importorskip("distributed")
     out = tmp_path / "out"
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+    with batch.local_dask_cluster(2) as cluster:   # the cluster strag batch starts without --dask-address
+        with distributed.Client(cluster) as client:   # its workers keep glibc's dynamic mmap threshold
+            assert set(client.run(os.environ.get, "MALLOC_TRIM_THRESHOLD_").values()) == {None}
         summary, counters = _run(_argv(lake[0], str(out), "--runner", "DaskRunner", "--dask-address", cluster.scheduler_address))
     assert counters == {}  # the Dask runner has no metrics: the summary travels in the elements
     assert summary["jobs"] == fnapi_run[1]["jobs"] and summary["ops"] == fnapi_run[1]["ops"]
