@@ -28,10 +28,13 @@ Runners:
   DoFns, and carries its counts and timings in its elements. `build` refuses a graph with a
   second terminal step. Its GroupByKey is a task shuffle whose cost grows with the square
   of the partitions, so window groups are dealt into --dask-partitions (default 4 x
-  --workers) partitions of equal bytes rather than one partition each.
+  --workers) partitions of equal bytes rather than one partition each. Every Flatten input
+  adds its partitions to the shuffles after it, so the graph flattens little: AnalyzeJobs
+  quarantines a failing group inside its one ParDo, and the windows' stats reach the commit
+  through its partitions' GroupByKey.
 
 Window groups (--group N: about N windows each; default up to 8, in a multiple of --workers
-groups, at least 4 per worker): a worker validates a group's windows with one Great
+groups, at least 4 per worker; on Dask a multiple of its partitions): a worker validates a group's windows with one Great
 Expectations screen run, since GX's cost per run is mostly fixed. Groups carry about equal
 bytes, and the FnApiRunner deals them to its workers in turn, so each worker gets as many.
 - Portable runners (Flink, Spark, Dataflow): pass their options through (see README).
@@ -244,7 +247,9 @@ def window_groups(opts: BatchOptions, windows: int) -> int:
     """How many groups to deal the windows into: ceil(windows / --group); in-process, as few
     as keeps groups to MAX_GROUP windows (one GX screen run each, nothing runs in parallel);
     else rounded up to a multiple of the workers and at least 4 per worker (so the last
-    groups do not leave a worker idle for long)."""
+    groups do not leave a worker idle for long), and on the DaskRunner to a multiple of its
+    partitions: equal chunks of groups make partitions of equal bytes (a short last chunk
+    ends light, having taken big groups while the others still had room)."""
     if windows == 0:
         return 0
     if opts.group is not None:
@@ -252,7 +257,10 @@ def window_groups(opts: BatchOptions, windows: int) -> int:
     if opts.running_mode == "in_memory":
         return math.ceil(windows / MAX_GROUP)
     per_worker = max(4, math.ceil(windows / (MAX_GROUP * opts.workers)))
-    return min(windows, per_worker * opts.workers)
+    groups = per_worker * opts.workers
+    if dask_chunk(opts, groups) is not None:
+        groups = math.ceil(groups / opts.dask_partitions) * opts.dask_partitions
+    return min(windows, groups)
 
 
 def dask_chunk(opts: BatchOptions, groups: int) -> int | None:
