@@ -22,7 +22,7 @@ Runners:
   windows alike. The run summary prints where the start-up time went.
 - DaskRunner: the same graph on a dask.distributed cluster (--dask-address; without it a
   local cluster of --workers processes is started, whose workers keep glibc's default
-  malloc: `local_dask_cluster`). The Dask runner executes only the last
+  malloc and run no profiler: `local_dask_cluster`). The Dask runner executes only the last
   leaf of the graph, has no metrics, and Beam's parquet IO does not work on it; this
   pipeline ends in one terminal step (the commit), does its own IO with pyarrow + fsspec in
   DoFns, and carries its counts and timings in its elements. `build` refuses a graph with a
@@ -394,11 +394,14 @@ def local_dask_cluster(workers: int):
     in their workers' environment, and setting any malloc threshold turns off glibc's dynamic
     mmap threshold: every array over 128 KiB then becomes a fresh mmap, page-faulted in and
     unmapped again (5x the page faults, the engine ~40% slower: benchmarks/bench_batch.py).
+    Nor do they run Dask's statistical profiler, which samples the running task's stack every
+    10 ms for a dashboard this cluster does not have (~7% of the workers' CPU).
     """
     import dask
     from distributed import LocalCluster
 
-    with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+    with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+                          "distributed.worker.profile.enabled": False}):
         return LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None)
 
 

@@ -208,12 +208,19 @@ def test_dask_runner_gives_identical_tables(lake, fnapi_run, tmp_path):
     distributed = pytest.importorskip("distributed")
     out = tmp_path / "out"
     with batch.local_dask_cluster(2) as cluster:   # the cluster strag batch starts without --dask-address
-        with distributed.Client(cluster) as client:   # its workers keep glibc's dynamic mmap threshold
+        with distributed.Client(cluster) as client:   # its workers keep glibc's dynamic mmap threshold, no profiler
             assert set(client.run(os.environ.get, "MALLOC_TRIM_THRESHOLD_").values()) == {None}
+            assert set(client.run(_dask_profiler_enabled).values()) == {False}
         summary, counters = _run(_argv(lake[0], str(out), "--runner", "DaskRunner", "--dask-address", cluster.scheduler_address))
     assert counters == {}  # the Dask runner has no metrics: the summary travels in the elements
     assert summary["jobs"] == fnapi_run[1]["jobs"] and summary["ops"] == fnapi_run[1]["ops"]
     assert _table_files(out) == _table_files(fnapi_run[0])
+
+
+def _dask_profiler_enabled() -> bool:
+    import dask
+
+    return dask.config.get("distributed.worker.profile.enabled")
 
 
 def test_s3_lake_and_output_give_identical_tables(lake, fnapi_run, moto_s3):
