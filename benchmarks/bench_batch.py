@@ -16,7 +16,8 @@ with the elements into the run record, because the Dask runner has no metrics. S
 of worker-seconds = workers x wall; "other" is what no phase accounts for (process start,
 GX set-up, Beam's own work, idle workers at the end). Pipeline overhead = everything but
 the engine = 1 - analyze / worker-seconds. Targets: overhead < 30% of wall, the 30 x 20
-fleet in < 20 minutes on 2 cores.
+fleet in < 20 minutes on 2 cores; the DaskRunner's wall within 25% of the FnApiRunner's
+(its local cluster's start counts, as the FnApiRunner's worker processes do).
 """
 from __future__ import annotations
 
@@ -52,17 +53,16 @@ def _run(lake: pathlib.Path, out: pathlib.Path, date_from: str, date_to: str, ru
     shutil.rmtree(out, ignore_errors=True)
     argv = ["--lake", str(lake), "--from", date_from, "--to", date_to, "--out", str(out), "--workers", str(workers), "--quiet"]
     cluster = None
+    load = os.getloadavg()[0]
+    started = time.perf_counter()   # the Dask cluster's start counts, as the FnApiRunner's worker processes do
     if runner == "dask":
-        from distributed import LocalCluster
-
-        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None)
+        cluster = batch.local_dask_cluster(workers)   # the cluster `strag batch --runner DaskRunner` starts
         argv += ["--runner", "DaskRunner", "--dask-address", cluster.scheduler_address]
         if dask_partitions:
             argv += ["--dask-partitions", str(dask_partitions)]
-    started = time.perf_counter()
     try:
         summary, _ = batch.execute(batch.parse(argv))
-        summary["wall"] = time.perf_counter() - started
+        summary["wall"], summary["load"] = time.perf_counter() - started, load
     finally:
         if cluster is not None:
             cluster.close()
@@ -87,7 +87,8 @@ def _report(name: str, summary: dict, workers: int) -> None:
     windows = sum(summary["jobs"].values())
     print(f"\n{name}: {windows} job windows ({summary['jobs']}), {summary['ops']:,} ops analysed "
           f"of {summary['rows_read']:,} read")
-    print(f"  wall {wall:.0f} s = {wall / 60:.1f} min; {summary['ops'] / wall:,.0f} ops/s through the whole pipeline")
+    print(f"  wall {wall:.0f} s = {wall / 60:.1f} min (load {summary['load']:.1f} at the start); "
+          f"{summary['ops'] / wall:,.0f} ops/s through the whole pipeline")
     print(f"  worker-seconds ({workers} workers x wall = {capacity:.0f} s):")
     for phase, value in phases.items():
         print(f"    {phase:<30} {value:8.1f} s  {100 * value / capacity:5.1f}%")
@@ -116,13 +117,17 @@ def main() -> None:
     dates = sorted({job.date for job in list_jobs(str(lake))})[: args.only_days]
     print(f"lake: {len(dates)} dates {dates[0]}..{dates[-1]}; machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
 
-    outputs = {}
+    outputs, walls = {}, {}
     for runner in args.runners.split(","):
         out = work / f"out-{lake.name}-{runner}"
         summary = _run(lake, out, dates[0], dates[-1], runner, args.workers, args.dask_partitions)
         _report({"fnapi": "FnApiRunner (embedded default, multi-process)", "dask": "DaskRunner (LocalCluster)"}[runner],
                 summary, args.workers)
-        outputs[runner] = out
+        outputs[runner], walls[runner] = out, summary["wall"]
+    if len(walls) == 2:
+        ratio = walls["dask"] / walls["fnapi"]
+        print(f"\nDaskRunner / FnApiRunner wall: {walls['dask']:.0f} s / {walls['fnapi']:.0f} s = {ratio:.2f}x "
+              f"(target <= 1.25x: {'met' if ratio <= 1.25 else 'NOT met'}); load now {os.getloadavg()[0]:.1f}")
     if len(outputs) == 2:
         files = [_table_files(out) for out in outputs.values()]
         print(f"\ntables identical across runners: {files[0] == files[1]} ({len(files[0])} files)")

@@ -21,16 +21,20 @@ Runners:
   second or two of analysis; in-process, GX is imported once, for the manifests and the
   windows alike. The run summary prints where the start-up time went.
 - DaskRunner: the same graph on a dask.distributed cluster (--dask-address; without it a
-  local cluster of --workers processes is started). The Dask runner executes only the last
+  local cluster of --workers processes is started, whose workers keep glibc's default
+  malloc and run no profiler: `local_dask_cluster`). The Dask runner executes only the last
   leaf of the graph, has no metrics, and Beam's parquet IO does not work on it; this
   pipeline ends in one terminal step (the commit), does its own IO with pyarrow + fsspec in
   DoFns, and carries its counts and timings in its elements. `build` refuses a graph with a
   second terminal step. Its GroupByKey is a task shuffle whose cost grows with the square
   of the partitions, so window groups are dealt into --dask-partitions (default 4 x
-  --workers) partitions of equal bytes rather than one partition each.
+  --workers) partitions of equal bytes rather than one partition each. Every Flatten input
+  adds its partitions to the shuffles after it, so the graph flattens little: AnalyzeJobs
+  quarantines a failing group inside its one ParDo, and the windows' stats reach the commit
+  through its partitions' GroupByKey.
 
 Window groups (--group N: about N windows each; default up to 8, in a multiple of --workers
-groups, at least 4 per worker): a worker validates a group's windows with one Great
+groups, at least 4 per worker; on Dask a multiple of its partitions): a worker validates a group's windows with one Great
 Expectations screen run, since GX's cost per run is mostly fixed. Groups carry about equal
 bytes, and the FnApiRunner deals them to its workers in turn, so each worker gets as many.
 - Portable runners (Flink, Spark, Dataflow): pass their options through (see README).
@@ -72,7 +76,7 @@ from transforms.match import MatchJobs, date_range
 
 __all__ = ["BatchOptions", "BatchUsageError", "parse", "pipeline_options", "dask_chunk", "window_groups", "MAX_GROUP",
            "SMALL_RUN", "for_run", "make_pipeline", "list_lake", "build", "execute", "run", "quiet_logs",
-           "check_single_terminal_step", "read_run_summary", "beam_counters", "RUNNERS"]
+           "check_single_terminal_step", "read_run_summary", "beam_counters", "local_dask_cluster", "RUNNERS"]
 
 DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
 RUNNERS = ("FnApiRunner", "DaskRunner", "PortableRunner", "FlinkRunner", "SparkRunner", "DataflowRunner")
@@ -243,7 +247,9 @@ def window_groups(opts: BatchOptions, windows: int) -> int:
     """How many groups to deal the windows into: ceil(windows / --group); in-process, as few
     as keeps groups to MAX_GROUP windows (one GX screen run each, nothing runs in parallel);
     else rounded up to a multiple of the workers and at least 4 per worker (so the last
-    groups do not leave a worker idle for long)."""
+    groups do not leave a worker idle for long), and on the DaskRunner to a multiple of its
+    partitions: equal chunks of groups make partitions of equal bytes (a short last chunk
+    ends light, having taken big groups while the others still had room)."""
     if windows == 0:
         return 0
     if opts.group is not None:
@@ -251,7 +257,10 @@ def window_groups(opts: BatchOptions, windows: int) -> int:
     if opts.running_mode == "in_memory":
         return math.ceil(windows / MAX_GROUP)
     per_worker = max(4, math.ceil(windows / (MAX_GROUP * opts.workers)))
-    return min(windows, per_worker * opts.workers)
+    groups = per_worker * opts.workers
+    if dask_chunk(opts, groups) is not None:
+        groups = math.ceil(groups / opts.dask_partitions) * opts.dask_partitions
+    return min(windows, groups)
 
 
 def dask_chunk(opts: BatchOptions, groups: int) -> int | None:
@@ -377,10 +386,23 @@ def quiet_logs() -> None:
     configure_logs()
 
 
-def _start_local_dask(workers: int):
+def local_dask_cluster(workers: int):
+    """A local dask.distributed cluster for the batch: `workers` processes of one thread each
+    (the analysis holds the GIL), no dashboard.
+
+    Its workers keep glibc's default malloc tuning. Dask's nannies set MALLOC_TRIM_THRESHOLD_
+    in their workers' environment, and setting any malloc threshold turns off glibc's dynamic
+    mmap threshold: every array over 128 KiB then becomes a fresh mmap, page-faulted in and
+    unmapped again (5x the page faults, the engine ~40% slower: benchmarks/bench_batch.py).
+    Nor do they run Dask's statistical profiler, which samples the running task's stack every
+    10 ms for a dashboard this cluster does not have (~7% of the workers' CPU).
+    """
+    import dask
     from distributed import LocalCluster
 
-    return LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None)
+    with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+                          "distributed.worker.profile.enabled": False}):
+        return LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None)
 
 
 def read_run_summary(opts: BatchOptions) -> dict:
@@ -479,7 +501,7 @@ def run(argv: list[str]) -> int:
     quiet_logs()
     cluster = None
     if opts.runner == "DaskRunner" and not opts.dask_address:
-        cluster = _start_local_dask(opts.workers)
+        cluster = local_dask_cluster(opts.workers)
         opts = dataclasses.replace(opts, dask_address=cluster.scheduler_address)
     imports = _seconds_since_process_start()
     started = time.perf_counter()

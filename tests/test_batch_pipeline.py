@@ -207,11 +207,20 @@ def test_every_date_has_a_partition_in_every_table(fnapi_run):
 def test_dask_runner_gives_identical_tables(lake, fnapi_run, tmp_path):
     distributed = pytest.importorskip("distributed")
     out = tmp_path / "out"
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+    with batch.local_dask_cluster(2) as cluster:   # the cluster strag batch starts without --dask-address
+        with distributed.Client(cluster) as client:   # its workers keep glibc's dynamic mmap threshold, no profiler
+            assert set(client.run(os.environ.get, "MALLOC_TRIM_THRESHOLD_").values()) == {None}
+            assert set(client.run(_dask_profiler_enabled).values()) == {False}
         summary, counters = _run(_argv(lake[0], str(out), "--runner", "DaskRunner", "--dask-address", cluster.scheduler_address))
     assert counters == {}  # the Dask runner has no metrics: the summary travels in the elements
     assert summary["jobs"] == fnapi_run[1]["jobs"] and summary["ops"] == fnapi_run[1]["ops"]
     assert _table_files(out) == _table_files(fnapi_run[0])
+
+
+def _dask_profiler_enabled() -> bool:
+    import dask
+
+    return dask.config.get("distributed.worker.profile.enabled")
 
 
 def test_s3_lake_and_output_give_identical_tables(lake, fnapi_run, moto_s3):
@@ -296,7 +305,10 @@ def test_window_groups_and_dask_partitions_follow_the_workers(lake, tmp_path):
     assert [batch.window_groups(opts, n) for n in (0, 5, 20, 600)] == [0, 5, 8, 76]
     assert batch.window_groups(batch.parse(_argv(lake[0], str(tmp_path / "out"), "--group", "10")), 600) == 60
     dask = batch.parse(_argv(lake[0], str(tmp_path / "out"), "--runner", "DaskRunner", "--workers", "2"))
-    assert dask.dask_partitions == 8 and batch.dask_chunk(dask, 76) == 10 and batch.dask_chunk(opts, 76) is None
+    assert dask.dask_partitions == 8 and batch.dask_chunk(opts, 76) is None
+    # on Dask a multiple of the partitions, so every partition takes as many groups (of equal bytes)
+    assert [batch.window_groups(dask, n) for n in (5, 20, 100, 600)] == [5, 8, 16, 80]
+    assert batch.dask_chunk(dask, 80) == 10 and batch.dask_chunk(dask, 16) == 2
     with pytest.raises(batch.BatchUsageError, match="--group 0"):
         batch.parse(_argv(lake[0], str(tmp_path / "out"), "--group", "0"))
 

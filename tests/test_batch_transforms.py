@@ -14,7 +14,7 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from schemas.expectations import Problem
 from schemas.tables import BATCH_TABLES
-from transforms.analyze import analyze_group, analyze_matched_window, analyze_window, result_tables
+from transforms.analyze import AnalyzeJobs, analyze_group, analyze_matched_window, analyze_window, result_tables
 from transforms.commit import conform_rows
 from transforms.elements import ArrowElementCoder, JobOutcome, JobStats, MatchedJob, ValidatedJob, WindowGroup
 from transforms.lake import LakeJob, list_jobs, write_job
@@ -26,6 +26,7 @@ from transforms.validate import (
     ValidateTraces,
     dead_letters,
     guarded_pardo,
+    quarantine_on_error,
     quarantine_rows,
     validate_job_window,
 )
@@ -229,6 +230,45 @@ def test_an_unexpected_error_in_a_group_quarantines_only_its_window(lake, valida
     # a dead letter of a whole group quarantines each of its windows
     letters = list(dead_letters((group, (RuntimeError, "RuntimeError('boom')", ["trace"]))))
     assert [(o.job_id, o.stats.reason_code) for o in letters] == [("slow", UNEXPECTED_ERROR), ("clean", UNEXPECTED_ERROR)]
+
+
+def test_an_error_escaping_a_group_quarantines_its_windows_in_the_one_analysis_step(lake, validator, monkeypatch):
+    group = WindowGroup(tuple(match_windows([_job(lake, "slow"), _job(lake, "clean")], validator)))
+
+    def half_done(group, validator, engine):   # the first window's outcome, then a bug in the bookkeeping
+        yield from analyze_group(WindowGroup(group.windows[:1]), validator, engine)
+        raise KeyError("bookkeeping")
+
+    outcomes = quarantine_on_error(group, half_done(group, validator, analyze_job))
+    assert [(o.job_id, o.stats.status, o.stats.reason_code) for o in outcomes] == [
+        ("slow", "quarantined", UNEXPECTED_ERROR), ("clean", "quarantined", UNEXPECTED_ERROR)]
+    assert "KeyError: 'bookkeeping'" in outcomes[0].tables["quarantine"].column("detail")[0].as_py()
+    assert quarantine_on_error(group, iter(outcomes)) == outcomes
+
+    def unreachable():   # failing storage is not bad data: it fails the run
+        raise ConnectionResetError("bucket unreachable")
+        yield
+
+    with pytest.raises(ConnectionResetError):
+        quarantine_on_error(group, unreachable())
+    # in the pipeline: AnalyzeJobs is one step (no dead-letter branch to flatten back in) that quarantines the group
+    monkeypatch.setattr("transforms.analyze.analyze_group", half_done)
+    with beam.Pipeline(options=PipelineOptions(runner="FnApiRunner")) as p:
+        analysed = p | beam.Create([group]) | AnalyzeJobs()
+        assert_that(analysed | beam.Map(lambda o: (o.job_id, o.stats.reason_code)),
+                    equal_to([("slow", UNEXPECTED_ERROR), ("clean", UNEXPECTED_ERROR)]))
+    assert [t.full_label for t in _leaf_transforms(p) if "AnalyzeJobs" in t.full_label] == ["AnalyzeJobs/AnalyzeJob"]
+
+
+def _leaf_transforms(p: beam.Pipeline) -> list:
+    leaves = []
+
+    class Visitor(beam.pipeline.PipelineVisitor):
+        def visit_transform(self, node):
+            leaves.append(node)
+
+    p.visit(Visitor())
+    return leaves
 
 
 def test_match_jobs_lists_each_window_once(lake):

@@ -11,9 +11,10 @@ worker_attribution, dp/stage/optype_attribution, job_cause, coverage and quarant
 - Validation problems quarantine rows, files or the whole window (see validate.py).
 - A typed engine error (transforms/whatif/errors.py: bad structure, missing peer, cycle,
   too few steps, ...) quarantines that window with the error's reason code; an unexpected
-  exception (a bug meeting odd data) is caught by `with_exception_handling()` and quarantines it
-  as `unexpected_error`. Neither stops the run. A storage failure (OSError after the IO layer's
-  retries, transforms/storage.py) does: it is not bad data, and nothing is published.
+  exception (a bug meeting odd data) quarantines it as `unexpected_error` (caught per window,
+  and per group in the DoFn: `quarantine_on_error`). Neither stops the run. A storage failure
+  (OSError after the IO layer's retries, transforms/storage.py) does: it is not bad data, and
+  nothing is published.
 - A window whose replay discrepancy (launch_slowdown) exceeds 5% is `discarded`: its rows
   are written (flagged in job_summary) and coverage records the reason, but fleet
   statistics leave it out.
@@ -23,7 +24,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-import traceback
 from typing import Any, Iterator
 
 import apache_beam as beam
@@ -46,8 +46,9 @@ from transforms.validate import (
     count_quarantine,
     count_quarantine_error,
     coverage_row,
+    error_details,
     gpu_hours,
-    guarded_pardo,
+    quarantine_on_error,
     quarantined_outcome,
     source_format,
     unexpected_error_outcome,
@@ -245,7 +246,7 @@ def analyze_window(validated: ValidatedJob, engine) -> JobOutcome:
     stats.status = "discarded" if result.discarded else "analysed"
     stats.reason_code = DISCREPANCY_REASON_CODE if result.discarded else None
     stats.seconds["tables"] = time.perf_counter() - analysed
-    return JobOutcome(job.job_id, job.date, tables, stats, extra={"result": result})
+    return JobOutcome(job.job_id, job.date, tables, stats)
 
 
 def analyze_matched_window(matched: MatchedJob, validator, engine) -> JobOutcome:
@@ -283,7 +284,7 @@ def _or_error(element, work):
         return work()
     except QUARANTINED_ERRORS as error:   # storage errors (OSError) are not bad data: they fail the run
         count_quarantine_error()
-        return unexpected_error_outcome(element, (type(error), repr(error), traceback.format_exception(error)))
+        return unexpected_error_outcome(element, error_details(error))
 
 
 class _AnalyzeJobFn(beam.DoFn):
@@ -291,7 +292,10 @@ class _AnalyzeJobFn(beam.DoFn):
 
     One DoFn rather than two fused steps: the DaskRunner materialises each ParDo's whole
     output per partition before the next step runs, so a separate validation step would
-    hold the op rows of every window of a partition in memory at once.
+    hold the op rows of every window of a partition in memory at once. An unexpected error
+    escaping a group quarantines its windows here (quarantine_on_error), not through
+    with_exception_handling: on the DaskRunner its second output, flattened back in, would
+    double the partitions every later shuffle runs over (their tasks grow with the square).
     """
 
     def __init__(self, progress: bool = False):
@@ -306,6 +310,9 @@ class _AnalyzeJobFn(beam.DoFn):
         self._engine = analyze_and_classify
 
     def process(self, group: WindowGroup) -> Iterator[JobOutcome]:
+        yield from quarantine_on_error(group, self._outcomes(group))
+
+    def _outcomes(self, group: WindowGroup) -> Iterator[JobOutcome]:
         for outcome in analyze_group(group, self._validator, self._engine):
             beam.metrics.Metrics.counter("strag.jobs", outcome.stats.status).inc()
             beam.metrics.Metrics.counter("strag.ops", "analysed").inc(outcome.stats.ops)
@@ -324,12 +331,6 @@ def progress_line(outcome: JobOutcome) -> str:
             f"{sum(stats.seconds.values()):.1f} s")
 
 
-def _outcomes(element) -> Iterator[JobOutcome]:
-    # keep only this branch's kind: on the DaskRunner tagged outputs arrive mixed
-    if isinstance(element, JobOutcome):
-        yield element
-
-
 class AnalyzeJobs(beam.PTransform):
     """PCollection[WindowGroup] -> PCollection[JobOutcome] (analysed, discarded or quarantined), one per window.
 
@@ -341,6 +342,4 @@ class AnalyzeJobs(beam.PTransform):
         self._progress = progress
 
     def expand(self, matched):
-        results, failed = guarded_pardo(matched, "AnalyzeJob", _AnalyzeJobFn(self._progress))
-        analysed = results | "KeepOutcomes" >> beam.FlatMap(_outcomes).with_output_types(JobOutcome)
-        return (analysed, failed) | "MergeOutcomes" >> beam.Flatten()
+        return matched | "AnalyzeJob" >> beam.ParDo(_AnalyzeJobFn(self._progress)).with_output_types(JobOutcome)

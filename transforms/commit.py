@@ -60,6 +60,10 @@ __all__ = [
 
 CRASH_ENV = "STRAG_BATCH_CRASH_AT"
 _RUN_START = "strag:run-start"  # marker element: the publish step runs even when no job was found
+# The windows' JobStats ride the partitions' GroupByKey under this key to the publish step: a
+# branch of their own would be one more Flatten input, and on the DaskRunner every Flatten input
+# adds its partitions to the last shuffle, whose tasks grow with the square of the partitions.
+_STATS_KEY = ("strag:job-stats", None)
 _PARQUET_OPTIONS = dict(
     compression="zstd",
     compression_level=3,
@@ -317,10 +321,12 @@ def summarize_run(stats: Iterable[JobStats], staged: Iterable[StagedPartition] =
 
 
 def _split_fragments(item):
-    """JobOutcome / TableFragment / (table, date, rows) -> ((table, date), rows)."""
+    """JobOutcome / TableFragment / (table, date, rows) -> ((table, date), rows); a JobOutcome's
+    stats go under _STATS_KEY."""
     if isinstance(item, JobOutcome):
         for table, date, rows in item.fragments():
             yield (table, date), rows
+        yield _STATS_KEY, item.stats
     elif isinstance(item, tuple) and len(item) == 3 and isinstance(item[2], (pa.Table, pa.RecordBatch)):
         table, date, rows = item
         yield (table, date), rows
@@ -328,17 +334,18 @@ def _split_fragments(item):
         raise CommitError(f"CommitTables got {type(item).__name__}; expected JobOutcome or (table, iso_date, pa.Table)")
 
 
-def _job_stats(item):
-    if isinstance(item, JobOutcome):
-        yield item.stats
-
-
 class _StagePartitionFn(beam.DoFn):
+    """((table, date), rows) -> StagedPartition; the JobStats grouped under _STATS_KEY pass through."""
+
     def __init__(self, config: CommitConfig):
         self._config = config
 
     def process(self, element):
-        (table, date), parts = element
+        key, parts = element
+        if key == _STATS_KEY:
+            yield from parts
+            return
+        table, date = key
         staged = stage_partition(self._config, table, date, list(parts))
         beam.metrics.Metrics.counter("strag.tables", f"rows.{table}").inc(staged.rows)
         yield staged
@@ -382,10 +389,9 @@ class CommitTables(beam.PTransform):
             | "GroupByPartition" >> beam.GroupByKey()
             | "StagePartitions" >> beam.ParDo(_StagePartitionFn(self._config))
         )
-        stats = items | "CollectStats" >> beam.FlatMap(_job_stats)
         start = items.pipeline | "StartRun" >> beam.Create([_RUN_START])
         return (
-            (start, staged, stats)
+            (start, staged)
             | "GatherRun" >> beam.Flatten()
             | "KeyByRun" >> beam.Map(lambda item: (run_id, item))
             | "GroupByRun" >> beam.GroupByKey()

@@ -115,14 +115,13 @@ class ValidatedJob:
 @dataclasses.dataclass
 class JobOutcome:
     """What one job window contributes to the output: table name -> rows (schemas/tables.py
-    schemas, without `date`), plus its stats. `extra` carries values for steps plugged in
-    later (e.g. root-cause inputs) and is never written."""
+    schemas, without `date`), plus its stats. Nothing else: it is what the runners carry
+    between steps and shuffle."""
 
     job_id: str
     date: str
     tables: dict[str, pa.Table]
     stats: JobStats
-    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def fragments(self):
         """(table, date, rows) for every non-empty table of this window."""

@@ -20,16 +20,17 @@ Rules (reason codes live in schemas/expectations.py):
   files, missing workers or steps), or a row problem whose rows cannot be removed (the same
   op in two files), is quarantined whole; coverage names the most basic reason (a file
   missing a column before the workers it then lacks);
-- an unexpected error (a bug meeting odd data: QUARANTINED_ERRORS) is caught by
-  `with_exception_handling()` and quarantines that window with reason `unexpected_error`; a
-  storage failure (OSError, StorageError after retries) is not bad data and fails the run.
+- an unexpected error (a bug meeting odd data: QUARANTINED_ERRORS) is caught (by
+  `with_exception_handling()`, or in the DoFn by `quarantine_on_error`) and quarantines that
+  window with reason `unexpected_error`; a storage failure (OSError, StorageError after retries) is not bad data and fails the run.
 Every quarantine row bumps the Beam counter `strag.quarantine/<reason_code>`.
 """
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Iterable, Sequence
 from typing import Any, Iterator
 
 import apache_beam as beam
@@ -54,6 +55,8 @@ __all__ = [
     "quarantined_outcome",
     "unexpected_error_outcome",
     "dead_letters",
+    "quarantine_on_error",
+    "error_details",
     "guarded_pardo",
     "worker_validator",
     "count_quarantine",
@@ -361,6 +364,21 @@ def dead_letters(element) -> Iterator[JobOutcome]:
         for window in failed.windows if isinstance(failed, WindowGroup) else (failed,):
             count_quarantine_error()
             yield unexpected_error_outcome(window, error)
+
+
+def quarantine_on_error(element, outcomes: Iterable[JobOutcome]) -> list[JobOutcome]:
+    """All of `outcomes`, or, when producing them raises an unexpected error (QUARANTINED_ERRORS),
+    none of them but a quarantined JobOutcome per window of `element` (what guarded_pardo's
+    dead letters give), inside the DoFn: no second output to flatten back in."""
+    try:
+        return list(outcomes)
+    except QUARANTINED_ERRORS as error:   # storage errors (OSError) are not bad data: they fail the run
+        return list(dead_letters((element, error_details(error))))
+
+
+def error_details(error: BaseException) -> tuple:
+    """(type, repr, traceback lines) of an exception: the error part of a dead letter."""
+    return type(error), repr(error), traceback.format_exception(error)
 
 
 def guarded_pardo(pcoll, label: str, dofn: beam.DoFn):
