@@ -1,4 +1,4 @@
-"""ValidateTraces / AnalyzeJobs as plain functions and small composites: quarantine rows,
+"""Validation / AnalyzeJobs as plain functions and small composites: quarantine rows,
 whole-window decisions, engine errors, unexpected errors, result tables against the schemas."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from schemas.expectations import Problem
 from schemas.tables import BATCH_TABLES
-from transforms.analyze import AnalyzeJobs, analyze_group, analyze_matched_window, analyze_window, result_tables
+from transforms.analyze import AnalyzeJobs, analyze_group, analyze_matched_window, analyze_window
 from transforms.commit import conform_rows
 from transforms.elements import ArrowElementCoder, JobOutcome, JobStats, MatchedJob, ValidatedJob, WindowGroup
 from transforms.lake import LakeJob, list_jobs, write_job
@@ -23,9 +23,7 @@ from transforms.synth.faults import Cause
 from transforms.synth.job import JobSpec, generate_job
 from transforms.validate import (
     UNEXPECTED_ERROR,
-    ValidateTraces,
     dead_letters,
-    guarded_pardo,
     quarantine_on_error,
     quarantine_rows,
     validate_job_window,
@@ -122,35 +120,6 @@ def test_an_engine_error_quarantines_the_window_with_its_reason(lake, validator)
     assert "job 'clean'" in record["detail"] and "step 3" in record["detail"] and "gc_0_0" in record["detail"]
     assert outcome.tables["coverage"].to_pylist()[0]["reason_code"] == "trace_structure"
     assert "job_summary" not in outcome.tables
-
-
-class _Explodes(beam.DoFn):
-    def process(self, matched):
-        if matched.job.job_id == "clean":
-            raise RuntimeError("disk on fire")
-        yield matched.job.job_id
-
-
-def test_unexpected_errors_quarantine_the_window_not_the_run(lake, validator):
-    jobs = match_windows(list_jobs(lake, DATE, DATE), validator)
-    with beam.Pipeline(options=PipelineOptions(runner="FnApiRunner")) as p:
-        results, failed = guarded_pardo(p | beam.Create(jobs), "Explode", _Explodes())
-        assert_that(results, equal_to(["slow"]), label="CheckResults")
-        reasons = failed | beam.Map(lambda o: (o.job_id, o.stats.status, o.tables["coverage"].column("reason_code")[0].as_py(),
-                                                "disk on fire" in o.tables["quarantine"].column("detail")[0].as_py()))
-        assert_that(reasons, equal_to([("clean", "quarantined", UNEXPECTED_ERROR, True)]), label="CheckFailed")
-
-
-def test_validate_traces_splits_valid_and_quarantined_windows(lake, validator):
-    clean = _job(lake, "clean")
-    orphan = LakeJob(clean.lake, clean.date, "orphan", clean.trace_files, None)
-    matched = match_windows([_job(lake, "slow"), clean, orphan], validator)
-    with beam.Pipeline(options=PipelineOptions(runner="FnApiRunner")) as p:
-        checked = p | beam.Create(matched) | ValidateTraces()
-        valid = checked["valid"] | "Valid" >> beam.Map(lambda v: (v.job.job_id, v.trace.num_rows > 0, v.problem))
-        invalid = checked["invalid"] | "Invalid" >> beam.Map(lambda o: (o.job_id, o.stats.status, o.stats.reason_code))
-        assert_that(valid, equal_to([("slow", True, None), ("clean", True, None)]), label="CheckValid")
-        assert_that(invalid, equal_to([("orphan", "quarantined", "missing_manifest")]), label="CheckInvalid")
 
 
 def test_balanced_order_deals_equal_bytes_into_each_chunk():

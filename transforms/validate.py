@@ -6,10 +6,6 @@ schemas/expectations.py plus structural checks)
 (one GX screen run for the whole group; the Validator is built once per worker thread in
 `setup()`); AnalyzeJobs calls it in the same DoFn that runs the engine, so op rows never
 leave the worker that read them. `validate_job_window` does one window.
-`ValidateTraces` is the same step as a composite of its own, for pipelines that only
-validate: PCollection[MatchedJob] -> named outputs
-- `valid`: PCollection[ValidatedJob] with the valid op rows;
-- `invalid`: PCollection[JobOutcome] of windows quarantined whole (coverage + quarantine rows).
 
 Rules (reason codes live in schemas/expectations.py):
 - rejected rows go to the quarantine table one row each, and the window goes on with the
@@ -20,8 +16,8 @@ Rules (reason codes live in schemas/expectations.py):
   files, missing workers or steps), or a row problem whose rows cannot be removed (the same
   op in two files), is quarantined whole; coverage names the most basic reason (a file
   missing a column before the workers it then lacks);
-- an unexpected error (a bug meeting odd data: QUARANTINED_ERRORS) is caught (by
-  `with_exception_handling()`, or in the DoFn by `quarantine_on_error`) and quarantines that
+- an unexpected error (a bug meeting odd data: QUARANTINED_ERRORS) is caught (per window, or
+  per group in the DoFn by `quarantine_on_error`) and quarantines that
   window with reason `unexpected_error`; a storage failure (OSError, StorageError after retries) is not bad data and fails the run.
 Every quarantine row bumps the Beam counter `strag.quarantine/<reason_code>`.
 """
@@ -45,7 +41,6 @@ from transforms.lake import LakeJob, read_job_files
 from transforms.validation import Validator
 
 __all__ = [
-    "ValidateTraces",
     "validate_job_window",
     "validate_job_windows",
     "quarantine_rows",
@@ -57,7 +52,6 @@ __all__ = [
     "dead_letters",
     "quarantine_on_error",
     "error_details",
-    "guarded_pardo",
     "worker_validator",
     "count_quarantine",
     "count_quarantine_error",
@@ -325,31 +319,6 @@ def worker_validator() -> Validator:
     return validator
 
 
-class _ValidateFn(beam.DoFn):
-    """MatchedJob -> ValidatedJob; the GX context is built once per worker."""
-
-    def setup(self):
-        self._validator = worker_validator()
-
-    def process(self, matched: MatchedJob) -> Iterator[ValidatedJob]:
-        validated = validate_job_window(matched, self._validator)
-        count_quarantine(validated.quarantine)
-        yield validated
-
-
-def _passing(element) -> Iterator[ValidatedJob]:
-    # isinstance filters, not tagged outputs alone: on the DaskRunner every tagged output
-    # of a ParDo arrives in one mixed collection, so each branch keeps only its own kind.
-    if isinstance(element, ValidatedJob) and element.problem is None:
-        yield element
-
-
-def _rejected(element) -> Iterator[JobOutcome]:
-    if isinstance(element, ValidatedJob) and element.problem is not None:
-        beam.metrics.Metrics.counter("strag.jobs", "quarantined").inc()
-        yield quarantined_outcome(element.job, element.problem, element.quarantine, element.stats, element.manifest)
-
-
 def count_quarantine_error() -> None:
     """Bump the counters of a window quarantined by an unexpected error."""
     beam.metrics.Metrics.counter("strag.quarantine", UNEXPECTED_ERROR).inc()
@@ -368,8 +337,8 @@ def dead_letters(element) -> Iterator[JobOutcome]:
 
 def quarantine_on_error(element, outcomes: Iterable[JobOutcome]) -> list[JobOutcome]:
     """All of `outcomes`, or, when producing them raises an unexpected error (QUARANTINED_ERRORS),
-    none of them but a quarantined JobOutcome per window of `element` (what guarded_pardo's
-    dead letters give), inside the DoFn: no second output to flatten back in."""
+    none of them but a quarantined JobOutcome per window of `element`, inside the DoFn: no
+    second output (with_exception_handling's) to flatten back in."""
     try:
         return list(outcomes)
     except QUARANTINED_ERRORS as error:   # storage errors (OSError) are not bad data: they fail the run
@@ -379,22 +348,3 @@ def quarantine_on_error(element, outcomes: Iterable[JobOutcome]) -> list[JobOutc
 def error_details(error: BaseException) -> tuple:
     """(type, repr, traceback lines) of an exception: the error part of a dead letter."""
     return type(error), repr(error), traceback.format_exception(error)
-
-
-def guarded_pardo(pcoll, label: str, dofn: beam.DoFn):
-    """ParDo(dofn).with_exception_handling(): (main outputs, a quarantined JobOutcome per
-    element whose processing raised an unexpected exception)."""
-    results, errors = pcoll | label >> beam.ParDo(dofn).with_exception_handling(exc_class=QUARANTINED_ERRORS)
-    failed = errors | f"QuarantineErrorsOf{label}" >> beam.FlatMap(dead_letters).with_output_types(JobOutcome)
-    return results, failed
-
-
-class ValidateTraces(beam.PTransform):
-    """PCollection[MatchedJob] -> {"valid": PCollection[ValidatedJob], "invalid": PCollection[JobOutcome]}."""
-
-    def expand(self, jobs):
-        checked, failed = guarded_pardo(jobs, "ReadAndValidate", _ValidateFn())
-        valid = checked | "KeepValid" >> beam.FlatMap(_passing).with_output_types(ValidatedJob)
-        rejected = checked | "QuarantineInvalid" >> beam.FlatMap(_rejected).with_output_types(JobOutcome)
-        invalid = (rejected, failed) | "MergeInvalid" >> beam.Flatten()
-        return {"valid": valid, "invalid": invalid}
