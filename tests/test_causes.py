@@ -17,7 +17,7 @@ from transforms.synth import Cause, JobSpec, generate_job
 from transforms.whatif import analyze_model, compile_job
 from transforms.whatif.model import distinct, median
 from schemas.causes import EVIDENCE_LABELS, FIX_NAMES
-from transforms.whatif.causes import CauseError, classify, sequence_workload, verdict_row
+from transforms.whatif.causes import CauseError, classify, sequence_workload, verdict_json, verdict_row
 from transforms.whatif.causes.signals import nanmedian, peer_median
 
 STAGE = Cause("last_stage_imbalance", {"forward_extra": 0.6, "backward_extra": 0.25})
@@ -232,3 +232,18 @@ def test_analyze_and_classify_is_analyze_job_plus_the_verdict(analysed):
     workers = [{"dp_rank": d, "stage": p, "host": f"node-{d}-{p}"} for d in range(4) for p in range(4)]
     table = job_cause_table(again, 50.0, workers)
     assert table.column("implicated_hosts").to_pylist() == [["node-1-2"]]
+
+
+@pytest.mark.parametrize("name", ["worker-and-stage", "gc-and-worker", "sequence"])
+def test_signals_computed_beside_the_analysis_give_the_same_verdict(name, analysed):
+    """With replay threads, analyze_and_classify computes the pair signals in a thread of their
+    own while the analysis replays; the verdict is the same, evidence order included."""
+    from transforms.whatif.causes import analyze_and_classify
+    from transforms.whatif.replay import replay_threads
+
+    job, _, _, verdict, _ = analysed(name)
+    trace = job.trace
+    with replay_threads(2):
+        _, threaded = analyze_and_classify(trace, job.meta, name)
+    assert json.dumps(verdict_json(threaded, None), default=float) == json.dumps(verdict_json(verdict, None), default=float)
+    assert list(threaded.evidence) == list(verdict.evidence)

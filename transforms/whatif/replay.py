@@ -34,7 +34,7 @@ import numpy as np
 from transforms.whatif import kernel
 from transforms.whatif.model import JobModel
 
-__all__ = ["Mix", "Scenario", "ReplayResult", "replay", "replay_threads", "DEFAULT_MEMORY_LIMIT"]
+__all__ = ["Mix", "Scenario", "ReplayResult", "replay", "replay_threads", "replay_thread_count", "DEFAULT_MEMORY_LIMIT"]
 
 DEFAULT_MEMORY_LIMIT = 1 << 30   # bytes of replay arrays per chunk of scenarios
 _THREADS = contextvars.ContextVar("strag_replay_threads", default=1)
@@ -106,6 +106,11 @@ class ReplayResult:
         return self.step_span[self.index(name)]
 
 
+def replay_thread_count() -> int:
+    """The threads `replay` uses by default here (`replay_threads`' setting, else 1)."""
+    return _THREADS.get()
+
+
 def replay(model: JobModel, scenarios: Sequence[Scenario], *, memory_limit: int = DEFAULT_MEMORY_LIMIT,
            threads: int | None = None) -> ReplayResult:
     """Replay every scenario over the compiled model; see the module docstring.
@@ -128,7 +133,7 @@ def replay(model: JobModel, scenarios: Sequence[Scenario], *, memory_limit: int 
         batch = [scenarios[i] if lanes is None else _on_lanes(scenarios[i], lanes, taken) for i in members]
         groups.append(_Group(members, plan.n_steps(model), plan.dp(model), batch))
     if kernel.wanted():
-        outcomes = _replay_compiled(model, groups, _THREADS.get() if threads is None else threads)
+        outcomes = _replay_compiled(model, groups, replay_thread_count() if threads is None else threads)
     else:
         outcomes = [_replay_numpy(model, group.n_steps, group.dp, group.scenarios, memory_limit) for group in groups]
     for group, (times, spans, kept) in zip(groups, outcomes):

@@ -27,7 +27,7 @@ from transforms.whatif.causes.signals import (
 from transforms.whatif.causes.verdict import CauseError, CauseRules, Fix, Verdict
 from transforms.whatif.metrics import analyze_model, worker_set_mask
 from transforms.whatif.model import JobModel, compile_job, distinct
-from transforms.whatif.replay import Mix, Scenario, replay
+from transforms.whatif.replay import Mix, Scenario, replay, replay_thread_count
 from transforms.whatif.result import JobMeta, WhatIfResult
 from schemas.causes import FIX_NAMES
 
@@ -68,17 +68,23 @@ class _Candidate:
     fix_scenario: str | None = None      # the fix reported, when it is not the measuring replay
 
 
-def _signals(model: JobModel, result: WhatIfResult, rules: CauseRules, evidence: dict) -> _Signals:
-    mw, ms = float(result.mw.rem), float(result.ms.rem) if result.ms is not None else 0.0
-    excess = {name: max(value - 1.0, 0.0) for name, value in result.by_optype.items()}
-    total = sum(excess.values())
-    comm_excess = sum(v for k, v in excess.items() if k not in COMPUTE_GROUPS)
-    top_comm = max((k for k in excess if k not in COMPUTE_GROUPS), key=lambda k: excess[k], default=None)
-    row = result.worker_slowdown[:, model.pp_size - 1] - 1.0
-    uniformity = float(row.min() / row.max()) if model.dp_size > 1 and row.max() > 0 else 1.0
-    evidence.update(m_w=mw, m_s=ms, m_w_workers=[list(w) for w in result.mw.workers],
-                    comm_share=comm_excess / total if total > 0 else 0.0, comm_excess=comm_excess,
-                    top_comm_optype=top_comm, last_stage_uniformity=uniformity)
+@dataclasses.dataclass(frozen=True)
+class PairSignals:
+    """The signals read from the trace's forward/backward pairs alone, not from the analysis:
+    `analyze_and_classify` computes them while the analysis replays. evidence: their entries."""
+
+    forward: np.ndarray
+    backward: np.ndarray
+    r_norm: float
+    gc: GcStalls | None
+    peers: PeerComparison | None
+    chunks: ChunkBalance | None
+    evidence: dict
+
+
+def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSignals:
+    """Forward/backward correlation, GC stalls, peer comparison and chunk balance of a compiled job."""
+    evidence: dict[str, object] = {}
     forward, backward = pairs(model)
     r_norm, gc, peers, chunks = math.nan, None, None, None
     if len(forward):
@@ -102,7 +108,25 @@ def _signals(model: JobModel, result: WhatIfResult, rules: CauseRules, evidence:
                                      "slow_steps": int(peers.slow_steps[d, p]), "steps": peers.n_steps} for d, p in blamed]
     if chunks is not None:
         evidence.update(chunk_ratio=chunks.ratio, heaviest_chunk=[chunks.heaviest_chunk, chunks.heaviest_stage])
-    return _Signals(mw, ms, evidence["comm_share"], comm_excess, forward, backward, r_norm, uniformity, gc, peers, chunks)
+    return PairSignals(forward, backward, r_norm, gc, peers, chunks, evidence)
+
+
+def _signals(model: JobModel, result: WhatIfResult, rules: CauseRules, evidence: dict,
+             paired: PairSignals | None) -> _Signals:
+    mw, ms = float(result.mw.rem), float(result.ms.rem) if result.ms is not None else 0.0
+    excess = {name: max(value - 1.0, 0.0) for name, value in result.by_optype.items()}
+    total = sum(excess.values())
+    comm_excess = sum(v for k, v in excess.items() if k not in COMPUTE_GROUPS)
+    top_comm = max((k for k in excess if k not in COMPUTE_GROUPS), key=lambda k: excess[k], default=None)
+    row = result.worker_slowdown[:, model.pp_size - 1] - 1.0
+    uniformity = float(row.min() / row.max()) if model.dp_size > 1 and row.max() > 0 else 1.0
+    evidence.update(m_w=mw, m_s=ms, m_w_workers=[list(w) for w in result.mw.workers],
+                    comm_share=comm_excess / total if total > 0 else 0.0, comm_excess=comm_excess,
+                    top_comm_optype=top_comm, last_stage_uniformity=uniformity)
+    paired = pair_signals(model, rules) if paired is None else paired
+    evidence.update(paired.evidence)
+    return _Signals(mw, ms, evidence["comm_share"], comm_excess, paired.forward, paired.backward, paired.r_norm,
+                    uniformity, paired.gc, paired.peers, paired.chunks)
 
 
 def _gc_evidence(model: JobModel, forward: np.ndarray, gc: GcStalls, evidence: dict) -> None:
@@ -242,11 +266,12 @@ def _default_scenario(cause: str, costs: dict) -> str | None:
 
 
 def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkload | None = None,
-             rules: CauseRules = CauseRules()) -> Verdict:
+             rules: CauseRules = CauseRules(), paired: PairSignals | None = None) -> Verdict:
     """Root-cause verdict of one analysed job (see the package docstring).
 
     model: the compiled job (transforms.whatif.compile_job); result: analyze_model(model)
-    (attribution needed when S >= 1.03); workload: sequence_workload(trace, model) or None.
+    (attribution needed when S >= 1.03); workload: sequence_workload(trace, model) or None;
+    paired: pair_signals(model, rules) when the caller has it already.
     Jobs with S below rules.straggling get cause "none" (evidence and fixes still computed
     when attribution exists). Raises CauseError when model and result are of different jobs.
     """
@@ -265,7 +290,7 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
                        {cause: explain.verdict_sentence(cause, slowdown, rules.straggling, None)})
 
     timings: dict[str, float] = {}
-    signals = _signals(model, result, rules, evidence)
+    signals = _signals(model, result, rules, evidence, paired)
     costs = _fix_costs(model, result, signals, workload, rules, evidence, timings)
     fixed = replay(model, [Scenario(name, cost) for name, cost in costs.items()])
     step_time = {name: float(fixed.span(name).mean()) for name in fixed.names}
@@ -359,5 +384,14 @@ def analyze_and_classify(trace: pa.Table, meta: JobMeta, job_id: str = "", *, ru
     engine's WhatIfError subclasses on traces it cannot analyse.
     """
     model = compile_job(trace, meta, job_id)
-    result = analyze_model(model, timeline=timeline)
-    return result, classify(model, result, workload=sequence_workload(trace, model), rules=rules)
+    if replay_thread_count() < 2:
+        result = analyze_model(model, timeline=timeline)
+        return result, classify(model, result, workload=sequence_workload(trace, model), rules=rules)
+    from concurrent.futures import ThreadPoolExecutor   # here: a one-job command's path only
+
+    # With threads to spare, the classifier's trace signals are computed while the analysis replays.
+    with ThreadPoolExecutor(1, thread_name_prefix="strag-signals") as pool:
+        paired = pool.submit(pair_signals, model, rules)
+        result = analyze_model(model, timeline=timeline)
+        return result, classify(model, result, workload=sequence_workload(trace, model), rules=rules,
+                                paired=paired.result())
