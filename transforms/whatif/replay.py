@@ -37,21 +37,33 @@ from transforms.whatif.model import JobModel
 __all__ = ["Mix", "Scenario", "ReplayResult", "replay", "replay_threads", "replay_thread_count", "DEFAULT_MEMORY_LIMIT"]
 
 DEFAULT_MEMORY_LIMIT = 1 << 30   # bytes of replay arrays per chunk of scenarios
-_THREADS = contextvars.ContextVar("strag_replay_threads", default=1)
+_POOL = contextvars.ContextVar("strag_replay_pool", default=(1, None))   # (threads, their executor)
 
 
 @contextlib.contextmanager
 def replay_threads(threads: int) -> Iterator[None]:
-    """Within the block, `replay` runs up to `threads` scenarios at once (compiled kernel only).
+    """Within the block, `replay` runs up to `threads` scenarios at once (compiled kernel only),
+    on one pool of threads that every replay of the block shares.
 
     For a one-job command, which has the machine's cores to itself: the analysis and the
     classifier replay through several layers of calls, which need not pass it along. Beam
     workers keep the default of 1: their processes already share the cores."""
-    token = _THREADS.set(max(1, int(threads)))
-    try:
-        yield
-    finally:
-        _THREADS.reset(token)
+    threads = max(1, int(threads))
+    if threads == 1:
+        token = _POOL.set((1, None))
+        try:
+            yield
+        finally:
+            _POOL.reset(token)
+        return
+    from concurrent.futures import ThreadPoolExecutor   # here: a one-job command's path only
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="strag-replay") as pool:
+        token = _POOL.set((threads, pool))
+        try:
+            yield
+        finally:
+            _POOL.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,16 +119,13 @@ class ReplayResult:
 
 
 def replay_thread_count() -> int:
-    """The threads `replay` uses by default here (`replay_threads`' setting, else 1)."""
-    return _THREADS.get()
+    """The threads `replay` uses here (`replay_threads`' setting, else 1)."""
+    return _POOL.get()[0]
 
 
-def replay(model: JobModel, scenarios: Sequence[Scenario], *, memory_limit: int = DEFAULT_MEMORY_LIMIT,
-           threads: int | None = None) -> ReplayResult:
-    """Replay every scenario over the compiled model; see the module docstring.
-
-    threads: scenarios the compiled kernel replays at once (it runs without the GIL);
-    default: `replay_threads`'s setting, else 1."""
+def replay(model: JobModel, scenarios: Sequence[Scenario], *, memory_limit: int = DEFAULT_MEMORY_LIMIT) -> ReplayResult:
+    """Replay every scenario over the compiled model; see the module docstring. Inside
+    `replay_threads(n)` the compiled kernel replays n scenarios at once (it runs without the GIL)."""
     names = [scenario.name for scenario in scenarios]
     if len(set(names)) != len(names):
         raise ValueError(f"scenario names must be unique: {names}")
@@ -133,7 +142,7 @@ def replay(model: JobModel, scenarios: Sequence[Scenario], *, memory_limit: int 
         batch = [scenarios[i] if lanes is None else _on_lanes(scenarios[i], lanes, taken) for i in members]
         groups.append(_Group(members, plan.n_steps(model), plan.dp(model), batch))
     if kernel.wanted():
-        outcomes = _replay_compiled(model, groups, replay_thread_count() if threads is None else threads)
+        outcomes = _replay_compiled(model, groups, _POOL.get()[1])
     else:
         outcomes = [_replay_numpy(model, group.n_steps, group.dp, group.scenarios, memory_limit) for group in groups]
     for group, (times, spans, kept) in zip(groups, outcomes):
@@ -247,10 +256,10 @@ def _replay_numpy(model: JobModel, n_steps: int, dp: int, scenarios: Sequence[Sc
     return np.concatenate(times), np.concatenate(spans), kept
 
 
-def _replay_compiled(model: JobModel, groups: Sequence[_Group], threads: int) -> list[tuple]:
-    """Compiled backend (kernel.py): one kernel call per scenario, no chunk arrays; with
-    threads > 1 that many at once, the widest first (they take longest). Per group:
-    (step_time, step_span, kept) as _replay_numpy returns them."""
+def _replay_compiled(model: JobModel, groups: Sequence[_Group], pool) -> list[tuple]:
+    """Compiled backend (kernel.py): one kernel call per scenario, no chunk arrays; with a
+    pool (an Executor) as many at once as it has threads, the widest first (they take
+    longest). Per group: (step_time, step_span, kept) as _replay_numpy returns them."""
     layout = kernel.op_layout(model)
     tasks = [(g, s) for g, group in enumerate(groups) for s in range(len(group.scenarios))]
     tasks.sort(key=lambda task: -groups[task[0]].n_steps * groups[task[0]].dp)
@@ -262,11 +271,8 @@ def _replay_compiled(model: JobModel, groups: Sequence[_Group], threads: int) ->
         parts = (*_parts(scenario.cost, shape), *delay, scenario.delay is not None)
         return kernel.replay_scenario(model, layout, group.n_steps, group.dp, parts, scenario.keep_times)
 
-    if threads > 1 and len(tasks) > 1:
-        from concurrent.futures import ThreadPoolExecutor   # here: a one-job command's path only
-
-        with ThreadPoolExecutor(min(threads, len(tasks)), thread_name_prefix="strag-replay") as pool:
-            replayed = dict(zip(tasks, pool.map(run, tasks)))
+    if pool is not None and len(tasks) > 1:
+        replayed = dict(zip(tasks, pool.map(run, tasks)))
     else:
         replayed = {task: run(task) for task in tasks}
     outcomes = []
