@@ -79,6 +79,11 @@ class AnalyzeOptions:
             raise ValueError("--timeline-steps must be >= 1")
 
 
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity where the OS has one, else all of them)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def parse(argv: list[str]) -> AnalyzeOptions:
     """Parse and validate the command line; exits with a usage message on bad arguments."""
     parser = ArgumentParser(
@@ -99,7 +104,7 @@ def parse(argv: list[str]) -> AnalyzeOptions:
                         help="write original + ideal timelines as Chrome-trace JSON (.json or .json.gz) for Perfetto")
     parser.add_argument("--timeline-steps", type=int, help="only the first N steps in the timeline (large jobs)")
     parser.add_argument("--top", type=int, default=3, help="entries shown per ranking (default 3)")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+    parser.add_argument("--threads", type=int, default=_usable_cpus(),
                         help="what-if scenarios replayed at once (default: the CPUs this process may use)")
     args = parser.parse_args(argv)
     try:

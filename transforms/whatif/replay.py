@@ -20,7 +20,8 @@ slice of the op axis, so gathering predecessors copies whole contiguous
 `[scenario, lane]` rows, and DP synchronisation is a max over the last axis reshaped to
 `(step, dp_rank)`; scenarios are replayed in chunks sized to `memory_limit` bytes. The
 compiled kernel (kernel.py, C) runs the same operations scenario by scenario whenever it
-can be built; `STRAG_REPLAY=numpy|kernel` forces one.
+can be built, several scenarios at once on threads inside `replay_threads(n)`;
+`STRAG_REPLAY=numpy|kernel` forces one.
 """
 from __future__ import annotations
 
@@ -49,16 +50,12 @@ def replay_threads(threads: int) -> Iterator[None]:
     classifier replay through several layers of calls, which need not pass it along. Beam
     workers keep the default of 1: their processes already share the cores."""
     threads = max(1, int(threads))
-    if threads == 1:
-        token = _POOL.set((1, None))
-        try:
-            yield
-        finally:
-            _POOL.reset(token)
-        return
-    from concurrent.futures import ThreadPoolExecutor   # here: a one-job command's path only
+    with contextlib.ExitStack() as stack:
+        pool = None
+        if threads > 1:
+            from concurrent.futures import ThreadPoolExecutor   # here: a one-job command's path only
 
-    with ThreadPoolExecutor(threads, thread_name_prefix="strag-replay") as pool:
+            pool = stack.enter_context(ThreadPoolExecutor(threads, thread_name_prefix="strag-replay"))
         token = _POOL.set((threads, pool))
         try:
             yield
