@@ -1,6 +1,7 @@
 """classify: signals -> one batched replay of every fix -> detectors -> the listing rule -> ranked verdict."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -384,14 +385,13 @@ def analyze_and_classify(trace: pa.Table, meta: JobMeta, job_id: str = "", *, ru
     engine's WhatIfError subclasses on traces it cannot analyse.
     """
     model = compile_job(trace, meta, job_id)
-    if replay_thread_count() < 2:
-        result = analyze_model(model, timeline=timeline)
-        return result, classify(model, result, workload=sequence_workload(trace, model), rules=rules)
-    from concurrent.futures import ThreadPoolExecutor   # here: a one-job command's path only
+    with contextlib.ExitStack() as stack:
+        paired = None
+        if replay_thread_count() > 1:   # threads to spare: the trace signals are computed while the analysis replays
+            from concurrent.futures import ThreadPoolExecutor   # here: a one-job command's path only
 
-    # With threads to spare, the classifier's trace signals are computed while the analysis replays.
-    with ThreadPoolExecutor(1, thread_name_prefix="strag-signals") as pool:
-        paired = pool.submit(pair_signals, model, rules)
+            paired = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="strag-signals")).submit(
+                pair_signals, model, rules)
         result = analyze_model(model, timeline=timeline)
         return result, classify(model, result, workload=sequence_workload(trace, model), rules=rules,
-                                paired=paired.result())
+                                paired=None if paired is None else paired.result())
