@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -103,3 +104,28 @@ def test_a_closed_pipe_ends_the_command_quietly(reference_dir):
     process.stdout.close()                                  # the reader leaves before the first line
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 141 and stderr == b"", stderr.decode()
+
+
+def test_the_script_ends_analyze_without_teardown_and_loses_nothing(reference_dir, tmp_path, capsys):
+    """The `strag` script ends `strag analyze` with os._exit once its output is flushed: the
+    same lines as the in-process command, the JSON complete, the exit codes kept (0, and 2 for
+    a trace it cannot read), and none of the interpreter's exit work (its atexit hooks) run."""
+    trace, meta = str(reference_dir / "trace-AR.parquet"), str(reference_dir / "meta-AR.yaml")
+    argv = ["analyze", trace, "--meta", meta, "--json", str(tmp_path / "script.json"), "--threads", "1"]
+    assert cli.main([*argv[:4], "--json", str(tmp_path / "inline.json"), "--threads", "1"]) == 0
+    inline = capsys.readouterr().out
+    probe = ("import atexit, sys; atexit.register(lambda: print('teardown ran', file=sys.stderr)); "
+             "sys.argv = ['strag', *sys.argv[1:]]; from pipelines.cli import console; console()")
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    def lines(out: str) -> str:   # the engine's own seconds differ from run to run
+        return re.sub(r"analysed in [0-9.]+ s", "analysed in T s", out)
+
+    assert lines(done.stdout) == lines(inline.replace(str(tmp_path / "inline.json"), str(tmp_path / "script.json")))
+    assert (tmp_path / "script.json").read_text() == (tmp_path / "inline.json").read_text()
+    failed = subprocess.run([sys.executable, "-c", probe, "analyze", README, "--meta", meta], capture_output=True,
+                            text=True, env=env, timeout=120)
+    assert failed.returncode == 2 and "cannot read the job" in failed.stderr and "teardown" not in failed.stderr
+    usage = subprocess.run([sys.executable, "-c", probe, "report"], capture_output=True, text=True, env=env, timeout=120)
+    assert usage.returncode == 2 and "teardown ran" in usage.stderr   # other commands exit as usual
