@@ -651,40 +651,46 @@ def _segment_max(values: np.ndarray, index: np.ndarray, first: np.ndarray, sizes
 
 def _levels(level: np.ndarray, kind: np.ndarray, group: np.ndarray, pred_ptr: np.ndarray, pred_index: np.ndarray,
             n_ops: int) -> list[Level]:
-    """Per-level replay plans; ops must already be sorted by level, kind, group size, group."""
-    bounds = np.flatnonzero(np.diff(level)) + 1
-    starts = np.concatenate([[0], bounds])
-    ends = np.concatenate([bounds, [len(level)]])
-    pad = n_ops + 1   # the -inf row of the replay's end array
+    """Per-level replay plans; ops must already be sorted by level, kind, group size, group.
+    The predecessor columns of every level are views of one [max predecessors, op] table;
+    the rest is plain Python over the template's few hundred ops (cheaper than numpy calls)."""
+    counts = np.diff(pred_ptr)
+    table = np.full((int(counts.max()), n_ops), n_ops + 1, dtype=np.int64)   # padding: the -inf row of the replay
+    for j in range(len(table)):
+        has = np.flatnonzero(counts > j)
+        table[j, has] = pred_index[pred_ptr[has] + j]
+    bounds = (np.flatnonzero(np.diff(level)) + 1).tolist()
+    starts, ends = [0, *bounds], [*bounds, n_ops]
+    widths = np.maximum.reduceat(counts, starts).tolist()
+    own = np.concatenate([[0], np.cumsum(kind == OWN)]).tolist()
+    multi = np.concatenate([[0], np.cumsum(kind == MULTI)]).tolist()
+    groups = group.tolist()
     out = []
-    for lo, hi in zip(starts.tolist(), ends.tolist()):
-        multi_lo = lo + int(np.count_nonzero(kind[lo:hi] == OWN))
-        synced_lo = multi_lo + int(np.count_nonzero(kind[lo:hi] == MULTI))
-        counts = np.diff(pred_ptr[lo:hi + 1])
-        columns = []
-        for j in range(int(counts.max())):
-            columns.append(np.where(counts > j, pred_index[np.minimum(pred_ptr[lo:hi] + j, len(pred_index) - 1)], pad))
+    for lo, hi, width in zip(starts, ends, widths):
+        multi_lo = lo + own[hi] - own[lo]
+        synced_lo = multi_lo + multi[hi] - multi[lo]
         out.append(Level(
-            lo=lo, hi=hi, multi_lo=multi_lo, synced_lo=synced_lo, pred_columns=tuple(columns),
-            multi_runs=_group_runs(group, multi_lo, synced_lo), synced_runs=_group_runs(group, synced_lo, hi),
+            lo=lo, hi=hi, multi_lo=multi_lo, synced_lo=synced_lo, pred_columns=tuple(table[:width, lo:hi]),
+            multi_runs=_group_runs(groups, multi_lo, synced_lo), synced_runs=_group_runs(groups, synced_lo, hi),
         ))
     return out
 
 
-def _group_runs(group: np.ndarray, lo: int, hi: int) -> tuple[tuple[int, int, int], ...]:
-    """(first op, number of groups, group size) of each run of equal-size groups in [lo, hi)."""
-    if lo == hi:
-        return ()
-    first = lo + np.concatenate([[0], np.flatnonzero(np.diff(group[lo:hi])) + 1])
-    sizes = np.diff(np.append(first, hi))
-    runs = []
-    position = 0
-    while position < len(first):
-        end = position
-        while end < len(first) and sizes[end] == sizes[position]:
+def _group_runs(groups: list[int], lo: int, hi: int) -> tuple[tuple[int, int, int], ...]:
+    """(first op, number of groups, group size) of each run of equal-size groups in [lo, hi)
+    (a group: consecutive ops with the same group id)."""
+    runs: list[tuple[int, int, int]] = []
+    first = lo
+    while first < hi:
+        end = first + 1
+        while end < hi and groups[end] == groups[first]:
             end += 1
-        runs.append((int(first[position]), end - position, int(sizes[position])))
-        position = end
+        size = end - first
+        if runs and runs[-1][2] == size:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, size)
+        else:
+            runs.append((first, 1, size))
+        first = end
     return tuple(runs)
 
 
@@ -705,7 +711,10 @@ class _Template:
         self.n = len(rows)
         self.pp = pp_size
         self.vpp = max(int(self.mc.max()) + 1, 1) if self.n else 1
-        self.index = {(int(t), int(s), int(p)): i for i, (t, s, p) in enumerate(zip(self.optype, self.seq_id, self.stage))}
+        self.index = {key: i for i, key in enumerate(zip(self.optype.tolist(), self.seq_id.tolist(), self.stage.tolist()))}
+        # Observed order within each stage (start, seq_id, optype name), for `ordered`.
+        self._observed = np.lexsort((_NAME_RANK[self.optype], self.seq_id, self.start, self.stage))
+        self._stage_bounds = np.searchsorted(self.stage[self._observed], np.arange(pp_size + 1)).tolist()
         for stage in range(pp_size):
             if not (self.stage == stage).any():
                 raise TraceStructureError(
@@ -740,8 +749,12 @@ class _Template:
 
     def ordered(self, stage: int, optypes: tuple[int, ...]) -> np.ndarray:
         """Ops of these types on a stage in observed order: start, seq_id, optype name."""
-        ops = np.flatnonzero((self.stage == stage) & np.isin(self.optype, optypes))
-        return ops[np.lexsort((_NAME_RANK[self.optype[ops]], self.seq_id[ops], self.start[ops]))]
+        ops = self._observed[self._stage_bounds[stage]:self._stage_bounds[stage + 1]]
+        types = self.optype[ops]
+        keep = types == optypes[0]
+        for optype in optypes[1:]:
+            keep |= types == optype
+        return ops[keep]
 
     def error(self, cls, message: str, op: int | None = None, stage: int | None = None):
         return cls(message, step=self.step, dp_rank=0, stage=stage if op is None else int(self.stage[op]),
