@@ -116,8 +116,39 @@ def parse(argv: list[str]) -> AnalyzeOptions:
         parser.error(str(error))
 
 
+# A line of the published meta yamls: `name: value` with a decimal int or a bare word as the value.
+_FLAT_LINE = r"([A-Za-z_][A-Za-z0-9_]*): (?:(0|-?[1-9][0-9]*)|([A-Za-z_][A-Za-z0-9_.-]*))"
+# Bare words that YAML 1.1 (PyYAML's safe loader) resolves to a bool or null, in any case.
+_YAML_WORDS = frozenset({"yes", "no", "true", "false", "on", "off", "null"})
+
+
+def flat_yaml(text: str) -> dict | None:
+    """The mapping of a YAML text made only of `name: value` lines (decimal ints, bare words),
+    exactly as yaml.safe_load reads it; None for anything else, which yaml.safe_load then reads.
+    The published meta yamls are such texts: reading them this way spares `strag analyze` the
+    import of PyYAML (~15 ms of its ~0.2 s on the AR trace)."""
+    import re
+
+    fields: dict = {}
+    for line in text.removesuffix("\n").split("\n"):
+        match = re.fullmatch(_FLAT_LINE, line)
+        if match is None:
+            return None
+        key, number, word = match.groups()
+        if key in fields or key.lower() in _YAML_WORDS or (word is not None and word.lower() in _YAML_WORDS):
+            return None
+        fields[key] = word if number is None else int(number)
+    return fields
+
+
 def _read_meta(path: pathlib.Path) -> dict:
     """The fields of a meta yaml; ValueError naming the file when it is not a YAML mapping."""
+    try:
+        fields = flat_yaml(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        fields = None
+    if fields is not None:
+        return fields
     import yaml
 
     try:

@@ -1,4 +1,5 @@
-"""`strag analyze` end to end: file and lake forms, outputs, exit codes, and no Beam import."""
+"""`strag analyze` end to end: file and lake forms, outputs, exit codes, no Beam import, and the
+published meta yamls read as yaml.safe_load reads them without importing PyYAML."""
 from __future__ import annotations
 
 import gzip
@@ -8,16 +9,19 @@ import sys
 import textwrap
 
 import pytest
+import yaml
+from hypothesis import given, settings, strategies as st
 
-from pipelines.analyze import parse
+from pipelines.analyze import flat_yaml, parse
 
-# Runs the CLI in a fresh interpreter, then reports whether Apache Beam got imported.
+# Runs the CLI in a fresh interpreter, then reports whether Apache Beam and PyYAML got imported.
 _DRIVER = textwrap.dedent("""
     import sys
     from pipelines.cli import main
     code = main(sys.argv[1:])
     beam = sorted(name for name in sys.modules if name == "apache_beam" or name.startswith("apache_beam."))
     print("BEAM_MODULES=" + ",".join(beam))
+    print("YAML_IMPORTED=" + str("yaml" in sys.modules))
     sys.exit(code)
 """)
 
@@ -33,6 +37,7 @@ def test_file_form_writes_json_and_timeline_without_beam(reference_dir, tmp_path
                  "--json", out, "--timeline", timeline)
     assert done.returncode == 0, done.stderr
     assert "BEAM_MODULES=\n" in done.stdout + "\n"
+    assert "YAML_IMPORTED=False" in done.stdout, "the published meta yaml takes flat_yaml's path"
     assert "S = 1.1787" in done.stdout and "M_S = 1.219" in done.stdout and "stage partitioning imbalance" in done.stdout
     assert "top stages:   stage 3 1.232" in done.stdout
     assert "verdict: stage-imbalance (stage partitioning imbalance)" in done.stdout
@@ -115,3 +120,51 @@ def test_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as caught:
         parse(argv)
     assert caught.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_published_meta_yamls_read_flat_as_yaml_reads_them(reference_dir):
+    metas = sorted(reference_dir.glob("meta-*.yaml"))
+    assert metas
+    for path in metas:
+        text = path.read_text()
+        assert flat_yaml(text) == yaml.safe_load(text), path
+
+
+# Lines a meta yaml could hold, with the scalars YAML 1.1 resolves to other types than their look:
+# bools and nulls in several cases, octal/underscore/signed ints, floats, dates, sexagesimals.
+_KEYS = st.sampled_from(["dp_size", "trial_name", "run_id", "on", "Off", "null", "x", "_k", "a1"])
+_VALUES = st.one_of(
+    st.sampled_from(["0", "1", "-3", "007", "0o7", "0x1f", "1_000", "+5", "-0", "1.5", "1e3", ".inf", ".NaN",
+                     "1:30", "2024-01-01", "yes", "No", "TRUE", "off", "ON", "null", "Null", "~", "y", "n",
+                     "AR", "gen1024", "run-1", "a.b", "_x", "<<", "=", "'q'", "a b", "", "é"]),
+    st.integers(-10**20, 10**20).map(str),
+    st.from_regex(r"[A-Za-z_][A-Za-z0-9_.-]{0,6}", fullmatch=True))
+_FLAT_LOOKING = st.tuples(_KEYS, _VALUES).map(": ".join)
+_LINES = st.one_of(_FLAT_LOOKING, st.tuples(_KEYS, _VALUES).map(lambda kv: f"{kv[0]}:  {kv[1]}"),
+                   st.sampled_from(["", "# note", "---", "key: value  ", "  x: 1", "a: [1]"]))
+
+
+@settings(max_examples=300)
+@given(st.one_of(st.lists(_FLAT_LOOKING, min_size=1, max_size=4), st.lists(_LINES, max_size=8)),
+       st.sampled_from(["", "\n"]))
+def test_flat_yaml_reads_as_yaml_or_declines(lines, end):
+    text = "\n".join(lines) + end
+    fields = flat_yaml(text)
+    if fields is not None:
+        expected = yaml.safe_load(text)
+        assert fields == expected
+        assert [(type(k), type(v)) for k, v in fields.items()] == [(type(k), type(v)) for k, v in expected.items()]
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"- 1\n- 2\n", "not a meta yaml (it holds a list, not 'key: value' lines)"),
+    (b"dp_size: [1\n", "not a meta yaml (ParserError)"),
+    (b"\xff\xfe\x00", "not a meta yaml (UnicodeDecodeError)"),
+])
+def test_a_meta_that_is_no_mapping_is_a_usage_error_naming_the_file(reference_dir, tmp_path, capsys, content, message):
+    from pipelines.cli import main
+
+    meta = tmp_path / "meta-bad.yaml"
+    meta.write_bytes(content)
+    assert main(["analyze", str(reference_dir / "trace-AR.parquet"), "--meta", str(meta)]) == 2
+    assert f"--meta {meta}: {message}; give the job's meta yaml" in capsys.readouterr().err
