@@ -83,7 +83,7 @@ def _report(name: str, summary: dict, workers: int, target_fleet: bool) -> None:
         "validate": seconds["validate"],
         "analyze (engine)": seconds["analyze"],
         "result tables": seconds["tables"],
-        "write (stage + publish)": seconds["stage"] + seconds["publish"],
+        "write (timelines, stage, publish)": seconds.get("timeline", 0.0) + seconds["stage"] + seconds["publish"],
     }
     phases["other (start-up, Beam, idle)"] = max(0.0, capacity - sum(phases.values()))
     windows = sum(summary["jobs"].values())

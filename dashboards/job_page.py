@@ -134,7 +134,8 @@ def build_job_page(data: ReportData, date: dt.date, job_id: str, out_dir: pathli
         blocks.append(Text("Timeline (original and simulated ideal side by side, Chrome-trace JSON): open it in Perfetto (ui.perfetto.dev, Open trace file).",
                            ("download the timeline", timeline_href)))
     else:
-        blocks.append(Text("No timeline export for this job: `strag report --lake URL` writes one per job page (Chrome-trace JSON for Perfetto)."))
+        blocks.append(Text("No timeline for this job window: `strag batch --timelines` writes one for every straggling window "
+                           "(Chrome-trace JSON for Perfetto), and the report links it."))
     blocks += [
         [Chart("steps", "Per-step slowdown", charts.step_slowdown_chart(steps, float(s.slowdown), "S_s per sampled step (dashed: S)")),
          Chart("workers", "Worker heatmap", charts.worker_heatmap(workers, "S_w = min(S_dp, S_stage)"))],

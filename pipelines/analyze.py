@@ -30,9 +30,6 @@ from pipelines.usage import ArgumentParser
 
 __all__ = ["AnalyzeOptions", "parse", "load_job", "summary", "run"]
 
-# Without --timeline-steps, a timeline keeps the first steps holding at most this many op
-# events per version (Perfetto and the JSON writer stay responsive; AR fits whole).
-TIMELINE_EVENT_LIMIT = 500_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,12 +319,11 @@ def run(argv: list[str]) -> int:
         opts.json_out.write_text(json.dumps(written, indent=2, default=float))
         print(f"result JSON: {opts.json_out}")
     if opts.timeline_out is not None:
-        from transforms.whatif.timeline import write_chrome_trace
+        from transforms.whatif.timeline import first_steps, write_chrome_trace
 
         steps = opts.timeline_steps
-        per_step = len(result.timeline.op_optype) * result.meta.dp_size
-        if steps is None and per_step * len(result.steps) > TIMELINE_EVENT_LIMIT:
-            steps = max(1, TIMELINE_EVENT_LIMIT // per_step)
+        if steps is None and (steps := first_steps(result.timeline)) is not None:
+            per_step = len(result.timeline.op_optype) * result.meta.dp_size
             print(f"timeline: first {steps} of {len(result.steps)} steps ({per_step:,} ops per step); "
                   "--timeline-steps N to choose")
         opts.timeline_out.parent.mkdir(parents=True, exist_ok=True)

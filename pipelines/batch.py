@@ -2,7 +2,13 @@
 
     strag batch --lake URL --from YYYY-MM-DD --to YYYY-MM-DD --out URL
                 [--runner FnApiRunner|DaskRunner|PortableRunner|FlinkRunner|SparkRunner|DataflowRunner]
-                [--workers N] [--group N] [--dask-address HOST:PORT] [--dask-partitions N] [beam pipeline options ...]
+                [--workers N] [--group N] [--dask-address HOST:PORT] [--dask-partitions N] [--timelines]
+                [beam pipeline options ...]
+
+--timelines: each straggling kept window's original and ideal timelines (Chrome-trace JSON for
+Perfetto, from the analysis's own replay) go to {out}/_timelines/, published with the tables;
+`strag report` links them from the job pages. ~0.5-1.5 s per large straggling window (JSON and
+gzip of up to a million events), so off by default.
 
 Wiring only (each step is one composite PTransform from transforms/):
 
@@ -65,7 +71,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from pipelines.usage import ArgumentParser, configure_logs, worker_output
 from schemas.fleet import FLEET_TABLE_SPECS
 from schemas.expectations import REASONS
-from schemas.tables import BATCH_TABLES, QUARANTINE_SCHEMA, RUNS_DIR, STAGING_DIR
+from schemas.tables import BATCH_TABLES, QUARANTINE_SCHEMA, RUNS_DIR, STAGING_DIR, TIMELINES_DIR
 from transforms.analyze import AnalyzeJobs
 from transforms.commit import CommitConfig, CommitTables
 from transforms.convert import DEFAULT_FANOUT_RANKS, ConvertRawRanks, fan_out
@@ -110,6 +116,7 @@ class BatchOptions:
     beam_args: tuple[str, ...] = ()
     quiet: bool = False
     running_mode_given: bool = False   # --running-mode (or a memory:// URL) chose the mode: keep it
+    timelines: bool = False            # --timelines
 
     @property
     def dates(self) -> tuple[str, ...]:
@@ -145,6 +152,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dask-partitions", type=int, default=None,
                         help="DaskRunner: deal the window groups into this many partitions of equal bytes (default 4 x --workers)")
     parser.add_argument("--quiet", action="store_true", help="no line per job window; only the final summary line")
+    parser.add_argument("--timelines", action="store_true",
+                        help="also write each straggling kept window's original + ideal timeline (Chrome-trace JSON for "
+                             "Perfetto) under OUT/_timelines/, for the job pages of `strag report` (~1 s per large window)")
     return parser
 
 
@@ -220,7 +230,8 @@ def parse(argv: list[str]) -> BatchOptions:
     run_id = f"{args.date_from}_{args.date_to}_{uuid.uuid4().hex[:12]}"
     return BatchOptions(lake, args.date_from, args.date_to, out, runner, args.workers, running_mode, args.dask_address,
                         args.dask_partitions or 4 * args.workers, args.group, args.fanout_ranks, run_id, tuple(beam_args),
-                        args.quiet, running_mode_given=args.running_mode is not None or bool(in_memory))
+                        args.quiet, running_mode_given=args.running_mode is not None or bool(in_memory),
+                        timelines=args.timelines)
 
 
 def _check_lake(lake: str) -> None:
@@ -334,11 +345,12 @@ def build(p: beam.Pipeline, opts: BatchOptions, jobs=None, strays=None):
     if big:   # big raw windows: their rank files parsed on every worker, then analysed like the rest
         converted = p | "ConvertRawRanks" >> ConvertRawRanks(big)
         groups = (groups, converted) | "WithConvertedWindows" >> beam.Flatten()
-    outcomes = groups | "AnalyzeJobs" >> AnalyzeJobs(progress=not opts.quiet)
-    # daily fleet tables + their CombineFn states; the commit rebuilds the rollups from every date's state
-    fleet = outcomes | "AggregateFleet" >> AggregateFleet()
     config = CommitConfig(opts.out, opts.dates, opts.run_id, tables={**BATCH_TABLES, **FLEET_TABLE_SPECS},
                           finalizers=(fleet_rollup_tables,))
+    outcomes = groups | "AnalyzeJobs" >> AnalyzeJobs(progress=not opts.quiet,
+                                                     timelines=config.staging if opts.timelines else None)
+    # daily fleet tables + their CombineFn states; the commit rebuilds the rollups from every date's state
+    fleet = outcomes | "AggregateFleet" >> AggregateFleet()
     inputs = (outcomes, fleet)
     stray_rows = stray_quarantine(strays or [], opts.dates)
     if stray_rows:   # files the listing could not place: quarantined, never skipped in silence
@@ -443,6 +455,8 @@ def _print_summary(opts: BatchOptions, summary: dict, counters: dict[str, int], 
     if counters:
         print("  counters: " + ", ".join(f"{k}={v}" for k, v in sorted(counters.items())))
     print(f"  tables under {opts.out}/: " + ", ".join(f"{t} ({n} rows)" for t, n in summary["table_rows"].items()))
+    if opts.timelines:
+        print(f"  timelines: {summary['timelines']} (straggling kept windows) under {opts.out}/{TIMELINES_DIR}/")
     print(f"  run record: {opts.out}/{RUNS_DIR}/{opts.run_id}.json")
 
 

@@ -4,7 +4,8 @@
 
 1. generates a small fleet (a week, a few dozen jobs of mixed root causes, some bad files)
    into a local lake folder,
-2. runs the batch pipeline over it on Beam's FnApiRunner (both cores),
+2. runs the batch pipeline over it on Beam's FnApiRunner (both cores), with the Perfetto
+   timelines of its straggling windows (--timelines),
 3. builds the fleet report and the per-job pages from the output tables,
 4. prints where everything went and a short fleet summary read back from the tables.
 """
@@ -85,8 +86,9 @@ def run(argv: list[str]) -> int:
         ("generate", generate.run, ["--lake", str(lake), "--days", str(args.days), "--jobs-per-day", str(args.jobs_per_day),
                                     "--seed", str(args.seed), "--start-date", start.isoformat(),
                                     "--bad-fraction", str(args.bad_fraction), "--max-records", str(args.max_records)]),
-        ("batch", batch.run, ["--lake", str(lake), "--from", start.isoformat(), "--to", end.isoformat(), "--out", str(out)]),
-        ("report", report.run, ["--tables", str(out), "--out", str(out / "_reports"), "--lake", str(lake)]),
+        ("batch", batch.run, ["--lake", str(lake), "--from", start.isoformat(), "--to", end.isoformat(), "--out", str(out),
+                              "--timelines"]),
+        ("report", report.run, ["--tables", str(out), "--out", str(out / "_reports")]),
     ]
     for name, step, step_argv in steps:
         print(f"\n== strag {name} {' '.join(step_argv)}", flush=True)

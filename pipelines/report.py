@@ -7,13 +7,14 @@ Writes DIR/index.html (the fleet report, JavaScript inlined: opens offline), DIR
 (PNG and SVG of every fleet chart), DIR/jobs/<date>_<job>.html (one monitor page per
 selected job window) and DIR/assets/vega-bundle.js (shared by the job pages). With
 --check, opens every page in headless Chromium and fails unless all charts are drawn
-with no console error. With --lake, each job page also links its timeline (original and
-simulated ideal side by side, Chrome-trace JSON for Perfetto) under DIR/timelines/, made
-from that job's trace window with one replay, the ideal (the only step that reads traces;
-the what-if analysis and everything else come from the tables).
+with no console error. A job page whose window has a timeline under the tables (original and
+simulated ideal side by side, Chrome-trace JSON for Perfetto: `strag batch --timelines` writes
+them during the analysis) gets a copy under DIR/timelines/ and links it. Nothing here reads
+traces or runs the engine: every page comes from what the batch published.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import pathlib
 import sys
@@ -36,7 +37,7 @@ class ReportOptions:
     """tables: the batch output URL; out: report folder (local path or fsspec URL).
     jobs: "straggling" (kept windows with S >= 1.1) | "all" | "none" | explicit job ids; max_jobs caps the pages (worst first).
     images: chart file formats for the fleet report; check: verify pages in headless Chromium;
-    lake: the trace lake, to export each job page's Perfetto timeline (None: no timelines)."""
+    """
 
     tables: str
     out: str
@@ -44,7 +45,6 @@ class ReportOptions:
     max_jobs: int = 200
     images: tuple[str, ...] = _IMAGE_FORMATS
     check: bool = False
-    lake: str | None = None
 
     def __post_init__(self):
         if not self.tables:
@@ -67,11 +67,14 @@ def parse(argv: list[str]) -> ReportOptions:
     parser.add_argument("--max-jobs", type=int, default=200, help="at most this many job pages, most GPU-hours wasted first (default 200)")
     parser.add_argument("--images", default="svg,png", help="chart files for the fleet report: svg,png (default), svg, png or none")
     parser.add_argument("--check", action="store_true", help="open every page in headless Chromium and fail on undrawn charts or console errors")
-    parser.add_argument("--lake", help="trace lake URL: export a Perfetto timeline for every job page (re-runs the engine on those jobs)")
+    parser.add_argument("--lake", help=argparse.SUPPRESS)   # gone: say where timelines come from now
     args = parser.parse_args(argv)
+    if args.lake is not None:
+        parser.error("--lake: the report no longer reads traces; run `strag batch --timelines` to write each straggling "
+                     "window's timeline beside the tables, and the job pages link them")
     jobs = args.jobs if args.jobs in _JOB_SELECTIONS else tuple(j for j in args.jobs.split(",") if j)
     images = () if args.images == "none" else tuple(f for f in args.images.split(",") if f)
-    return ReportOptions(args.tables, args.out, jobs, args.max_jobs, images, args.check, args.lake)
+    return ReportOptions(args.tables, args.out, jobs, args.max_jobs, images, args.check)
 
 
 def _selected_jobs(data, opts: ReportOptions) -> list[tuple]:
@@ -104,13 +107,12 @@ def build(opts: ReportOptions, out_dir: pathlib.Path) -> dict:
     pages = []
     if selected:
         write_bundle(out_dir)
-    timelines, cache = 0, {}
+    timelines = 0
     for index, (date, job_id) in enumerate(selected, 1):
         href = None
-        if opts.lake:
-            relative = f"timelines/{job_page_path(date, job_id).split('/', 1)[1].removesuffix('.html')}.json.gz"
-            if _export_timeline(opts.lake, date, job_id, out_dir / relative, cache):
-                href, timelines = f"../{urllib.parse.quote(relative)}", timelines + 1
+        relative = f"timelines/{job_page_path(date, job_id).split('/', 1)[1].removesuffix('.html')}.json.gz"
+        if _copy_timeline(opts.tables, date, job_id, out_dir / relative):
+            href, timelines = f"../{urllib.parse.quote(relative)}", timelines + 1
         pages.append(build_job_page(data, date, job_id, out_dir, timeline_href=href))
         if index % 25 == 0:
             print(f"  job pages: {index}/{len(selected)}", file=sys.stderr)
@@ -130,32 +132,17 @@ def build(opts: ReportOptions, out_dir: pathlib.Path) -> dict:
             "timelines": timelines, "seconds": time.perf_counter() - started}
 
 
-def _export_timeline(lake: str, date, job_id: str, path: pathlib.Path, cache: dict) -> bool:
-    """Write one job window's Chrome-trace timeline from the rows the batch analysed (the same
-    validation drops the same bad files and rows); False, and why on stderr, when it cannot."""
-    from pipelines.analyze import TIMELINE_EVENT_LIMIT
-    from transforms.lake import LakeError, find_job, read_manifest, read_validated_job
-    from transforms.whatif import JobMeta, WhatIfError, compile_job
-    from transforms.whatif.timeline import ideal_timeline, write_chrome_trace
+def _copy_timeline(tables: str, date, job_id: str, path: pathlib.Path) -> bool:
+    """Copy the window's timeline that `strag batch --timelines` published under the tables to
+    `path`; False when the batch wrote none (run without --timelines, or the window not straggling)."""
+    from schemas.tables import timeline_path
 
-    try:
-        if "validator" not in cache:
-            from transforms.validation import Validator
-
-            cache["validator"] = Validator()
-        job = find_job(lake, job_id, date)
-        if job.manifest_path is None:
-            raise LakeError(f"lake {lake}: job {job_id!r} on {date} has no manifest")
-        report = read_validated_job(job, cache["validator"])
-        # the ideal replay only: the what-if analysis itself is in the tables already
-        timeline = ideal_timeline(compile_job(report.valid, JobMeta.from_mapping(read_manifest(job.manifest_path)), job_id))
-    except (LakeError, WhatIfError) as error:
-        print(f"strag report: no timeline for job {job_id} on {date}: {error}", file=sys.stderr)
+    fs, root = fsspec.core.url_to_fs(tables)
+    source = f"{root.rstrip('/')}/{timeline_path(date, job_id)}"
+    if not fs.exists(source):
         return False
-    per_step = len(timeline.op_optype) * timeline.dp_size
-    steps = max(1, TIMELINE_EVENT_LIMIT // per_step) if per_step * len(timeline.steps) > TIMELINE_EVENT_LIMIT else None
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_chrome_trace(timeline, path, steps)
+    fs.get_file(source, str(path))
     return True
 
 
@@ -186,7 +173,10 @@ def run(argv: list[str]) -> int:
         return 1
     where = opts.out.rstrip("/")
     print(f"fleet report: {where}/index.html")
-    print(f"job pages:    {summary['job_pages']} under {where}/jobs/" + (f", {summary['checked']} pages checked in Chromium" if opts.check else "")
-          + (f", {summary['timelines']} Perfetto timelines under {where}/timelines/" if opts.lake else ""))
+    print(f"job pages:    {summary['job_pages']} under {where}/jobs/" + (f", {summary['checked']} pages checked in Chromium" if opts.check else ""))
+    if summary["job_pages"]:
+        print(f"timelines:    {summary['timelines']} of the {summary['job_pages']} pages link a Perfetto timeline"
+              + (f" (under {where}/timelines/)" if summary["timelines"] else
+                 " (`strag batch --timelines` writes them for straggling windows)"))
     print(f"done in {summary['seconds']:.1f} s")
     return 0

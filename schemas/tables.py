@@ -5,6 +5,8 @@ Layout on any fsspec URL (local folder, file://, s3://; memory:// only in-proces
     {out}/{table}/date=YYYY-MM-DD/part-0.parquet     one file per table and date partition
     {out}/_staging/{run_id}/...                      a run's files before its commit (never read)
     {out}/_runs/{run_id}.json                        what a run did: counts, reasons, timings (not a table)
+    {out}/_timelines/date=YYYY-MM-DD/{job}.json.gz   `strag batch --timelines`: original + ideal timeline of
+                                                     each straggling kept window (Chrome-trace JSON, Perfetto)
 
 `date` is the Hive partition key: it lives in the path, not in the files (DuckDB, Spark,
 Trino and `pyarrow.dataset` with Hive partitioning add it as a column; `read_table` below
@@ -22,7 +24,8 @@ statistics. Attribution tables have rows only for windows with S >= 1.03
 (`job_summary.attributed`), as in the reference analyzer.
 
 Rows are sorted by each table's `sort_keys` and files are written without timestamps, so a
-rerun over the same lake writes byte-identical files.
+rerun over the same lake writes byte-identical files. Timelines describe the published
+tables: every run replaces those of its dates (none when run without --timelines).
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ __all__ = [
     "PART_FILE",
     "STAGING_DIR",
     "RUNS_DIR",
+    "TIMELINES_DIR",
+    "timeline_path",
     "JOB_STATUSES",
     "QUARANTINE_LEVELS",
     "TableSpec",
@@ -60,6 +65,7 @@ PARTITION_KEY = "date"
 PART_FILE = "part-0.parquet"
 STAGING_DIR = "_staging"
 RUNS_DIR = "_runs"
+TIMELINES_DIR = "_timelines"
 
 # What happened to a job window (coverage.status); same words as schemas/fleet.py.
 JOB_STATUSES = ("analysed", "discarded", "quarantined")
@@ -254,6 +260,15 @@ def partition_path(out: str, table: str, date: dt.date | str | None) -> str:
         return table_path(out, table)
     iso = date.isoformat() if isinstance(date, dt.date) else dt.date.fromisoformat(date).isoformat()
     return f"{table_path(out, table)}/{PARTITION_KEY}={iso}"
+
+
+def timeline_path(date: dt.date | str, job_id: str) -> str:
+    """A window's timeline file relative to the output URL (or to a staging folder):
+    _timelines/date=D/<job id percent-encoded>.json.gz."""
+    import urllib.parse
+
+    iso = date.isoformat() if isinstance(date, dt.date) else dt.date.fromisoformat(date).isoformat()
+    return f"{TIMELINES_DIR}/{PARTITION_KEY}={iso}/{urllib.parse.quote(job_id, safe='')}.json.gz"
 
 
 def table_exists(out: str, table: str, *, storage_options: dict | None = None) -> bool:

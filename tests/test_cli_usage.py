@@ -37,6 +37,7 @@ def _cases(tmp: pathlib.Path) -> list[tuple[list[str], str]]:
         (["batch", "--lake", str(lake), "--from", "2024-01-02", "--to", "2024-01-01", "--out", out], "--from/--to"),
         (["report", "--tables", str(lake), "--out", out], "is a lake, not the tables"),
         (["report", "--tables", str(tmp / "none"), "--out", out], "give --tables the --out of `strag batch`"),
+        (["report", "--tables", out, "--out", out, "--lake", str(lake)], "run `strag batch --timelines`"),
         (["watch", "--lake", "/nope", "--out", out], "no folder there"),
         (["watch", "--lake", str(lake)], "--out"),
         (["serve", "--tables", out, "--port", "70000"], "--port"),
@@ -46,7 +47,7 @@ def _cases(tmp: pathlib.Path) -> list[tuple[list[str], str]]:
     ]
 
 
-@pytest.mark.parametrize("index", range(20))
+@pytest.mark.parametrize("index", range(21))
 def test_bad_arguments_give_one_line_and_exit_2(index, tmp_path, capsys):
     argv, expected = _cases(tmp_path)[index]
     try:
@@ -64,7 +65,7 @@ def test_bad_arguments_give_one_line_and_exit_2(index, tmp_path, capsys):
 
 def test_cases_cover_every_subcommand(tmp_path):
     assert {argv[0] for argv, _ in _cases(tmp_path) if argv} >= set(cli.COMMANDS)
-    assert len(_cases(tmp_path)) == 20
+    assert len(_cases(tmp_path)) == 21
 
 
 def test_the_strag_script_shows_no_library_log_lines(tmp_path):

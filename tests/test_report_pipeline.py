@@ -1,10 +1,12 @@
-"""End to end on a small generated lake: `strag batch` writes verdicts and fleet tables that
-agree with its per-job tables, and `strag report --lake` links each job page to its timeline."""
+"""End to end on a small generated lake: `strag batch --timelines` writes verdicts and fleet
+tables that agree with its per-job tables and the timeline of every straggling kept window (the
+analysis's own ideal replay), reruns replace them, and `strag report` links them."""
 from __future__ import annotations
 
 import gzip
 import json
 import re
+import shutil
 
 import pyarrow.compute as pc
 import pytest
@@ -12,9 +14,17 @@ import pytest
 from batch_lake import DATES, write_batch_lake
 from pipelines import batch, report
 from schemas.fleet import rollup_table
-from schemas.tables import read_table
+from schemas.tables import TIMELINES_DIR, read_table, timeline_path
 
 pytestmark = pytest.mark.slow
+
+
+def run_batch(lake: str, out, *extra: str) -> None:
+    opts = batch.parse(["--lake", lake, "--from", DATES[0], "--to", DATES[-1], "--out", str(out), "--running-mode", "in_memory",
+                        "--workers", "1", "--quiet", *extra])
+    p = batch.make_pipeline(opts)
+    batch.build(p, opts)
+    p.run().wait_until_finish()
 
 
 @pytest.fixture(scope="module")
@@ -22,12 +32,17 @@ def tables(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
     lake, out = str(root / "lake"), root / "out"
     write_batch_lake(lake)
-    opts = batch.parse(["--lake", lake, "--from", DATES[0], "--to", DATES[-1], "--out", str(out), "--running-mode", "in_memory",
-                        "--workers", "1", "--quiet"])
-    p = batch.make_pipeline(opts)
-    batch.build(p, opts)
-    p.run().wait_until_finish()
+    run_batch(lake, out, "--timelines")
     return lake, out
+
+
+def _straggling_windows(out) -> set[tuple[str, str]]:
+    rows = read_table(str(out), "job_summary").to_pylist()
+    return {(str(r["date"]), r["job_id"]) for r in rows if r["straggling"] and not r["discarded"]}
+
+
+def _timeline_files(out) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted((out / TIMELINES_DIR).rglob("*")) if p.is_file()}
 
 
 def test_every_kept_window_has_a_verdict_consistent_with_its_summary(tables):
@@ -62,21 +77,59 @@ def test_fleet_rollups_agree_with_the_per_job_tables(tables):
     assert sorted(str(d) for d in daily["date"].to_pylist()) == list(DATES)
 
 
-def test_report_links_each_job_page_to_its_perfetto_timeline(tables, tmp_path):
+def test_timelines_are_the_straggling_windows_ideal_replay(tables):
+    from transforms.lake import find_job, read_manifest, read_validated_job
+    from transforms.validation import Validator
+    from transforms.whatif import JobMeta, compile_job
+    from transforms.whatif.timeline import chrome_trace_bytes, first_steps, ideal_timeline
+
     lake, out = tables
+    straggling = _straggling_windows(out)
+    files = _timeline_files(out)
+    assert straggling and set(files) == {timeline_path(date, job_id) for date, job_id in straggling}
+    validator = Validator()
+    for date, job_id in sorted(straggling):
+        # the same rows replayed again, the ideal only: the same bytes as the batch's own replay wrote
+        job = find_job(lake, job_id, date)
+        model = compile_job(read_validated_job(job, validator).valid, JobMeta.from_mapping(read_manifest(job.manifest_path)), job_id)
+        timeline = ideal_timeline(model)
+        assert files[timeline_path(date, job_id)] == chrome_trace_bytes(timeline, first_steps(timeline)), (date, job_id)
+
+
+def test_reruns_replace_the_timelines_of_their_dates(tables, tmp_path):
+    lake, out = tables
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    stale = copy / timeline_path(DATES[0], "no-such-job")
+    stale.write_bytes(b"left by an older run")
+    run_batch(lake, copy, "--timelines")
+    assert _timeline_files(copy) == _timeline_files(out), "a rerun writes the same bytes and drops the stale file"
+    run_batch(lake, copy)
+    assert not (copy / TIMELINES_DIR).exists() or not _timeline_files(copy), "a run without --timelines leaves none of its dates"
+
+
+def test_report_links_each_straggling_job_page_to_its_perfetto_timeline(tables, tmp_path):
+    _, out = tables
     target = tmp_path / "report"
-    assert report.run(["--tables", str(out), "--out", str(target), "--jobs", "all", "--images", "none", "--lake", lake]) == 0
+    assert report.run(["--tables", str(out), "--out", str(target), "--jobs", "all", "--images", "none"]) == 0
     pages = sorted((target / "jobs").glob("*.html"))
-    assert pages
+    straggling = _straggling_windows(out)
+    assert len(pages) > len(straggling)
     steps_table = read_table(str(out), "step_slowdown")
+    linked = set()
     for page in pages:
-        link = re.search(r'href="(\.\./timelines/[^"]+\.json\.gz)"', page.read_text())
-        assert link, page.name
+        text = page.read_text()
+        link = re.search(r'href="(\.\./timelines/[^"]+\.json\.gz)"', text)
+        if link is None:
+            assert "strag batch --timelines" in text, page.name
+            continue
         trace = json.loads(gzip.decompress((page.parent / link.group(1)).read_bytes()))
         assert trace["traceEvents"] and {e["ph"] for e in trace["traceEvents"]} >= {"X", "M"}
-        # the report's one ideal replay reproduces the batch's ideal step times (step_slowdown table)
+        # the timeline's ideal step times are the batch's (step_slowdown table)
         job_id = trace["otherData"]["job_id"]
+        linked.add(job_id)
         ideal = {e["args"]["step"]: e["args"]["step_time_s"] for e in trace["traceEvents"]
                  if e.get("cat") == "step" and e["args"]["version"] == "ideal"}
         steps = steps_table.filter(pc.equal(steps_table["job_id"], job_id)).to_pylist()
         assert ideal and {row["step"]: row["step_time_ideal"] for row in steps if row["step"] in ideal} == pytest.approx(ideal, rel=1e-12)
+    assert linked == {job_id for _, job_id in straggling}

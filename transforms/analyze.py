@@ -18,6 +18,10 @@ worker_attribution, dp/stage/optype_attribution, job_cause, coverage and quarant
 - A window whose replay discrepancy (launch_slowdown) exceeds 5% is `discarded`: its rows
   are written (flagged in job_summary) and coverage records the reason, but fleet
   statistics leave it out.
+- With timelines on (`strag batch --timelines`), each straggling kept window's original and
+  ideal timelines (the analysis's own ideal replay, its first steps up to
+  transforms.whatif.timeline.EVENT_LIMIT events) are written to the run's staging folder as
+  Chrome-trace JSON; the commit step publishes them with the tables (schemas/tables.py).
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from schemas.tables import (
     STAGE_ATTRIBUTION_SCHEMA,
     STEP_SLOWDOWN_SCHEMA,
     WORKER_ATTRIBUTION_SCHEMA,
+    timeline_path,
 )
 from transforms.ingest.common import describe_source
 from transforms.elements import JobOutcome, JobProblem, MatchedJob, ValidatedJob, WindowGroup
@@ -204,11 +209,14 @@ def result_tables(validated: ValidatedJob, result: WhatIfResult, verdict=None) -
     return tables
 
 
-def analyze_window(validated: ValidatedJob, engine) -> JobOutcome:
+def analyze_window(validated: ValidatedJob, engine, timelines: str | None = None) -> JobOutcome:
     """Analyse one validated window with `engine(trace, meta, job_id) -> WhatIfResult` (plain function),
     or `-> (WhatIfResult, Verdict)`: then kept windows also get their `job_cause` row.
 
-    Typed engine errors quarantine the window (reason code = the error's `reason`).
+    timelines: a folder URL (the run's staging); when set, the engine must keep the timeline
+    (`timeline=True`), and a straggling kept window's timeline is written under it
+    (schemas.tables.timeline_path; stats.timeline says so). Typed engine errors quarantine
+    the window (reason code = the error's `reason`).
     """
     job, stats = validated.job, validated.stats
     if validated.problem is not None or validated.trace is None:
@@ -246,18 +254,38 @@ def analyze_window(validated: ValidatedJob, engine) -> JobOutcome:
     stats.status = "discarded" if result.discarded else "analysed"
     stats.reason_code = DISCREPANCY_REASON_CODE if result.discarded else None
     stats.seconds["tables"] = time.perf_counter() - analysed
+    if timelines is not None and result.straggling and not result.discarded:
+        _write_timeline(timelines, job.date, job.job_id, result)
+        stats.timeline = True
+        stats.seconds["timeline"] = time.perf_counter() - analysed - stats.seconds["tables"]
     return JobOutcome(job.job_id, job.date, tables, stats)
 
 
-def analyze_matched_window(matched: MatchedJob, validator, engine) -> JobOutcome:
+def _write_timeline(folder: str, date: str, job_id: str, result: WhatIfResult) -> None:
+    """The window's timelines as gzip'd Chrome-trace JSON under `folder` (a storage error is
+    an OSError: it fails the run, as any other write of its outputs)."""
+    import fsspec
+
+    from transforms.lake import write_file_atomic
+    from transforms.whatif.timeline import chrome_trace_bytes, first_steps
+
+    if result.timeline is None:
+        raise ValueError(f"job {job_id} on {date}: timelines asked for, but the engine kept none (timeline=True)")
+    fs, root = fsspec.core.url_to_fs(folder)
+    payload = chrome_trace_bytes(result.timeline, first_steps(result.timeline))
+    write_file_atomic(fs, f"{root.rstrip('/')}/{timeline_path(date, job_id)}", payload)
+
+
+def analyze_matched_window(matched: MatchedJob, validator, engine, timelines: str | None = None) -> JobOutcome:
     """One job window from files to outcome on this worker (analyze_group of one window)."""
-    return next(analyze_group(WindowGroup((matched,)), validator, engine))
+    return next(analyze_group(WindowGroup((matched,)), validator, engine, timelines))
 
 
-def analyze_group(group: WindowGroup, validator, engine) -> Iterator[JobOutcome]:
+def analyze_group(group: WindowGroup, validator, engine, timelines: str | None = None) -> Iterator[JobOutcome]:
     """A group of windows from files to outcomes on this worker: read and validate them all
     (transforms/validate.py: one GX screen run for the group), then run the engine on each
     window validation did not quarantine whole. Yields one JobOutcome per window, in order.
+    timelines: as analyze_window's.
 
     An unexpected exception quarantines only its window (reason unexpected_error): when
     validating the group together raises, each window is validated alone to find which.
@@ -274,7 +302,7 @@ def analyze_group(group: WindowGroup, validator, engine) -> Iterator[JobOutcome]
         if item.problem is not None:
             yield quarantined_outcome(item.job, item.problem, item.quarantine, item.stats, item.manifest)
             continue
-        yield _or_error(item, lambda v=item: analyze_window(v, engine))
+        yield _or_error(item, lambda v=item: analyze_window(v, engine, timelines))
         item.trace = None   # the op rows are done with: free them before the next window
 
 
@@ -298,22 +326,25 @@ class _AnalyzeJobFn(beam.DoFn):
     double the partitions every later shuffle runs over (their tasks grow with the square).
     """
 
-    def __init__(self, progress: bool = False):
+    def __init__(self, progress: bool = False, timelines: str | None = None):
         super().__init__()
         self._progress = progress
+        self._timelines = timelines
 
     def setup(self):
         # the what-if analysis plus the root-cause verdict (job_cause table), one compile per job
+        import functools
+
         from transforms.whatif.causes import analyze_and_classify
 
         self._validator = worker_validator()
-        self._engine = analyze_and_classify
+        self._engine = functools.partial(analyze_and_classify, timeline=self._timelines is not None)
 
     def process(self, group: WindowGroup) -> Iterator[JobOutcome]:
         yield from quarantine_on_error(group, self._outcomes(group))
 
     def _outcomes(self, group: WindowGroup) -> Iterator[JobOutcome]:
-        for outcome in analyze_group(group, self._validator, self._engine):
+        for outcome in analyze_group(group, self._validator, self._engine, self._timelines):
             beam.metrics.Metrics.counter("strag.jobs", outcome.stats.status).inc()
             beam.metrics.Metrics.counter("strag.ops", "analysed").inc(outcome.stats.ops)
             if self._progress:
@@ -334,12 +365,14 @@ def progress_line(outcome: JobOutcome) -> str:
 class AnalyzeJobs(beam.PTransform):
     """PCollection[WindowGroup] -> PCollection[JobOutcome] (analysed, discarded or quarantined), one per window.
 
-    progress: print one line per finished window on the worker's stderr.
+    progress: print one line per finished window on the worker's stderr; timelines: the run's
+    staging URL to write straggling kept windows' timelines under (None: no timelines).
     """
 
-    def __init__(self, progress: bool = False):
+    def __init__(self, progress: bool = False, timelines: str | None = None):
         super().__init__()
         self._progress = progress
+        self._timelines = timelines
 
     def expand(self, matched):
-        return matched | "AnalyzeJob" >> beam.ParDo(_AnalyzeJobFn(self._progress)).with_output_types(JobOutcome)
+        return matched | "AnalyzeJob" >> beam.ParDo(_AnalyzeJobFn(self._progress, self._timelines)).with_output_types(JobOutcome)

@@ -16,6 +16,8 @@ How a run becomes visible, and why it is safe to kill at any moment:
    local disk, one server-side object copy on S3), stale files in the partition are
    removed, tables from `finalizers` (unpartitioned rollups) are staged and published the
    same way, the staging folder is removed and `{out}/_runs/{run_id}.json` is written.
+   Timelines the workers staged (`strag batch --timelines`) move in beside the partitions,
+   and every other timeline of the run's dates is removed: they describe the published tables.
 A crash before step 2 publishes nothing; a crash inside step 2 leaves each partition
 either wholly old or wholly new, never half-written; rerunning the range converges to the
 same bytes. The single terminal step is also what makes the DaskRunner (which only runs
@@ -41,7 +43,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from schemas.tables import BATCH_TABLES, PART_FILE, RUNS_DIR, STAGING_DIR, TableSpec, partition_path
+from schemas.tables import (BATCH_TABLES, PART_FILE, PARTITION_KEY, RUNS_DIR, STAGING_DIR, TIMELINES_DIR, TableSpec,
+                            partition_path, timeline_path)
 from transforms.elements import PHASES, JobOutcome, JobStats
 from transforms.lake import is_local, write_file_atomic
 
@@ -250,6 +253,9 @@ def publish_run(config: CommitConfig, staged: Iterable[StagedPartition], stats: 
         published += 1
         _crash_point(f"publish:{published}")
 
+    stats = list(stats)
+    timelines = _publish_timelines(fs, staging, root, config, stats)
+
     for finalizer in config.finalizers:
         for table, rows in sorted(finalizer(config.out).items()):
             item = stage_partition(config, table, None, [rows])
@@ -258,10 +264,30 @@ def publish_run(config: CommitConfig, staged: Iterable[StagedPartition], stats: 
 
     _remove_stale_staging(fs, root, config)
     summary = summarize_run(stats, staged)
-    summary.update(run_id=config.run_id, out=config.out, dates=[config.dates[0], config.dates[-1]])
+    summary.update(run_id=config.run_id, out=config.out, dates=[config.dates[0], config.dates[-1]], timelines=timelines)
     summary["seconds"]["publish"] = time.perf_counter() - started
     write_file_atomic(fs, f"{root}/{RUNS_DIR}/{config.run_id}.json", json.dumps(summary, indent=1, sort_keys=True).encode())
     return summary
+
+
+def _publish_timelines(fs: fsspec.AbstractFileSystem, staging: str, root: str, config: CommitConfig,
+                       stats: list[JobStats]) -> int:
+    """Move the run's staged timelines in, then remove every other timeline of its dates.
+    Returns how many were published."""
+    wanted = {timeline_path(item.date, item.job_id) for item in stats if item.timeline}
+    for relative in sorted(wanted):
+        _move_file(fs, f"{staging}/{relative}", f"{root}/{relative}")
+    for date in config.dates:
+        folder = f"{TIMELINES_DIR}/{PARTITION_KEY}={date}"
+        if not fs.exists(f"{root}/{folder}"):
+            continue
+        stale = [path for path in fs.ls(f"{root}/{folder}", detail=False)
+                 if f"{folder}/{path.rstrip('/').rsplit('/', 1)[-1]}" not in wanted]
+        for path in stale:
+            fs.rm(path.rstrip("/"), recursive=True)
+        if not fs.ls(f"{root}/{folder}", detail=False):
+            fs.rm(f"{root}/{folder}", recursive=True)
+    return len(wanted)
 
 
 def _publish_one(fs: fsspec.AbstractFileSystem, staged_dir: str, live_dir: str) -> None:

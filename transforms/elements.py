@@ -40,7 +40,7 @@ __all__ = [
 
 # Phases timed inside the DoFns (seconds), summed into the run summary: Dask has no
 # metrics, so timings travel with the elements.
-PHASES = ("read", "validate", "analyze", "tables", "stage", "publish")
+PHASES = ("read", "validate", "analyze", "tables", "timeline", "stage", "publish")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +92,7 @@ class JobStats:
     rows_read: int = 0
     rows_quarantined: int = 0
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)   # PHASES -> s
+    timeline: bool = False          # its timeline was staged (strag batch --timelines)
 
 
 @dataclasses.dataclass

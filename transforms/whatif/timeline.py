@@ -9,7 +9,7 @@ timeline side by side:
 * inside, the reference analyzer's thread layout: tid = rank * 5 + category,
   categories compute / pp-comm / tp-comm / dp-comm / misc, named
   "PP rank p, TP rank 0, <category>";
-* op events ("ph": "X", microseconds) named by optype, with args step,
+* op events ("ph": "X", microseconds rounded to the nanosecond) named by optype, with args step,
   model_chunk, mb_id, seq_id; a comm op is drawn as its transfer only (its wait
   for the group is the gap before it), like the reference;
 * steps laid out one after another (a step's slot is 1.1 x the longer of its two
@@ -27,7 +27,8 @@ import pyarrow as pa
 
 from schemas.trace import OPTYPES, TRACE_SCHEMA
 
-__all__ = ["Timeline", "ideal_timeline", "chrome_trace_events", "write_chrome_trace", "simulated_trace"]
+__all__ = ["Timeline", "ideal_timeline", "chrome_trace_events", "chrome_trace_bytes", "write_chrome_trace",
+           "first_steps", "EVENT_LIMIT", "simulated_trace"]
 
 _CATEGORIES = ("compute", "pp-comm", "tp-comm", "dp-comm", "misc")
 _CATEGORY_OF = {
@@ -37,6 +38,9 @@ _CATEGORY_OF = {
     "layernorm-grads-all-reduce": 3, "embedding-grads-all-reduce": 3, "optimizer-clip-main-grad": 3,
 }
 _SLOT = 1.1   # a step's slot on the time axis, as a multiple of its longest version
+# Op events per version a timeline export keeps by default (its first steps up to this many):
+# Perfetto and the JSON writer stay responsive; AR fits whole.
+EVENT_LIMIT = 500_000
 
 
 @dataclasses.dataclass
@@ -117,8 +121,8 @@ def _trace_events(timeline: Timeline, max_steps: int | None) -> dict:
     for version_index, (version, (start, end, drawn)) in enumerate(timeline.versions.items()):
         # numpy once per version, then plain Python values: one dict per event is the only per-event work
         pids = (2 * timeline.lane_dp[lanes] + version_index).tolist()
-        ts = ((drawn[:, lanes] + offsets[step_of_lane][None, :]) * 1e6).tolist()
-        dur = ((end[:, lanes] - drawn[:, lanes]) * 1e6).tolist()
+        ts = np.round((drawn[:, lanes] + offsets[step_of_lane][None, :]) * 1e6, 3).tolist()
+        dur = np.round((end[:, lanes] - drawn[:, lanes]) * 1e6, 3).tolist()
         for op, name in enumerate(op_names):
             seq_id, chunk = int(timeline.op_seq_id[op]), int(timeline.op_mc[op])
             chunk = chunk if chunk >= 0 else None
@@ -167,17 +171,26 @@ def _metadata_events(timeline: Timeline) -> list[dict]:
     return events
 
 
-def write_chrome_trace(timeline: Timeline, path: str | pathlib.Path, max_steps: int | None = None) -> pathlib.Path:
-    """Write both timelines as gzip'd trace-event JSON (gzip when the name ends in .gz)."""
+def first_steps(timeline: Timeline, event_limit: int = EVENT_LIMIT) -> int | None:
+    """How many first steps keep a version's op events within `event_limit` (at least one);
+    None when every step fits."""
+    per_step = len(timeline.op_optype) * timeline.dp_size
+    return max(1, event_limit // per_step) if per_step * len(timeline.steps) > event_limit else None
+
+
+def chrome_trace_bytes(timeline: Timeline, max_steps: int | None = None, *, gz: bool = True) -> bytes:
+    """Both timelines as trace-event JSON, gzip'd when `gz` (no name or time in the gzip
+    header: the same timeline gives the same bytes)."""
     import orjson   # ~10x json.dumps on a million events; the same text
 
-    path = pathlib.Path(path)
     payload = orjson.dumps(chrome_trace_events(timeline, max_steps))
-    if path.suffix == ".gz":
-        with gzip.open(path, "wb", compresslevel=1) as handle:
-            handle.write(payload)
-    else:
-        path.write_bytes(payload)
+    return gzip.compress(payload, compresslevel=1, mtime=0) if gz else payload
+
+
+def write_chrome_trace(timeline: Timeline, path: str | pathlib.Path, max_steps: int | None = None) -> pathlib.Path:
+    """Write both timelines as trace-event JSON (gzip'd when the name ends in .gz)."""
+    path = pathlib.Path(path)
+    path.write_bytes(chrome_trace_bytes(timeline, max_steps, gz=path.suffix == ".gz"))
     return path
 
 
