@@ -24,7 +24,7 @@ from batch_lake import DATES, ExpectedWindow, write_batch_lake
 from fixtures_s3 import moto_s3  # noqa: F401  (fixture)
 from pipelines import batch
 from schemas.fleet import FLEET_TABLE_SPECS
-from schemas.tables import BATCH_TABLES, PART_FILE, read_table
+from schemas.tables import BATCH_TABLES, PART_FILE, TIMELINES_DIR, read_table
 from transforms.analyze import job_meta
 from transforms.commit import CRASH_ENV, parquet_bytes
 from transforms.lake import list_jobs, read_manifest, read_trace_files
@@ -49,6 +49,11 @@ def _table_files(root: pathlib.Path) -> dict[str, bytes]:
             if not str(p.relative_to(root)).startswith("_")}
 
 
+def _timeline_files(root: pathlib.Path) -> dict[str, bytes]:
+    """Every published timeline (relative path -> bytes)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted((root / TIMELINES_DIR).rglob("*.json.gz"))}
+
+
 @pytest.fixture(scope="module")
 def lake(tmp_path_factory) -> tuple[str, list[ExpectedWindow]]:
     path = tmp_path_factory.mktemp("batch") / "lake"
@@ -57,10 +62,11 @@ def lake(tmp_path_factory) -> tuple[str, list[ExpectedWindow]]:
 
 @pytest.fixture(scope="module")
 def fnapi_run(lake, tmp_path_factory):
-    """The reference run: FnApiRunner, two worker processes, local folders."""
+    """The reference run: FnApiRunner, two worker processes, local folders, with timelines."""
     out = tmp_path_factory.mktemp("batch") / "out"
-    summary, counters = _run(_argv(lake[0], str(out), "--workers", "2", "--running-mode", "multi_processing"))
+    summary, counters = _run(_argv(lake[0], str(out), "--workers", "2", "--running-mode", "multi_processing", "--timelines"))
     assert summary["running_mode"] == "multi_processing"
+    assert summary["timelines"] == len(_timeline_files(out)) > 0
     return out, summary, counters
 
 
@@ -211,10 +217,12 @@ def test_dask_runner_gives_identical_tables(lake, fnapi_run, tmp_path):
         with distributed.Client(cluster) as client:   # its workers keep glibc's dynamic mmap threshold, no profiler
             assert set(client.run(os.environ.get, "MALLOC_TRIM_THRESHOLD_").values()) == {None}
             assert set(client.run(_dask_profiler_enabled).values()) == {False}
-        summary, counters = _run(_argv(lake[0], str(out), "--runner", "DaskRunner", "--dask-address", cluster.scheduler_address))
+        summary, counters = _run(_argv(lake[0], str(out), "--runner", "DaskRunner", "--dask-address", cluster.scheduler_address,
+                                       "--timelines"))
     assert counters == {}  # the Dask runner has no metrics: the summary travels in the elements
     assert summary["jobs"] == fnapi_run[1]["jobs"] and summary["ops"] == fnapi_run[1]["ops"]
     assert _table_files(out) == _table_files(fnapi_run[0])
+    assert _timeline_files(out) == _timeline_files(fnapi_run[0])
 
 
 def _dask_profiler_enabled() -> bool:
@@ -227,12 +235,18 @@ def test_s3_lake_and_output_give_identical_tables(lake, fnapi_run, moto_s3):
     fs = moto_s3.filesystem()
     fs.put(lake[0], f"{moto_s3.bucket}/lake", recursive=True)
     out = moto_s3.url("out")
-    summary, _ = _run(_argv(moto_s3.url("lake"), out, "--workers", "2"))
+    summary, _ = _run(_argv(moto_s3.url("lake"), out, "--workers", "2", "--timelines"))
     assert summary["jobs"] == fnapi_run[1]["jobs"]
     root = f"{moto_s3.bucket}/out"
     published = {p[len(root) + 1:]: fs.cat_file(p) for p in fs.find(root) if p.endswith(".parquet") and "/_" not in p[len(root):]}
     _same_tables_elsewhere(published, fnapi_run[0], moto_s3.url("lake"), lake[0])
     assert read_table(out, "job_summary").num_rows == read_table(str(fnapi_run[0]), "job_summary").num_rows
+    timelines = {p[len(root) + 1:]: fs.cat_file(p) for p in fs.find(f"{root}/{TIMELINES_DIR}")}
+    assert timelines == _timeline_files(fnapi_run[0])
+    # a rerun without --timelines takes the range's timelines away on the object store too
+    _run(_argv(moto_s3.url("lake"), out, "--workers", "2"))
+    fs.invalidate_cache()
+    assert fs.find(f"{root}/{TIMELINES_DIR}") == []
 
 
 def test_memory_urls_run_in_process_and_give_identical_tables(lake, fnapi_run):

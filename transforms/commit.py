@@ -279,13 +279,14 @@ def _publish_timelines(fs: fsspec.AbstractFileSystem, staging: str, root: str, c
         _move_file(fs, f"{staging}/{relative}", f"{root}/{relative}")
     for date in config.dates:
         folder = f"{TIMELINES_DIR}/{PARTITION_KEY}={date}"
-        if not fs.exists(f"{root}/{folder}"):
+        try:
+            listed = [path.rstrip("/") for path in fs.ls(f"{root}/{folder}", detail=False)]
+        except FileNotFoundError:
             continue
-        stale = [path for path in fs.ls(f"{root}/{folder}", detail=False)
-                 if f"{folder}/{path.rstrip('/').rsplit('/', 1)[-1]}" not in wanted]
+        stale = [path for path in listed if f"{folder}/{path.rsplit('/', 1)[-1]}" not in wanted]
         for path in stale:
-            fs.rm(path.rstrip("/"), recursive=True)
-        if not fs.ls(f"{root}/{folder}", detail=False):
+            fs.rm(path, recursive=True)
+        if len(stale) == len(listed) and is_local(fs):   # object stores have no empty folders to leave
             fs.rm(f"{root}/{folder}", recursive=True)
     return len(wanted)
 
