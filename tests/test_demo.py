@@ -19,3 +19,10 @@ def test_demo_generates_analyses_reports_and_summarises(tmp_path, capsys):
     assert str(out / "_reports" / "index.html") in printed
     statuses = set(coverage.column("status").to_pylist())
     assert "quarantined" in statuses and "analysed" in statuses
+    # the batch wrote the straggling windows' timelines; the report linked them without reading traces
+    summary = ds.dataset(out / "job_summary", format="parquet", partitioning="hive").to_table().to_pylist()
+    straggling = sum(row["straggling"] and not row["discarded"] for row in summary)
+    assert straggling, "the tiny fleet has straggling windows"
+    assert len(list((out / "_timelines").rglob("*.json.gz"))) == straggling
+    assert len(list((out / "_reports" / "timelines").glob("*.json.gz"))) == straggling
+    assert f"timelines:    {straggling} of the {straggling} pages link a Perfetto timeline" in printed
