@@ -93,7 +93,7 @@ def _report(name: str, summary: dict, workers: int, target_fleet: bool) -> None:
           f"{summary['ops'] / wall:,.0f} ops/s through the whole pipeline")
     print(f"  worker-seconds ({workers} workers x wall = {capacity:.0f} s):")
     for phase, value in phases.items():
-        print(f"    {phase:<30} {value:8.1f} s  {100 * value / capacity:5.1f}%")
+        print(f"    {phase:<34} {value:8.1f} s  {100 * value / capacity:5.1f}%")
     overhead = phases["other (start-up, Beam, idle)"] / capacity
     if target_fleet and name.startswith("FnApiRunner"):
         print(f"  wall {wall:.0f} s (target <= 120 s: {'met' if wall <= 120 else 'NOT met'}); overhead (start-up, Beam, "

@@ -31,7 +31,6 @@ from pipelines.usage import ArgumentParser
 __all__ = ["AnalyzeOptions", "parse", "load_job", "summary", "run"]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class AnalyzeOptions:
     """Validated command line of `strag analyze`."""

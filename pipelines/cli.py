@@ -10,6 +10,10 @@ import argparse
 import importlib
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import datetime as dt
 
 # One BLAS thread, unless the user says otherwise, set before anything imports numpy: strag's
 # numeric work is sorts, gathers and elementwise passes (no large matrix products), and its

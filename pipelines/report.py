@@ -36,8 +36,7 @@ _IMAGE_FORMATS = ("svg", "png")
 class ReportOptions:
     """tables: the batch output URL; out: report folder (local path or fsspec URL).
     jobs: "straggling" (kept windows with S >= 1.1) | "all" | "none" | explicit job ids; max_jobs caps the pages (worst first).
-    images: chart file formats for the fleet report; check: verify pages in headless Chromium;
-    """
+    images: chart file formats for the fleet report; check: verify pages in headless Chromium."""
 
     tables: str
     out: str

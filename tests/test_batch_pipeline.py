@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import shutil
 import signal
 import subprocess
 import sys

@@ -43,7 +43,7 @@ from schemas.fleet import (
     OPTYPE_CATEGORIES,
     rollup_table,
 )
-from transforms.whatif.result import ATTRIBUTION_THRESHOLD, STRAGGLING_THRESHOLD
+from transforms.whatif.result import STRAGGLING_THRESHOLD
 
 __all__ = [
     "JobFacts",

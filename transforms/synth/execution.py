@@ -96,7 +96,7 @@ def _lognormal(rng: np.random.Generator, sigma: float, shape) -> np.ndarray:
 def draw_arrays(program: Program, timing: Timing, n_steps: int, dp: int, rng: np.random.Generator) -> StepArrays:
     """Sample durations, transfers and gaps of every unit for n_steps x dp lanes (fault-free)."""
     kinds = program.unit_kind
-    n, shape = program.n_units, (program.n_units, n_steps, dp)
+    shape = (program.n_units, n_steps, dp)
     pp, vpp = program.pp, program.vpp
     duration = np.zeros(shape)
     gap = np.zeros(shape)

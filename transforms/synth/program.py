@@ -343,9 +343,9 @@ def _build_stage(p: int, pp: int, vpp: int, microbatches: int, use_dp: bool, dp_
             unit["extra_preds"].append(last_backward[c])
             rs_units.append(unit)
     # The tail waits for the grads (overlapped DP) and for outstanding p2p calls (interleaved).
-    layernorm = st.add(UnitKind.LAYERNORM, waits=[rs_units[-1] if rs_units else None,
-                                                  *(st.streams[name][-1] for name in _Stage.STREAMS[2:]
-                                                    if st.streams[name])])
+    st.add(UnitKind.LAYERNORM, waits=[rs_units[-1] if rs_units else None,
+                                      *(st.streams[name][-1] for name in _Stage.STREAMS[2:]
+                                        if st.streams[name])])
     if p == 0 or p == pp - 1:
         st.add(UnitKind.EMBEDDING)
     if use_dp and dp_overlap:

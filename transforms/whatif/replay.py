@@ -352,7 +352,7 @@ def _run_levels(model: JobModel, n_steps: int, dp: int, cost: np.ndarray, delay:
     else:
         earliest = delay[model.source_ops].min(axis=0)
     for level in model.levels:
-        lo, hi, multi_lo, synced_lo = level.lo, level.hi, level.multi_lo, level.synced_lo
+        lo, hi, multi_lo = level.lo, level.hi, level.multi_lo
         columns = level.pred_columns
         start = ends[columns[0]]
         for column in columns[1:]:
