@@ -253,11 +253,12 @@ def analyze_window(validated: ValidatedJob, engine, timelines: str | None = None
         tables["job_cause"] = job_cause_table(verdict, gpu_hours(validated.manifest), validated.manifest["workers"])
     stats.status = "discarded" if result.discarded else "analysed"
     stats.reason_code = DISCREPANCY_REASON_CODE if result.discarded else None
-    stats.seconds["tables"] = time.perf_counter() - analysed
+    tabled = time.perf_counter()
+    stats.seconds["tables"] = tabled - analysed
     if timelines is not None and result.straggling and not result.discarded:
         _write_timeline(timelines, job.date, job.job_id, result)
         stats.timeline = True
-        stats.seconds["timeline"] = time.perf_counter() - analysed - stats.seconds["tables"]
+        stats.seconds["timeline"] = time.perf_counter() - tabled
     return JobOutcome(job.job_id, job.date, tables, stats)
 
 
