@@ -38,6 +38,7 @@ _CONVERT = r"""
 import json, os, resource, sys, time
 paths, workers = json.loads(sys.argv[1]), int(sys.argv[2])
 from transforms.ingest import kineto
+from transforms.ingest.kineto import rank as kineto_rank
 
 def peak_rss():
     # VmHWM: this process's own peak. ru_maxrss would do on a fresh process, except that Linux carries
@@ -63,12 +64,12 @@ one_document = 0
 if workers == 1:   # (not before a pool: its workers would inherit the memory)
     largest = max(paths, key=lambda p: pathlib.Path(p).stat().st_size)
     before = current_rss()
-    document = kineto._loads(pathlib.Path(largest).read_bytes())
+    document = kineto_rank._loads(pathlib.Path(largest).read_bytes())
     one_document = current_rss() - before
     del document
     gc.collect()
 spent = {"decode": 0.0, "events": 0.0}
-loads, parse_rank = kineto._loads, kineto.parse_rank
+loads, parse_rank = kineto_rank._loads, kineto_rank.parse_rank
 
 def timed_loads(data):
     started = time.perf_counter()
@@ -85,7 +86,7 @@ def timed_parse_rank(*args, **kwargs):
         spent["events"] += time.perf_counter() - started
 
 if workers == 1:   # the breakdown is only visible in this process
-    kineto._loads, kineto.parse_rank = timed_loads, timed_parse_rank
+    kineto_rank._loads, kineto_rank.parse_rank = timed_loads, timed_parse_rank
 def cpu(who):
     usage = resource.getrusage(who)
     return usage.ru_utime + usage.ru_stime

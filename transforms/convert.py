@@ -61,7 +61,7 @@ def _rank_elements(job: LakeJob) -> Iterator[tuple[str, tuple[LakeJob, str, dict
 def _parse(element):
     """(key, (job, path, options)) -> (key, (job, RankTrace or RawInputError, options))."""
     from transforms.ingest import RawInputError
-    from transforms.ingest.kineto import _parse_path
+    from transforms.ingest.kineto.job import _parse_path
 
     key, (job, path, options) = element
     if isinstance(options, Exception):

@@ -1,0 +1,60 @@
+"""torch.profiler (Kineto) Chrome-trace JSON, one file per rank -> TRACE_SCHEMA rows + manifest.
+
+Two passes, both plain functions:
+
+1. `parse_rank(path, data)`: one rank's JSON -> `RankTrace`, compact numpy columns of the
+   spans that matter (profiled steps, per-microbatch forward/backward compute, p2p and
+   collective comm, optimizer) plus counts of everything that fit no op type. One pass over
+   the events in Python, the rest vectorised. Only this pass touches the JSON, one rank at
+   a time, so memory stays bounded by the largest rank file.
+2. `assemble(ranks, job_id, date, options)`: the ranks of one job -> `ConvertedJob`:
+   checks (duplicate, missing or foreign ranks, steps that do not line up), the dp/pp
+   layout, op types, seq ids, clock alignment, manifest.
+
+The mapping (ARCHITECTURE.md, "Kineto mapping"):
+- steps: `ProfilerStep#N`; a step is kept when every analysed rank has it complete
+  (an optimizer span and every kind of compute), others are listed in source.steps_dropped;
+- rank and world: `distributedInfo`; process groups: `distributedInfo.pg_config`
+  ({pg_name, pg_desc, ranks}); the pp / dp coordinates of a rank are its index in the
+  group whose description names the dim (`mesh_pp`, `PIPELINE...`, `DATA_PARALLEL...`),
+  else job.yaml sizes + layout, else inferred (p2p peers make the pipeline, the
+  collectives' group the data-parallel replicas);
+- compute: the schedule's record_function labels (`PP:{stage}F{mb}` / `PP:{stage}B{mb}` of
+  torch.distributed.pipelining, `Forward k` / `Backward k` of its GPipe, `forward-compute k`,
+  or job.yaml forward_label / backward_label), with p2p waits nested at a label's edges
+  cut off; on GPU traces the label's `gpu_user_annotation` span (kernel time) when present;
+- p2p: gloo `gloo:send` / `gloo:recv` spans (CPU) or NCCL send/recv kernels (GPU); the
+  direction is the compute it serves: a send carries the compute before it, a recv feeds
+  the compute after it;
+- DP collectives (all_reduce, reduce_scatter, all_gather over the data-parallel group):
+  gloo spans on the runloop threads or NCCL kernels; all_reduce and reduce_scatter of
+  gradients -> grads-reduce-scatter, all_gather -> params-all-gather, matched across
+  ranks by their order in the group within the step (= NCCL's sequence number order);
+- optimizer: `Optimizer.step#...` (union of the step's optimizer spans);
+- everything else that is communication or a label (broadcast, barrier, all_to_all,
+  collectives of other groups, unknown labels) is counted in source.unmapped.
+- clocks: a rank's times are `baseTimeNanoseconds` + ts; ranks of one host (`host_name`) share
+  a clock, and between hosts offsets are estimated so that the ends of matched collectives and
+  p2p pairs coincide (least squares). A shift of one host's clock then changes nothing: the
+  analysis depends on durations, each rank's order of ops, and where matched ops end (exact when
+  they end together, else within their spread). job.yaml `clock: trust` keeps the recorded
+  clocks, `clock: align` gives every rank its own.
+"""
+from __future__ import annotations
+
+from transforms.ingest.kineto.job import assemble, convert_kineto
+from transforms.ingest.kineto.rank import parse_rank, parse_rank_bytes
+from transforms.ingest.kineto.spans import (DEFAULT_BACKWARD_LABELS, DEFAULT_FORWARD_LABELS, DEFAULT_OPTIMIZER_LABEL,
+                                            Group, RankTrace)
+
+__all__ = [
+    "RankTrace",
+    "Group",
+    "parse_rank",
+    "parse_rank_bytes",
+    "assemble",
+    "convert_kineto",
+    "DEFAULT_FORWARD_LABELS",
+    "DEFAULT_BACKWARD_LABELS",
+    "DEFAULT_OPTIMIZER_LABEL",
+]

@@ -1,0 +1,111 @@
+"""Per-microbatch compute spans of one rank: schedule labels (their GPU span where present) or, without labels, runs of the main thread's top-level ops."""
+from __future__ import annotations
+
+import collections
+import re
+from collections.abc import Mapping
+
+import numpy as np
+
+from transforms.ingest.kineto.spans import BWD, FWD, RECV, SEND, _STEP
+
+
+
+_UNMAPPED_QUIET = re.compile(r"^(Optimizer\.zero_grad#|## |enumerate\(DataLoader\)|PP:\d*(RECV|SEND|WAIT|REDUCE))")
+_BACKWARD_OP = "autograd::engine::evaluate_function:"
+# Ops that end a run of compute on the main thread: p2p, labels, the optimizer.
+_RUN_BREAK = ("c10d::send", "c10d::recv", "gloo:send", "gloo:recv", "c10d::batch_isend_irecv", "Optimizer.")
+# Ops that neither compute nor break a run (collective issue calls inside DDP's backward hooks).
+_RUN_NEUTRAL = ("c10d::", "gloo:", "record_param_comms", "nccl:")
+
+
+def _unlabeled_compute(ops: list, steps: list[tuple[float, float]], optimizer: list, *, forward: bool) -> list:
+    """Per-microbatch compute spans of a trace without schedule labels (torch.distributed.pipelining's
+    Schedule1F1B, plain DDP), from the main thread's top-level ops in each step: a run of
+    `autograd::engine::evaluate_function:` ops is one microbatch's backward, a run of other ops
+    between p2p calls is a forward when a backward run follows it in the step (trailing grad-sync
+    copies are not); runs shorter than a tenth of the step's median backward run are bookkeeping
+    between p2p calls, not compute, and of more forward runs than backward ones the longest are the
+    forwards. Returns label tuples (kind, start, end, mb=-1, chunk=-1, name)."""
+    ops = sorted(ops, key=lambda op: (op[0], -op[1]))
+    out = []
+    for step_start, step_end in steps:
+        runs: list[list] = []            # [kind, start, end]
+        stack: list[float] = []          # ends of open ancestors below the step span
+        current = None
+        for start, end, name, _ in ops:
+            if start < step_start or start > step_end or (start == step_start and _STEP.match(name)):
+                continue
+            if name.startswith("gloo:"):
+                # gloo's p2p spans are asynchronous: they stay open until the schedule waits on
+                # them, over the compute issued meanwhile; only their start breaks a run
+                if name.startswith(("gloo:send", "gloo:recv")):
+                    current = None
+                continue
+            while stack and stack[-1] <= start:
+                stack.pop()
+            depth = len(stack)
+            stack.append(end)
+            if depth:
+                continue                 # inside a top-level op of the step
+            if name.startswith(_RUN_BREAK) or _STEP.match(name) or any(s <= start < e for s, e in optimizer):
+                current = None
+                continue
+            if name.startswith(_RUN_NEUTRAL):
+                continue
+            kind = BWD if name.startswith(_BACKWARD_OP) else FWD
+            if current is not None and current[0] == kind:
+                current[2] = max(current[2], end)
+            else:
+                current = [kind, start, end]
+                runs.append(current)
+        backward = [end - start for kind, start, end in runs if kind == BWD]
+        # bookkeeping between p2p calls (splitting inputs, allocating buffers) makes runs of
+        # microseconds; a microbatch's compute is a sizeable share of a backward
+        floor = 0.1 * float(np.median(backward)) if backward else 0.0
+        runs = [run for run in runs if run[2] - run[1] >= floor]
+        last_backward = max((i for i, run in enumerate(runs) if run[0] == BWD), default=-1)
+        forwards = [i for i, run in enumerate(runs) if run[0] == FWD and i < last_backward]
+        if len(forwards) > len(backward):
+            # every microbatch has one forward and one backward: the longest runs are the forwards,
+            # the rest is bookkeeping the OS stretched (splitting inputs, allocating recv buffers)
+            forwards = sorted(sorted(forwards, key=lambda i: runs[i][1] - runs[i][2])[:len(backward)])
+        for i, (kind, start, end) in enumerate(runs):
+            if kind == BWD:
+                out.append((BWD, start, end, -1, -1, "autograd backward"))
+            elif forward and i in forwards:
+                out.append((FWD, start, end, -1, -1, "forward ops"))
+    return out
+
+
+def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list) -> list[tuple[int, float, float, int, int]]:
+    """(kind, start, end, mb, chunk) of each compute label: its GPU span when the trace has one
+    (kernel time), else the CPU span with p2p waits nested at its edges cut off."""
+    next_gpu: dict[str, int] = collections.Counter()
+    gpu_sorted = {name: sorted(spans) for name, spans in gpu_labels.items()}
+    p2p = sorted((s, e, k) for k, s, e, *_ in comm if k in (SEND, RECV))
+    p2p_start = np.array([s for s, _, _ in p2p]) if p2p else np.zeros(0)
+    out = []
+    for kind, start, end, mb, chunk, name in sorted(labels, key=lambda l: l[1]):
+        # the label's GPU span: the next one of that name starting after the CPU label did (GPU work
+        # follows its launch), so a span the profiler dropped costs only its own step
+        on_gpu = gpu_sorted.get(name, ())
+        position = next_gpu[name]
+        while position < len(on_gpu) and on_gpu[position][0] < start:
+            position += 1
+        if position < len(on_gpu):
+            next_gpu[name] = position + 1
+            gpu_start, gpu_end = on_gpu[position]
+            out.append((kind, gpu_start, gpu_end, mb, chunk))
+            continue
+        lo, hi = np.searchsorted(p2p_start, start), np.searchsorted(p2p_start, end)
+        compute_start, compute_end = start, end
+        nested = p2p[lo:hi]
+        for s, e, k in nested:             # waits at the front: the compute starts after them
+            if k == RECV and e <= end and s - compute_start <= max(0.0, (end - start) * 0.5):
+                compute_start = max(compute_start, e)
+        for s, e, k in reversed(nested):   # sends at the back: the compute ended before them
+            if k == SEND and s >= compute_start:
+                compute_end = min(compute_end, s)
+        out.append((kind, compute_start, max(compute_end, compute_start), mb, chunk))
+    return out

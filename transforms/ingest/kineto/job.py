@@ -1,0 +1,283 @@
+"""Pass 2: the ranks of one job -> `ConvertedJob` (checks, kept steps, layout, op rows, clocks, manifest); `convert_kineto` runs both passes."""
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from transforms.ingest.common import ConvertedJob, RawInputError, build_manifest, build_trace
+from transforms.ingest.kineto.clocks import _clock_offsets
+from transforms.ingest.kineto.layout import _dp_groups, _layout
+from transforms.ingest.kineto.ops import _ops_of_rank
+from transforms.ingest.kineto.pairing import _check_comm_pairs, _clip_p2p_waits
+from transforms.ingest.kineto.rank import parse_rank_bytes
+from transforms.ingest.kineto.spans import BWD, FWD, OPT, RankTrace, _KIND_NAMES
+
+
+def _step_structure(trace: RankTrace, steps: np.ndarray) -> dict[int, tuple]:
+    """Per step: counts of spans by kind (the step's op structure as far as kinds go)."""
+    out = {}
+    for step in steps.tolist():
+        kinds = trace.kind[trace.step == step]
+        out[step] = tuple(np.bincount(kinds, minlength=len(_KIND_NAMES)).tolist())
+    return out
+
+
+def _kept_steps(ranks: Sequence[RankTrace], job_id: str) -> tuple[np.ndarray, list[int]]:
+    """Steps every analysed rank has complete (optimizer, forward and backward spans, the same
+    structure as the rank's other steps); returns (kept, dropped)."""
+    common = None
+    union: set[int] = set()
+    for trace in ranks:
+        present = set(trace.steps.tolist())
+        union |= present
+        common = present if common is None else common & present
+    if not common:
+        spans = {t.rank: f"{t.steps.min()}..{t.steps.max()}" for t in ranks[:4]}
+        raise RawInputError("raw_steps_misaligned", f"no ProfilerStep is common to all ranks (steps per rank: {spans}"
+                            f"{' ...' if len(ranks) > 4 else ''})", job_id=job_id)
+    candidates = np.array(sorted(common), dtype=np.int64)
+    for trace in ranks:
+        in_common = np.isin(trace.step, candidates)
+        for kind in (FWD, BWD):
+            if not ((trace.kind == kind) & in_common).any():
+                raise RawInputError("raw_no_microbatches", f"rank {trace.rank} has no {_KIND_NAMES[kind]} compute in "
+                                    "its profiled steps: the schedule's labels were not recognised (set forward_label "
+                                    "/ backward_label in job.yaml) and its main thread shows no "
+                                    + ("forward ops between p2p calls" if kind == FWD else "autograd backward ops"),
+                                    job_id=job_id, path=trace.path)
+    keep = np.ones(len(candidates), dtype=bool)
+    for trace in ranks:
+        structure = _step_structure(trace, candidates)
+        counts = collections.Counter(structure.values())
+        modal = counts.most_common(1)[0][0]
+        for i, step in enumerate(candidates.tolist()):
+            kinds = structure[step]
+            if kinds != modal or not (kinds[FWD] and kinds[BWD] and kinds[OPT]):
+                keep[i] = False
+    kept = candidates[keep]
+    dropped = sorted(union - set(kept.tolist()))
+    if len(kept) < 2:
+        raise RawInputError("raw_no_steps", f"{len(kept)} profiled step(s) complete on every rank (common steps "
+                            f"{candidates.tolist()}); the analysis needs at least 2: profile more active steps",
+                            job_id=job_id)
+    return kept, dropped
+
+
+def _check_job(ranks: Sequence[RankTrace], job_id: str) -> int:
+    """Duplicate ranks and ranks of another job; returns the world size."""
+    seen: dict[int, str] = {}
+    for trace in ranks:
+        if trace.rank in seen:
+            raise RawInputError("raw_duplicate_rank", f"rank {trace.rank} appears in {seen[trace.rank]} and {trace.path}",
+                                job_id=job_id, path=trace.path)
+        seen[trace.rank] = trace.path
+    worlds = collections.Counter(t.world for t in ranks)
+    if len(worlds) > 1:
+        odd = min(ranks, key=lambda t: worlds[t.world])
+        raise RawInputError("raw_mixed_jobs", f"world sizes differ ({dict(worlds)}); {odd.path} says {odd.world}",
+                            job_id=job_id, path=odd.path)
+    world = next(iter(worlds))
+    for trace in ranks:
+        if not 0 <= trace.rank < world:
+            raise RawInputError("raw_mixed_jobs", f"rank {trace.rank} outside world size {world}", job_id=job_id, path=trace.path)
+    # ranks sharing a clock (one host) ran their profiled steps at the same time, give or take the
+    # drift of a pipeline: a rank whose steps ran minutes away from the others' belongs to another run
+    by_clock: dict[str, list[RankTrace]] = collections.defaultdict(list)
+    for trace in ranks:
+        if trace.host:
+            by_clock[trace.clock].append(trace)
+    for members in by_clock.values():
+        if len(members) < 2:
+            continue
+        spans = {t.rank: (t.origin_ns / 1e3 + t.step_start.min(), t.origin_ns / 1e3 + t.step_end.max()) for t in members}
+        for trace in members:
+            start, end = spans[trace.rank]
+            others = [span for rank, span in spans.items() if rank != trace.rank]
+            slack = max(end - start, 1e6)   # µs: a whole profiled window (at least a second) of drift
+            if not any(o_start - slack <= end and start <= o_end + slack for o_start, o_end in others):
+                import datetime as dt
+
+                when = dt.datetime.fromtimestamp(start / 1e6, tz=dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+                raise RawInputError("raw_mixed_jobs", f"rank {trace.rank} profiled its steps at {when} UTC on host "
+                                    f"{trace.host}, away from the other ranks of that host: a trace of another run",
+                                    job_id=job_id, path=trace.path)
+    defined: dict[str, tuple[int, ...]] = {}
+    for trace in ranks:
+        for group in trace.groups.values():
+            if len(group.ranks) == world and defined.setdefault(f"world:{group.name}", group.ranks) != group.ranks:
+                raise RawInputError("raw_mixed_jobs", f"process group {group.name!r} has ranks {group.ranks} here but "
+                                    f"{defined[f'world:{group.name}']} in another file", job_id=job_id, path=trace.path)
+    return world
+
+
+def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mapping[str, Any] | None = None,
+             files: int | None = None) -> ConvertedJob:
+    """The parsed ranks of one job -> ConvertedJob (op rows, manifest, source). RawInputError on bad input."""
+    options = options or {}
+    if not ranks:
+        raise RawInputError("raw_missing_rank", f"no readable rank trace in the window ({files or 0} file(s))", job_id=job_id)
+    world = _check_job(ranks, job_id)
+    layout = _layout(ranks, world, options, job_id)
+    by_rank = {t.rank: t for t in ranks}
+    missing = sorted(set(layout.worker) - set(by_rank))
+    if len(layout.worker) < layout.dp * layout.pp:
+        # the groups of the traces present do not place every worker: the absent ranks would
+        missing = sorted(set(range(world)) - set(by_rank))
+    if missing:
+        shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+        raise RawInputError("raw_missing_rank", f"{len(missing)} rank(s) the analysis needs have no trace: ranks {shown} "
+                            f"(dp {layout.dp} x pp {layout.pp} workers, layout from {layout.how}); found "
+                            f"{len(by_rank)} readable rank file(s) of world size {world}", job_id=job_id)
+    analysed = [by_rank[rank] for rank in sorted(layout.worker)]
+    steps, dropped = _kept_steps(analysed, job_id)
+    described = any(g.dims() == {"dp"} for t in ranks for g in t.groups.values())
+    unmapped: collections.Counter = collections.Counter()
+    for trace in ranks:
+        unmapped.update(trace.unmapped)
+    rows = {t.rank: _ops_of_rank(t, layout.worker[t.rank][1], layout, steps, _dp_groups(t, layout, described), job_id,
+                                 unmapped) for t in analysed}
+    _check_comm_pairs(rows, layout, job_id)
+    first_origin = min(by_rank[rank].origin_ns for rank in rows)
+    for rank, r in rows.items():   # every rank on the recorded clock, µs after the earliest origin
+        shift = (by_rank[rank].origin_ns - first_origin) / 1000.0
+        r["start"], r["end"] = r["start"] + shift, r["end"] + shift
+    collapsed = len(ranks) - len(analysed)
+    clock = options.get("clock", "auto")
+    clock_of = {rank: (by_rank[rank].clock if clock == "auto" else f"rank:{rank}") for rank in rows}
+    offsets = {rank: 0.0 for rank in rows} if clock == "trust" else _clock_offsets(rows, layout, clock_of)
+    p2p_clipped = _clip_p2p_waits(rows, layout, offsets)
+    base = min(float(r["start"].min() - offsets[rank]) for rank, r in rows.items() if len(r["start"]))
+    columns: dict[str, list] = collections.defaultdict(list)
+    for rank, r in rows.items():
+        dp, stage = layout.worker[rank]
+        n = len(r["step"])
+        start = (r["start"] - offsets[rank] - base) * 1e-6
+        columns["dp_rank"].append(np.full(n, dp))
+        columns["stage"].append(np.full(n, stage))
+        columns["rank"].append(np.full(n, rank))
+        columns["step"].append(r["step"])
+        columns["optype"].append(r["optype"])
+        columns["start_ts"].append(start)
+        columns["duration"].append(np.maximum(r["end"] - r["start"], 0.0) * 1e-6)
+        columns["mb_id"].append(r["mb_id"])
+        columns["mc"].append(r["mc"])
+        columns["gmc"].append(r["gmc"])
+    hosts = options.get("hosts")
+    if isinstance(hosts, list) and len(hosts) >= world:
+        host_of = {rank: str(hosts[rank]) for rank in rows}
+    elif all(by_rank[rank].host for rank in rows):   # torch >= 2.13 writes the host's name
+        host_of = {rank: str(by_rank[rank].host) for rank in rows}
+    else:
+        host_of = {}
+    if host_of:
+        columns["host"] = [np.full(len(rows[rank]["step"]), host_of[rank], dtype=object) for rank in rows]
+    trace = build_trace(job_id, **{name: np.concatenate(parts) for name, parts in columns.items()})
+    vpp = int(trace.column("mc").to_numpy().max()) + 1 if trace.num_rows else 1
+    if "vpp_size" in options and int(options["vpp_size"]) != vpp:
+        raise RawInputError("raw_layout_unknown", f"job.yaml vpp_size {options['vpp_size']} but the labels show {vpp} "
+                            "model chunk(s) per stage", job_id=job_id)
+    first = analysed[0]
+    manifest = build_manifest(
+        job_id, date, trace, dp_size=layout.dp, pp_size=layout.pp, tp_size=layout.tp, cp_size=layout.cp, vpp_size=vpp,
+        world_size=world, worker_rank=layout.rank_of(),
+        worker_host={cell: host_of[rank] for cell, rank in layout.rank_of().items()} if host_of else None,
+        start_time=_start_time(options) or _recorded_start(first_origin, base), model_family=str(options.get("model_family", "unknown")),
+        context_length=int(options.get("context_length", 0)), gpu_hours_scale=float(options.get("gpu_hours_scale", 1.0)),
+    )
+    source = {
+        "format": "kineto",
+        "profiler": "torch.profiler (Kineto)",
+        "version": {k: v for k, v in first.versions.items() if v is not None},
+        "device": first.device,
+        "backend": first.backend,
+        "ranks": len(ranks),
+        "world_size": world,
+        "files": files if files is not None else len(ranks),
+        "analysed_ranks": len(analysed),
+        "tp_cp_collapsed": collapsed,
+        "layout": layout.how,
+        "steps": steps.tolist(),
+        "steps_dropped": dropped,
+        "clock": clock,
+        "clocks": len(set(clock_of.values())) if clock != "trust" else 1,
+        "clock_offset_max_s": max(abs(v) for v in offsets.values()) * 1e-6 if offsets else 0.0,
+        "clock_offsets_s": {key: offsets[rank] * 1e-6 for rank, key in sorted(clock_of.items()) if offsets[rank]},
+        "p2p_waits_clipped": p2p_clipped,
+        "unmapped": dict(sorted(unmapped.items())),
+    }
+    return ConvertedJob(job_id, trace, manifest, source)
+
+
+def _recorded_start(origin_ns: int, offset_us: float):
+    """The wall-clock instant `offset_us` after `origin_ns` (baseTimeNanoseconds + first ts) when it is
+    a plausible date (torch writes the epoch there; some traces do not), else None."""
+    import datetime as dt
+
+    seconds = origin_ns / 1e9 + offset_us * 1e-6
+    if not 946684800 <= seconds <= 4102444800:   # 2000-01-01 .. 2100-01-01
+        return None
+    return dt.datetime.fromtimestamp(round(seconds, 6), tz=dt.timezone.utc)
+
+
+def _start_time(options: Mapping[str, Any]):
+    import datetime as dt
+
+    value = options.get("start_time")
+    if value is None:
+        return None
+    if isinstance(value, dt.datetime):
+        return value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)
+    try:
+        parsed = dt.datetime.fromisoformat(str(value))
+    except ValueError:
+        raise RawInputError("raw_bad_job_yaml", f"start_time {value!r} is not an ISO timestamp") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
+
+
+def convert_kineto(paths: Sequence[str], job_id: str, date: str, options: Mapping[str, Any] | None = None,
+                   *, workers: int = 1) -> ConvertedJob:
+    """Convert one job's per-rank torch.profiler traces (URLs) -> ConvertedJob.
+
+    A file that is not a readable trace (`raw_unreadable`, `raw_not_a_trace`) is set aside in
+    `ConvertedJob.rejected` and the job is assembled from the others; when that fails too (a rank
+    is then missing), the RawInputError raised carries the set-aside files in `.rejected`.
+    workers > 1 parses rank files in that many processes (big jobs on a machine of their own).
+    OSError while reading a file propagates (infrastructure); bad content raises RawInputError.
+    """
+    options = dict(options or {})
+    if not paths:
+        raise RawInputError("raw_missing_rank", "no trace file (*.json or *.json.gz) in the window", job_id=job_id)
+    if workers > 1 and len(paths) > 1:
+        import concurrent.futures
+
+        with concurrent.futures.ProcessPoolExecutor(workers) as pool:
+            parsed = list(pool.map(_parse_path, paths, [options] * len(paths)))
+    else:
+        parsed = [_parse_path(path, options) for path in paths]
+    ranks = [item for item in parsed if isinstance(item, RankTrace)]
+    rejected = [item.with_job(job_id) for item in parsed if not isinstance(item, RankTrace)]
+    try:
+        converted = assemble(ranks, job_id, date, options, files=len(paths))
+    except RawInputError as error:
+        error.rejected = rejected
+        raise
+    converted.rejected = rejected
+    if rejected:
+        converted.source["files_rejected"] = {error.path: error.reason_code for error in rejected}
+    return converted
+
+
+def _parse_path(path: str, options: Mapping[str, Any]) -> RankTrace | RawInputError:
+    """One rank file by URL -> RankTrace, or the file-level RawInputError that sets it aside
+    (job-level errors, e.g. a bad job.yaml regex, and OSError propagate)."""
+    from transforms.ingest import read_raw_file
+
+    try:
+        return parse_rank_bytes(path, read_raw_file(path), options)
+    except RawInputError as error:
+        if error.level != "file":
+            raise
+        return error

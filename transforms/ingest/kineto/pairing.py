@@ -1,0 +1,98 @@
+"""Comm ops matched across ranks: p2p pairs, the check that every collective and transfer has its peers, idle waits cut off p2p pairs."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from schemas.trace import OPTYPES
+from transforms.ingest.common import RawInputError
+from transforms.ingest.kineto.layout import _Layout
+from transforms.ingest.kineto.spans import _CODE
+
+
+def _p2p_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout) -> list[tuple[int, int, int, int]]:
+    """(send rank, send row, recv rank, recv row) of every p2p pair: forward-send k of (dp, stage s)
+    with forward-recv k of (dp, s+1), backward-send k of (dp, s) with backward-recv k of (dp, s-1),
+    k counting within the step (the engine pairs them the same way)."""
+    rank_of = layout.rank_of()
+    pairs = []
+    for send, recv, direction in (("forward-send", "forward-recv", 1), ("backward-send", "backward-recv", -1)):
+        for rank, r in rows.items():
+            dp, stage = layout.worker[rank]
+            peer = rank_of.get((dp, stage + direction))
+            if peer is None or peer not in rows:
+                continue
+            p = rows[peer]
+            mine = np.flatnonzero(r["optype"] == _CODE[send])
+            theirs = np.flatnonzero(p["optype"] == _CODE[recv])
+            mine = mine[np.lexsort((r["start"][mine], r["step"][mine]))]
+            theirs = theirs[np.lexsort((p["start"][theirs], p["step"][theirs]))]
+            for step in np.intersect1d(r["step"][mine], p["step"][theirs]).tolist():
+                a, b = mine[r["step"][mine] == step], theirs[p["step"][theirs] == step]
+                pairs += [(rank, int(i), peer, int(j)) for i, j in zip(a, b)]
+    return pairs
+
+
+def _check_comm_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, job_id: str) -> None:
+    """Every step's comm ops must pair up across ranks: each DP collective type as many times on
+    every DP rank of a stage, each forward-send of stage s with a forward-recv of stage s+1 (and
+    backward likewise). Raises raw_unmatched_comm naming the ranks, step and op type."""
+    rank_of = layout.rank_of()
+
+    def counts(rank: int, code: int) -> dict[int, int]:
+        r = rows[rank]
+        steps, n = np.unique(r["step"][r["optype"] == code], return_counts=True)
+        return dict(zip(steps.tolist(), n.tolist()))
+
+    steps = sorted(set(np.concatenate([r["step"] for r in rows.values()]).tolist()))
+    for code in (_CODE["grads-reduce-scatter"], _CODE["params-all-gather"], _CODE["separate-grads-all-reduce"]):
+        for stage in range(layout.pp):
+            members = [rank_of[(d, stage)] for d in range(layout.dp) if (d, stage) in rank_of]
+            per_rank = {rank: counts(rank, code) for rank in members}
+            for step in steps:
+                seen = {rank: per_rank[rank].get(step, 0) for rank in members}
+                if len(set(seen.values())) > 1:
+                    raise RawInputError("raw_unmatched_comm", f"step {step}, stage {stage}: {OPTYPES[code]} ops per DP "
+                                        f"rank differ ({', '.join(f'rank {r}: {n}' for r, n in seen.items())}); every "
+                                        "DP rank issues the same collectives", job_id=job_id, op=OPTYPES[code])
+    for send, recv, direction in (("forward-send", "forward-recv", 1), ("backward-send", "backward-recv", -1)):
+        for (dp, stage), rank in rank_of.items():
+            peer = rank_of.get((dp, stage + direction))
+            if peer is None:
+                continue
+            sent, received = counts(rank, _CODE[send]), counts(peer, _CODE[recv])
+            for step in steps:
+                if sent.get(step, 0) != received.get(step, 0):
+                    vpp = max(int(r["mc"].max()) + 1 if len(r["mc"]) else 1 for r in rows.values())
+                    hint = (f"; an interleaved schedule (vpp {vpp}): its asynchronous p2p ops cannot be told apart by "
+                            "direction yet, profile a non-interleaved schedule" if vpp > 1 else "")
+                    raise RawInputError("raw_unmatched_comm", f"step {step}: rank {rank} (stage {stage}) has "
+                                        f"{sent.get(step, 0)} {send} ops but rank {peer} (stage {stage + direction}) "
+                                        f"{received.get(step, 0)} {recv} ops{hint}", job_id=job_id, op=send)
+
+
+def _clip_p2p_waits(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, offsets: Mapping[int, float]) -> int:
+    """Cut the idle waits off both ends of every p2p pair (clocks aligned by `offsets`, µs).
+
+    - A recv posted before its peer's send started waits idle: it starts with the send. Transfer
+      times (end - latest start of the pair) do not change; the step's observed span no longer
+      counts a stage idling on its first recv while the previous stage still finishes the
+      previous step (pipelines without a global sync at the step's end drift apart).
+    - An asynchronous send (gloo's isend) stays open until the schedule waits on it, often after
+      the data arrived: it ends when its recv ended. Otherwise the send chain of the dependency
+      model would serialise sends that overlapped.
+    Returns the number of ops changed."""
+    changed = 0
+    for send_rank, i, recv_rank, j in _p2p_pairs(rows, layout):
+        send, recv = rows[send_rank], rows[recv_rank]
+        shift = offsets[recv_rank] - offsets[send_rank]   # send clock -> recv clock
+        send_start = send["start"][i] + shift
+        if send_start > recv["start"][j]:
+            recv["start"][j] = min(send_start, recv["end"][j])
+            changed += 1
+        recv_end = recv["end"][j] - shift                  # recv clock -> send clock
+        if send["end"][i] > recv_end:
+            send["end"][i] = max(send["start"][i], recv_end)
+            changed += 1
+    return changed

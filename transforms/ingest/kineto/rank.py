@@ -1,0 +1,305 @@
+"""Pass 1: one rank's Kineto JSON -> `RankTrace` (events scanned once, compute and comm spans, steps)."""
+from __future__ import annotations
+
+import collections
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from transforms.ingest.common import RawInputError, open_bytes
+from transforms.ingest.kineto.compute import _UNMAPPED_QUIET, _compute_spans, _unlabeled_compute
+from transforms.ingest.kineto.spans import (BWD, COLL, DEFAULT_BACKWARD_LABELS, DEFAULT_FORWARD_LABELS,
+                                            DEFAULT_OPTIMIZER_LABEL, FWD, Group, OPT, RECV, RankTrace, SEND,
+                                            _COLLECTIVES, _NCCL, _STEP)
+
+
+# --------------------------------------------------------------------------- pass 1: one rank
+
+def _loads(data: bytes):
+    try:
+        import orjson
+
+        return orjson.loads(data)
+    except ImportError:   # pragma: no cover - orjson is a declared dependency
+        import json
+
+        return json.loads(data)
+
+
+def parse_rank_bytes(path: str, data: bytes, options: Mapping[str, Any] | None = None) -> RankTrace:
+    """One rank's raw file content (JSON, optionally gzipped) -> RankTrace. RawInputError on bad bytes."""
+    import gc
+
+    # a trace decodes into millions of small dicts: the cyclic collector would rescan them over and
+    # over (74% of the decode time on 30 MB files, benchmarks/bench_ingest.py); none of them cycle
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        try:
+            document = _loads(open_bytes(data))
+        except (ValueError, EOFError, OSError) as error:   # JSON decode error, truncated or broken gzip
+            raise RawInputError("raw_unreadable", f"not a complete JSON document ({type(error).__name__}: {error})",
+                                path=path) from None
+        return parse_rank(path, document, options)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _compile_labels(options: Mapping[str, Any], key: str, defaults: tuple[str, ...]) -> list[re.Pattern]:
+    given = options.get(key)
+    patterns = [given] if isinstance(given, str) else list(given or defaults)
+    try:
+        return [re.compile(p) for p in patterns]
+    except re.error as error:
+        raise RawInputError("raw_bad_job_yaml", f"{key} {given!r} is not a regular expression ({error})") from None
+
+
+def _match(patterns: list[re.Pattern], name: str):
+    for pattern in patterns:
+        found = pattern.match(name)
+        if found:
+            return found
+    return None
+
+
+def _groups(info: Mapping[str, Any]) -> dict[str, Group]:
+    config = info.get("pg_config") or []
+    if isinstance(config, Mapping):     # some versions key the groups by name
+        config = [dict(value, pg_name=value.get("pg_name", key)) for key, value in config.items()]
+    out = {}
+    for entry in config:
+        if not isinstance(entry, Mapping) or "ranks" not in entry:
+            continue
+        ranks = entry["ranks"]
+        if isinstance(ranks, str):
+            ranks = [int(x) for x in re.findall(r"\d+", ranks)]
+        name = str(entry.get("pg_name", len(out)))
+        out[name] = Group(name, str(entry.get("pg_desc") or ""), tuple(int(r) for r in ranks))
+    return out
+
+
+def _ranks_arg(value) -> tuple[int, ...]:
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return tuple(int(x) for x in re.findall(r"-?\d+", str(value or "")))
+
+
+def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = None) -> RankTrace:
+    """A parsed Kineto JSON document -> RankTrace (see the module docstring for what is kept)."""
+    options = options or {}
+    if not isinstance(document, Mapping) or not isinstance(document.get("traceEvents"), list):
+        raise RawInputError("raw_not_a_trace", "no traceEvents list: not a torch.profiler Chrome trace", path=path)
+    info = document.get("distributedInfo")
+    if not isinstance(info, Mapping) or "rank" not in info or "world_size" not in info:
+        raise RawInputError("raw_not_a_trace", "no distributedInfo (rank, world_size): profile a torch.distributed "
+                            "job (the profiler records it once the process group is initialised)", path=path)
+    forward_labels = _compile_labels(options, "forward_label", DEFAULT_FORWARD_LABELS)
+    backward_labels = _compile_labels(options, "backward_label", DEFAULT_BACKWARD_LABELS)
+    optimizer_label = re.compile(options.get("optimizer_label") or DEFAULT_OPTIMIZER_LABEL)
+    rank, world = int(info["rank"]), int(info["world_size"])
+    groups = _groups(info)
+    unmapped: collections.Counter = collections.Counter()
+
+    steps: dict[int, tuple[float, float]] = {}
+    step_tid = None
+    cpu_labels: list[tuple[int, float, float, int, int, str]] = []   # kind, start, end, mb, chunk, name
+    gpu_labels: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    comm: list[tuple[int, float, float, int, str, str]] = []          # kind, start, end, peer, coll, group
+    comm_meta: list[dict] = []                                      # record_param_comms args, in time order
+    gloo_cpu: list[tuple[str, float, float, int]] = []               # name, start, end, tid
+    c10d_p2p: list[tuple[str, float, float, int]] = []               # c10d::send / recv_: name, start, end, local peer
+    cpu_ops: list[tuple[float, float, str, object]] = []             # every cpu_op / user_annotation: start, end, name, tid
+    optimizer: list[tuple[float, float]] = []
+    kernels = 0
+    origin = None   # times are kept relative to it (µs), so durations stay exact
+    for event in document["traceEvents"]:
+        if event.get("ph") != "X":
+            continue
+        name = event.get("name", "")
+        cat = event.get("cat", "")
+        ts = event.get("ts")
+        dur = event.get("dur")
+        if ts is None or dur is None:
+            continue
+        if origin is None:   # a whole 2^32 µs (72 min): the same for any event order
+            origin = float(np.floor(float(ts) / 2.0 ** 32) * 2.0 ** 32)
+        ts = float(ts) - origin
+        end = ts + float(dur)
+        if cat == "kernel":
+            kernels += 1
+            if name.startswith(_NCCL):
+                args = event.get("args") or {}
+                comm.append(_nccl_span(name, args, ts, end, rank, groups))
+            continue
+        if cat not in ("user_annotation", "cpu_op", "gpu_user_annotation"):
+            continue
+        if cat == "gpu_user_annotation":
+            if not name.startswith("ProfilerStep#"):
+                gpu_labels[name].append((ts, end))
+            continue
+        cpu_ops.append((ts, end, name, event.get("tid")))
+        step = _STEP.match(name)
+        if step:
+            steps[int(step.group(1))] = (ts, end)
+            step_tid = event.get("tid")
+            continue
+        if name.startswith("gloo:"):
+            gloo_cpu.append((name[5:], ts, end, event.get("tid")))
+            continue
+        if name.startswith("c10d::send") or name.startswith("c10d::recv"):
+            inputs = (event.get("args") or {}).get("Concrete Inputs") or []
+            peer = inputs[2] if len(inputs) > 2 and str(inputs[2]).lstrip("-").isdigit() else -1
+            c10d_p2p.append(("send" if name.startswith("c10d::send") else "recv", ts, end, int(peer)))
+            continue
+        if name == "record_param_comms":
+            args = event.get("args") or {}
+            if "Collective name" in args:
+                comm_meta.append(dict(args, ts=ts, tid=event.get("tid")))
+            continue
+        if cat == "user_annotation":
+            if optimizer_label.match(name):
+                optimizer.append((ts, end))
+                continue
+            found = _match(forward_labels, name)
+            kind = FWD
+            if found is None:
+                found, kind = _match(backward_labels, name), BWD
+            if found is not None:
+                groups_found = found.groupdict()
+                mb = groups_found.get("mb")
+                chunk = groups_found.get("stage") if "stage" in groups_found else groups_found.get("chunk")
+                cpu_labels.append((kind, ts, end, int(mb) if mb is not None else -1,
+                                   int(chunk) if chunk is not None else -1, name))
+            elif not _UNMAPPED_QUIET.match(name):
+                unmapped[f"label {_label_family(name)}"] += 1
+    if not steps:
+        raise RawInputError("raw_no_steps", "no ProfilerStep#N span: call prof.step() once per training step", path=path)
+    device = "cpu"
+    properties = document.get("deviceProperties") or []
+    if kernels and properties and isinstance(properties[0], Mapping):
+        device = str(properties[0].get("name") or "gpu")
+    elif kernels:
+        device = "gpu"
+    versions = {"schemaVersion": document.get("schemaVersion"), "backend": info.get("backend"),
+                "nccl_version": info.get("nccl_version"), "trace_id": document.get("trace_id")}
+    if not kernels:
+        comm += _gloo_spans(gloo_cpu, comm_meta, c10d_p2p, rank, groups, unmapped)
+    kinds = {label[0] for label in cpu_labels}
+    if kinds != {FWD, BWD}:
+        # no (or only forward) schedule labels: microbatches from the main thread's op runs
+        main = [op for op in cpu_ops if op[3] == step_tid]
+        cpu_labels = [label for label in cpu_labels if label[0] in kinds] + _unlabeled_compute(
+            main, sorted(steps.values()), optimizer, forward=FWD not in kinds)
+    spans = _compute_spans(cpu_labels, gpu_labels if kernels else {}, comm)
+    trace = _rank_trace(path, rank, world, str(info.get("backend") or ""), groups, device, versions, steps, spans,
+                        comm, optimizer, unmapped)
+    host = document.get("host_name") or info.get("host_name")
+    trace.host = str(host) if host else None
+    # Kineto's ts are µs after baseTimeNanoseconds: the recorded instant of time 0 of this rank, in ns
+    base = document.get("baseTimeNanoseconds")
+    trace.origin_ns = (int(base) if isinstance(base, (int, float)) else 0) + round((origin or 0.0) * 1000)
+    # one clock per host; without a host name every rank counts as its own clock
+    trace.clock = f"host:{host}" if host else f"rank:{rank}"
+    return trace
+
+
+def _label_family(name: str) -> str:
+    """A label with its numbers replaced by N, so that counts group by kind of label."""
+    return re.sub(r"\d+", "N", name)[:80]
+
+
+def _nccl_span(name: str, args: Mapping[str, Any], start: float, end: float, rank: int,
+               groups: Mapping[str, Group]) -> tuple[int, float, float, int, str, str]:
+    """(kind, start, end, peer, collective, group) of one NCCL kernel."""
+    collective = args.get("Collective name")
+    if collective is None:   # old traces: the kernel name says what it is (ncclKernel_AllReduce_RING_LL_Sum_float)
+        token = re.match(r"nccl(?:Dev)?Kernel_([A-Za-z]+)", name)
+        collective = token.group(1) if token else name
+    canonical = _COLLECTIVES.get(str(collective).lower(), str(collective).lower())
+    group = str(args.get("Process Group Name", ""))
+    peer = -1
+    if canonical in ("send", "recv"):
+        key = "Dst Rank" if canonical == "send" else "Src Rank"
+        if key in args:
+            peer = _global_peer(int(args[key]), group, groups, rank)
+        return (SEND if canonical == "send" else RECV, start, end, peer, canonical, group)
+    return (COLL, start, end, -1, canonical, group)
+
+
+def _global_peer(local: int, group: str, groups: Mapping[str, Group], rank: int) -> int:
+    """A group-local peer rank -> global rank (the default group's ranks are global already)."""
+    members = groups.get(group)
+    if members is None or not (0 <= local < len(members.ranks)):
+        return local
+    return members.ranks[local]
+
+
+def _gloo_spans(gloo: list, meta: list[dict], c10d: list, rank: int, groups: Mapping[str, Group],
+                unmapped: collections.Counter) -> list[tuple[int, float, float, int, str, str]]:
+    """gloo's own spans (`gloo:all_reduce` on a runloop thread, `gloo:send` / `gloo:recv` inside the
+    c10d call that issued them), with the group and peer of that call: from `record_param_comms`
+    where the trace has it, else (CPU traces) the c10d call's `Concrete Inputs` (the group-local
+    peer, read in the rank's pipeline group). A p2p op spans its c10d call and its gloo span."""
+    issued: dict[str, list[dict]] = collections.defaultdict(list)
+    for args in sorted(meta, key=lambda a: a["ts"]):
+        canonical = _COLLECTIVES.get(str(args["Collective name"]).lower(), str(args["Collective name"]).lower())
+        issued[canonical].append(args)
+    calls = {kind: sorted(op for op in c10d if op[0] == kind) for kind in ("send", "recv")}
+    pipeline = next((g for g in groups.values() if g.dims() == {"pp"} and rank in g.ranks), None)
+    taken: dict[str, int] = collections.Counter()
+    out = []
+    for name, start, end, _tid in sorted(gloo, key=lambda g: g[1]):
+        canonical = _COLLECTIVES.get(name.lower())
+        if canonical is None:
+            unmapped[f"gloo:{name}"] += 1
+            continue
+        queue = issued.get(canonical, [])
+        args = queue[taken[canonical]] if taken[canonical] < len(queue) else {}
+        position = taken[canonical]
+        taken[canonical] += 1
+        group = str(args.get("Process Group Name", ""))
+        if canonical in ("send", "recv"):
+            key = "Dst Rank" if canonical == "send" else "Src Rank"
+            peer = _global_peer(int(args[key]), group, groups, rank) if key in args else -1
+            call = calls[canonical][position] if position < len(calls[canonical]) else None
+            if call is not None and call[1] <= start + 1.0:
+                start, end = call[1], max(end, call[2])
+                if peer < 0 and call[3] >= 0:
+                    peer = pipeline.ranks[call[3]] if pipeline and call[3] < len(pipeline.ranks) else call[3]
+            out.append((SEND if canonical == "send" else RECV, start, end, peer, canonical, group))
+        else:
+            out.append((COLL, start, end, -1, canonical, group))
+    return out
+
+
+def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spans, comm, optimizer, unmapped) -> RankTrace:
+    step_ids = np.array(sorted(steps), dtype=np.int64)
+    step_start = np.array([steps[s][0] for s in step_ids])
+    step_end = np.array([steps[s][1] for s in step_ids])
+    rows = [(k, s, e, mb, ch, -1, "", "") for k, s, e, mb, ch in spans]
+    rows += [(k, s, e, -1, -1, peer, coll, group) for k, s, e, peer, coll, group in comm]
+    rows += [(OPT, s, e, -1, -1, -1, "", "") for s, e in optimizer]
+    kind = np.array([r[0] for r in rows], dtype=np.int8)
+    start = np.array([r[1] for r in rows], dtype=np.float64)
+    end = np.array([r[2] for r in rows], dtype=np.float64)
+    # a span belongs to the profiled step whose CPU span holds its start (GPU work launched late
+    # in a step may run past the step's CPU span: it still starts before the next step ends)
+    position = np.searchsorted(step_start, start, side="right") - 1
+    inside = (position >= 0) & (start < np.append(step_start[1:], np.inf)[np.maximum(position, 0)])
+    inside &= start <= step_end[np.maximum(position, 0)] + (0 if device == "cpu" else np.inf)
+    step = np.where(inside, step_ids[np.maximum(position, 0)], -1)
+    outside = int((~inside).sum())
+    if outside:
+        unmapped["outside a profiled step"] += outside
+    return RankTrace(
+        path=path, rank=rank, world=world, backend=backend, groups=groups, device=device, versions=versions,
+        steps=step_ids, step_start=step_start, step_end=step_end,
+        kind=kind, start=start, end=end, step=step,
+        mb=np.array([r[3] for r in rows], dtype=np.int64), chunk=np.array([r[4] for r in rows], dtype=np.int64),
+        peer=np.array([r[5] for r in rows], dtype=np.int64),
+        coll=np.array([r[6] for r in rows], dtype=object), group=np.array([r[7] for r in rows], dtype=object),
+        unmapped=unmapped,
+    )

@@ -1,0 +1,104 @@
+"""Span kinds, label patterns and the per-rank record (`RankTrace`) the other kineto modules share."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from typing import Any
+
+import numpy as np
+
+from schemas.trace import OPTYPES
+
+
+_CODE = {name: code for code, name in enumerate(OPTYPES)}
+
+# Span kinds inside a RankTrace.
+FWD, BWD, OPT, SEND, RECV, COLL = range(6)
+_KIND_NAMES = ("forward", "backward", "optimizer", "send", "recv", "collective")
+
+DEFAULT_FORWARD_LABELS = (
+    r"^PP:(?P<stage>\d+)F(?P<mb>\d+)$",                         # torch.distributed.pipelining runtime
+    r"^Forward (?P<mb>\d+)$",                                   # torch.distributed.pipelining GPipe / 1F1B
+    r"^forward[-_ ](?:compute|step)(?:[ #:_=-]*(?:mb|microbatch)?[ #:_=-]*(?P<mb>\d+))?$",
+)
+DEFAULT_BACKWARD_LABELS = (
+    r"^PP:(?P<stage>\d+)B(?P<mb>\d+)$",
+    r"^Backward (?P<mb>\d+)$",
+    r"^backward[-_ ](?:compute|step)(?:[ #:_=-]*(?:mb|microbatch)?[ #:_=-]*(?P<mb>\d+))?$",
+)
+DEFAULT_OPTIMIZER_LABEL = r"^Optimizer\.step#"
+_STEP = re.compile(r"^ProfilerStep#(\d+)$")
+_NCCL = ("ncclKernel_", "ncclDevKernel_")
+# Collective names as c10d / NCCL / gloo spell them -> canonical name.
+_COLLECTIVES = {
+    "allreduce": "all_reduce", "all_reduce": "all_reduce", "allreduce_coalesced": "all_reduce",
+    "allreduce_sparse": "all_reduce", "all_reduce_coalesced": "all_reduce",
+    "reduce_scatter": "reduce_scatter", "reducescatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "allgather": "all_gather", "all_gather": "all_gather", "_allgather_base": "all_gather",
+    "allgather_into_tensor_coalesced": "all_gather", "all_gather_into_tensor": "all_gather",
+    "allgather_coalesced": "all_gather",
+    "all_to_all": "all_to_all", "alltoall": "all_to_all", "alltoall_base": "all_to_all", "all_to_allv": "all_to_all",
+    "broadcast": "broadcast", "barrier": "barrier", "reduce": "reduce", "gather": "gather", "scatter": "scatter",
+    "send": "send", "recv": "recv", "recv_anysource": "recv", "sendrecv": "sendrecv",
+}
+# Canonical DP collective -> op type; the other known collectives are counted as unmapped.
+_DP_OPTYPE = {"all_reduce": "grads-reduce-scatter", "reduce_scatter": "grads-reduce-scatter", "all_gather": "params-all-gather"}
+_DIM_TOKENS = {
+    "pp": {"pp", "pipe", "pipeline"},
+    "dp": {"dp", "data", "ddp", "fsdp", "replicate", "shard"},
+    "tp": {"tp", "tensor"},
+    "cp": {"cp", "context"},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """A process group as `distributedInfo.pg_config` lists it (ranks in group-rank order)."""
+
+    name: str
+    desc: str
+    ranks: tuple[int, ...]
+
+    def dims(self) -> set[str]:
+        tokens = set(re.split(r"[^a-z]+", self.desc.lower()))
+        return {dim for dim, names in _DIM_TOKENS.items() if tokens & names}
+
+
+@dataclasses.dataclass
+class RankTrace:
+    """One rank's spans (times in µs after `origin_ns` on the rank's own clock), before the job is assembled.
+
+    Span columns (equal length): kind (FWD/BWD/OPT/SEND/RECV/COLL), start, end, step
+    (ProfilerStep number, -1 outside every step), mb (microbatch id or -1), chunk (global
+    pipeline stage index from a `PP:` label, else -1), peer (global rank of a p2p peer or
+    -1), coll (canonical collective name for COLL spans), group (pg_name or "").
+    """
+
+    path: str
+    rank: int
+    world: int
+    backend: str
+    groups: dict[str, Group]
+    device: str
+    versions: dict[str, Any]
+    steps: np.ndarray            # ProfilerStep numbers, sorted
+    step_start: np.ndarray       # µs
+    step_end: np.ndarray
+    kind: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    step: np.ndarray
+    mb: np.ndarray
+    chunk: np.ndarray
+    peer: np.ndarray
+    coll: np.ndarray             # object: str
+    group: np.ndarray            # object: str
+    unmapped: collections.Counter
+    host: str | None = None      # the trace's host_name, when torch wrote it
+    clock: str = ""              # ranks with equal clock keys share one clock (their host)
+    origin_ns: int = 0           # recorded instant of time 0 of the span columns (baseTimeNanoseconds + first ts)
+
+    def groups_of_rank(self) -> list[Group]:
+        return [g for g in self.groups.values() if self.rank in g.ranks]
