@@ -123,7 +123,7 @@ def build_job_page(data: ReportData, date: dt.date, job_id: str, out_dir: pathli
         ("verdict", CAUSE_TITLES.get(cause, cause), f"{cause}, confidence {v['confidence']:.2f}" if v is not None else "no verdict (discarded window)"),
         ("M_W / M_S", f"{fmt(s.m_w, 2)} / {fmt(s.m_s, 2)}", "share of the straggling time the top 3% workers / the last stage explain"),
         _saved_number(fixes, cause),
-        ("replay discrepancy", f"{100 * (s.launch_slowdown - 1):.1f}%", "discarded: above 5%" if s.discarded else "within 5%: kept"),
+        ("replay discrepancy", f"{100 * (s.launch_slowdown - 1):.1f}%", "discarded: replay off by more than 5%" if s.discarded else "within 5%: kept"),
         ("parallelism", s.parallelism, f"{s.gpus} GPUs, {s.n_steps} sampled steps"),
         ("source", _source_format(s), _source_detail(s)),
     ])

@@ -220,7 +220,10 @@ def summary(result, n_ops: int, seconds: float, top: int = 3) -> str:
         f"step time {result.step_t_nodelay.mean():.3f} s replayed, {result.step_t_noblk.mean():.3f} s ideal; "
         f"per-step S {result.step_slowdown.min():.3f} .. {result.step_slowdown.max():.3f}",
         f"replay discrepancy {result.launch_slowdown:.4f}: "
-        + (f"DISCARDED from fleet statistics (> {DISCREPANCY_LIMIT})" if result.discarded else f"ok (<= {DISCREPANCY_LIMIT})"),
+        + (f"DISCARDED from fleet statistics (outside 1/{DISCREPANCY_LIMIT} .. {DISCREPANCY_LIMIT}): the replay does not "
+           "match the trace, so S, the attribution and the what-if savings below are not trustworthy; what the trace "
+           "measured (per-worker compute against DP peers) still holds" if result.discarded
+           else f"ok (within 1/{DISCREPANCY_LIMIT} .. {DISCREPANCY_LIMIT})"),
     ]
     if result.by_stage is None:
         lines.append(f"no attribution: S < {ATTRIBUTION_THRESHOLD}")
@@ -263,7 +266,8 @@ def verdict_lines(verdict, result, gpu_hours: float | None = None) -> str:
     for rank, cause in enumerate(verdict.causes, 1):
         lines.append(f"  {rank}. {cause} ({CAUSE_TITLES[cause]}), confidence {verdict.confidences[cause]:.2f}: "
                      f"{verdict.explanations[cause]}")
-        lines.append("     " + _fix_line(verdict.fixes[cause], verdict.slowdown, gpu_hours))
+        if cause in verdict.fixes:
+            lines.append("     " + _fix_line(verdict.fixes[cause], verdict.slowdown, gpu_hours))
     if verdict.joint_fix is not None:
         lines.append("  " + _fix_line(verdict.joint_fix, verdict.slowdown, gpu_hours))
     if verdict.implicated_workers:

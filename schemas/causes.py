@@ -15,6 +15,7 @@ CAUSE_TITLES: dict[str, str] = {
     "sequence-imbalance": "sequence-length imbalance",
     "python-gc": "Python garbage collection",
     "communication": "slow communication",
+    "untraced-cpu": "untraced CPU work on a worker",
     "unexplained": "unexplained slowdown",
     "none": "not straggling",
 }
@@ -29,13 +30,14 @@ FIX_NAMES: dict[str, str] = {
     "sequence": "each step's compute spread evenly over its microbatches (balanced data loading)",
     "sequence-repacked": "documents repacked across microbatches (greedy, longest first)",
     "gc": "planned GC: every worker collects at the same moment",
+    "untraced": "the blamed worker's untraced CPU work removed (pauses, data loading, host syncs)",
     "all": "every listed cause fixed at once",
 }
 
 # evidence key -> (label, one-line meaning). Shares are of the straggling time T - T_ideal.
 EVIDENCE_LABELS: dict[str, tuple[str, str]] = {
     "slowdown": ("slowdown S", "mean step time over the ideal step time (1.0 = no straggling)"),
-    "launch_slowdown": ("replay discrepancy", "observed over replayed step time; above 1.05 the window is discarded"),
+    "launch_slowdown": ("replay discrepancy", "observed over replayed step time; above 1.05 or below 1/1.05 the window is discarded"),
     "attributed": ("attributed", "whether per-worker and per-type attribution ran (S >= 1.03)"),
     "m_w": ("M_W: share explained by the top 3% workers", "idealising the slowest 3% of workers removes this share"),
     "m_s": ("M_S: share explained by the last stage", "idealising the last pipeline stage removes this share"),
@@ -47,6 +49,8 @@ EVIDENCE_LABELS: dict[str, tuple[str, str]] = {
     "forward_backward_r_normalised": ("forward/backward correlation", "the same r within each worker and chunk, so slow workers and stages cancel"),
     "peer_workers": ("workers slower than their DP peers", "dp rank, stage, ratio to the peers' median and steps where >= the threshold"),
     "peer_ratio_max": ("largest worker/peer ratio", "compute time of the slowest worker over the median of its stage's other DP ranks"),
+    "peer_noise_floor": ("noise floor of the peer ratio", "exp(2 sigma) of each worker's per-microbatch ratios to its peers (median over workers); a worker is blamed only above it"),
+    "untraced_workers": ("workers with untraced CPU time", "dp rank, stage and the no-delay replay's slowdown with only their launch delays given back"),
     "chunk_ratio": ("heaviest model chunk over the median chunk", "compute per microbatch of the heaviest chunk (its fastest DP rank)"),
     "heaviest_chunk": ("heaviest model chunk", "global chunk id (and its stage) with the most compute per microbatch"),
     "gc_pauses": ("forward-only pauses", "forward computes stalled beyond their backward's proportion"),

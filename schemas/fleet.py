@@ -68,6 +68,7 @@ CAUSES: tuple[str, ...] = (
     "sequence-imbalance",  # forward/backward durations of a microbatch move together (r >= 0.9)
     "python-gc",           # sporadic forward-only stalls on a rotating worker
     "communication",       # comm op types dominate the per-optype attribution
+    "untraced-cpu",        # one worker's untraced CPU time makes the replay discrepancy (discarded windows)
     "unexplained",         # straggling, none of the above
     "none",
 )

@@ -131,7 +131,7 @@ JOB_SUMMARY_SCHEMA = _schema(
         pa.field("gpu_hours", pa.float64(), nullable=False),       # gpus x (end_time - start_time), h
         pa.field("wasted_gpu_hours", pa.float64(), nullable=False),  # gpu_hours x waste
         pa.field("launch_slowdown", pa.float64(), nullable=False),  # replay discrepancy mean(base)/mean(nodelay)
-        pa.field("discarded", pa.bool_(), nullable=False),         # launch_slowdown > 1.05: not in fleet statistics
+        pa.field("discarded", pa.bool_(), nullable=False),         # replay off by > 5% either way: not in fleet statistics
         pa.field("discard_reason", pa.string(), nullable=True),    # human reason when discarded
         pa.field("straggling", pa.bool_(), nullable=False),        # S >= 1.1
         pa.field("attributed", pa.bool_(), nullable=False),        # S >= 1.03: attribution tables have rows

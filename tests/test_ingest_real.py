@@ -19,6 +19,7 @@ import pytest
 
 from pipelines import analyze as analyze_cli
 from transforms.ingest import RawInputError, convert_window
+from transforms.analyze import job_meta
 from transforms.whatif import JobMeta, analyze_job
 from transforms.whatif.causes import analyze_and_classify
 
@@ -132,13 +133,20 @@ def test_ddp_run_is_data_parallel_only(analysed):
     assert result.ms.rem == 0.0 and 1.0 <= result.slowdown < 1.3
 
 
-def test_interleaved_schedule_is_refused_with_the_reason():
+def test_interleaved_schedule_is_analysed():
     """torch.distributed.pipelining's interleaved schedule issues its p2p ops asynchronously, ahead
-    of the compute they serve; the converter cannot yet tell their directions apart, sees the pairs
-    not match, and says so: a clear refusal, not a crash and not a wrong number."""
-    with pytest.raises(RawInputError) as caught:
-        convert_window("kineto", rank_files("pp2dp2-interleaved"), "interleaved", DATE)
-    assert caught.value.reason_code == "raw_unmatched_comm" and "interleaved schedule (vpp 2)" in str(caught.value)
+    of the compute they serve: their direction comes from the `PP:sSEND_Fm` / `PP:sRECV_Bm` labels,
+    pairs wrap from the last stage to the first, the first and last chunk get no-op p2p, and a recv
+    posted ahead waits only from the end of the compute before it."""
+    converted = convert_window("kineto", rank_files("pp2dp2-interleaved"), "interleaved", DATE)
+    assert (converted.manifest["pp_size"], converted.manifest["vpp_size"]) == (2, 2)
+    table = converted.trace.to_pandas()
+    per_step = table[table.step == table.step.min()].groupby(["stage", table.optype.astype(str)]).size()
+    for stage in (0, 1):   # one recv / send per compute of each direction (no-ops at the pipeline's ends)
+        for compute, p2p in (("forward-compute", ("forward-recv", "forward-send")), ("backward-compute", ("backward-recv", "backward-send"))):
+            assert all(per_step[(stage, kind)] == per_step[(stage, compute)] for kind in p2p)
+    result = analyze_job(converted.trace, job_meta(converted.manifest), "interleaved")
+    assert 0.9 < result.launch_slowdown < 1.1 and result.slowdown < 1.1   # a clean run
 
 
 def test_one_host_clock_moved_changes_nothing(tmp_path):

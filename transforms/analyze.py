@@ -62,7 +62,7 @@ from transforms.validate import (
     worker_validator,
 )
 from transforms.whatif.errors import WhatIfError
-from transforms.whatif.result import DISCREPANCY_LIMIT, JobMeta, WhatIfResult
+from transforms.whatif.result import JobMeta, WhatIfResult, discrepancy_reason
 
 __all__ = [
     "AnalyzeJobs",
@@ -94,8 +94,7 @@ def job_meta(manifest: dict[str, Any]) -> JobMeta:
 def _discard_reason(result: WhatIfResult) -> str | None:
     if not result.discarded:
         return None
-    return (f"replay discrepancy {100 * (result.launch_slowdown - 1):.1f}% exceeds {100 * (DISCREPANCY_LIMIT - 1):.0f}%: "
-            "untraced CPU work or clock problems make the replay unreliable; kept out of fleet statistics")
+    return f"{discrepancy_reason(result.launch_slowdown)}; kept out of fleet statistics"
 
 
 def _optional(value: float | None) -> float | None:

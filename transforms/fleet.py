@@ -78,7 +78,7 @@ STATUSES = ("analysed", "discarded", "quarantined")
 class JobFacts:
     """What the fleet statistics need from one job window.
 
-    status: "analysed" (kept for statistics), "discarded" (replay discrepancy > 5%) or
+    status: "analysed" (kept for statistics), "discarded" (replay off by more than 5% either way) or
     "quarantined" (bad input, failed analysis); `reason` says why for the latter two.
     gpu_hours: GPUs x wall-clock hours of the window. slowdown: S (NaN unless analysed).
     step_slowdown: S_s per sampled step. optype_slowdown: S_t per attributed optype (empty

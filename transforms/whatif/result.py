@@ -12,12 +12,28 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["JobMeta", "Decomposition", "WhatIfResult", "DISCREPANCY_LIMIT", "ATTRIBUTION_THRESHOLD", "STRAGGLING_THRESHOLD"]
+__all__ = ["discrepancy_discards", "discrepancy_reason", "JobMeta", "Decomposition", "WhatIfResult", "DISCREPANCY_LIMIT", "ATTRIBUTION_THRESHOLD", "STRAGGLING_THRESHOLD"]
 
-DISCREPANCY_LIMIT = 1.05      # launch_slowdown above this: discard from fleet statistics
+DISCREPANCY_LIMIT = 1.05      # observed / replayed step time above this, or below its inverse: discard
 ATTRIBUTION_THRESHOLD = 1.03  # attributions computed only when S >= this
 STRAGGLING_THRESHOLD = 1.1    # a job straggles when S >= this
 
+
+
+def discrepancy_discards(launch_slowdown: float) -> bool:
+    """The replay is off by more than 5% either way (observed / replayed outside [1/1.05, 1.05])."""
+    return bool(launch_slowdown > DISCREPANCY_LIMIT or launch_slowdown * DISCREPANCY_LIMIT < 1.0)
+
+
+def discrepancy_reason(launch_slowdown: float) -> str:
+    """Why a window with this discrepancy is discarded, in words (both sides)."""
+    if launch_slowdown > DISCREPANCY_LIMIT:
+        return (f"replay discrepancy {launch_slowdown:.4f} > {DISCREPANCY_LIMIT}: what ran took "
+                f"{100 * (launch_slowdown - 1):.1f}% longer than the replay of its ops (untraced CPU work or "
+                "clock problems the model does not see)")
+    return (f"replay discrepancy {launch_slowdown:.4f} < 1/{DISCREPANCY_LIMIT}: the replay takes "
+            f"{100 * (1 / launch_slowdown - 1):.1f}% longer than what ran (the dependency model serialises "
+            "work that overlapped)")
 
 @dataclasses.dataclass(frozen=True)
 class JobMeta:
@@ -119,8 +135,11 @@ class WhatIfResult:
 
     @property
     def discarded(self) -> bool:
-        """True when the replay discrepancy exceeds 5%: keep out of fleet statistics."""
-        return bool(self.launch_slowdown > DISCREPANCY_LIMIT)
+        """True when the replay is more than 5% slower or faster than what ran (observed over replayed
+        step time above 1.05 or below 1/1.05): keep out of fleet statistics. Slower than the trace:
+        untraced CPU work the no-delay replay drops; faster: the dependency model serialises work
+        that overlapped (or clocks disagree)."""
+        return discrepancy_discards(self.launch_slowdown)
 
     @property
     def straggling(self) -> bool:
@@ -201,7 +220,7 @@ class WhatIfResult:
         out["straggling"] = self.straggling
         out["discarded"] = self.discarded
         out["discard_reason"] = (
-            f"replay discrepancy {self.launch_slowdown:.4f} > {DISCREPANCY_LIMIT}" if self.discarded else None
+            discrepancy_reason(self.launch_slowdown) if self.discarded else None
         )
         out["worker_slowdown"] = None if self.worker_slowdown is None else self.worker_slowdown.tolist()
         out["ideal_durations"] = self.ideal_durations

@@ -17,15 +17,16 @@ The mapping (ARCHITECTURE.md, "Kineto mapping"):
 - rank and world: `distributedInfo`; process groups: `distributedInfo.pg_config`
   ({pg_name, pg_desc, ranks}); the pp / dp coordinates of a rank are its index in the
   group whose description names the dim (`mesh_pp`, `PIPELINE...`, `DATA_PARALLEL...`),
-  else job.yaml sizes + layout, else inferred (p2p peers make the pipeline, the
-  collectives' group the data-parallel replicas);
+  else job.yaml sizes + layout, else inferred from what the ranks did (layout.py: first
+  stages start their steps with a send; pipelines from any-named groups, the world or peers);
 - compute: the schedule's record_function labels (`PP:{stage}F{mb}` / `PP:{stage}B{mb}` of
   torch.distributed.pipelining, `Forward k` / `Backward k` of its GPipe, `forward-compute k`,
   or job.yaml forward_label / backward_label), with p2p waits nested at a label's edges
   cut off; on GPU traces the label's `gpu_user_annotation` span (kernel time) when present;
 - p2p: gloo `gloo:send` / `gloo:recv` spans (CPU) or NCCL send/recv kernels (GPU); the
-  direction is the compute it serves: a send carries the compute before it, a recv feeds
-  the compute after it;
+  direction from the peer's stage, else the label that issued it (`PP:sSEND_Fm`, `Forward k`),
+  else the pipeline's ends, else the compute it serves (a send carries the compute before it, a
+  recv feeds the compute after it); interleaved: pairs wrap around, no-op p2p at the ends;
 - DP collectives (all_reduce, reduce_scatter, all_gather over the data-parallel group):
   gloo spans on the runloop threads or NCCL kernels; all_reduce and reduce_scatter of
   gradients -> grads-reduce-scatter, all_gather -> params-all-gather, matched across

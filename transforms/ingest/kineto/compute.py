@@ -80,11 +80,14 @@ def _unlabeled_compute(ops: list, steps: list[tuple[float, float]], optimizer: l
 
 def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list) -> list[tuple[int, float, float, int, int]]:
     """(kind, start, end, mb, chunk) of each compute label: its GPU span when the trace has one
-    (kernel time), else the CPU span with p2p waits nested at its edges cut off."""
+    (kernel time), else the CPU span with p2p waits at its edges cut off (a recv ending inside it,
+    a send issued at its back)."""
     next_gpu: dict[str, int] = collections.Counter()
     gpu_sorted = {name: sorted(spans) for name, spans in gpu_labels.items()}
     p2p = sorted((s, e, k) for k, s, e, *_ in comm if k in (SEND, RECV))
     p2p_start = np.array([s for s, _, _ in p2p]) if p2p else np.zeros(0)
+    recv_spans = sorted(((s, e) for s, e, k in p2p if k == RECV), key=lambda span: span[1])
+    recv_end = np.array([e for _, e in recv_spans]) if recv_spans else np.zeros(0)
     out = []
     for kind, start, end, mb, chunk, name in sorted(labels, key=lambda l: l[1]):
         # the label's GPU span: the next one of that name starting after the CPU label did (GPU work
@@ -100,6 +103,12 @@ def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list) -> 
             continue
         lo, hi = np.searchsorted(p2p_start, start), np.searchsorted(p2p_start, end)
         compute_start, compute_end = start, end
+        # a recv posted before the label (torch's interleaved schedule posts RECV_B early) ends when
+        # the label's action waits on it, at its front: the compute starts after that wait
+        first, past = np.searchsorted(recv_end, start), np.searchsorted(recv_end, end, side="right")
+        for s, e in recv_spans[first:past]:
+            if s < start:
+                compute_start = max(compute_start, e)
         nested = p2p[lo:hi]
         for s, e, k in nested:             # waits at the front: the compute starts after them
             if k == RECV and e <= end and s - compute_start <= max(0.0, (end - start) * 0.5):

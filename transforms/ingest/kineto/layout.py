@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from transforms.ingest.common import RawInputError
-from transforms.ingest.kineto.spans import RECV, RankTrace, SEND
+from transforms.ingest.kineto.spans import FWD, RECV, RankTrace, SEND
 
 
 # --------------------------------------------------------------------------- pass 2: the job
@@ -83,37 +83,117 @@ def _layout_from_groups(ranks: Sequence[RankTrace], world: int) -> _Layout | Non
     return _Layout(dp, pp, tp, cp, worker, f"process-group descriptions ({described})")
 
 
-def _layout_from_peers(ranks: Sequence[RankTrace], world: int) -> _Layout:
-    """No description, no job.yaml: p2p peers chain the stages (stage = position in the rank-sorted
-    pipeline), the rest are data-parallel replicas; tp = cp = 1."""
-    links = []
-    for trace in ranks:
-        peers = trace.peer[(trace.kind == SEND) | (trace.kind == RECV)]
-        links += [(trace.rank, peer) for peer in np.unique(peers[(peers >= 0) & (peers < world)]).tolist()]
-    component = _components(world, links)
-    pipelines: dict[int, list[int]] = collections.defaultdict(list)
-    for rank in range(world):
-        pipelines[component[rank]].append(rank)
-    sizes = {len(members) for members in pipelines.values()}
-    if len(sizes) != 1:
+def _first_p2p_sends(trace: RankTrace) -> bool | None:
+    """Whether the rank's first p2p op of a step is a send, in most of its steps (None: no p2p).
+    The first stage of a pipeline starts a step with its first forward and sends it on; every other
+    stage (interleaved: every rank but the one holding stage 0) waits on a recv first. Dependencies
+    fix this order, so timing noise cannot flip it."""
+    p2p = ((trace.kind == SEND) | (trace.kind == RECV)) & (trace.step >= 0)
+    if not p2p.any():
         return None
-    pp = sizes.pop()
-    dp = world // pp
+    index = np.flatnonzero(p2p)
+    order = index[np.lexsort((trace.start[index], trace.step[index]))]
+    _, first = np.unique(trace.step[order], return_index=True)
+    sends = int((trace.kind[order[first]] == SEND).sum())
+    return 2 * sends > len(first)
+
+
+def _first_forward(trace: RankTrace, step: int) -> float:
+    """Start (µs, the rank's clock) of the rank's first forward compute in `step` (inf: none)."""
+    hit = (trace.kind == FWD) & (trace.step == step)
+    return float(trace.start[hit].min()) if hit.any() else np.inf
+
+
+def _layout_from_structure(ranks: Sequence[RankTrace], world: int) -> _Layout | None:
+    """No group names a dim, no job.yaml: the pipeline from what the ranks did (tp = cp = 1).
+
+    - No rank sends or receives p2p: one data-parallel group of every rank.
+    - Else the first stages are the ranks whose steps start with a send (`_first_p2p_sends`): dp =
+      their count, pp = world / dp. Pipelines are the process groups (`pg_config`, any name, e.g.
+      from `dist.new_group`) of pp ranks holding exactly one first stage, or the whole world when
+      pp = world, or the components of known (global) p2p peers. Within a pipeline, stages run in
+      the order of their first forward of a step (a stage computes only once the previous one sent;
+      ranks of one host share a clock), else the group's rank order. DP rank = the order of the
+      pipelines' first stages."""
+    by_rank = {t.rank: t for t in ranks}
+    starts = {rank: _first_p2p_sends(t) for rank, t in by_rank.items()}
+    if all(v is None for v in starts.values()):
+        return _Layout(world, 1, 1, 1, {rank: (rank, 0) for rank in range(world)},
+                       "one data-parallel group (no rank sends or receives pipeline p2p)")
+    if len(by_rank) < world:
+        return None   # a pipeline, with ranks missing: `_layout` says which
+    first = {rank for rank, v in starts.items() if v}
+    if any(v is None for v in starts.values()) or not first or world % len(first):
+        return None
+    dp, pp = len(first), world // len(first)
+    candidates = {g.ranks for t in ranks for g in t.groups.values() if len(g.ranks) == pp and len(set(g.ranks) & first) == 1}
+    pipes = sorted({tuple(sorted(g)) for g in candidates})
+    how = "process groups of the pipelines"
+    if sum(len(p) for p in pipes) != world or len(set().union(*map(set, pipes))) != world:
+        if pp == world:
+            pipes, how = [tuple(range(world))], "one pipeline of every rank"
+        else:
+            links = []
+            for trace in ranks:
+                peers = trace.peer[(trace.kind == SEND) | (trace.kind == RECV)]
+                links += [(trace.rank, peer) for peer in np.unique(peers[(peers >= 0) & (peers < world)]).tolist()]
+            component = _components(world, links)
+            members: dict[int, list[int]] = collections.defaultdict(list)
+            for rank in range(world):
+                members[component[rank]].append(rank)
+            pipes, how = sorted(tuple(m) for m in members.values()), "p2p peers"
+            if any(len(p) != pp or len(set(p) & first) != 1 for p in pipes):
+                return None
+    common = set.intersection(*(set(t.steps.tolist()) for t in ranks))
+    step = min(common) if common else None
     worker = {}
-    for dp_rank, members in enumerate(sorted(pipelines.values())):
-        for stage, rank in enumerate(sorted(members)):
+    for pipe in sorted(pipes, key=lambda p: min(set(p) & first)):
+        same_clock = len({by_rank[r].clock for r in pipe}) == 1
+        if same_clock and step is not None:
+            timed = {r: by_rank[r].origin_ns / 1e3 + _first_forward(by_rank[r], step) for r in pipe}
+            order = sorted(pipe, key=lambda r: (timed[r], r)) if all(np.isfinite(list(timed.values()))) else list(pipe)
+        else:
+            order = list(pipe)
+        if order[0] not in first:
+            order = [r for r in pipe if r in first] + [r for r in pipe if r not in first]
+        dp_rank = len({d for d, _ in worker.values()})
+        for stage, rank in enumerate(order):
             worker[rank] = (dp_rank, stage)
-    return _Layout(dp, pp, 1, 1, worker, "p2p peers (no process-group descriptions)" if pp > 1 else "one data-parallel group")
+    return _Layout(dp, pp, 1, 1, worker, f"{how} (dp {dp}, pp {pp}; first stages: the ranks whose steps start with a send)"
+                   if pp > 1 else "one data-parallel group")
 
 
 def _layout(ranks: Sequence[RankTrace], world: int, options: Mapping[str, Any], job_id: str) -> _Layout:
     if any(k in options for k in ("dp_size", "pp_size", "tp_size", "cp_size", "layout")):
         return _layout_from_yaml(world, options, job_id)
-    found = _layout_from_groups(ranks, world) or _layout_from_peers(ranks, world)
+    found = _layout_from_groups(ranks, world) or _layout_from_structure(ranks, world)
+    present = {t.rank for t in ranks}
+    if found is None and len(present) < world:
+        missing = sorted(set(range(world)) - present)
+        shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+        raise RawInputError("raw_missing_rank", f"{len(missing)} rank(s) the analysis needs have no trace: ranks {shown} "
+                            f"(the pipeline layout is read from every rank's p2p); found {len(present)} readable rank "
+                            f"file(s) of world size {world}", job_id=job_id)
     if found is None:
-        raise RawInputError("raw_layout_unknown", "pipelines of different lengths among the p2p peers and no process "
-                            "group names the dims; give dp_size, pp_size, tp_size and layout in job.yaml", job_id=job_id)
+        raise RawInputError("raw_layout_unknown", "no process group names the dims and the ranks' p2p does not show "
+                            "the pipelines (first stages, groups or peers); give dp_size, pp_size, tp_size and layout "
+                            "in job.yaml", job_id=job_id)
     return found
+
+
+def _resolve_local_peers(trace: RankTrace, layout: _Layout) -> None:
+    """p2p peers recorded as ranks of an unnamed group (gloo's c10d call arguments): that group is
+    the rank's pipeline (ranks in group-rank order = sorted); peers it cannot name stay unknown."""
+    local = trace.peer_local
+    if local is None or not (local >= 0).any():
+        return
+    dp = layout.worker.get(trace.rank, (None,))[0]
+    pipe = sorted(rank for rank, (d, _) in layout.worker.items() if d == dp)
+    if layout.tp * layout.cp > 1 or not pipe:
+        return
+    hit = (trace.peer < 0) & (local >= 0) & (local < len(pipe))
+    trace.peer = trace.peer.copy()
+    trace.peer[hit] = np.array(pipe)[local[hit]]
 
 
 def _dp_groups(trace: RankTrace, layout: _Layout, described: bool) -> set[str]:

@@ -34,7 +34,21 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
     optype[by_peer & (kind == SEND) & ~forward_dir] = _CODE["backward-send"]
     optype[by_peer & (kind == RECV) & ~forward_dir] = _CODE["forward-recv"]
     optype[by_peer & (kind == RECV) & forward_dir] = _CODE["backward-recv"]
-    by_position = is_p2p & ~by_peer
+    # the label that issued it (interleaved `PP:sSEND_Fm`, GPipe's `Forward k`) says the direction
+    direction = trace.direction[in_steps] if trace.direction is not None else np.zeros(len(kind), dtype=np.int8)
+    labelled = is_p2p & ~by_peer & (direction != 0)
+    optype[labelled & (kind == SEND) & (direction > 0)] = _CODE["forward-send"]
+    optype[labelled & (kind == SEND) & (direction < 0)] = _CODE["backward-send"]
+    optype[labelled & (kind == RECV) & (direction > 0)] = _CODE["forward-recv"]
+    optype[labelled & (kind == RECV) & (direction < 0)] = _CODE["backward-recv"]
+    if vpp == 1 and pp > 1 and stage in (0, pp - 1):
+        # the ends of a pipeline have one neighbour: the first stage sends activations forward and
+        # receives gradients back, the last the reverse
+        ends = is_p2p & (optype < 0)
+        first = stage == 0
+        optype[ends & (kind == SEND)] = _CODE["forward-send" if first else "backward-send"]
+        optype[ends & (kind == RECV)] = _CODE["backward-recv" if first else "forward-recv"]
+    by_position = is_p2p & (optype < 0)
     if by_position.any():
         _p2p_by_position(kind, start, step, optype, by_position)
     # collectives; ZeRO-style steps reduce-scatter the grads, and their all-reduce over the DP group
@@ -78,7 +92,7 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
                 microbatch[i] = seen[key]
                 seen[key] += 1
     is_p2p_row = rows & is_p2p
-    return {
+    out = {
         "step": np.concatenate([step[rows], opt_steps]),
         "optype": np.concatenate([optype[rows], np.full(len(opt_steps), _CODE["optimizer"])]),
         "start": np.concatenate([start[rows], opt_start]),
@@ -87,6 +101,30 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
         "mc": np.concatenate([np.where(is_p2p_row[rows], -1, mc[rows]), np.zeros(len(opt_steps), dtype=np.int64)]),
         "gmc": np.concatenate([np.where(is_p2p_row[rows], -1, gmc[rows]), np.full(len(opt_steps), stage)]),
     }
+    return out
+
+
+def _pipeline_end_noops(rows: dict[str, np.ndarray], pp: int, vpp: int) -> dict[str, np.ndarray]:
+    """Interleaved schedules: the first and last global model chunk have no neighbour on one side, so
+    torch issues no p2p there, while the dependency model matches every compute of a stage to a
+    recv / send by order (a Megatron trace records no-op ones). Each such compute gets a
+    zero-length no-op at its edge: a forward-recv before each forward of chunk 0 and a backward-send
+    after each of its backwards (first stage); a forward-send after each forward of the last chunk
+    and a backward-recv before each of its backwards (last stage). The engine makes them groups of one."""
+    last = pp * vpp - 1
+    adds = []
+    fwd, bwd = _CODE["forward-compute"], _CODE["backward-compute"]
+    for chunk, kinds in ((0, ((fwd, "forward-recv", "start"), (bwd, "backward-send", "end"))),
+                         (last, ((fwd, "forward-send", "end"), (bwd, "backward-recv", "start")))):
+        for compute, noop, edge in kinds:
+            hit = np.flatnonzero((rows["optype"] == compute) & (rows["gmc"] == chunk))
+            adds += [(int(rows["step"][i]), _CODE[noop], float(rows[edge][i])) for i in hit.tolist()]
+    if not adds:
+        return rows
+    step, optype, at = (np.array(column) for column in zip(*adds))
+    extra = {"step": step, "optype": optype, "start": at, "end": at, "mb_id": np.full(len(at), -1),
+             "mc": np.full(len(at), -1), "gmc": np.full(len(at), -1)}
+    return {name: np.concatenate([rows[name], extra[name].astype(rows[name].dtype)]) for name in rows}
 
 
 def _p2p_by_position(kind, start, step, optype, which) -> None:

@@ -11,16 +11,22 @@ from transforms.ingest.kineto.layout import _Layout
 from transforms.ingest.kineto.spans import _CODE
 
 
+def _interleaved(rows: Mapping[int, dict[str, np.ndarray]]) -> bool:
+    """Several model chunks per stage: p2p between the last and the first stage wraps around."""
+    return any(len(r["mc"]) and int(r["mc"].max()) > 0 for r in rows.values())
+
+
 def _p2p_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout) -> list[tuple[int, int, int, int]]:
     """(send rank, send row, recv rank, recv row) of every p2p pair: forward-send k of (dp, stage s)
     with forward-recv k of (dp, s+1), backward-send k of (dp, s) with backward-recv k of (dp, s-1),
-    k counting within the step (the engine pairs them the same way)."""
+    k counting within the step, stages modulo pp when interleaved (the engine pairs them the same way)."""
     rank_of = layout.rank_of()
+    wrap = _interleaved(rows)
     pairs = []
     for send, recv, direction in (("forward-send", "forward-recv", 1), ("backward-send", "backward-recv", -1)):
         for rank, r in rows.items():
             dp, stage = layout.worker[rank]
-            peer = rank_of.get((dp, stage + direction))
+            peer = rank_of.get((dp, (stage + direction) % layout.pp if wrap else stage + direction))
             if peer is None or peer not in rows:
                 continue
             p = rows[peer]
@@ -56,17 +62,17 @@ def _check_comm_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout
                     raise RawInputError("raw_unmatched_comm", f"step {step}, stage {stage}: {OPTYPES[code]} ops per DP "
                                         f"rank differ ({', '.join(f'rank {r}: {n}' for r, n in seen.items())}); every "
                                         "DP rank issues the same collectives", job_id=job_id, op=OPTYPES[code])
+    wrap = _interleaved(rows)
     for send, recv, direction in (("forward-send", "forward-recv", 1), ("backward-send", "backward-recv", -1)):
         for (dp, stage), rank in rank_of.items():
-            peer = rank_of.get((dp, stage + direction))
+            peer = rank_of.get((dp, (stage + direction) % layout.pp if wrap else stage + direction))
             if peer is None:
                 continue
             sent, received = counts(rank, _CODE[send]), counts(peer, _CODE[recv])
             for step in steps:
                 if sent.get(step, 0) != received.get(step, 0):
-                    vpp = max(int(r["mc"].max()) + 1 if len(r["mc"]) else 1 for r in rows.values())
-                    hint = (f"; an interleaved schedule (vpp {vpp}): its asynchronous p2p ops cannot be told apart by "
-                            "direction yet, profile a non-interleaved schedule" if vpp > 1 else "")
+                    hint = ("; an interleaved schedule: its p2p direction comes from the schedule's `PP:sSEND_Fm` / "
+                            "`PP:sRECV_Bm` labels" if wrap else "")
                     raise RawInputError("raw_unmatched_comm", f"step {step}: rank {rank} (stage {stage}) has "
                                         f"{sent.get(step, 0)} {send} ops but rank {peer} (stage {stage + direction}) "
                                         f"{received.get(step, 0)} {recv} ops{hint}", job_id=job_id, op=send)
@@ -95,4 +101,48 @@ def _clip_p2p_waits(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, 
         if send["end"][i] > recv_end:
             send["end"][i] = max(send["start"][i], recv_end)
             changed += 1
+    return changed
+
+
+def _serialise_p2p_chains(rows: Mapping[int, dict[str, np.ndarray]]) -> int:
+    """The dependency model runs each p2p type of a rank as one chain in start order (METHOD.md
+    section 2); asynchronous schedules post the next recv (send) before the previous one completed.
+    Each p2p op starts no earlier than the previous op of its chain ended: the time before is spent
+    waiting behind it, and a chain whose ops overlapped would otherwise replay them one after the
+    other with their whole spans, slower than what ran. Returns the number of ops changed."""
+    changed = 0
+    codes = [_CODE[name] for name in ("forward-send", "forward-recv", "backward-send", "backward-recv")]
+    for r in rows.values():
+        for code in codes:
+            hit = np.flatnonzero(r["optype"] == code)
+            if len(hit) < 2:
+                continue
+            hit = hit[np.lexsort((r["start"][hit], r["step"][hit]))]
+            for before, after in zip(hit[:-1].tolist(), hit[1:].tolist()):
+                if r["step"][before] == r["step"][after] and r["start"][after] < r["end"][before]:
+                    r["start"][after] = min(r["end"][before], r["end"][after])
+                    changed += 1
+    return changed
+
+
+def _recv_waits_after_compute(rows: Mapping[int, dict[str, np.ndarray]]) -> int:
+    """A recv posted ahead (asynchronous schedules post it before the compute it serves, and before
+    the computes in between) only starts waiting once the rank is done with the compute before
+    it: its start moves to the end of the rank's last compute op that ended before the recv did.
+    Its transfer (end - latest start of the pair) then no longer counts the receiver's own work
+    in between, and the dependency model's compute(i-1) -> recv(i) edge holds. Returns the number
+    of recvs changed."""
+    changed = 0
+    compute_codes = [_CODE["forward-compute"], _CODE["backward-compute"]]
+    for r in rows.values():
+        compute = np.isin(r["optype"], compute_codes)
+        recv = np.flatnonzero(np.isin(r["optype"], [_CODE["forward-recv"], _CODE["backward-recv"]]))
+        if not compute.any() or not len(recv):
+            continue
+        ends = np.sort(r["end"][compute])
+        before = np.searchsorted(ends, r["end"][recv], side="right") - 1
+        last = np.where(before >= 0, ends[np.maximum(before, 0)], -np.inf)
+        moved = last > r["start"][recv]
+        r["start"][recv[moved]] = np.minimum(last[moved], r["end"][recv[moved]])
+        changed += int(moved.sum())
     return changed

@@ -107,12 +107,13 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
     step_tid = None
     cpu_labels: list[tuple[int, float, float, int, int, str]] = []   # kind, start, end, mb, chunk, name
     gpu_labels: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
-    comm: list[tuple[int, float, float, int, str, str]] = []          # kind, start, end, peer, coll, group
+    comm: list[tuple[int, float, float, int, str, str, int]] = []          # kind, start, end, peer, coll, group, local peer
     comm_meta: list[dict] = []                                      # record_param_comms args, in time order
     gloo_cpu: list[tuple[str, float, float, int]] = []               # name, start, end, tid
     c10d_p2p: list[tuple[str, float, float, int]] = []               # c10d::send / recv_: name, start, end, local peer
     cpu_ops: list[tuple[float, float, str, object]] = []             # every cpu_op / user_annotation: start, end, name, tid
     optimizer: list[tuple[float, float]] = []
+    p2p_labels: list[tuple[float, float, int, int]] = []              # start, end, direction (+1 F, -1 B), stage
     kernels = 0
     origin = None   # times are kept relative to it (µs), so durations stay exact
     for event in document["traceEvents"]:
@@ -173,6 +174,8 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
                 chunk = groups_found.get("stage") if "stage" in groups_found else groups_found.get("chunk")
                 cpu_labels.append((kind, ts, end, int(mb) if mb is not None else -1,
                                    int(chunk) if chunk is not None else -1, name))
+            elif (p2p_label := _P2P_LABEL.match(name)) is not None:
+                p2p_labels.append((ts, end, 1 if p2p_label.group("dir") == "F" else -1, int(p2p_label.group("stage"))))
             elif not _UNMAPPED_QUIET.match(name):
                 unmapped[f"label {_label_family(name)}"] += 1
     if not steps:
@@ -195,7 +198,7 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
             main, sorted(steps.values()), optimizer, forward=FWD not in kinds)
     spans = _compute_spans(cpu_labels, gpu_labels if kernels else {}, comm)
     trace = _rank_trace(path, rank, world, str(info.get("backend") or ""), groups, device, versions, steps, spans,
-                        comm, optimizer, unmapped)
+                        comm, optimizer, unmapped, _p2p_directions(comm, cpu_labels, p2p_labels))
     host = document.get("host_name") or info.get("host_name")
     trace.host = str(host) if host else None
     # Kineto's ts are µs after baseTimeNanoseconds: the recorded instant of time 0 of this rank, in ns
@@ -212,7 +215,7 @@ def _label_family(name: str) -> str:
 
 
 def _nccl_span(name: str, args: Mapping[str, Any], start: float, end: float, rank: int,
-               groups: Mapping[str, Group]) -> tuple[int, float, float, int, str, str]:
+               groups: Mapping[str, Group]) -> tuple[int, float, float, int, str, str, int]:
     """(kind, start, end, peer, collective, group) of one NCCL kernel."""
     collective = args.get("Collective name")
     if collective is None:   # old traces: the kernel name says what it is (ncclKernel_AllReduce_RING_LL_Sum_float)
@@ -225,8 +228,8 @@ def _nccl_span(name: str, args: Mapping[str, Any], start: float, end: float, ran
         key = "Dst Rank" if canonical == "send" else "Src Rank"
         if key in args:
             peer = _global_peer(int(args[key]), group, groups, rank)
-        return (SEND if canonical == "send" else RECV, start, end, peer, canonical, group)
-    return (COLL, start, end, -1, canonical, group)
+        return (SEND if canonical == "send" else RECV, start, end, peer, canonical, group, -1)
+    return (COLL, start, end, -1, canonical, group, -1)
 
 
 def _global_peer(local: int, group: str, groups: Mapping[str, Group], rank: int) -> int:
@@ -238,11 +241,13 @@ def _global_peer(local: int, group: str, groups: Mapping[str, Group], rank: int)
 
 
 def _gloo_spans(gloo: list, meta: list[dict], c10d: list, rank: int, groups: Mapping[str, Group],
-                unmapped: collections.Counter) -> list[tuple[int, float, float, int, str, str]]:
+                unmapped: collections.Counter) -> list[tuple[int, float, float, int, str, str, int]]:
     """gloo's own spans (`gloo:all_reduce` on a runloop thread, `gloo:send` / `gloo:recv` inside the
     c10d call that issued them), with the group and peer of that call: from `record_param_comms`
     where the trace has it, else (CPU traces) the c10d call's `Concrete Inputs` (the group-local
-    peer, read in the rank's pipeline group). A p2p op spans its c10d call and its gloo span."""
+    peer: global through a group that names the pp dim, else kept as `local` for the job level,
+    where the layout says which ranks form the rank's pipeline). A p2p op spans its c10d call and
+    its gloo span. Tuples: (kind, start, end, peer, collective, group, local peer)."""
     issued: dict[str, list[dict]] = collections.defaultdict(list)
     for args in sorted(meta, key=lambda a: a["ts"]):
         canonical = _COLLECTIVES.get(str(args["Collective name"]).lower(), str(args["Collective name"]).lower())
@@ -261,27 +266,62 @@ def _gloo_spans(gloo: list, meta: list[dict], c10d: list, rank: int, groups: Map
         position = taken[canonical]
         taken[canonical] += 1
         group = str(args.get("Process Group Name", ""))
+        local = -1
         if canonical in ("send", "recv"):
             key = "Dst Rank" if canonical == "send" else "Src Rank"
             peer = _global_peer(int(args[key]), group, groups, rank) if key in args else -1
             call = calls[canonical][position] if position < len(calls[canonical]) else None
             if call is not None and call[1] <= start + 1.0:
                 start, end = call[1], max(end, call[2])
-                if peer < 0 and call[3] >= 0:
-                    peer = pipeline.ranks[call[3]] if pipeline and call[3] < len(pipeline.ranks) else call[3]
-            out.append((SEND if canonical == "send" else RECV, start, end, peer, canonical, group))
+                if peer < 0 and call[3] >= 0 and pipeline and call[3] < len(pipeline.ranks):
+                    peer = pipeline.ranks[call[3]]
+                elif peer < 0 and call[3] >= 0:
+                    local = call[3]   # a rank of the (unnamed) group the call used: resolved with the layout
+            out.append((SEND if canonical == "send" else RECV, start, end, peer, canonical, group, local))
         else:
-            out.append((COLL, start, end, -1, canonical, group))
+            out.append((COLL, start, end, -1, canonical, group, -1))
     return out
 
 
-def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spans, comm, optimizer, unmapped) -> RankTrace:
+# torch.distributed.pipelining's p2p actions (`PP:2SEND_F0`): they hold the issue of the send / recv
+_P2P_LABEL = re.compile(r"^PP:(?P<stage>\d+)(?P<op>SEND|RECV)_(?P<dir>[FB])(?P<mb>\d+)$")
+
+
+def _p2p_directions(comm: list, labels: list, p2p_labels: list) -> list[tuple[int, int]]:
+    """(direction, stage) of each comm span from the labels that issued it: a p2p action label
+    (`PP:sSEND_Fm`: forward, stage s) or a compute label holding the issue (GPipe's `Forward k` issues
+    its recv and send: forward). (0, -1) where no label says (collectives, unlabelled schedules)."""
+    holders = sorted([(s, e, d, stage) for s, e, d, stage in p2p_labels]
+                     + [(s, e, 1 if kind == FWD else -1, -1) for kind, s, e, *_ in labels if kind in (FWD, BWD)])
+    starts = np.array([h[0] for h in holders]) if holders else np.zeros(0)
+    out = []
+    for kind, start, *_ in comm:
+        found = (0, -1)
+        if kind in (SEND, RECV) and len(starts):
+            # the innermost (latest-starting) label open at the span's start; gloo's span starts up to
+            # a few µs before its issue op ends, inside the label
+            i = int(np.searchsorted(starts, start + 1e-3, side="right")) - 1
+            while i >= 0:
+                s, e, d, stage = holders[i]
+                if s <= start <= e:
+                    found = (d, stage)
+                    break
+                i -= 1
+                if start - s > 60e6:
+                    break
+        out.append(found)
+    return out
+
+
+def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spans, comm, optimizer, unmapped,
+                directions) -> RankTrace:
     step_ids = np.array(sorted(steps), dtype=np.int64)
     step_start = np.array([steps[s][0] for s in step_ids])
     step_end = np.array([steps[s][1] for s in step_ids])
-    rows = [(k, s, e, mb, ch, -1, "", "") for k, s, e, mb, ch in spans]
-    rows += [(k, s, e, -1, -1, peer, coll, group) for k, s, e, peer, coll, group in comm]
-    rows += [(OPT, s, e, -1, -1, -1, "", "") for s, e in optimizer]
+    rows = [(k, s, e, mb, ch, -1, "", "", -1, 0) for k, s, e, mb, ch in spans]
+    rows += [(k, s, e, -1, stage, peer, coll, group, local, direction)
+             for (k, s, e, peer, coll, group, local), (direction, stage) in zip(comm, directions)]
+    rows += [(OPT, s, e, -1, -1, -1, "", "", -1, 0) for s, e in optimizer]
     kind = np.array([r[0] for r in rows], dtype=np.int8)
     start = np.array([r[1] for r in rows], dtype=np.float64)
     end = np.array([r[2] for r in rows], dtype=np.float64)
@@ -301,5 +341,6 @@ def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spa
         mb=np.array([r[3] for r in rows], dtype=np.int64), chunk=np.array([r[4] for r in rows], dtype=np.int64),
         peer=np.array([r[5] for r in rows], dtype=np.int64),
         coll=np.array([r[6] for r in rows], dtype=object), group=np.array([r[7] for r in rows], dtype=object),
-        unmapped=unmapped,
+        unmapped=unmapped, peer_local=np.array([r[8] for r in rows], dtype=np.int64),
+        direction=np.array([r[9] for r in rows], dtype=np.int8),
     )

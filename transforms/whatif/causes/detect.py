@@ -104,6 +104,7 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSigna
     if peers is not None:
         blamed = peers.blamed(rules)
         evidence["peer_ratio_max"] = float(np.nanmax(peers.ratio))
+        evidence["peer_noise_floor"] = float(peers.noise_floor)
         evidence["peer_workers"] = [{"dp_rank": d, "stage": p, "ratio": float(peers.ratio[d, p]),
                                      "forward": float(peers.forward[d, p]), "backward": float(peers.backward[d, p]),
                                      "slow_steps": int(peers.slow_steps[d, p]), "steps": peers.n_steps} for d, p in blamed]
@@ -331,7 +332,25 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         joint_fix = make_fix("all", "all", t=joint)
         evidence["joint_fix_explained"] = joint_fix.explained
     by_cause = {c.cause: c for c in candidates}
-    if not straggling:
+    measured_worker = "individual-worker" in listed and by_cause["individual-worker"].scenario == "worker-peer" \
+        and _worst_direction(signals.peers, by_cause["individual-worker"].implicated[0]) >= rules.worker_alarm_ratio
+    untraced = _untraced_workers(result) if result.discarded else []
+    if result.discarded:
+        # the replay does not match the trace: no what-if verdict, only what was measured, and the
+        # untraced CPU work of one worker when that is what the replay misses
+        ranked = ["untraced-cpu"] if untraced else []
+        if "individual-worker" in by_cause and by_cause["individual-worker"].scenario == "worker-peer":
+            ranked.append("individual-worker")
+        primary, confidence = (ranked[0], 1.0) if ranked else ("none" if not straggling else "unexplained", 1.0)
+        listed = {c: 1.0 for c in ranked}
+        joint_fix = None
+        if untraced:
+            by_cause["untraced-cpu"] = _Candidate("untraced-cpu", "untraced", 1.0, 0.0, 0.0, tuple(w for w, _ in untraced))
+    elif not straggling and measured_worker:
+        # below the straggling threshold, yet one machine is clearly slower than its peers in most
+        # steps (beyond the job's noise floor): the pipeline hides it for now, the machine is still bad
+        primary, ranked, confidence = "individual-worker", ["individual-worker"], listed["individual-worker"]
+    elif not straggling:
         primary, ranked, confidence = "none", [], 1.0
     elif ranked:
         primary, confidence = ranked[0], listed[ranked[0]]
@@ -340,13 +359,46 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         confidence = float(np.clip(1.0 - max((f.explained for f in fixes.values()), default=0.0), 0.0, 1.0))
     implicated = list(dict.fromkeys(w for c in ranked for w in by_cause[c].implicated))
     evidence = {k: (float(v) if isinstance(v, (np.floating, float)) else v) for k, v in evidence.items()}
-    explanations = {c: explain.cause_sentence(c, evidence, fixes[c], by_cause[c].implicated, model.pp_size) for c in ranked}
+    explanations = {} if result.discarded else \
+        {c: explain.cause_sentence(c, evidence, fixes[c], by_cause[c].implicated, model.pp_size) for c in ranked}
     if primary in ("none", "unexplained"):
         best = max(fixes.values(), key=lambda f: f.explained, default=None)
         explanations[primary] = explain.verdict_sentence(primary, slowdown, rules.straggling, best)
+    if result.discarded:
+        explanations = {c: explain.discarded_sentence(c, evidence, implicated, float(result.launch_slowdown))
+                        for c in (ranked or [primary])}
+        fixes = {}
+        if untraced:
+            (worker, excess), launch = untraced[0], float(result.launch_slowdown)
+            evidence["untraced_workers"] = [{"dp_rank": d, "stage": p, "launch_slowdown": 1.0 + e} for (d, p), e in untraced]
+            saved = excess / launch
+            fixes["untraced-cpu"] = Fix("untraced-cpu", float(result.step_t_base.mean()) * (1.0 - saved), slowdown,
+                                        excess / (launch - 1.0), saved, FIX_NAMES["untraced"])
+            explanations["untraced-cpu"] = explain.untraced_sentence(untraced, launch, fixes["untraced-cpu"])
     return Verdict(model.job_id, slowdown, primary, ranked, float(confidence),
                    {c: float(listed[c]) for c in ranked}, evidence, implicated, fixes, explanations, joint_fix,
                    timings)
+
+
+def _worst_direction(peers, worker: tuple[int, int]) -> float:
+    """A blamed worker's largest ratio to its peers: whole compute, forward or backward."""
+    return float(np.nanmax([peers.ratio[worker], peers.forward[worker], peers.backward[worker]]))
+
+
+def _untraced_workers(result: WhatIfResult, share: float = 0.5) -> list[tuple[tuple[int, int], float]]:
+    """Workers whose launch delays (untraced CPU time: METHOD.md section 3) make most of the replay
+    discrepancy: the no-delay replay with only worker (d, p)'s delays given back is
+    min(launch S of DP rank d, of stage p) times as long; listed when that excess is at least
+    `share` of the whole discrepancy's and 1.5x any other worker's. Empty without launch attribution."""
+    if result.launch_by_dp_rank is None or result.launch_by_stage is None or result.launch_slowdown <= 1.0:
+        return []
+    total = float(result.launch_slowdown) - 1.0
+    excess = {(int(d), int(p)): min(float(sd), float(sp)) - 1.0
+              for d, sd in result.launch_by_dp_rank.items() for p, sp in result.launch_by_stage.items()}
+    ranked = sorted(excess.items(), key=lambda item: (-item[1], item[0]))
+    if ranked[0][1] < share * total or (len(ranked) > 1 and ranked[1][1] * 1.5 > ranked[0][1]):
+        return []   # spread over workers (a busy machine, delays passed along a pipeline): nobody to name
+    return ranked[:1]
 
 
 def _record_shares(evidence: dict, share) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from transforms.whatif.causes.verdict import Fix
 
-__all__ = ["CAUSE_ORDER", "cause_sentence", "verdict_sentence"]
+__all__ = ["CAUSE_ORDER", "cause_sentence", "verdict_sentence", "discarded_sentence", "untraced_sentence"]
 
 CAUSE_ORDER = ("individual-worker", "stage-imbalance", "sequence-imbalance", "python-gc", "communication")
 
@@ -113,3 +113,29 @@ def verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix 
         return f"S = {slowdown:.3f} but no detector could run (no attribution): the cause is unknown."
     return (f"S = {slowdown:.3f} but no cause's signature holds; the best single fix ({best.description}) "
             f"would remove only {_pct(best.explained)} of the straggling time.")
+
+
+def discarded_sentence(cause: str, evidence: dict, implicated, launch_slowdown: float) -> str:
+    """The sentence of a window whose replay does not match its trace (discrepancy beyond 5% either
+    way): what that means, and only what the trace measured (no what-if savings)."""
+    off = (f"what ran took {100 * (launch_slowdown - 1):.0f}% longer than the replay of its ops (untraced CPU work)"
+           if launch_slowdown > 1 else f"the replay takes {100 * (1 / launch_slowdown - 1):.0f}% longer than what ran "
+           "(the dependency model serialises work that overlapped)")
+    head = f"The replay does not match the trace ({off}), so no what-if saving is given"
+    if cause == "individual-worker":
+        peers = {(w["dp_rank"], w["stage"]): w for w in evidence.get("peer_workers", [])}
+        facts = [f"worker dp {d} / stage {p}'s forward takes {peers[(d, p)]['forward']:.1f}x and its backward "
+                 f"{peers[(d, p)]['backward']:.1f}x its DP peers' in {peers[(d, p)]['slow_steps']} of "
+                 f"{peers[(d, p)]['steps']} steps" for d, p in implicated if (d, p) in peers]
+        return f"{head}; measured: {'; '.join(facts)}."
+    return f"{head}; no worker measures slower than its DP peers beyond the job's noise floor."
+
+
+def untraced_sentence(untraced, launch_slowdown: float, fix: Fix) -> str:
+    """The sentence of the untraced-cpu cause: whose untraced CPU time stalls the job, by how much."""
+    (d, p), excess = untraced[0]
+    others = f" (also {', '.join(f'dp {w[0]} / stage {w[1]}' for w, _ in untraced[1:])})" if len(untraced) > 1 else ""
+    return (f"Worker dp {d} / stage {p}{others} spends CPU time the trace does not record (pauses, data loading, "
+            f"host syncs between its ops): with only its untraced time the replay is {100 * excess:.0f}% longer, "
+            f"{_pct(fix.explained)} of the {100 * (launch_slowdown - 1):.0f}% by which what ran exceeds the replay; "
+            f"without it the job would be {100 * fix.savings_fraction:.0f}% faster.")

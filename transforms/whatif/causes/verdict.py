@@ -30,6 +30,7 @@ class CauseRules:
     worker_mw: float = 0.5               # M_W rule (one DP rank: no peers to compare with)
     peer_ratio: float = 1.2              # a worker's compute over its DP peers' median
     peer_steps: float = 0.5              # ... in at least this share of the sampled steps
+    worker_alarm_ratio: float = 1.5      # a blamed worker this much slower (compute, forward or backward) is named even below S 1.1
     stage_ms: float = 0.5
     stage_chunk_ratio: float = 1.1       # heaviest chunk's compute per microbatch over the median chunk's
     sequence_r: float = 0.9
@@ -131,11 +132,14 @@ def verdict_json(verdict: Verdict, gpu_hours: float | None = None) -> dict:
     return {
         "cause": verdict.cause, "causes": list(verdict.causes), "confidence": float(verdict.confidence),
         "explanation": verdict.explanation,
-        "verdicts": [{"cause": c, **fix_fields(verdict, verdict.fixes[c], gpu_hours)} for c in verdict.causes],
+        "verdicts": [{"cause": c, **(fix_fields(verdict, verdict.fixes[c], gpu_hours) if c in verdict.fixes else
+                                     {"confidence": verdict.confidences.get(c), "explanation": verdict.explanations.get(c, ""),
+                                      "measured_only": True})} for c in verdict.causes],
         "joint_fix": fix_fields(verdict, verdict.joint_fix, gpu_hours) if verdict.joint_fix else None,
         "implicated_workers": [list(w) for w in verdict.implicated_workers],
         "fixes": {c: fix_fields(verdict, f, gpu_hours) for c, f in sorted(verdict.fixes.items())},
         "gpu_hours": gpu_hours,
+        "evidence": json.loads(json.dumps(verdict.evidence, sort_keys=True, allow_nan=True, default=str)),
     }
 
 

@@ -1,0 +1,180 @@
+"""Score `strag analyze` against the ground truth of real torch runs (issue 21).
+
+    .venv/bin/python benchmarks/bench_real_runs.py [CORPUS ...] [--json OUT.json] [--only SUBSTR]
+
+A corpus is a folder of run folders, each holding one torch.profiler trace per rank and a
+`truth.json` written by tools/real_traces/train.py (what was slowed, how, on which rank, and the
+accepted primary causes). Default corpus: tests/data/real_runs (the committed subset).
+
+Every run is analysed as a user would: `strag analyze --format kineto DIR --json OUT` in a
+subprocess, on a folder that holds only the rank traces (truth.json is never in reach of the
+analyzer). Per run the table shows truth against strag (refused, S, replay discrepancy, verdict,
+ranks blamed), then the scores with the issue's targets:
+
+- runs refused (exit != 0 or no result)                            target 0
+- slowed ranks found exactly (blamed set == slowed set), runs
+  slowed by >= 1.5x                                                target >= 95%
+- false alarms: clean runs that name a cause or blame a rank       target <= 5%
+- right primary cause (verdict in the run's accepted causes),
+  slowed runs                                                      target >= 90%
+- replay within 5% (|discrepancy - 1| <= 0.05), low-noise runs     target >= 90%
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_CORPUS = ROOT / "tests" / "data" / "real_runs"
+STRAG = [sys.executable, "-m", "pipelines.cli"]
+SEVERE = 1.5      # "runs slowed by >= 1.5x"
+PAUSE_KINDS = {"send", "allreduce", "gc", "data"}   # sized by the generator to >= 1.5x the rank's compute
+
+__all__ = ["find_runs", "analyse_run", "score", "main"]
+
+
+def find_runs(corpora: list[pathlib.Path]) -> list[pathlib.Path]:
+    """Every run folder (one holding truth.json) under the corpora, sorted by name."""
+    runs = []
+    for corpus in corpora:
+        if (corpus / "truth.json").is_file():
+            runs.append(corpus)
+        else:
+            runs.extend(p.parent for p in corpus.glob("*/truth.json"))
+    return sorted(runs, key=lambda p: p.name)
+
+
+def _trace_files(run: pathlib.Path, truth: dict) -> list[pathlib.Path]:
+    named = [run / f for f in truth.get("trace_files", [])]
+    if named and all(p.is_file() for p in named):
+        return named
+    return sorted(p for p in run.iterdir() if p.name.endswith((".json", ".json.gz")) and p.name != "truth.json"
+                  and p.name != "PROVENANCE.json")
+
+
+def _severity(slowdown: dict) -> float:
+    if slowdown["kind"] in ("fwd", "bwd"):
+        return float(slowdown.get("amount") or 1.0)
+    return SEVERE if slowdown["kind"] in PAUSE_KINDS else 1.0
+
+
+def analyse_run(run: pathlib.Path) -> dict:
+    """Truth and strag's answer for one run folder (strag in a subprocess, on the traces alone)."""
+    truth = json.loads((run / "truth.json").read_text())
+    expected = truth["expected"]
+    row: dict = {"run": run.name, "truth": truth, "slow_ranks": sorted(expected["slow_ranks"]),
+                 "straggling": bool(expected["straggling"]), "accepted": list(expected["primary_causes"]),
+                 "noise": truth.get("noise", "cpu"),
+                 "severe": any(_severity(s) >= SEVERE for s in truth.get("slowdowns", []))}
+    with tempfile.TemporaryDirectory(prefix="strag-real-") as tmp:
+        folder = pathlib.Path(tmp, run.name)
+        folder.mkdir()
+        for path in _trace_files(run, truth):
+            os.symlink(path.resolve(), folder / path.name)
+        out = pathlib.Path(tmp, "result.json")
+        t0 = time.perf_counter()
+        proc = subprocess.run([*STRAG, "analyze", "--format", "kineto", str(folder), "--json", str(out)],
+                              cwd=ROOT, capture_output=True, text=True)
+        row["seconds"] = time.perf_counter() - t0
+        if proc.returncode != 0 or not out.is_file():
+            message = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+            row.update(refused=True, reason=message[-1] if message else f"exit {proc.returncode}")
+            return row
+        result = json.loads(out.read_text())
+    coords = {(c["dp"], c["pp"]): int(r) for r, c in truth["rank_coords"].items()}
+    verdict = result.get("verdict") or {}
+    blamed = sorted({coords.get((int(d), int(s)), -1) for d, s in verdict.get("implicated_workers") or []})
+    row.update(refused=False, reason="", S=result["blocking_slowdown"], discrepancy=result["launch_slowdown"],
+               discarded=bool(result.get("discarded")), cause=verdict.get("cause") or "none",
+               causes=list(verdict.get("causes") or []), blamed=blamed)
+    return row
+
+
+def score(rows: list[dict]) -> dict:
+    """The issue's scores over analysed rows: (hits, total) per score."""
+    ok = [r for r in rows if not r["refused"]]
+    clean = [r for r in ok if not r["straggling"]]
+    slowed = [r for r in ok if r["straggling"]]
+    severe = [r for r in slowed if r["severe"] and r["slow_ranks"]]
+    quiet = [r for r in ok if r["noise"] == "sleep"]
+    alarm = [r for r in clean if r["cause"] != "none" or r["blamed"] or [c for c in r["causes"] if c != "none"]]
+    return {
+        "refused": (sum(r["refused"] for r in rows), len(rows)),
+        "workers_exact": (sum(r["blamed"] == r["slow_ranks"] for r in severe), len(severe)),
+        "false_alarms": (len(alarm), len(clean)),
+        "primary_cause": (sum(r["cause"] in r["accepted"] for r in slowed), len(slowed)),
+        "replay_within_5pct": (sum(abs(r["discrepancy"] - 1) <= 0.05 for r in quiet), len(quiet)),
+    }
+
+
+TARGETS = {  # score -> (comparison, bound as a fraction of the total)
+    "refused": ("<=", 0.0),
+    "workers_exact": (">=", 0.95),
+    "false_alarms": ("<=", 0.05),
+    "primary_cause": (">=", 0.90),
+    "replay_within_5pct": (">=", 0.90),
+}
+
+
+def met(name: str, hits: int, total: int) -> bool:
+    op, bound = TARGETS[name]
+    if total == 0:
+        return True
+    share = hits / total
+    return share <= bound + 1e-12 if op == "<=" else share >= bound - 1e-12
+
+
+def _table(rows: list[dict]) -> str:
+    head = f"{'run':<44} {'truth':<28} {'S':>6} {'disc':>6} {'verdict':<24} {'blamed':<10} ok"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        t = r["truth"]
+        what = ",".join(f"{s['kind']}@{s['rank'] if s.get('rank') is not None else '-'}" for s in t.get("slowdowns", [])) or "clean"
+        truth = f"{what} -> {'/'.join(r['accepted'])}"[:28]
+        if r["refused"]:
+            lines.append(f"{r['run']:<44} {truth:<28} REFUSED: {r['reason'][:90]}")
+            continue
+        good = r["cause"] in r["accepted"] and (r["blamed"] == r["slow_ranks"] or not r["severe"])
+        if not r["straggling"]:
+            good = r["cause"] == "none" and not r["blamed"]
+        verdict = r["cause"] + (" (disc.)" if r["discarded"] else "")
+        lines.append(f"{r['run']:<44} {truth:<28} {r['S']:>6.3f} {r['discrepancy']:>6.3f} {verdict:<24} "
+                     f"{','.join(map(str, r['blamed'])) or '-':<10} {'yes' if good else 'NO'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("corpus", nargs="*", type=pathlib.Path, default=[DEFAULT_CORPUS])
+    ap.add_argument("--json", type=pathlib.Path, help="write every row and the scores here")
+    ap.add_argument("--only", help="runs whose name contains this")
+    args = ap.parse_args(argv)
+    runs = [r for r in find_runs(args.corpus) if not args.only or args.only in r.name]
+    if not runs:
+        print(f"no run folders (with truth.json) under {', '.join(map(str, args.corpus))}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    rows = [analyse_run(run) for run in runs]
+    print(_table(rows))
+    scores = score(rows)
+    print(f"\n{len(rows)} runs in {time.perf_counter() - t0:.1f} s "
+          f"({sum(not r['straggling'] for r in rows)} clean, {sum(r['noise'] == 'sleep' for r in rows)} low-noise)")
+    for name, (hits, total) in scores.items():
+        op, bound = TARGETS[name]
+        share = f"{hits / total:6.1%}" if total else "   n/a"
+        print(f"  {name:<20} {hits:>3} / {total:<3} {share}   target {op} {bound:.0%}   "
+              f"{'met' if met(name, hits, total) else 'NOT met'}")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": [{k: v for k, v in r.items() if k != 'truth'} for r in rows],
+                                         "scores": scores}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
