@@ -138,7 +138,7 @@ def _table(rows: list[dict]) -> str:
         what = ",".join(f"{s['kind']}@{s['rank'] if s.get('rank') is not None else '-'}" for s in t.get("slowdowns", [])) or "clean"
         truth = f"{what} -> {'/'.join(r['accepted'])}"[:28]
         if r["refused"]:
-            lines.append(f"{r['run']:<44} {truth:<28} REFUSED: {r['reason'][:90]}")
+            lines.append(f"{r['run']:<44} {truth:<28} REFUSED: ...{r['reason'][-110:]}")
             continue
         good = r["cause"] in r["accepted"] and (r["blamed"] == r["slow_ranks"] or not r["severe"])
         if not r["straggling"]:

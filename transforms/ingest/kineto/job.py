@@ -11,8 +11,8 @@ from transforms.ingest.common import ConvertedJob, RawInputError, build_manifest
 from transforms.ingest.kineto.clocks import _clock_offsets
 from transforms.ingest.kineto.layout import _dp_groups, _layout, _resolve_local_peers
 from transforms.ingest.kineto.ops import _ops_of_rank, _pipeline_end_noops
-from transforms.ingest.kineto.pairing import (_check_comm_pairs, _clip_p2p_waits, _recv_waits_after_compute,
-                                              _serialise_p2p_chains)
+from transforms.ingest.kineto.pairing import (_check_comm_pairs, _clip_p2p_waits, _collectives_after_compute,
+                                              _recv_waits_after_compute, _serialise_chains)
 from transforms.ingest.kineto.rank import parse_rank_bytes
 from transforms.ingest.kineto.spans import BWD, FWD, OPT, RankTrace, _KIND_NAMES
 
@@ -153,7 +153,8 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
     offsets = {rank: 0.0 for rank in rows} if clock == "trust" else _clock_offsets(rows, layout, clock_of)
     p2p_posted_early = _recv_waits_after_compute(rows)
     p2p_clipped = _clip_p2p_waits(rows, layout, offsets)
-    p2p_serialised = _serialise_p2p_chains(rows)
+    dp_overlapped = _collectives_after_compute(rows)
+    chains_serialised = _serialise_chains(rows)
     vpp = max(int(r["mc"].max()) + 1 if len(r["mc"]) else 1 for r in rows.values())
     if vpp > 1:
         rows = {rank: _pipeline_end_noops(r, layout.pp, vpp) for rank, r in rows.items()}
@@ -214,7 +215,8 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
         "clock_offset_max_s": max(abs(v) for v in offsets.values()) * 1e-6 if offsets else 0.0,
         "clock_offsets_s": {key: offsets[rank] * 1e-6 for rank, key in sorted(clock_of.items()) if offsets[rank]},
         "p2p_waits_clipped": p2p_clipped,
-        "p2p_chain_waits_cut": p2p_serialised,
+        "chain_waits_cut": chains_serialised,
+        "collectives_issued_during_compute": dp_overlapped,
         "p2p_recvs_posted_early": p2p_posted_early,
         "unmapped": dict(sorted(unmapped.items())),
     }

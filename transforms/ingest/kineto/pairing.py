@@ -81,20 +81,25 @@ def _check_comm_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout
 def _clip_p2p_waits(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, offsets: Mapping[int, float]) -> int:
     """Cut the idle waits off both ends of every p2p pair (clocks aligned by `offsets`, µs).
 
-    - A recv posted before its peer's send started waits idle: it starts with the send. Transfer
-      times (end - latest start of the pair) do not change; the step's observed span no longer
-      counts a stage idling on its first recv while the previous stage still finishes the
-      previous step (pipelines without a global sync at the step's end drift apart).
+    - A recv that opens the rank's step (before its first compute) and was posted before its
+      peer's send started waits idle: it starts with the send. Transfer times (end - latest start
+      of the pair) do not change; the step's observed span no longer counts a stage idling on its
+      first recv while the previous stage still finishes the previous step (pipelines without a
+      global sync at the step's end drift apart). Later recvs keep their start: their wait is the
+      pair's (the replay ends them at the send's start + transfer), and moving it into a gap before
+      the recv would make it the receiver's untraced time.
     - An asynchronous send (gloo's isend) stays open until the schedule waits on it, often after
       the data arrived: it ends when its recv ended. Otherwise the send chain of the dependency
       model would serialise sends that overlapped.
     Returns the number of ops changed."""
     changed = 0
+    first_compute = {rank: _first_compute_per_step(r) for rank, r in rows.items()}
     for send_rank, i, recv_rank, j in _p2p_pairs(rows, layout):
         send, recv = rows[send_rank], rows[recv_rank]
         shift = offsets[recv_rank] - offsets[send_rank]   # send clock -> recv clock
         send_start = send["start"][i] + shift
-        if send_start > recv["start"][j]:
+        opening = recv["start"][j] < first_compute[recv_rank].get(int(recv["step"][j]), np.inf)
+        if opening and send_start > recv["start"][j]:
             recv["start"][j] = min(send_start, recv["end"][j])
             changed += 1
         recv_end = recv["end"][j] - shift                  # recv clock -> send clock
@@ -104,17 +109,32 @@ def _clip_p2p_waits(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, 
     return changed
 
 
-def _serialise_p2p_chains(rows: Mapping[int, dict[str, np.ndarray]]) -> int:
-    """The dependency model runs each p2p type of a rank as one chain in start order (METHOD.md
-    section 2); asynchronous schedules post the next recv (send) before the previous one completed.
-    Each p2p op starts no earlier than the previous op of its chain ended: the time before is spent
-    waiting behind it, and a chain whose ops overlapped would otherwise replay them one after the
-    other with their whole spans, slower than what ran. Returns the number of ops changed."""
+def _first_compute_per_step(r: dict[str, np.ndarray]) -> dict[int, float]:
+    """Step -> start of the rank's first forward / backward compute in it."""
+    compute = np.isin(r["optype"], [_CODE["forward-compute"], _CODE["backward-compute"]])
+    out: dict[int, float] = {}
+    for step, start in zip(r["step"][compute].tolist(), r["start"][compute].tolist()):
+        out[step] = min(out.get(step, np.inf), start)
+    return out
+
+
+_P2P_CHAINS = ("forward-send", "forward-recv", "backward-send", "backward-recv")
+_DP_CHAIN = ("params-all-gather", "grads-reduce-scatter", "separate-grads-all-reduce")
+
+
+def _serialise_chains(rows: Mapping[int, dict[str, np.ndarray]]) -> int:
+    """The dependency model runs each p2p type of a rank as one chain in start order, and its DP
+    collectives as one more (METHOD.md section 2); asynchronous schedules post the next recv (send)
+    before the previous one completed, and DDP's buckets or per-parameter async all-reduces run
+    side by side. Each op of a chain starts no earlier than the previous one ended: the time
+    before is spent waiting behind it, and a chain whose ops overlapped would otherwise replay
+    them one after the other with their whole spans, slower than what ran. Returns the number of
+    ops changed."""
     changed = 0
-    codes = [_CODE[name] for name in ("forward-send", "forward-recv", "backward-send", "backward-recv")]
+    chains = [[_CODE[name]] for name in _P2P_CHAINS] + [[_CODE[name] for name in _DP_CHAIN]]
     for r in rows.values():
-        for code in codes:
-            hit = np.flatnonzero(r["optype"] == code)
+        for codes in chains:
+            hit = np.flatnonzero(np.isin(r["optype"], codes))
             if len(hit) < 2:
                 continue
             hit = hit[np.lexsort((r["start"][hit], r["step"][hit]))]
@@ -122,6 +142,31 @@ def _serialise_p2p_chains(rows: Mapping[int, dict[str, np.ndarray]]) -> int:
                 if r["step"][before] == r["step"][after] and r["start"][after] < r["end"][before]:
                     r["start"][after] = min(r["end"][before], r["end"][after])
                     changed += 1
+    return changed
+
+
+def _collectives_after_compute(rows: Mapping[int, dict[str, np.ndarray]]) -> int:
+    """A DP collective issued while its rank still computes (DDP's bucket all-reduces and per-
+    parameter async all-reduces start inside the backward that produced the gradients) delays
+    the step only from the end of that compute: the dependency model runs DP collectives after
+    the compute, so the collective's start moves to the end of the compute op running when it was
+    issued, and its transfer (end - latest start over the DP group) is the exposed part. Returns
+    the number of collectives changed."""
+    changed = 0
+    compute_codes = [_CODE["forward-compute"], _CODE["backward-compute"]]
+    dp_codes = [_CODE[name] for name in _DP_CHAIN]
+    for r in rows.values():
+        compute = np.flatnonzero(np.isin(r["optype"], compute_codes))
+        coll = np.flatnonzero(np.isin(r["optype"], dp_codes))
+        if not len(compute) or not len(coll):
+            continue
+        compute = compute[np.argsort(r["start"][compute], kind="stable")]
+        starts, ends = r["start"][compute], np.maximum.accumulate(r["end"][compute])
+        running = np.searchsorted(starts, r["start"][coll], side="right") - 1
+        inside = (running >= 0) & (ends[np.maximum(running, 0)] > r["start"][coll])
+        moved = coll[inside]
+        r["start"][moved] = np.minimum(ends[running[inside]], r["end"][moved])
+        changed += int(inside.sum())
     return changed
 
 

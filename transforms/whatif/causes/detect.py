@@ -10,7 +10,8 @@ import numpy as np
 import pyarrow as pa
 
 from transforms.whatif.causes import explain
-from transforms.whatif.causes.fixes import at_peer_speed, compose, planned_gc_seconds, rebalanced_stages, without_pauses
+from transforms.whatif.causes.fixes import (at_peer_speed, compose, planned_gc_seconds, rebalanced_stages, typical_transfers,
+                                           without_pauses)
 from transforms.whatif.causes.sequences import BACKWARD, FORWARD, SequenceWorkload, even_sequences, repacked_sequences, sequence_workload
 from transforms.whatif.causes.signals import (
     ChunkBalance,
@@ -155,7 +156,7 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
 
     worker-peer: blamed workers at peer speed; worker-compute / worker-comm: the M_W set's
     compute / transfers at ideal; stage: rebalanced chunks; communication: every transfer
-    at ideal; sequence: even spread; sequence-repacked: greedy document repacking (with
+    at its own typical time (fixes.typical_transfers); sequence: even spread; sequence-repacked: greedy document repacking (with
     seq_lens, when the sequence signature holds); gc: pauses removed."""
     original = model.original_cost
     ideal = model.ideal_cost()[:, None]
@@ -165,7 +166,7 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
         "worker-compute": Mix(original, ideal, mw_mask & compute),
         "worker-comm": Mix(original, ideal, mw_mask & model.op_is_comm[:, None]),
         "stage": rebalanced_stages(model),
-        "communication": Mix(original, ideal, model.op_is_comm[:, None]),
+        "communication": typical_transfers(model),
     }
     blamed = signals.peers.blamed(rules) if signals.peers is not None else []
     if blamed:
@@ -313,7 +314,9 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     listed = {}
     for c in candidates:
         best = max(share(c.scenario), given.get(c.cause, -math.inf))
-        if best >= c.needed:
+        saves = (tori - step_time[c.scenario]) / tori
+        masked = given.get(c.cause, -math.inf) >= c.needed      # it matters once the other causes are fixed
+        if best >= c.needed and (saves >= rules.min_savings or masked or c.cause == "individual-worker"):
             listed[c.cause] = min(c.signature, margin(best, c.needed, c.clear))
     fixes = {cause: make_fix(cause, scenario) for cause in explain.CAUSE_ORDER
              if (scenario := _default_scenario(cause, costs)) is not None}
@@ -334,7 +337,7 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     by_cause = {c.cause: c for c in candidates}
     measured_worker = "individual-worker" in listed and by_cause["individual-worker"].scenario == "worker-peer" \
         and _worst_direction(signals.peers, by_cause["individual-worker"].implicated[0]) >= rules.worker_alarm_ratio
-    untraced = _untraced_workers(result) if result.discarded else []
+    untraced = _untraced_workers(model, result) if result.discarded else []
     if result.discarded:
         # the replay does not match the trace: no what-if verdict, only what was measured, and the
         # untraced CPU work of one worker when that is what the replay misses
@@ -354,6 +357,10 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         primary, ranked, confidence = "none", [], 1.0
     elif ranked:
         primary, confidence = ranked[0], listed[ranked[0]]
+    elif not _localised(result, evidence):
+        # straggling by S, yet no DP rank, stage or step stands out: the job's own variation (noise,
+        # ops of one type that differ by design), not a straggler anyone could fix
+        primary, confidence = "none", 1.0
     else:
         primary = "unexplained"
         confidence = float(np.clip(1.0 - max((f.explained for f in fixes.values()), default=0.0), 0.0, 1.0))
@@ -363,7 +370,8 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         {c: explain.cause_sentence(c, evidence, fixes[c], by_cause[c].implicated, model.pp_size) for c in ranked}
     if primary in ("none", "unexplained"):
         best = max(fixes.values(), key=lambda f: f.explained, default=None)
-        explanations[primary] = explain.verdict_sentence(primary, slowdown, rules.straggling, best)
+        explanations[primary] = explain.verdict_sentence(primary, slowdown, rules.straggling, best,
+                                                         spread=evidence.get("localised") is False)
     if result.discarded:
         explanations = {c: explain.discarded_sentence(c, evidence, implicated, float(result.launch_slowdown))
                         for c in (ranked or [primary])}
@@ -373,11 +381,24 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
             evidence["untraced_workers"] = [{"dp_rank": d, "stage": p, "launch_slowdown": 1.0 + e} for (d, p), e in untraced]
             saved = excess / launch
             fixes["untraced-cpu"] = Fix("untraced-cpu", float(result.step_t_base.mean()) * (1.0 - saved), slowdown,
-                                        excess / (launch - 1.0), saved, FIX_NAMES["untraced"])
+                                        min(1.0, excess / (launch - 1.0)), saved, FIX_NAMES["untraced"])
             explanations["untraced-cpu"] = explain.untraced_sentence(untraced, launch, fixes["untraced-cpu"])
     return Verdict(model.job_id, slowdown, primary, ranked, float(confidence),
                    {c: float(listed[c]) for c in ranked}, evidence, implicated, fixes, explanations, joint_fix,
                    timings)
+
+
+def _localised(result: WhatIfResult, evidence: dict, factor: float = 2.0) -> bool:
+    """Whether the straggling stands out somewhere: the hottest DP rank, stage or step holds at
+    least `factor` times the excess (S_g - 1) of the next one. Recorded in evidence["localised"]."""
+    def stands_out(values) -> bool:
+        excess = sorted((max(float(v) - 1.0, 0.0) for v in values), reverse=True)
+        return len(excess) >= 2 and excess[0] > 0 and excess[0] >= factor * excess[1]
+
+    found = any(stands_out(group.values()) for group in (result.by_dp_rank or {}, result.by_stage or {})) \
+        or stands_out(result.step_slowdown.tolist())
+    evidence["localised"] = found
+    return found
 
 
 def _worst_direction(peers, worker: tuple[int, int]) -> float:
@@ -385,11 +406,15 @@ def _worst_direction(peers, worker: tuple[int, int]) -> float:
     return float(np.nanmax([peers.ratio[worker], peers.forward[worker], peers.backward[worker]]))
 
 
-def _untraced_workers(result: WhatIfResult, share: float = 0.5) -> list[tuple[tuple[int, int], float]]:
-    """Workers whose launch delays (untraced CPU time: METHOD.md section 3) make most of the replay
-    discrepancy: the no-delay replay with only worker (d, p)'s delays given back is
-    min(launch S of DP rank d, of stage p) times as long; listed when that excess is at least
-    `share` of the whole discrepancy's and 1.5x any other worker's. Empty without launch attribution."""
+def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5, factor: float = 2.0,
+                      persist: float = 0.75) -> list[tuple[tuple[int, int], float]]:
+    """The worker whose untraced CPU time (launch delays: METHOD.md section 3) makes the replay
+    discrepancy, as [(worker, excess)] or []. Two conditions, a replay and a measurement:
+    - the no-delay replay with only that worker's delays given back is min(launch S of its DP
+      rank, of its stage) times as long; its excess is at least `share` of the whole discrepancy's
+      and 1.5x any other worker's (spread over workers: a busy machine, nobody to name);
+    - its untraced time per step is at least `factor` times its DP peers' median (the other
+      workers' without DP peers) in `persist` of the steps: persistent, not one preempted step."""
     if result.launch_by_dp_rank is None or result.launch_by_stage is None or result.launch_slowdown <= 1.0:
         return []
     total = float(result.launch_slowdown) - 1.0
@@ -397,7 +422,19 @@ def _untraced_workers(result: WhatIfResult, share: float = 0.5) -> list[tuple[tu
               for d, sd in result.launch_by_dp_rank.items() for p, sp in result.launch_by_stage.items()}
     ranked = sorted(excess.items(), key=lambda item: (-item[1], item[0]))
     if ranked[0][1] < share * total or (len(ranked) > 1 and ranked[1][1] * 1.5 > ranked[0][1]):
-        return []   # spread over workers (a busy machine, delays passed along a pipeline): nobody to name
+        return []
+    (d, p), _ = ranked[0]
+    delay = np.maximum(model.launch_delay, 0.0)
+    per_step = lambda dp, stage: delay[np.ix_(model.op_stage == stage, model.lane_dp == dp)].sum(axis=0)
+    others = [(o, stage) for o in range(model.dp_size) for stage in range(model.pp_size)
+              if (o, stage) != (d, p) and (model.dp_size == 1 or stage == p)]
+    if not others:
+        return []
+    baseline = np.median(np.stack([per_step(o, stage) for o, stage in others]), axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = per_step(d, p) / baseline
+    if (ratio >= factor).mean() < persist:
+        return []
     return ranked[:1]
 
 

@@ -28,6 +28,18 @@ def at_peer_speed(model: JobModel, workers: Sequence[tuple[int, int]], peers: Pe
     return cost
 
 
+def typical_transfers(model: JobModel) -> np.ndarray:
+    """Cost with every transfer at its own typical time: the median of that op (same type, stage,
+    chunk and place in the step) over the steps and DP ranks. A flapping or slow link is fixed;
+    transfers that differ by design (DDP buckets of different sizes, the exposed tail of the last
+    bucket) are not counted as slow communication."""
+    cost = model.original_cost.copy()
+    comm = np.flatnonzero(model.op_is_comm)
+    if len(comm):
+        cost[comm] = np.median(cost[comm], axis=1, keepdims=True)
+    return cost
+
+
 def rebalanced_stages(model: JobModel) -> np.ndarray:
     """Compute cost with every chunk's mean forward (backward) duration set to the mean over chunks."""
     cost = model.original_cost.copy()

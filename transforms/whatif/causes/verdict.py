@@ -37,6 +37,8 @@ class CauseRules:
     comm_share: float = 0.5
     comm_excess: float = 0.05            # sum of S_t - 1 over communication types (mixtures)
     min_explained: float = 0.1           # worker (peer fix) and communication
+    min_savings: float = 0.03            # ... and a fix must save this share of the step (GPU-hours) alone;
+                                         # a measured slow worker is listed whatever it saves
     stage_min_explained: float = 0.1
     stage_row_uniformity: float = 0.5    # min / max of (S_w - 1) over the last stage (M_S route, dp >= 2)
     sequence_min_explained: float = 0.15
