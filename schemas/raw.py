@@ -79,6 +79,7 @@ RAW_REASONS: dict[str, tuple[str, str]] = {
     "raw_unknown_collective": ("job", "a collective the converter cannot map to an op type; see detail"),
     "raw_unmatched_comm": ("job", "communication ops do not pair up across ranks (sequence numbers or counts differ)"),
     "raw_no_microbatches": ("job", "no per-microbatch forward/backward compute found; set forward_label/backward_label in job.yaml"),
+    "raw_unsupported_schedule": ("job", "a pipeline schedule the dependency model cannot represent yet (zero-bubble split backwards, V-shaped stage placement)"),
 }
 
 

@@ -19,15 +19,21 @@ _RUN_BREAK = ("c10d::send", "c10d::recv", "gloo:send", "gloo:recv", "c10d::batch
 _RUN_NEUTRAL = ("c10d::", "gloo:", "record_param_comms", "nccl:")
 
 
-def _unlabeled_compute(ops: list, steps: list[tuple[float, float]], optimizer: list, *, forward: bool) -> list:
+def _unlabeled_compute(ops: list, steps: list[tuple[float, float]], optimizer: list, *, forward: bool,
+                       autograd: np.ndarray | None = None) -> list:
     """Per-microbatch compute spans of a trace without schedule labels (torch.distributed.pipelining's
     Schedule1F1B, plain DDP), from the main thread's top-level ops in each step: a run of
     `autograd::engine::evaluate_function:` ops is one microbatch's backward, a run of other ops
     between p2p calls is a forward when a backward run follows it in the step (trailing grad-sync
     copies are not); runs shorter than a tenth of the step's median backward run are bookkeeping
     between p2p calls, not compute, and of more forward runs than backward ones the longest are the
-    forwards. Returns label tuples (kind, start, end, mb=-1, chunk=-1, name)."""
+    forwards. With `autograd` (sorted starts of the forward ops autograd recorded for a backward:
+    the trace's `fwdbwd` flows), a forward run is the span of its top-level ops that hold such an
+    op: data loading, zeroing grad buffers, splitting inputs or targets and logging record none,
+    so they are neither a microbatch nor part of one (their time stays untraced, as launch delay).
+    Returns label tuples (kind, start, end, mb=-1, chunk=-1, name)."""
     ops = sorted(ops, key=lambda op: (op[0], -op[1]))
+    flows = autograd if autograd is not None and len(autograd) else None
     out = []
     for step_start, step_end in steps:
         runs: list[list] = []            # [kind, start, end]
@@ -54,11 +60,18 @@ def _unlabeled_compute(ops: list, steps: list[tuple[float, float]], optimizer: l
             if name.startswith(_RUN_NEUTRAL):
                 continue
             kind = BWD if name.startswith(_BACKWARD_OP) else FWD
+            recorded = flows is None or kind == BWD or \
+                np.searchsorted(flows, start, side="left") < np.searchsorted(flows, end, side="right")
             if current is not None and current[0] == kind:
                 current[2] = max(current[2], end)
             else:
-                current = [kind, start, end]
+                current = [kind, start, end, np.inf, -np.inf]
                 runs.append(current)
+            if recorded:
+                current[3] = min(current[3], start)
+        # a forward run starts at its first op autograd recorded (none: not a forward); what
+        # follows the last one (the stage detaching its output to send) is still its work
+        runs = [[kind, s, e] for kind, s0, e, s, _ in runs if s < np.inf]
         backward = [end - start for kind, start, end in runs if kind == BWD]
         # bookkeeping between p2p calls (splitting inputs, allocating buffers) makes runs of
         # microseconds; a microbatch's compute is a sizeable share of a backward

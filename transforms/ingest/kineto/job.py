@@ -67,6 +67,24 @@ def _kept_steps(ranks: Sequence[RankTrace], job_id: str) -> tuple[np.ndarray, li
     return kept, dropped
 
 
+def _check_schedule(ranks: Sequence[RankTrace], layout, job_id: str) -> None:
+    """Schedules the dependency model (one forward and one backward per microbatch, model chunk g
+    on pipeline rank g mod pp) cannot represent: raw_unsupported_schedule, naming the rank."""
+    for trace in ranks:
+        split = sum(n for key, n in trace.unmapped.items() if key in ("label PP:NIN", "label PP:NWN"))
+        if split:
+            raise RawInputError("raw_unsupported_schedule", f"rank {trace.rank} runs a zero-bubble schedule: its "
+                                f"backwards are split into input-gradient and weight-gradient actions ({split} "
+                                "`PP:sIm` / `PP:sWm` labels), which the dependency model (one backward per "
+                                "microbatch) has no place for yet", job_id=job_id, path=trace.path)
+        stage = layout.worker[trace.rank][1]
+        chunks = sorted(set(trace.chunk[(trace.chunk >= 0) & ((trace.kind == FWD) | (trace.kind == BWD))].tolist()))
+        if layout.pp > 1 and any(g % layout.pp != stage for g in chunks):
+            raise RawInputError("raw_unsupported_schedule", f"rank {trace.rank} (pipeline rank {stage} of {layout.pp}) "
+                                f"holds model chunks {chunks}: a V-shaped (or other non-interleaved) placement; the "
+                                "dependency model places chunk g on pipeline rank g mod pp", job_id=job_id, path=trace.path)
+
+
 def _check_job(ranks: Sequence[RankTrace], job_id: str) -> int:
     """Duplicate ranks and ranks of another job; returns the world size."""
     seen: dict[int, str] = {}
@@ -133,6 +151,7 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
                             f"(dp {layout.dp} x pp {layout.pp} workers, layout from {layout.how}); found "
                             f"{len(by_rank)} readable rank file(s) of world size {world}", job_id=job_id)
     analysed = [by_rank[rank] for rank in sorted(layout.worker)]
+    _check_schedule(analysed, layout, job_id)
     for trace in analysed:
         _resolve_local_peers(trace, layout)
     steps, dropped = _kept_steps(analysed, job_id)

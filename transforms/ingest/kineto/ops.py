@@ -55,8 +55,16 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
     # is then the separate (non-sharded) grads' one
     dp_coll = (kind == COLL) & np.isin(group, list(dp_groups))
     zero = bool((dp_coll & (coll == "reduce_scatter")).any())
+    # FSDP / ZeRO-3 gather each layer's parameters just before its forward (and again for its
+    # backward), inside the compute: only gathers before the step's first compute are the
+    # model's params-all-gather; the others overlap compute, whose spans hold any exposed wait
+    compute_kind = (kind == FWD) | (kind == BWD)
+    first_compute = {int(s): float(start[compute_kind & (step == s)].min()) for s in np.unique(step[compute_kind]).tolist()}
     for i in np.flatnonzero(kind == COLL).tolist():
         name = coll[i]
+        if group[i] in dp_groups and name == "all_gather" and start[i] >= first_compute.get(int(step[i]), np.inf):
+            unmapped["all_gather during compute (per-layer parameter gathers)"] += 1
+            continue
         if group[i] in dp_groups:
             mapped = "separate-grads-all-reduce" if zero and name == "all_reduce" else _DP_OPTYPE.get(name)
             if mapped is None and name not in _COLLECTIVES.values():

@@ -116,8 +116,11 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
     p2p_labels: list[tuple[float, float, int, int]] = []              # start, end, direction (+1 F, -1 B), stage
     kernels = 0
     origin = None   # times are kept relative to it (µs), so durations stay exact
+    flow_starts: list[float] = []                                   # fwdbwd flow starts: forward ops autograd recorded
     for event in document["traceEvents"]:
         if event.get("ph") != "X":
+            if event.get("ph") == "s" and event.get("cat") == "fwdbwd" and event.get("ts") is not None:
+                flow_starts.append(float(event["ts"]))
             continue
         name = event.get("name", "")
         cat = event.get("cat", "")
@@ -194,8 +197,9 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
     if kinds != {FWD, BWD}:
         # no (or only forward) schedule labels: microbatches from the main thread's op runs
         main = [op for op in cpu_ops if op[3] == step_tid]
+        autograd = np.sort(np.array(flow_starts) - (origin or 0.0))
         cpu_labels = [label for label in cpu_labels if label[0] in kinds] + _unlabeled_compute(
-            main, sorted(steps.values()), optimizer, forward=FWD not in kinds)
+            main, sorted(steps.values()), optimizer, forward=FWD not in kinds, autograd=autograd)
     spans = _compute_spans(cpu_labels, gpu_labels if kernels else {}, comm)
     trace = _rank_trace(path, rank, world, str(info.get("backend") or ""), groups, device, versions, steps, spans,
                         comm, optimizer, unmapped, _p2p_directions(comm, cpu_labels, p2p_labels))
