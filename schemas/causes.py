@@ -52,6 +52,7 @@ EVIDENCE_LABELS: dict[str, tuple[str, str]] = {
     "peer_noise_floor": ("noise floor of the peer ratio", "exp(2 sigma) of each worker's per-microbatch ratios to its peers (median over workers); a worker is blamed only above it"),
     "untraced_workers": ("workers with untraced CPU time", "dp rank, stage and the no-delay replay's slowdown with only their launch delays given back"),
     "localised": ("straggling stands out", "the hottest DP rank, stage or step holds at least twice the slowdown of the next (else: the job's own variation)"),
+    "comm_localised": ("slow transfers gather", "transfers beyond their own typical time gather on one DP rank, stage or step (else: spread, the machine's noise)"),
     "chunk_ratio": ("heaviest model chunk over the median chunk", "compute per microbatch of the heaviest chunk (its fastest DP rank)"),
     "heaviest_chunk": ("heaviest model chunk", "global chunk id (and its stage) with the most compute per microbatch"),
     "gc_pauses": ("forward-only pauses", "forward computes stalled beyond their backward's proportion"),

@@ -32,6 +32,7 @@ from transforms.whatif.model import JobModel, compile_job, distinct
 from transforms.whatif.replay import Mix, Scenario, replay, replay_thread_count
 from transforms.whatif.result import JobMeta, WhatIfResult
 from schemas.causes import FIX_NAMES
+from schemas.trace import OPTYPES
 
 __all__ = ["classify", "analyze_and_classify", "COMPUTE_GROUPS"]
 
@@ -205,7 +206,7 @@ def _candidates(model: JobModel, result: WhatIfResult, signals: _Signals, share,
     if located_comm:
         out.append(_Candidate("communication", "worker-comm", margin(signals.mw, rules.worker_mw, 0.9), rules.min_explained, 0.6,
                               _hot_half(result)))
-    elif signals.comm_share >= rules.comm_share or signals.comm_excess >= rules.comm_excess:
+    elif (signals.comm_share >= rules.comm_share or signals.comm_excess >= rules.comm_excess) and _comm_localised(model, evidence):
         signature = max(margin(signals.comm_share, rules.comm_share, 0.9), margin(signals.comm_excess, rules.comm_excess, 4 * rules.comm_excess))
         out.append(_Candidate("communication", "communication", signature, rules.min_explained, 0.6))
     if model.pp_size > 1:
@@ -388,12 +389,36 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
                    timings)
 
 
+def _stands_out(values, factor: float = 2.0) -> bool:
+    """The largest excess is at least `factor` times the next one (and positive)."""
+    excess = sorted((max(float(v), 0.0) for v in values), reverse=True)
+    return len(excess) >= 2 and excess[0] > 0 and excess[0] >= factor * excess[1]
+
+
+def _comm_localised(model: JobModel, evidence: dict, factor: float = 2.0) -> bool:
+    """Whether the transfers beyond their own typical time (the median of the same op over steps
+    and DP ranks) gather on one DP rank, stage or step (a bad link, a flapping switch), rather
+    than spread over all of them (a busy machine's noise, collectives that vary by nature).
+    Recorded in evidence["comm_localised"]."""
+    comm = np.flatnonzero(model.op_is_comm)
+    if not len(comm):
+        return False
+    cost = model.original_cost[comm]
+    excess = np.maximum(cost - np.median(cost, axis=1, keepdims=True), 0.0)
+    _, step_index = np.unique(model.lane_step, return_inverse=True)
+    per_lane = excess.sum(axis=0)
+    found = _stands_out(np.bincount(model.lane_dp, per_lane), factor) \
+        or _stands_out(np.bincount(step_index, per_lane), factor) \
+        or (model.pp_size > 1 and _stands_out(np.bincount(model.op_stage[comm], excess.sum(axis=1), minlength=model.pp_size), factor))
+    evidence["comm_localised"] = bool(found)
+    return bool(found)
+
+
 def _localised(result: WhatIfResult, evidence: dict, factor: float = 2.0) -> bool:
     """Whether the straggling stands out somewhere: the hottest DP rank, stage or step holds at
     least `factor` times the excess (S_g - 1) of the next one. Recorded in evidence["localised"]."""
     def stands_out(values) -> bool:
-        excess = sorted((max(float(v) - 1.0, 0.0) for v in values), reverse=True)
-        return len(excess) >= 2 and excess[0] > 0 and excess[0] >= factor * excess[1]
+        return _stands_out([float(v) - 1.0 for v in values], factor)
 
     found = any(stands_out(group.values()) for group in (result.by_dp_rank or {}, result.by_stage or {})) \
         or stands_out(result.step_slowdown.tolist())
@@ -424,8 +449,12 @@ def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5,
     if ranked[0][1] < share * total or (len(ranked) > 1 and ranked[1][1] * 1.5 > ranked[0][1]):
         return []
     (d, p), _ = ranked[0]
+    # a recv's delay is structural (the model starts it after the previous compute of its direction;
+    # the schedule posts it after the computes in between): the worker's own untraced time is the
+    # gaps before its computes, sends and collectives
     delay = np.maximum(model.launch_delay, 0.0)
-    per_step = lambda dp, stage: delay[np.ix_(model.op_stage == stage, model.lane_dp == dp)].sum(axis=0)
+    own = ~np.isin(model.op_optype, [OPTYPES.index("forward-recv"), OPTYPES.index("backward-recv")])
+    per_step = lambda dp, stage: delay[np.ix_(own & (model.op_stage == stage), model.lane_dp == dp)].sum(axis=0)
     others = [(o, stage) for o in range(model.dp_size) for stage in range(model.pp_size)
               if (o, stage) != (d, p) and (model.dp_size == 1 or stage == p)]
     if not others:
