@@ -343,8 +343,9 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         # the replay does not match the trace: no what-if verdict, only what was measured, and the
         # untraced CPU work of one worker when that is what the replay misses
         ranked = ["untraced-cpu"] if untraced else []
-        if "individual-worker" in by_cause and by_cause["individual-worker"].scenario == "worker-peer":
-            ranked.append("individual-worker")
+        if "individual-worker" in by_cause and by_cause["individual-worker"].scenario == "worker-peer" \
+                and _worst_direction(signals.peers, by_cause["individual-worker"].implicated[0]) >= rules.worker_alarm_ratio:
+            ranked.append("individual-worker")   # measured, and clearly: the replay cannot weigh it
         primary, confidence = (ranked[0], 1.0) if ranked else ("none" if not straggling else "unexplained", 1.0)
         listed = {c: 1.0 for c in ranked}
         joint_fix = None
@@ -449,12 +450,7 @@ def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5,
     if ranked[0][1] < share * total or (len(ranked) > 1 and ranked[1][1] * 1.5 > ranked[0][1]):
         return []
     (d, p), _ = ranked[0]
-    # a recv's delay is structural (the model starts it after the previous compute of its direction;
-    # the schedule posts it after the computes in between): the worker's own untraced time is the
-    # gaps before its computes, sends and collectives
-    delay = np.maximum(model.launch_delay, 0.0)
-    own = ~np.isin(model.op_optype, [OPTYPES.index("forward-recv"), OPTYPES.index("backward-recv")])
-    per_step = lambda dp, stage: delay[np.ix_(own & (model.op_stage == stage), model.lane_dp == dp)].sum(axis=0)
+    per_step = lambda dp, stage: _untraced_time(model, dp, stage)
     others = [(o, stage) for o in range(model.dp_size) for stage in range(model.pp_size)
               if (o, stage) != (d, p) and (model.dp_size == 1 or stage == p)]
     if not others:
@@ -465,6 +461,31 @@ def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5,
     if (ratio >= factor).mean() < persist:
         return []
     return ranked[:1]
+
+
+def _untraced_time(model: JobModel, dp: int, stage: int) -> np.ndarray:
+    """Seconds per step worker (dp, stage) spends in launch delays while running none of its traced
+    compute: a launch delay (start - end of the op's dependencies) is the worker's own untraced
+    time only where no compute op of the worker ran meanwhile. A recv the schedule posts after
+    the computes in between, which the model starts after the previous compute of its direction,
+    is the model's structure, not the worker's time."""
+    ops = np.flatnonzero(model.op_stage == stage)
+    compute = ops[np.isin(model.op_optype[ops], [OPTYPES.index("forward-compute"), OPTYPES.index("backward-compute")])]
+    out = []
+    for lane in np.flatnonzero(model.lane_dp == dp).tolist():
+        delay = np.maximum(model.launch_delay[ops, lane], 0.0)
+        waiting = delay > 0
+        gap_end = model.observed_start[ops[waiting], lane]
+        gap_start = gap_end - delay[waiting]
+        busy_start, busy_end = model.observed_start[compute, lane], model.observed_end[compute, lane]
+        order = np.argsort(busy_start)
+        busy_start, busy_end = busy_start[order], np.maximum.accumulate(busy_end[order])
+        total = 0.0
+        for a, b in zip(gap_start.tolist(), gap_end.tolist()):
+            covered = np.clip(np.minimum(busy_end, b) - np.maximum(busy_start, a), 0.0, None).sum()
+            total += max(b - a - covered, 0.0)
+        out.append(total)
+    return np.array(out)
 
 
 def _record_shares(evidence: dict, share) -> None:
