@@ -342,15 +342,21 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     if result.discarded:
         # the replay does not match the trace: no what-if verdict, only what was measured, and the
         # untraced CPU work of one worker when that is what the replay misses
-        ranked = ["untraced-cpu"] if untraced else []
-        if "individual-worker" in by_cause and by_cause["individual-worker"].scenario == "worker-peer" \
-                and _worst_direction(signals.peers, by_cause["individual-worker"].implicated[0]) >= rules.worker_alarm_ratio:
-            ranked.append("individual-worker")   # measured, and clearly: the replay cannot weigh it
+        measured: dict[str, float] = {}           # cause -> how clearly it measures (a ratio)
+        if untraced:
+            measured["untraced-cpu"] = 1.0 + untraced[0][1] / float(result.launch_slowdown)
+            by_cause["untraced-cpu"] = _Candidate("untraced-cpu", "untraced", 1.0, 0.0, 0.0, tuple(w for w, _ in untraced))
+        worker = by_cause.get("individual-worker")
+        if worker is not None and worker.scenario == "worker-peer" \
+                and _worst_direction(signals.peers, worker.implicated[0]) >= rules.worker_alarm_ratio:
+            measured["individual-worker"] = _worst_direction(signals.peers, worker.implicated[0])
+        if signals.chunks is not None and signals.chunks.ratio >= rules.stage_alarm_ratio:
+            measured["stage-imbalance"] = float(signals.chunks.ratio)      # one model chunk clearly heavier
+            by_cause.setdefault("stage-imbalance", _Candidate("stage-imbalance", "stage", 1.0, 0.0, 0.0))
+        ranked = sorted(measured, key=lambda c: (-measured[c], c))
         primary, confidence = (ranked[0], 1.0) if ranked else ("none" if not straggling else "unexplained", 1.0)
         listed = {c: 1.0 for c in ranked}
         joint_fix = None
-        if untraced:
-            by_cause["untraced-cpu"] = _Candidate("untraced-cpu", "untraced", 1.0, 0.0, 0.0, tuple(w for w, _ in untraced))
     elif not straggling and measured_worker:
         # below the straggling threshold, yet one machine is clearly slower than its peers in most
         # steps (beyond the job's noise floor): the pipeline hides it for now, the machine is still bad

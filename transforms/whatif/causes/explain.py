@@ -131,6 +131,10 @@ def discarded_sentence(cause: str, evidence: dict, implicated, launch_slowdown: 
                  f"{peers[(d, p)]['backward']:.1f}x its DP peers' in {peers[(d, p)]['slow_steps']} of "
                  f"{peers[(d, p)]['steps']} steps" for d, p in implicated if (d, p) in peers]
         return f"{head}; measured: {'; '.join(facts)}."
+    if cause == "stage-imbalance":
+        chunk, stage = evidence["heaviest_chunk"]
+        return (f"{head}; measured: model chunk {chunk} (stage {stage}) does {evidence['chunk_ratio']:.2f}x the compute "
+                "per microbatch of the median chunk, on its fastest DP rank.")
     return f"{head}; no worker measures slower than its DP peers beyond the job's noise floor."
 
 
