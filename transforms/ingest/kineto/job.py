@@ -68,15 +68,11 @@ def _kept_steps(ranks: Sequence[RankTrace], job_id: str) -> tuple[np.ndarray, li
 
 
 def _check_schedule(ranks: Sequence[RankTrace], layout, job_id: str) -> None:
-    """Schedules the dependency model (one forward and one backward per microbatch, model chunk g
-    on pipeline rank g mod pp) cannot represent: raw_unsupported_schedule, naming the rank."""
+    """Schedules the dependency model (model chunk g on pipeline rank g mod pp) cannot represent:
+    raw_unsupported_schedule, naming the rank. (Zero-bubble schedules are analysed: the input-
+    gradient half `PP:sIm` is the microbatch's backward; the weight-gradient half `PP:sWm`, which
+    the schedule runs where it fits, is no op of the model, so its time is launch delay.)"""
     for trace in ranks:
-        split = sum(n for key, n in trace.unmapped.items() if key in ("label PP:NIN", "label PP:NWN"))
-        if split:
-            raise RawInputError("raw_unsupported_schedule", f"rank {trace.rank} runs a zero-bubble schedule: its "
-                                f"backwards are split into input-gradient and weight-gradient actions ({split} "
-                                "`PP:sIm` / `PP:sWm` labels), which the dependency model (one backward per "
-                                "microbatch) has no place for yet", job_id=job_id, path=trace.path)
         stage = layout.worker[trace.rank][1]
         chunks = sorted(set(trace.chunk[(trace.chunk >= 0) & ((trace.kind == FWD) | (trace.kind == BWD))].tolist()))
         if layout.pp > 1 and any(g % layout.pp != stage for g in chunks):

@@ -24,6 +24,7 @@ DEFAULT_FORWARD_LABELS = (
 )
 DEFAULT_BACKWARD_LABELS = (
     r"^PP:(?P<stage>\d+)B(?P<mb>\d+)$",
+    r"^PP:(?P<stage>\d+)I(?P<mb>\d+)$",                         # zero-bubble: the input-gradient half
     r"^Backward (?P<mb>\d+)$",
     r"^backward[-_ ](?:compute|step)(?:[ #:_=-]*(?:mb|microbatch)?[ #:_=-]*(?P<mb>\d+))?$",
 )

@@ -354,7 +354,8 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
             measured["stage-imbalance"] = float(signals.chunks.ratio)      # one model chunk clearly heavier
             by_cause.setdefault("stage-imbalance", _Candidate("stage-imbalance", "stage", 1.0, 0.0, 0.0))
         ranked = sorted(measured, key=lambda c: (-measured[c], c))
-        primary, confidence = (ranked[0], 1.0) if ranked else ("none" if not straggling else "unexplained", 1.0)
+        # nothing measured: S itself comes from the replay that does not match, so no claim of straggling
+        primary, confidence = (ranked[0], 1.0) if ranked else ("none", 1.0)
         listed = {c: 1.0 for c in ranked}
         joint_fix = None
     elif not straggling and measured_worker:
