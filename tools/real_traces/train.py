@@ -5,32 +5,44 @@ Launch (CPU, gloo, 4 processes):
     torchrun --standalone --nproc_per_node 4 tools/real_traces/train.py \
         --schedule 1f1b --out /tmp/run
 
-Schedules:
-  1f1b         2 pipeline stages x 2 DP replicas, torch.distributed.pipelining.Schedule1F1B
-  gpipe        same mesh, ScheduleGPipe
-  interleaved  same mesh, ScheduleInterleaved1F1B with 2 virtual stages per rank (4 in all)
-  dp           DP only over the 4 ranks with DistributedDataParallel (gradient accumulation over
-               the microbatches with no_sync(), DDP's bucketed all-reduce on the last one)
+Schedules (--schedule):
+  1f1b         torch.distributed.pipelining.Schedule1F1B (one stage per rank)
+  gpipe        ScheduleGPipe (one stage per rank)
+  interleaved  ScheduleInterleaved1F1B, 2 virtual stages per rank (stage s on pp rank s % pp)
+  loopedbfs    ScheduleLoopedBFS, 2 virtual stages per rank (same placement)
+  izb          ScheduleInterleavedZeroBubble, 2 virtual stages per rank (same placement)
+  zbv          ScheduleZBVZeroBubble, 2 stages per rank in a V (pp rank r holds r and 2*pp-1-r)
+  dualpipev    ScheduleDualPipeV, V placement like zbv
+  dp           no pipeline: every rank runs the whole model over the microbatches
 
-The pipeline schedules sync gradients over the "dp" mesh dimension with explicit dist.all_reduce
-calls on contiguous gradient buckets (<= 25 MB, reverse parameter order, like DDP; each
-parameter's .grad is a view into its bucket, like Megatron's grad buffers, so there is no
-flattening copy), summing (the loss carries 1 / dp), after schedule.step() and before
-optimizer.step(). The schedule does not rescale the gradients after the step either
-(scale_grads=False, the loss carries 1 / microbatches): the step has little CPU work between the
-last backward and the all-reduces that no traced op accounts for.
+Layouts (--layout): pp2dp2-ppmajor (mesh ("pp","dp"), rank = pp*2+dp), pp2dp2-dpmajor (mesh
+("dp","pp"), rank = dp*2+pp), pp4 (4 stages x 1 replica), dp4 (data parallel only).
+Groups (--groups): mesh (init_device_mesh + get_group) or new_group (dist.new_group for every pp
+group, then every dp group, on every rank, in the same order; no mesh).
 
-Writes DIR/rank-{r}.json (Chrome trace, exported by torch.profiler) and DIR/PROVENANCE.json
-(rank 0).  Gzipping is left to the driver (make_all.sh).
+Gradient sync (--grad-sync): flat (explicit dist.all_reduce of contiguous gradient buckets after
+the microbatches), ddp (DistributedDataParallel; per stage module over the dp group in pipeline
+runs), async (per-parameter dist.all_reduce(async_op=True) launched from a post-accumulate-grad
+hook on the last microbatch's accumulation, waited before optimizer.step), fsdp2 (fully_shard,
+dp4 only), none (pp4: no data parallelism).
+
+Slowdowns: --slow kind:rank:amount (repeatable), see README.md.
+
+Writes DIR/rank-{r}.json (Chrome trace, --export chrome) or DIR/<worker>.<ts>.pt.trace.json
+(--export tensorboard), DIR/PROVENANCE.json and DIR/truth.json (rank 0).  Gzipping is left to
+the driver (make_all.sh, gen_corpus.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
+import gc
 import json
 import os
 import platform
+import socket
 import sys
 import time
 
@@ -38,86 +50,245 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile, schedule as prof_schedule
 
-D_IN = 64  # input features
-HIDDEN = 512  # model width
+D_IN = 64  # MLP input features
 N_CLASSES = 10
-N_BLOCKS = 8  # MLP blocks in the whole model (4 per pipeline stage)
+N_BLOCKS = 8  # blocks in the whole model (split over the pipeline stages)
 PROF_WAIT, PROF_WARMUP, PROF_ACTIVE = 1, 1, 4
 
+SCHEDULES = {
+    # name: (class name, virtual stages per rank, placement)
+    "1f1b": ("Schedule1F1B", 1, "loop"),
+    "gpipe": ("ScheduleGPipe", 1, "loop"),
+    "interleaved": ("ScheduleInterleaved1F1B", 2, "loop"),
+    "loopedbfs": ("ScheduleLoopedBFS", 2, "loop"),
+    "izb": ("ScheduleInterleavedZeroBubble", 2, "loop"),
+    "zbv": ("ScheduleZBVZeroBubble", 2, "v"),
+    "dualpipev": ("ScheduleDualPipeV", 2, "v"),
+    "dp": ("none (data parallel only)", 1, "loop"),
+}
+LAYOUTS = ("pp2dp2-ppmajor", "pp2dp2-dpmajor", "pp4", "dp4")
+SLOW_KINDS = ("fwd", "bwd", "send", "allreduce", "gc", "data", "split")
+CAUSES = {"fwd": ["individual-worker"], "bwd": ["individual-worker"],
+          "send": ["untraced-cpu", "individual-worker"], "allreduce": ["untraced-cpu", "individual-worker"],
+          "data": ["untraced-cpu", "individual-worker"], "gc": ["python-gc", "individual-worker", "untraced-cpu"],
+          "split": ["stage-imbalance"]}
 
-class Block(nn.Module):
+
+# ----------------------------------------------------------------------------------------------
+# per-rank injection settings (filled in main)
+
+class RankCfg:
+    noise = "cpu"
+    fwd_factor = 1.0      # fwd:R:F
+    bwd_factor = 1.0      # bwd:R:F
+    send_ms = 0.0         # send:R:MS
+    allreduce_ms = 0.0    # allreduce:R:MS
+    gc_heap = None        # gc:R:N -> list of live cyclic objects
+    data_ms = 0.0         # data:R:MS
+    legacy_sleep_s = 0.0  # --slow-mode sleep (old flag): sleep at the end of each chunk forward
+    sleep_fwd_ms = 3.0    # --noise sleep: per-block forward sleep (backward sleeps 2x)
+
+
+CFG = RankCfg()
+
+
+class SleepFn(torch.autograd.Function):
+    """--noise sleep: stands in for a GPU kernel; forward sleeps fwd_s, backward sleeps bwd_s."""
+
+    @staticmethod
+    def forward(ctx, x, fwd_s: float, bwd_s: float):
+        time.sleep(fwd_s)
+        ctx.bwd_s = bwd_s
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.bwd_s)
+        return g, None, None
+
+
+def build_gc_heap(n_thousand: int) -> list:
+    """A doubly linked chain of n_thousand*1000 dicts (each with a list): all live, all cyclic, so
+    every full gc.collect() traverses them (alone on this VM: 50k ~4 ms, 100k ~15 ms, 200k ~40 ms)."""
+    objs, prev = [], None
+    for i in range(n_thousand * 1000):
+        d = {"i": i, "p": prev, "l": [i]}
+        if prev is not None:
+            prev["n"] = d
+        objs.append(d)
+        prev = d
+    return objs
+
+
+class SlowWrap(nn.Module):
+    """Wraps a block: sleep-noise kernel stand-in, forward / backward slowdown injection."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if CFG.noise == "sleep":
+            f = CFG.sleep_fwd_ms / 1000.0
+            x = SleepFn.apply(x, f * CFG.fwd_factor, 2 * f * CFG.bwd_factor)
+        y = self.inner(x)
+        if CFG.noise == "cpu":
+            if CFG.fwd_factor > 1:
+                # run the block's compute (F - 1) more times outside autograd: extra aten ops
+                # inside this rank's forward, result and backward unchanged
+                n = max(1, round(CFG.fwd_factor - 1))
+                with torch.no_grad():
+                    for _ in range(n):
+                        self.inner(x)
+            if CFG.bwd_factor > 1 and y.requires_grad:
+                # backward ~= 2x forward: re-run the block's forward 2*(F-1) times when the
+                # gradient of this block's output arrives (inside this block's backward)
+                n = max(1, round(2 * (CFG.bwd_factor - 1)))
+                xd, inner = x.detach(), self.inner
+
+                def hook(g):
+                    with torch.no_grad():
+                        for _ in range(n):
+                            inner(xd)
+                    return None
+
+                y.register_hook(hook)
+        return y
+
+
+class MLPBlock(nn.Module):
     """Pre-LayerNorm transformer-style MLP block with a residual connection."""
 
-    def __init__(self, hidden: int, slow_factor: int = 1, slow_mode: str = "none"):
+    def __init__(self, hidden: int):
         super().__init__()
         self.ln = nn.LayerNorm(hidden)
         self.fc1 = nn.Linear(hidden, 4 * hidden)
         self.fc2 = nn.Linear(4 * hidden, hidden)
-        self.slow_factor = slow_factor
-        self.slow_mode = slow_mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.fc2(F.gelu(self.fc1(self.ln(x))))
-        if self.slow_factor > 1 and self.slow_mode == "compute":
-            # Straggler injection: run this block's matmuls (slow_factor - 1) more times.
-            # Outside autograd, so backward and the result are unchanged; only the forward
-            # takes ~slow_factor times as long (the extra aten::linear ops are in the trace).
-            with torch.no_grad():
-                for _ in range(self.slow_factor - 1):
-                    self.fc2(F.gelu(self.fc1(self.ln(x))))
-        return x + y
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-LN decoder block: causal multi-head self-attention (F.scaled_dot_product_attention) + MLP."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 class Chunk(nn.Module):
-    """A contiguous slice of the model: optional input projection, blocks, optional head."""
+    """A contiguous slice of the model: optional input layer, blocks, optional head."""
 
-    def __init__(self, first: bool, last: bool, n_blocks: int, slow_factor: int, slow_mode: str,
-                 sleep_s: float):
+    def __init__(self, model: str, first: bool, last: bool, n_blocks: int, dims: dict):
         super().__init__()
-        self.inp = nn.Linear(D_IN, HIDDEN) if first else None
-        self.blocks = nn.ModuleList(Block(HIDDEN, slow_factor, slow_mode) for _ in range(n_blocks))
-        self.head = nn.Linear(HIDDEN, N_CLASSES) if last else None
-        self.sleep_s = sleep_s
+        self.model = model
+        if model == "mlp":
+            h = dims["hidden"]
+            self.inp = nn.Linear(D_IN, h) if first else None
+            self.blocks = nn.ModuleList(SlowWrap(MLPBlock(h)) for _ in range(n_blocks))
+            self.head = nn.Linear(h, N_CLASSES) if last else None
+        else:
+            d = dims["d"]
+            self.inp = nn.Embedding(dims["vocab"], d) if first else None
+            self.pos = nn.Parameter(torch.randn(dims["seq"], d) * 0.02) if first else None
+            self.blocks = nn.ModuleList(SlowWrap(DecoderBlock(d, dims["heads"])) for _ in range(n_blocks))
+            self.ln_f = nn.LayerNorm(d) if last else None
+            self.head = nn.Linear(d, dims["vocab"]) if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if CFG.gc_heap is not None:
+            gc.collect()  # gc:R:N -- a full collection over the rank's large live heap
         if self.inp is not None:
             x = self.inp(x)
+            if self.model == "transformer":
+                x = x + self.pos
         for b in self.blocks:
             x = b(x)
-        if self.sleep_s > 0:
-            time.sleep(self.sleep_s)  # straggler injection, --slow-mode sleep
+        if CFG.legacy_sleep_s > 0:
+            time.sleep(CFG.legacy_sleep_s)  # old --slow-mode sleep
         if self.head is not None:
+            if self.model == "transformer":
+                x = self.ln_f(x)
             x = self.head(x)
         return x
 
 
-def build_chunks(n_chunks: int, slow: bool, args) -> list[Chunk]:
-    """Build all n_chunks chunks of the model with the same seed on every rank (replicas equal)."""
+def model_dims(model: str, noise: str) -> dict:
+    if model == "mlp":
+        return {"hidden": 512 if noise == "cpu" else 64}
+    if noise == "cpu":
+        return {"d": 256, "heads": 4, "seq": 64, "vocab": 512}
+    return {"d": 64, "heads": 4, "seq": 16, "vocab": 128}
+
+
+def blocks_per_stage(n_stages: int, uneven: bool) -> list[int]:
+    base = max(1, N_BLOCKS // n_stages)
+    counts = [base] * n_stages
+    if uneven:
+        counts[0] = 3 * base  # the first stage gets 3x the blocks of every other stage
+    return counts
+
+
+def build_chunks(n_stages: int, args, dims: dict) -> list[Chunk]:
+    """Build every stage's chunk with the same seed on every rank (replicas equal)."""
     torch.manual_seed(args.seed)
-    per = N_BLOCKS // n_chunks
-    chunks = []
-    for i in range(n_chunks):
-        chunks.append(Chunk(first=i == 0, last=i == n_chunks - 1, n_blocks=per,
-                            slow_factor=args.slow_factor if slow else 1,
-                            slow_mode=args.slow_mode if slow else "none",
-                            sleep_s=args.slow_sleep_ms / 1000.0 if (slow and args.slow_mode == "sleep") else 0.0))
-    return chunks
+    counts = blocks_per_stage(n_stages, args.uneven)
+    return [Chunk(args.model, i == 0, i == n_stages - 1, counts[i], dims) for i in range(n_stages)]
 
 
-def make_data(args, dp_rank: int, n_rows: int):
-    """Synthetic classification data: labels from a fixed random teacher; one shard per DP rank."""
+def make_data(args, dp_rank: int, mb_size: int, dims: dict):
+    """Synthetic data: MLP = classification from a fixed random teacher; transformer = token ids
+    with next-token targets from a fixed random permutation.  One shard per DP rank."""
+    n = args.microbatches * mb_size
     g = torch.Generator().manual_seed(args.seed + 1000)
-    teacher = torch.randn(D_IN, N_CLASSES, generator=g)
+    if args.model == "mlp":
+        teacher = torch.randn(D_IN, N_CLASSES, generator=g)
+    else:
+        perm = torch.randperm(dims["vocab"], generator=g)
     g = torch.Generator().manual_seed(args.seed + 2000 + dp_rank)
     xs, ys = [], []
     for _ in range(args.steps):
-        x = torch.randn(n_rows, D_IN, generator=g)
-        xs.append(x)
-        ys.append((x @ teacher).argmax(dim=1))
+        if args.model == "mlp":
+            x = torch.randn(n, D_IN, generator=g)
+            xs.append(x)
+            ys.append((x @ teacher).argmax(dim=1))
+        else:
+            x = torch.randint(0, dims["vocab"], (n, dims["seq"]), generator=g)
+            xs.append(x)
+            ys.append(perm[x])
     return xs, ys
+
+
+class StepDataset(torch.utils.data.Dataset):
+    """One item = one training step's batch; --slow data:R:MS sleeps in __getitem__."""
+
+    def __init__(self, xs, ys, sleep_s: float):
+        self.xs, self.ys, self.sleep_s = xs, ys, sleep_s
+
+    def __len__(self) -> int:
+        return len(self.xs)
+
+    def __getitem__(self, i):
+        if self.sleep_s > 0:
+            time.sleep(self.sleep_s)
+        return self.xs[i], self.ys[i]
 
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
@@ -160,6 +331,59 @@ class GradBuffer:
             dist.all_reduce(flat, group=group)
 
 
+class AsyncGradSync:
+    """Per-parameter dist.all_reduce(async_op=True) launched from a post-accumulate-grad hook once the
+    parameter's last microbatch gradient has been accumulated (counted per step); waited before
+    optimizer.step().  --slow allreduce:R:MS sleeps before the step's first launch."""
+
+    def __init__(self, params, group, n_accum: int):
+        self.group, self.n_accum = group, n_accum
+        self.works, self.count, self.paused = [], {}, False
+        for p in params:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, p: torch.Tensor) -> None:
+        c = self.count.get(id(p), 0) + 1
+        self.count[id(p)] = c
+        if c == self.n_accum:
+            if CFG.allreduce_ms > 0 and not self.paused:
+                time.sleep(CFG.allreduce_ms / 1000.0)
+                self.paused = True
+            self.works.append(dist.all_reduce(p.grad, group=self.group, async_op=True))
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.works, self.count, self.paused = [], {}, False
+
+
+def ddp_pause_hook(state, bucket):
+    """DDP comm hook (registered on every rank of an allreduce-slowdown run): the default allreduce
+    (sum, then divide by the group size), with CFG.allreduce_ms sleep before the first bucket."""
+    group = state
+    if CFG.allreduce_ms > 0 and bucket.index() == 0:
+        time.sleep(CFG.allreduce_ms / 1000.0)
+    t = bucket.buffer().div_(group.size())
+    return dist.all_reduce(t, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def patch_send_pause(ms: float) -> None:
+    """--slow send:R:MS: sleep MS ms (no traced op) right before every batch of pipeline ops that
+    contains a send.  The schedules call the module-level _batch_p2p for every send they fire
+    (single-stage schedules via _sorted_batch_p2p, which calls _batch_p2p by name)."""
+    import torch.distributed.pipelining.schedules as S
+
+    orig = S._batch_p2p
+
+    def _batch_p2p(p2p_ops, desc=None):
+        if any(op.op is dist.isend for op in p2p_ops):
+            time.sleep(ms / 1000.0)
+        return orig(p2p_ops, desc)
+
+    S._batch_p2p = _batch_p2p
+
+
 def prefault_heap(mb: int) -> None:
     """Keep freed memory in the process heap and pre-touch `mb` MB of it.
 
@@ -181,123 +405,364 @@ def prefault_heap(mb: int) -> None:
     del pool
 
 
+def parse_slow(specs: list[str]) -> list[dict]:
+    out = []
+    for s in specs:
+        parts = s.split(":")
+        if parts[0] == "split":
+            if parts[1:] != ["uneven"]:
+                raise SystemExit(f"--slow {s}: only split:uneven")
+            out.append({"kind": "split", "rank": None, "amount": 3.0})
+            continue
+        if len(parts) != 3 or parts[0] not in SLOW_KINDS:
+            raise SystemExit(f"--slow {s}: expected kind:rank:amount, kind in {SLOW_KINDS}")
+        out.append({"kind": parts[0], "rank": int(parts[1]), "amount": float(parts[2])})
+    return out
+
+
+def layout_coords(layout: str, rank: int) -> tuple[int, int, int, int]:
+    """(pp_size, dp_size, pp_rank, dp_rank) of a global rank."""
+    if layout == "pp2dp2-ppmajor":
+        return 2, 2, rank // 2, rank % 2
+    if layout == "pp2dp2-dpmajor":
+        return 2, 2, rank % 2, rank // 2
+    if layout == "pp4":
+        return 4, 1, rank, 0
+    return 1, 4, 0, rank
+
+
+def make_groups(layout: str, groups: str, rank: int):
+    """Returns (pp_group, dp_group, description).  Either group is None when its size is 1."""
+    pp, dp, _, _ = layout_coords(layout, rank)
+    if groups == "mesh":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if layout == "pp2dp2-ppmajor":
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        elif layout == "pp2dp2-dpmajor":
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+        elif layout == "pp4":
+            mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
+        else:
+            mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        names = mesh.mesh_dim_names
+        pg = mesh.get_group("pp") if "pp" in names else None
+        dg = mesh.get_group("dp") if "dp" in names else None
+        return pg, dg, {"kind": "init_device_mesh", "shape": list(mesh.mesh.shape), "dim_names": list(names)}
+    # new_group: every rank creates every group, pp groups first, then dp groups, same order everywhere
+    by_pp, by_dp = {}, {}
+    for r in range(4):
+        _, _, p, d = layout_coords(layout, r)
+        by_dp.setdefault(p, []).append(r)  # same pp coordinate -> one dp group
+        by_pp.setdefault(d, []).append(r)  # same dp coordinate -> one pp group
+    pg = dg = None
+    created = {"pp": [], "dp": []}
+    _, _, my_pp, my_dp = layout_coords(layout, rank)
+    if pp > 1:
+        for d in sorted(by_pp):
+            g = dist.new_group(ranks=by_pp[d])
+            created["pp"].append(by_pp[d])
+            if d == my_dp:
+                pg = g
+    if dp > 1:
+        for p in sorted(by_dp):
+            g = dist.new_group(ranks=by_dp[p])
+            created["dp"].append(by_dp[p])
+            if p == my_pp:
+                dg = g
+    return pg, dg, {"kind": "dist.new_group", "pp_groups": created["pp"], "dp_groups": created["dp"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="directory for rank-{r}.json and PROVENANCE.json")
-    ap.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved", "dp"], default="1f1b")
+    ap.add_argument("--out", required=True, help="directory for the traces, PROVENANCE.json and truth.json")
+    ap.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
+    ap.add_argument("--layout", choices=LAYOUTS, default=None,
+                    help="default: dp4 for --schedule dp, else pp2dp2-ppmajor")
+    ap.add_argument("--groups", choices=["mesh", "new_group"], default="mesh")
+    ap.add_argument("--grad-sync", choices=["flat", "ddp", "async", "fsdp2", "none"], default=None,
+                    help="default: ddp for --schedule dp, none for pp4, else flat")
+    ap.add_argument("--model", choices=["mlp", "transformer"], default="mlp")
+    ap.add_argument("--noise", choices=["cpu", "sleep"], default="cpu")
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--microbatch-size", type=int, default=128, help="rows per microbatch")
+    ap.add_argument("--microbatch-size", type=int, default=None,
+                    help="rows (mlp) or sequences (transformer) per microbatch; default 128 / 2")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=PROF_WAIT + PROF_WARMUP + PROF_ACTIVE,
-                    help="training steps (the profiler schedule covers the first 6)")
-    ap.add_argument("--slow-rank", type=int, default=-1, help="global rank to slow down (-1: none)")
-    ap.add_argument("--slow-factor", type=int, default=1,
-                    help="--slow-mode compute: run the forward's matmuls this many times on --slow-rank")
+    ap.add_argument("--steps", type=int, default=None, help="training steps (default wait+warmup+active)")
+    ap.add_argument("--record-shapes", type=int, choices=[0, 1], default=1)
+    ap.add_argument("--with-stack", type=int, choices=[0, 1], default=0)
+    ap.add_argument("--prof-wait", type=int, default=PROF_WAIT)
+    ap.add_argument("--prof-warmup", type=int, default=PROF_WARMUP)
+    ap.add_argument("--prof-active", type=int, default=PROF_ACTIVE)
+    ap.add_argument("--export", choices=["chrome", "tensorboard"], default="chrome")
+    ap.add_argument("--data-in-step", type=int, choices=[0, 1], default=0,
+                    help="1: fetch each step's batch through a DataLoader inside the profiled step")
+    ap.add_argument("--slow", action="append", default=[], metavar="KIND:RANK:AMOUNT",
+                    help="fwd:R:F bwd:R:F send:R:MS allreduce:R:MS gc:R:N(thousand objects) data:R:MS split:uneven")
+    ap.add_argument("--sleep-ms", type=float, default=3.0, help="--noise sleep: forward sleep per block (backward 2x)")
+    # old flags (kept working)
+    ap.add_argument("--slow-rank", type=int, default=-1, help="(old) global rank to slow down (-1: none)")
+    ap.add_argument("--slow-factor", type=int, default=1, help="(old) = --slow fwd:RANK:FACTOR with --slow-mode compute")
     ap.add_argument("--slow-mode", choices=["compute", "sleep"], default="compute")
-    ap.add_argument("--slow-sleep-ms", type=float, default=0.0, help="sleep per chunk forward, --slow-mode sleep")
+    ap.add_argument("--slow-sleep-ms", type=float, default=0.0, help="(old) sleep per chunk forward, --slow-mode sleep")
     ap.add_argument("--prefault-mb", type=int, default=None,
-                    help="pre-touched heap per process, 0: off (default 1536, 3072 for dp); see prefault_heap()")
+                    help="pre-touched heap per process, 0: off (default 1536, 3072 for dp; 256 for --noise sleep "
+                         "or --record-shapes 0)")
     ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--name", default="", help="run name recorded in PROVENANCE.json")
+    ap.add_argument("--name", default="", help="run name recorded in PROVENANCE.json / truth.json")
     args = ap.parse_args()
+
+    # ---- resolve defaults and validate
+    if args.layout is None:
+        args.layout = "dp4" if args.schedule == "dp" else "pp2dp2-ppmajor"
+    if (args.schedule == "dp") != (args.layout == "dp4"):
+        raise SystemExit("--schedule dp goes with --layout dp4 (and only it)")
+    if args.grad_sync is None:
+        args.grad_sync = "ddp" if args.schedule == "dp" else ("none" if args.layout == "pp4" else "flat")
+    if args.layout == "pp4" and args.grad_sync != "none":
+        raise SystemExit("--layout pp4 has no data parallelism: --grad-sync none")
+    if args.layout != "pp4" and args.grad_sync == "none":
+        raise SystemExit("--grad-sync none is only for --layout pp4")
+    if args.grad_sync == "fsdp2" and args.layout != "dp4":
+        raise SystemExit("--grad-sync fsdp2 only with --layout dp4")
+    if args.grad_sync == "ddp" and args.schedule not in ("dp", "1f1b"):
+        # every multi-microbatch schedule but 1F1B runs several forwards before the last backward;
+        # DDP's bucket rebuild then trips "params_.size() == rebuilt_param_indices_.size() INTERNAL
+        # ASSERT" (reducer.cpp) at the 2nd step; static_graph=True runs but gives different gradients
+        raise SystemExit(f"--grad-sync ddp with --schedule {args.schedule}: DDP reducer assert (only 1f1b works)")
+    if args.grad_sync == "async" and args.schedule in ("izb", "zbv", "dualpipev"):
+        # zero-bubble schedules accumulate weight gradients by hand (weight.grad += dw in
+        # stage_backward_weight), so post-accumulate-grad hooks never fire
+        raise SystemExit(f"--grad-sync async with --schedule {args.schedule}: weight grads bypass AccumulateGrad")
+    if args.microbatch_size is None:
+        args.microbatch_size = 128 if args.model == "mlp" else 2
+    if args.steps is None:
+        args.steps = args.prof_wait + args.prof_warmup + args.prof_active
+    slowdowns = parse_slow(args.slow)
+    if args.slow_rank >= 0:
+        if args.slow_mode == "compute" and args.slow_factor > 1:
+            slowdowns.append({"kind": "fwd", "rank": args.slow_rank, "amount": float(args.slow_factor)})
+        elif args.slow_mode == "sleep":
+            slowdowns.append({"kind": "fwd", "rank": args.slow_rank, "amount": None,
+                              "legacy_sleep_ms": args.slow_sleep_ms})
+    args.uneven = any(s["kind"] == "split" for s in slowdowns)
+    if args.uneven and args.layout == "dp4":
+        raise SystemExit("split:uneven needs a pipeline layout")
+    for s in slowdowns:
+        if s["kind"] == "data" and not args.data_in_step:
+            raise SystemExit("--slow data:... needs --data-in-step 1")
+        if s["kind"] == "send" and args.layout == "dp4":
+            raise SystemExit("--slow send:... needs a pipeline layout")
+        if s["kind"] == "allreduce" and args.grad_sync in ("none", "fsdp2"):
+            raise SystemExit(f"--slow allreduce:... not supported with --grad-sync {args.grad_sync}")
+    sched_class, n_virtual, placement = SCHEDULES[args.schedule]
 
     loadavg_start = open("/proc/loadavg").read().split()[:3]
     torch.set_num_threads(1)
     if args.prefault_mb is None:
-        args.prefault_mb = 3072 if args.schedule == "dp" else 1536
+        # record_shapes holds every op input until the profile ends: pre-fault a big heap; without it
+        # only the mallopt settings matter (freed gradient buffers are then reused)
+        args.prefault_mb = (256 if args.noise == "sleep" or not args.record_shapes
+                            else (3072 if args.schedule == "dp" else 1536))
     if args.prefault_mb > 0:
         prefault_heap(args.prefault_mb)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 4, "this script expects --nproc_per_node 4"
-    slow = rank == args.slow_rank
+
+    # ---- this rank's injections
+    gc_thousands = 0
+    CFG.noise = args.noise
+    CFG.sleep_fwd_ms = args.sleep_ms
+    for s in slowdowns:
+        if s.get("rank") != rank:
+            continue
+        k, a = s["kind"], s["amount"]
+        if k == "fwd" and a is not None:
+            CFG.fwd_factor = a
+        elif k == "fwd":
+            CFG.legacy_sleep_s = s["legacy_sleep_ms"] / 1000.0
+        elif k == "bwd":
+            CFG.bwd_factor = a
+        elif k == "send":
+            CFG.send_ms = a
+        elif k == "allreduce":
+            CFG.allreduce_ms = a
+        elif k == "gc":
+            gc_thousands = int(a)  # the heap is built just before the training loop, see below
+        elif k == "data":
+            CFG.data_ms = a
+    if CFG.send_ms > 0:
+        patch_send_pause(CFG.send_ms)
+    any_allreduce_slow = any(s["kind"] == "allreduce" for s in slowdowns)
+
+    pp_size, dp_size, pp_rank, dp_rank = layout_coords(args.layout, rank)
+    pp_group, dp_group, groups_desc = make_groups(args.layout, args.groups, rank)
+    dims = model_dims(args.model, args.noise)
     device = torch.device("cpu")
-    coords: dict = {}
+    xs, ys = make_data(args, dp_rank, args.microbatch_size, dims)
+    loader_it = None
+    if args.data_in_step:
+        loader = torch.utils.data.DataLoader(StepDataset(xs, ys, CFG.data_ms / 1000.0), batch_size=None,
+                                             shuffle=False, num_workers=0)
+        loader_it = iter(loader)
+
+    def get_batch(i: int):
+        if loader_it is not None:
+            return next(loader_it)
+        return xs[i], ys[i]
+
+    M = args.microbatches
+    averaging = args.grad_sync in ("ddp", "fsdp2")  # these divide by the dp size themselves
+    scale = 1.0 / (M * (1 if averaging else dp_size))
+
+    def loss_fn(out, tgt):
+        if args.model == "transformer":
+            return F.cross_entropy(out.flatten(0, 1), tgt.flatten()) * scale
+        return F.cross_entropy(out, tgt) * scale
 
     if args.schedule == "dp":
-        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-        dp_group = mesh.get_group("dp")
-        dp_rank = mesh.get_local_rank("dp")
-        coords = {"dp": dp_rank, "stage": None}
-        model = nn.Sequential(*build_chunks(1, slow, args))
-        ddp = nn.parallel.DistributedDataParallel(model, process_group=dp_group)
-        opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
-        xs, ys = make_data(args, dp_rank, args.microbatches * args.microbatch_size)
+        stage_ids = [0]
+        model = build_chunks(1, args, dims)[0]
+        params = list(model.parameters())
+        sync = None
+        if args.grad_sync == "ddp":
+            run_model = nn.parallel.DistributedDataParallel(model, process_group=dp_group)
+            if any_allreduce_slow:
+                run_model.register_comm_hook(dp_group, ddp_pause_hook)
+        elif args.grad_sync == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            from torch.distributed.device_mesh import DeviceMesh
+
+            fmesh = DeviceMesh.from_group(dp_group, "cpu")
+            for b in model.blocks:
+                fully_shard(b, mesh=fmesh)
+            fully_shard(model, mesh=fmesh)
+            run_model = model
+            params = list(model.parameters())
+        else:
+            run_model = model
+        if args.grad_sync == "flat":
+            buffers = [GradBuffer(params)]
+        elif args.grad_sync == "async":
+            sync = AsyncGradSync(params, dp_group, M)
+        opt = torch.optim.SGD(params, lr=args.lr, momentum=0.9)
 
         def train_step(i: int) -> float:
-            opt.zero_grad(set_to_none=True)
+            x_all, y_all = get_batch(i)
+            if args.grad_sync == "flat":
+                buffers[0].zero()
+            else:
+                opt.zero_grad(set_to_none=True)
             total = 0.0
-            for m, (x, y) in enumerate(zip(xs[i].chunk(args.microbatches), ys[i].chunk(args.microbatches))):
-                last = m == args.microbatches - 1
-                if last:
-                    loss = F.cross_entropy(ddp(x), y) / args.microbatches
+            for m, (x, y) in enumerate(zip(x_all.chunk(M), y_all.chunk(M))):
+                last = m == M - 1
+                ctx = contextlib.nullcontext()
+                if args.grad_sync == "ddp" and not last:
+                    ctx = run_model.no_sync()
+                if args.grad_sync == "fsdp2":
+                    run_model.set_requires_gradient_sync(last)
+                with ctx:
+                    loss = loss_fn(run_model(x), y)
                     loss.backward()
-                else:
-                    with ddp.no_sync():
-                        loss = F.cross_entropy(ddp(x), y) / args.microbatches
-                        loss.backward()
                 total += loss.item()
+            if args.grad_sync == "flat":
+                if CFG.allreduce_ms > 0:
+                    time.sleep(CFG.allreduce_ms / 1000.0)
+                buffers[0].allreduce(dp_group)
+            elif args.grad_sync == "async":
+                sync.wait()
             opt.step()
             return total
     else:
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B)
+        import torch.distributed.pipelining as P
+        from torch.distributed.pipelining import PipelineStage
 
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-        pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-        pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-        pp_size = 2
-        n_virtual = 2 if args.schedule == "interleaved" else 1
         n_stages = pp_size * n_virtual
-        all_chunks = build_chunks(n_stages, slow, args)
-        stage_ids = [pp_rank + v * pp_size for v in range(n_virtual)]
-        coords = {"dp": dp_rank, "pp": pp_rank, "stages": stage_ids}
+        all_chunks = build_chunks(n_stages, args, dims)
+        if placement == "v":
+            stage_ids = [pp_rank, 2 * pp_size - 1 - pp_rank]
+        else:
+            stage_ids = [pp_rank + v * pp_size for v in range(n_virtual)]
         chunks = [all_chunks[s] for s in stage_ids]
         del all_chunks
-        stages = [PipelineStage(c, s, n_stages, device, group=pp_group) for c, s in zip(chunks, stage_ids)]
-        # the mean over microbatches and DP replicas comes from the loss: the schedule does not rescale
-        # the gradients after the step (scale_grads=False) and the DP all-reduce sums
-        scale = 1.0 / (2 * args.microbatches)
-        loss_fn = lambda out, tgt: F.cross_entropy(out, tgt) * scale  # noqa: E731
-        if args.schedule == "1f1b":
-            sched = Schedule1F1B(stages[0], args.microbatches, loss_fn=loss_fn, scale_grads=False)
-        elif args.schedule == "gpipe":
-            sched = ScheduleGPipe(stages[0], args.microbatches, loss_fn=loss_fn, scale_grads=False)
-        else:
-            sched = ScheduleInterleaved1F1B(stages, args.microbatches, loss_fn=loss_fn, scale_grads=False)
         params = [p for c in chunks for p in c.parameters()]
-        buffers = [GradBuffer(c.parameters()) for c in chunks]
+        mods = chunks
+        if args.grad_sync == "ddp":
+            mods = [nn.parallel.DistributedDataParallel(c, process_group=dp_group) for c in chunks]
+            if any_allreduce_slow:
+                for m in mods:
+                    m.register_comm_hook(dp_group, ddp_pause_hook)
+        stages = [PipelineStage(m, s, n_stages, device, group=pp_group) for m, s in zip(mods, stage_ids)]
+        cls = getattr(P, sched_class)
+        if n_virtual == 1:
+            sched = cls(stages[0], M, loss_fn=loss_fn, scale_grads=False)
+        else:
+            sched = cls(stages, M, loss_fn=loss_fn, scale_grads=False)
+        buffers, sync = [], None
+        if args.grad_sync == "flat":
+            buffers = [GradBuffer(c.parameters()) for c in chunks]
+        elif args.grad_sync == "async":
+            sync = AsyncGradSync(params, dp_group, M)
         opt = torch.optim.SGD(params, lr=args.lr, momentum=0.9)
-        xs, ys = make_data(args, dp_rank, args.microbatches * args.microbatch_size)
         has_first = 0 in stage_ids
         has_last = (n_stages - 1) in stage_ids
 
         def train_step(i: int) -> float:
-            for buffer in buffers:
-                buffer.zero()
+            x, y = get_batch(i)
+            if args.grad_sync == "flat":
+                for buffer in buffers:
+                    buffer.zero()
+            else:
+                opt.zero_grad(set_to_none=True)
             losses: list = []
             if has_first and has_last:
-                sched.step(xs[i], target=ys[i], losses=losses)
+                sched.step(x, target=y, losses=losses)
             elif has_first:
-                sched.step(xs[i])
+                sched.step(x)
             elif has_last:
-                sched.step(target=ys[i], losses=losses)
+                sched.step(target=y, losses=losses)
             else:
                 sched.step()
-            for buffer in buffers:  # DP gradient sync: explicit all_reduce of each contiguous bucket, per model chunk
-                buffer.allreduce(dp_group)
+            if args.grad_sync == "flat":
+                if CFG.allreduce_ms > 0:
+                    time.sleep(CFG.allreduce_ms / 1000.0)
+                for buffer in buffers:  # explicit all_reduce of each contiguous bucket, per model chunk
+                    buffer.allreduce(dp_group)
+            elif args.grad_sync == "async":
+                sync.wait()
             opt.step()
             return float(sum(l.item() for l in losses) / len(losses)) if losses else float("nan")
 
+    coords = {"dp": dp_rank, "pp": pp_rank, "stages": stage_ids}
     os.makedirs(args.out, exist_ok=True)
+    before = set(os.listdir(args.out))
+    worker = f"{socket.gethostname()}_{os.getpid()}"  # tensorboard_trace_handler's default worker name
 
-    def on_ready(prof) -> None:
-        prof.export_chrome_trace(os.path.join(args.out, f"rank-{rank}.json"))
+    if args.export == "chrome":
+        def on_ready(prof) -> None:
+            prof.export_chrome_trace(os.path.join(args.out, f"rank-{rank}.json"))
+    else:
+        on_ready = torch.profiler.tensorboard_trace_handler(args.out)
+
+    if gc_thousands:
+        # --slow gc:R:N.  Torch's own objects (~285k after import; a full collect over them takes
+        # 50-140 ms here) and the ~120k objects that the profiler's first start creates (lazy
+        # imports) go to the permanent generation first (a throw-away profiler session, then
+        # gc.freeze()), so the cost of each gc.collect() is set by N: the live cyclic heap built after.
+        with profile(activities=[ProfilerActivity.CPU]):
+            pass
+        gc.collect()
+        gc.freeze()
+        CFG.gc_heap = build_gc_heap(gc_thousands)
 
     step_times = []
     with profile(activities=[ProfilerActivity.CPU],
-                 schedule=prof_schedule(wait=PROF_WAIT, warmup=PROF_WARMUP, active=PROF_ACTIVE, repeat=1),
-                 record_shapes=True, on_trace_ready=on_ready) as prof:
+                 schedule=prof_schedule(wait=args.prof_wait, warmup=args.prof_warmup, active=args.prof_active,
+                                        repeat=1),
+                 record_shapes=bool(args.record_shapes), with_stack=bool(args.with_stack),
+                 on_trace_ready=on_ready) as prof:
         for i in range(args.steps):
             t0 = time.perf_counter()
             loss = train_step(i)
@@ -306,16 +771,60 @@ def main() -> None:
             if rank == world - 1 or rank == 0:
                 print(f"rank {rank} step {i} loss {loss:.4f} {step_times[-1] * 1e3:.0f} ms", flush=True)
 
-    all_coords = [None] * world
-    dist.all_gather_object(all_coords, coords)
+    if args.export == "chrome":
+        my_file = f"rank-{rank}.json"
+    else:
+        mine = sorted(f for f in set(os.listdir(args.out)) - before if f.startswith(worker + "."))
+        my_file = mine[-1] if mine else None
+    all_info = [None] * world
+    dist.all_gather_object(all_info, {"coords": coords, "file": my_file,
+                                      "step_ms": [round(t * 1e3, 1) for t in step_times]})
     dist.barrier()
     if rank == 0:
+        all_coords = [a["coords"] for a in all_info]
+
+        def coord_of(r):
+            return all_coords[r] if r is not None else None
+
+        truth_slow = []
+        for s in slowdowns:
+            c = coord_of(s["rank"])
+            truth_slow.append({"kind": s["kind"], "rank": s["rank"], "dp": c["dp"] if c else None,
+                               "pp": c["pp"] if c else None, "amount": s["amount"]})
+        slow_ranks = sorted({s["rank"] for s in slowdowns if s["rank"] is not None})
+        causes: list[str] = []
+        for s in slowdowns:
+            for c in CAUSES[s["kind"]]:
+                if c not in causes:
+                    causes.append(c)
+        cmd = "torchrun --standalone --nproc_per_node 4 tools/real_traces/train.py " + " ".join(sys.argv[1:])
+        loadavg = {"start": loadavg_start, "end": open("/proc/loadavg").read().split()[:3]}
+        date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        truth = {
+            "run": args.name, "world": world, "pp": pp_size, "dp": dp_size, "layout": args.layout,
+            "groups": args.groups, "schedule": args.schedule,
+            "schedule_class": sched_class if args.schedule != "dp" else "none",
+            "virtual_stages_per_rank": n_virtual, "grad_sync": args.grad_sync, "model": args.model,
+            "microbatches": M, "noise": args.noise, "seed": args.seed, "data_in_step": bool(args.data_in_step),
+            "profiler": {"record_shapes": bool(args.record_shapes), "with_stack": bool(args.with_stack),
+                         "wait": args.prof_wait, "warmup": args.prof_warmup, "active": args.prof_active,
+                         "export": args.export},
+            "rank_coords": {str(r): c for r, c in enumerate(all_coords)},
+            "slowdowns": truth_slow,
+            "expected": {"straggling": bool(slowdowns), "slow_ranks": slow_ranks,
+                         "primary_causes": causes or ["none"]},
+            "trace_files": [a["file"] for a in all_info],
+            "torch_version": torch.__version__, "command": cmd, "loadavg": loadavg, "date_utc": date,
+        }
+        with open(os.path.join(args.out, "truth.json"), "w") as f:
+            json.dump(truth, f, indent=2)
+            f.write("\n")
         prov = {
             "run": args.name,
             "torch_version": torch.__version__,
             "python_version": platform.python_version(),
             "platform": platform.platform(),
-            "command": "torchrun --standalone --nproc_per_node 4 tools/real_traces/train.py " + " ".join(sys.argv[1:]),
+            "command": cmd,
             "backend": "gloo",
             "device": "cpu",
             "threads_per_process": torch.get_num_threads(),
@@ -324,42 +833,42 @@ def main() -> None:
                        "pre-touched at start-up (see prefault_heap: record_shapes keeps op inputs alive, fresh "
                        "page faults otherwise slowed backward matmuls)" if args.prefault_mb > 0 else "default"),
             "world_size": world,
-            "mesh": ({"shape": [4], "dim_names": ["dp"]} if args.schedule == "dp"
-                     else {"shape": [2, 2], "dim_names": ["pp", "dp"], "global_rank": "pp * 2 + dp"}),
+            "layout": args.layout,
+            "groups": groups_desc,
             "schedule": args.schedule,
-            "schedule_class": {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe",
-                               "interleaved": "ScheduleInterleaved1F1B",
-                               "dp": "DistributedDataParallel (no pipeline)"}[args.schedule],
-            "grad_sync": ("DDP buckets, no_sync() on all but the last microbatch" if args.schedule == "dp"
-                          else "explicit dist.all_reduce over the dp group of contiguous gradient buckets (<= 25 MB, "
-                               "reverse parameter order, .grad views into them: no copies) per model chunk, "
-                               "after schedule.step(), before optimizer.step()"),
+            "schedule_class": sched_class,
+            "grad_sync": args.grad_sync,
             "optimizer": "torch.optim.SGD(lr=%g, momentum=0.9)" % args.lr,
-            "model": f"MLP: Linear({D_IN},{HIDDEN}) + {N_BLOCKS} x [LayerNorm, Linear({HIDDEN},{4 * HIDDEN}), GELU, "
-                     f"Linear({4 * HIDDEN},{HIDDEN}), residual] + Linear({HIDDEN},{N_CLASSES}); "
-                     "split evenly over the stages",
+            "model": args.model,
+            "model_dims": dims,
+            "noise": args.noise,
+            "sleep_ms_per_block_fwd": args.sleep_ms if args.noise == "sleep" else None,
+            "blocks_per_stage": blocks_per_stage(pp_size * n_virtual if args.schedule != "dp" else 1, args.uneven),
             "seed": args.seed,
-            "microbatches": args.microbatches,
+            "microbatches": M,
             "microbatch_size": args.microbatch_size,
             "train_steps": args.steps,
-            "profiler": {"activities": ["CPU"], "record_shapes": True,
-                         "schedule": {"wait": PROF_WAIT, "warmup": PROF_WARMUP, "active": PROF_ACTIVE, "repeat": 1},
-                         "export": "prof.export_chrome_trace in on_trace_ready"},
-            "steps_profiled": list(range(PROF_WAIT + PROF_WARMUP, PROF_WAIT + PROF_WARMUP + PROF_ACTIVE)),
+            "data_in_step": bool(args.data_in_step),
+            "profiler": {"activities": ["CPU"], "record_shapes": bool(args.record_shapes),
+                         "with_stack": bool(args.with_stack),
+                         "schedule": {"wait": args.prof_wait, "warmup": args.prof_warmup,
+                                      "active": args.prof_active, "repeat": 1},
+                         "export": ("prof.export_chrome_trace in on_trace_ready" if args.export == "chrome"
+                                    else "torch.profiler.tensorboard_trace_handler(out)")},
+            "steps_profiled": list(range(args.prof_wait + args.prof_warmup,
+                                         args.prof_wait + args.prof_warmup + args.prof_active)),
             "rank_coords": {str(r): c for r, c in enumerate(all_coords)},
-            "slow_rank": args.slow_rank if args.slow_rank >= 0 else None,
-            "slow_rank_coords": all_coords[args.slow_rank] if args.slow_rank >= 0 else None,
+            "slowdowns": slowdowns,
+            # the keys of the older PROVENANCE.json (tests/data/real_traces), kept for its readers
+            "mesh": groups_desc,
+            "slow_rank": slow_ranks[0] if len(slow_ranks) == 1 else None,
+            "slow_rank_coords": all_coords[slow_ranks[0]] if len(slow_ranks) == 1 else None,
             "slow_factor": (args.slow_factor if args.slow_rank >= 0 and args.slow_mode == "compute" else None),
             "slow_sleep_ms": (args.slow_sleep_ms if args.slow_rank >= 0 and args.slow_mode == "sleep" else None),
-            "slow_injection": (None if args.slow_rank < 0 else
-                               (f"real compute: every Block.forward on the slow rank runs its LayerNorm/fc1/GELU/fc2 "
-                                f"{args.slow_factor - 1} extra time(s) under torch.no_grad() (extra aten::linear ops "
-                                f"inside the forward; backward unchanged)" if args.slow_mode == "compute" else
-                                f"time.sleep({args.slow_sleep_ms} ms) at the end of every chunk forward on the slow rank")),
-            "rank0_step_wall_ms": [round(t * 1e3, 1) for t in step_times],
-            "loadavg_1_5_15min": {"start": loadavg_start, "end": open("/proc/loadavg").read().split()[:3],
-                                  "note": "the run's own 4 processes add up to ~4 at the end"},
-            "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "rank0_step_wall_ms": all_info[0]["step_ms"],
+            "step_wall_ms": {str(r): a["step_ms"] for r, a in enumerate(all_info)},
+            "loadavg_1_5_15min": loadavg,
+            "date_utc": date,
         }
         with open(os.path.join(args.out, "PROVENANCE.json"), "w") as f:
             json.dump(prov, f, indent=2)
