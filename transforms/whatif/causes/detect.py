@@ -285,6 +285,8 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     slowdown = float(result.slowdown)
     straggling = slowdown >= rules.straggling
     evidence: dict[str, object] = {"slowdown": slowdown, "launch_slowdown": float(result.launch_slowdown)}
+    if result.discarded:
+        return _measured_verdict(model, result, rules, evidence, paired or pair_signals(model, rules))
     tori, tideal = float(result.step_t_nodelay.mean()), float(result.step_t_noblk.mean())
     gap = tori - tideal
     if result.by_optype is None or result.mw is None or gap <= 0:
@@ -338,27 +340,7 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     by_cause = {c.cause: c for c in candidates}
     measured_worker = "individual-worker" in listed and by_cause["individual-worker"].scenario == "worker-peer" \
         and _worst_direction(signals.peers, by_cause["individual-worker"].implicated[0]) >= rules.worker_alarm_ratio
-    untraced = _untraced_workers(model, result) if result.discarded else []
-    if result.discarded:
-        # the replay does not match the trace: no what-if verdict, only what was measured, and the
-        # untraced CPU work of one worker when that is what the replay misses
-        measured: dict[str, float] = {}           # cause -> how clearly it measures (a ratio)
-        if untraced:
-            measured["untraced-cpu"] = 1.0 + untraced[0][1] / float(result.launch_slowdown)
-            by_cause["untraced-cpu"] = _Candidate("untraced-cpu", "untraced", 1.0, 0.0, 0.0, tuple(w for w, _ in untraced))
-        worker = by_cause.get("individual-worker")
-        if worker is not None and worker.scenario == "worker-peer" \
-                and _worst_direction(signals.peers, worker.implicated[0]) >= rules.worker_alarm_ratio:
-            measured["individual-worker"] = _worst_direction(signals.peers, worker.implicated[0])
-        if signals.chunks is not None and signals.chunks.ratio >= rules.stage_alarm_ratio:
-            measured["stage-imbalance"] = float(signals.chunks.ratio)      # one model chunk clearly heavier
-            by_cause.setdefault("stage-imbalance", _Candidate("stage-imbalance", "stage", 1.0, 0.0, 0.0))
-        ranked = sorted(measured, key=lambda c: (-measured[c], c))
-        # nothing measured: S itself comes from the replay that does not match, so no claim of straggling
-        primary, confidence = (ranked[0], 1.0) if ranked else ("none", 1.0)
-        listed = {c: 1.0 for c in ranked}
-        joint_fix = None
-    elif not straggling and measured_worker:
+    if not straggling and measured_worker:
         # below the straggling threshold, yet one machine is clearly slower than its peers in most
         # steps (beyond the job's noise floor): the pipeline hides it for now, the machine is still bad
         primary, ranked, confidence = "individual-worker", ["individual-worker"], listed["individual-worker"]
@@ -375,26 +357,51 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         confidence = float(np.clip(1.0 - max((f.explained for f in fixes.values()), default=0.0), 0.0, 1.0))
     implicated = list(dict.fromkeys(w for c in ranked for w in by_cause[c].implicated))
     evidence = {k: (float(v) if isinstance(v, (np.floating, float)) else v) for k, v in evidence.items()}
-    explanations = {} if result.discarded else \
-        {c: explain.cause_sentence(c, evidence, fixes[c], by_cause[c].implicated, model.pp_size) for c in ranked}
+    explanations = {c: explain.cause_sentence(c, evidence, fixes[c], by_cause[c].implicated, model.pp_size) for c in ranked}
     if primary in ("none", "unexplained"):
         best = max(fixes.values(), key=lambda f: f.explained, default=None)
         explanations[primary] = explain.verdict_sentence(primary, slowdown, rules.straggling, best,
                                                          spread=evidence.get("localised") is False)
-    if result.discarded:
-        explanations = {c: explain.discarded_sentence(c, evidence, implicated, float(result.launch_slowdown))
-                        for c in (ranked or [primary])}
-        fixes = {}
-        if untraced:
-            (worker, excess), launch = untraced[0], float(result.launch_slowdown)
-            evidence["untraced_workers"] = [{"dp_rank": d, "stage": p, "launch_slowdown": 1.0 + e} for (d, p), e in untraced]
-            saved = excess / launch
-            fixes["untraced-cpu"] = Fix("untraced-cpu", float(result.step_t_base.mean()) * (1.0 - saved), slowdown,
-                                        min(1.0, excess / (launch - 1.0)), saved, FIX_NAMES["untraced"])
-            explanations["untraced-cpu"] = explain.untraced_sentence(untraced, launch, fixes["untraced-cpu"])
     return Verdict(model.job_id, slowdown, primary, ranked, float(confidence),
                    {c: float(listed[c]) for c in ranked}, evidence, implicated, fixes, explanations, joint_fix,
                    timings)
+
+
+def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, evidence: dict,
+                      paired: PairSignals) -> Verdict:
+    """The verdict of a window whose replay does not match its trace (discrepancy beyond 5% either
+    way): no what-if fix of the replay, only causes the trace measures, ranked by how clearly:
+    a worker >= worker_alarm_ratio its DP peers (beyond the noise floor), a model chunk >=
+    stage_alarm_ratio the median chunk's compute, and untraced-cpu: one worker's untraced CPU
+    time making the discrepancy (its fix: that time removed, against what ran). Nothing measured:
+    "none", since S itself comes from the replay that does not match."""
+    slowdown, launch = float(result.slowdown), float(result.launch_slowdown)
+    evidence.update(paired.evidence)
+    measured: dict[str, float] = {}                  # cause -> how clearly it measures (a ratio)
+    implicated: dict[str, list[tuple[int, int]]] = {}
+    fixes: dict[str, Fix] = {}
+    untraced = _untraced_workers(model, result)
+    if untraced:
+        (_, excess), saved = untraced[0], untraced[0][1] / launch
+        measured["untraced-cpu"], implicated["untraced-cpu"] = 1.0 + saved, [w for w, _ in untraced]
+        evidence["untraced_workers"] = [{"dp_rank": d, "stage": p, "launch_slowdown": 1.0 + e} for (d, p), e in untraced]
+        fixes["untraced-cpu"] = Fix("untraced-cpu", float(result.step_t_base.mean()) * (1.0 - saved), slowdown,
+                                    min(1.0, excess / (launch - 1.0)), saved, FIX_NAMES["untraced"])
+    blamed = paired.peers.blamed(rules) if paired.peers is not None else []
+    if blamed and _worst_direction(paired.peers, blamed[0]) >= rules.worker_alarm_ratio:
+        measured["individual-worker"] = _worst_direction(paired.peers, blamed[0])
+        implicated["individual-worker"] = [w for w in blamed if _worst_direction(paired.peers, w) >= rules.worker_alarm_ratio]
+    if paired.chunks is not None and paired.chunks.ratio >= rules.stage_alarm_ratio:
+        measured["stage-imbalance"], implicated["stage-imbalance"] = float(paired.chunks.ratio), []
+    ranked = sorted(measured, key=lambda c: (-measured[c], c))
+    primary = ranked[0] if ranked else "none"
+    workers = list(dict.fromkeys(w for c in ranked for w in implicated[c]))
+    evidence = {k: (float(v) if isinstance(v, (np.floating, float)) else v) for k, v in evidence.items()}
+    explanations = {c: explain.discarded_sentence(c, evidence, implicated.get(c, []), launch) for c in (ranked or [primary])}
+    if untraced:
+        explanations["untraced-cpu"] = explain.untraced_sentence(untraced, launch, fixes["untraced-cpu"])
+    return Verdict(model.job_id, slowdown, primary, ranked, 1.0, {c: 1.0 for c in ranked}, evidence, workers, fixes,
+                   explanations)
 
 
 def _stands_out(values, factor: float = 2.0) -> bool:
