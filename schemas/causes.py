@@ -53,6 +53,8 @@ EVIDENCE_LABELS: dict[str, tuple[str, str]] = {
     "untraced_workers": ("workers with untraced CPU time", "dp rank, stage and the no-delay replay's slowdown with only their launch delays given back"),
     "localised": ("straggling stands out", "the hottest DP rank, stage or step holds at least twice the slowdown of the next (else: the job's own variation)"),
     "comm_localised": ("slow transfers gather", "transfers beyond their own typical time gather on one DP rank, stage or step (else: spread, the machine's noise)"),
+    "chunk_work_ratio": ("work of the hot stage", "operations autograd recorded per microbatch in the hot stage's chunks over the median chunk's (more layers: > 1)"),
+    "chunk_speed_ratio": ("pace of the hot stage", "seconds per recorded operation of the hot stage's chunks over the median chunk's, forward or backward (a slower machine: > 1)"),
     "chunk_ratio": ("heaviest model chunk over the median chunk", "compute per microbatch of the heaviest chunk (its fastest DP rank)"),
     "heaviest_chunk": ("heaviest model chunk", "global chunk id (and its stage) with the most compute per microbatch"),
     "gc_pauses": ("forward-only pauses", "forward computes stalled beyond their backward's proportion"),

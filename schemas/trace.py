@@ -65,6 +65,10 @@ TRACE_SCHEMA = pa.schema(
         # lengths on compute ops when the trainer records them.
         pa.field("host", pa.string(), nullable=True),
         pa.field("seq_lens", pa.list_(pa.int32()), nullable=True),
+        # Optional: on compute ops, how many operations autograd recorded inside them (torch
+        # traces: `fwdbwd` flows), when the converter counts them: a chunk's amount of work,
+        # apart from how fast its machine runs it.
+        pa.field("n_ops", pa.int32(), nullable=True),
     ],
     metadata={"strag.schema_version": SCHEMA_VERSION, "strag.table": "trace"},
 )

@@ -36,6 +36,7 @@ def as_lake_table(table: pa.Table, job_id: str) -> pa.Table:
             columns[field.name] = column
     columns["host"] = pa.nulls(table.num_rows, pa.string())
     columns["seq_lens"] = pa.nulls(table.num_rows, pa.list_(pa.int32()))
+    columns["n_ops"] = pa.nulls(table.num_rows, pa.int32())
     return pa.Table.from_pydict(columns, schema=TRACE_SCHEMA)
 
 

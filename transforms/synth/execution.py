@@ -305,6 +305,7 @@ def emit_trace(
         "gmc": pa.array(program.record_gmc[rec_idx]),
         "host": host_col,
         "seq_lens": seq_col,
+        "n_ops": pa.nulls(len(rec_idx), pa.int32()),
     }
     table = pa.Table.from_arrays([columns[f.name] for f in TRACE_SCHEMA], schema=TRACE_SCHEMA)
     return table, parts

@@ -229,5 +229,6 @@ def simulated_trace(model, starts: np.ndarray, ends: np.ndarray, job_id: str | N
         "gmc": pa.array(model.op_gmc[op].astype(np.int16)),
         "host": pa.nulls(len(op), pa.string()),
         "seq_lens": pa.nulls(len(op), pa.list_(pa.int32())),
+        "n_ops": pa.nulls(len(op), pa.int32()),
     }
     return pa.Table.from_pydict(columns, schema=TRACE_SCHEMA)

@@ -189,6 +189,7 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
         columns["mb_id"].append(r["mb_id"])
         columns["mc"].append(r["mc"])
         columns["gmc"].append(r["gmc"])
+        columns["n_ops"].append(r["n_ops"])
     hosts = options.get("hosts")
     if isinstance(hosts, list) and len(hosts) >= world:
         host_of = {rank: str(hosts[rank]) for rank in rows}

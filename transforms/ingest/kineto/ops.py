@@ -17,6 +17,7 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
     in_steps = np.isin(trace.step, steps)
     kind, start, end, step = trace.kind[in_steps], trace.start[in_steps], trace.end[in_steps], trace.step[in_steps]
     mb, chunk, peer, coll, group = (a[in_steps] for a in (trace.mb, trace.chunk, trace.peer, trace.coll, trace.group))
+    n_ops = trace.n_ops[in_steps] if trace.n_ops is not None else np.full(len(kind), -1, dtype=np.int64)
     optype = np.full(len(kind), -1, dtype=np.int64)
     optype[kind == FWD] = _CODE["forward-compute"]
     optype[kind == BWD] = _CODE["backward-compute"]
@@ -108,6 +109,7 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
         "mb_id": np.concatenate([np.where(compute[rows], microbatch[rows], -1), np.full(len(opt_steps), -1)]),
         "mc": np.concatenate([np.where(is_p2p_row[rows], -1, mc[rows]), np.zeros(len(opt_steps), dtype=np.int64)]),
         "gmc": np.concatenate([np.where(is_p2p_row[rows], -1, gmc[rows]), np.full(len(opt_steps), stage)]),
+        "n_ops": np.concatenate([np.where(compute[rows], n_ops[rows], -1), np.full(len(opt_steps), -1)]),
     }
     return out
 
@@ -131,7 +133,7 @@ def _pipeline_end_noops(rows: dict[str, np.ndarray], pp: int, vpp: int) -> dict[
         return rows
     step, optype, at = (np.array(column) for column in zip(*adds))
     extra = {"step": step, "optype": optype, "start": at, "end": at, "mb_id": np.full(len(at), -1),
-             "mc": np.full(len(at), -1), "gmc": np.full(len(at), -1)}
+             "mc": np.full(len(at), -1), "gmc": np.full(len(at), -1), "n_ops": np.full(len(at), -1)}
     return {name: np.concatenate([rows[name], extra[name].astype(rows[name].dtype)]) for name in rows}
 
 

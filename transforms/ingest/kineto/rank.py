@@ -117,10 +117,14 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
     kernels = 0
     origin = None   # times are kept relative to it (µs), so durations stay exact
     flow_starts: list[float] = []                                   # fwdbwd flow starts: forward ops autograd recorded
+    flow_ends: list[float] = []                                     # ... and their backward nodes
     for event in document["traceEvents"]:
         if event.get("ph") != "X":
-            if event.get("ph") == "s" and event.get("cat") == "fwdbwd" and event.get("ts") is not None:
-                flow_starts.append(float(event["ts"]))
+            if event.get("cat") == "fwdbwd" and event.get("ts") is not None:
+                if event.get("ph") == "s":
+                    flow_starts.append(float(event["ts"]))
+                elif event.get("ph") == "f":
+                    flow_ends.append(float(event["ts"]))
             continue
         name = event.get("name", "")
         cat = event.get("cat", "")
@@ -201,8 +205,10 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
         cpu_labels = [label for label in cpu_labels if label[0] in kinds] + _unlabeled_compute(
             main, sorted(steps.values()), optimizer, forward=FWD not in kinds, autograd=autograd)
     spans = _compute_spans(cpu_labels, gpu_labels if kernels else {}, comm)
+    work = _recorded_ops(spans, np.sort(np.array(flow_starts) - (origin or 0.0)),
+                         np.sort(np.array(flow_ends) - (origin or 0.0))) if not kernels else [-1] * len(spans)
     trace = _rank_trace(path, rank, world, str(info.get("backend") or ""), groups, device, versions, steps, spans,
-                        comm, optimizer, unmapped, _p2p_directions(comm, cpu_labels, p2p_labels))
+                        comm, optimizer, unmapped, _p2p_directions(comm, cpu_labels, p2p_labels), work)
     host = document.get("host_name") or info.get("host_name")
     trace.host = str(host) if host else None
     # Kineto's ts are µs after baseTimeNanoseconds: the recorded instant of time 0 of this rank, in ns
@@ -317,15 +323,28 @@ def _p2p_directions(comm: list, labels: list, p2p_labels: list) -> list[tuple[in
     return out
 
 
+def _recorded_ops(spans: list, starts: np.ndarray, ends: np.ndarray) -> list[int]:
+    """Per compute span, the operations autograd recorded inside it (`fwdbwd` flows: a flow starts
+    at a forward op and ends at its backward node): the span's amount of work, however fast its
+    machine ran it. -1 when the trace has no flows."""
+    if not len(starts):
+        return [-1] * len(spans)
+    out = []
+    for kind, start, end, *_ in spans:
+        marks = starts if kind == FWD else ends
+        out.append(int(np.searchsorted(marks, end, side="right") - np.searchsorted(marks, start, side="left")))
+    return out
+
+
 def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spans, comm, optimizer, unmapped,
-                directions) -> RankTrace:
+                directions, work) -> RankTrace:
     step_ids = np.array(sorted(steps), dtype=np.int64)
     step_start = np.array([steps[s][0] for s in step_ids])
     step_end = np.array([steps[s][1] for s in step_ids])
-    rows = [(k, s, e, mb, ch, -1, "", "", -1, 0) for k, s, e, mb, ch in spans]
-    rows += [(k, s, e, -1, stage, peer, coll, group, local, direction)
+    rows = [(k, s, e, mb, ch, -1, "", "", -1, 0, n) for (k, s, e, mb, ch), n in zip(spans, work)]
+    rows += [(k, s, e, -1, stage, peer, coll, group, local, direction, -1)
              for (k, s, e, peer, coll, group, local), (direction, stage) in zip(comm, directions)]
-    rows += [(OPT, s, e, -1, -1, -1, "", "", -1, 0) for s, e in optimizer]
+    rows += [(OPT, s, e, -1, -1, -1, "", "", -1, 0, -1) for s, e in optimizer]
     kind = np.array([r[0] for r in rows], dtype=np.int8)
     start = np.array([r[1] for r in rows], dtype=np.float64)
     end = np.array([r[2] for r in rows], dtype=np.float64)
@@ -346,5 +365,5 @@ def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spa
         peer=np.array([r[5] for r in rows], dtype=np.int64),
         coll=np.array([r[6] for r in rows], dtype=object), group=np.array([r[7] for r in rows], dtype=object),
         unmapped=unmapped, peer_local=np.array([r[8] for r in rows], dtype=np.int64),
-        direction=np.array([r[9] for r in rows], dtype=np.int8),
+        direction=np.array([r[9] for r in rows], dtype=np.int8), n_ops=np.array([r[10] for r in rows], dtype=np.int64),
     )

@@ -76,7 +76,8 @@ class RankTrace:
     pipeline stage index from a `PP:` label, else -1), peer (global rank of a p2p peer or
     -1), coll (canonical collective name for COLL spans), group (pg_name or ""), peer_local
     (the peer as a rank of an unnamed group, resolved once the layout is known, or -1),
-    direction (+1 forward / -1 backward for p2p issued under a label that says so, else 0).
+    direction (+1 forward / -1 backward for p2p issued under a label that says so, else 0),
+    n_ops (operations autograd recorded inside a compute span, else -1).
     """
 
     path: str
@@ -101,6 +102,7 @@ class RankTrace:
     unmapped: collections.Counter
     peer_local: np.ndarray = None    # type: ignore[assignment]
     direction: np.ndarray = None     # type: ignore[assignment]
+    n_ops: np.ndarray = None         # type: ignore[assignment]
     host: str | None = None      # the trace's host_name, when torch wrote it
     clock: str = ""              # ranks with equal clock keys share one clock (their host)
     origin_ns: int = 0           # recorded instant of time 0 of the span columns (baseTimeNanoseconds + first ts)

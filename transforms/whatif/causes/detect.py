@@ -15,9 +15,11 @@ from transforms.whatif.causes.fixes import (at_peer_speed, compose, planned_gc_s
 from transforms.whatif.causes.sequences import BACKWARD, FORWARD, SequenceWorkload, even_sequences, repacked_sequences, sequence_workload
 from transforms.whatif.causes.signals import (
     ChunkBalance,
+    ChunkWork,
     GcStalls,
     PeerComparison,
     chunk_balance,
+    chunk_work,
     gc_stalls,
     margin,
     pairs,
@@ -190,8 +192,52 @@ def _hot_half(result: WhatIfResult) -> tuple[tuple[int, int], ...]:
     return tuple((int(d), int(p)) for d, p in result.mw.workers if result.worker_slowdown[d, p] - 1.0 >= 0.5 * hottest)
 
 
+def _work_or_speed(model: JobModel, result: WhatIfResult, signals: _Signals, work: ChunkWork,
+                   out: list[_Candidate], rules: CauseRules, evidence: dict, more: float = 1.15,
+                   slower: float = 1.3) -> list[_Candidate]:
+    """One DP rank: a hot pipeline stage is a slow machine or a heavy partition, and its time alone
+    cannot tell. The operations autograd recorded can: a partition with more layers runs more of
+    them (work ratio >= `more` against the median chunk) at the usual pace; a slow machine runs the
+    same ones slower (seconds per operation >= `slower`, forward or backward). The cause the work
+    contradicts is dropped, the one it shows is proposed."""
+    causes = {c.cause: c for c in out}
+    hot_stages = {p for _, p in result.mw.workers} if result.mw is not None else set()
+    if signals.chunks is not None:
+        hot_stages.add(int(signals.chunks.heaviest_stage))
+    if not hot_stages:
+        return out
+    hot = distinct(model.op_gmc[np.isin(model.op_stage, list(hot_stages)) & np.isin(model.op_optype, (FORWARD, BACKWARD))])
+    ratio, speed = work.of(hot.tolist())
+    evidence.update(chunk_work_ratio=ratio, chunk_speed_ratio=speed)
+    if ratio >= more and speed < slower and "individual-worker" in causes:
+        out = [c for c in out if c.cause != "individual-worker"]
+        if "stage-imbalance" not in causes:
+            out.append(_Candidate("stage-imbalance", "stage", margin(ratio, more, 1.5), rules.stage_min_explained, 0.4))
+    elif speed >= slower and ratio < more and "stage-imbalance" in causes:
+        out = [c for c in out if c.cause != "stage-imbalance"]
+    if speed >= slower and ratio < more:
+        # every stage that runs its usual work slowly is a slow machine (two can be)
+        workers = tuple((0, p) for p in _slow_stages(model, work, more, slower)) or tuple((0, int(p)) for p in sorted(hot_stages))
+        out = [c for c in out if c.cause != "individual-worker"]
+        out.append(_Candidate("individual-worker", "worker-compute", margin(speed, slower, 2.0), rules.min_explained, 0.6,
+                              workers))
+    return out
+
+
+def _slow_stages(model: JobModel, work: ChunkWork, more: float, slower: float) -> list[int]:
+    """Pipeline stages whose chunks run their usual amount of work (< `more` the median) at
+    >= `slower` the median pace: machines slower than the others (one DP rank: no peers)."""
+    out = []
+    for p in range(model.pp_size):
+        chunks = distinct(model.op_gmc[(model.op_stage == p) & np.isin(model.op_optype, (FORWARD, BACKWARD))])
+        ratio, speed = work.of(chunks.tolist())
+        if speed >= slower and ratio < more:
+            out.append(p)
+    return out
+
+
 def _candidates(model: JobModel, result: WhatIfResult, signals: _Signals, share, rules: CauseRules,
-                evidence: dict) -> list[_Candidate]:
+                evidence: dict, work: ChunkWork | None = None) -> list[_Candidate]:
     """Every cause whose signature holds (package docstring), with the replay that measures it."""
     out: list[_Candidate] = []
     blamed = signals.peers.blamed(rules) if signals.peers is not None else []
@@ -222,6 +268,9 @@ def _candidates(model: JobModel, result: WhatIfResult, signals: _Signals, share,
     if signals.gc is not None and _gc_signature(evidence, rules):
         out.append(_Candidate("python-gc", "gc", margin(float(evidence["gc_workers"]), 2, 4), rules.gc_min_explained, 0.4))
     causes = {c.cause: c for c in out}
+    if model.dp_size == 1 and work is not None:
+        out = _work_or_speed(model, result, signals, work, out, rules, evidence)
+        causes = {c.cause: c for c in out}
     if model.dp_size == 1 and "individual-worker" in causes and "stage-imbalance" in causes \
             and all(p == model.pp_size - 1 for _, p in result.mw.workers):
         # one DP rank: the M_W set is the last stage itself; the far more common stage cause wins
@@ -270,7 +319,7 @@ def _default_scenario(cause: str, costs: dict) -> str | None:
 
 
 def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkload | None = None,
-             rules: CauseRules = CauseRules(), paired: PairSignals | None = None) -> Verdict:
+             rules: CauseRules = CauseRules(), paired: PairSignals | None = None, work: ChunkWork | None = None) -> Verdict:
     """Root-cause verdict of one analysed job (see the package docstring).
 
     model: the compiled job (transforms.whatif.compile_job); result: analyze_model(model)
@@ -286,7 +335,7 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     straggling = slowdown >= rules.straggling
     evidence: dict[str, object] = {"slowdown": slowdown, "launch_slowdown": float(result.launch_slowdown)}
     if result.discarded:
-        return _measured_verdict(model, result, rules, evidence, paired or pair_signals(model, rules))
+        return _measured_verdict(model, result, rules, evidence, paired or pair_signals(model, rules), work)
     tori, tideal = float(result.step_t_nodelay.mean()), float(result.step_t_noblk.mean())
     gap = tori - tideal
     if result.by_optype is None or result.mw is None or gap <= 0:
@@ -310,7 +359,7 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         return Fix(cause, t, slowdown * t / tori, (tori - t) / gap, 1.0 - t / tori, FIX_NAMES[scenario], given)
 
     _record_shares(evidence, share)
-    candidates = _candidates(model, result, signals, share, rules, evidence)
+    candidates = _candidates(model, result, signals, share, rules, evidence, work)
     reported = {c.cause: _reported_fix(c, costs) for c in candidates}
     worth = (1.0 + 0.5 * (rules.straggling - 1.0)) * tideal        # a remaining S of 1.05 by default
     given, joint = _given_others(model, costs, reported, planned_gc, step_time, tideal, worth)
@@ -368,7 +417,7 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
 
 
 def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, evidence: dict,
-                      paired: PairSignals) -> Verdict:
+                      paired: PairSignals, work: ChunkWork | None = None) -> Verdict:
     """The verdict of a window whose replay does not match its trace (discrepancy beyond 5% either
     way): no what-if fix of the replay, only causes the trace measures, ranked by how clearly:
     a worker >= worker_alarm_ratio its DP peers (beyond the noise floor), a model chunk >=
@@ -392,7 +441,11 @@ def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, 
         measured["individual-worker"] = _worst_direction(paired.peers, blamed[0])
         implicated["individual-worker"] = [w for w in blamed if _worst_direction(paired.peers, w) >= rules.worker_alarm_ratio]
     if paired.chunks is not None and paired.chunks.ratio >= rules.stage_alarm_ratio:
-        measured["stage-imbalance"], implicated["stage-imbalance"] = float(paired.chunks.ratio), []
+        slow = _slow_stages(model, work, 1.15, 1.3) if work is not None and model.dp_size == 1 else []
+        if slow:   # one DP rank: the heavy chunk runs the usual work, slowly: its machine
+            measured["individual-worker"], implicated["individual-worker"] = float(paired.chunks.ratio), [(0, p) for p in slow]
+        else:
+            measured["stage-imbalance"], implicated["stage-imbalance"] = float(paired.chunks.ratio), []
     ranked = sorted(measured, key=lambda c: (-measured[c], c))
     primary = ranked[0] if ranked else "none"
     workers = list(dict.fromkeys(w for c in ranked for w in implicated[c]))
@@ -547,4 +600,4 @@ def analyze_and_classify(trace: pa.Table, meta: JobMeta, job_id: str = "", *, ru
                 pair_signals, model, rules)
         result = analyze_model(model, timeline=timeline)
         return result, classify(model, result, workload=sequence_workload(trace, model), rules=rules,
-                                paired=None if paired is None else paired.result())
+                                paired=None if paired is None else paired.result(), work=chunk_work(trace, model))

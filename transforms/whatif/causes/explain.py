@@ -130,6 +130,8 @@ def discarded_sentence(cause: str, evidence: dict, implicated, launch_slowdown: 
         facts = [f"worker dp {d} / stage {p}'s forward takes {peers[(d, p)]['forward']:.1f}x and its backward "
                  f"{peers[(d, p)]['backward']:.1f}x its DP peers' in {peers[(d, p)]['slow_steps']} of "
                  f"{peers[(d, p)]['steps']} steps" for d, p in implicated if (d, p) in peers]
+        facts += [f"stage {p} (its only DP rank) runs the usual number of recorded operations per microbatch more "
+                  "slowly than the other stages" for d, p in implicated if (d, p) not in peers]
         return f"{head}; measured: {'; '.join(facts)}."
     if cause == "stage-imbalance":
         chunk, stage = evidence["heaviest_chunk"]

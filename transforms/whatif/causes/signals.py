@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 import numpy as np
+import pyarrow as pa
 
 from transforms.whatif.causes.verdict import CauseRules
 from transforms.whatif.model import JobModel, distinct, median
@@ -248,3 +249,51 @@ def gc_stalls(model: JobModel, forward: np.ndarray, backward: np.ndarray, rules:
         # the mirror test on backward: a stall there would not be GC's forward-only signature
         backward_outliers += int(((b[rows] - f[rows] / ratio) > limit).sum())
     return GcStalls(stall, pauses, expected, backward_outliers)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkWork:
+    """Per model chunk (gmc), from compute ops whose trace counts the operations autograd recorded
+    in them (`n_ops`): mean operations and mean seconds per microbatch, forward and backward.
+    More operations is more work (a heavier partition); more seconds per operation is a slower
+    machine doing the same work."""
+
+    chunks: np.ndarray
+    ops_forward: np.ndarray
+    ops_backward: np.ndarray
+    seconds_forward: np.ndarray
+    seconds_backward: np.ndarray
+
+    def of(self, chunks) -> tuple[float, float]:
+        """(work ratio, speed ratio) of the given chunks against the median chunk: operations per
+        microbatch, and the larger over forward and backward of seconds per operation."""
+        mine = np.isin(self.chunks, list(chunks))
+        ops = self.ops_forward + self.ops_backward
+        work = float(ops[mine].mean() / np.median(ops))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            pace = [s / np.maximum(o, 1) for s, o in ((self.seconds_forward, self.ops_forward),
+                                                      (self.seconds_backward, self.ops_backward))]
+        speed = max(float(p[mine].mean() / np.median(p)) for p in pace)
+        return work, speed
+
+
+def chunk_work(trace, model: JobModel) -> ChunkWork | None:
+    """ChunkWork from the trace's `n_ops` column; None without it, or where any compute op of the
+    job lacks it (a partial count would compare unlike things)."""
+    if "n_ops" not in trace.column_names or model.pp_size * max(model.vpp_size, 1) < 2:
+        return None
+    optype = trace.column("optype").cast(pa.string()).to_numpy(zero_copy_only=False)
+    compute = (optype == "forward-compute") | (optype == "backward-compute")
+    if not compute.any():
+        return None
+    n_ops = trace.column("n_ops").to_numpy(zero_copy_only=False)
+    if any(v is None for v in n_ops[compute]) or np.isnan(n_ops[compute].astype(np.float64)).any():
+        return None
+    n_ops = n_ops[compute].astype(np.float64)
+    gmc = trace.column("gmc").to_numpy()[compute].astype(np.int64)
+    seconds = trace.column("duration").to_numpy()[compute]
+    forward = optype[compute] == "forward-compute"
+    chunks = np.unique(gmc)
+    mean = lambda values, mask: np.array([values[mask & (gmc == g)].mean() if (mask & (gmc == g)).any() else np.nan
+                                          for g in chunks])
+    return ChunkWork(chunks, mean(n_ops, forward), mean(n_ops, ~forward), mean(seconds, forward), mean(seconds, ~forward))
