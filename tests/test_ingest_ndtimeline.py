@@ -49,8 +49,9 @@ def assert_same_rows(ours: pa.Table, theirs: pa.Table, columns=None) -> None:
     """The same op rows in any order; times as the same float64 values."""
     ours, theirs = sorted_rows(ours), sorted_rows(theirs)
     assert len(ours) == len(theirs)
-    for column in columns or theirs.columns:
-        assert ours[column].tolist() == theirs[column].tolist(), column
+    for column in columns or theirs.columns:   # (nulls of an integer column read back as NaN: equal here)
+        assert ours[column].reset_index(drop=True).equals(theirs[column].reset_index(drop=True)) \
+            or ours[column].tolist() == theirs[column].tolist(), column
 
 
 @pytest.fixture(scope="module", params=["AR", "ST"])

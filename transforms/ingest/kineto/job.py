@@ -12,7 +12,7 @@ from transforms.ingest.kineto.clocks import _clock_offsets
 from transforms.ingest.kineto.layout import _dp_groups, _layout, _resolve_local_peers
 from transforms.ingest.kineto.ops import _ops_of_rank, _pipeline_end_noops
 from transforms.ingest.kineto.pairing import (_check_comm_pairs, _clip_p2p_waits, _collectives_after_compute,
-                                              _recv_waits_after_compute, _serialise_chains)
+                                              _overlapped_dp_marker, _recv_waits_after_compute, _serialise_chains)
 from transforms.ingest.kineto.rank import parse_rank_bytes
 from transforms.ingest.kineto.spans import BWD, FWD, OPT, RankTrace, _KIND_NAMES
 
@@ -170,6 +170,7 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
     p2p_clipped = _clip_p2p_waits(rows, layout, offsets)
     dp_overlapped = _collectives_after_compute(rows)
     chains_serialised = _serialise_chains(rows)
+    overlap_markers = _overlapped_dp_marker(rows) if dp_overlapped else 0
     vpp = max(int(r["mc"].max()) + 1 if len(r["mc"]) else 1 for r in rows.values())
     if vpp > 1:
         rows = {rank: _pipeline_end_noops(r, layout.pp, vpp) for rank, r in rows.items()}
@@ -233,6 +234,7 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
         "p2p_waits_clipped": p2p_clipped,
         "chain_waits_cut": chains_serialised,
         "collectives_issued_during_compute": dp_overlapped,
+        "overlapped_dp_markers": overlap_markers,
         "p2p_recvs_posted_early": p2p_posted_early,
         "unmapped": dict(sorted(unmapped.items())),
     }

@@ -166,8 +166,38 @@ def _collectives_after_compute(rows: Mapping[int, dict[str, np.ndarray]]) -> int
         inside = (running >= 0) & (ends[np.maximum(running, 0)] > r["start"][coll])
         moved = coll[inside]
         r["start"][moved] = np.minimum(ends[running[inside]], r["end"][moved])
+        # the gradients it reduces are of the model chunk whose backward was running
+        issuer = compute[running[inside]]
+        r["mc"][moved], r["gmc"][moved] = r["mc"][issuer], r["gmc"][issuer]
         changed += int(inside.sum())
     return changed
+
+
+def _overlapped_dp_marker(rows: Mapping[int, dict[str, np.ndarray]]) -> int:
+    """DP collectives issued during the backward (DDP buckets, per-parameter async all-reduce) are
+    the method's overlapped DP: each chunk's reduction follows that chunk's last backward, not the
+    step's last compute. The engine reads that mode from the separate-grads all-reduce of its tail
+    (METHOD.md section 2); such jobs have none, so each rank gets an empty one per step, at the
+    end of its last reduction (zero time: it changes no span, only the dependencies).
+    Returns the number of ops added (0 when the job has separate-grads all-reduces already)."""
+    separate, scatter = _CODE["separate-grads-all-reduce"], _CODE["grads-reduce-scatter"]
+    if any((r["optype"] == separate).any() for r in rows.values()):
+        return 0
+    added = 0
+    for rank, r in rows.items():
+        hit = r["optype"] == scatter
+        steps = np.unique(r["step"][hit])
+        if not len(steps):
+            continue
+        at = np.array([r["end"][hit & (r["step"] == s)].max() for s in steps.tolist()])
+        stage_gmc = int(r["gmc"][r["optype"] == _CODE["optimizer"]][0]) if (r["optype"] == _CODE["optimizer"]).any() else 0
+        extra = {"step": steps, "optype": np.full(len(steps), separate), "start": at, "end": at.copy(),
+                 "mb_id": np.full(len(steps), -1), "mc": np.zeros(len(steps), dtype=np.int64),
+                 "gmc": np.full(len(steps), stage_gmc), "n_ops": np.full(len(steps), -1)}
+        for name in r:
+            r[name] = np.concatenate([r[name], extra[name].astype(r[name].dtype)])
+        added += len(steps)
+    return added
 
 
 def _recv_waits_after_compute(rows: Mapping[int, dict[str, np.ndarray]]) -> int:
