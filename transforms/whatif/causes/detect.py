@@ -397,9 +397,11 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         primary, ranked, confidence = "none", [], 1.0
     elif ranked:
         primary, confidence = ranked[0], listed[ranked[0]]
-    elif not _localised(result, evidence):
-        # straggling by S, yet no DP rank, stage or step stands out: the job's own variation (noise,
+    elif not _localised(result, evidence) or (evidence.get("comm_localised") is False and share("communication") >= 0.5):
+        # straggling by S, yet no DP rank, stage or step stands out, or most of it is transfer time
+        # beyond its own typical spread over every DP rank and step: the job's own variation (noise,
         # ops of one type that differ by design), not a straggler anyone could fix
+        evidence["localised"] = False
         primary, confidence = "none", 1.0
     else:
         primary = "unexplained"

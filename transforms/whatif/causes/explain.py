@@ -108,8 +108,9 @@ def cause_sentence(cause: str, evidence: dict, fix: Fix, implicated, pp_size: in
 def verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix | None, spread: bool = False) -> str:
     """The sentence of a verdict without a listed cause: "none" or "unexplained"."""
     if verdict == "none" and spread:
-        return (f"S = {slowdown:.3f}, but spread evenly: no DP rank, stage or step holds twice the slowdown of "
-                "the next, and no cause's signature holds; this is the job's own variation, not a straggler to fix.")
+        return (f"S = {slowdown:.3f}, but spread: no DP rank, stage or step holds twice the slowdown of the next, "
+                "or most of it is transfer time varying over every rank and step, and no cause's signature holds; "
+                "this is the job's own variation, not a straggler to fix.")
     if verdict == "none":
         return f"S = {slowdown:.3f} is below the {threshold:g} straggling threshold: nothing to fix."
     if best is None or best.explained <= 0:
