@@ -275,6 +275,12 @@ def verdict_lines(verdict, result, gpu_hours: float | None = None) -> str:
         blamed = ", ".join(f"dp {d} / stage {p}" + (f" (rank {int(ranks[d, p])})" if ranks is not None else "")
                            for d, p in verdict.implicated_workers)
         lines.append(f"  workers blamed: {blamed}")
+    floor = verdict.evidence.get("peer_noise_floor")
+    if floor is not None:
+        from transforms.whatif.causes import CauseRules
+
+        lines.append(f"  noise floor: this job's own spread lets a worker's compute reach {floor:.2f}x its DP peers'; "
+                     f"a worker is blamed above {max(floor, CauseRules().peer_ratio):.2f}x in most steps")
     return "\n".join(lines)
 
 
