@@ -455,22 +455,20 @@ def make_groups(layout: str, groups: str, rank: int):
         _, _, p, d = layout_coords(layout, r)
         by_dp.setdefault(p, []).append(r)  # same pp coordinate -> one dp group
         by_pp.setdefault(d, []).append(r)  # same dp coordinate -> one pp group
-    pg = dg = None
-    created = {"pp": [], "dp": []}
     _, _, my_pp, my_dp = layout_coords(layout, rank)
-    if pp > 1:
-        for d in sorted(by_pp):
-            g = dist.new_group(ranks=by_pp[d])
-            created["pp"].append(by_pp[d])
-            if d == my_dp:
-                pg = g
-    if dp > 1:
-        for p in sorted(by_dp):
-            g = dist.new_group(ranks=by_dp[p])
-            created["dp"].append(by_dp[p])
-            if p == my_pp:
-                dg = g
-    return pg, dg, {"kind": "dist.new_group", "pp_groups": created["pp"], "dp_groups": created["dp"]}
+
+    def create(members: dict, mine: int, size: int):
+        """Every group of one dim, in the same order on every rank; returns (this rank's group, all ranks lists)."""
+        own = None
+        if size > 1:
+            for key in sorted(members):
+                group = dist.new_group(ranks=members[key])
+                own = group if key == mine else own
+        return own, [members[key] for key in sorted(members)] if size > 1 else []
+
+    pg, pp_groups = create(by_pp, my_dp, pp)
+    dg, dp_groups = create(by_dp, my_pp, dp)
+    return pg, dg, {"kind": "dist.new_group", "pp_groups": pp_groups, "dp_groups": dp_groups}
 
 
 def main() -> None:

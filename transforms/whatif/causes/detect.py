@@ -504,32 +504,32 @@ def _worst_direction(peers, worker: tuple[int, int]) -> float:
 def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5, factor: float = 2.0,
                       persist: float = 0.75) -> list[tuple[tuple[int, int], float]]:
     """The worker whose untraced CPU time (launch delays: METHOD.md section 3) makes the replay
-    discrepancy, as [(worker, excess)] or []. Two conditions, a replay and a measurement:
-    - the no-delay replay with only that worker's delays given back is min(launch S of its DP
-      rank, of its stage) times as long; its excess is at least `share` of the whole discrepancy's
-      and 1.5x any other worker's (spread over workers: a busy machine, nobody to name);
-    - its untraced time per step is at least `factor` times its DP peers' median (the other
-      workers' without DP peers) in `persist` of the steps: persistent, not one preempted step."""
+    discrepancy, as [(worker, excess)] or []. A measurement and a replay must agree:
+    - measured (`_untraced_time`): the worker's untraced time per step is the largest, at least
+      `factor` times the next worker's (spread over workers: a busy machine, nobody to name) and
+      `factor` times its DP peers' median (the other workers' without DP peers) in `persist` of
+      the steps: persistent, not one preempted step;
+    - replayed: the no-delay replay with only its delays given back is min(launch S of its DP rank,
+      of its stage) times as long, an excess of at least `share` of the whole discrepancy's."""
     if result.launch_by_dp_rank is None or result.launch_by_stage is None or result.launch_slowdown <= 1.0:
         return []
-    total = float(result.launch_slowdown) - 1.0
-    excess = {(int(d), int(p)): min(float(sd), float(sp)) - 1.0
-              for d, sd in result.launch_by_dp_rank.items() for p, sp in result.launch_by_stage.items()}
-    ranked = sorted(excess.items(), key=lambda item: (-item[1], item[0]))
-    if ranked[0][1] < share * total or (len(ranked) > 1 and ranked[1][1] * 1.5 > ranked[0][1]):
+    workers = [(d, p) for d in range(model.dp_size) for p in range(model.pp_size)]
+    if len(workers) < 2:
         return []
-    (d, p), _ = ranked[0]
-    per_step = lambda dp, stage: _untraced_time(model, dp, stage)
-    others = [(o, stage) for o in range(model.dp_size) for stage in range(model.pp_size)
-              if (o, stage) != (d, p) and (model.dp_size == 1 or stage == p)]
-    if not others:
+    per_step = {w: _untraced_time(model, *w) for w in workers}
+    typical = sorted(workers, key=lambda w: (-float(np.median(per_step[w])), w))
+    (d, p), runner_up = typical[0], typical[1]
+    if float(np.median(per_step[(d, p)])) < factor * float(np.median(per_step[runner_up])):
         return []
-    baseline = np.median(np.stack([per_step(o, stage) for o, stage in others]), axis=0)
+    others = [w for w in workers if w != (d, p) and (model.dp_size == 1 or w[1] == p)]
+    baseline = np.median(np.stack([per_step[w] for w in others]), axis=0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = per_step(d, p) / baseline
+        ratio = per_step[(d, p)] / baseline
     if (ratio >= factor).mean() < persist:
         return []
-    return ranked[:1]
+    total = float(result.launch_slowdown) - 1.0
+    excess = min(float(result.launch_by_dp_rank.get(d, 1.0)), float(result.launch_by_stage.get(p, 1.0))) - 1.0
+    return [((d, p), excess)] if excess >= share * total else []
 
 
 def _untraced_time(model: JobModel, dp: int, stage: int) -> np.ndarray:
@@ -537,13 +537,21 @@ def _untraced_time(model: JobModel, dp: int, stage: int) -> np.ndarray:
     compute: a launch delay (start - end of the op's dependencies) is the worker's own untraced
     time only where no compute op of the worker ran meanwhile. A recv the schedule posts after
     the computes in between, which the model starts after the previous compute of its direction,
-    is the model's structure, not the worker's time."""
+    is the model's structure, not the worker's time; and a recv that starts with its peer's send
+    (it was posted earlier and waited: the converter starts it there) is the peer's delay. A recv
+    posted after its peer's send started was the worker's own lateness."""
     ops = np.flatnonzero(model.op_stage == stage)
     compute = ops[np.isin(model.op_optype[ops], [OPTYPES.index("forward-compute"), OPTYPES.index("backward-compute")])]
+    recv = np.isin(model.op_optype[ops], [OPTYPES.index("forward-recv"), OPTYPES.index("backward-recv")])
+    peer = np.full(len(ops), -1)
+    for i in np.flatnonzero(recv & (model.op_group[ops] >= 0)).tolist():
+        mates = np.flatnonzero((model.op_group == model.op_group[ops[i]]) & (np.arange(len(model.op_group)) != ops[i]))
+        peer[i] = mates[0] if len(mates) else -1
     out = []
     for lane in np.flatnonzero(model.lane_dp == dp).tolist():
         delay = np.maximum(model.launch_delay[ops, lane], 0.0)
-        waiting = delay > 0
+        late = np.where(peer >= 0, model.observed_start[ops, lane] > model.observed_start[np.maximum(peer, 0), lane] + 1e-6, True)
+        waiting = (delay > 0) & (~recv | late)
         gap_end = model.observed_start[ops[waiting], lane]
         gap_start = gap_end - delay[waiting]
         busy_start, busy_end = model.observed_start[compute, lane], model.observed_end[compute, lane]
