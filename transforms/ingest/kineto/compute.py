@@ -91,10 +91,21 @@ def _unlabeled_compute(ops: list, steps: list[tuple[float, float]], optimizer: l
     return out
 
 
-def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list) -> list[tuple[int, float, float, int, int]]:
+# Ops inside a compute label that are not its compute: communication issue and bookkeeping labels.
+_NOT_COMPUTE = ("gloo:", "c10d::", "PP:", "ProfilerStep#", "Optimizer.", "record_param_comms", "enumerate(DataLoader)",
+                "## ", "nccl:")
+
+
+def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list,
+                   ops: list | None = None) -> list[tuple[int, float, float, int, int]]:
     """(kind, start, end, mb, chunk) of each compute label: its GPU span when the trace has one
     (kernel time), else the CPU span with p2p waits at its edges cut off (a recv ending inside it,
-    a send issued at its back)."""
+    a send issued at its back) and, given the label thread's ops (start, end, name, tid), trimmed to
+    the ops it holds: time at its edges that no op accounts for (a pause before the send the label
+    issues) is untraced, the launch delay of what follows, not compute."""
+    inner = sorted((s, e) for s, e, name, _ in (ops or ()) if not name.startswith(_NOT_COMPUTE))
+    inner_start = np.array([s for s, _ in inner]) if inner else np.zeros(0)
+    inner_end = np.array([e for _, e in inner]) if inner else np.zeros(0)
     next_gpu: dict[str, int] = collections.Counter()
     gpu_sorted = {name: sorted(spans) for name, spans in gpu_labels.items()}
     p2p = sorted((s, e, k) for k, s, e, *_ in comm if k in (SEND, RECV))
@@ -129,5 +140,11 @@ def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list) -> 
         for s, e, k in reversed(nested):   # sends at the back: the compute ended before them
             if k == SEND and s >= compute_start:
                 compute_end = min(compute_end, s)
+        if len(inner_start):
+            lo, hi = np.searchsorted(inner_start, compute_start), np.searchsorted(inner_start, compute_end, side="right")
+            held = (inner_end[lo:hi] <= end) & ~((inner_start[lo:hi] == start) & (inner_end[lo:hi] == end))
+            if held.any():
+                compute_start = max(compute_start, float(inner_start[lo:hi][held].min()))
+                compute_end = min(compute_end, float(inner_end[lo:hi][held].max()))
         out.append((kind, compute_start, max(compute_end, compute_start), mb, chunk))
     return out

@@ -204,7 +204,7 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
         autograd = np.sort(np.array(flow_starts) - (origin or 0.0))
         cpu_labels = [label for label in cpu_labels if label[0] in kinds] + _unlabeled_compute(
             main, sorted(steps.values()), optimizer, forward=FWD not in kinds, autograd=autograd)
-    spans = _compute_spans(cpu_labels, gpu_labels if kernels else {}, comm)
+    spans = _compute_spans(cpu_labels, gpu_labels if kernels else {}, comm, [op for op in cpu_ops if op[3] == step_tid])
     work = _recorded_ops(spans, np.sort(np.array(flow_starts) - (origin or 0.0)),
                          np.sort(np.array(flow_ends) - (origin or 0.0))) if not kernels else [-1] * len(spans)
     trace = _rank_trace(path, rank, world, str(info.get("backend") or ""), groups, device, versions, steps, spans,

@@ -502,34 +502,42 @@ def _worst_direction(peers, worker: tuple[int, int]) -> float:
 
 
 def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5, factor: float = 2.0,
-                      persist: float = 0.75) -> list[tuple[tuple[int, int], float]]:
-    """The worker whose untraced CPU time (launch delays: METHOD.md section 3) makes the replay
-    discrepancy, as [(worker, excess)] or []. A measurement and a replay must agree:
-    - measured (`_untraced_time`): the worker's untraced time per step is the largest, at least
-      `factor` times the next worker's (spread over workers: a busy machine, nobody to name) and
-      `factor` times its DP peers' median (the other workers' without DP peers) in `persist` of
-      the steps: persistent, not one preempted step;
+                      persist: float = 0.75, each: float = 0.2) -> list[tuple[tuple[int, int], float]]:
+    """The workers whose untraced CPU time (launch delays: METHOD.md section 3) makes the replay
+    discrepancy, as [(worker, excess)] (largest first) or []. A measurement and a replay must agree:
+    - measured (`_untraced_time`): the worker's untraced time per step is at least `factor` times
+      its DP peers' median in `persist` of the steps (persistent, not one preempted step). Without
+      DP peers, against the other stages, and only the one far ahead of the rest (`factor` times
+      the next): a stage waiting on a paused neighbour shows untraced time too;
     - replayed: the no-delay replay with only its delays given back is min(launch S of its DP rank,
-      of its stage) times as long, an excess of at least `share` of the whole discrepancy's."""
+      of its stage) times as long, an excess of at least `each` of the whole discrepancy's, and
+      the named workers' excesses add up to at least `share` of it (else: spread, nobody to name)."""
     if result.launch_by_dp_rank is None or result.launch_by_stage is None or result.launch_slowdown <= 1.0:
         return []
     workers = [(d, p) for d in range(model.dp_size) for p in range(model.pp_size)]
     if len(workers) < 2:
         return []
     per_step = {w: _untraced_time(model, *w) for w in workers}
-    typical = sorted(workers, key=lambda w: (-float(np.median(per_step[w])), w))
-    (d, p), runner_up = typical[0], typical[1]
-    if float(np.median(per_step[(d, p)])) < factor * float(np.median(per_step[runner_up])):
-        return []
-    others = [w for w in workers if w != (d, p) and (model.dp_size == 1 or w[1] == p)]
-    baseline = np.median(np.stack([per_step[w] for w in others]), axis=0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = per_step[(d, p)] / baseline
-    if (ratio >= factor).mean() < persist:
-        return []
+
+    def persistent(worker, others) -> bool:
+        baseline = np.median(np.stack([per_step[w] for w in others]), axis=0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return bool((per_step[worker] / baseline >= factor).mean() >= persist)
+
+    if model.dp_size > 1:
+        named = [w for w in workers if persistent(w, [(d, w[1]) for d in range(model.dp_size) if d != w[0]])]
+    else:
+        ranked = sorted(workers, key=lambda w: (-float(np.median(per_step[w])), w))
+        top = ranked[0]
+        ahead = float(np.median(per_step[top])) >= factor * float(np.median(per_step[ranked[1]]))
+        named = [top] if ahead and persistent(top, ranked[1:]) else []
     total = float(result.launch_slowdown) - 1.0
-    excess = min(float(result.launch_by_dp_rank.get(d, 1.0)), float(result.launch_by_stage.get(p, 1.0))) - 1.0
-    return [((d, p), excess)] if excess >= share * total else []
+    excess = {(d, p): min(float(result.launch_by_dp_rank.get(d, 1.0)), float(result.launch_by_stage.get(p, 1.0))) - 1.0
+              for d, p in named}
+    named = sorted((w for w in named if excess[w] >= each * total), key=lambda w: (-excess[w], w))
+    if not named or sum(excess[w] for w in named) < share * total:
+        return []
+    return [(w, excess[w]) for w in named]
 
 
 def _untraced_time(model: JobModel, dp: int, stage: int) -> np.ndarray:
