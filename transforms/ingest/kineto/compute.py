@@ -100,9 +100,10 @@ def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list,
                    ops: list | None = None) -> list[tuple[int, float, float, int, int]]:
     """(kind, start, end, mb, chunk) of each compute label: its GPU span when the trace has one
     (kernel time), else the CPU span with p2p waits at its edges cut off (a recv ending inside it,
-    a send issued at its back) and, given the label thread's ops (start, end, name, tid), trimmed to
-    the ops it holds: time at its edges that no op accounts for (a pause before the send the label
-    issues) is untraced, the launch delay of what follows, not compute."""
+    a send issued at its back) and, given the label thread's ops (start, end, name, tid), when it
+    issues a send (GPipe's `Forward k`), ending at its last op: time between that op and the send
+    that no op accounts for (a pause before the send) is untraced, the send's launch delay, not
+    compute."""
     inner = sorted((s, e) for s, e, name, _ in (ops or ()) if not name.startswith(_NOT_COMPUTE))
     inner_start = np.array([s for s, _ in inner]) if inner else np.zeros(0)
     inner_end = np.array([e for _, e in inner]) if inner else np.zeros(0)
@@ -137,14 +138,14 @@ def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list,
         for s, e, k in nested:             # waits at the front: the compute starts after them
             if k == RECV and e <= end and s - compute_start <= max(0.0, (end - start) * 0.5):
                 compute_start = max(compute_start, e)
+        issues_send = False
         for s, e, k in reversed(nested):   # sends at the back: the compute ended before them
             if k == SEND and s >= compute_start:
-                compute_end = min(compute_end, s)
-        if len(inner_start):
+                compute_end, issues_send = min(compute_end, s), True
+        if issues_send and len(inner_start):
             lo, hi = np.searchsorted(inner_start, compute_start), np.searchsorted(inner_start, compute_end, side="right")
             held = (inner_end[lo:hi] <= end) & ~((inner_start[lo:hi] == start) & (inner_end[lo:hi] == end))
-            if held.any():
-                compute_start = max(compute_start, float(inner_start[lo:hi][held].min()))
+            if held.any():   # between its last op and the send it issues: untraced (its front stays compute)
                 compute_end = min(compute_end, float(inner_end[lo:hi][held].max()))
         out.append((kind, compute_start, max(compute_end, compute_start), mb, chunk))
     return out
