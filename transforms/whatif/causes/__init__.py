@@ -10,15 +10,20 @@ share of the straggling time T - T_ideal that disappears when that fix is applie
 no-delay trace; "saves" means 1 - T_fix / T, the share of the job's GPU-hours.
 
 Signatures (a cause is a candidate when its signature holds)
-- individual-worker: a worker's compute against the other DP ranks of its stage, per
-  microbatch and step (signals.peer_comparison: robust to stage imbalance, which hits every
-  DP rank of a stage alike, and to GC pauses, which hit one microbatch): >= `peer_ratio`
-  (1.2x) in at least `peer_steps` (half) of the steps. Fix: that worker at peer speed.
-  With one DP rank (no peers): M_W > 0.5, fix: the M_W set's compute at ideal speed.
+- individual-worker: a worker's compute (forward + backward) per microbatch against the
+  other DP ranks of its stage, per step (signals.peer_comparison: robust to stage imbalance,
+  which hits every DP rank of a stage alike, and to GC pauses, which hit one microbatch):
+  >= `peer_ratio` (1.2x) or the job's noise floor, whichever is higher, in at least
+  `peer_steps` (half) of the steps. Fix: that worker at peer speed. Named even below S 1.1
+  when >= `worker_alarm_ratio` (1.5x, compute, forward or backward). With one DP rank (no
+  peers): M_W > 0.5, fix: the M_W set's compute at ideal speed; the trace's `n_ops` (ops
+  autograd recorded) then tells a slow machine (the usual ops, slower) from a heavy
+  partition (more ops), and every slow stage is named.
 - communication: located when M_W > 0.5 and idealising the M_W set's transfers explains
   more than their compute (a bad link, not a slow GPU; fix: those transfers at typical
   time); else global when communication types hold >= `comm_share` of the per-type
-  slowdown or add >= `comm_excess` to it (fix: every transfer at its typical time).
+  slowdown or add >= `comm_excess` to it and the transfers beyond their own typical time
+  gather on a DP rank, stage or step (fix: every transfer at its own typical time).
 - stage-imbalance: M_S >= 0.5 with a hot last-stage row (min/max of S_w - 1 >= 0.5), or
   one model chunk doing >= `stage_chunk_ratio` (1.1x) the compute per microbatch of the
   median chunk, measured on each chunk's fastest DP rank (a slow machine does not make its
@@ -44,7 +49,16 @@ GPU-hours their fix saves alone (ties: by the share after the others); `cause` i
 first. Each has a confidence (0.5 at a threshold, 1 at a clear margin, the minimum over
 its conditions), a Fix (S after it, share explained alone and after the others, savings)
 and a sentence (explain.py). With two or more, `joint_fix` replays all fixes together
-(fixes.compose). "unexplained": straggling, nothing listed; "none": S below 1.1.
+(fixes.compose). A fix must also save `min_savings` (3%) of the step alone, unless it matters once
+the other causes are fixed or it is a measured slow worker. "unexplained": straggling, nothing
+listed; "none": S below 1.1, or straggling no DP rank, stage or step holds twice the next's share
+of (or mostly transfer-time variation over every rank and step): the job's own variation.
+
+Discarded windows (replay off by more than 5% either way) get measurements only: a worker >=
+`worker_alarm_ratio` its peers, a chunk >= `stage_alarm_ratio` the median chunk's compute, and
+untraced-cpu: workers whose untraced time (launch delay not covered by their own compute) is
+persistently twice their DP peers' and whose delays make most of the discrepancy (its fix: that
+time removed, against what ran); nothing measured: "none".
 
 Modules: verdict (dataclasses, job_cause row), signals, sequences, fixes, detect
 (classify), explain (sentences). Words for causes, fixes and evidence: schemas/causes.py.
