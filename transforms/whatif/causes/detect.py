@@ -517,7 +517,8 @@ def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5,
     workers = [(d, p) for d in range(model.dp_size) for p in range(model.pp_size)]
     if len(workers) < 2:
         return []
-    per_step = {w: _untraced_time(model, *w) for w in workers}
+    partner = _p2p_partner(model)
+    per_step = {w: _untraced_time(model, *w, partner=partner) for w in workers}
 
     def persistent(worker, others) -> bool:
         baseline = np.median(np.stack([per_step[w] for w in others]), axis=0)
@@ -540,7 +541,18 @@ def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5,
     return [(w, excess[w]) for w in named]
 
 
-def _untraced_time(model: JobModel, dp: int, stage: int) -> np.ndarray:
+def _p2p_partner(model: JobModel) -> np.ndarray:
+    """Per op, the other op of its comm group when the group is a pair (a p2p send/recv), else -1."""
+    partner = np.full(len(model.op_group), -1)
+    members = np.flatnonzero(model.op_group >= 0)
+    order = members[np.argsort(model.op_group[members], kind="stable")]
+    _, first, size = np.unique(model.op_group[order], return_index=True, return_counts=True)
+    pairs = first[size == 2]
+    partner[order[pairs]], partner[order[pairs + 1]] = order[pairs + 1], order[pairs]
+    return partner
+
+
+def _untraced_time(model: JobModel, dp: int, stage: int, partner: np.ndarray | None = None) -> np.ndarray:
     """Seconds per step worker (dp, stage) spends in launch delays while running none of its traced
     compute: a launch delay (start - end of the op's dependencies) is the worker's own untraced
     time only where no compute op of the worker ran meanwhile. A recv the schedule posts after
@@ -548,13 +560,11 @@ def _untraced_time(model: JobModel, dp: int, stage: int) -> np.ndarray:
     is the model's structure, not the worker's time; and a recv that starts with its peer's send
     (it was posted earlier and waited: the converter starts it there) is the peer's delay. A recv
     posted after its peer's send started was the worker's own lateness."""
+    partner = _p2p_partner(model) if partner is None else partner
     ops = np.flatnonzero(model.op_stage == stage)
     compute = ops[np.isin(model.op_optype[ops], [OPTYPES.index("forward-compute"), OPTYPES.index("backward-compute")])]
     recv = np.isin(model.op_optype[ops], [OPTYPES.index("forward-recv"), OPTYPES.index("backward-recv")])
-    peer = np.full(len(ops), -1)
-    for i in np.flatnonzero(recv & (model.op_group[ops] >= 0)).tolist():
-        mates = np.flatnonzero((model.op_group == model.op_group[ops[i]]) & (np.arange(len(model.op_group)) != ops[i]))
-        peer[i] = mates[0] if len(mates) else -1
+    peer = np.where(recv, partner[ops], -1)
     out = []
     for lane in np.flatnonzero(model.lane_dp == dp).tolist():
         delay = np.maximum(model.launch_delay[ops, lane], 0.0)
@@ -563,13 +573,9 @@ def _untraced_time(model: JobModel, dp: int, stage: int) -> np.ndarray:
         gap_end = model.observed_start[ops[waiting], lane]
         gap_start = gap_end - delay[waiting]
         busy_start, busy_end = model.observed_start[compute, lane], model.observed_end[compute, lane]
-        order = np.argsort(busy_start)
-        busy_start, busy_end = busy_start[order], np.maximum.accumulate(busy_end[order])
-        total = 0.0
-        for a, b in zip(gap_start.tolist(), gap_end.tolist()):
-            covered = np.clip(np.minimum(busy_end, b) - np.maximum(busy_start, a), 0.0, None).sum()
-            total += max(b - a - covered, 0.0)
-        out.append(total)
+        # [gap, compute] overlaps; one stage's computes do not overlap each other
+        covered = np.clip(np.minimum.outer(gap_end, busy_end) - np.maximum.outer(gap_start, busy_start), 0.0, None).sum(axis=1)
+        out.append(float(np.maximum(gap_end - gap_start - covered, 0.0).sum()))
     return np.array(out)
 
 
