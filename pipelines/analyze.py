@@ -212,7 +212,7 @@ def summary(result, n_ops: int, seconds: float, top: int = 3) -> str:
 
     meta = result.meta
     lines = [
-        f"job {result.job_id}: {len(result.steps)} steps, dp {meta.dp_size} x pp {meta.pp_size} workers "
+        f"job {result.job_id}: {len(result.steps)} step{'s' if len(result.steps) != 1 else ''}, dp {meta.dp_size} x pp {meta.pp_size} workers "
         f"(tp {meta.tp_size}, cp {meta.dsp_size}, vpp {meta.vpp_size}; {meta.world_size} GPUs), {n_ops:,} ops, "
         f"analysed in {seconds:.2f} s",
         f"S = {result.slowdown:.4f}: waste {100 * result.waste:.1f}% of GPU time; "

@@ -61,7 +61,7 @@ __all__ = [
 # that the structure (taken from the first step) holds across steps, the ideal
 # (a mean over steps) cannot separate persistent stragglers from one bad step, and
 # the per-step slowdown is the job slowdown by definition.
-MIN_STEPS = 2
+MIN_STEPS = 1   # one profiled step is enough: the model is built from the first step, each step replays alone
 # Tolerance (seconds) of the p2p no-op test: a recv starting after the last compute
 # of its direction started, or a send ending before the first one ended.
 NOOP_TOLERANCE = 5e-5

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from transforms.ingest.common import ConvertedJob, RawInputError, build_manifest, build_trace
+from transforms.whatif.model import MIN_STEPS
 from transforms.ingest.kineto.clocks import _clock_offsets
 from transforms.ingest.kineto.layout import _dp_groups, _layout, _resolve_local_peers
 from transforms.ingest.kineto.ops import _ops_of_rank, _pipeline_end_noops
@@ -60,9 +61,9 @@ def _kept_steps(ranks: Sequence[RankTrace], job_id: str) -> tuple[np.ndarray, li
                 keep[i] = False
     kept = candidates[keep]
     dropped = sorted(union - set(kept.tolist()))
-    if len(kept) < 2:
+    if len(kept) < MIN_STEPS:
         raise RawInputError("raw_no_steps", f"{len(kept)} profiled step(s) complete on every rank (common steps "
-                            f"{candidates.tolist()}); the analysis needs at least 2: profile more active steps",
+                            f"{candidates.tolist()}); the analysis needs at least {MIN_STEPS}: profile more active steps",
                             job_id=job_id)
     return kept, dropped
 
