@@ -11,6 +11,7 @@ import dataclasses
 import datetime as dt
 
 import numpy as np
+import pyarrow as pa
 
 from transforms.lake import list_jobs, write_job
 from transforms.synth import badinput
@@ -58,10 +59,20 @@ def write_batch_lake(lake: str) -> list[ExpectedWindow]:
         add_job(lake, spec)
         expected.append(ExpectedWindow(spec.job_id, spec.date.isoformat(), status,
                                        "replay_discrepancy" if status == "discarded" else None))
-    # passes validation (one step is a valid trace) but the engine needs two: typed engine error
+    # one step is a valid trace, and enough for the engine
     short = _spec("short-e", DATES[0], 5, steps=1)
     add_job(lake, short)
-    expected.append(ExpectedWindow(short.job_id, DATES[0], "quarantined", "too_few_steps"))
+    expected.append(ExpectedWindow(short.job_id, DATES[0], "analysed", None))
+    # passes validation (every row is well formed) but a stage's sends have no recv to pair with:
+    # a typed engine error, quarantined with its reason
+    unpaired = _spec("unpaired-f", DATES[0], 6)
+    job = generate_job(unpaired)
+    files = {}
+    for name, table in job.files():
+        optype = table.column("optype").cast(pa.string()).to_numpy(zero_copy_only=False)
+        files[name] = table.filter(pa.array(optype != "forward-recv"))
+    write_job(lake, unpaired.date, unpaired.job_id, files, job.manifest)
+    expected.append(ExpectedWindow(unpaired.job_id, DATES[0], "quarantined", "missing_peer"))
 
     row_level = {"negative_duration", "duplicate_rows", "unknown_optype"}
     for index, kind in enumerate(badinput.BAD_KINDS):
