@@ -185,7 +185,7 @@ def _resolve_local_peers(trace: RankTrace, layout: _Layout) -> None:
     """p2p peers recorded as ranks of an unnamed group (gloo's c10d call arguments): that group is
     the rank's pipeline (ranks in group-rank order = sorted); peers it cannot name stay unknown."""
     local = trace.peer_local
-    if local is None or not (local >= 0).any():
+    if not (local >= 0).any():
         return
     dp = layout.worker.get(trace.rank, (None,))[0]
     pipe = sorted(rank for rank, (d, _) in layout.worker.items() if d == dp)

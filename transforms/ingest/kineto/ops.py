@@ -17,7 +17,7 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
     in_steps = np.isin(trace.step, steps)
     kind, start, end, step = trace.kind[in_steps], trace.start[in_steps], trace.end[in_steps], trace.step[in_steps]
     mb, chunk, peer, coll, group = (a[in_steps] for a in (trace.mb, trace.chunk, trace.peer, trace.coll, trace.group))
-    n_ops = trace.n_ops[in_steps] if trace.n_ops is not None else np.full(len(kind), -1, dtype=np.int64)
+    n_ops = trace.n_ops[in_steps]
     optype = np.full(len(kind), -1, dtype=np.int64)
     optype[kind == FWD] = _CODE["forward-compute"]
     optype[kind == BWD] = _CODE["backward-compute"]
@@ -36,7 +36,7 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
     optype[by_peer & (kind == RECV) & ~forward_dir] = _CODE["forward-recv"]
     optype[by_peer & (kind == RECV) & forward_dir] = _CODE["backward-recv"]
     # the label that issued it (interleaved `PP:sSEND_Fm`, GPipe's `Forward k`) says the direction
-    direction = trace.direction[in_steps] if trace.direction is not None else np.zeros(len(kind), dtype=np.int8)
+    direction = trace.direction[in_steps]
     labelled = is_p2p & ~by_peer & (direction != 0)
     optype[labelled & (kind == SEND) & (direction > 0)] = _CODE["forward-send"]
     optype[labelled & (kind == SEND) & (direction < 0)] = _CODE["backward-send"]

@@ -16,6 +16,11 @@ def _interleaved(rows: Mapping[int, dict[str, np.ndarray]]) -> bool:
     return any(len(r["mc"]) and int(r["mc"].max()) > 0 for r in rows.values())
 
 
+def _neighbour(layout: _Layout, stage: int, direction: int, wrap: bool) -> int:
+    """The stage a p2p op of `stage` goes to (+1 forward, -1 backward), modulo pp when interleaved."""
+    return (stage + direction) % layout.pp if wrap else stage + direction
+
+
 def _p2p_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout) -> list[tuple[int, int, int, int]]:
     """(send rank, send row, recv rank, recv row) of every p2p pair: forward-send k of (dp, stage s)
     with forward-recv k of (dp, s+1), backward-send k of (dp, s) with backward-recv k of (dp, s-1),
@@ -26,7 +31,7 @@ def _p2p_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout) -> li
     for send, recv, direction in (("forward-send", "forward-recv", 1), ("backward-send", "backward-recv", -1)):
         for rank, r in rows.items():
             dp, stage = layout.worker[rank]
-            peer = rank_of.get((dp, (stage + direction) % layout.pp if wrap else stage + direction))
+            peer = rank_of.get((dp, _neighbour(layout, stage, direction, wrap)))
             if peer is None or peer not in rows:
                 continue
             p = rows[peer]
@@ -65,7 +70,7 @@ def _check_comm_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout
     wrap = _interleaved(rows)
     for send, recv, direction in (("forward-send", "forward-recv", 1), ("backward-send", "backward-recv", -1)):
         for (dp, stage), rank in rank_of.items():
-            peer = rank_of.get((dp, (stage + direction) % layout.pp if wrap else stage + direction))
+            peer = rank_of.get((dp, _neighbour(layout, stage, direction, wrap)))
             if peer is None:
                 continue
             sent, received = counts(rank, _CODE[send]), counts(peer, _CODE[recv])
@@ -74,7 +79,7 @@ def _check_comm_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout
                     hint = ("; an interleaved schedule: its p2p direction comes from the schedule's `PP:sSEND_Fm` / "
                             "`PP:sRECV_Bm` labels" if wrap else "")
                     raise RawInputError("raw_unmatched_comm", f"step {step}: rank {rank} (stage {stage}) has "
-                                        f"{sent.get(step, 0)} {send} ops but rank {peer} (stage {stage + direction}) "
+                                        f"{sent.get(step, 0)} {send} ops but rank {peer} (stage {_neighbour(layout, stage, direction, wrap)}) "
                                         f"{received.get(step, 0)} {recv} ops{hint}", job_id=job_id, op=send)
 
 

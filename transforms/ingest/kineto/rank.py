@@ -198,15 +198,14 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
     if not kernels:
         comm += _gloo_spans(gloo_cpu, comm_meta, c10d_p2p, rank, groups, unmapped)
     kinds = {label[0] for label in cpu_labels}
+    main = [op for op in cpu_ops if op[3] == step_tid]
+    autograd = np.sort(np.array(flow_starts) - (origin or 0.0))   # on the span columns' time axis
     if kinds != {FWD, BWD}:
         # no (or only forward) schedule labels: microbatches from the main thread's op runs
-        main = [op for op in cpu_ops if op[3] == step_tid]
-        autograd = np.sort(np.array(flow_starts) - (origin or 0.0))
         cpu_labels = [label for label in cpu_labels if label[0] in kinds] + _unlabeled_compute(
             main, sorted(steps.values()), optimizer, forward=FWD not in kinds, autograd=autograd)
-    spans = _compute_spans(cpu_labels, gpu_labels if kernels else {}, comm, [op for op in cpu_ops if op[3] == step_tid])
-    work = _recorded_ops(spans, np.sort(np.array(flow_starts) - (origin or 0.0)),
-                         np.sort(np.array(flow_ends) - (origin or 0.0))) if not kernels else [-1] * len(spans)
+    spans = _compute_spans(cpu_labels, gpu_labels if kernels else {}, comm, main)
+    work = _recorded_ops(spans, autograd, np.sort(np.array(flow_ends) - (origin or 0.0))) if not kernels else [-1] * len(spans)
     trace = _rank_trace(path, rank, world, str(info.get("backend") or ""), groups, device, versions, steps, spans,
                         comm, optimizer, unmapped, _p2p_directions(comm, cpu_labels, p2p_labels), work)
     host = document.get("host_name") or info.get("host_name")

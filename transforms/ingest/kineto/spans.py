@@ -100,9 +100,9 @@ class RankTrace:
     coll: np.ndarray             # object: str
     group: np.ndarray            # object: str
     unmapped: collections.Counter
-    peer_local: np.ndarray = None    # type: ignore[assignment]
-    direction: np.ndarray = None     # type: ignore[assignment]
-    n_ops: np.ndarray = None         # type: ignore[assignment]
+    peer_local: np.ndarray
+    direction: np.ndarray        # int8
+    n_ops: np.ndarray
     host: str | None = None      # the trace's host_name, when torch wrote it
     clock: str = ""              # ranks with equal clock keys share one clock (their host)
     origin_ns: int = 0           # recorded instant of time 0 of the span columns (baseTimeNanoseconds + first ts)

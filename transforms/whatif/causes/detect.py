@@ -213,12 +213,10 @@ def _work_or_speed(model: JobModel, result: WhatIfResult, signals: _Signals, wor
         out = [c for c in out if c.cause != "individual-worker"]
         if "stage-imbalance" not in causes:
             out.append(_Candidate("stage-imbalance", "stage", margin(ratio, more, 1.5), rules.stage_min_explained, 0.4))
-    elif speed >= slower and ratio < more and "stage-imbalance" in causes:
-        out = [c for c in out if c.cause != "stage-imbalance"]
-    if speed >= slower and ratio < more:
+    elif speed >= slower and ratio < more:
         # every stage that runs its usual work slowly is a slow machine (two can be)
         workers = tuple((0, p) for p in _slow_stages(model, work, more, slower)) or tuple((0, int(p)) for p in sorted(hot_stages))
-        out = [c for c in out if c.cause != "individual-worker"]
+        out = [c for c in out if c.cause not in ("stage-imbalance", "individual-worker")]
         out.append(_Candidate("individual-worker", "worker-compute", margin(speed, slower, 2.0), rules.min_explained, 0.6,
                               workers))
     return out
