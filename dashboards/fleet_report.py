@@ -73,7 +73,7 @@ def fleet_charts(data: ReportData) -> list[Chart]:
         Chart("positions", "Slowdown by (DP rank, PP rank) position", charts.position_chart(data.fleet_period("fleet_position"), "Mean S_w per position across jobs"),
               "A hot bottom row is the last stage carrying the loss layer across the fleet."),
         Chart("coverage", "Coverage", charts.coverage_chart(data.fleet_period("fleet_coverage"), "Job windows by outcome"),
-              "Discarded: replay discrepancy above 5%, kept out of every statistic above. Quarantined: bad input or failed analysis."),
+              "Discarded: the replay off by more than 5% either way, kept out of every statistic above. Quarantined: bad input or failed analysis."),
     ]
 
 

@@ -82,7 +82,7 @@ def _selected_jobs(data, opts: ReportOptions) -> list[tuple]:
         return []
     rows = summary.sort_values(["wasted_gpu_hours", "job_id"], ascending=[False, True])
     if opts.jobs == "straggling":
-        # discarded windows (replay discrepancy > 5%) have no trustworthy S: pages only on request
+        # discarded windows (replay off by more than 5% either way) have no trustworthy S: pages only on request
         rows = rows[rows["straggling"] & ~rows["discarded"]]
     elif opts.jobs != "all":
         wanted = set(opts.jobs)

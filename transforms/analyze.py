@@ -15,7 +15,7 @@ worker_attribution, dp/stage/optype_attribution, job_cause, coverage and quarant
   and per group in the DoFn: `quarantine_on_error`). Neither stops the run. A storage failure
   (OSError after the IO layer's retries, transforms/storage.py) does: it is not bad data, and
   nothing is published.
-- A window whose replay discrepancy (launch_slowdown) exceeds 5% is `discarded`: its rows
+- A window whose replay discrepancy (launch_slowdown) is off by more than 5% either way is `discarded`: its rows
   are written (flagged in job_summary) and coverage records the reason, but fleet
   statistics leave it out.
 - With timelines on (`strag batch --timelines`), each straggling kept window's original and
