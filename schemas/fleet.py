@@ -77,6 +77,7 @@ CAUSES: tuple[str, ...] = (
 OPTYPE_CATEGORIES: dict[str, str] = {
     "forward-compute": "compute",
     "backward-compute": "compute",
+    "backward-weight-compute": "compute",
     "forward-pp-comm": "pp-comm",
     "backward-pp-comm": "pp-comm",
     "forward-send": "pp-comm",

@@ -40,6 +40,9 @@ OPTYPES: tuple[str, ...] = (
     "optimizer-clip-main-grad",
     "optimizer",
     "gc",
+    # zero-bubble schedules split a microbatch's backward: backward-compute is the input-gradient
+    # half (it feeds the backward-send), this the weight-gradient half the schedule runs where it fits
+    "backward-weight-compute",
 )
 COMPUTE_OPTYPES = ("forward-compute", "backward-compute")
 P2P_OPTYPES = ("forward-send", "forward-recv", "backward-send", "backward-recv")

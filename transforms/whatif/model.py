@@ -24,6 +24,7 @@ the first backward compute, and the step tail per DP mode.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -68,7 +69,7 @@ NOOP_TOLERANCE = 5e-5
 # Transfer times and launch delays at or below -10 ms are profiler clock noise: set to 0.
 NEGATIVE_CLAMP = 1e-2
 # Op types idealised by their mean duration; all others (comm types) by their median.
-COMPUTE_LIKE_OPTYPES = ("forward-compute", "backward-compute", "optimizer", "gc")
+COMPUTE_LIKE_OPTYPES = ("forward-compute", "backward-compute", "backward-weight-compute", "optimizer", "gc")
 
 _CODE = {name: code for code, name in enumerate(OPTYPES)}
 FWD, BWD = _CODE["forward-compute"], _CODE["backward-compute"]
@@ -77,11 +78,11 @@ BSEND, BRECV = _CODE["backward-send"], _CODE["backward-recv"]
 AG, RS = _CODE["params-all-gather"], _CODE["grads-reduce-scatter"]
 SEP, LN = _CODE["separate-grads-all-reduce"], _CODE["layernorm-grads-all-reduce"]
 EMB, CLIP = _CODE["embedding-grads-all-reduce"], _CODE["optimizer-clip-main-grad"]
-OPT, GC = _CODE["optimizer"], _CODE["gc"]
+OPT, GC, WGT = _CODE["optimizer"], _CODE["gc"], _CODE["backward-weight-compute"]
 P2P = (FSEND, FRECV, BSEND, BRECV)
 # Ties in start time and seq_id are broken by optype name, alphabetically.
 _NAME_RANK = np.argsort(np.argsort(np.array(OPTYPES, dtype=object)))
-# p2p optype -> (peer optype, stage offset of the peer, offset of the chunk it serves)
+# p2p optype -> (peer optype, offset of the peer's model chunk from the chunk the op serves)
 _PEER = {FSEND: (FRECV, +1), FRECV: (FSEND, -1), BSEND: (BRECV, -1), BRECV: (BSEND, +1)}
 _REQUIRED_COLUMNS = ("dp_rank", "stage", "rank", "step", "optype", "start_ts", "duration", "seq_id", "mc", "mb_id", "gmc")
 
@@ -895,8 +896,8 @@ def _build_graph(template: _Template, dp_size: int, meta: JobMeta) -> _Graph:
     pp = template.pp
     _p2p_dependencies(template, graph)
     for stage in range(pp):
+        graph.chain(template.ordered(stage, (FWD, BWD, WGT)))   # a stage computes one op at a time
         compute = template.ordered(stage, (FWD, BWD))
-        graph.chain(compute)
         for optype in P2P:
             graph.chain(template.ordered(stage, (optype,)))
         _first_backward_p2p(template, graph, stage, compute)
@@ -923,9 +924,15 @@ def _build_graph(template: _Template, dp_size: int, meta: JobMeta) -> _Graph:
 
 
 def _p2p_dependencies(template: _Template, graph: _Graph) -> None:
-    """Match each send/recv to the compute op it serves, mark no-ops, pair peers."""
+    """Match each send/recv to the compute op it serves, mark no-ops, pair peers. The peer is the
+    stage holding the neighbouring model chunk (`_placement`); an op whose neighbour chunk does not
+    exist or runs on its own stage is a no-op. Valid ops pair by order per channel (optype, stage,
+    peer stage): with chunk g on stage g mod pp that is the k-th forward-send of stage s with the
+    k-th forward-recv of stage s+1 (mod pp), as METHOD.md section 2 states."""
     pp, total_chunks = template.pp, template.vpp * template.pp
-    valid: dict[tuple[int, int, int], int] = {}   # (optype, k, stage) -> op
+    placement = _placement(template)
+    valid: dict[tuple[int, int, int, int], int] = {}   # (optype, stage, peer stage, k) -> op
+    counted: collections.Counter = collections.Counter()   # (optype, stage, peer stage) -> valid ops so far
     for stage in range(pp):
         for compute_type, send, recv in ((FWD, FSEND, FRECV), (BWD, BSEND, BRECV)):
             compute = template.ordered(stage, (compute_type,))
@@ -956,9 +963,7 @@ def _p2p_dependencies(template: _Template, graph: _Graph) -> None:
                         )
                     if optype == recv and count == n_compute - 1:
                         compute_seq = 1   # the first recv of the stage was not recorded: skip its compute
-                k = 0
-                peer_type, stage_offset = _PEER[optype]
-                chunk_offset = stage_offset
+                peer_type, chunk_offset = _PEER[optype]
                 for op, is_active in zip(ops.tolist(), active.tolist()):
                     if not is_active:
                         graph.noop[op] = True
@@ -971,7 +976,9 @@ def _p2p_dependencies(template: _Template, graph: _Graph) -> None:
                         )
                     compute_seq += 1
                     peer_chunk = int(template.gmc[served]) + chunk_offset
-                    graph.noop[op] = not (0 <= peer_chunk < total_chunks)
+                    # no neighbouring chunk, or the neighbour runs here (a V-shaped schedule's turn)
+                    peer_stage = int(placement[peer_chunk]) if 0 <= peer_chunk < total_chunks else stage
+                    graph.noop[op] = peer_stage == stage
                     if optype == send:
                         graph.edge(served, op)
                     else:
@@ -980,18 +987,38 @@ def _p2p_dependencies(template: _Template, graph: _Graph) -> None:
                         if previous is not None:
                             graph.edge(previous, op)
                     if not graph.noop[op]:
-                        valid[(optype, k, stage)] = op
-                        k += 1
-    for (optype, k, stage), op in sorted(valid.items()):
-        peer_type, stage_offset = _PEER[optype]
-        peer = valid.get((peer_type, k, (stage + stage_offset) % pp))
+                        channel = (optype, stage, peer_stage)
+                        valid[(*channel, counted[channel])] = op
+                        counted[channel] += 1
+    for (optype, stage, peer_stage, k), op in sorted(valid.items()):
+        peer_type = _PEER[optype][0]
+        peer = valid.get((peer_type, peer_stage, stage, k))
         if peer is None:
-            peer_name = f"{OPTYPES[peer_type]} number {k} (counting valid ops) on stage {(stage + stage_offset) % pp}"
+            peer_name = f"{OPTYPES[peer_type]} number {k} (counting valid ops) on stage {peer_stage} from stage {stage}"
             raise template.error(MissingPeerError, f"its peer {peer_name} is missing or a no-op", op=op)
         if optype in (FSEND, BSEND):
             graph.group([op, peer], synced=False)
     for op in np.flatnonzero(graph.noop):
         graph.group([int(op)], synced=False)
+
+
+def _placement(template: _Template) -> np.ndarray:
+    """The stage holding each global model chunk (gmc): chunk g on stage g mod pp unless the trace's
+    compute ops place it elsewhere (V-shaped schedules hold chunks s and 2 pp - 1 - s on stage s)."""
+    pp, total = template.pp, template.vpp * template.pp
+    placement = np.arange(total) % pp
+    compute = np.flatnonzero(np.isin(template.optype, (FWD, BWD)) & (template.gmc >= 0) & (template.gmc < total))
+    if not len(compute):
+        return placement
+    pairs = np.unique(np.stack([template.gmc[compute], template.stage[compute]]), axis=1)
+    chunks, counts = np.unique(pairs[0], return_counts=True)
+    if (counts > 1).any():
+        chunk = int(chunks[counts > 1][0])
+        op = int(compute[template.gmc[compute] == chunk][0])
+        raise template.error(TraceStructureError, f"model chunk (gmc) {chunk} has compute on stages "
+                             f"{sorted(set(pairs[1][pairs[0] == chunk].tolist()))}: a chunk runs on one stage", op=op)
+    placement[pairs[0]] = pairs[1]
+    return placement
 
 
 def _first_backward_p2p(template: _Template, graph: _Graph, stage: int, compute: np.ndarray) -> None:
@@ -1049,7 +1076,7 @@ def _step_tail(template: _Template, graph: _Graph) -> None:
     """gc after the last compute, then the per-stage tail chain ending in the optimizer."""
     pp = template.pp
     for stage in range(pp):
-        compute = template.ordered(stage, (FWD, BWD))
+        compute = template.ordered(stage, (FWD, BWD, WGT))
         if not len(compute):
             raise template.error(MissingOpError, "stage has no compute ops", stage=stage)
         last_compute = int(compute[np.argmax(template.end[compute])])

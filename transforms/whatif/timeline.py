@@ -32,7 +32,7 @@ __all__ = ["Timeline", "ideal_timeline", "chrome_trace_events", "chrome_trace_by
 
 _CATEGORIES = ("compute", "pp-comm", "tp-comm", "dp-comm", "misc")
 _CATEGORY_OF = {
-    "forward-compute": 0, "backward-compute": 0, "optimizer": 0, "gc": 0,
+    "forward-compute": 0, "backward-compute": 0, "backward-weight-compute": 0, "optimizer": 0, "gc": 0,
     "forward-send": 1, "forward-recv": 1, "backward-send": 1, "backward-recv": 1,
     "params-all-gather": 3, "grads-reduce-scatter": 3, "separate-grads-all-reduce": 3,
     "layernorm-grads-all-reduce": 3, "embedding-grads-all-reduce": 3, "optimizer-clip-main-grad": 3,

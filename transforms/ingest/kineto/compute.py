@@ -96,10 +96,39 @@ _NOT_COMPUTE = ("gloo:", "c10d::", "PP:", "ProfilerStep#", "Optimizer.", "record
                 "## ", "nccl:")
 
 
+class _GpuWork:
+    """A GPU trace's work (kernels, copies, memsets; NCCL kernels are communication) found by the
+    CPU-side CUDA call that launched it (`correlation`): what a CPU range launched, on any thread."""
+
+    def __init__(self, launches: list[tuple[float, int]], work: list[tuple[int, float, float]]):
+        if not launches or not work:
+            self._at = self._start = self._end = np.zeros(0)
+            return
+        correlation = np.array([c for c, _, _ in work], dtype=np.int64)
+        order = np.argsort(correlation, kind="stable")
+        ids, first = np.unique(correlation[order], return_index=True)   # a launch may run several kernels
+        start = np.minimum.reduceat(np.array([s for _, s, _ in work])[order], first)
+        end = np.maximum.reduceat(np.array([e for _, _, e in work])[order], first)
+        launches = sorted(launches)
+        at = np.array([t for t, _ in launches])
+        called = np.array([c for _, c in launches], dtype=np.int64)
+        index = np.minimum(np.searchsorted(ids, called), len(ids) - 1)
+        found = ids[index] == called
+        self._at, self._start, self._end = at[found], start[index[found]], end[index[found]]
+
+    def span(self, start: float, end: float) -> tuple[float, float] | None:
+        """(first start, last end) of the GPU work launched within [start, end] on the CPU; None if none."""
+        lo, hi = np.searchsorted(self._at, start, side="left"), np.searchsorted(self._at, end, side="right")
+        if lo == hi:
+            return None
+        return float(self._start[lo:hi].min()), float(self._end[lo:hi].max())
+
+
 def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list,
-                   ops: list | None = None) -> list[tuple[int, float, float, int, int]]:
-    """(kind, start, end, mb, chunk) of each compute label: its GPU span when the trace has one
-    (kernel time), else the CPU span with p2p waits at its edges cut off (a recv ending inside it,
+                   ops: list | None = None, gpu_work: _GpuWork | None = None) -> list[tuple[int, float, float, int, int]]:
+    """(kind, start, end, mb, chunk) of each compute label: on a GPU trace the span of the GPU work
+    launched while the label was open, on any thread (a backward's kernels come from the autograd
+    engine's thread), else its GPU annotation span, else the CPU span with p2p waits at its edges cut off (a recv ending inside it,
     a send issued at its back) and, given the label thread's ops (start, end, name, tid), when it
     issues a send (GPipe's `Forward k`), ending at its last op: time between that op and the send
     that no op accounts for (a pause before the send) is untraced, the send's launch delay, not
@@ -115,6 +144,10 @@ def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list,
     recv_end = np.array([e for _, e in recv_spans]) if recv_spans else np.zeros(0)
     out = []
     for kind, start, end, mb, chunk, name in sorted(labels, key=lambda l: l[1]):
+        launched = gpu_work.span(start, end) if gpu_work is not None else None
+        if launched is not None:
+            out.append((kind, *launched, mb, chunk))
+            continue
         # the label's GPU span: the next one of that name starting after the CPU label did (GPU work
         # follows its launch), so a span the profiler dropped costs only its own step
         on_gpu = gpu_sorted.get(name, ())

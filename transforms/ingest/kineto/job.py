@@ -68,18 +68,40 @@ def _kept_steps(ranks: Sequence[RankTrace], job_id: str) -> tuple[np.ndarray, li
     return kept, dropped
 
 
-def _check_schedule(ranks: Sequence[RankTrace], layout, job_id: str) -> None:
-    """Schedules the dependency model (model chunk g on pipeline rank g mod pp) cannot represent:
-    raw_unsupported_schedule, naming the rank. (Zero-bubble schedules are analysed: the input-
-    gradient half `PP:sIm` is the microbatch's backward; the weight-gradient half `PP:sWm`, which
-    the schedule runs where it fits, is no op of the model, so its time is launch delay.)"""
+def _placement(ranks: Sequence[RankTrace], layout, job_id: str) -> np.ndarray:
+    """The pipeline rank (stage) holding each global model chunk, from the schedule labels, which
+    name the chunk (`PP:3F0`: chunk 3): chunk g on stage g mod pp in interleaved schedules, on g and
+    2 pp - 1 - g in V-shaped ones (ZBV, DualPipeV). Without chunk labels, chunk s is stage s. A
+    placement the dependency model cannot represent (a chunk on two pipeline ranks, two chunks of
+    one round on one rank, a chunk on no rank) is raw_unsupported_schedule, naming the rank."""
+    pp = layout.pp
+    held: dict[int, tuple[int, RankTrace]] = {}
     for trace in ranks:
         stage = layout.worker[trace.rank][1]
         chunks = sorted(set(trace.chunk[(trace.chunk >= 0) & ((trace.kind == FWD) | (trace.kind == BWD))].tolist()))
-        if layout.pp > 1 and any(g % layout.pp != stage for g in chunks):
-            raise RawInputError("raw_unsupported_schedule", f"rank {trace.rank} (pipeline rank {stage} of {layout.pp}) "
-                                f"holds model chunks {chunks}: a V-shaped (or other non-interleaved) placement; the "
-                                "dependency model places chunk g on pipeline rank g mod pp", job_id=job_id, path=trace.path)
+        rounds = [g // pp for g in chunks]
+        if len(set(rounds)) != len(rounds):
+            raise RawInputError("raw_unsupported_schedule", f"rank {trace.rank} (pipeline rank {stage} of {pp}) holds "
+                                f"model chunks {chunks}: two of one round of {pp}; the dependency model needs each "
+                                "pipeline rank to hold one chunk of chunks 0..pp-1, one of pp..2pp-1, ...",
+                                job_id=job_id, path=trace.path)
+        for g in chunks:
+            other = held.setdefault(g, (stage, trace))
+            if other[0] != stage:
+                raise RawInputError("raw_unsupported_schedule", f"model chunk {g} runs on pipeline rank {stage} "
+                                    f"(rank {trace.rank}) and on pipeline rank {other[0]} (rank {other[1].rank})",
+                                    job_id=job_id, path=trace.path)
+    if not held:
+        return np.arange(pp)
+    n = (max(held) // pp + 1) * pp
+    placement = np.full(n, -1, dtype=np.int64)
+    for g, (stage, _) in held.items():
+        placement[g] = stage
+    if (placement < 0).any():
+        missing = np.flatnonzero(placement < 0).tolist()
+        raise RawInputError("raw_unsupported_schedule", f"model chunk(s) {missing} of {n} run on no pipeline rank: "
+                            "the labels name chunks the ranks present do not hold", job_id=job_id)
+    return placement
 
 
 def _check_job(ranks: Sequence[RankTrace], job_id: str) -> int:
@@ -148,7 +170,7 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
                             f"(dp {layout.dp} x pp {layout.pp} workers, layout from {layout.how}); found "
                             f"{len(by_rank)} readable rank file(s) of world size {world}", job_id=job_id)
     analysed = [by_rank[rank] for rank in sorted(layout.worker)]
-    _check_schedule(analysed, layout, job_id)
+    placement = _placement(analysed, layout, job_id)
     for trace in analysed:
         _resolve_local_peers(trace, layout)
     steps, dropped = _kept_steps(analysed, job_id)
@@ -157,7 +179,7 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
     for trace in ranks:
         unmapped.update(trace.unmapped)
     rows = {t.rank: _ops_of_rank(t, layout.worker[t.rank][1], layout, steps, _dp_groups(t, layout, described), job_id,
-                                 unmapped) for t in analysed}
+                                 unmapped, placement) for t in analysed}
     _check_comm_pairs(rows, layout, job_id)
     first_origin = min(by_rank[rank].origin_ns for rank in rows)
     for rank, r in rows.items():   # every rank on the recorded clock, µs after the earliest origin
@@ -174,7 +196,7 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
     overlap_markers = _overlapped_dp_marker(rows) if dp_overlapped else 0
     vpp = max(int(r["mc"].max()) + 1 if len(r["mc"]) else 1 for r in rows.values())
     if vpp > 1:
-        rows = {rank: _pipeline_end_noops(r, layout.pp, vpp) for rank, r in rows.items()}
+        rows = {rank: _pipeline_end_noops(r, layout.worker[rank][1], placement) for rank, r in rows.items()}
     base = min(float(r["start"].min() - offsets[rank]) for rank, r in rows.items() if len(r["start"]))
     columns: dict[str, list] = collections.defaultdict(list)
     for rank, r in rows.items():

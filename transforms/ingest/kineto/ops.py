@@ -7,13 +7,15 @@ import numpy as np
 
 from transforms.ingest.common import RawInputError
 from transforms.ingest.kineto.layout import _Layout
-from transforms.ingest.kineto.spans import (BWD, COLL, FWD, OPT, RECV, RankTrace, SEND, _CODE, _COLLECTIVES,
+from transforms.ingest.kineto.spans import (BWD, COLL, FWD, OPT, RECV, RankTrace, SEND, WGT, _CODE, _COLLECTIVES,
                                             _DP_OPTYPE, _KIND_NAMES)
 
 
 def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarray, dp_groups: set[str],
-                 job_id: str, unmapped: collections.Counter) -> dict[str, np.ndarray]:
-    """The op rows of one analysed rank over the kept steps (times in µs on its own clock)."""
+                 job_id: str, unmapped: collections.Counter, placement: np.ndarray) -> dict[str, np.ndarray]:
+    """The op rows of one analysed rank over the kept steps (times in µs on its own clock), with
+    `peer_stage` (the pipeline rank a p2p op pairs with, -1 for other ops) for the job level;
+    `placement` is the stage of each global model chunk."""
     in_steps = np.isin(trace.step, steps)
     kind, start, end, step = trace.kind[in_steps], trace.start[in_steps], trace.end[in_steps], trace.step[in_steps]
     mb, chunk, peer, coll, group = (a[in_steps] for a in (trace.mb, trace.chunk, trace.peer, trace.coll, trace.group))
@@ -21,6 +23,7 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
     optype = np.full(len(kind), -1, dtype=np.int64)
     optype[kind == FWD] = _CODE["forward-compute"]
     optype[kind == BWD] = _CODE["backward-compute"]
+    optype[kind == WGT] = _CODE["backward-weight-compute"]
     pp = layout.pp
     # model chunk: a `PP:` label names the global stage index (chunk * pp + stage)
     mc = np.where(chunk >= 0, chunk // pp, 0)
@@ -90,7 +93,7 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
     np.maximum.at(opt_end, opt_index, end[opt])
     # microbatch ids: from the label, else order of the kind within the step
     microbatch = mb.copy()
-    compute = (kind == FWD) | (kind == BWD)
+    compute = (kind == FWD) | (kind == BWD) | (kind == WGT)
     unlabeled = compute & (microbatch < 0)
     if unlabeled.any():
         order = np.lexsort((start, kind, step))
@@ -101,6 +104,7 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
                 microbatch[i] = seen[key]
                 seen[key] += 1
     is_p2p_row = rows & is_p2p
+    pair_stage = _peer_stages(optype, chunk, peer_stage, stage, pp, placement, vpp > 1)
     out = {
         "step": np.concatenate([step[rows], opt_steps]),
         "optype": np.concatenate([optype[rows], np.full(len(opt_steps), _CODE["optimizer"])]),
@@ -110,31 +114,81 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
         "mc": np.concatenate([np.where(is_p2p_row[rows], -1, mc[rows]), np.zeros(len(opt_steps), dtype=np.int64)]),
         "gmc": np.concatenate([np.where(is_p2p_row[rows], -1, gmc[rows]), np.full(len(opt_steps), stage)]),
         "n_ops": np.concatenate([np.where(compute[rows], n_ops[rows], -1), np.full(len(opt_steps), -1)]),
+        "peer_stage": np.concatenate([np.where(is_p2p_row[rows], pair_stage[rows], -1), np.full(len(opt_steps), -1)]),
     }
     return out
 
 
-def _pipeline_end_noops(rows: dict[str, np.ndarray], pp: int, vpp: int) -> dict[str, np.ndarray]:
-    """Interleaved schedules: the first and last global model chunk have no neighbour on one side, so
-    torch issues no p2p there, while the dependency model matches every compute of a stage to a
-    recv / send by order (a Megatron trace records no-op ones). Each such compute gets a
-    zero-length no-op at its edge: a forward-recv before each forward of chunk 0 and a backward-send
-    after each of its backwards (first stage); a forward-send after each forward of the last chunk
-    and a backward-recv before each of its backwards (last stage). The engine makes them groups of one."""
-    last = pp * vpp - 1
+# p2p op type -> the global model chunk of its peer, relative to the chunk it serves
+_PEER_CHUNK = {_CODE["forward-send"]: 1, _CODE["forward-recv"]: -1, _CODE["backward-send"]: -1, _CODE["backward-recv"]: 1}
+
+
+def _peer_stages(optype: np.ndarray, chunk: np.ndarray, peer_stage: np.ndarray, stage: int, pp: int,
+                 placement: np.ndarray, wrap: bool) -> np.ndarray:
+    """The stage each p2p op pairs with: the holder of the neighbouring model chunk of the chunk its
+    label names (V-shaped schedules send both ways from one rank), else the stage of its known peer
+    rank, else the next / previous stage (modulo pp when several chunks per stage wrap around)."""
+    out = np.full(len(optype), -1, dtype=np.int64)
+    for code, offset in _PEER_CHUNK.items():
+        mine = optype == code
+        neighbour = chunk + offset
+        by_label = mine & (chunk >= 0) & (neighbour >= 0) & (neighbour < len(placement))
+        out[by_label] = placement[neighbour[by_label]]
+        by_peer = mine & ~by_label & (peer_stage >= 0)
+        out[by_peer] = peer_stage[by_peer]
+        default = (stage + offset) % pp if wrap else stage + offset
+        out[mine & ~by_label & ~by_peer] = default
+    return out
+
+
+def _pipeline_end_noops(rows: dict[str, np.ndarray], stage: int, placement: np.ndarray) -> dict[str, np.ndarray]:
+    """Several model chunks per stage: a compute whose neighbouring chunk on one side does not exist
+    (the first and last global chunk) or runs on the same rank (the turn of a V-shaped schedule,
+    whose stages hand over in memory) has no p2p there, while the dependency model matches every
+    compute of a stage to a recv / send by order (a Megatron trace records no-op ones). Each such
+    compute gets a zero-length no-op at that edge: a forward-recv before a forward and a
+    backward-send after a backward on the side of the previous chunk; a forward-send after a
+    forward and a backward-recv before a backward on the side of the next one. The engine makes
+    them groups of one."""
+    last = len(placement) - 1
+    g = rows["gmc"]
+    fwd = rows["optype"] == _CODE["forward-compute"]
+    bwd = rows["optype"] == _CODE["backward-compute"]
+    valid = (g >= 0) & (g <= last)
+    no_previous = valid & ((g == 0) | (placement[np.clip(g - 1, 0, last)] == stage))
+    no_next = valid & ((g == last) | (placement[np.clip(g + 1, 0, last)] == stage))
     adds = []
-    fwd, bwd = _CODE["forward-compute"], _CODE["backward-compute"]
-    for chunk, kinds in ((0, ((fwd, "forward-recv", "start"), (bwd, "backward-send", "end"))),
-                         (last, ((fwd, "forward-send", "end"), (bwd, "backward-recv", "start")))):
-        for compute, noop, edge in kinds:
-            hit = np.flatnonzero((rows["optype"] == compute) & (rows["gmc"] == chunk))
-            adds += [(int(rows["step"][i]), _CODE[noop], float(rows[edge][i])) for i in hit.tolist()]
+    for hit, noop, edge in ((fwd & no_previous, "forward-recv", "start"), (bwd & no_previous, "backward-send", "end"),
+                            (fwd & no_next, "forward-send", "end"), (bwd & no_next, "backward-recv", "start")):
+        adds += [(int(rows["step"][i]), _CODE[noop], float(rows[edge][i])) for i in np.flatnonzero(hit).tolist()]
     if not adds:
         return rows
     step, optype, at = (np.array(column) for column in zip(*adds))
+    _after_chain(rows, step, optype, at)
     extra = {"step": step, "optype": optype, "start": at, "end": at, "mb_id": np.full(len(at), -1),
-             "mc": np.full(len(at), -1), "gmc": np.full(len(at), -1), "n_ops": np.full(len(at), -1)}
+             "mc": np.full(len(at), -1), "gmc": np.full(len(at), -1), "n_ops": np.full(len(at), -1),
+             "peer_stage": np.full(len(at), -1)}
     return {name: np.concatenate([rows[name], extra[name].astype(rows[name].dtype)]) for name in rows}
+
+
+def _after_chain(rows: dict[str, np.ndarray], step: np.ndarray, optype: np.ndarray, at: np.ndarray) -> None:
+    """Move each no-op (in place) past the end of the real op of its type before it in the step: the
+    dependency model chains a rank's p2p ops of one type, and a no-op placed while an asynchronous
+    send or recv of another chunk is still open would hold every later op of the chain back in the
+    replay. It stays before the next real op of its chain."""
+    for key_step, code in set(zip(step.tolist(), optype.tolist())):
+        real = np.flatnonzero((rows["step"] == key_step) & (rows["optype"] == code))
+        if not len(real):
+            continue
+        real = real[np.argsort(rows["start"][real], kind="stable")]
+        starts, ends = rows["start"][real], np.maximum.accumulate(rows["end"][real])
+        mine = np.flatnonzero((step == key_step) & (optype == code))
+        before = np.searchsorted(starts, at[mine], side="right") - 1
+        moved = np.where(before >= 0, np.maximum(at[mine], ends[np.maximum(before, 0)]), at[mine])
+        following = before + 1
+        limit = np.where(following < len(starts), starts[np.minimum(following, len(starts) - 1)], np.inf)
+        # strictly before the next real op: equal start times would be ordered by op type, not time
+        at[mine] = np.minimum(moved, np.maximum(np.nextafter(limit, -np.inf), at[mine]))
 
 
 def _p2p_by_position(kind, start, step, optype, which) -> None:

@@ -11,37 +11,39 @@ from transforms.ingest.kineto.layout import _Layout
 from transforms.ingest.kineto.spans import _CODE
 
 
-def _interleaved(rows: Mapping[int, dict[str, np.ndarray]]) -> bool:
-    """Several model chunks per stage: p2p between the last and the first stage wraps around."""
-    return any(len(r["mc"]) and int(r["mc"].max()) > 0 for r in rows.values())
-
-
-def _neighbour(layout: _Layout, stage: int, direction: int, wrap: bool) -> int:
-    """The stage a p2p op of `stage` goes to (+1 forward, -1 backward), modulo pp when interleaved."""
-    return (stage + direction) % layout.pp if wrap else stage + direction
+def _channels(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout):
+    """Each p2p channel of the job: (send rank, its send rows, recv rank, its recv rows, send type,
+    recv type), rows in (step, start) order. A channel runs from a stage to the stage its ops name as
+    peer (`peer_stage`), within one pipeline (DP rank): forward-send k of (dp, s) to (dp, t) pairs with
+    forward-recv k of (dp, t) from (dp, s), backward likewise, k counting within the step: the
+    engine pairs them the same way."""
+    rank_of = layout.rank_of()
+    for send, recv in (("forward-send", "forward-recv"), ("backward-send", "backward-recv")):
+        channels: set[tuple[int, int]] = set()   # (send rank, recv rank), named by either end
+        for rank, r in rows.items():
+            dp, stage = layout.worker[rank]
+            for code, outgoing in ((_CODE[send], True), (_CODE[recv], False)):
+                for other in np.unique(r["peer_stage"][r["optype"] == code]).tolist():
+                    peer = rank_of.get((dp, other))
+                    if peer is not None and peer in rows and peer != rank:
+                        channels.add((rank, peer) if outgoing else (peer, rank))
+        for rank, peer in sorted(channels):
+            r, p = rows[rank], rows[peer]
+            mine = np.flatnonzero((r["optype"] == _CODE[send]) & (r["peer_stage"] == layout.worker[peer][1]))
+            theirs = np.flatnonzero((p["optype"] == _CODE[recv]) & (p["peer_stage"] == layout.worker[rank][1]))
+            mine = mine[np.lexsort((r["start"][mine], r["step"][mine]))]
+            theirs = theirs[np.lexsort((p["start"][theirs], p["step"][theirs]))]
+            yield rank, mine, peer, theirs, send, recv
 
 
 def _p2p_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout) -> list[tuple[int, int, int, int]]:
-    """(send rank, send row, recv rank, recv row) of every p2p pair: forward-send k of (dp, stage s)
-    with forward-recv k of (dp, s+1), backward-send k of (dp, s) with backward-recv k of (dp, s-1),
-    k counting within the step, stages modulo pp when interleaved (the engine pairs them the same way)."""
-    rank_of = layout.rank_of()
-    wrap = _interleaved(rows)
+    """(send rank, send row, recv rank, recv row) of every p2p pair (see `_channels`)."""
     pairs = []
-    for send, recv, direction in (("forward-send", "forward-recv", 1), ("backward-send", "backward-recv", -1)):
-        for rank, r in rows.items():
-            dp, stage = layout.worker[rank]
-            peer = rank_of.get((dp, _neighbour(layout, stage, direction, wrap)))
-            if peer is None or peer not in rows:
-                continue
-            p = rows[peer]
-            mine = np.flatnonzero(r["optype"] == _CODE[send])
-            theirs = np.flatnonzero(p["optype"] == _CODE[recv])
-            mine = mine[np.lexsort((r["start"][mine], r["step"][mine]))]
-            theirs = theirs[np.lexsort((p["start"][theirs], p["step"][theirs]))]
-            for step in np.intersect1d(r["step"][mine], p["step"][theirs]).tolist():
-                a, b = mine[r["step"][mine] == step], theirs[p["step"][theirs] == step]
-                pairs += [(rank, int(i), peer, int(j)) for i, j in zip(a, b)]
+    for rank, mine, peer, theirs, _, _ in _channels(rows, layout):
+        r, p = rows[rank], rows[peer]
+        for step in np.intersect1d(r["step"][mine], p["step"][theirs]).tolist():
+            a, b = mine[r["step"][mine] == step], theirs[p["step"][theirs] == step]
+            pairs += [(rank, int(i), peer, int(j)) for i, j in zip(a, b)]
     return pairs
 
 
@@ -67,20 +69,18 @@ def _check_comm_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout
                     raise RawInputError("raw_unmatched_comm", f"step {step}, stage {stage}: {OPTYPES[code]} ops per DP "
                                         f"rank differ ({', '.join(f'rank {r}: {n}' for r, n in seen.items())}); every "
                                         "DP rank issues the same collectives", job_id=job_id, op=OPTYPES[code])
-    wrap = _interleaved(rows)
-    for send, recv, direction in (("forward-send", "forward-recv", 1), ("backward-send", "backward-recv", -1)):
-        for (dp, stage), rank in rank_of.items():
-            peer = rank_of.get((dp, _neighbour(layout, stage, direction, wrap)))
-            if peer is None:
-                continue
-            sent, received = counts(rank, _CODE[send]), counts(peer, _CODE[recv])
-            for step in steps:
-                if sent.get(step, 0) != received.get(step, 0):
-                    hint = ("; an interleaved schedule: its p2p direction comes from the schedule's `PP:sSEND_Fm` / "
-                            "`PP:sRECV_Bm` labels" if wrap else "")
-                    raise RawInputError("raw_unmatched_comm", f"step {step}: rank {rank} (stage {stage}) has "
-                                        f"{sent.get(step, 0)} {send} ops but rank {peer} (stage {_neighbour(layout, stage, direction, wrap)}) "
-                                        f"{received.get(step, 0)} {recv} ops{hint}", job_id=job_id, op=send)
+    wrap = any(len(r["mc"]) and int(r["mc"].max()) > 0 for r in rows.values())
+    for rank, mine, peer, theirs, send, recv in _channels(rows, layout):
+        sent = dict(zip(*(v.tolist() for v in np.unique(rows[rank]["step"][mine], return_counts=True))))
+        received = dict(zip(*(v.tolist() for v in np.unique(rows[peer]["step"][theirs], return_counts=True))))
+        for step in steps:
+            if sent.get(step, 0) != received.get(step, 0):
+                hint = ("; several model chunks per stage: a p2p op's direction and peer come from the schedule's "
+                        "`PP:sSEND_Fm` / `PP:sRECV_Bm` labels" if wrap else "")
+                raise RawInputError("raw_unmatched_comm", f"step {step}: rank {rank} (stage {layout.worker[rank][1]}) "
+                                    f"has {sent.get(step, 0)} {send} ops to stage {layout.worker[peer][1]} but rank "
+                                    f"{peer} {received.get(step, 0)} {recv} ops from stage {layout.worker[rank][1]}{hint}",
+                                    job_id=job_id, op=send)
 
 
 def _clip_p2p_waits(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, offsets: Mapping[int, float]) -> int:
@@ -123,6 +123,7 @@ def _first_compute_per_step(r: dict[str, np.ndarray]) -> dict[int, float]:
     return out
 
 
+_COMPUTE = ("forward-compute", "backward-compute", "backward-weight-compute")
 _P2P_CHAINS = ("forward-send", "forward-recv", "backward-send", "backward-recv")
 _DP_CHAIN = ("params-all-gather", "grads-reduce-scatter", "separate-grads-all-reduce")
 
@@ -158,7 +159,7 @@ def _collectives_after_compute(rows: Mapping[int, dict[str, np.ndarray]]) -> int
     issued, and its transfer (end - latest start over the DP group) is the exposed part. Returns
     the number of collectives changed."""
     changed = 0
-    compute_codes = [_CODE["forward-compute"], _CODE["backward-compute"]]
+    compute_codes = [_CODE[name] for name in _COMPUTE]
     dp_codes = [_CODE[name] for name in _DP_CHAIN]
     for r in rows.values():
         compute = np.flatnonzero(np.isin(r["optype"], compute_codes))
@@ -198,7 +199,8 @@ def _overlapped_dp_marker(rows: Mapping[int, dict[str, np.ndarray]]) -> int:
         stage_gmc = int(r["gmc"][r["optype"] == _CODE["optimizer"]][0]) if (r["optype"] == _CODE["optimizer"]).any() else 0
         extra = {"step": steps, "optype": np.full(len(steps), separate), "start": at, "end": at.copy(),
                  "mb_id": np.full(len(steps), -1), "mc": np.zeros(len(steps), dtype=np.int64),
-                 "gmc": np.full(len(steps), stage_gmc), "n_ops": np.full(len(steps), -1)}
+                 "gmc": np.full(len(steps), stage_gmc), "n_ops": np.full(len(steps), -1),
+                 "peer_stage": np.full(len(steps), -1)}
         for name in r:
             r[name] = np.concatenate([r[name], extra[name].astype(r[name].dtype)])
         added += len(steps)
@@ -213,7 +215,7 @@ def _recv_waits_after_compute(rows: Mapping[int, dict[str, np.ndarray]]) -> int:
     in between, and the dependency model's compute(i-1) -> recv(i) edge holds. Returns the number
     of recvs changed."""
     changed = 0
-    compute_codes = [_CODE["forward-compute"], _CODE["backward-compute"]]
+    compute_codes = [_CODE[name] for name in _COMPUTE]
     for r in rows.values():
         compute = np.isin(r["optype"], compute_codes)
         recv = np.flatnonzero(np.isin(r["optype"], [_CODE["forward-recv"], _CODE["backward-recv"]]))

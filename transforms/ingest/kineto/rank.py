@@ -9,10 +9,11 @@ from typing import Any
 import numpy as np
 
 from transforms.ingest.common import RawInputError, open_bytes
-from transforms.ingest.kineto.compute import _UNMAPPED_QUIET, _compute_spans, _unlabeled_compute
+from transforms.ingest.kineto.compute import (_BACKWARD_OP, _NOT_COMPUTE, _UNMAPPED_QUIET, _GpuWork, _compute_spans,
+                                             _unlabeled_compute)
 from transforms.ingest.kineto.spans import (BWD, COLL, DEFAULT_BACKWARD_LABELS, DEFAULT_FORWARD_LABELS,
                                             DEFAULT_OPTIMIZER_LABEL, FWD, Group, OPT, RECV, RankTrace, SEND,
-                                            _COLLECTIVES, _NCCL, _STEP)
+                                            WEIGHT_LABEL, WGT, _COLLECTIVES, _NCCL, _STEP)
 
 
 # --------------------------------------------------------------------------- pass 1: one rank
@@ -114,6 +115,10 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
     cpu_ops: list[tuple[float, float, str, object]] = []             # every cpu_op / user_annotation: start, end, name, tid
     optimizer: list[tuple[float, float]] = []
     p2p_labels: list[tuple[float, float, int, int]] = []              # start, end, direction (+1 F, -1 B), stage
+    overlapped: list[tuple[float, float, str, str]] = []              # OVERLAP_F_B labels: start, end, actions, name
+    launches: list[tuple[float, int]] = []                           # CUDA runtime / driver calls: start, correlation
+    gpu_work: list[tuple[int, float, float]] = []                    # kernels, memcpy, memset (not NCCL): correlation, start, end
+    annotations: set[tuple[float, str]] = set()                      # user_annotation ranges: start, name
     kernels = 0
     origin = None   # times are kept relative to it (µs), so durations stay exact
     flow_starts: list[float] = []                                   # fwdbwd flow starts: forward ops autograd recorded
@@ -136,11 +141,18 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
             origin = float(np.floor(float(ts) / 2.0 ** 32) * 2.0 ** 32)
         ts = float(ts) - origin
         end = ts + float(dur)
-        if cat == "kernel":
-            kernels += 1
+        if cat in ("cuda_runtime", "cuda_driver"):
+            correlation = (event.get("args") or {}).get("correlation")
+            if correlation is not None:
+                launches.append((ts, int(correlation)))
+            continue
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernels += cat == "kernel"
+            args = event.get("args") or {}
             if name.startswith(_NCCL):
-                args = event.get("args") or {}
                 comm.append(_nccl_span(name, args, ts, end, rank, groups))
+            elif args.get("correlation") is not None:
+                gpu_work.append((int(args["correlation"]), ts, end))
             continue
         if cat not in ("user_annotation", "cpu_op", "gpu_user_annotation"):
             continue
@@ -149,6 +161,8 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
                 gpu_labels[name].append((ts, end))
             continue
         cpu_ops.append((ts, end, name, event.get("tid")))
+        if cat == "user_annotation":
+            annotations.add((ts, name))
         step = _STEP.match(name)
         if step:
             steps[int(step.group(1))] = (ts, end)
@@ -181,6 +195,10 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
                 chunk = groups_found.get("stage") if "stage" in groups_found else groups_found.get("chunk")
                 cpu_labels.append((kind, ts, end, int(mb) if mb is not None else -1,
                                    int(chunk) if chunk is not None else -1, name))
+            elif (weight := WEIGHT_LABEL.match(name)) is not None:
+                cpu_labels.append((WGT, ts, end, int(weight.group("mb")), int(weight.group("stage")), name))
+            elif (overlap := _OVERLAP_LABEL.match(name)) is not None:
+                overlapped.append((ts, end, overlap.group("actions"), name))
             elif (p2p_label := _P2P_LABEL.match(name)) is not None:
                 p2p_labels.append((ts, end, 1 if p2p_label.group("dir") == "F" else -1, int(p2p_label.group("stage"))))
             elif not _UNMAPPED_QUIET.match(name):
@@ -197,14 +215,26 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
                 "nccl_version": info.get("nccl_version"), "trace_id": document.get("trace_id")}
     if not kernels:
         comm += _gloo_spans(gloo_cpu, comm_meta, c10d_p2p, rank, groups, unmapped)
-    kinds = {label[0] for label in cpu_labels}
     main = [op for op in cpu_ops if op[3] == step_tid]
+    # the autograd engine runs a GPU job's backward on threads of its own: its top-level
+    # `evaluate_function` ops are the backward work the main thread waits for meanwhile
+    backward_elsewhere = [op for op in cpu_ops if op[3] != step_tid and op[2].startswith(_BACKWARD_OP)]
+    if overlapped:
+        cpu_labels += _split_overlapped(overlapped, cpu_ops, path)
+    kinds = {label[0] for label in cpu_labels} & {FWD, BWD}
     autograd = np.sort(np.array(flow_starts) - (origin or 0.0))   # on the span columns' time axis
     if kinds != {FWD, BWD}:
         # no (or only forward) schedule labels: microbatches from the main thread's op runs
+        # with the backward on another thread, the main thread's record_function ranges (`## backward ##`)
+        # span work they do not hold: they are labels, not ops, and what they hold is
+        ops = main if not backward_elsewhere else \
+            [op for op in main if (op[0], op[2]) not in annotations or _STEP.match(op[2])] + backward_elsewhere
         cpu_labels = [label for label in cpu_labels if label[0] in kinds] + _unlabeled_compute(
-            main, sorted(steps.values()), optimizer, forward=FWD not in kinds, autograd=autograd)
-    spans = _compute_spans(cpu_labels, gpu_labels if kernels else {}, comm, main)
+            ops, sorted(steps.values()), optimizer, forward=FWD not in kinds, autograd=autograd)
+    on_gpu = _GpuWork(launches, gpu_work) if kernels else None
+    spans = _compute_spans(cpu_labels, gpu_labels if kernels else {}, comm, main, on_gpu)
+    if on_gpu is not None:   # the optimizer's time is its kernels' too: one clock for a step's ops
+        optimizer = [on_gpu.span(s, e) or (s, e) for s, e in optimizer]
     work = _recorded_ops(spans, autograd, np.sort(np.array(flow_ends) - (origin or 0.0))) if not kernels else [-1] * len(spans)
     trace = _rank_trace(path, rank, world, str(info.get("backend") or ""), groups, device, versions, steps, spans,
                         comm, optimizer, unmapped, _p2p_directions(comm, cpu_labels, p2p_labels), work)
@@ -289,6 +319,43 @@ def _gloo_spans(gloo: list, meta: list[dict], c10d: list, rank: int, groups: Map
             out.append((SEND if canonical == "send" else RECV, start, end, peer, canonical, group, local))
         else:
             out.append((COLL, start, end, -1, canonical, group, -1))
+    return out
+
+
+# torch.distributed.pipelining's OVERLAP_F_B action (DualPipeV): `PP:(0F3;3B1)OVERLAP_F_B` runs its
+# sub-actions one after the other under one label
+_OVERLAP_LABEL = re.compile(r"^PP:\((?P<actions>[^()]*)\)OVERLAP_F_B$")
+_SUB_ACTION = re.compile(r"^(?P<stage>\d+)(?P<op>F|B|I|W)(?P<mb>\d+)$")
+
+
+def _split_overlapped(overlapped: list, cpu_ops: list, path: str) -> list[tuple]:
+    """Compute labels (kind, start, end, mb, stage, name) of the forward and backward an OVERLAP_F_B
+    label runs in turn: the backward starts with the first autograd backward op inside the label
+    (on any thread: the autograd engine's own on GPU), the forward is what precedes it. A weight-
+    gradient sub-action (W) is no op of the model. A label whose sub-actions are not one forward
+    then one backward, or that holds no backward op, is refused (raw_unsupported_schedule)."""
+    backward_starts = np.sort(np.array([op[0] for op in cpu_ops if op[2].startswith(_BACKWARD_OP)]))
+    work = sorted((op[0], op[1]) for op in cpu_ops if not op[2].startswith(_NOT_COMPUTE) and not _OVERLAP_LABEL.match(op[2]))
+    work_start, work_end = (np.array(column, dtype=np.float64) for column in zip(*work)) if work else (np.zeros(0),) * 2
+    out = []
+    for start, end, actions, name in overlapped:
+        subs = [_SUB_ACTION.match(a.strip()) for a in actions.split(";")]
+        compute = [m for m in subs if m is not None and m.group("op") != "W"]
+        if None in subs or [m.group("op") for m in compute][:1] != ["F"] or len(compute) != 2:
+            raise RawInputError("raw_unsupported_schedule", f"label {name!r}: an overlapped action other than one "
+                                "forward then one backward", path=path)
+        first = np.searchsorted(backward_starts, start, side="left")
+        if first == len(backward_starts) or backward_starts[first] > end:
+            raise RawInputError("raw_unsupported_schedule", f"label {name!r} at {start:.0f} µs holds no autograd "
+                                "backward op: where its forward ends cannot be told", path=path)
+        split = float(backward_starts[first])
+        # the forward ends with its last op: a wait for the backward's input (a recv) is not its work
+        ends = work_end[np.searchsorted(work_start, start):np.searchsorted(work_start, split)]
+        ends = ends[ends <= split]
+        forward_end = float(ends.max()) if len(ends) else split
+        forward, backward = compute
+        out.append((FWD, start, forward_end, int(forward.group("mb")), int(forward.group("stage")), name + ":F"))
+        out.append((BWD, split, end, int(backward.group("mb")), int(backward.group("stage")), name + ":B"))
     return out
 
 

@@ -14,8 +14,8 @@ from schemas.trace import OPTYPES
 _CODE = {name: code for code, name in enumerate(OPTYPES)}
 
 # Span kinds inside a RankTrace.
-FWD, BWD, OPT, SEND, RECV, COLL = range(6)
-_KIND_NAMES = ("forward", "backward", "optimizer", "send", "recv", "collective")
+FWD, BWD, OPT, SEND, RECV, COLL, WGT = range(7)
+_KIND_NAMES = ("forward", "backward", "optimizer", "send", "recv", "collective", "weight-gradient")
 
 DEFAULT_FORWARD_LABELS = (
     r"^PP:(?P<stage>\d+)F(?P<mb>\d+)$",                         # torch.distributed.pipelining runtime
@@ -29,6 +29,8 @@ DEFAULT_BACKWARD_LABELS = (
     r"^backward[-_ ](?:compute|step)(?:[ #:_=-]*(?:mb|microbatch)?[ #:_=-]*(?P<mb>\d+))?$",
 )
 DEFAULT_OPTIMIZER_LABEL = r"^Optimizer\.step#"
+# zero-bubble schedules: the weight-gradient half of a microbatch's backward
+WEIGHT_LABEL = re.compile(r"^PP:(?P<stage>\d+)W(?P<mb>\d+)$")
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
 _NCCL = ("ncclKernel_", "ncclDevKernel_")
 # Collective names as c10d / NCCL / gloo spell them -> canonical name.

@@ -39,7 +39,8 @@ from schemas.trace import OPTYPES
 __all__ = ["classify", "analyze_and_classify", "COMPUTE_GROUPS"]
 
 # Attribution groups that are not communication (WhatIfResult.by_optype keys).
-COMPUTE_GROUPS = frozenset({"forward-compute", "backward-compute", "optimizer", "gc"})
+COMPUTE_OPS = ("forward-compute", "backward-compute", "backward-weight-compute")
+COMPUTE_GROUPS = frozenset({"forward-compute", "backward-compute", "backward-weight-compute", "optimizer", "gc"})
 
 
 @dataclasses.dataclass
@@ -560,7 +561,7 @@ def _untraced_time(model: JobModel, dp: int, stage: int, partner: np.ndarray | N
     posted after its peer's send started was the worker's own lateness."""
     partner = _p2p_partner(model) if partner is None else partner
     ops = np.flatnonzero(model.op_stage == stage)
-    compute = ops[np.isin(model.op_optype[ops], [OPTYPES.index("forward-compute"), OPTYPES.index("backward-compute")])]
+    compute = ops[np.isin(model.op_optype[ops], [OPTYPES.index(name) for name in COMPUTE_OPS])]
     recv = np.isin(model.op_optype[ops], [OPTYPES.index("forward-recv"), OPTYPES.index("backward-recv")])
     peer = np.where(recv, partner[ops], -1)
     out = []
