@@ -44,7 +44,7 @@ OPTYPES: tuple[str, ...] = (
     # half (it feeds the backward-send), this the weight-gradient half the schedule runs where it fits
     "backward-weight-compute",
 )
-COMPUTE_OPTYPES = ("forward-compute", "backward-compute")
+COMPUTE_OPTYPES = ("forward-compute", "backward-compute", "backward-weight-compute")
 P2P_OPTYPES = ("forward-send", "forward-recv", "backward-send", "backward-recv")
 DP_COMM_OPTYPES = ("params-all-gather", "grads-reduce-scatter", "separate-grads-all-reduce")
 

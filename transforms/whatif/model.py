@@ -30,7 +30,7 @@ import dataclasses
 import numpy as np
 import pyarrow as pa
 
-from schemas.trace import OPTYPES
+from schemas.trace import COMPUTE_OPTYPES, OPTYPES
 from transforms.whatif.errors import (
     WhatIfError,
     CycleError,
@@ -69,7 +69,7 @@ NOOP_TOLERANCE = 5e-5
 # Transfer times and launch delays at or below -10 ms are profiler clock noise: set to 0.
 NEGATIVE_CLAMP = 1e-2
 # Op types idealised by their mean duration; all others (comm types) by their median.
-COMPUTE_LIKE_OPTYPES = ("forward-compute", "backward-compute", "backward-weight-compute", "optimizer", "gc")
+COMPUTE_LIKE_OPTYPES = (*COMPUTE_OPTYPES, "optimizer", "gc")
 
 _CODE = {name: code for code, name in enumerate(OPTYPES)}
 FWD, BWD = _CODE["forward-compute"], _CODE["backward-compute"]

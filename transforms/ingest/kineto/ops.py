@@ -8,7 +8,7 @@ import numpy as np
 from transforms.ingest.common import RawInputError
 from transforms.ingest.kineto.layout import _Layout
 from transforms.ingest.kineto.spans import (BWD, COLL, FWD, OPT, RECV, RankTrace, SEND, WGT, _CODE, _COLLECTIVES,
-                                            _DP_OPTYPE, _KIND_NAMES)
+                                            _DP_OPTYPE, _KIND_NAMES, first_start_per_step)
 
 
 def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarray, dp_groups: set[str],
@@ -63,7 +63,7 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
     # backward), inside the compute: only gathers before the step's first compute are the
     # model's params-all-gather; the others overlap compute, whose spans hold any exposed wait
     compute_kind = (kind == FWD) | (kind == BWD)
-    first_compute = {int(s): float(start[compute_kind & (step == s)].min()) for s in np.unique(step[compute_kind]).tolist()}
+    first_compute = first_start_per_step(step, start, compute_kind)
     for i in np.flatnonzero(kind == COLL).tolist():
         name = coll[i]
         if group[i] in dp_groups and name == "all_gather" and start[i] >= first_compute.get(int(step[i]), np.inf):

@@ -5,10 +5,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from schemas.trace import OPTYPES
+from schemas.trace import COMPUTE_OPTYPES, OPTYPES
 from transforms.ingest.common import RawInputError
 from transforms.ingest.kineto.layout import _Layout
-from transforms.ingest.kineto.spans import _CODE
+from transforms.ingest.kineto.spans import _CODE, first_start_per_step
 
 
 def _channels(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout):
@@ -47,6 +47,12 @@ def _p2p_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout) -> li
     return pairs
 
 
+def _per_step(steps: np.ndarray) -> dict[int, int]:
+    """Step -> how many of these rows it holds."""
+    values, n = np.unique(steps, return_counts=True)
+    return dict(zip(values.tolist(), n.tolist()))
+
+
 def _check_comm_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, job_id: str) -> None:
     """Every step's comm ops must pair up across ranks: each DP collective type as many times on
     every DP rank of a stage, each forward-send of stage s with a forward-recv of stage s+1 (and
@@ -54,9 +60,7 @@ def _check_comm_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout
     rank_of = layout.rank_of()
 
     def counts(rank: int, code: int) -> dict[int, int]:
-        r = rows[rank]
-        steps, n = np.unique(r["step"][r["optype"] == code], return_counts=True)
-        return dict(zip(steps.tolist(), n.tolist()))
+        return _per_step(rows[rank]["step"][rows[rank]["optype"] == code])
 
     steps = sorted(set(np.concatenate([r["step"] for r in rows.values()]).tolist()))
     for code in (_CODE["grads-reduce-scatter"], _CODE["params-all-gather"], _CODE["separate-grads-all-reduce"]):
@@ -71,8 +75,7 @@ def _check_comm_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout
                                         "DP rank issues the same collectives", job_id=job_id, op=OPTYPES[code])
     wrap = any(len(r["mc"]) and int(r["mc"].max()) > 0 for r in rows.values())
     for rank, mine, peer, theirs, send, recv in _channels(rows, layout):
-        sent = dict(zip(*(v.tolist() for v in np.unique(rows[rank]["step"][mine], return_counts=True))))
-        received = dict(zip(*(v.tolist() for v in np.unique(rows[peer]["step"][theirs], return_counts=True))))
+        sent, received = _per_step(rows[rank]["step"][mine]), _per_step(rows[peer]["step"][theirs])
         for step in steps:
             if sent.get(step, 0) != received.get(step, 0):
                 hint = ("; several model chunks per stage: a p2p op's direction and peer come from the schedule's "
@@ -98,7 +101,8 @@ def _clip_p2p_waits(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, 
       model would serialise sends that overlapped.
     Returns the number of ops changed."""
     changed = 0
-    first_compute = {rank: _first_compute_per_step(r) for rank, r in rows.items()}
+    compute = [_CODE["forward-compute"], _CODE["backward-compute"]]
+    first_compute = {rank: first_start_per_step(r["step"], r["start"], np.isin(r["optype"], compute)) for rank, r in rows.items()}
     for send_rank, i, recv_rank, j in _p2p_pairs(rows, layout):
         send, recv = rows[send_rank], rows[recv_rank]
         shift = offsets[recv_rank] - offsets[send_rank]   # send clock -> recv clock
@@ -114,16 +118,6 @@ def _clip_p2p_waits(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, 
     return changed
 
 
-def _first_compute_per_step(r: dict[str, np.ndarray]) -> dict[int, float]:
-    """Step -> start of the rank's first forward / backward compute in it."""
-    compute = np.isin(r["optype"], [_CODE["forward-compute"], _CODE["backward-compute"]])
-    out: dict[int, float] = {}
-    for step, start in zip(r["step"][compute].tolist(), r["start"][compute].tolist()):
-        out[step] = min(out.get(step, np.inf), start)
-    return out
-
-
-_COMPUTE = ("forward-compute", "backward-compute", "backward-weight-compute")
 _P2P_CHAINS = ("forward-send", "forward-recv", "backward-send", "backward-recv")
 _DP_CHAIN = ("params-all-gather", "grads-reduce-scatter", "separate-grads-all-reduce")
 
@@ -159,7 +153,7 @@ def _collectives_after_compute(rows: Mapping[int, dict[str, np.ndarray]]) -> int
     issued, and its transfer (end - latest start over the DP group) is the exposed part. Returns
     the number of collectives changed."""
     changed = 0
-    compute_codes = [_CODE[name] for name in _COMPUTE]
+    compute_codes = [_CODE[name] for name in COMPUTE_OPTYPES]
     dp_codes = [_CODE[name] for name in _DP_CHAIN]
     for r in rows.values():
         compute = np.flatnonzero(np.isin(r["optype"], compute_codes))
@@ -215,7 +209,7 @@ def _recv_waits_after_compute(rows: Mapping[int, dict[str, np.ndarray]]) -> int:
     in between, and the dependency model's compute(i-1) -> recv(i) edge holds. Returns the number
     of recvs changed."""
     changed = 0
-    compute_codes = [_CODE[name] for name in _COMPUTE]
+    compute_codes = [_CODE[name] for name in COMPUTE_OPTYPES]
     for r in rows.values():
         compute = np.isin(r["optype"], compute_codes)
         recv = np.flatnonzero(np.isin(r["optype"], [_CODE["forward-recv"], _CODE["backward-recv"]]))

@@ -56,6 +56,14 @@ _DIM_TOKENS = {
 }
 
 
+def first_start_per_step(step: np.ndarray, start: np.ndarray, mask: np.ndarray) -> dict[int, float]:
+    """Step -> earliest start among the masked spans of that step."""
+    steps, inverse = np.unique(step[mask], return_inverse=True)
+    first = np.full(len(steps), np.inf)
+    np.minimum.at(first, inverse, start[mask])
+    return dict(zip(steps.tolist(), first.tolist()))
+
+
 @dataclasses.dataclass(frozen=True)
 class Group:
     """A process group as `distributedInfo.pg_config` lists it (ranks in group-rank order)."""

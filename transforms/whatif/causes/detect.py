@@ -34,13 +34,12 @@ from transforms.whatif.model import JobModel, compile_job, distinct
 from transforms.whatif.replay import Mix, Scenario, replay, replay_thread_count
 from transforms.whatif.result import JobMeta, WhatIfResult
 from schemas.causes import FIX_NAMES
-from schemas.trace import OPTYPES
+from schemas.trace import COMPUTE_OPTYPES, OPTYPES
 
 __all__ = ["classify", "analyze_and_classify", "COMPUTE_GROUPS"]
 
 # Attribution groups that are not communication (WhatIfResult.by_optype keys).
-COMPUTE_OPS = ("forward-compute", "backward-compute", "backward-weight-compute")
-COMPUTE_GROUPS = frozenset({"forward-compute", "backward-compute", "backward-weight-compute", "optimizer", "gc"})
+COMPUTE_GROUPS = frozenset({*COMPUTE_OPTYPES, "optimizer", "gc"})
 
 
 @dataclasses.dataclass
@@ -561,7 +560,7 @@ def _untraced_time(model: JobModel, dp: int, stage: int, partner: np.ndarray | N
     posted after its peer's send started was the worker's own lateness."""
     partner = _p2p_partner(model) if partner is None else partner
     ops = np.flatnonzero(model.op_stage == stage)
-    compute = ops[np.isin(model.op_optype[ops], [OPTYPES.index(name) for name in COMPUTE_OPS])]
+    compute = ops[np.isin(model.op_optype[ops], [OPTYPES.index(name) for name in COMPUTE_OPTYPES])]
     recv = np.isin(model.op_optype[ops], [OPTYPES.index("forward-recv"), OPTYPES.index("backward-recv")])
     peer = np.where(recv, partner[ops], -1)
     out = []
