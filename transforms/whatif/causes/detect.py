@@ -192,9 +192,14 @@ def _hot_half(result: WhatIfResult) -> tuple[tuple[int, int], ...]:
     return tuple((int(d), int(p)) for d, p in result.mw.workers if result.worker_slowdown[d, p] - 1.0 >= 0.5 * hottest)
 
 
+# One DP rank: a chunk with this much more recorded work than the median is a heavy partition; one
+# running the usual work this much slower per operation is a slow machine (`_work_or_speed`).
+MORE_WORK, SLOWER_PACE = 1.15, 1.3
+
+
 def _work_or_speed(model: JobModel, result: WhatIfResult, signals: _Signals, work: ChunkWork,
-                   out: list[_Candidate], rules: CauseRules, evidence: dict, more: float = 1.15,
-                   slower: float = 1.3) -> list[_Candidate]:
+                   out: list[_Candidate], rules: CauseRules, evidence: dict, more: float = MORE_WORK,
+                   slower: float = SLOWER_PACE) -> list[_Candidate]:
     """One DP rank: a hot pipeline stage is a slow machine or a heavy partition, and its time alone
     cannot tell. The operations autograd recorded can: a partition with more layers runs more of
     them (work ratio >= `more` against the median chunk) at the usual pace; a slow machine runs the
@@ -441,7 +446,7 @@ def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, 
         measured["individual-worker"] = _worst_direction(paired.peers, blamed[0])
         implicated["individual-worker"] = [w for w in blamed if _worst_direction(paired.peers, w) >= rules.worker_alarm_ratio]
     if paired.chunks is not None and paired.chunks.ratio >= rules.stage_alarm_ratio:
-        slow = _slow_stages(model, work, 1.15, 1.3) if work is not None and model.dp_size == 1 else []
+        slow = _slow_stages(model, work, MORE_WORK, SLOWER_PACE) if work is not None and model.dp_size == 1 else []
         if slow:   # one DP rank: the heavy chunk runs the usual work, slowly: its machine
             measured["individual-worker"], implicated["individual-worker"] = float(paired.chunks.ratio), [(0, p) for p in slow]
         else:

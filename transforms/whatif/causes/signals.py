@@ -160,36 +160,35 @@ def peer_comparison(model: JobModel, forward: np.ndarray, backward: np.ndarray, 
         step_forward[p] = nanmedian(f_ratio[rows], axis=0)
         step_backward[p] = nanmedian(b_ratio[rows], axis=0)
     by_worker = lambda a: nanmedian(a, axis=1).T                # [pp, S, dp] -> [dp, pp]
-    floor = _noise_floor((t_ratio,), stage_of_row, model.pp_size)
+    floor = _noise_floor(t_ratio, stage_of_row, model.pp_size)
     threshold = max(rules.peer_ratio, floor)
     return PeerComparison(by_worker(step_ratio), by_worker(step_forward), by_worker(step_backward),
                           (step_ratio >= threshold).sum(axis=1).T, model.n_steps, floor)
 
 
-def _noise_floor(ratios: tuple[np.ndarray, ...], stage_of_row: np.ndarray, pp: int) -> float:
+def _noise_floor(ratio: np.ndarray, stage_of_row: np.ndarray, pp: int) -> float:
     """The peer ratio the job's own noise reaches: exp(3 standard errors of a worker's median ratio),
-    from sigma, the median over workers of the
-    robust spread (1.4826 MAD) of a worker's per-microbatch log ratios to its peers over its
-    microbatches and steps.
+    from sigma, the median over workers of the robust spread (1.4826 MAD) of a worker's
+    per-microbatch log ratios to its peers (`ratio`: [rows, steps, dp]) over its microbatches and
+    steps.
     A slow machine shifts all its ratios (its spread stays small); noise spreads them around 1. On
     a quiet machine the floor is near 1 and the rule's ratio decides; 4 processes on 2 cores give
     floors of 1.3-2x, where one slow microbatch or step must not blame a worker."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        logs = np.log(ratio)
     spreads = []
-    for ratio in ratios:                                      # forward, backward: each [rows, steps, dp]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            logs = np.log(ratio)
-        for p in range(pp):
-            rows = logs[stage_of_row == p]
-            for d in range(rows.shape[2]):
-                values = rows[:, :, d]
-                values = values[np.isfinite(values)]
-                if len(values) >= 4:
-                    spreads.append(1.4826 * float(np.median(np.abs(values - np.median(values)))))
+    for p in range(pp):
+        rows = logs[stage_of_row == p]
+        for d in range(rows.shape[2]):
+            values = rows[:, :, d]
+            values = values[np.isfinite(values)]
+            if len(values) >= 4:
+                spreads.append(1.4826 * float(np.median(np.abs(values - np.median(values)))))
     if not spreads:
         return 1.0
     # a worker's ratio is a median over its samples: its noise shrinks with their number (1.25: the
     # efficiency of a median); three standard errors
-    samples = max(1, int(ratios[0].shape[0] * ratios[0].shape[1]))
+    samples = max(1, int(ratio.shape[0] * ratio.shape[1]))
     return float(np.exp(3.0 * 1.25 * float(np.median(spreads)) / np.sqrt(samples)))
 
 
