@@ -247,3 +247,31 @@ def test_signals_computed_beside_the_analysis_give_the_same_verdict(name, analys
         _, threaded = analyze_and_classify(trace, job.meta, name)
     assert json.dumps(verdict_json(threaded, None), default=float) == json.dumps(verdict_json(verdict, None), default=float)
     assert list(threaded.evidence) == list(verdict.evidence)
+
+
+def test_a_stall_in_one_microbatch_every_step_blames_its_worker_and_its_fix_removes_it():
+    """A worker that stalls in one backward every step (a pause in a gradient hook) is as slow as its
+    step's whole compute says, though its typical microbatch is not: the peer comparison takes the
+    step's compute against its peers' when that is higher, and the repaired worker has no compute
+    above its peers' median of the same compute, except where a GC pause is python-gc's to remove."""
+    from transforms.whatif.causes.detect import pair_signals
+    from transforms.whatif.causes.fixes import at_peer_speed
+    from transforms.whatif.causes.signals import BACKWARD
+    from transforms.whatif.causes.verdict import CauseRules
+
+    job = generate_job(JobSpec(job_id="stall", dp=4, pp=4, microbatches=8, steps=16, sessions=2, seed=3))
+    model = compile_job(job.trace, job.meta, "stall")
+    worker = (1, 2)
+    lanes = np.flatnonzero(model.lane_dp == worker[0])
+    stalled = np.flatnonzero((model.op_optype == BACKWARD) & (model.op_stage == worker[1]))[-1]
+    typical = float(np.median(model.original_cost[stalled]))
+    model.original_cost[stalled, lanes] += 8 * typical       # one backward per step, 9x its usual time
+    peers = pair_signals(model).peers
+    assert peers.blamed(CauseRules()) == [worker]
+    fixed = at_peer_speed(model, [worker], peers)
+    others = np.delete(model.original_cost[stalled].reshape(model.n_steps, model.dp_size), worker[0], axis=1)
+    assert np.allclose(fixed[stalled, lanes], np.median(others, axis=1))   # at its peers' median, step by step
+    keep = np.zeros(model.original_cost.shape, dtype=bool)
+    keep[stalled, lanes] = True
+    kept = at_peer_speed(model, [worker], peers, keep)
+    assert np.allclose(kept[stalled, lanes], model.original_cost[stalled, lanes] / peers.backward[worker])

@@ -12,9 +12,11 @@ no-delay trace; "saves" means 1 - T_fix / T, the share of the job's GPU-hours.
 Signatures (a cause is a candidate when its signature holds)
 - individual-worker: a worker's compute (forward + backward) per microbatch against the
   other DP ranks of its stage, per step (signals.peer_comparison: robust to stage imbalance,
-  which hits every DP rank of a stage alike, and to GC pauses, which hit one microbatch):
+  which hits every DP rank of a stage alike), or its step's whole compute against theirs when
+  that is higher (a stall in one microbatch every step):
   >= `peer_ratio` (1.2x) or the job's noise floor, whichever is higher, in at least
-  `peer_steps` (half) of the steps. Fix: that worker at peer speed. Named even below S 1.1
+  `peer_steps` (half) of the steps. Fix: that worker at peer speed, none of its computes above
+  its peers' median of the same compute (GC pauses left to python-gc's fix). Named even below S 1.1
   when >= `worker_alarm_ratio` (1.5x, compute, forward or backward). With one DP rank (no
   peers): M_W > 0.5, fix: the M_W set's compute at ideal speed; the trace's `n_ops` (ops
   autograd recorded) then tells a slow machine (the usual ops, slower) from a heavy

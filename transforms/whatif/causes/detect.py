@@ -173,7 +173,12 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
     }
     blamed = signals.peers.blamed(rules) if signals.peers is not None else []
     if blamed:
-        costs["worker-peer"] = at_peer_speed(model, blamed, signals.peers)
+        gc_paused = None
+        if signals.gc is not None and len(signals.forward):   # GC pauses are python-gc's to remove
+            gc_paused = np.zeros(model.original_cost.shape, dtype=bool)
+            rows, lanes = np.nonzero(signals.gc.pauses)
+            gc_paused[signals.forward[rows, lanes], lanes] = True
+        costs["worker-peer"] = at_peer_speed(model, blamed, signals.peers, gc_paused)
     if len(signals.forward):
         costs["sequence"] = even_sequences(model)
         costs["gc"] = without_pauses(model, signals.forward, signals.gc, rules.gc_min_stall)

@@ -6,7 +6,7 @@ from typing import Sequence
 import numpy as np
 
 from transforms.whatif.causes.sequences import BACKWARD, FORWARD
-from transforms.whatif.causes.signals import GcStalls, PeerComparison
+from transforms.whatif.causes.signals import GcStalls, PeerComparison, peer_median
 from transforms.whatif.model import JobModel, distinct, median
 from schemas.trace import OPTYPES
 
@@ -15,16 +15,26 @@ __all__ = ["at_peer_speed", "rebalanced_stages", "without_pauses", "planned_gc_s
 _P2P = tuple(OPTYPES.index(name) for name in ("forward-send", "forward-recv", "backward-send", "backward-recv"))
 
 
-def at_peer_speed(model: JobModel, workers: Sequence[tuple[int, int]], peers: PeerComparison) -> np.ndarray:
+def at_peer_speed(model: JobModel, workers: Sequence[tuple[int, int]], peers: PeerComparison,
+                  keep: np.ndarray | None = None) -> np.ndarray:
     """Cost with each given worker's forward (backward) computes divided by its forward (backward)
-    ratio to its DP peers: the machine repaired, its own microbatch variation kept."""
+    ratio to its DP peers, and none above its DP peers' median of the same compute in the same
+    step: the machine repaired (its pace, and any stall it alone has in one microbatch), its own
+    microbatch variation kept. `keep` ([op, lane]): ops whose excess another cause's fix removes
+    (GC pauses) stay at the pace-corrected cost."""
     cost = model.original_cost.copy()
+    shape = (model.n_steps, model.dp_size)                        # lanes are step-major, dp minor
     for code, ratios in ((FORWARD, peers.forward), (BACKWARD, peers.backward)):
         for d, p in workers:
             ops = np.flatnonzero((model.op_optype == code) & (model.op_stage == p))
             lanes = np.flatnonzero(model.lane_dp == d)
             if np.isfinite(ratios[d, p]) and ratios[d, p] > 0:
                 cost[np.ix_(ops, lanes)] /= ratios[d, p]
+            if model.dp_size > 1:
+                others = peer_median(model.original_cost[ops].reshape(len(ops), *shape))[:, :, d]
+                capped = np.minimum(cost[np.ix_(ops, lanes)], others)
+                cost[np.ix_(ops, lanes)] = capped if keep is None else \
+                    np.where(keep[np.ix_(ops, lanes)], cost[np.ix_(ops, lanes)], capped)
     return cost
 
 

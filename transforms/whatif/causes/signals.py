@@ -156,7 +156,11 @@ def peer_comparison(model: JobModel, forward: np.ndarray, backward: np.ndarray, 
     step_forward, step_backward = step_ratio.copy(), step_ratio.copy()
     for p in distinct(stage_of_row):
         rows = stage_of_row == p
-        step_ratio[p] = nanmedian(t_ratio[rows], axis=0)
+        # the typical microbatch's ratio, or the step's whole compute against its peers' when that
+        # is higher: a stall in one microbatch every step (a pause in a hook) is the worker's too
+        total = (f + b)[rows].sum(axis=0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            step_ratio[p] = np.fmax(nanmedian(t_ratio[rows], axis=0), total / peer_median(total))
         step_forward[p] = nanmedian(f_ratio[rows], axis=0)
         step_backward[p] = nanmedian(b_ratio[rows], axis=0)
     by_worker = lambda a: nanmedian(a, axis=1).T                # [pp, S, dp] -> [dp, pp]
