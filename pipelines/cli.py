@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "import-reference": ("pipelines.reference", "import a published trace (parquet + meta yaml) as a lake job"),
     "export-reference": ("pipelines.reference", "export a lake job in the published format"),
     "import": ("pipelines.ingest", "convert one job's raw profiler output (kineto, ndtimeline) into a lake job"),
+    "land": ("pipelines.land", "copy torch.profiler traces on disk into the lake's raw landing (raw/kineto)"),
     "export": ("pipelines.export", "export a lake job as raw profiler output (--format ndtimeline)"),
     "analyze": ("pipelines.analyze", "what-if analysis of one job (no Beam)"),
     "batch": ("pipelines.batch", "Beam batch job: lake -> validated, analysed, partitioned tables"),

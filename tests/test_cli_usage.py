@@ -28,6 +28,7 @@ def _cases(tmp: pathlib.Path) -> list[tuple[list[str], str]]:
         (["import-reference", "/nope/t.parquet", "/nope/m.yaml", "--lake", str(lake)], "--job-id"),
         (["export-reference", "--lake", "/nope", "--job-id", "x", "--out", out], "no lake there"),
         (["import", "--format", "kineto", "--lake", str(lake), "--job-id", "x", "/nope"], "/nope"),
+        (["land", "/nope", "--lake", str(lake), "--job-id", "x"], "/nope"),
         (["export", "--format", "ndtimeline", "--lake", "/nope", "--job-id", "x", "--out", out], "no lake there"),
         (["analyze", README, "--meta", README], "--meta"),
         (["analyze", "--lake", "/nope", "--job-id", "x"], "no lake there"),
@@ -47,7 +48,7 @@ def _cases(tmp: pathlib.Path) -> list[tuple[list[str], str]]:
     ]
 
 
-@pytest.mark.parametrize("index", range(21))
+@pytest.mark.parametrize("index", range(22))
 def test_bad_arguments_give_one_line_and_exit_2(index, tmp_path, capsys):
     argv, expected = _cases(tmp_path)[index]
     try:
@@ -65,7 +66,7 @@ def test_bad_arguments_give_one_line_and_exit_2(index, tmp_path, capsys):
 
 def test_cases_cover_every_subcommand(tmp_path):
     assert {argv[0] for argv, _ in _cases(tmp_path) if argv} >= set(cli.COMMANDS)
-    assert len(_cases(tmp_path)) == 21
+    assert len(_cases(tmp_path)) == 22
 
 
 def test_the_strag_script_shows_no_library_log_lines(tmp_path):

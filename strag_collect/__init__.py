@@ -1,0 +1,15 @@
+"""strag's trainer-side collector: profiler output -> the lake's raw landing, from inside a training process.
+
+    from strag_collect import kineto_handler
+    with torch.profiler.profile(schedule=torch.profiler.schedule(wait=5, warmup=1, active=3),
+                                on_trace_ready=kineto_handler("s3://lake", job_id="llama-7b-0412")) as prof:
+        ...   # prof.step() every training step
+
+Light enough to import in a trainer: the standard library and fsspec only (no Apache Beam,
+pyarrow, numpy, yaml; torch is never imported, only the objects passed in are used). The rest
+of strag reads what it writes (schemas/raw.py); `kineto.py` says where, how and what happens
+when storage fails.
+"""
+from strag_collect.kineto import CollectorWarning, KinetoHandler, kineto_handler, land_file, window_dir
+
+__all__ = ["kineto_handler", "KinetoHandler", "CollectorWarning", "land_file", "window_dir"]

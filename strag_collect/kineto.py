@@ -1,0 +1,339 @@
+"""torch.profiler traces -> `{lake}/raw/kineto/date=D/job_id=J/` (schemas/raw.py), written from the trainer.
+
+`kineto_handler(lake, job_id=...)` is an `on_trace_ready` callback. Each time the profiler
+closes a window, every rank exports its Chrome trace to a local temporary file and a
+background thread writes it, gzipped, as
+
+    {lake}/raw/kineto/date=D/job_id=J/rank-{rank}.0.json.gz       window 0
+    {lake}/raw/kineto/date=D/job_id=J@{n}/rank-{rank}.{n}.json.gz  window n >= 1 (a schedule with repeat)
+    .../job.yaml                                                   rank 0: what the trainer knows
+
+One folder is one analysable window: the converter takes a folder's files as the ranks of
+one run, so a second window of the same ranks beside the first would be refused
+(`raw_duplicate_rank`); later windows are their own job windows, `J@n`. Every rank counts
+its windows the same way (the profiler's schedule), so they agree on the folder without
+talking to each other. D is the UTC date when the window closed (or the `date` given).
+
+Writes are atomic: a hidden temporary name in the target folder (readers skip names
+starting with '.'), fsynced on local disk, then renamed (fsspec `mv`; copy + delete on
+object stores, where a reader still sees the whole file or nothing).
+
+Failure policy: the training loop never sees an exception and never waits on storage.
+Export errors, a trace above `max_bytes` and writes still failing after `retries` retries
+(exponential backoff, full jitter) each give one `CollectorWarning` naming the file and the
+error; that window's trace is lost, training goes on. At most two windows upload at once; a
+third is skipped with a warning rather than queued behind a stalled store.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import gzip
+import io
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Mapping
+from typing import IO, Any
+
+import fsspec
+
+__all__ = ["kineto_handler", "KinetoHandler", "CollectorWarning", "land_file", "window_dir", "job_yaml_fields",
+           "JOB_YAML", "DIM_TOKENS"]
+
+# Copies of the lake contract, here because importing `schemas` loads pyarrow (tests/test_collect.py
+# checks they equal schemas.lake._JOB_ID, schemas.raw.raw_dir and the converter's dim names).
+JOB_YAML = "job.yaml"
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+@:-]{0,199}")
+# Mesh dim name tokens -> the layout dim they name, as transforms/ingest/kineto/spans.py reads process-group descriptions.
+DIM_TOKENS = {
+    "pp": {"pp", "pipe", "pipeline"},
+    "dp": {"dp", "data", "ddp", "fsdp", "replicate", "shard"},
+    "tp": {"tp", "tensor"},
+    "cp": {"cp", "context"},
+}
+_LAYOUT_DIMS = ("tp", "cp", "dp", "pp")   # schemas.raw.LAYOUT_DIMS
+MAX_PENDING_WINDOWS = 2
+_CHUNK = 1 << 20
+
+
+class CollectorWarning(RuntimeWarning):
+    """A trace the collector could not land (the training goes on); filter it like any warning."""
+
+
+def _safe_job_id(job_id: str) -> str:
+    if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id) or ".." in job_id:
+        raise ValueError(f"job id {job_id!r}: use 1-200 letters, digits and . _ + @ : - starting with a letter or "
+                         "digit (no '/', '=', '..'; a leading '.' or '_' would hide it)")
+    return job_id
+
+
+def window_dir(lake: str, date: str, job_id: str, window: int = 0) -> str:
+    """Folder of profiling window `window` of a job: the job's raw kineto window for window 0, `{job_id}@{window}` after."""
+    name = _safe_job_id(job_id if window == 0 else f"{job_id}@{window}")
+    return "/".join([lake.rstrip("/"), "raw", "kineto", f"date={date}", f"job_id={name}"])
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return "file" in protocol or "local" in protocol
+
+
+def _write_atomic(url: str, source: IO[bytes], compress: bool) -> None:
+    """Stream `source` (gzipped on the way when `compress`) to a hidden name beside `url`, then rename it to `url`."""
+    fs, path = fsspec.core.url_to_fs(url)
+    folder, name = path.rsplit("/", 1)
+    temporary = f"{folder}/.{name}.{uuid.uuid4().hex}.tmp"
+    fs.makedirs(folder, exist_ok=True)
+    try:
+        with fs.open(temporary, "wb") as out:
+            if compress:
+                # filename "" and mtime 0: the same trace gives the same bytes (no temporary name in the header)
+                with gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0) as packed:
+                    shutil.copyfileobj(source, packed, _CHUNK)
+            else:
+                shutil.copyfileobj(source, out, _CHUNK)
+            if _is_local(fs):   # durable before it becomes visible
+                out.flush()
+                os.fsync(out.fileno())
+        fs.mv(temporary, path)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            fs.rm(temporary)
+        raise
+
+
+def land_file(source: str | bytes, url: str, *, compress: bool, retries: int = 3, backoff: float = 0.5,
+              backoff_max: float = 8.0) -> None:
+    """Write a local file (path) or bytes to the file URL `url` atomically, gzipped when `compress`.
+
+    Retries `retries` times after the first attempt, sleeping a random 0..backoff * 2**i seconds
+    (at most backoff_max) before retry i; raises the last error when every attempt failed."""
+    for attempt in range(retries + 1):
+        try:
+            with (open(source, "rb") if isinstance(source, str) else io.BytesIO(source)) as data:
+                _write_atomic(url, data, compress)
+            return
+        except Exception:
+            if attempt == retries:
+                raise
+            time.sleep(random.uniform(0.0, min(backoff_max, backoff * 2 ** attempt)))
+
+
+def _dim_of(name: str) -> str | None:
+    tokens = set(re.split(r"[^a-z]+", str(name).lower()))
+    kinds = [dim for dim, names in DIM_TOKENS.items() if tokens & names]
+    return kinds[0] if len(kinds) == 1 else None
+
+
+def _mesh_dims(mesh: Any) -> list[tuple[str, int]] | None:
+    """[(dim name, size)] outermost first, from a dict or a torch DeviceMesh whose ranks are in row-major
+    order (what init_device_mesh builds); None when the mesh does not say (no names, another rank order)."""
+    if isinstance(mesh, Mapping):
+        return [(str(name), int(size)) for name, size in mesh.items()]
+    names = getattr(mesh, "mesh_dim_names", None)
+    ranks = getattr(mesh, "mesh", None)
+    if not names or ranks is None:
+        return None
+    shape = [int(size) for size in ranks.shape]
+    order = ranks.flatten().tolist()
+    if len(shape) != len(names) or order != list(range(len(order))):
+        return None
+    return list(zip(map(str, names), shape))
+
+
+def job_yaml_fields(mesh: Any, world: int | None) -> dict[str, Any]:
+    """job.yaml's dp_size, pp_size, tp_size, cp_size and layout (schemas/raw.py JOB_YAML_KEYS) from a mesh.
+
+    Dims are named as the converter names process groups (`dp`, `data_parallel`, `dp_shard`, `pp`,
+    `pipe`, `tp`, `cp`, ...); neighbouring dims of one kind merge (HSDP's dp_replicate x dp_shard).
+    {} whenever the mesh cannot say for sure (a dim of another kind with size > 1, a kind split by
+    another dim, sizes whose product is not the world size): sizes in job.yaml override what the
+    trace's own process groups say, so a guess there would be worse than nothing."""
+    dims = _mesh_dims(mesh) if mesh is not None else None
+    if not dims:
+        return {}
+    merged: list[list] = []
+    for name, size in dims:
+        kind = _dim_of(name)
+        if kind is None:
+            if size != 1:
+                return {}
+        elif merged and merged[-1][0] == kind:
+            merged[-1][1] *= size
+        elif any(kind == seen for seen, _ in merged):
+            return {}
+        else:
+            merged.append([kind, size])
+    sizes = {dim: 1 for dim in _LAYOUT_DIMS} | {kind: size for kind, size in merged}
+    product = sizes["dp"] * sizes["pp"] * sizes["tp"] * sizes["cp"]
+    if product < 1 or (world is not None and product != world):
+        return {}
+    fastest = [kind for kind, _ in reversed(merged)] + [dim for dim in _LAYOUT_DIMS if dim not in dict(merged)]
+    return {"dp_size": sizes["dp"], "pp_size": sizes["pp"], "tp_size": sizes["tp"], "cp_size": sizes["cp"],
+            "layout": "-".join(fastest)}
+
+
+def _one_line(value: Any) -> str:
+    return " ".join(str(value).split())
+
+
+def _job_yaml(mesh: Any, world: int | None, schedule: Any, microbatches: int | None) -> str:
+    """job.yaml text: the layout keys when the mesh gives them; the rest as comments (strag derives
+    world, schedule and microbatches from the traces; the comments are for people browsing the lake)."""
+    if microbatches is None and isinstance(getattr(schedule, "_n_microbatches", None), int):
+        microbatches = schedule._n_microbatches   # torch.distributed.pipelining schedules keep it there
+    if schedule is not None and not isinstance(schedule, str):
+        schedule = type(schedule).__name__
+    lines = ["# written by strag_collect on rank 0; keys: schemas/raw.py JOB_YAML_KEYS"]
+    for label, value in (("world_size", world), ("schedule", schedule), ("microbatches", microbatches)):
+        if value is not None:
+            lines.append(f"# {label}: {_one_line(value)}")
+    dims = _mesh_dims(mesh) if mesh is not None else None
+    if dims:
+        lines.append("# mesh: " + ", ".join(f"{_one_line(name)}={size}" for name, size in dims))
+    fields = job_yaml_fields(mesh, world)
+    if dims and not fields:
+        lines.append("# the mesh does not fix the layout here: strag reads it from the traces' process groups")
+    lines += [f"{key}: {value}" for key, value in fields.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _rank_and_world(rank: int | None, world: int | None) -> tuple[int, int | None]:
+    """The given values, else torch.distributed's (when the trainer initialised it; torch is never
+    imported here), else RANK / WORLD_SIZE from the environment (torchrun), else rank 0."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world = dist.get_world_size() if world is None else world
+    except Exception:   # a half-initialised process group: fall back to the environment
+        pass
+    for name in ("RANK", "WORLD_SIZE"):
+        text = os.environ.get(name, "")
+        if text.isdigit():
+            if name == "RANK" and rank is None:
+                rank = int(text)
+            elif name == "WORLD_SIZE" and world is None:
+                world = int(text)
+    return (0 if rank is None else int(rank)), (None if world is None else int(world))
+
+
+def _warn(message: str) -> None:
+    warnings.warn(f"strag_collect: {message}; training goes on without it", CollectorWarning, stacklevel=3)
+
+
+class KinetoHandler:
+    """The `on_trace_ready` callable `kineto_handler` returns; `flush()` waits for uploads in flight,
+    `landed` lists the URLs written so far. Uploads are not daemon threads: a process ending right
+    after its last window still lands it (waiting at most the retries' bounded time)."""
+
+    def __init__(self, lake_url: str, job_id: str, *, date: str | dt.date | None = None, rank: int | None = None,
+                 world: int | None = None, mesh: Any = None, schedule: Any = None, microbatches: int | None = None,
+                 compress: bool = True, max_bytes: int = 1 << 30, retries: int = 3, backoff: float = 0.5):
+        if not lake_url:
+            raise ValueError("lake_url: give the lake's URL (a folder, s3://bucket/lake, ...)")
+        if date is not None:
+            date = dt.date.fromisoformat(str(date)).isoformat()
+        if retries < 0 or backoff < 0 or max_bytes <= 0:
+            raise ValueError("retries and backoff must be >= 0, max_bytes > 0")
+        self.lake = lake_url.rstrip("/")
+        self.job_id = _safe_job_id(job_id)
+        self.date, self.rank, self.world = date, rank, world
+        self.mesh, self.schedule, self.microbatches = mesh, schedule, microbatches
+        self.compress, self.max_bytes, self.retries, self.backoff = compress, max_bytes, retries, backoff
+        self.landed: list[str] = []
+        self._windows = 0
+        self._uploads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, prof: Any) -> None:
+        """Export this window's trace and start its upload; never raises (see the module's failure policy)."""
+        window, self._windows = self._windows, self._windows + 1
+        try:
+            self._start(prof, window)
+        except Exception as error:   # the policy: a lost trace is a warning, never a crash of the training step
+            _warn(f"profiling window {window} of job {self.job_id} not landed ({type(error).__name__}: {error})")
+
+    def _start(self, prof: Any, window: int) -> None:
+        rank, world = _rank_and_world(self.rank, self.world)
+        date = self.date or dt.datetime.now(dt.timezone.utc).date().isoformat()
+        folder = window_dir(self.lake, date, self.job_id, window)
+        target = f"{folder}/rank-{rank}.{window}.json" + (".gz" if self.compress else "")
+        with self._lock:
+            self._uploads = [thread for thread in self._uploads if thread.is_alive()]
+            if len(self._uploads) >= MAX_PENDING_WINDOWS:
+                _warn(f"{target} skipped: {len(self._uploads)} earlier windows are still uploading")
+                return
+        handle, local = tempfile.mkstemp(prefix=f"strag-{self.job_id}-rank{rank}-", suffix=".json")
+        os.close(handle)
+        try:
+            prof.export_chrome_trace(local)
+            size = os.path.getsize(local)
+            if size > self.max_bytes:
+                _warn(f"{target} skipped: the trace is {size:,} bytes, above max_bytes={self.max_bytes:,} "
+                      "(profile fewer steps, or raise max_bytes)")
+                os.remove(local)
+                return
+            files: list[tuple[str | bytes, str, bool]] = []
+            if rank == 0:
+                files.append((_job_yaml(self.mesh, world, self.schedule, self.microbatches).encode(),
+                              f"{folder}/{JOB_YAML}", False))
+            files.append((local, target, self.compress))
+            upload = threading.Thread(target=self._upload, args=(files, local), name=f"strag-collect-{window}")
+            with self._lock:
+                self._uploads.append(upload)
+            upload.start()
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(local)
+            raise
+
+    def _upload(self, files: list[tuple[str | bytes, str, bool]], local: str) -> None:
+        try:
+            for source, url, compress in files:
+                try:
+                    land_file(source, url, compress=compress, retries=self.retries, backoff=self.backoff)
+                except Exception as error:
+                    _warn(f"{url} not written after {self.retries + 1} attempt(s) ({type(error).__name__}: {error})")
+                    continue
+                with self._lock:
+                    self.landed.append(url)
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(local)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the uploads in flight (at most `timeout` seconds in all); True when none is left."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            uploads = list(self._uploads)
+        for upload in uploads:
+            upload.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(upload.is_alive() for upload in uploads)
+
+
+def kineto_handler(lake_url: str, *, job_id: str, date: str | dt.date | None = None, rank: int | None = None,
+                   world: int | None = None, mesh: Any = None, schedule: Any = None, microbatches: int | None = None,
+                   compress: bool = True, max_bytes: int = 1 << 30, retries: int = 3,
+                   backoff: float = 0.5) -> KinetoHandler:
+    """An `on_trace_ready` callback for torch.profiler.profile that lands each window in the lake.
+
+    lake_url: any fsspec URL (credentials from the environment, as for the rest of strag);
+    job_id: the lake's job id (letters, digits and . _ + @ : -); date: YYYY-MM-DD partition
+    (default: the UTC date when each window closes); rank / world: default torch.distributed's,
+    else RANK / WORLD_SIZE, else 0 / unknown; mesh: a DeviceMesh or {dim name: size} outermost
+    first, for job.yaml's sizes and layout; schedule (a pipelining schedule or its name) and
+    microbatches: recorded in job.yaml for people; compress: gzip (.json.gz); max_bytes: largest
+    exported trace (uncompressed bytes) to land; retries, backoff (seconds, doubling): per file.
+    Raises ValueError here, at set-up, for a bad job id, date or limit; never once training runs."""
+    return KinetoHandler(lake_url, job_id, date=date, rank=rank, world=world, mesh=mesh, schedule=schedule,
+                         microbatches=microbatches, compress=compress, max_bytes=max_bytes, retries=retries,
+                         backoff=backoff)
