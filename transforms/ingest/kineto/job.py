@@ -190,7 +190,9 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
     clock_of = {rank: (by_rank[rank].clock if clock == "auto" else f"rank:{rank}") for rank in rows}
     offsets = {rank: 0.0 for rank in rows} if clock == "trust" else _clock_offsets(rows, layout, clock_of)
     p2p_posted_early = _recv_waits_after_compute(rows)
-    p2p_clipped = _clip_p2p_waits(rows, layout, offsets)
+    step_starts = {rank: dict(zip(by_rank[rank].steps.tolist(), (by_rank[rank].step_start
+                   + (by_rank[rank].origin_ns - first_origin) / 1000.0).tolist())) for rank in rows}
+    p2p_clipped = _clip_p2p_waits(rows, layout, offsets, step_starts)
     dp_overlapped = _collectives_after_compute(rows)
     chains_serialised = _serialise_chains(rows)
     overlap_markers = _overlapped_dp_marker(rows) if dp_overlapped else 0

@@ -86,16 +86,22 @@ def _check_comm_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout
                                     job_id=job_id, op=send)
 
 
-def _clip_p2p_waits(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, offsets: Mapping[int, float]) -> int:
+def _clip_p2p_waits(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, offsets: Mapping[int, float],
+                    step_starts: Mapping[int, Mapping[int, float]] | None = None) -> int:
     """Cut the idle waits off both ends of every p2p pair (clocks aligned by `offsets`, µs).
 
     - A recv that opens the rank's step (before its first compute) and was posted before its
-      peer's send started waits idle: it starts with the send. Transfer times (end - latest start
-      of the pair) do not change; the step's observed span no longer counts a stage idling on its
-      first recv while the previous stage still finishes the previous step (pipelines without a
-      global sync at the step's end drift apart). Later recvs keep their start: their wait is the
-      pair's (the replay ends them at the send's start + transfer), and moving it into a gap before
-      the recv would make it the receiver's untraced time.
+      pipeline began the step waits idle: it starts when the pipeline began, or with its peer's
+      send if that is earlier. A pipeline begins its step when its first stage does (the ranks of
+      the DP replica whose step does not open with a recv; `step_starts`: per rank, its
+      ProfilerStep starts on the rows' time axis; without them, at the send). The step's observed
+      span no longer counts stages idling on their first recv while the first stage still
+      finishes the previous step (pipelines without a global sync at the step's end drift
+      apart); what the first stage does in its step before its first op (loading data, zeroing
+      grads) is the step's work, its untraced time (launch delay), which the later stages wait
+      for. Transfer times (end - latest start of the pair) do not change. Later recvs keep their
+      start: their wait is the pair's (the replay ends them at the send's start + transfer), and
+      moving it into a gap before the recv would make it the receiver's untraced time.
     - An asynchronous send (gloo's isend) stays open until the schedule waits on it, often after
       the data arrived: it ends when its recv ended. Otherwise the send chain of the dependency
       model would serialise sends that overlapped.
@@ -103,19 +109,41 @@ def _clip_p2p_waits(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, 
     changed = 0
     compute = [_CODE["forward-compute"], _CODE["backward-compute"]]
     first_compute = {rank: first_start_per_step(r["step"], r["start"], np.isin(r["optype"], compute)) for rank, r in rows.items()}
+    began = _pipeline_starts(rows, layout, offsets, step_starts or {})
     for send_rank, i, recv_rank, j in _p2p_pairs(rows, layout):
         send, recv = rows[send_rank], rows[recv_rank]
         shift = offsets[recv_rank] - offsets[send_rank]   # send clock -> recv clock
-        send_start = send["start"][i] + shift
-        opening = recv["start"][j] < first_compute[recv_rank].get(int(recv["step"][j]), np.inf)
-        if opening and send_start > recv["start"][j]:
-            recv["start"][j] = min(send_start, recv["end"][j])
+        step = int(recv["step"][j])
+        pipeline = began.get((layout.worker[recv_rank][0], step), np.inf) + offsets[recv_rank]
+        ready = min(send["start"][i] + shift, pipeline)
+        opening = recv["start"][j] < first_compute[recv_rank].get(step, np.inf)
+        if opening and ready > recv["start"][j]:
+            recv["start"][j] = min(ready, recv["end"][j])
             changed += 1
         recv_end = recv["end"][j] - shift                  # recv clock -> send clock
         if send["end"][i] > recv_end:
             send["end"][i] = max(send["start"][i], recv_end)
             changed += 1
     return changed
+
+
+def _pipeline_starts(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, offsets: Mapping[int, float],
+                     step_starts: Mapping[int, Mapping[int, float]]) -> dict[tuple[int, int], float]:
+    """(dp replica, step) -> when its pipeline began the step, on the aligned clock: the earliest
+    ProfilerStep start of its ranks whose step does not open with a recv (its first stages)."""
+    recvs = [_CODE["forward-recv"], _CODE["backward-recv"]]
+    out: dict[tuple[int, int], float] = {}
+    for rank, r in rows.items():
+        dp = layout.worker[rank][0]
+        order = np.lexsort((r["start"], r["step"]))
+        steps, first = np.unique(r["step"][order], return_index=True)
+        for step, i in zip(steps.tolist(), order[first].tolist()):
+            start = step_starts.get(rank, {}).get(step)
+            if start is None or r["optype"][i] in recvs:
+                continue
+            key = (dp, step)
+            out[key] = min(out.get(key, np.inf), start - offsets[rank])
+    return out
 
 
 _P2P_CHAINS = ("forward-send", "forward-recv", "backward-send", "backward-recv")
