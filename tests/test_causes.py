@@ -275,3 +275,13 @@ def test_a_stall_in_one_microbatch_every_step_blames_its_worker_and_its_fix_remo
     keep[stalled, lanes] = True
     kept = at_peer_speed(model, [worker], peers, keep)
     assert np.allclose(kept[stalled, lanes], model.original_cost[stalled, lanes] / peers.backward[worker])
+
+
+def test_time_covered_by_busy_spans_counts_overlapping_spans_once():
+    from transforms.whatif.causes.detect import _covered
+
+    # busy: [0, 4] and [2, 6] overlap (one blocked recv inside a compute), [8, 9] apart
+    busy_start, busy_end = np.array([2.0, 0.0, 8.0]), np.array([6.0, 4.0, 9.0])
+    gaps = _covered(np.array([1.0, 5.0, 6.5, 0.0]), np.array([3.0, 8.5, 7.5, 10.0]), busy_start, busy_end)
+    assert gaps.tolist() == [2.0, 1.5, 0.0, 7.0]
+    assert _covered(np.array([0.0]), np.array([1.0]), np.zeros(0), np.zeros(0)).tolist() == [0.0]

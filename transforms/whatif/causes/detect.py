@@ -34,7 +34,7 @@ from transforms.whatif.model import JobModel, compile_job, distinct
 from transforms.whatif.replay import Mix, Scenario, replay, replay_thread_count
 from transforms.whatif.result import JobMeta, WhatIfResult
 from schemas.causes import FIX_NAMES
-from schemas.trace import COMPUTE_OPTYPES, OPTYPES
+from schemas.trace import COMPUTE_OPTYPES, DP_COMM_OPTYPES, OPTYPES
 
 __all__ = ["classify", "analyze_and_classify", "COMPUTE_GROUPS"]
 
@@ -570,8 +570,9 @@ def _untraced_time(model: JobModel, dp: int, stage: int, partner: np.ndarray | N
     posted after its peer's send started was the worker's own lateness."""
     partner = _p2p_partner(model) if partner is None else partner
     ops = np.flatnonzero(model.op_stage == stage)
-    compute = ops[np.isin(model.op_optype[ops], [OPTYPES.index(name) for name in COMPUTE_OPTYPES])]
     recv = np.isin(model.op_optype[ops], [OPTYPES.index("forward-recv"), OPTYPES.index("backward-recv")])
+    # busy: computing, or blocked in a recv or a DP collective (waiting on a peer is no untraced work)
+    busy = ops[np.isin(model.op_optype[ops], [OPTYPES.index(name) for name in (*COMPUTE_OPTYPES, *DP_COMM_OPTYPES)]) | recv]
     peer = np.where(recv, partner[ops], -1)
     out = []
     for lane in np.flatnonzero(model.lane_dp == dp).tolist():
@@ -580,11 +581,22 @@ def _untraced_time(model: JobModel, dp: int, stage: int, partner: np.ndarray | N
         waiting = (delay > 0) & (~recv | late)
         gap_end = model.observed_start[ops[waiting], lane]
         gap_start = gap_end - delay[waiting]
-        busy_start, busy_end = model.observed_start[compute, lane], model.observed_end[compute, lane]
-        # [gap, compute] overlaps; one stage's computes do not overlap each other
-        covered = np.clip(np.minimum.outer(gap_end, busy_end) - np.maximum.outer(gap_start, busy_start), 0.0, None).sum(axis=1)
+        covered = _covered(gap_start, gap_end, model.observed_start[busy, lane], model.observed_end[busy, lane])
         out.append(float(np.maximum(gap_end - gap_start - covered, 0.0).sum()))
     return np.array(out)
+
+
+def _covered(gap_start: np.ndarray, gap_end: np.ndarray, busy_start: np.ndarray, busy_end: np.ndarray) -> np.ndarray:
+    """Per gap, the time inside it covered by the union of the busy spans (which may overlap)."""
+    order = np.argsort(busy_start, kind="stable")
+    start, end = busy_start[order], np.maximum.accumulate(busy_end[order]) if len(order) else busy_end
+    # merge into disjoint spans: a span starts a new run where it begins after every earlier end
+    new = np.ones(len(start), dtype=bool)
+    new[1:] = start[1:] > end[:-1]
+    runs = np.flatnonzero(new)
+    merged_start = start[runs]
+    merged_end = np.append(end[runs[1:] - 1], end[-1:]) if len(runs) else end[:0]
+    return np.clip(np.minimum.outer(gap_end, merged_end) - np.maximum.outer(gap_start, merged_start), 0.0, None).sum(axis=1)
 
 
 def _record_shares(evidence: dict, share) -> None:
