@@ -58,9 +58,12 @@ of (or mostly transfer-time variation over every rank and step): the job's own v
 
 Discarded windows (replay off by more than 5% either way) get measurements only: a worker >=
 `worker_alarm_ratio` its peers, a chunk >= `stage_alarm_ratio` the median chunk's compute, and
-untraced-cpu: workers whose untraced time (launch delay not covered by their own compute) is
-persistently twice their DP peers' and whose delays make most of the discrepancy (its fix: that
-time removed, against what ran); nothing measured: "none".
+untraced-cpu: workers whose untraced time (launch delay while neither computing nor blocked in a
+recv or DP collective) is persistently twice their DP peers' and whose delays make most of the
+discrepancy, or 4x their peers' in every step (hidden behind a slower worker now; its fix: that
+time removed, against what ran); nothing measured: "none". A window whose replay matches lists
+untraced-cpu after its what-if causes when such a worker's untraced time is at least half the
+straggling threshold's share of the step.
 
 Modules: verdict (dataclasses, job_cause row), signals, sequences, fixes, detect
 (classify), explain (sentences). Words for causes, fixes and evidence: schemas/causes.py.

@@ -415,8 +415,22 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         primary = "unexplained"
         confidence = float(np.clip(1.0 - max((f.explained for f in fixes.values()), default=0.0), 0.0, 1.0))
     implicated = list(dict.fromkeys(w for c in ranked for w in by_cause[c].implicated))
+    # untraced CPU work the replay leaves out (it is within 5% here) can still be one worker's,
+    # large beside its peers' and hidden behind a slower worker: a cause of its own once it
+    # costs a share of the step worth a cause (half the straggling threshold)
+    untraced = [u for u in _untraced_workers(model, result) if max(u[1], u[2]) >= 0.5 * (rules.straggling - 1.0)]
+    if untraced and primary != "none":
+        clearly, workers = _untraced_cause(result, untraced, evidence, fixes)
+        listed["untraced-cpu"] = 1.0
+        ranked = [*ranked, "untraced-cpu"] if ranked else ["untraced-cpu"]
+        if primary == "unexplained":
+            primary, confidence = "untraced-cpu", 1.0
+        implicated = list(dict.fromkeys([*implicated, *workers]))
     evidence = {k: (float(v) if isinstance(v, (np.floating, float)) else v) for k, v in evidence.items()}
-    explanations = {c: explain.cause_sentence(c, evidence, fixes[c], by_cause[c].implicated, model.pp_size) for c in ranked}
+    explanations = {c: explain.cause_sentence(c, evidence, fixes[c], by_cause[c].implicated, model.pp_size)
+                    for c in ranked if c != "untraced-cpu"}
+    if untraced and "untraced-cpu" in ranked:
+        explanations["untraced-cpu"] = explain.untraced_sentence(untraced, float(result.launch_slowdown), fixes["untraced-cpu"])
     if primary in ("none", "unexplained"):
         best = max(fixes.values(), key=lambda f: f.explained, default=None)
         explanations[primary] = explain.verdict_sentence(primary, slowdown, rules.straggling, best,
@@ -441,11 +455,7 @@ def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, 
     fixes: dict[str, Fix] = {}
     untraced = _untraced_workers(model, result)
     if untraced:
-        (_, excess), saved = untraced[0], untraced[0][1] / launch
-        measured["untraced-cpu"], implicated["untraced-cpu"] = 1.0 + saved, [w for w, _ in untraced]
-        evidence["untraced_workers"] = [{"dp_rank": d, "stage": p, "launch_slowdown": 1.0 + e} for (d, p), e in untraced]
-        fixes["untraced-cpu"] = Fix("untraced-cpu", float(result.step_t_base.mean()) * (1.0 - saved), slowdown,
-                                    min(1.0, excess / (launch - 1.0)), saved, FIX_NAMES["untraced"])
+        measured["untraced-cpu"], implicated["untraced-cpu"] = _untraced_cause(result, untraced, evidence, fixes)
     blamed = paired.peers.blamed(rules) if paired.peers is not None else []
     if blamed and _worst_direction(paired.peers, blamed[0]) >= rules.worker_alarm_ratio:
         measured["individual-worker"] = _worst_direction(paired.peers, blamed[0])
@@ -510,16 +520,19 @@ def _worst_direction(peers, worker: tuple[int, int]) -> float:
 
 
 def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5, factor: float = 2.0,
-                      persist: float = 0.75, each: float = 0.2) -> list[tuple[tuple[int, int], float]]:
+                      persist: float = 0.75, each: float = 0.2) -> list[tuple[tuple[int, int], float, float]]:
     """The workers whose untraced CPU time (launch delays: METHOD.md section 3) makes the replay
-    discrepancy, as [(worker, excess)] (largest first) or []. A measurement and a replay must agree:
+    discrepancy, as [(worker, excess, hidden excess)] (largest first) or []. A
+    measurement and a replay must agree:
     - measured (`_untraced_time`): the worker's untraced time per step is at least `factor` times
       its DP peers' median in `persist` of the steps (persistent, not one preempted step). Without
       DP peers, against the other stages, and only the one far ahead of the rest (`factor` times
       the next): a stage waiting on a paused neighbour shows untraced time too;
     - replayed: the no-delay replay with only its delays given back is min(launch S of its DP rank,
       of its stage) times as long, an excess of at least `each` of the whole discrepancy's, and
-      the named workers' excesses add up to at least `share` of it (else: spread, nobody to name)."""
+      the named workers' excesses add up to at least `share` of it (else: spread, nobody to name);
+      a slower worker elsewhere can hide it from the replay now: a worker whose untraced time is
+      2 x `factor` its peers' in every step counts with that time's share of the step instead."""
     if result.launch_by_dp_rank is None or result.launch_by_stage is None or result.launch_slowdown <= 1.0:
         return []
     workers = [(d, p) for d in range(model.dp_size) for p in range(model.pp_size)]
@@ -528,25 +541,47 @@ def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5,
     partner = _p2p_partner(model)
     per_step = {w: _untraced_time(model, *w, partner=partner) for w in workers}
 
-    def persistent(worker, others) -> bool:
+    def persistent(worker, others, times: float = factor, steps: float = persist) -> bool:
         baseline = np.median(np.stack([per_step[w] for w in others]), axis=0)
         with np.errstate(divide="ignore", invalid="ignore"):
-            return bool((per_step[worker] / baseline >= factor).mean() >= persist)
+            return bool((per_step[worker] / baseline >= times).mean() >= steps)
 
     if model.dp_size > 1:
-        named = [w for w in workers if persistent(w, [(d, w[1]) for d in range(model.dp_size) if d != w[0]])]
+        peer_set = {w: [(d, w[1]) for d in range(model.dp_size) if d != w[0]] for w in workers}
+        named = [w for w in workers if persistent(w, peer_set[w])]
     else:
         ranked = sorted(workers, key=lambda w: (-float(np.median(per_step[w])), w))
         top = ranked[0]
+        peer_set = {top: ranked[1:]}
         ahead = float(np.median(per_step[top])) >= factor * float(np.median(per_step[ranked[1]]))
         named = [top] if ahead and persistent(top, ranked[1:]) else []
     total = float(result.launch_slowdown) - 1.0
     excess = {(d, p): min(float(result.launch_by_dp_rank.get(d, 1.0)), float(result.launch_by_stage.get(p, 1.0))) - 1.0
               for d, p in named}
-    named = sorted((w for w in named if excess[w] >= each * total), key=lambda w: (-excess[w], w))
-    if not named or sum(excess[w] for w in named) < share * total:
+    # a worker whose untraced time is far beyond its peers' in every step (2 x factor) is named even
+    # when a slower worker elsewhere hides its cost now (another DP replica's slow compute sets the
+    # step): once that one is fixed, its pauses cost; its size is what it measures per step
+    step_time = float(result.step_t_nodelay.mean())
+    hidden = {w: float(np.median(per_step[w])) / step_time if persistent(w, peer_set[w], 2.0 * factor, 1.0) else 0.0
+              for w in named}
+    counted = {w: max(excess[w], hidden[w]) for w in named}
+    named = sorted((w for w in named if counted[w] >= each * total), key=lambda w: (-counted[w], w))
+    if not named or sum(counted[w] for w in named) < share * total:
         return []
-    return [(w, excess[w]) for w in named]
+    return [(w, excess[w], hidden[w]) for w in named]
+
+
+def _untraced_cause(result: WhatIfResult, untraced: list, evidence: dict, fixes: dict) -> tuple[float, list]:
+    """Record the untraced-cpu cause of `_untraced_workers`' answer (evidence and its fix: the
+    blamed workers' untraced time removed, against what ran); returns (how clearly it measures:
+    1 + the share of what ran it costs, the workers)."""
+    launch, slowdown = float(result.launch_slowdown), float(result.slowdown)
+    (_, excess, free), saved = untraced[0], max(untraced[0][1], 0.0) / launch
+    evidence["untraced_workers"] = [{"dp_rank": d, "stage": p, "launch_slowdown": 1.0 + e, "hidden_slowdown": 1.0 + f}
+                                    for (d, p), e, f in untraced]
+    fixes["untraced-cpu"] = Fix("untraced-cpu", float(result.step_t_base.mean()) * (1.0 - saved), slowdown,
+                                min(1.0, max(excess, 0.0) / (launch - 1.0)), saved, FIX_NAMES["untraced"])
+    return 1.0 + max(saved, free / launch), [w for w, *_ in untraced]
 
 
 def _p2p_partner(model: JobModel) -> np.ndarray:

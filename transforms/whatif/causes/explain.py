@@ -143,9 +143,14 @@ def discarded_sentence(cause: str, evidence: dict, implicated, launch_slowdown: 
 
 def untraced_sentence(untraced, launch_slowdown: float, fix: Fix) -> str:
     """The sentence of the untraced-cpu cause: whose untraced CPU time stalls the job, by how much."""
-    (d, p), excess = untraced[0]
-    others = f" (also {', '.join(f'dp {w[0]} / stage {w[1]}' for w, _ in untraced[1:])})" if len(untraced) > 1 else ""
-    return (f"Worker dp {d} / stage {p}{others} spends CPU time the trace does not record (pauses, data loading, "
-            f"host syncs between its ops): with only its untraced time the replay is {100 * excess:.0f}% longer, "
+    (d, p), excess, free = untraced[0]
+    others = f" (also {', '.join(f'dp {w[0]} / stage {w[1]}' for w, *_ in untraced[1:])})" if len(untraced) > 1 else ""
+    head = (f"Worker dp {d} / stage {p}{others} spends CPU time the trace does not record (pauses, data loading, "
+            "host syncs between its ops)")
+    if free > excess:
+        return (f"{head}: its untraced time is {100 * free:.0f}% of the step and far beyond its peers' in every step; "
+                f"with only its untraced time the replay is {100 * max(excess, 0.0):.0f}% longer now, the rest is hidden "
+                "behind slower work elsewhere and costs once that is fixed.")
+    return (f"{head}: with only its untraced time the replay is {100 * excess:.0f}% longer, "
             f"{_pct(fix.explained)} of the {100 * (launch_slowdown - 1):.0f}% by which what ran exceeds the replay; "
             f"without it the job would be {100 * fix.savings_fraction:.0f}% faster.")
