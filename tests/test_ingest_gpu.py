@@ -104,3 +104,50 @@ def test_compute_and_optimizer_are_the_gpu_work_they_launched(converted, documen
 def test_the_two_identical_ranks_do_not_straggle(converted):
     result = analyze_job(converted.trace, JobMeta.from_mapping(converted.manifest), "gpu-ddp")
     assert result.slowdown < 1.05
+
+
+# --- multi-rank GPU jobs with a known answer, built from one real rank (tests/gpu_jobs.py) --------
+
+SOURCES = ["nccl_data.json.gz", "ddp2_rank1.json.gz"]
+
+
+def _real_rank(name: str) -> pathlib.Path:
+    path = HTA / name
+    if not path.is_file():
+        pytest.skip(f"public HTA trace {path} not found")
+    return path
+
+
+@pytest.mark.parametrize("name", SOURCES)
+def test_a_clean_gpu_job_on_two_hosts_finds_their_clock_offset_and_no_straggler(name, tmp_path):
+    from gpu_jobs import build_job
+    from transforms.whatif.causes import analyze_and_classify
+
+    paths = build_job(_real_rank(name), tmp_path / "job", world=4, per_host=2, host_offset_us=50_000.0)
+    job = convert_kineto([str(p) for p in paths], "gpu-clean", DATE)
+    offsets = job.source["clock_offsets_s"]
+    assert job.source["clocks"] == 2 and len(offsets) == 1
+    assert abs(next(iter(offsets.values()))) == pytest.approx(0.050, abs=5e-4)   # host 1 reads 50 ms later
+    result, verdict = analyze_and_classify(job.trace, JobMeta.from_mapping(job.manifest), "gpu-clean")
+    assert result.slowdown < 1.05 and verdict.cause == "none" and not verdict.implicated_workers
+
+
+@pytest.mark.parametrize("name", SOURCES)
+def test_a_slower_gpu_machine_is_the_worker_blamed(name, tmp_path):
+    """Rank 2 runs 1.5x slower (CPU and GPU). Its DP peers wait for it every step: the job runs at
+    its pace, T = 1.5 D, while the ideal takes each op's mean over the 4 DP ranks, (3 + 1.5) / 4 D:
+    S = 1.5 / 1.125 where compute sets the step. Whether or not the replay matches the trace
+    (nccl_data's CPU launches lag its kernels, 13% of its step), the worker blamed is rank 2."""
+    from gpu_jobs import build_job
+    from transforms.whatif.causes import analyze_and_classify
+
+    paths = build_job(_real_rank(name), tmp_path / "job", world=4, slow={2: 1.5}, per_host=4)
+    job = convert_kineto([str(p) for p in paths], "gpu-slow", DATE)
+    result, verdict = analyze_and_classify(job.trace, JobMeta.from_mapping(job.manifest), "gpu-slow")
+    assert verdict.cause == "individual-worker"
+    assert verdict.implicated_workers == [(2, 0)]
+    assert max(result.by_dp_rank, key=result.by_dp_rank.get) == 2
+    if not result.discarded:
+        assert result.slowdown == pytest.approx(1.5 / 1.125, rel=0.03)
+    else:
+        assert result.launch_slowdown > 1.05

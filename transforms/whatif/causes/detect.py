@@ -467,6 +467,12 @@ def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, 
         else:
             measured["stage-imbalance"], implicated["stage-imbalance"] = float(paired.chunks.ratio), []
     ranked = sorted(measured, key=lambda c: (-measured[c], c))
+    if {"untraced-cpu", "individual-worker"} <= set(ranked) and \
+            set(implicated["untraced-cpu"]) <= set(implicated["individual-worker"]):
+        # the machine that computes slowly also spends more CPU time between its ops: one slow
+        # machine, whose compute is the clearer measurement
+        ranked.remove("individual-worker")
+        ranked.insert(0, "individual-worker")
     primary = ranked[0] if ranked else "none"
     workers = list(dict.fromkeys(w for c in ranked for w in implicated[c]))
     evidence = {k: (float(v) if isinstance(v, (np.floating, float)) else v) for k, v in evidence.items()}
