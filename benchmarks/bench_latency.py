@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as folder:
         lake, out = f"{folder}/lake", f"{folder}/out"
+        os.makedirs(f"{lake}/landing")   # watch refuses a folder that is not a lake
         argv_watch = ["--lake", lake, "--out", out, "--poll-interval", str(args.poll_interval),
                       "--session-timeout", "60", "--stop-after-sessions", str(args.sessions + 1), "--max-runtime", "900"]
         watcher = threading.Thread(target=streaming.run, args=(argv_watch,), daemon=True)

@@ -1,6 +1,6 @@
 """`strag land`: torch.profiler traces already on disk -> the lake's raw landing, as the collector writes them.
 
-    strag land DIR --lake URL --job-id ID [--date YYYY-MM-DD]
+    strag land DIR --lake URL --job-id ID [--date YYYY-MM-DD] [--live [--session NAME]]
 
 DIR: a local folder of rank traces (`*.json`, `*.json.gz`: `export_chrome_trace` or
 `tensorboard_trace_handler` output, one per rank) and an optional job.yaml. Each trace is
@@ -10,19 +10,27 @@ schemas/raw.py JOB_YAML_KEYS first. JSON files that are not torch.profiler trace
 notes, truth.json) and hidden names are left out and listed. `strag batch` then analyses
 the window, or `strag import` makes it a native lake job.
 
+`--live` also lands the traces, first, as a live session of `strag watch`
+(`{lake}/landing/ID/SESSION/rank-R-of-W.json.gz` and job.yaml, transforms/landing.py), as
+`kineto_handler(..., live=True)` does; each trace's rank and world size come from its own
+`distributedInfo`. SESSION defaults to `landed-{UTC time}`, so landing again is a new session.
+
 Exit 2 with one line on a usage error (no DIR, no traces in it, a bad job id or job.yaml,
-`--live`: live Kineto sessions are not supported yet); exit 1 when storage fails.
+with --live a trace without distributedInfo, two traces of one rank, or ranks of different
+world sizes); exit 1 when storage fails.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
 import gzip
+import json
 import pathlib
 import sys
 
 from pipelines.cli import date_argument
 from pipelines.usage import ArgumentParser
+from schemas.lake import LANDING
 from schemas.raw import JOB_YAML, raw_dir, raw_format_of
 
 __all__ = ["LandOptions", "parse", "trace_files", "land", "run"]
@@ -38,6 +46,7 @@ class LandOptions:
     lake: str
     job_id: str
     date: dt.date
+    session: str | None = None   # --live: the live session's name
 
 
 def _is_kineto_trace(path: pathlib.Path) -> bool:
@@ -76,6 +85,50 @@ def trace_files(folder: pathlib.Path) -> tuple[list[pathlib.Path], pathlib.Path 
     return traces, job_yaml, left_out
 
 
+def distributed_info(path: pathlib.Path) -> tuple[int, int]:
+    """(rank, world size) of a torch.profiler trace, from its `distributedInfo` (near the head: read
+    in growing pieces, the whole file at worst). ValueError when the trace has none."""
+    size = 1 << 16
+    while True:
+        with (gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")) as handle:
+            head = handle.read(size)
+            whole = len(head) < size
+        text = head.decode("utf-8", errors="replace")
+        at = text.find('"distributedInfo"')
+        if at >= 0:
+            start = text.find("{", at)
+            try:
+                info, _ = json.JSONDecoder().raw_decode(text, start) if start >= 0 else (None, 0)
+            except json.JSONDecodeError:
+                info = None   # cut by the head: read more
+            if isinstance(info, dict):
+                try:
+                    rank, world = int(info["rank"]), int(info["world_size"])
+                except (KeyError, TypeError, ValueError):
+                    raise ValueError(f"{path}: distributedInfo has no integer rank and world_size") from None
+                if not 0 <= rank < world:
+                    raise ValueError(f"{path}: distributedInfo says rank {rank} of world size {world}")
+                return rank, world
+        if whole:
+            raise ValueError(f"{path}: no distributedInfo (rank, world_size) in the trace: a live session needs it "
+                             "to know when every rank is in (profile a torch.distributed process)")
+        size *= 8
+
+
+def live_files(traces: list[pathlib.Path]) -> dict[int, tuple[pathlib.Path, int]]:
+    """{rank: (trace, world size)} of a folder's traces; ValueError on two traces of one rank or mixed world sizes."""
+    ranks: dict[int, tuple[pathlib.Path, int]] = {}
+    for path in traces:
+        rank, world = distributed_info(path)
+        if rank in ranks:
+            raise ValueError(f"{ranks[rank][0].name} and {path.name} are both rank {rank}: land one trace per rank")
+        ranks[rank] = (path, world)
+    worlds = sorted({world for _, world in ranks.values()})
+    if len(worlds) > 1:
+        raise ValueError(f"the traces name different world sizes ({', '.join(map(str, worlds))}): ranks of more than one run")
+    return dict(sorted(ranks.items()))
+
+
 def land(options: LandOptions) -> tuple[str, list[str], list[str]]:
     """Write the folder's traces (and job.yaml) into the raw window; returns (window URL, URLs written,
     names left out). ValueError / RawInputError on bad input, OSError when storage fails after retries."""
@@ -88,10 +141,19 @@ def land(options: LandOptions) -> tuple[str, list[str], list[str]]:
         read_job_yaml(job_yaml.read_bytes(), job_id=options.job_id, path=str(job_yaml))
     window = raw_dir(options.lake, "kineto", options.date.isoformat(), options.job_id)
     policy = RetryPolicy.from_env()
-    written = []
+    plan: list[tuple[pathlib.Path, str]] = []   # (local file, URL), in landing order
+    if options.session is not None:   # the live session first (job.yaml before the traces): the watcher starts sooner
+        from schemas.lake import landing_dir
+        from strag_collect import live_trace_name   # the collector's names: transforms/landing.py reads them
+
+        session = landing_dir(options.lake, options.job_id, options.session)
+        plan += [(job_yaml, f"{session}/{JOB_YAML}")] if job_yaml else []
+        plan += [(path, f"{session}/{live_trace_name(rank, world)}") for rank, (path, world) in live_files(traces).items()]
     for path in ([job_yaml] if job_yaml else []) + traces:
-        compress = path.name.lower().endswith(".json")
-        url = f"{window}/{path.name}" + (".gz" if compress else "")
+        plan.append((path, f"{window}/{path.name}" + (".gz" if path.name.lower().endswith(".json") else "")))
+    written = []
+    for path, url in plan:
+        compress = url.endswith(".gz") and not path.name.lower().endswith(".gz")
         try:
             land_file(str(path), url, compress=compress, retries=policy.attempts - 1, backoff=policy.backoff,
                       backoff_max=policy.backoff_max)
@@ -111,19 +173,29 @@ def parse(argv: list[str]) -> LandOptions:
     parser.add_argument("--lake", required=True, help="lake URL (folder, file://, s3://)")
     parser.add_argument("--job-id", required=True, help="job id in the lake")
     parser.add_argument("--date", type=date_argument, default=None, help="date partition YYYY-MM-DD (default: today, UTC)")
-    parser.add_argument("--live", action="store_true", help="land as a live session for `strag watch` (not supported yet)")
+    parser.add_argument("--live", action="store_true",
+                        help="also land the traces, first, as a live session {lake}/landing/ID/SESSION/ that `strag watch` "
+                             "analyses as soon as every rank is in")
+    parser.add_argument("--session", default=None, metavar="NAME",
+                        help="with --live: the live session's name (default landed-YYYYMMDDTHHMMSSZ, now in UTC)")
     args = parser.parse_args(argv)
-    if args.live:
-        parser.error("--live: live Kineto sessions are not supported yet (strag watch reads strag's parquet sessions "
-                     "only); land without --live, then run `strag batch` or `strag import`")
     from schemas.lake import safe_job_id
 
     try:
         safe_job_id(args.job_id)
     except ValueError as error:
         parser.error(f"--job-id: {error}")
+    session = None
+    if args.session is not None and not args.live:
+        parser.error("--session names a live session: give --live too")
+    if args.live:
+        session = args.session or "landed-" + dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        try:
+            safe_job_id(session, "session")
+        except ValueError as error:
+            parser.error(f"--session: {error}")
     date = args.date or dt.datetime.now(dt.timezone.utc).date()
-    return LandOptions(args.folder, args.lake, args.job_id, date)
+    return LandOptions(args.folder, args.lake, args.job_id, date, session)
 
 
 def run(argv: list[str]) -> int:
@@ -140,7 +212,12 @@ def run(argv: list[str]) -> int:
         print(f"strag land: storage failed, the window is incomplete: {error}; "
               "fix the storage or credentials and run the same command again", file=sys.stderr)
         return 1
+    live = [url for url in written if f"/{LANDING}/" in url]
+    written = [url for url in written if url not in live]
     traces = sum(not url.endswith("/" + JOB_YAML) for url in written)
+    if live:
+        print(f"landed live session {options.session} of job {options.job_id} ({len(live)} file(s)): "
+              f"{live[0].rsplit('/', 1)[0]}\n  watch   strag watch --lake {options.lake} --out LIVE_TABLES")
     print(f"landed {traces} rank trace{'s' if traces != 1 else ''}"
           + (" and job.yaml" if traces != len(written) else "") + f" of job {options.job_id} on {options.date}\n"
           f"  window  {window}\n"

@@ -8,6 +8,8 @@ Routes (every page is rendered from the live tables at request time):
     /api/job/{job_id}/version  {"version": ...}: changes when the job's rows change; the
                                page polls it and reloads
     /assets/vega-bundle.js     the charts' JavaScript (offline, from vl-convert)
+    /metrics                   Prometheus text format (prometheus_client): per job S, waste, sessions,
+                               alerts; the watcher's health from {tables}/_watcher.json (`metrics_text`)
 
 Bound to 127.0.0.1 by default: the pages are for the operator's machine; put a reverse
 proxy with authentication in front to share them.
@@ -51,6 +53,9 @@ def parse(argv: list[str]) -> ServeOptions:
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port {args.port}: must be 0..65535")
+    problem = _tables_problem(args.tables.rstrip("/"))
+    if problem:
+        parser.error(f"--tables {args.tables}: {problem}")
     if not _loopback(args.host):
         if not args.allow_remote:
             parser.error(f"--host {args.host}: other machines could read the live pages, which have no authentication; "
@@ -58,6 +63,20 @@ def parse(argv: list[str]) -> ServeOptions:
         print(f"strag serve: WARNING: serving on {args.host}: anyone who can reach it reads every live job's pages",
               file=sys.stderr)
     return ServeOptions(args.tables.rstrip("/"), args.host, args.port, args.threshold, args.allow_remote)
+
+
+def _tables_problem(tables: str) -> str | None:
+    """Why `tables` cannot be served (None when it can): a folder must be there (`strag watch`
+    creates its --out as it starts); a batch lake or batch tables are named as such."""
+    import fsspec
+
+    try:
+        fs, root = fsspec.core.url_to_fs(tables)
+        if not fs.exists(root):
+            return "no folder there; give the --out of a running or past `strag watch` (it creates the folder as it starts)"
+    except (OSError, ValueError, ImportError) as error:
+        return f"cannot be opened ({type(error).__name__}: {error})"
+    return None
 
 
 def _loopback(host: str) -> bool:
@@ -122,10 +141,118 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             page = live_job_page(parts[1], results, alerts, threshold=self.options.threshold,
                                  version_href=f"/api{_job_href(parts[1])}/version", bundle_href="/" + BUNDLE_PATH)
             return self._send(200, page, "text/html; charset=utf-8")
+        if path == "/metrics":
+            from prometheus_client import CONTENT_TYPE_LATEST
+
+            return self._send(200, metrics_text(tables, self.options.threshold), CONTENT_TYPE_LATEST)
         if len(parts) == 4 and parts[:2] == ["api", "job"] and parts[3] == "version":
             results, alerts = _job_rows(tables, parts[2])
             return self._send(200, json.dumps({"version": live_version(results, alerts)}), "application/json")
         return self._send(404, f"not found: {path}", "text/plain; charset=utf-8")
+
+
+class _LiveCollector:
+    """prometheus_client collector reading the live tables and the watcher's status file at scrape time."""
+
+    def __init__(self, tables: str, threshold: float):
+        self.tables, self.threshold = tables, threshold
+
+    def collect(self):
+        import time
+
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        from transforms.live_tables import current_results
+        from transforms.watch_status import read_status
+
+        now = time.time()
+        current = current_results(read_live_table(self.tables, LIVE_RESULTS)).to_pylist()
+        alerts = read_live_table(self.tables, ALERTS)
+        slowdown = GaugeMetricFamily("strag_job_slowdown", "S of the job's latest analysed session (1.0 = no loss)",
+                                     labels=["job_id"])
+        waste = GaugeMetricFamily("strag_job_waste", "Waste 1 - 1/S of the job's latest analysed session", labels=["job_id"])
+        straggling = GaugeMetricFamily("strag_job_straggling", "1 when the latest analysed session's S is at or above "
+                                       f"the threshold ({self.threshold:g})", labels=["job_id"])
+        last = GaugeMetricFamily("strag_job_last_session_timestamp_seconds",
+                                 "When the job's latest session began landing (its first file)", labels=["job_id"])
+        sessions = GaugeMetricFamily("strag_job_sessions", "Sessions in the live table, by the status of their current "
+                                     "revision (analysed, discarded, failed)", labels=["job_id", "status"])
+        raised = CounterMetricFamily("strag_job_alerts", "Alerts in the live table", labels=["job_id", "kind"])
+        latest: dict[str, dict] = {}            # job -> its latest session's current row
+        latest_analysed: dict[str, dict] = {}   # job -> its latest session analysed with an S
+        counts: dict[tuple[str, str], int] = {}
+        for row in current:   # sorted by job, then first arrival: the last row of a job is its latest
+            counts[row["job_id"], row["status"]] = counts.get((row["job_id"], row["status"]), 0) + 1
+            latest[row["job_id"]] = row
+            if row["status"] == "analysed" and row["slowdown"] is not None:
+                latest_analysed[row["job_id"]] = row
+        for job in sorted(latest):
+            last.add_metric([job], latest[job]["first_arrival"].timestamp())
+            analysed = latest_analysed.get(job)
+            if analysed is not None:
+                slowdown.add_metric([job], analysed["slowdown"])
+                waste.add_metric([job], analysed["waste"] if analysed["waste"] is not None else 1 - 1 / analysed["slowdown"])
+                straggling.add_metric([job], float(analysed["slowdown"] >= self.threshold))
+        for (job, status), count in sorted(counts.items()):
+            sessions.add_metric([job, status], count)
+        alert_counts: dict[tuple[str, str], int] = {}
+        for job, kind in zip(alerts["job_id"].to_pylist(), alerts["kind"].to_pylist()):
+            alert_counts[job, kind] = alert_counts.get((job, kind), 0) + 1
+        for (job, kind), count in sorted(alert_counts.items()):
+            raised.add_metric([job, kind], count)
+        yield from (slowdown, waste, straggling, last, sessions, raised)
+        yield from _watcher_metrics(read_status(self.tables), now)
+
+
+def _watcher_metrics(status: dict | None, now: float):
+    """The watcher's health from its status file: ages, then its counters (of its current run)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    present = GaugeMetricFamily("strag_watcher_status_present", "1 when a `strag watch` status file is under --tables")
+    present.add_metric([], 0.0 if status is None else 1.0)
+    yield present
+    if status is None:
+        return
+
+    def gauge(name, text, value):
+        metric = GaugeMetricFamily(name, text)
+        metric.add_metric([], float("nan") if value is None else float(value))
+        return metric
+
+    def counter(name, text, value):
+        metric = CounterMetricFamily(name, text)
+        metric.add_metric([], float(value or 0))
+        return metric
+
+    last_poll = status.get("last_poll")
+    yield gauge("strag_watcher_running", "1 while the watcher runs (0 once it stopped; a killed one stays 1: "
+                "watch the heartbeat age)", 1.0 if status.get("running") else 0.0)
+    yield gauge("strag_watcher_heartbeat_age_seconds", "Seconds since the watcher last wrote its status file",
+                now - status["updated"] if status.get("updated") else None)
+    yield gauge("strag_watcher_last_poll_age_seconds", "Seconds since the watcher's last poll of the landing area",
+                None if last_poll is None else now - last_poll)
+    yield gauge("strag_watcher_start_time_seconds", "When the watcher's current run started", status.get("started"))
+    yield gauge("strag_watcher_alert_deliveries_pending", "Alert notices queued for the webhooks",
+                status.get("pending_deliveries"))
+    yield counter("strag_watcher_polls", "Polls of the landing area in the watcher's current run", status.get("polls"))
+    yield counter("strag_watcher_sessions_analysed", "Live result rows (session revisions) the watcher wrote in its "
+                  "current run", status.get("results"))
+    yield counter("strag_watcher_alerts", "Alerts the watcher raised in its current run", status.get("alerts"))
+    deliveries = CounterMetricFamily("strag_watcher_alert_deliveries", "Alert notices by outcome: sent, failed (given up "
+                                     "after retries), dropped (queue full or left at the stop), retried (attempts "
+                                     "after a failure), deduplicated (not sent again)", labels=["outcome"])
+    for outcome, count in sorted((status.get("deliveries") or {}).items()):
+        deliveries.add_metric([outcome], float(count))
+    yield deliveries
+
+
+def metrics_text(tables: str, threshold: float = DEFAULT_THRESHOLD) -> bytes:
+    """/metrics: the live tables and the watcher's health in Prometheus text format."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_LiveCollector(tables, threshold))
+    return generate_latest(registry)
 
 
 _BUNDLE: list[bytes] = []

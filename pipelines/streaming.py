@@ -2,10 +2,11 @@
 
     strag watch --lake URL --out URL [--threshold 1.1] [--session-timeout S] [--retain S]
                 [--poll-interval S] [--status-interval S] [--max-runtime S] [--stop-after-sessions N]
+                [--alert-webhook [FORMAT=]URL ...] [--alert-format json|alertmanager|slack] [--alert-link URL]
 
 Wiring only (each step is one composite from transforms/):
 
-    WatchLanding -> AssembleSessions -> AnalyzeSessions -> EmitLiveResults (results, alerts)
+    WatchLanding -> AssembleSessions -> AnalyzeSessions -> EmitLiveResults (results, alerts) -> DeliverAlerts (webhooks)
          |                |                   |
          +----------------+-------------------+-> WriteLiveQuarantine (bad files, rejected rows, unexpected errors)
 
@@ -37,11 +38,14 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipelines.usage import ArgumentParser
+from schemas.lake import LANDING
+from transforms.alerting import FORMATS, AlertDelivery, DeliverAlerts, NoteResults, close_deliverers, parse_receiver, pending_notices
 from transforms.analyze_sessions import AnalyzeSessions
 from transforms.landing import STOP_REQUESTED, WatchConfig, WatchLanding
-from transforms.lake import LakeError, check_lake
+from transforms.lake import LAKE_PARTS, LakeError, check_lake
 from transforms.live import DEFAULT_THRESHOLD, AlertConfig, EmitLiveResults, WriteLiveQuarantine, count_live_sessions
 from transforms.sessions import AssembleSessions, AssemblyConfig
+from transforms.watch_status import HEALTH, StatusWriter
 
 __all__ = ["WatchOptions", "parse", "build", "run"]
 
@@ -61,9 +65,14 @@ class WatchOptions:
     status_interval: float = 60.0
     max_runtime: float | None = None
     stop_after_sessions: int | None = None
+    alert_webhooks: tuple = ()        # transforms.alerting.Receiver per --alert-webhook
+    alert_link: str | None = None     # base URL of `strag serve`, linked from the alerts
+
+    def alert_delivery(self) -> AlertDelivery:
+        return AlertDelivery(receivers=tuple(self.alert_webhooks), threshold=self.threshold, link=self.alert_link)
 
     def watch_config(self, start_time: float) -> WatchConfig:
-        return WatchConfig(
+        return _HealthWatchConfig(
             lake=self.lake,
             interval_seconds=self.poll_interval,
             start_time=start_time,
@@ -75,6 +84,15 @@ class WatchOptions:
 
     def assembly_config(self) -> AssemblyConfig:
         return AssemblyConfig(timeout_seconds=self.session_timeout, retain_seconds=self.retain, archive=self.lake)
+
+
+@dataclasses.dataclass(frozen=True)
+class _HealthWatchConfig(WatchConfig):
+    """WatchConfig whose per-poll stop check also notes the poll (the watcher health's last poll time)."""
+
+    def should_stop(self, now: float) -> bool:
+        HEALTH.note_poll(now)
+        return super().should_stop(now)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -98,6 +116,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-runtime", type=float, default=None, metavar="S", help="stop after this many seconds (default: run until stopped)")
     parser.add_argument("--stop-after-sessions", type=int, default=None, metavar="N",
                         help="stop once the live table holds results for N sessions")
+    parser.add_argument("--alert-webhook", action="append", default=[], metavar="[FORMAT=]URL",
+                        help="POST each alert (and its resolution) to this URL; repeat for several receivers; "
+                             "FORMAT= (json, alertmanager, slack) overrides --alert-format for this URL")
+    parser.add_argument("--alert-format", choices=FORMATS, default="json",
+                        help="payload of the --alert-webhook URLs without a FORMAT=: json (default), alertmanager "
+                             "(the /api/v2/alerts body), slack (an incoming-webhook {\"text\": ...})")
+    parser.add_argument("--alert-link", default=None, metavar="URL",
+                        help="base URL of `strag serve`: alerts link to {URL}/job/{job_id} (Alertmanager generatorURL)")
     return parser
 
 
@@ -115,13 +141,22 @@ def parse(argv: list[str]) -> WatchOptions:
     if args.stop_after_sessions is not None and args.stop_after_sessions < 1:
         parser.error("--stop-after-sessions must be >= 1")
     try:   # a mistyped --lake would otherwise be watched, silently, forever
-        check_lake(args.lake.rstrip("/"), parts=())
+        check_lake(args.lake.rstrip("/"), parts=(LANDING, *LAKE_PARTS))
     except LakeError as error:
-        parser.error(str(error))
+        parser.error(f"{error}" + ("" if "://" in args.lake else f" (a new lake: mkdir {args.lake.rstrip('/')}/{LANDING})"))
+    receivers = []
+    for text in args.alert_webhook:
+        try:
+            receivers.append(parse_receiver(text, args.alert_format))
+        except ValueError as error:
+            parser.error(f"--alert-webhook {error}")
+    if args.alert_link is not None and not args.alert_link.startswith(("http://", "https://")):
+        parser.error(f"--alert-link {args.alert_link}: give the http(s):// URL where `strag serve` runs")
     return WatchOptions(lake=args.lake.rstrip("/"), out=args.out.rstrip("/"), threshold=args.threshold,
                         session_timeout=args.session_timeout, retain=args.retain, poll_interval=args.poll_interval,
                         status_interval=args.status_interval,
-                        max_runtime=args.max_runtime, stop_after_sessions=args.stop_after_sessions)
+                        max_runtime=args.max_runtime, stop_after_sessions=args.stop_after_sessions,
+                        alert_webhooks=tuple(receivers), alert_link=args.alert_link)
 
 
 def build(pipeline: beam.Pipeline, options: WatchOptions, start_time: float | None = None) -> None:
@@ -129,7 +164,9 @@ def build(pipeline: beam.Pipeline, options: WatchOptions, start_time: float | No
     watched = pipeline | "WatchLanding" >> WatchLanding(options.watch_config(time.time() if start_time is None else start_time))
     assembled = watched["sessions"] | "AssembleSessions" >> AssembleSessions(options.assembly_config())
     analysed = assembled["assemblies"] | "AnalyzeSessions" >> AnalyzeSessions()
-    analysed["results"] | "EmitLiveResults" >> EmitLiveResults(AlertConfig(out=options.out, threshold=options.threshold))
+    alerts = analysed["results"] | "EmitLiveResults" >> EmitLiveResults(AlertConfig(out=options.out, threshold=options.threshold))
+    alerts | "DeliverAlerts" >> DeliverAlerts(options.alert_delivery())   # queues only: a receiver never holds a bundle
+    analysed["results"] | "NoteResults" >> NoteResults()                  # the watcher health's result count
     # One writer per input rather than a Flatten: on the FnApiRunner a Flatten in an
     # unbounded pipeline held its bundles back until the source ended.
     watched["quarantine"] | "QuarantineLanding" >> WriteLiveQuarantine(options.out)
@@ -197,10 +234,24 @@ def run(argv: list[str]) -> int:
     started = time.time()
     print(f"strag watch: {options.lake}/landing -> {options.out} (threshold {options.threshold:g}, "
           f"session timeout {options.session_timeout:g} s, poll every {options.poll_interval:g} s)", flush=True)
+    if options.alert_webhooks:
+        print(f"strag watch: alerts to {', '.join(f'{r.shown} ({r.format})' for r in options.alert_webhooks)}", flush=True)
     pipeline = beam.Pipeline(runner=FnApiRunner(), options=PipelineOptions(flags=[], streaming=True))
     build(pipeline, options, start_time=started)
-    with stop_on_signals():
-        pipeline.run().wait_until_finish()
+    HEALTH.reset()
+    status = StatusWriter(options.out, extra=lambda: {"pending_deliveries": pending_notices(),
+                                                      "receivers": [r.format for r in options.alert_webhooks]}).start()
+    try:
+        with stop_on_signals():
+            pipeline.run().wait_until_finish()
+    finally:
+        undelivered = close_deliverers(timeout=10.0)
+        status.stop()
+    deliveries = HEALTH.snapshot()["deliveries"]
+    if options.alert_webhooks:
+        print(f"strag watch: alert deliveries: {deliveries['sent']} sent, {deliveries['failed']} failed, "
+              f"{deliveries['dropped']} dropped" + (f" ({undelivered} still queued at the stop)" if undelivered else ""),
+              flush=True)
     print(f"strag watch: stopped after {time.time() - started:.1f} s; {count_live_sessions(options.out)} sessions in "
           f"{options.out}/live_results, alerts in {options.out}/alerts, quarantine in {options.out}/live_quarantine",
           flush=True)

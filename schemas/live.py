@@ -60,9 +60,13 @@ LIVE_RESULT_SCHEMA = _schema(
         pa.field("status", pa.string(), nullable=False),             # LIVE_STATUSES
         pa.field("error", pa.string(), nullable=True),               # why failed (job, file, op)
         pa.field("complete", pa.bool_(), nullable=False),            # manifest and every listed worker present
-        pa.field("workers_expected", pa.int32(), nullable=False),    # listed by the manifest (0 without one)
-        pa.field("workers_present", pa.int32(), nullable=False),
+        pa.field("workers_expected", pa.int32(), nullable=False),    # listed by the manifest (0 without one); Kineto: world size
+        pa.field("workers_present", pa.int32(), nullable=False),     # Kineto: rank traces landed
         pa.field("missing_workers", pa.list_(MISSING_WORKER), nullable=False),
+        # Kineto sessions count global ranks (workers_expected = world size): the ranks that had not
+        # landed; null for parquet sessions (and in files written before the column existed)
+        pa.field("missing_ranks", pa.list_(pa.int32()), nullable=True),
+        pa.field("source_format", pa.string(), nullable=True),       # lake (parquet session) | kineto; null: lake
         pa.field("dp_ranks_analysed", pa.int32(), nullable=False),   # DP ranks with every stage present
         pa.field("duplicate_deliveries", pa.int32(), nullable=False),  # files delivered again (ignored)
         pa.field("dp_size", pa.int32(), nullable=True),

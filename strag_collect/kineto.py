@@ -14,6 +14,17 @@ one run, so a second window of the same ranks beside the first would be refused
 its windows the same way (the profiler's schedule), so they agree on the folder without
 talking to each other. D is the UTC date when the window closed (or the `date` given).
 
+With `live=True` each window also lands, first, as a live session that `strag watch` analyses
+as soon as every rank is in (transforms/landing.py reads this layout)::
+
+    {lake}/landing/J/{session}/job.yaml                    rank 0, before its trace
+    {lake}/landing/J/{session}/rank-{rank}-of-{world}.json.gz
+
+The session is `w{n}` for window n, after the run's id when torchrun gives one
+(TORCHELASTIC_RUN_ID, plus `-restart{k}` after an elastic restart): `{run}-w{n}`, so a rerun of
+the same job id does not land in the sessions of the run before. `session_prefix` replaces it.
+The world size in the name tells the watcher when the session is complete.
+
 Writes are atomic: a hidden temporary name in the target folder (readers skip names
 starting with '.'), fsynced on local disk, then renamed (fsspec `mv`; copy + delete on
 object stores, where a reader still sees the whole file or nothing).
@@ -46,11 +57,12 @@ from typing import IO, Any
 import fsspec
 
 __all__ = ["kineto_handler", "KinetoHandler", "CollectorWarning", "land_file", "window_dir", "job_yaml_fields",
-           "JOB_YAML", "DIM_TOKENS"]
+           "live_dir", "live_trace_name", "live_session", "JOB_YAML", "DIM_TOKENS", "LANDING"]
 
 # Copies of the lake contract, here because importing `schemas` loads pyarrow (tests/test_collect.py
 # checks they equal schemas.lake._JOB_ID, schemas.raw.raw_dir and the converter's dim names).
 JOB_YAML = "job.yaml"
+LANDING = "landing"   # schemas.lake.LANDING: live sessions
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+@:-]{0,199}")
 # Mesh dim name tokens -> the layout dim they name, as transforms/ingest/kineto/spans.py reads process-group descriptions.
 DIM_TOKENS = {
@@ -79,6 +91,32 @@ def window_dir(lake: str, date: str, job_id: str, window: int = 0) -> str:
     """Folder of profiling window `window` of a job: the job's raw kineto window for window 0, `{job_id}@{window}` after."""
     name = _safe_job_id(job_id if window == 0 else f"{job_id}@{window}")
     return "/".join([lake.rstrip("/"), "raw", "kineto", f"date={date}", f"job_id={name}"])
+
+
+def live_dir(lake: str, job_id: str, session: str) -> str:
+    """Folder of a live session (schemas.lake.landing_dir): {lake}/landing/{job_id}/{session}."""
+    return "/".join([lake.rstrip("/"), LANDING, _safe_job_id(job_id), _safe_job_id(session)])
+
+
+def live_trace_name(rank: int, world: int, compress: bool = True) -> str:
+    """One rank's trace in a live session (transforms.landing.kineto_trace_name): rank-{rank}-of-{world}.json[.gz]."""
+    if not 0 <= int(rank) < int(world):
+        raise ValueError(f"rank {rank} of world {world}: a rank is 0..world-1")
+    return f"rank-{int(rank)}-of-{int(world)}.json" + (".gz" if compress else "")
+
+
+def live_session(window: int, prefix: str | None = None) -> str:
+    """The live session name of profiling window `window`: `{prefix}-w{window}`, or `w{window}` without a
+    prefix. prefix None: the run's torchrun id (TORCHELASTIC_RUN_ID, `-restart{k}` added after an elastic
+    restart), the same on every rank of the run; no prefix outside torchrun."""
+    if prefix is None:
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        run = "" if run.lower() in ("", "none") else run
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if run and restart.isdigit() and int(restart) > 0:
+            run = f"{run}-restart{int(restart)}"
+        prefix = re.sub(r"[^A-Za-z0-9._+@:-]+", "-", run).strip("-.")[:100]
+    return _safe_job_id(f"{prefix}-w{int(window)}" if prefix else f"w{int(window)}")
 
 
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -237,7 +275,8 @@ class KinetoHandler:
 
     def __init__(self, lake_url: str, job_id: str, *, date: str | dt.date | None = None, rank: int | None = None,
                  world: int | None = None, mesh: Any = None, schedule: Any = None, microbatches: int | None = None,
-                 compress: bool = True, max_bytes: int = 1 << 30, retries: int = 3, backoff: float = 0.5):
+                 compress: bool = True, max_bytes: int = 1 << 30, retries: int = 3, backoff: float = 0.5,
+                 live: bool = False, session_prefix: str | None = None):
         if not lake_url:
             raise ValueError("lake_url: give the lake's URL (a folder, s3://bucket/lake, ...)")
         if date is not None:
@@ -249,6 +288,9 @@ class KinetoHandler:
         self.date, self.rank, self.world = date, rank, world
         self.mesh, self.schedule, self.microbatches = mesh, schedule, microbatches
         self.compress, self.max_bytes, self.retries, self.backoff = compress, max_bytes, retries, backoff
+        self.live, self.session_prefix = bool(live), session_prefix
+        if live:
+            live_session(0, session_prefix)   # a bad prefix fails here, at set-up
         self.landed: list[str] = []
         self._windows = 0
         self._uploads: list[threading.Thread] = []
@@ -282,11 +324,16 @@ class KinetoHandler:
                       "(profile fewer steps, or raise max_bytes)")
                 os.remove(local)
                 return
+            job_yaml = _job_yaml(self.mesh, world, self.schedule, self.microbatches).encode() if rank == 0 else None
             files: list[tuple[str | bytes, str, bool]] = []
-            if rank == 0:
-                files.append((_job_yaml(self.mesh, world, self.schedule, self.microbatches).encode(),
-                              f"{folder}/{JOB_YAML}", False))
-            files.append((local, target, self.compress))
+            source, compress = local, self.compress
+            if self.live:
+                if self.compress:   # gzip once, land the same bytes twice
+                    source, compress = local + ".gz", False
+                files += self._live_files(window, rank, world, source, job_yaml)
+            if job_yaml is not None:
+                files.append((job_yaml, f"{folder}/{JOB_YAML}", False))
+            files.append((source, target, compress))
             upload = threading.Thread(target=self._upload, args=(files, local), name=f"strag-collect-{window}")
             with self._lock:
                 self._uploads.append(upload)
@@ -296,8 +343,36 @@ class KinetoHandler:
                 os.remove(local)
             raise
 
+    def _live_files(self, window: int, rank: int, world: int | None, source: str,
+                    job_yaml: bytes | None) -> list[tuple[str | bytes, str, bool]]:
+        """The live session's files of this rank (job.yaml first on rank 0, so the session is whole when the
+        last rank's trace lands); [] with a warning when the world size is unknown (no torch.distributed,
+        no WORLD_SIZE) on a rank other than 0: the watcher could not tell when the session is complete."""
+        if world is None and rank != 0:
+            _warn(f"window {window} of job {self.job_id} not landed as a live session: rank {rank} of an unknown "
+                  "world size (pass world=, or initialise torch.distributed first); its raw window still lands")
+            return []
+        try:
+            folder = live_dir(self.lake, self.job_id, live_session(window, self.session_prefix))
+            name = live_trace_name(rank, world or 1, self.compress)
+        except ValueError as error:   # e.g. rank >= world: a misconfigured rank or world
+            _warn(f"window {window} of job {self.job_id} not landed as a live session ({error}); its raw window still lands")
+            return []
+        files: list[tuple[str | bytes, str, bool]] = []
+        if job_yaml is not None:
+            files.append((job_yaml, f"{folder}/{JOB_YAML}", False))
+        files.append((source, f"{folder}/{name}", False))
+        return files
+
     def _upload(self, files: list[tuple[str | bytes, str, bool]], local: str) -> None:
         try:
+            if any(source == local + ".gz" for source, _, _ in files):
+                try:
+                    _gzip_file(local, local + ".gz")
+                except Exception as error:
+                    _warn(f"{files[-1][1]} and its live copy not written: gzip of the exported trace failed "
+                          f"({type(error).__name__}: {error})")
+                    return
             for source, url, compress in files:
                 try:
                     land_file(source, url, compress=compress, retries=self.retries, backoff=self.backoff)
@@ -307,8 +382,9 @@ class KinetoHandler:
                 with self._lock:
                     self.landed.append(url)
         finally:
-            with contextlib.suppress(OSError):
-                os.remove(local)
+            for name in (local, local + ".gz"):
+                with contextlib.suppress(OSError):
+                    os.remove(name)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the uploads in flight (at most `timeout` seconds in all); True when none is left."""
@@ -320,10 +396,17 @@ class KinetoHandler:
         return not any(upload.is_alive() for upload in uploads)
 
 
+def _gzip_file(source: str, target: str) -> None:
+    """gzip a local file (as _write_atomic does on the way: no name, mtime 0, so the bytes are the same)."""
+    with open(source, "rb") as data, open(target, "wb") as out:
+        with gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0) as packed:
+            shutil.copyfileobj(data, packed, _CHUNK)
+
+
 def kineto_handler(lake_url: str, *, job_id: str, date: str | dt.date | None = None, rank: int | None = None,
                    world: int | None = None, mesh: Any = None, schedule: Any = None, microbatches: int | None = None,
                    compress: bool = True, max_bytes: int = 1 << 30, retries: int = 3,
-                   backoff: float = 0.5) -> KinetoHandler:
+                   backoff: float = 0.5, live: bool = False, session_prefix: str | None = None) -> KinetoHandler:
     """An `on_trace_ready` callback for torch.profiler.profile that lands each window in the lake.
 
     lake_url: any fsspec URL (credentials from the environment, as for the rest of strag);
@@ -332,8 +415,11 @@ def kineto_handler(lake_url: str, *, job_id: str, date: str | dt.date | None = N
     else RANK / WORLD_SIZE, else 0 / unknown; mesh: a DeviceMesh or {dim name: size} outermost
     first, for job.yaml's sizes and layout; schedule (a pipelining schedule or its name) and
     microbatches: recorded in job.yaml for people; compress: gzip (.json.gz); max_bytes: largest
-    exported trace (uncompressed bytes) to land; retries, backoff (seconds, doubling): per file.
-    Raises ValueError here, at set-up, for a bad job id, date or limit; never once training runs."""
+    exported trace (uncompressed bytes) to land; retries, backoff (seconds, doubling): per file;
+    live: also land each window, first, as a live session `strag watch` analyses at once
+    ({lake}/landing/{job_id}/{session}/, see the module docstring); session_prefix: the sessions'
+    name before `-w{n}` (default: torchrun's run id, none outside torchrun).
+    Raises ValueError here, at set-up, for a bad job id, date, limit or prefix; never once training runs."""
     return KinetoHandler(lake_url, job_id, date=date, rank=rank, world=world, mesh=mesh, schedule=schedule,
                          microbatches=microbatches, compress=compress, max_bytes=max_bytes, retries=retries,
-                         backoff=backoff)
+                         backoff=backoff, live=live, session_prefix=session_prefix)

@@ -21,6 +21,7 @@ README = str(pathlib.Path(__file__).parents[1] / "README.md")
 def _cases(tmp: pathlib.Path) -> list[tuple[list[str], str]]:
     lake = tmp / "lake"
     (lake / "traces").mkdir(parents=True, exist_ok=True)
+    (tmp / "empty").mkdir(exist_ok=True)   # a folder, but no lake
     out = str(tmp / "out")
     return [
         (["generate", "--lake", str(tmp / "g"), "--days", "0", "--jobs-per-day", "1", "--seed", "1"], "--days"),
@@ -39,16 +40,20 @@ def _cases(tmp: pathlib.Path) -> list[tuple[list[str], str]]:
         (["report", "--tables", str(lake), "--out", out], "is a lake, not the tables"),
         (["report", "--tables", str(tmp / "none"), "--out", out], "give --tables the --out of `strag batch`"),
         (["report", "--tables", out, "--out", out, "--lake", str(lake)], "run `strag batch --timelines`"),
-        (["watch", "--lake", "/nope", "--out", out], "no folder there"),
+        (["watch", "--lake", "/nope", "--out", out], "no lake there"),
+        (["watch", "--lake", str(tmp / "empty"), "--out", out], "no lake there (expected landing/"),
         (["watch", "--lake", str(lake)], "--out"),
+        (["watch", "--lake", str(lake), "--out", out, "--alert-webhook", "hooks.example/x"], "--alert-webhook"),
+        (["watch", "--lake", str(lake), "--out", out, "--alert-webhook", "teams=https://h/x"], "unknown format 'teams'"),
         (["serve", "--tables", out, "--port", "70000"], "--port"),
+        (["serve", "--tables", str(tmp / "none")], "no folder there"),
         (["demo", "--days", "0"], "--days"),
         (["nope"], "unknown command"),
         ([], "give a command"),
     ]
 
 
-@pytest.mark.parametrize("index", range(22))
+@pytest.mark.parametrize("index", range(26))
 def test_bad_arguments_give_one_line_and_exit_2(index, tmp_path, capsys):
     argv, expected = _cases(tmp_path)[index]
     try:
@@ -66,7 +71,7 @@ def test_bad_arguments_give_one_line_and_exit_2(index, tmp_path, capsys):
 
 def test_cases_cover_every_subcommand(tmp_path):
     assert {argv[0] for argv, _ in _cases(tmp_path) if argv} >= set(cli.COMMANDS)
-    assert len(_cases(tmp_path)) == 22
+    assert len(_cases(tmp_path)) == 26
 
 
 def test_the_strag_script_shows_no_library_log_lines(tmp_path):

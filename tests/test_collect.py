@@ -363,7 +363,10 @@ def test_land_usage_errors_are_one_line_and_exit_2(tmp_path, capsys):
     run = str(RUNS / "dp4-ddp-sleep")
     assert "/nope: no such folder" in _land_error(["/nope", "--lake", lake, "--job-id", "x"], capsys)
     assert "--job-id: job id '../x'" in _land_error([run, "--lake", lake, "--job-id", "../x"], capsys)
-    assert "live Kineto sessions are not supported yet" in _land_error([run, "--lake", lake, "--job-id", "x", "--live"], capsys)
+    assert "--session names a live session: give --live too" in _land_error(
+        [run, "--lake", lake, "--job-id", "x", "--session", "s1"], capsys)
+    assert "--session: session 'a/b'" in _land_error([run, "--lake", lake, "--job-id", "x", "--live", "--session", "a/b"],
+                                                     capsys)
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "truth.json").write_text('{"run": "x"}')
     assert "no torch.profiler traces" in _land_error([str(tmp_path / "notes"), "--lake", lake, "--job-id", "x"], capsys)

@@ -41,16 +41,18 @@ def get(url):
         return reply.status, reply.read().decode()
 
 
-def test_serve_binds_to_localhost_by_default():
-    assert parse(["--tables", "x"]).host == "127.0.0.1"
-    assert parse(["--tables", "x", "--host", "::1"]).host == "::1"
+def test_serve_binds_to_localhost_by_default(tmp_path):
+    x = str(tmp_path)
+    assert parse(["--tables", x]).host == "127.0.0.1"
+    assert parse(["--tables", x, "--host", "::1"]).host == "::1"
 
 
-def test_a_remote_host_needs_allow_remote_and_warns(capsys):
+def test_a_remote_host_needs_allow_remote_and_warns(capsys, tmp_path):
+    x = str(tmp_path)
     with pytest.raises(SystemExit):
-        parse(["--tables", "x", "--host", "0.0.0.0"])
+        parse(["--tables", x, "--host", "0.0.0.0"])
     assert "--allow-remote" in capsys.readouterr().err
-    assert parse(["--tables", "x", "--host", "0.0.0.0", "--allow-remote"]).allow_remote
+    assert parse(["--tables", x, "--host", "0.0.0.0", "--allow-remote"]).allow_remote
     assert "WARNING" in capsys.readouterr().err
 
 

@@ -56,7 +56,7 @@ def jobs():
 def test_watch_assembles_corrects_and_alerts_while_files_land(tmp_path, jobs):
     clean, slow = jobs
     lake, out = str(tmp_path / "lake"), str(tmp_path / "out")
-    (tmp_path / "lake").mkdir()   # watch refuses a --lake that is not there (a typo would be watched forever)
+    (tmp_path / "lake" / "landing").mkdir(parents=True)   # watch refuses a --lake that is no lake (a typo would be watched forever)
     argv = ["--lake", lake, "--out", out, "--session-timeout", "2", "--poll-interval", "0.2",
             "--stop-after-sessions", "3", "--max-runtime", str(DEADLINE_SECONDS)]
     codes = []

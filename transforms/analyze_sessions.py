@@ -13,6 +13,15 @@ A session is read and validated like a batch job window (the same Validator), th
   original DP ranks (the heatmap leaves missing workers empty);
 - no manifest, no complete DP rank, or a trace the engine rejects: a `failed` row whose
   `error` says why, and quarantine rows naming the job, the file and the op.
+
+A Kineto session (torch.profiler traces, one per rank, and an optional job.yaml) is first
+converted as a raw window is (transforms.ingest.convert_window, the batch's converter),
+then validated and analysed like the rest. Its row counts ranks (`workers_expected` = the
+world size, `missing_ranks`). Ranks missing at the timeout are analysed around only when
+the method allows it (a TP/CP peer, collapsed onto its lowest rank anyway): the row is
+analysed but not `complete`. Otherwise the converter refuses the session
+(`raw_missing_rank`, or any raw reason code): a `failed` row, and quarantine rows with that
+reason; a trace the converter sets aside (`raw_unreadable`) is quarantined too.
 """
 from __future__ import annotations
 
@@ -30,7 +39,7 @@ from schemas.expectations import MISSING_MANIFEST, MISSING_WORKERS, JobFiles, Pr
 from schemas.lake import LANDING
 from schemas.tables import QUARANTINE_SCHEMA
 from transforms.lake import LakeJob, LakeReadError, read_job_files, read_manifest
-from transforms.sessions import Assembly
+from transforms.sessions import FORMAT_KINETO, Assembly
 from transforms.whatif.causes import CauseError, analyze_and_classify
 from transforms.whatif.errors import WhatIfError
 from transforms.whatif.result import JobMeta, WhatIfResult
@@ -60,6 +69,7 @@ def _lake_of(path: str) -> str:
 
 
 def _base_row(assembly: Assembly) -> dict[str, Any]:
+    kineto = assembly.fmt == FORMAT_KINETO
     return {
         "job_id": assembly.job_id,
         "session": assembly.session,
@@ -70,7 +80,9 @@ def _base_row(assembly: Assembly) -> dict[str, Any]:
         "complete": assembly.complete,
         "workers_expected": len(assembly.expected),
         "workers_present": len(assembly.worker_paths),
-        "missing_workers": [{"dp_rank": dp, "stage": stage} for dp, stage in assembly.missing],
+        "missing_workers": [] if kineto else [{"dp_rank": dp, "stage": stage} for dp, stage in assembly.missing],
+        "missing_ranks": list(assembly.missing) if kineto else None,
+        "source_format": assembly.fmt,
         "dp_ranks_analysed": 0,
         "duplicate_deliveries": assembly.duplicate_deliveries,
         "first_arrival": assembly.first_arrival,
@@ -135,17 +147,69 @@ def _result_fields(result: WhatIfResult, kept: list[int], dp_size: int, pp_size:
 
 @dataclasses.dataclass
 class _Opened:
-    """A session whose manifest was read: waiting for validation with the others of its bundle."""
+    """A session whose manifest was read (or made by the converter): waiting for validation with the
+    others of its bundle. folder: the session's landing folder; quarantine: rows already found
+    (raw files the converter set aside)."""
 
     assembly: Assembly
     row: dict[str, Any]
     job: LakeJob
     manifest: dict[str, Any]
     files: list
+    folder: str = ""
+    quarantine: pa.Table | None = None
+
+    @property
+    def manifest_path(self) -> str:
+        """What validation names as the manifest: its file, or the folder of a converted session."""
+        return self.assembly.manifest_path or self.folder
+
+
+def _session_folder(assembly: Assembly) -> str:
+    """The landing folder of a session, from any of its files."""
+    for path in (assembly.manifest_path, assembly.options_path, *assembly.worker_paths.values()):
+        if path:
+            return path.rsplit("/", 1)[0]
+    return f"{LANDING}/{assembly.job_id}/{assembly.session}"
+
+
+def _raw_rows(job_id: str, folder: str, errors) -> pa.Table:
+    """Quarantine rows (QUARANTINE_SCHEMA) of raw input errors: one per trace set aside or session refused."""
+    from schemas.expectations import REASONS
+
+    return pa.Table.from_pylist(
+        [{"job_id": job_id, "source_path": error.path or folder, "level": error.level, "reason_code": error.reason_code,
+          "reason": REASONS[error.reason_code][1], "detail": str(error.with_job(job_id)), "row_index": None,
+          "rows": None} for error in errors], schema=QUARANTINE_SCHEMA)
+
+
+def _open_kineto(assembly: Assembly) -> _Opened | tuple[dict[str, Any], pa.Table]:
+    """Convert a Kineto session's traces (the batch's converter); (row, quarantine) at once when it refuses them."""
+    from transforms.ingest import RawInputError, convert_window
+
+    row = _base_row(assembly)
+    folder = _session_folder(assembly)
+    day = time.strftime("%Y-%m-%d", time.gmtime(assembly.first_arrival))
+    traces = [assembly.worker_paths[rank] for rank in sorted(assembly.worker_paths)]
+    paths = traces + ([assembly.options_path] if assembly.options_path else [])
+    try:
+        converted = convert_window(FORMAT_KINETO, paths, assembly.job_id, day)
+    except RawInputError as error:
+        missing = (f"; rank(s) {', '.join(map(str, assembly.missing))} of {len(assembly.expected)} had not landed "
+                   f"({assembly.reason})" if assembly.missing else "")
+        row["error"] = f"session {assembly.session}: {error} [{error.reason_code}]{missing}"
+        return row, _raw_rows(assembly.job_id, folder, [*error.rejected, error])
+    lake = _lake_of(folder + "/x")
+    job = LakeJob(lake, day, assembly.job_id, tuple(paths), None)
+    row.update(dp_size=int(converted.manifest["dp_size"]), pp_size=int(converted.manifest["pp_size"]))
+    rejected = _raw_rows(assembly.job_id, folder, converted.rejected) if converted.rejected else None
+    return _Opened(assembly, row, job, dict(converted.manifest), [(folder, converted.trace)], folder, rejected)
 
 
 def _open(assembly: Assembly, validator) -> _Opened | tuple[dict[str, Any], pa.Table]:
     """Read a session's manifest and files; (row, quarantine) at once when there is no usable manifest."""
+    if assembly.fmt == FORMAT_KINETO:
+        return _open_kineto(assembly)
     row = _base_row(assembly)
     paths = tuple(assembly.worker_paths[w] for w in sorted(assembly.worker_paths))
     day = time.strftime("%Y-%m-%d", time.gmtime(assembly.first_arrival))
@@ -185,11 +249,11 @@ def analyze_sessions(
     waiting = [item for item in opened if isinstance(item, _Opened)]
     # The session manifest is not named after the job (the batch layout's rule), so the path
     # is given only for reporting.
-    manifest_issues = [[dataclasses.replace(p, source_path=item.assembly.manifest_path) for p in issues]
+    manifest_issues = [[dataclasses.replace(p, source_path=item.manifest_path) for p in issues]
                        for item, issues in zip(waiting, validator.validate_manifests([(None, w.manifest) for w in waiting]))]
     reports = validator.validate_jobs([
         JobFiles(item.assembly.job_id, None if issues else item.manifest, tuple(item.files),
-                 item.assembly.manifest_path, tuple(issues))
+                 item.manifest_path, tuple(issues))
         for item, issues in zip(waiting, manifest_issues)])
     finished = {id(item): _analyse(item, report, engine) for item, report in zip(waiting, reports)}
     return [finished[id(item)] if isinstance(item, _Opened) else item for item in opened]
@@ -207,6 +271,9 @@ def _analyse(item: _Opened, report, engine) -> tuple[dict[str, Any], pa.Table]:
     # Missing workers are expected in an incomplete session: reported in the row, analysed around.
     problems = [p for p in report.problems if p.reason != MISSING_WORKERS]
     quarantine = _quarantine(job, problems, report.invalid)
+    if item.quarantine is not None:
+        quarantine = pa.concat_tables([item.quarantine, quarantine])
+    folder = item.folder or assembly.manifest_path.rsplit("/", 1)[0]
     blocking = [p for p in problems if p.level == "job"]
     if blocking:
         row["error"] = "; ".join(p.detail for p in blocking)
@@ -224,7 +291,6 @@ def _analyse(item: _Opened, report, engine) -> tuple[dict[str, Any], pa.Table]:
                         f"{pp_size} stages to analyse ({len(present)} of {dp_size * pp_size} workers present; "
                         f"{len(complete_dp_ranks(present, dp_size, pp_size))} complete DP rank(s), at least "
                         f"{1 if dp_size * dsp_size == 1 else 2} needed)")
-        folder = assembly.manifest_path.rsplit("/", 1)[0]
         extra = _job_record(assembly.job_id, folder, NO_COMPLETE_DP_RANK, row["error"], valid.num_rows)
         return row, pa.concat_tables([quarantine, extra])
     trace = valid if len(kept) == dp_size else _remap_dp_ranks(valid, kept)
@@ -233,7 +299,6 @@ def _analyse(item: _Opened, report, engine) -> tuple[dict[str, Any], pa.Table]:
         result, verdict = engine(trace, _engine_meta(manifest, len(kept)), assembly.job_id)
     except (WhatIfError, CauseError) as error:
         row["error"] = f"session {assembly.session}: {error}"
-        folder = assembly.manifest_path.rsplit("/", 1)[0]
         extra = _job_record(assembly.job_id, getattr(error, "file", None) or folder, ENGINE_ERROR, row["error"],
                             trace.num_rows)
         return row, pa.concat_tables([quarantine, extra])
@@ -303,7 +368,7 @@ def _unexpected_record(assembly: Assembly, error: BaseException) -> dict:
     """One job-level quarantine row for a session whose analysis raised an unexpected error."""
     trace_text = "".join(traceback.format_exception(error))
     detail = f"session {assembly.session} r{assembly.revision}: {type(error).__name__}: {error}; {trace_text[-600:]}"
-    folder = assembly.manifest_path.rsplit("/", 1)[0] if assembly.manifest_path else ""
+    folder = _session_folder(assembly) if (assembly.manifest_path or assembly.worker_paths) else ""
     record = _job_record(assembly.job_id, folder, UNEXPECTED_ERROR, detail, 0).to_pylist()[0]
     record.update(seen_time=assembly.assembled, session=assembly.session)
     return record

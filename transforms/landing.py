@@ -1,15 +1,27 @@
 """Watch the lake's landing area: profiling-session files as they arrive.
 
-A profiling session lands as one parquet file per worker plus the job's manifest,
-in any order, some late, some twice::
+A profiling session lands in one of two formats, its files in any order, some late,
+some twice. strag's own parquet (one file per worker plus the job's manifest)::
 
     {lake}/landing/{job_id}/{session}/manifest.parquet             one row, MANIFEST_SCHEMA
     {lake}/landing/{job_id}/{session}/worker-{dp}-{stage}.parquet  that worker's op rows, TRACE_SCHEMA
 
+or torch.profiler's own output (a Kineto session: what strag_collect's `kineto_handler(...,
+live=True)` and `strag land --live` write), converted by the watcher like a raw window::
+
+    {lake}/landing/{job_id}/{session}/rank-{rank}-of-{world}.json.gz  one rank's Chrome trace (.json too)
+    {lake}/landing/{job_id}/{session}/job.yaml                        optional: schemas/raw.py JOB_YAML_KEYS
+
+A Kineto file's name says its global rank and the job's world size, so the watcher knows
+the session is complete (ranks 0..world-1 landed) without opening a trace; the converter
+still places each rank from the trace's own distributedInfo. A session holds one format:
+a file of the other format landing in it is quarantined (`landing_layout`).
+
 Writers land a file atomically (write a hidden ``.name.tmp``, then rename); names
 starting with ``.`` or ``_`` are never read. The manifest sits in the session folder
 (not under ``manifests/date=...``) so that a session is self-contained: the watcher
-needs no date to find it, and the manifest's own ``date`` names the partition.
+needs no date to find it, and the manifest's own ``date`` names the partition (a Kineto
+session's date is the UTC day of its first file).
 
 `WatchLanding` turns each poll of the landing area into one `SessionListing` per
 session folder, keyed by ``"{job_id}/{session}"``: the folder's files with their
@@ -67,6 +79,9 @@ __all__ = [
     "parse_landing_name",
     "landing_worker_path",
     "landing_manifest_path",
+    "landing_kineto_path",
+    "kineto_trace_name",
+    "LANDING_JOB_YAML",
     "expected_workers",
     "split_workers",
     "land_session",
@@ -80,7 +95,9 @@ LANDING_MANIFEST = "manifest.parquet"
 LANDING_LAYOUT = "landing_layout"  # quarantine reason code of a misplaced landing file
 SESSION_CLOSED = "session_closed"  # quarantine reason code of a file landing in an archived session
 LATE_FOLDER = "_late"  # beside an archived session: files that landed after it was archived
+LANDING_JOB_YAML = "job.yaml"  # a Kineto session's options (schemas.raw.JOB_YAML)
 _WORKER_FILE = re.compile(r"^worker-(\d+)-(\d+)\.parquet$")
+_KINETO_FILE = re.compile(r"^rank-(\d+)-of-(\d+)\.json(?:\.gz)?$")  # strag_collect.kineto.live_trace_name writes it
 
 
 class LandingPathError(ValueError):
@@ -93,8 +110,9 @@ class LandingEvent:
     transforms.sessions.SessionState, derived from the poll's SessionListing).
 
     kind: ``worker`` (a worker file, first sighting), ``manifest`` (the session
-    manifest, with `workers` = the (dp_rank, stage) pairs it expects),
-    ``redelivery`` (a path seen before, delivered again with a new modification
+    manifest, with `workers` = the (dp_rank, stage) pairs it expects), ``kineto`` (a
+    rank's torch.profiler trace: `rank` of `world`), ``job_yaml`` (a Kineto session's
+    options), ``redelivery`` (a path seen before, delivered again with a new modification
     time), or ``tick`` (the session folder exists at `poll_time`; `final` on the
     watcher's last poll). poll_time is wall-clock seconds since the epoch.
     """
@@ -108,6 +126,8 @@ class LandingEvent:
     stage: int = -1
     workers: tuple[tuple[int, int], ...] = ()
     final: bool = False
+    rank: int = -1
+    world: int = 0
 
     @property
     def key(self) -> str:
@@ -145,8 +165,21 @@ def landing_manifest_path(lake: str, job_id: str, session: str | int) -> str:
     return f"{landing_dir(lake, job_id, session)}/{LANDING_MANIFEST}"
 
 
+def kineto_trace_name(rank: int, world: int, compress: bool = True) -> str:
+    """Name of one rank's torch.profiler trace in a live session: rank-{rank}-of-{world}.json[.gz]."""
+    if not 0 <= int(rank) < int(world):
+        raise ValueError(f"rank {rank} of world {world}: a rank is 0..world-1")
+    return f"rank-{int(rank)}-of-{int(world)}.json" + (".gz" if compress else "")
+
+
+def landing_kineto_path(lake: str, job_id: str, session: str | int, rank: int, world: int, compress: bool = True) -> str:
+    """Where rank `rank` (of `world`) of a live Kineto session lands."""
+    return f"{landing_dir(lake, job_id, session)}/{kineto_trace_name(rank, world, compress)}"
+
+
 def parse_landing_path(path: str) -> tuple[str, str, str, int, int]:
-    """'.../landing/J/S/worker-3-1.parquet' -> (J, S, 'worker', 3, 1); manifest -> (J, S, 'manifest', -1, -1).
+    """'.../landing/J/S/worker-3-1.parquet' -> (J, S, 'worker', 3, 1); manifest -> (J, S, 'manifest', -1, -1);
+    '.../rank-2-of-8.json.gz' -> (J, S, 'kineto', 2, 8); job.yaml -> (J, S, 'job_yaml', -1, -1).
 
     Raises LandingPathError naming the file and the expected layout.
     """
@@ -158,22 +191,33 @@ def parse_landing_path(path: str) -> tuple[str, str, str, int, int]:
     rest = parts[root + 1:]
     if len(rest) != 3 or not rest[0] or not rest[1]:
         raise LandingPathError(
-            f"{path}: expected {LANDING}/JOB_ID/SESSION/worker-DP-STAGE.parquet or .../{LANDING_MANIFEST}"
+            f"{path}: expected {LANDING}/JOB_ID/SESSION/worker-DP-STAGE.parquet or .../{LANDING_MANIFEST} "
+            f"(parquet sessions), or .../rank-RANK-of-WORLD.json.gz and .../{LANDING_JOB_YAML} (Kineto sessions)"
         )
     job_id, session, name = rest
     return (job_id, session, *parse_landing_name(name, f"{path}: job {job_id} session {session}"))
 
 
 def parse_landing_name(name: str, where: str) -> tuple[str, int, int]:
-    """A file name in a session folder -> ('worker', dp, stage) or ('manifest', -1, -1).
+    """A file name in a session folder -> ('worker', dp, stage), ('manifest', -1, -1), ('kineto', rank,
+    world) or ('job_yaml', -1, -1).
 
     where: how to name the file in the LandingPathError raised for any other name."""
     if name == LANDING_MANIFEST:
         return "manifest", -1, -1
+    if name == LANDING_JOB_YAML:
+        return "job_yaml", -1, -1
     match = _WORKER_FILE.match(name)
-    if not match:
-        raise LandingPathError(f"{where}: file name {name!r} is neither worker-DP-STAGE.parquet nor {LANDING_MANIFEST}")
-    return "worker", int(match.group(1)), int(match.group(2))
+    if match:
+        return "worker", int(match.group(1)), int(match.group(2))
+    match = _KINETO_FILE.match(name)
+    if match:
+        rank, world = int(match.group(1)), int(match.group(2))
+        if rank >= world:
+            raise LandingPathError(f"{where}: file name {name!r}: rank {rank} is not below the world size {world}")
+        return "kineto", rank, world
+    raise LandingPathError(f"{where}: file name {name!r} is none of worker-DP-STAGE.parquet, {LANDING_MANIFEST} "
+                           f"(parquet sessions), rank-RANK-of-WORLD.json[.gz], {LANDING_JOB_YAML} (Kineto sessions)")
 
 
 def expected_workers(row: dict) -> tuple[tuple[int, int], ...]:

@@ -49,9 +49,17 @@ def read_live_table(out: str, table: str = LIVE_RESULTS) -> pa.Table:
         cached = _READ_CACHE.get(path)
         if cached is None or cached[0] != listing[path]:
             with fsspec.open(path, "rb") as handle:
-                cached = _READ_CACHE[path] = (listing[path], pq.read_table(handle).select(schema.names).cast(schema))
+                cached = _READ_CACHE[path] = (listing[path], _conform(pq.read_table(handle), schema))
         parts.append(cached[1])
     return pa.concat_tables(parts) if parts else schema.empty_table()
+
+
+def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """A file's rows in `schema`; a nullable column added since the file was written is null."""
+    for field in schema:
+        if field.name not in table.column_names and field.nullable:
+            table = table.append_column(field.name, pa.nulls(table.num_rows, field.type))
+    return table.select(schema.names).cast(schema)
 
 
 def current_results(results: pa.Table) -> pa.Table:

@@ -1,8 +1,11 @@
 """Assemble profiling sessions from their landing events.
 
 Each (job, session) is assembled once its manifest and every worker it lists have
-arrived, or once `timeout_seconds` of poll time have passed since its first file
-(then it is analysed with what it has, and the assembly says what is missing). A
+arrived (a Kineto session: once ranks 0..world-1 have, the world size being in the rank
+files' names), or once `timeout_seconds` of poll time have passed since its first file
+(then it is analysed with what it has, and the assembly says what is missing). A session
+holds one format (`FORMAT_LAKE` parquet or `FORMAT_KINETO` traces), set by its first file;
+a file of the other format is quarantined (`landing_layout`), never mixed in. A
 worker file that arrives after the session was assembled produces a new assembly
 with the next revision number: its result supersedes the earlier one. A second
 delivery of a worker never adds it twice; it is only counted.
@@ -38,6 +41,8 @@ __all__ = [
     "REASON_TIMEOUT",
     "REASON_LATE",
     "REASON_STOPPED",
+    "FORMAT_LAKE",
+    "FORMAT_KINETO",
     "AssemblyConfig",
     "Assembly",
     "SessionState",
@@ -48,6 +53,10 @@ REASON_COMPLETE = "complete"      # manifest and all listed workers arrived
 REASON_TIMEOUT = "timeout"        # timeout passed first: analysed with what arrived
 REASON_LATE = "late"              # a file arrived after an earlier revision: corrected result
 REASON_STOPPED = "watcher-stopped"  # the watcher ended before the session completed
+
+FORMAT_LAKE = "lake"      # strag's parquet: manifest.parquet + worker-DP-STAGE.parquet
+FORMAT_KINETO = "kineto"  # torch.profiler traces: rank-R-of-W.json[.gz] (+ job.yaml)
+_FORMAT_OF = {"worker": FORMAT_LAKE, "manifest": FORMAT_LAKE, "kineto": FORMAT_KINETO, "job_yaml": FORMAT_KINETO}
 
 _LOG = logging.getLogger(__name__)
 
@@ -77,7 +86,9 @@ class Assembly:
 
     worker_paths: {(dp_rank, stage): path} of the workers present; manifest_path is ''
     when no manifest arrived. expected: the workers the manifest lists (empty without
-    manifest); missing: expected minus present. revision counts assemblies of this
+    manifest); missing: expected minus present. A Kineto session (fmt "kineto") counts
+    global ranks instead of workers: worker_paths {rank: path}, expected 0..world-1,
+    options_path its job.yaml ('' without one). revision counts assemblies of this
     session from 1; the highest supersedes the others. first_arrival / assembled: poll
     times (epoch seconds) of the session's first file and of this assembly.
     duplicate_deliveries: files delivered again so far (never analysed twice).
@@ -94,9 +105,13 @@ class Assembly:
     first_arrival: float
     assembled: float
     duplicate_deliveries: int
+    fmt: str = FORMAT_LAKE
+    options_path: str = ""
 
     @property
     def complete(self) -> bool:
+        if self.fmt == FORMAT_KINETO:
+            return bool(self.expected) and not self.missing
         return bool(self.manifest_path) and not self.missing
 
 
@@ -114,6 +129,9 @@ class SessionState:
     duplicate_deliveries: int = 0
     seen: dict = dataclasses.field(default_factory=dict)  # url -> modification time of every file listed
     last_activity: float | None = None  # poll time of the last new file, re-delivery or assembly
+    fmt: str = ""          # FORMAT_LAKE or FORMAT_KINETO once a file said so
+    options_path: str = ""  # a Kineto session's job.yaml
+    world: int = 0          # a Kineto session: the largest world size its rank files name
 
     def observe(self, listing: SessionListing) -> tuple[list[str], list[str]]:
         """Record one poll's files: (urls never seen, urls re-delivered with a newer modification time)."""
@@ -136,6 +154,16 @@ class SessionState:
         done = self.revision > 0 or self.first_arrival is None
         return done and self.last_activity is not None and now - self.last_activity >= config.retain_seconds
 
+    def format_conflict(self, event: LandingEvent) -> str | None:
+        """Why `event`'s file cannot join this session (its format differs from the session's), else None."""
+        fmt = _FORMAT_OF.get(event.kind)
+        if fmt is None or not self.fmt or fmt == self.fmt:
+            return None
+        return (f"job {event.job_id} session {event.session}: {event.path.rsplit('/', 1)[-1]} is a "
+                f"{'Kineto' if fmt == FORMAT_KINETO else 'parquet'} session file, but the session holds "
+                f"{'Kineto traces' if self.fmt == FORMAT_KINETO else 'parquet worker files'}; land each format "
+                "in a session of its own")
+
     def apply(self, event: LandingEvent, config: AssemblyConfig) -> list[Assembly]:
         """Update with one event; return the assemblies it triggers (zero or one)."""
         self.job_id, self.session = event.job_id, event.session
@@ -146,6 +174,9 @@ class SessionState:
         if event.kind == "redelivery":
             self.duplicate_deliveries += 1
             return []
+        if self.format_conflict(event):
+            raise ValueError(self.format_conflict(event))
+        self.fmt = self.fmt or _FORMAT_OF.get(event.kind, "")
         if event.kind == "manifest":
             if self.manifest_path:
                 self.duplicate_deliveries += 1
@@ -157,6 +188,20 @@ class SessionState:
                 self.duplicate_deliveries += 1
                 return []
             self.worker_paths[worker] = event.path
+        elif event.kind == "kineto":
+            if event.rank in self.worker_paths:
+                self.duplicate_deliveries += 1
+                return []
+            self.worker_paths[event.rank] = event.path
+            # Every rank names the same world; should they differ, the largest is waited for and
+            # the converter refuses the mix (raw_mixed_jobs) from the traces themselves.
+            self.world = max(self.world, int(event.world))
+            self.expected = tuple(range(self.world))
+        elif event.kind == "job_yaml":
+            if self.options_path:
+                self.duplicate_deliveries += 1
+                return []
+            self.options_path = event.path
         else:
             raise ValueError(f"job {event.job_id} session {event.session}: unknown landing event kind {event.kind!r}")
         if self.revision == 0:
@@ -174,6 +219,8 @@ class SessionState:
         return []
 
     def _complete(self) -> bool:
+        if self.fmt == FORMAT_KINETO:
+            return bool(self.expected) and all(rank in self.worker_paths for rank in self.expected)
         return bool(self.manifest_path) and all(worker in self.worker_paths for worker in self.expected)
 
     def _assemble(self, reason: str, now: float) -> Assembly:
@@ -192,6 +239,8 @@ class SessionState:
             first_arrival=float(self.first_arrival),
             assembled=float(now),
             duplicate_deliveries=self.duplicate_deliveries,
+            fmt=self.fmt or FORMAT_LAKE,
+            options_path=self.options_path,
         )
 
 
@@ -224,6 +273,9 @@ class _AssembleSessionFn(beam.DoFn):
                                         self._config)
         for url in new:
             event = _file_event(listing, url)
+            conflict = None if isinstance(event, dict) else session.format_conflict(event)
+            if conflict:
+                event = quarantine_row(url, listing.job_id, listing.session, LANDING_LAYOUT, conflict, listing.poll_time)
             if isinstance(event, dict):
                 yield beam.pvalue.TaggedOutput("quarantine", event)
                 continue
@@ -259,8 +311,9 @@ class _AssembleSessionFn(beam.DoFn):
 
 
 def _file_event(listing: SessionListing, url: str) -> LandingEvent | dict:
-    """A newly listed file of a session -> its LandingEvent, or a quarantine row (a name that is
-    neither a worker file nor the manifest, or a manifest that cannot be read)."""
+    """A newly listed file of a session -> its LandingEvent, or a quarantine row (a name of no
+    session file, or a manifest that cannot be read). Kineto traces and job.yaml are read at
+    analysis, by the converter."""
     name = url.rsplit("/", 1)[-1]
     where = f"job {listing.job_id} session {listing.session}: {url}"
     try:
@@ -269,6 +322,10 @@ def _file_event(listing: SessionListing, url: str) -> LandingEvent | dict:
         return quarantine_row(url, listing.job_id, listing.session, LANDING_LAYOUT, str(error), listing.poll_time)
     if kind == "worker":
         return LandingEvent("worker", listing.job_id, listing.session, listing.poll_time, url, dp_rank, stage)
+    if kind == "kineto":
+        return LandingEvent("kineto", listing.job_id, listing.session, listing.poll_time, url, rank=dp_rank, world=stage)
+    if kind == "job_yaml":
+        return LandingEvent("job_yaml", listing.job_id, listing.session, listing.poll_time, url)
     try:
         workers = expected_workers(read_manifest(url))
     except LakeReadError as error:

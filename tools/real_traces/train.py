@@ -508,6 +508,10 @@ def main() -> None:
                          "or --record-shapes 0)")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--name", default="", help="run name recorded in PROVENANCE.json / truth.json")
+    ap.add_argument("--strag-lake", default=None, metavar="URL",
+                    help="land each rank's trace with strag_collect.kineto_handler(URL, live=True) instead of "
+                         "exporting it to --out (tools/real_traces/live_demo.py; PYTHONPATH must reach the repo)")
+    ap.add_argument("--strag-job-id", default=None, help="with --strag-lake: the lake job id (default: --name)")
     args = ap.parse_args()
 
     # ---- resolve defaults and validate
@@ -738,7 +742,13 @@ def main() -> None:
     before = set(os.listdir(args.out))
     worker = f"{socket.gethostname()}_{os.getpid()}"  # tensorboard_trace_handler's default worker name
 
-    if args.export == "chrome":
+    strag_handler = None
+    if args.strag_lake:
+        # the two lines a training script adds to land its windows live in a strag lake
+        from strag_collect import kineto_handler
+
+        strag_handler = on_ready = kineto_handler(args.strag_lake, job_id=args.strag_job_id or args.name, live=True)
+    elif args.export == "chrome":
         def on_ready(prof) -> None:
             prof.export_chrome_trace(os.path.join(args.out, f"rank-{rank}.json"))
     else:
@@ -768,6 +778,8 @@ def main() -> None:
             prof.step()
             if rank == world - 1 or rank == 0:
                 print(f"rank {rank} step {i} loss {loss:.4f} {step_times[-1] * 1e3:.0f} ms", flush=True)
+    if strag_handler is not None and not strag_handler.flush(timeout=120):
+        print(f"rank {rank}: strag_collect uploads still running after 120 s", flush=True)
 
     if args.export == "chrome":
         my_file = f"rank-{rank}.json"
