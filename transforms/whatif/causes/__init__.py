@@ -57,7 +57,9 @@ listed; "none": S below 1.1, or straggling no DP rank, stage or step holds twice
 of (or mostly transfer-time variation over every rank and step): the job's own variation.
 
 Discarded windows (replay off by more than 5% either way) get measurements only: a worker >=
-`worker_alarm_ratio` its peers, a chunk >= `stage_alarm_ratio` the median chunk's compute, and
+`worker_alarm_ratio` its peers, a chunk >= `stage_alarm_ratio` the median chunk's compute (with
+one DP rank: a stage running its usual work at >= `worker_alarm_ratio` the median pace, forward or
+backward, is a slow machine even when its chunk totals are not that much heavier), and
 untraced-cpu: workers whose untraced time (launch delay while neither computing nor blocked in a
 recv or DP collective) is persistently twice their DP peers' and whose delays make most of the
 discrepancy, or 4x their peers' in every step (hidden behind a slower worker now; its fix: that

@@ -466,6 +466,14 @@ def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, 
             measured["individual-worker"], implicated["individual-worker"] = float(paired.chunks.ratio), [(0, p) for p in slow]
         else:
             measured["stage-imbalance"], implicated["stage-imbalance"] = float(paired.chunks.ratio), []
+    elif paired.chunks is not None and work is not None and model.dp_size == 1 and "individual-worker" not in measured:
+        # one DP rank, no chunk much heavier overall, yet a stage runs its usual work (forward or
+        # backward) at a worker alarm's pace: a slow machine the chunk totals dilute
+        slow = _slow_stages(model, work, MORE_WORK, rules.worker_alarm_ratio)
+        if slow:
+            pace = max(work.of(distinct(model.op_gmc[(model.op_stage == p) & np.isin(model.op_optype, (FORWARD, BACKWARD))])
+                               .tolist())[1] for p in slow)
+            measured["individual-worker"], implicated["individual-worker"] = pace, [(0, p) for p in slow]
     ranked = sorted(measured, key=lambda c: (-measured[c], c))
     if {"untraced-cpu", "individual-worker"} <= set(ranked) and \
             set(implicated["untraced-cpu"]) <= set(implicated["individual-worker"]):
