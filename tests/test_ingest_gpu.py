@@ -151,3 +151,26 @@ def test_a_slower_gpu_machine_is_the_worker_blamed(name, tmp_path):
         assert result.slowdown == pytest.approx(1.5 / 1.125, rel=0.03)
     else:
         assert result.launch_slowdown > 1.05
+
+
+def test_sendrecv_kernels_of_an_older_trace_are_named_by_the_c10d_range_that_launched_them():
+    """world2_rank1 (a 2-GPU recommendation model, old torch: NCCL kernels carry no collective name)
+    runs its embedding all-to-all as `ncclKernel_SendRecv` kernels, launched inside `nccl:all_to_all`
+    ranges. Counted independently: kernels whose launch (same correlation) lies in such a range on
+    the launching thread."""
+    from transforms.ingest.kineto.rank import parse_rank_bytes
+    from transforms.ingest.kineto.spans import COLL
+
+    path = _real_rank("world2_rank1.json.gz")
+    events = [e for e in json.loads(gzip.decompress(path.read_bytes()))["traceEvents"] if e.get("ph") == "X"]
+    launch = {e["args"]["correlation"]: (e["ts"], e["tid"]) for e in events
+              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ranges = [(e["ts"], e["ts"] + e["dur"], e["tid"]) for e in events if e["name"] == "nccl:all_to_all"]
+    launched = [launch.get(e["args"].get("correlation")) for e in events if e.get("cat") == "kernel" and "SendRecv" in e["name"]]
+    expected = sum(1 for at in launched if at is not None and any(s <= at[0] <= t and tid == at[1] for s, t, tid in ranges))
+    trace = parse_rank_bytes(str(path), path.read_bytes())
+    named = int(((trace.kind == COLL) & (trace.coll == "all_to_all")).sum())
+    assert expected > 0 and named == expected
+    # the rest (launched before the trace began: no launch recorded) keep the kernel's own name
+    assert int(((trace.kind == COLL) & (trace.coll == "sendrecv")).sum()) == len(launched) - expected
+    assert not any(key.startswith("label nccl:") for key in trace.unmapped)   # c10d's ranges are known labels

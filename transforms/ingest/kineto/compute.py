@@ -11,7 +11,10 @@ from transforms.ingest.kineto.spans import BWD, FWD, RECV, SEND, _STEP
 
 
 
-_UNMAPPED_QUIET = re.compile(r"^(Optimizer\.zero_grad#|## |enumerate\(DataLoader\)|PP:\d*(RECV|SEND|WAIT|REDUCE))")
+# labels that are no op of the model and lose nothing: c10d's own ranges (`nccl:all_reduce`, whose
+# kernels are read), DDP's forward wrapper, data loading, the schedule's comm actions
+_UNMAPPED_QUIET = re.compile(r"^(Optimizer\.zero_grad#|## |enumerate\(DataLoader\)|PP:\d*(RECV|SEND|WAIT|REDUCE)|nccl:|gloo:"
+                             r"|DistributedDataParallel\.forward)")
 _BACKWARD_OP = "autograd::engine::evaluate_function:"
 # Ops that end a run of compute on the main thread: p2p, labels, the optimizer.
 _RUN_BREAK = ("c10d::send", "c10d::recv", "gloo:send", "gloo:recv", "c10d::batch_isend_irecv", "Optimizer.")

@@ -120,6 +120,8 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
     gpu_work: list[tuple[int, float, float]] = []                    # kernels, memcpy, memset (not NCCL): correlation, start, end
     annotations: set[tuple[float, str]] = set()                      # user_annotation ranges: start, name
     kernels = 0
+    launch_tid: dict[int, tuple[float, object]] = {}                # correlation -> (launch start, thread)
+    unnamed: list[tuple[int, int]] = []                              # NCCL kernels without a collective name: (comm index, correlation)
     origin = None   # times are kept relative to it (µs), so durations stay exact
     flow_starts: list[float] = []                                   # fwdbwd flow starts: forward ops autograd recorded
     flow_ends: list[float] = []                                     # ... and their backward nodes
@@ -145,11 +147,14 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
             correlation = (event.get("args") or {}).get("correlation")
             if correlation is not None:
                 launches.append((ts, int(correlation)))
+                launch_tid[int(correlation)] = (ts, event.get("tid"))
             continue
         if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             kernels += cat == "kernel"
             args = event.get("args") or {}
             if name.startswith(_NCCL):
+                if "Collective name" not in args and args.get("correlation") is not None:
+                    unnamed.append((len(comm), int(args["correlation"])))
                 comm.append(_nccl_span(name, args, ts, end, rank, groups))
             elif args.get("correlation") is not None:
                 gpu_work.append((int(args["correlation"]), ts, end))
@@ -213,6 +218,8 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
         device = "gpu"
     versions = {"schemaVersion": document.get("schemaVersion"), "backend": info.get("backend"),
                 "nccl_version": info.get("nccl_version"), "trace_id": document.get("trace_id")}
+    if unnamed:
+        _name_from_launch(comm, unnamed, launch_tid, cpu_ops)
     if not kernels:
         comm += _gloo_spans(gloo_cpu, comm_meta, c10d_p2p, rank, groups, unmapped)
     main = [op for op in cpu_ops if op[3] == step_tid]
@@ -269,6 +276,38 @@ def _nccl_span(name: str, args: Mapping[str, Any], start: float, end: float, ran
             peer = _global_peer(int(args[key]), group, groups, rank)
         return (SEND if canonical == "send" else RECV, start, end, peer, canonical, group, -1)
     return (COLL, start, end, -1, canonical, group, -1)
+
+
+def _name_from_launch(comm: list, unnamed: list[tuple[int, int]], launch_tid: Mapping[int, tuple[float, object]],
+                      cpu_ops: list) -> None:
+    """Older traces give NCCL kernels no `Collective name`, and one kernel (`ncclKernel_SendRecv`)
+    serves send, recv and all_to_all alike: the c10d range open on the launching thread when the
+    kernel was launched (`nccl:all_to_all`, `nccl:all_reduce`) says which collective it ran. In place."""
+    ranges: dict[object, list[tuple[float, float, str]]] = collections.defaultdict(list)
+    for start, end, name, tid in cpu_ops:
+        if name.startswith("nccl:"):
+            ranges[tid].append((start, end, name[5:]))
+    if not ranges:
+        return
+    starts = {tid: np.array([r[0] for r in sorted(spans)]) for tid, spans in ranges.items()}
+    ordered = {tid: sorted(spans) for tid, spans in ranges.items()}
+    for index, correlation in unnamed:
+        launched = launch_tid.get(correlation)
+        if launched is None or launched[1] not in ordered:
+            continue
+        at, tid = launched
+        i = int(np.searchsorted(starts[tid], at, side="right")) - 1
+        while i >= 0 and ordered[tid][i][1] < at:   # the innermost open range: nested ranges start later
+            i -= 1
+        if i < 0:
+            continue
+        canonical = _COLLECTIVES.get(ordered[tid][i][2].lower())
+        kind, start, end, peer, collective, group, local = comm[index]
+        if canonical is None or canonical == collective:
+            continue
+        if canonical in ("send", "recv") or kind != COLL:
+            continue   # a p2p kernel keeps what it is; only collectives are renamed
+        comm[index] = (kind, start, end, peer, canonical, group, local)
 
 
 def _global_peer(local: int, group: str, groups: Mapping[str, Group], rank: int) -> int:
