@@ -418,13 +418,16 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     # untraced CPU work the replay leaves out (it is within 5% here) can still be one worker's,
     # large beside its peers' and hidden behind a slower worker: a cause of its own once it
     # costs a share of the step worth a cause (half the straggling threshold)
-    untraced = [u for u in _untraced_workers(model, result) if max(u[1], u[2]) >= 0.5 * (rules.straggling - 1.0)]
-    if untraced and primary != "none":
+    untraced = [u for u in _untraced_workers(model, result) if max(u[1] or 0.0, u[2]) >= 0.5 * (rules.straggling - 1.0)]
+    if untraced and (primary != "none" or (straggling and evidence.get("localised") is False)):
+        # straggling yet spread (collectives that wait for the paused worker stretch over every
+        # rank) or unexplained: the worker whose untraced time the others wait for is the cause
         clearly, workers = _untraced_cause(result, untraced, evidence, fixes)
         listed["untraced-cpu"] = 1.0
         ranked = [*ranked, "untraced-cpu"] if ranked else ["untraced-cpu"]
-        if primary == "unexplained":
+        if primary in ("unexplained", "none"):
             primary, confidence = "untraced-cpu", 1.0
+            evidence.pop("localised", None)
         implicated = list(dict.fromkeys([*implicated, *workers]))
     evidence = {k: (float(v) if isinstance(v, (np.floating, float)) else v) for k, v in evidence.items()}
     explanations = {c: explain.cause_sentence(c, evidence, fixes[c], by_cause[c].implicated, model.pp_size)
@@ -536,7 +539,8 @@ def _worst_direction(peers, worker: tuple[int, int]) -> float:
 def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5, factor: float = 2.0,
                       persist: float = 0.75, each: float = 0.2) -> list[tuple[tuple[int, int], float, float]]:
     """The workers whose untraced CPU time (launch delays: METHOD.md section 3) makes the replay
-    discrepancy, as [(worker, excess, hidden excess)] (largest first) or []. A
+    discrepancy, as [(worker, excess or None where the replay attributes no launch delays, hidden
+    excess)] (largest first) or []. A
     measurement and a replay must agree:
     - measured (`_untraced_time`): the worker's untraced time per step is at least `factor` times
       its DP peers' median in `persist` of the steps (persistent, not one preempted step). Without
@@ -546,9 +550,9 @@ def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5,
       of its stage) times as long, an excess of at least `each` of the whole discrepancy's, and
       the named workers' excesses add up to at least `share` of it (else: spread, nobody to name);
       a slower worker elsewhere can hide it from the replay now: a worker whose untraced time is
-      2 x `factor` its peers' in every step counts with that time's share of the step instead."""
-    if result.launch_by_dp_rank is None or result.launch_by_stage is None or result.launch_slowdown <= 1.0:
-        return []
+      `factor` times its DP peers' in every step (2 x `factor` the other stages' without DP peers)
+      counts with that time's share of the step instead, also where the replay has no launch
+      attribution (a discrepancy within 5%; then only with DP peers and no pipeline)."""
     workers = [(d, p) for d in range(model.dp_size) for p in range(model.pp_size)]
     if len(workers) < 2:
         return []
@@ -569,17 +573,25 @@ def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5,
         peer_set = {top: ranked[1:]}
         ahead = float(np.median(per_step[top])) >= factor * float(np.median(per_step[ranked[1]]))
         named = [top] if ahead and persistent(top, ranked[1:]) else []
-    total = float(result.launch_slowdown) - 1.0
+    total = max(float(result.launch_slowdown) - 1.0, 0.0)
+    attributed = result.launch_by_dp_rank is not None and result.launch_by_stage is not None
     excess = {(d, p): min(float(result.launch_by_dp_rank.get(d, 1.0)), float(result.launch_by_stage.get(p, 1.0))) - 1.0
-              for d, p in named}
-    # a worker whose untraced time is far beyond its peers' in every step (2 x factor) is named even
-    # when a slower worker elsewhere hides its cost now (another DP replica's slow compute sets the
-    # step): once that one is fixed, its pauses cost; its size is what it measures per step
+              if attributed else None for d, p in named}
+    # a worker whose untraced time is beyond its peers' in every step is named even when the replay
+    # cannot see its cost now (a slower worker elsewhere sets the step, or collectives that wait for
+    # it are what the replay stretches): its size is what it measures per step
+    # (without DP peers the other stages are no like-for-like baseline: a stage waiting on a heavier
+    # one shows untraced time too, so there it takes 2 x `factor` and the replay's attribution)
     step_time = float(result.step_t_nodelay.mean())
-    hidden = {w: float(np.median(per_step[w])) / step_time if persistent(w, peer_set[w], 2.0 * factor, 1.0) else 0.0
-              for w in named}
-    counted = {w: max(excess[w], hidden[w]) for w in named}
-    named = sorted((w for w in named if counted[w] >= each * total), key=lambda w: (-counted[w], w))
+    alone = model.dp_size == 1
+    if not attributed and (alone or model.pp_size > 1):
+        # no replay to confirm it: only without pipeline neighbours (whose waits for each other
+        # look like gaps too) is a worker's gap before its ops surely its own time
+        return []
+    hidden = {w: float(np.median(per_step[w])) / step_time
+              if persistent(w, peer_set[w], factor * (2.0 if alone else 1.0), 1.0) else 0.0 for w in named}
+    counted = {w: max(excess[w] or 0.0, hidden[w]) for w in named}
+    named = sorted((w for w in named if counted[w] > 0.0 and counted[w] >= each * total), key=lambda w: (-counted[w], w))
     if not named or sum(counted[w] for w in named) < share * total:
         return []
     return [(w, excess[w], hidden[w]) for w in named]
@@ -590,11 +602,16 @@ def _untraced_cause(result: WhatIfResult, untraced: list, evidence: dict, fixes:
     blamed workers' untraced time removed, against what ran); returns (how clearly it measures:
     1 + the share of what ran it costs, the workers)."""
     launch, slowdown = float(result.launch_slowdown), float(result.slowdown)
-    (_, excess, free), saved = untraced[0], max(untraced[0][1], 0.0) / launch
-    evidence["untraced_workers"] = [{"dp_rank": d, "stage": p, "launch_slowdown": 1.0 + e, "hidden_slowdown": 1.0 + f}
-                                    for (d, p), e, f in untraced]
+    (_, excess, free) = untraced[0]
+    if excess is None:   # no launch attribution: what it measures is the estimate, against what ran
+        saved, explained = free, min(1.0, free / max(1.0 - 1.0 / slowdown, 1e-9))
+    else:
+        saved = max(excess, 0.0) / launch
+        explained = min(1.0, max(excess, 0.0) / (launch - 1.0)) if launch > 1.0 else 0.0
+    evidence["untraced_workers"] = [{"dp_rank": d, "stage": p, "launch_slowdown": None if e is None else 1.0 + e,
+                                     "hidden_slowdown": 1.0 + f} for (d, p), e, f in untraced]
     fixes["untraced-cpu"] = Fix("untraced-cpu", float(result.step_t_base.mean()) * (1.0 - saved), slowdown,
-                                min(1.0, max(excess, 0.0) / (launch - 1.0)), saved, FIX_NAMES["untraced"])
+                                explained, saved, FIX_NAMES["untraced"])
     return 1.0 + max(saved, free / launch), [w for w, *_ in untraced]
 
 
@@ -616,7 +633,8 @@ def _untraced_time(model: JobModel, dp: int, stage: int, partner: np.ndarray | N
     the computes in between, which the model starts after the previous compute of its direction,
     is the model's structure, not the worker's time; and a recv that starts with its peer's send
     (it was posted earlier and waited: the converter starts it there) is the peer's delay. A recv
-    posted after its peer's send started was the worker's own lateness."""
+    posted after its peer's send started was the worker's own lateness, from that send's start on
+    (before it, the worker waited for the data)."""
     partner = _p2p_partner(model) if partner is None else partner
     ops = np.flatnonzero(model.op_stage == stage)
     recv = np.isin(model.op_optype[ops], [OPTYPES.index("forward-recv"), OPTYPES.index("backward-recv")])
@@ -630,6 +648,9 @@ def _untraced_time(model: JobModel, dp: int, stage: int, partner: np.ndarray | N
         waiting = (delay > 0) & (~recv | late)
         gap_end = model.observed_start[ops[waiting], lane]
         gap_start = gap_end - delay[waiting]
+        # before a recv, the time until its peer's send began is waiting for the data, not lateness
+        sent = np.where(peer[waiting] >= 0, model.observed_start[np.maximum(peer[waiting], 0), lane], -np.inf)
+        gap_start = np.minimum(np.maximum(gap_start, sent), gap_end)
         covered = _covered(gap_start, gap_end, model.observed_start[busy, lane], model.observed_end[busy, lane])
         out.append(float(np.maximum(gap_end - gap_start - covered, 0.0).sum()))
     return np.array(out)
