@@ -1,6 +1,7 @@
 """Soak test of the streaming monitor: thousands of sessions through one `strag watch`.
 
     .venv/bin/python benchmarks/bench_watch_soak.py [--sessions 2000] [--minutes 10] [--baseline-sessions 400]
+                                                    [--strays N]
 
 Runs the real `strag watch` as a subprocess on a local temporary lake while this process lands
 sessions at a steady rate (compressed time: a 0.1 s poll, a 1 s session timeout and a 2 s
@@ -15,6 +16,11 @@ landed), sessions left in the landing area (must be 0), archive size. The baseli
 watcher with retention switched off (--retain far beyond the run): nothing leaves the landing
 area, so its listing grows with history; it runs for --baseline-sessions sessions at the same
 rate.
+
+--strays N: with each session, N stray files land too (alternately a loose file in landing/ and a
+worker file in a folder whose name is no session id): they are quarantined, and must leave the
+landing area (files left in landing/ counts them) so that the listing stays as small as the
+sessions in play.
 """
 from __future__ import annotations
 
@@ -49,17 +55,25 @@ def _rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def _land(lake: str, trace, manifest, sessions: int, rate: float, landed: list[float]) -> None:
-    """Land `sessions` sessions at `rate` per second, appending each landing time to `landed`."""
+def _land(lake: str, trace, manifest, sessions: int, rate: float, landed: list[float], strays: int = 0) -> None:
+    """Land `sessions` sessions at `rate` per second (each with `strays` stray files), appending each
+    landing time to `landed`."""
     started = time.time()
     for index in range(sessions):
         due = started + index / rate
         time.sleep(max(0.0, due - time.time()))
         land_session(lake, "soak", f"s{index:06d}", trace, manifest)
+        for stray in range(strays):
+            n = index * strays + stray
+            path = pathlib.Path(lake, "landing", f"notes-{n}.txt" if n % 2 == 0 else f"soak/bad session {n}/worker-0-0.parquet")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_name(f".{path.name}.tmp")
+            temporary.write_bytes(b"stray")
+            temporary.rename(path)
         landed.append(time.time())
 
 
-def soak(sessions: int, seconds: float, retain: float, report: float, trace, manifest) -> dict:
+def soak(sessions: int, seconds: float, retain: float, report: float, trace, manifest, strays: int = 0) -> dict:
     """One watcher run; returns its timeline and end state."""
     with tempfile.TemporaryDirectory() as folder:
         lake, out = f"{folder}/lake", f"{folder}/out"
@@ -78,7 +92,7 @@ def soak(sessions: int, seconds: float, retain: float, report: float, trace, man
 
         threading.Thread(target=read_status, daemon=True).start()
         landed: list[float] = []
-        lander = threading.Thread(target=_land, args=(lake, trace, manifest, sessions, sessions / seconds, landed))
+        lander = threading.Thread(target=_land, args=(lake, trace, manifest, sessions, sessions / seconds, landed, strays))
         started = time.time()
         lander.start()
         rss: list[tuple[float, float]] = []
@@ -96,10 +110,11 @@ def soak(sessions: int, seconds: float, retain: float, report: float, trace, man
         watcher.wait(timeout=60)
         analysed = count_live_sessions(out)
         left = [p for p in pathlib.Path(f"{lake}/landing").rglob("*") if p.is_file()]
-        archived = sum(1 for p in pathlib.Path(f"{lake}/landing_archive").glob("*/*") if p.is_dir()) \
-            if os.path.isdir(f"{lake}/landing_archive") else 0
+        archived = sum(1 for p in pathlib.Path(f"{lake}/landing_archive").glob("*/*")
+                       if p.is_dir() and not p.parent.name.startswith("_"))
+        set_aside = sum(1 for p in pathlib.Path(f"{lake}/landing_archive/_strays").rglob("*") if p.is_file())
     return {"started": started, "rss": rss, "status": [(t - started, values) for t, values in status],
-            "landed": landed, "analysed": analysed, "left": len(left), "archived": archived,
+            "landed": landed, "analysed": analysed, "left": len(left), "archived": archived, "set_aside": set_aside,
             "elapsed": time.time() - started}
 
 
@@ -127,7 +142,7 @@ def summarise(name: str, run: dict, sessions: int) -> tuple[float, float, float,
     print(f"  RSS {figures[0]:.0f} -> {figures[1]:.0f} MiB ({figures[1] / figures[0]:.2f}x); listing "
           f"{figures[2]:.2f} -> {figures[3]:.2f} ms ({figures[3] / figures[2]:.2f}x) from the 2nd to the last fifth")
     print(f"  sessions analysed {run['analysed']} of {sessions}; files left in landing/ {run['left']}; "
-          f"sessions archived {run['archived']}")
+          f"sessions archived {run['archived']}; stray files set aside {run['set_aside']}")
     return figures
 
 
@@ -138,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-sessions", type=int, default=400,
                         help="sessions of the run without retention, at the same rate (0: skip)")
     parser.add_argument("--report", type=float, default=2.0, help="seconds between samples")
+    parser.add_argument("--strays", type=int, default=0, help="stray files landed with each session (default 0)")
     args = parser.parse_args(argv)
 
     job = generate_job(JobSpec(job_id="soak", dp=2, pp=2, microbatches=2, steps=2, sessions=1, seed=5))
@@ -146,11 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     rate = args.sessions / seconds
     print(f"landing {args.sessions} sessions (5 files, {trace.num_rows} op rows each) at {rate:.1f}/s; "
           f"poll {POLL} s, session timeout {TIMEOUT} s, retention {RETAIN} s; load {os.getloadavg()[0]:.2f}")
-    run = soak(args.sessions, seconds, RETAIN, args.report, trace, job.manifest)
+    if args.strays:
+        print(f"with {args.strays} stray file(s) per session")
+    run = soak(args.sessions, seconds, RETAIN, args.report, trace, job.manifest, args.strays)
     rss_early, rss_late, list_early, list_late = summarise("with retention", run, args.sessions)
     ok = run["analysed"] == args.sessions and run["left"] == 0
     if args.baseline_sessions:
-        base = soak(args.baseline_sessions, args.baseline_sessions / rate, 1e9, args.report, trace, job.manifest)
+        base = soak(args.baseline_sessions, args.baseline_sessions / rate, 1e9, args.report, trace, job.manifest, args.strays)
         _, _, base_early, base_late = summarise("baseline: retention off", base, args.baseline_sessions)
         print(f"\nlisting time growth, last fifth / 2nd fifth: {list_late / list_early:.2f}x with retention "
               f"({args.sessions} sessions) vs {base_late / base_early:.2f}x without ({args.baseline_sessions} sessions)")

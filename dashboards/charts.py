@@ -17,7 +17,7 @@ __all__ = [
     "WEIGHTING_LABELS",
     "heatmap_colour",
     "cdf_chart",
-    "category_cdf_chart",
+    "category_slowdown_chart",
     "optype_waste_chart",
     "size_chart",
     "cause_chart",
@@ -114,39 +114,69 @@ def cdf_chart(distribution: pd.DataFrame, metric: str, title: str, x_title: str,
     return alt.layer(*layers).properties(title=title, width=_WIDTH, height=_HEIGHT)
 
 
-def _cdf_quantile(rows: pd.DataFrame, q: float) -> float:
-    """Upper edge of the first histogram bin whose cumulative share reaches q (to the bin width)."""
-    reached = rows[rows["cumulative_share"] >= q - 1e-9]
-    return float(reached["bin_upper"].min())
+def _category_quantiles(rows: pd.DataFrame, order: list[str]) -> pd.DataFrame:
+    """Per category (job weighting): windows, S_t at the 0/50/90/100th percentile (the lower edge of the
+    first bin whose cumulative share reaches q: exact for S_t = 1.0, else within one bin) and the share of
+    windows with S_t >= 1.01."""
+    out = []
+    for category in order:
+        bins = rows[rows["category"] == category].sort_values("bin_lower")
+        cumulative = bins["cumulative_share"].to_numpy()
+        lower = bins["bin_lower"].to_numpy()
+
+        def quantile(q: float) -> float:
+            return float(lower[np.argmax(cumulative >= q - 1e-9)])
+
+        below = bins[bins["bin_lower"] < 1.01 - 1e-9]["cumulative_share"]
+        out.append({"category": category, "windows": int(bins["count"].sum()), "p0": float(lower[0]), "p50": quantile(0.5),
+                    "p90": quantile(0.9), "max": quantile(1.0), "slowed": 1.0 - (float(below.max()) if len(below) else 0.0)})
+    frame = pd.DataFrame(out)
+    for column in ("p0", "p50", "p90", "max"):
+        frame[f"{column}_excess"] = (frame[column] - 1.0).clip(lower=0.0)
+    frame["label"] = [f"{r.windows} windows: median {r.p50:.3f}, p90 {r.p90:.3f}, max {r.max:.3f}; "
+                      f"{r.slowed:.0%} at >= 1.01" for r in frame.itertuples()]
+    return frame
 
 
-def category_cdf_chart(categories: pd.DataFrame, title: str) -> alt.Chart:
-    """One small CDF of S_t per op-type category (fleet_distribution rows of the metrics
-    optype_slowdown:<category>, a `category` column added), all on one x scale.
+# Ticks of the S_t axis (S_t - 1 on a symmetric log scale: 1.000 and 1.001 apart as 1.1 and 2.0 are).
+_EXCESS_TICKS = [0.0, 0.001, 0.01, 0.1, 0.5, 1.0, 2.0, 4.0, 9.0, 19.0, 49.0, 99.0]
 
-    A panel per category rather than four lines on one plot: a category whose jobs all sit
-    at S_t = 1.0 draws its own step at 1.0 instead of a line hidden under the axis.
+
+def category_slowdown_chart(categories: pd.DataFrame, title: str) -> alt.Chart:
+    """S_t per op-type category, one row each on a shared axis stretched near 1.0 (fleet_distribution
+    rows of the metrics optype_slowdown:<category>, a `category` column added; each job window once).
+
+    A row shows the spread of S_t over the job windows: a line from the lowest to the highest, a bar
+    from the median to the 90th percentile, a tick at the median, and the figures in words. The axis
+    is S_t - 1 on a symmetric log scale, so a category whose windows all sit between 1.000 and 1.01
+    is told apart from one at exactly 1.0 and from one up to 2.3 (on a linear axis the first two are
+    the same vertical line).
     """
     if categories.empty:
         return _empty(title)
-    jobs = categories[categories["weighting"] == "job"].groupby("category")["count"].sum()
     rows = categories[categories["weighting"] == "job"]
-    frame = _cdf_points(rows, "category")
-    order = [c for c in _CATEGORY_ORDER if c in jobs.index] + sorted(set(jobs.index) - set(_CATEGORY_ORDER))
-    headers = {c: f"{c}: {jobs[c]} job windows, median {_cdf_quantile(rows[rows['category'] == c], 0.5):.2f}, "
-                  f"max {_cdf_quantile(rows[rows['category'] == c], 1.0):.2f}" for c in order}
-    frame["panel"] = frame["series"].map(headers)
-    return (
-        alt.Chart(frame, width=_WIDTH // 2 - 20, height=110)
-        .mark_line(interpolate="step-after")
-        .encode(
-            **_cdf_encoding("S_t", "share of job windows", False),
-            color=alt.Color("series:N", sort=order, legend=None),
-            tooltip=[alt.Tooltip("series:N", title="category"), alt.Tooltip("value:Q", title="S_t", format=".3f"),
-                     alt.Tooltip("cumulative_share:Q", format=".1%")],
-        )
-        .facet(facet=alt.Facet("panel:N", sort=[headers[c] for c in order], title=None), columns=2, title=title)
-    )
+    present = set(rows["category"])
+    order = [c for c in _CATEGORY_ORDER if c in present] + sorted(present - set(_CATEGORY_ORDER))
+    frame = _category_quantiles(rows, order)
+    top = max(float(frame["max_excess"].max()) * 1.25, 0.012)
+    ticks = [t for t in _EXCESS_TICKS if t <= top]
+    x_scale = alt.Scale(type="symlog", constant=0.001, domain=[0, top], nice=False)
+    x_axis = alt.Axis(title="S_t (axis stretched near 1.0: S_t - 1 on a log scale)", values=ticks,
+                      labelExpr="format(1 + datum.value, '.3~f')", grid=True)
+    y = alt.Y("category:N", sort=order, title=None, axis=alt.Axis(labelFontSize=12, labelFontWeight="bold"))
+    colour = alt.Color("category:N", sort=order, legend=None)
+    tooltip = ["category", "windows", alt.Tooltip("p50:Q", title="median S_t", format=".3f"),
+               alt.Tooltip("p90:Q", title="p90 S_t", format=".3f"), alt.Tooltip("max:Q", title="max S_t", format=".3f"),
+               alt.Tooltip("slowed:Q", title="windows with S_t >= 1.01", format=".0%")]
+    base = alt.Chart(frame).encode(y=y, tooltip=tooltip)
+    spread = base.mark_rule(strokeWidth=2).encode(x=alt.X("p0_excess:Q", scale=x_scale, axis=x_axis), x2="max_excess:Q", color=colour)
+    middle = base.mark_bar(height=14, opacity=0.55).encode(x=alt.X("p50_excess:Q", scale=x_scale), x2="p90_excess:Q", color=colour)
+    median = base.mark_tick(thickness=3, size=22, color="#222").encode(x=alt.X("p50_excess:Q", scale=x_scale))
+    highest = base.mark_point(filled=True, size=40).encode(x=alt.X("max_excess:Q", scale=x_scale), color=colour)
+    words = base.mark_text(align="left", baseline="middle", dy=-16, x=2, fontSize=11, color="#444").encode(text="label:N")
+    return alt.layer(spread, middle, median, highest, words).properties(
+        title=alt.TitleParams(title, subtitle="line: lowest to highest S_t; bar: median to p90; black tick: median"),
+        width=_WIDTH, height=46 * len(order))
 
 
 def optype_waste_chart(optype: pd.DataFrame, title: str) -> alt.Chart:
@@ -335,29 +365,46 @@ def step_slowdown_chart(steps: pd.DataFrame, slowdown: float, title: str) -> alt
     return alt.layer(line, rule).properties(title=alt.TitleParams(title, subtitle="gaps in the line: steps not sampled"), width=_WIDTH, height=200)
 
 
+# A cell's value is written in it only when "1.23" at font size 10 fits (about 24 px of text).
+_LABELLED_CELL = 30
+
+
+def _rank_axis(count: int, cell: int, title: str) -> alt.Axis:
+    """An ordinal axis of ranks 0..count-1 that stays readable however narrow the cells: every k-th
+    rank labelled (k in 1, 2, 5, 10, 20, ... so labels are at least ~22 px apart), upright."""
+    step = next(k for k in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 10**9) if k * cell >= 22)
+    return alt.Axis(title=title, values=list(range(0, count, step)), labelAngle=0, labelOverlap=False)
+
+
 def worker_heatmap(workers: pd.DataFrame, title: str) -> alt.Chart:
-    """SMon's worker heatmap: x = DP rank, y = PP rank, colour = S_w from 1.0 to 1.5 (clamped)."""
+    """SMon's worker heatmap: x = DP rank, y = PP rank, colour = S_w from 1.0 to 1.5 (clamped).
+
+    Each cell carries its S_w as text only where the text fits (cells of at least _LABELLED_CELL
+    px); narrower cells (many DP ranks) keep the value in the tooltip, and the rank axis labels
+    every k-th rank."""
     rows = workers.dropna(subset=["slowdown_worker"])
     if rows.empty:
         return _empty(title, "S < 1.03: no attribution computed")
     dp, pp = int(rows["dp_rank"].max()) + 1, int(rows["stage"].max()) + 1
     cell = max(8, min(48, 640 // max(dp, 1)))
+    row_height = max(cell, 22 if pp > 1 else 40)
     base = alt.Chart(rows).encode(
-        x=alt.X("dp_rank:O", title="DP rank"),
-        y=alt.Y("stage:O", title="PP rank"),
+        x=alt.X("dp_rank:O", axis=_rank_axis(dp, cell, "DP rank"), scale=alt.Scale(domain=list(range(dp)))),
+        y=alt.Y("stage:O", axis=_rank_axis(pp, row_height, "PP rank"), scale=alt.Scale(domain=list(range(pp)))),
     )
-    rects = base.mark_rect(stroke="white", strokeWidth=0.5).encode(
+    rects = base.mark_rect(stroke="white", strokeWidth=0.5 if cell >= 12 else 0).encode(
         color=heatmap_colour("slowdown_worker", "S_w"),
         tooltip=["dp_rank", "stage", "host", alt.Tooltip("slowdown_worker:Q", format=".3f"), alt.Tooltip("slowdown_dp:Q", format=".3f"),
                  alt.Tooltip("slowdown_stage:Q", format=".3f")],
     )
     layers = [rects]
-    if dp * pp <= 128:
+    if cell >= _LABELLED_CELL:
         layers.append(base.mark_text(fontSize=10).encode(
             text=alt.Text("slowdown_worker:Q", format=".2f"),
             color=alt.condition(alt.datum.slowdown_worker > 1.3, alt.value("white"), alt.value("black")),
         ))
-    return alt.layer(*layers).properties(title=title, width=cell * dp, height=max(cell, 22) * pp)
+    subtitle = [] if cell >= _LABELLED_CELL else ["cells too narrow for their values: hover a cell for its S_w"]
+    return alt.layer(*layers).properties(title=alt.TitleParams(title, subtitle=subtitle), width=cell * dp, height=row_height * pp)
 
 
 def step_heatmap(per_step: pd.DataFrame, group: str, title: str) -> alt.Chart:

@@ -51,7 +51,7 @@ def fleet_charts(data: ReportData) -> list[Chart]:
               f"threshold {STRAGGLING_THRESHOLD}. Two counts: each job window once, or each by its GPU-hours."),
         Chart("waste_cdf", "CDF of wasted GPU time", charts.cdf_chart(distribution, "waste", "Waste 1 - 1/S", "share of the job's GPU-hours wasted", percent=True),
               "Job-weighted (each window counts once) and GPU-hour-weighted (each window counts by its GPU-hours)."),
-        Chart("optype_cdf", "Slowdown by op-type category", charts.category_cdf_chart(categories, f"CDF of S_t per category (job windows with S >= {ATTRIBUTION_THRESHOLD})"),
+        Chart("optype_cdf", "Slowdown by op-type category", charts.category_slowdown_chart(categories, f"S_t per category (job windows with S >= {ATTRIBUTION_THRESHOLD})"),
               f"S_t: the job's slowdown when only that category's ops keep their real durations; compute vs pipeline (pp) vs "
               f"data-parallel (dp) communication. Only job windows with S >= {ATTRIBUTION_THRESHOLD} have S_t: the method (and the "
               f"authors' analyzer) attributes slowdown only from S {ATTRIBUTION_THRESHOLD} up, so this is not the same set of jobs as "

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import altair as alt
 
-__all__ = ["Chart", "Numbers", "HtmlTable", "Text", "fmt", "render_page", "export_chart", "write_bundle", "BUNDLE_PATH"]
+__all__ = ["Chart", "Numbers", "HtmlTable", "Text", "fmt", "job_title", "render_page", "export_chart", "write_bundle", "BUNDLE_PATH"]
 
 BUNDLE_PATH = "assets/vega-bundle.js"
 
@@ -59,10 +59,19 @@ class Text:
 
 
 def fmt(value, digits: int = 3) -> str:
-    """A table cell's number: floats to `digits` decimals, "n/a" for a missing or NaN value."""
+    """A table cell's number: floats to `digits` decimals ("0.000", never "-0.000"), "n/a" for a
+    missing or NaN value."""
     if value is None or (isinstance(value, float) and value != value):
         return "n/a"
-    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+    if not isinstance(value, float):
+        return str(value)
+    text = f"{value:.{digits}f}"
+    return text[1:] if text.startswith("-") and not text.strip("-0.") else text
+
+
+def job_title(job_id: str, prefix: str = "Job") -> str:
+    """A page title naming a job: "Job llama-7b", but "job-20240304-003" as it is (no "Job job-...")."""
+    return job_id if job_id.lower().startswith("job") else f"{prefix} {job_id}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -169,21 +178,27 @@ def render_page(
     inline_js: bool,
     bundle_href: str = BUNDLE_PATH,
     files: dict[str, dict[str, str]] | None = None,
+    refresh_seconds: int | None = None,
 ) -> str:
-    """HTML text of one page. files: chart name -> {"svg": href, "png": href} links shown under it."""
+    """HTML text of one page. files: chart name -> {"svg": href, "png": href} links shown under it.
+    A page without charts loads no JavaScript bundle; refresh_seconds: reload the page that often."""
     charts = _charts(blocks)
     names = [c.name for c in charts]
     if len(set(names)) != len(names):
         raise ValueError(f"page {title!r}: chart names repeat: {sorted(names)}")
     specs = {f"chart-{c.name}": _spec(c.chart) for c in charts}
-    script = f"<script>\n{_bundle()}\n</script>" if inline_js else f'<script src="{html.escape(bundle_href)}"></script>'
+    if not charts:
+        script = ""
+    else:
+        script = f"<script>\n{_bundle()}\n</script>" if inline_js else f'<script src="{html.escape(bundle_href)}"></script>'
+    refresh = f'<meta http-equiv="refresh" content="{int(refresh_seconds)}">\n' if refresh_seconds else ""
     body = "\n".join(_render_block(b, files or {}) for b in blocks)
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
 <link rel="icon" href="data:,">
-<title>{html.escape(title)}</title>
+{refresh}<title>{html.escape(title)}</title>
 <style>{_STYLE}</style>
 {script}
 </head>

@@ -14,7 +14,7 @@ import urllib.parse
 
 from dashboards import charts
 from dashboards.data import ReportData
-from dashboards.html import BUNDLE_PATH, Chart, HtmlTable, Numbers, Text, fmt, render_page
+from dashboards.html import BUNDLE_PATH, Chart, HtmlTable, Numbers, Text, fmt, job_title, render_page
 from schemas.causes import CAUSE_TITLES, evidence_label
 
 __all__ = ["build_job_page", "job_page_path", "JOBS_DIR"]
@@ -41,7 +41,10 @@ def _source_detail(summary) -> str:
 
 
 def _share(value) -> str:
-    return "n/a" if value is None or value != value else f"{int(round(100 * value))}%"
+    """A share of the straggling time: "42%", "all (142%)" above 100%, "none (-12%)" below 0."""
+    from transforms.whatif.causes.explain import share_words
+
+    return "n/a" if value is None or value != value else share_words(value)
 
 
 def _saved_number(fixes: dict, cause: str) -> tuple[str, str, str]:
@@ -119,9 +122,11 @@ def build_job_page(data: ReportData, date: dt.date, job_id: str, out_dir: pathli
     fixes = json.loads(v["savings_json"]) if v is not None else {}
     numbers = Numbers([
         ("slowdown S", fmt(s.slowdown), "S >= 1.1: straggling" if s.straggling else "below the 1.1 straggling threshold"),
-        ("waste", f"{100 * s.waste:.1f}%", f"{s.wasted_gpu_hours:,.0f} of {s.gpu_hours:,.0f} GPU-hours"),
+        ("waste", f"{100 * s.waste:.1f}%", f"{s.wasted_gpu_hours:,.0f} of {s.gpu_hours:,.0f} GPU-hours") if s.waste >= 0 else
+        ("waste", "none", "S < 1: the ideal replay is slower than the replay, within its noise"),
         ("verdict", CAUSE_TITLES.get(cause, cause), f"{cause}, confidence {v['confidence']:.2f}" if v is not None else "no verdict (discarded window)"),
-        ("M_W / M_S", f"{fmt(s.m_w, 2)} / {fmt(s.m_s, 2)}", "share of the straggling time the top 3% workers / the last stage explain"),
+        ("M_W / M_S", f"{fmt(s.m_w, 2)} / {fmt(s.m_s, 2)}", "share of the straggling time the top 3% workers / the last stage explain")
+        if s.straggling else ("M_W / M_S", "n/a", "not straggling: too little straggling time to share out"),
         _saved_number(fixes, cause),
         ("replay discrepancy", f"{100 * (s.launch_slowdown - 1):.1f}%", "discarded: replay off by more than 5%" if s.discarded else "within 5%: kept"),
         ("parallelism", s.parallelism, f"{s.gpus} GPUs, {s.n_steps} sampled steps"),
@@ -145,7 +150,7 @@ def build_job_page(data: ReportData, date: dt.date, job_id: str, out_dir: pathli
          Chart("stages", "Slowdown by stage", charts.attribution_bars(stages, "stage", "S_stage - 1 per stage"))],
     ]
     page = render_page(
-        f"Job {job_id}", f"{date.isoformat()} · what-if analysis of {s.n_steps} sampled steps · tables {data.out}",
+        job_title(job_id), f"{date.isoformat()} · what-if analysis of {s.n_steps} sampled steps · tables {data.out}",
         blocks, inline_js=False, bundle_href=f"../{BUNDLE_PATH}",
     )
     path = pathlib.Path(out_dir) / job_page_path(date, job_id)

@@ -12,7 +12,6 @@ live table changed (a new session, a corrected revision, an alert).
 from __future__ import annotations
 
 import datetime as dt
-import html
 import json
 
 import altair as alt
@@ -20,10 +19,10 @@ import pandas as pd
 import pyarrow as pa
 
 from dashboards import charts
-from dashboards.html import Chart, HtmlTable, Numbers, Text, fmt, render_page
+from dashboards.html import Chart, HtmlTable, Numbers, Text, fmt, job_title, render_page
 from transforms.live_tables import current_results
 
-__all__ = ["live_job_page", "live_index_page", "live_version", "REFRESH_SECONDS"]
+__all__ = ["live_job_page", "live_index_page", "live_unknown_job_page", "live_version", "REFRESH_SECONDS"]
 
 REFRESH_SECONDS = 2.0
 
@@ -52,15 +51,22 @@ def _refresh_script(version_href: str, version: str, seconds: float) -> str:
 
 
 def _session_chart(sessions: pd.DataFrame, threshold: float) -> alt.Chart:
-    """S of each session's current result, in arrival order, with the alert threshold."""
+    """S of each session's current result in landing order (session 1, 2, ...: sessions land
+    seconds or hours apart, so a time axis shows sub-second ticks or crowds), with the alert threshold."""
     rows = sessions.dropna(subset=["slowdown"])
     if rows.empty:
         return alt.Chart(pd.DataFrame({"text": ["no analysed session yet"]})).mark_text().encode(text="text:N").properties(
             title="S per session", width=400, height=60)
+    rows = rows.sort_values(["first_arrival", "session"]).reset_index(drop=True)
+    rows = rows.assign(order=range(1, len(rows) + 1),
+                       landed=[pd.Timestamp(t).strftime("%Y-%m-%d %H:%M:%S") for t in rows["first_arrival"]])
     line = alt.Chart(rows).mark_line(point=True).encode(
-        x=alt.X("first_arrival:T", title="session (first file landed)"),
-        y=alt.Y("slowdown:Q", title="slowdown S", scale=alt.Scale(zero=False)),
-        tooltip=["session", "revision", "reason", alt.Tooltip("slowdown:Q", format=".3f"), "verdict"],
+        x=alt.X("order:Q", title="session, in landing order",
+                axis=alt.Axis(format="d", tickMinStep=1, labelOverlap="greedy"),
+                scale=alt.Scale(domain=[0.5, len(rows) + 0.5], nice=False)),
+        y=alt.Y("slowdown:Q", title="slowdown S", scale=alt.Scale(zero=False, padding=8)),
+        tooltip=["session", alt.Tooltip("landed:N", title="first file landed (UTC)"), "revision", "reason",
+                 alt.Tooltip("slowdown:Q", format=".3f"), "verdict"],
     )
     rule = alt.Chart(pd.DataFrame({"slowdown": [threshold]})).mark_rule(strokeDash=[4, 3], color="#e45756").encode(y="slowdown:Q")
     return alt.layer(line, rule).properties(title="S per session (dashed: alert threshold)", width=560, height=200)
@@ -102,7 +108,7 @@ def live_job_page(job_id: str, results: pa.Table, alerts: pa.Table, *, threshold
     version = live_version(results, alerts)
     if current.empty:
         body = [Text(f"No result for job {job_id} yet: waiting for its first profiling session to land.")]
-        return render_page(f"Live: job {job_id}", "strag watch", body, inline_js=False, bundle_href=bundle_href).replace(
+        return render_page(f"Live: {job_title(job_id, 'job')}", "strag watch", body, inline_js=False, bundle_href=bundle_href).replace(
             "</body>", _refresh_script(version_href, version, refresh_seconds) + "\n</body>")
     latest = current.sort_values(["first_arrival", "session"]).iloc[-1].to_dict()
     missing = _listed(latest["missing_workers"])
@@ -135,26 +141,33 @@ def live_job_page(job_id: str, results: pa.Table, alerts: pa.Table, *, threshold
                   "A late file re-analyses its session; the higher revision supersedes the earlier one."),
         HtmlTable("Alerts", ["time (UTC)", "kind", "message"], alert_rows or [["", "", "none yet"]]),
     ]
-    page = render_page(f"Live: job {job_id}", f"strag watch · {len(current)} session(s) · refreshes when the live table changes",
+    page = render_page(f"Live: {job_title(job_id, 'job')}", f"strag watch · {len(current)} session(s) · refreshes when the live table changes",
                        blocks, inline_js=False, bundle_href=bundle_href)
     return page.replace("</body>", _refresh_script(version_href, version, refresh_seconds) + "\n</body>")
 
 
 def live_index_page(results: pa.Table, alerts: pa.Table, job_href) -> str:
-    """Plain HTML list of the jobs in the live table with their latest S (no charts)."""
+    """The jobs in the live table with their latest S, verdict and alert count (no charts); reloads every 5 s."""
     current = current_results(results).to_pandas()
     rows = []
     for job_id, group in current.groupby("job_id", sort=True):
         latest = group.sort_values(["first_arrival", "session"]).iloc[-1]
         count = sum(1 for a in alerts["job_id"].to_pylist() if a == job_id)
-        rows.append(f"<tr><td><a href=\"{html.escape(job_href(job_id))}\">{html.escape(job_id)}</a></td>"
-                    f"<td>{html.escape(str(latest['session']))}</td><td>{fmt(latest['slowdown'])}</td>"
-                    f"<td>{html.escape(_text(latest['verdict']))}</td><td>{count}</td></tr>")
-    body = "\n".join(rows) or "<tr><td colspan=5>no session analysed yet</td></tr>"
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><link rel="icon" href="data:,"><meta http-equiv="refresh" content="5"><title>strag live</title></head>
-<body><h1>strag live monitor</h1>
-<table class="data"><tr><th>job</th><th>latest session</th><th>S</th><th>verdict</th><th>alerts</th></tr>
-{body}
-</table></body></html>
-"""
+        rows.append([(job_id, job_href(job_id)), str(latest["session"]), len(group), fmt(latest["slowdown"]),
+                     _text(latest["verdict"]), latest["status"], count,
+                     pd.Timestamp(latest["analysed"]).strftime("%Y-%m-%d %H:%M:%S")])
+    table = HtmlTable("Jobs", ["job", "latest session", "sessions", "S", "verdict", "status", "alerts", "analysed (UTC)"],
+                      rows or [["no session analysed yet", "", "", "", "", "", "", ""]],
+                      "S and verdict of each job's latest session (its current revision). Click a job for its live page.")
+    subtitle = f"strag watch · {len(rows)} job(s) · reloads every 5 s"
+    return render_page("strag live monitor", subtitle, [table], inline_js=False, refresh_seconds=5)
+
+
+def live_unknown_job_page(job_id: str, known: list[str], job_href) -> str:
+    """The page of a job the live tables do not hold (answered with 404); reloads every 5 s, so it
+    turns into the job's page once its first session is analysed."""
+    links = [Text(f"{len(known)} job(s) in the live table:")] + [Text("", (j, job_href(j))) for j in known[:50]]
+    blocks = [Text(f"No job {job_id!r} in the live tables: no session of it has been analysed, or the name is misspelt "
+                   "(job ids are case-sensitive). This page reloads every 5 s and shows the job once its first session "
+                   "lands."), Text("", ("all jobs", "/")), *(links if known else [Text("No job in the live table yet.")])]
+    return render_page(f"Not found: job {job_id}", "strag watch · 404", blocks, inline_js=False, refresh_seconds=5)

@@ -3,12 +3,13 @@
     strag analyze TRACE.parquet --meta META.yaml [--job-id ID] [--json OUT.json]
                   [--timeline OUT.json.gz] [--timeline-steps N]
     strag analyze --lake URL --job-id ID [--date YYYY-MM-DD] [--json OUT.json] [--timeline ...]
-    strag analyze --format kineto|ndtimeline DIR [--job-yaml FILE] [--job-id ID] [--json ...]
+    strag analyze DIR [--format kineto|ndtimeline] [--job-yaml FILE] [--job-id ID] [--json ...]
 
 The first form reads a trace in the published format (or the lake's TRACE_SCHEMA)
 plus the published meta yaml; the second reads a lake job's trace files and manifest;
 the third converts raw profiler output (a folder of per-rank torch.profiler traces, or
-NDTimeline records; transforms/ingest/) and analyses it without writing anything.
+NDTimeline records, the format told by the file names unless --format; transforms/ingest/)
+and analyses it without writing anything.
 Prints a short summary (S, waste, discrepancy verdict, top stages / DP ranks / op
 types, M_W, M_S) and the root-cause verdict: every listed cause with its confidence, a
 sentence, S after its fix and the GPU-hours it saves (when the manifest gives GPU-hours).
@@ -26,6 +27,7 @@ import pathlib
 import sys
 import time
 
+from pipelines.cli import date_argument
 from pipelines.usage import ArgumentParser
 
 __all__ = ["AnalyzeOptions", "parse", "load_job", "summary", "run"]
@@ -62,15 +64,26 @@ class AnalyzeOptions:
         if self.job_yaml is not None:
             raise ValueError("--job-yaml goes with --format kineto|ndtimeline")
         if (self.trace is None) == (self.lake is None):
-            raise ValueError("give either TRACE.parquet --meta META.yaml, or --lake URL --job-id ID")
+            raise ValueError("give TRACE.parquet --meta META.yaml, a folder of raw traces DIR [--format kineto|ndtimeline], "
+                             "or --lake URL --job-id ID")
         if self.trace is not None:
             if self.meta is None:
                 raise ValueError("a trace file needs --meta META.yaml (dp_size, pp_size, ...)")
             for path in (self.trace, self.meta):
+                if path.is_dir():
+                    raise ValueError(f"{path} is a folder: " + ("give the meta yaml file" if path == self.meta else
+                                     "a folder of raw traces (DIR [--format kineto|ndtimeline]) takes no --meta"))
                 if not path.is_file():
                     raise ValueError(f"no such file: {path}")
         if self.lake is not None and not self.job_id:
             raise ValueError("--lake needs --job-id")
+        if self.lake is not None:
+            from schemas.lake import safe_job_id
+
+            try:
+                safe_job_id(self.job_id)   # it names the job's lake folder and manifest file
+            except ValueError as error:
+                raise ValueError(f"--job-id: {error}") from None
         if self.timeline_steps is not None and self.timeline_steps < 1:
             raise ValueError("--timeline-steps must be >= 1")
 
@@ -80,21 +93,52 @@ def _usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def raw_format_in(path: pathlib.Path) -> str | None:
+    """The raw format of a file or of a folder's files by their names ('kineto' for *.json[.gz],
+    'ndtimeline' for *.jsonl[.gz]; schemas.raw.raw_format_of), None when it is not one format."""
+    from schemas.raw import raw_format_of
+
+    if path.is_dir():   # hidden names ('.', '_': a lake's _lake.json) are no traces, as in a lake's listing
+        formats = {raw_format_of(entry.name) for entry in path.iterdir()
+                   if entry.is_file() and not entry.name.startswith((".", "_"))} - {None}
+    else:
+        formats = {raw_format_of(path.name)} - {None}
+    return formats.pop() if len(formats) == 1 else None
+
+
+def _is_lake(path: pathlib.Path) -> bool:
+    """Whether a folder holds a lake's parts (traces/, manifests/, raw/ or _lake.json)."""
+    from schemas.lake import LAKE_MARKER, MANIFESTS, TRACES
+    from schemas.raw import RAW
+
+    return path.is_dir() and ((path / LAKE_MARKER).is_file() or any((path / part).is_dir() for part in (TRACES, MANIFESTS, RAW)))
+
+
+_USAGE = """strag analyze TRACE.parquet --meta META.yaml [OPTIONS]
+       strag analyze DIR [--format kineto|ndtimeline] [--job-yaml FILE] [OPTIONS]
+       strag analyze --lake URL --job-id ID [--date YYYY-MM-DD] [OPTIONS]"""
+
+
 def parse(argv: list[str]) -> AnalyzeOptions:
-    """Parse and validate the command line; exits with a usage message on bad arguments."""
+    """Parse and validate the command line; exits with a usage message on bad arguments.
+
+    A trace without --meta or --format whose name (or whose folder's file names) says a raw
+    format is read as that format (a folder of torch.profiler rank-*.json.gz: kineto)."""
     parser = ArgumentParser(
-        prog="strag analyze",
+        prog="strag analyze", usage=_USAGE,
         description="What-if analysis of one training job (slowdown S, attribution, M_W, M_S).")
     parser.add_argument("trace", nargs="?", type=pathlib.Path,
-                        help="trace parquet (published format or TRACE_SCHEMA), or with --format a folder of raw traces")
+                        help="trace parquet (published format or TRACE_SCHEMA), or a folder (or file) of raw traces: "
+                             "torch.profiler *.json[.gz] per rank, NDTimeline *.jsonl[.gz] (format told by the names)")
     parser.add_argument("--format", dest="fmt", choices=("kineto", "ndtimeline"),
-                        help="raw profiler output: kineto = torch.profiler JSON per rank, ndtimeline = NDTimeline JSON lines")
+                        help="raw profiler output: kineto = torch.profiler JSON per rank, ndtimeline = NDTimeline JSON lines "
+                             "(default: told by the file names)")
     parser.add_argument("--job-yaml", type=pathlib.Path,
                         help="with --format: job.yaml (sizes, layout, labels; default: DIR/job.yaml when present)")
     parser.add_argument("--meta", type=pathlib.Path, help="meta yaml: dp_size, pp_size, tp_size, dsp_size, vpp_size, world_size")
     parser.add_argument("--lake", help="lake URL (folder, file://, memory://, s3://) to read the job from")
     parser.add_argument("--job-id", help="job id (required with --lake; default: the meta's trial_name or the file name)")
-    parser.add_argument("--date", type=dt.date.fromisoformat, help="date partition YYYY-MM-DD (with --lake; default: the job's only date)")
+    parser.add_argument("--date", type=date_argument, help="date partition YYYY-MM-DD (with --lake; default: the job's only date)")
     parser.add_argument("--json", dest="json_out", type=pathlib.Path, help="write the result JSON here")
     parser.add_argument("--timeline", dest="timeline_out", type=pathlib.Path,
                         help="write original + ideal timelines as Chrome-trace JSON (.json or .json.gz) for Perfetto")
@@ -103,6 +147,13 @@ def parse(argv: list[str]) -> AnalyzeOptions:
     parser.add_argument("--threads", type=int, default=_usable_cpus(),
                         help="what-if scenarios replayed at once (default: the CPUs this process may use)")
     args = parser.parse_args(argv)
+    if args.fmt is None and args.trace is not None and args.meta is None and args.lake is None and args.trace.exists():
+        args.fmt = raw_format_in(args.trace)
+        if args.fmt is None and _is_lake(args.trace):
+            parser.error(f"{args.trace} is a lake: give --lake {args.trace} --job-id ID [--date YYYY-MM-DD]")
+        if args.fmt is None and args.trace.is_dir():
+            parser.error(f"{args.trace} is a folder without *.json[.gz] (torch.profiler) or *.jsonl[.gz] (NDTimeline) "
+                         "traces of one format: give --format kineto|ndtimeline, or a TRACE.parquet with --meta")
     try:
         return AnalyzeOptions(trace=args.trace, meta=args.meta, lake=args.lake, job_id=args.job_id, date=args.date,
                               json_out=args.json_out, timeline_out=args.timeline_out,
@@ -112,55 +163,20 @@ def parse(argv: list[str]) -> AnalyzeOptions:
         parser.error(str(error))
 
 
-# A line of the published meta yamls: `name: value` with a decimal int or a bare word as the value.
-_FLAT_LINE = r"([A-Za-z_][A-Za-z0-9_]*): (?:(0|-?[1-9][0-9]*)|([A-Za-z_][A-Za-z0-9_.-]*))"
-# Bare words that YAML 1.1 (PyYAML's safe loader) resolves to a bool or null, in any case.
-_YAML_WORDS = frozenset({"yes", "no", "true", "false", "on", "off", "null"})
-
-
-def flat_yaml(text: str) -> dict | None:
-    """The mapping of a YAML text made only of `name: value` lines (decimal ints, bare words),
-    exactly as yaml.safe_load reads it; None for anything else, which yaml.safe_load then reads.
-    The published meta yamls are such texts: reading them this way spares `strag analyze` the
-    import of PyYAML (~15 ms of its ~0.2 s on the AR trace)."""
-    import re
-
-    fields: dict = {}
-    for line in text.removesuffix("\n").split("\n"):
-        match = re.fullmatch(_FLAT_LINE, line)
-        if match is None:
-            return None
-        key, number, word = match.groups()
-        if key in fields or key.lower() in _YAML_WORDS or (word is not None and word.lower() in _YAML_WORDS):
-            return None
-        fields[key] = word if number is None else int(number)
-    return fields
-
-
 def _read_meta(path: pathlib.Path) -> dict:
-    """The fields of a meta yaml; ValueError naming the file when it is not a YAML mapping."""
-    try:
-        fields = flat_yaml(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        fields = None
-    if fields is not None:
-        return fields
-    import yaml
+    """The fields of a meta yaml (transforms/meta_yaml.py); ValueError naming the file when it is not a YAML mapping."""
+    from transforms.meta_yaml import MetaYamlError, read_meta_yaml
 
     try:
-        fields = yaml.safe_load(path.read_text()) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
-        raise ValueError(f"--meta {path}: not a meta yaml ({type(error).__name__}); give the job's meta yaml "
-                         "(dp_size: N, pp_size: N, ...)") from None
-    if not isinstance(fields, dict):
-        raise ValueError(f"--meta {path}: not a meta yaml (it holds a {type(fields).__name__}, not 'key: value' lines); "
-                         "give the job's meta yaml (dp_size: N, pp_size: N, ...)")
-    return fields
+        return read_meta_yaml(path.read_bytes())
+    except MetaYamlError as error:
+        raise ValueError(f"--meta {path}: {error}; give the job's meta yaml (dp_size: N, pp_size: N, ...)") from None
 
 
 def load_job(opts: AnalyzeOptions):
-    """(trace table, JobMeta, job id, source description, ConvertedJob or None, GPU-hours or None) for the
-    options' job; GPU-hours (GPUs x manifest end - start, as the batch counts them) need a lake manifest."""
+    """(trace table, JobMeta, job id, source description, ConvertedJob or None, GPU-hours or None, device)
+    for the options' job; GPU-hours (GPUs x manifest end - start, as the batch counts them) need a lake
+    manifest; device: 'cpu' or 'cuda' as raw traces record it (converted or imported), else None."""
     import pyarrow.parquet as pq
 
     from transforms.whatif.result import JobMeta
@@ -174,7 +190,7 @@ def load_job(opts: AnalyzeOptions):
                                    dt.datetime.now(dt.timezone.utc).date().isoformat(),
                                    job_yaml=_options(str(opts.job_yaml) if opts.job_yaml else None))
         return (converted.trace, JobMeta.from_mapping(converted.manifest), job_id,
-                f"{opts.trace} ({describe_source(converted.source)})", converted, None)
+                f"{opts.trace} ({describe_source(converted.source)})", converted, None, converted.source.get("device"))
     if opts.trace is not None:
         fields = _read_meta(opts.meta)
         missing = [name for name in ("dp_size", "pp_size") if name not in fields]
@@ -183,17 +199,22 @@ def load_job(opts: AnalyzeOptions):
         meta = JobMeta.from_mapping(fields)
         job_id = opts.job_id or str(fields.get("trial_name") or opts.trace.stem)
         # ParquetFile, not pq.read_table: the latter imports pyarrow.dataset and pandas (~0.5 s)
-        return pq.ParquetFile(opts.trace, memory_map=True).read(), meta, job_id, str(opts.trace), None, None
-    from transforms.lake import find_job, read_manifest, read_trace_files
+        return pq.ParquetFile(opts.trace, memory_map=True).read(), meta, job_id, str(opts.trace), None, None, None
+    from schemas.raw import SOURCE_KEY
+    from transforms.lake import find_job, read_manifest_table, read_trace_files
 
     job = find_job(opts.lake, opts.job_id, opts.date)
     if job.manifest_path is None:
         raise ValueError(f"lake job {opts.job_id!r} on {job.date} has no manifest: its parallelism is unknown")
-    manifest = read_manifest(job.manifest_path)
+    manifest_table = read_manifest_table(job.manifest_path)
+    manifest = manifest_table.to_pylist()[0]
+    stored = (manifest_table.schema.metadata or {}).get(SOURCE_KEY.encode())   # an imported raw job's source
+    if stored:
+        manifest["source"] = json.loads(stored)
     meta = JobMeta.from_mapping(manifest)
     hours = int(manifest["gpus"]) * (manifest["end_time"] - manifest["start_time"]).total_seconds() / 3600.0
     return (read_trace_files(job.trace_files), meta, job.job_id, f"{opts.lake} (date {job.date}, {len(job.trace_files)} files)",
-            None, hours)
+            None, hours, (manifest.get("source") or {}).get("device"))
 
 
 def _lake_errors(opts: AnalyzeOptions) -> tuple[type[Exception], ...]:
@@ -206,16 +227,22 @@ def _lake_errors(opts: AnalyzeOptions) -> tuple[type[Exception], ...]:
     return (LakeError,)
 
 
-def summary(result, n_ops: int, seconds: float, top: int = 3) -> str:
-    """A few lines for a person: S, waste, verdicts, rankings, M_W, M_S."""
+def summary(result, n_ops: int, seconds: float, top: int = 3, device: str | None = None) -> str:
+    """A few lines for a person: S, waste, verdicts, rankings, M_W, M_S. device: 'cpu' when the
+    ranks ran on CPUs (torch.profiler traces say so), else they are called GPUs.
+
+    M_W and M_S are shares of the straggling time (T - T_ideal): shown only for a straggling job
+    (S >= 1.1), where that time is big enough to share out."""
     from transforms.whatif.result import ATTRIBUTION_THRESHOLD, DISCREPANCY_LIMIT
 
     meta = result.meta
+    waste = (f"waste {100 * result.waste:.1f}% of {_unit(device)} time" if result.slowdown >= 1.0 else
+             f"no {_unit(device)} time lost (S < 1: the ideal replay is slower than the replay, within its noise)")
     lines = [
         f"job {result.job_id}: {len(result.steps)} step{'s' if len(result.steps) != 1 else ''}, dp {meta.dp_size} x pp {meta.pp_size} workers "
-        f"(tp {meta.tp_size}, cp {meta.dsp_size}, vpp {meta.vpp_size}; {meta.world_size} GPUs), {n_ops:,} ops, "
+        f"(tp {meta.tp_size}, cp {meta.dsp_size}, vpp {meta.vpp_size}; {meta.world_size} {_unit(device)}s), {n_ops:,} ops, "
         f"analysed in {seconds:.2f} s",
-        f"S = {result.slowdown:.4f}: waste {100 * result.waste:.1f}% of GPU time; "
+        f"S = {result.slowdown:.4f}: {waste}; "
         + ("straggling (S >= 1.1)" if result.straggling else "not straggling (S < 1.1)"),
         f"step time {result.step_t_nodelay.mean():.3f} s replayed, {result.step_t_noblk.mean():.3f} s ideal; "
         f"per-step S {result.step_slowdown.min():.3f} .. {result.step_slowdown.max():.3f}",
@@ -235,26 +262,53 @@ def summary(result, n_ops: int, seconds: float, top: int = 3) -> str:
         lines.append("top stages:   " + ranking(result.by_stage, lambda k: f"stage {k}"))
         lines.append("top DP ranks: " + ranking(result.by_dp_rank, lambda k: f"dp {k}"))
         lines.append("top op types: " + ranking(result.by_optype, str))
+    if not result.straggling:
+        if result.mw is not None or result.ms is not None:
+            lines.append(f"M_W, M_S: not shown: they share out the straggling time, and S < 1.1 leaves too little of it "
+                         "(see --json)")
+        return "\n".join(lines)
+    shares = []
     if result.mw is not None:
         workers = ", ".join(f"(dp {d}, stage {p})" for d, p in result.mw.workers)
         lines.append(f"M_W = {result.mw.rem:.3f}: idealising the top {len(result.mw.workers)} worker(s) {workers} removes "
-                     f"{_percent(result.mw.rem)} of the straggling time; {_add_form(result.mw.add, 'them')}")
-    if result.ms is not None:
-        lines.append(f"M_S = {result.ms.rem:.3f}: idealising the last stage removes {_percent(result.ms.rem)} of the straggling time; "
-                     + (_add_form(result.ms.add, "the last stage") if result.ms.workers else "no pipeline parallelism: 0"))
+                     f"{share_words(result.mw.rem)} of the straggling time; {_add_form(result.mw.add, 'them')}")
+        shares += [result.mw.rem, result.mw.add]
+    if result.ms is not None and not result.ms.workers:
+        lines.append("M_S = 0: no pipeline parallelism, so no last stage")
+    elif result.ms is not None:
+        lines.append(f"M_S = {result.ms.rem:.3f}: idealising the last stage removes {share_words(result.ms.rem)} of the straggling "
+                     f"time; {_add_form(result.ms.add, 'the last stage')}")
+        shares += [result.ms.rem, result.ms.add]
+    if any(round(100 * share) > 100 or round(100 * share) < 0 for share in shares):
+        lines.append("  (above 100%: with only these idealised the step beats the ideal, as the other workers run faster "
+                     "than their op types' ideal means; below 0: these ran faster than the ideal means, so idealising them "
+                     "slows the step)")
     return "\n".join(lines)
 
 
-def _percent(share: float) -> str:
-    return f"{int(round(100 * share))}%"
+def share_words(share: float) -> str:
+    """A share of the straggling time in words (transforms.whatif.causes.explain.share_words)."""
+    from transforms.whatif.causes.explain import share_words as words   # loaded with the engine already
+
+    return words(share)
+
+
+def _unit(device: str | None) -> str:
+    """What a rank is called: 'GPU', or 'CPU rank' for traces of CPU processes."""
+    return "CPU rank" if device == "cpu" else "GPU"
 
 
 def _add_form(add: float, subject: str) -> str:
     """The "add" form of M_W / M_S in words: the straggling time that remains with only that set slow."""
-    return f"with only {subject} slow, {_percent(add)} of it remains (add form {add:.3f})"
+    return f"with only {subject} slow, {share_words(add)} of it remains (add form {add:.3f})"
 
 
-def verdict_lines(verdict, result, gpu_hours: float | None = None) -> str:
+def _hours(hours: float, unit: str) -> str:
+    """Hours of `unit` (GPU, CPU rank) for people: seconds when under a tenth of an hour."""
+    return f"{hours:,.1f} {unit}-h" if hours >= 0.1 else f"{hours * 3600:,.1f} {unit}-s"
+
+
+def verdict_lines(verdict, result, gpu_hours: float | None = None, device: str | None = None) -> str:
     """The root-cause verdict for people: each listed cause with its confidence, sentence, fix
     (S after it, share of the straggling time, GPU-hours saved when known), the joint fix,
     the workers blamed (global ranks)."""
@@ -267,9 +321,9 @@ def verdict_lines(verdict, result, gpu_hours: float | None = None) -> str:
         lines.append(f"  {rank}. {cause} ({CAUSE_TITLES[cause]}), confidence {verdict.confidences[cause]:.2f}: "
                      f"{verdict.explanations[cause]}")
         if cause in verdict.fixes:
-            lines.append("     " + _fix_line(verdict.fixes[cause], verdict.slowdown, gpu_hours))
+            lines.append("     " + _fix_line(verdict.fixes[cause], verdict.slowdown, gpu_hours, device))
     if verdict.joint_fix is not None:
-        lines.append("  " + _fix_line(verdict.joint_fix, verdict.slowdown, gpu_hours))
+        lines.append("  " + _fix_line(verdict.joint_fix, verdict.slowdown, gpu_hours, device))
     if verdict.implicated_workers:
         ranks = result.worker_rank
         blamed = ", ".join(f"dp {d} / stage {p}" + (f" (rank {int(ranks[d, p])})" if ranks is not None else "")
@@ -284,15 +338,16 @@ def verdict_lines(verdict, result, gpu_hours: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def _fix_line(fix, slowdown: float, gpu_hours: float | None) -> str:
-    saved = f"{100 * max(fix.savings_fraction, 0.0):.1f}% of the GPU-hours"
+def _fix_line(fix, slowdown: float, gpu_hours: float | None, device: str | None = None) -> str:
+    unit = _unit(device)
+    saved = f"{100 * max(fix.savings_fraction, 0.0):.1f}% of the {unit}-hours"
     if gpu_hours is not None:
-        saved += f" ({gpu_hours * max(fix.savings_fraction, 0.0):,.1f} of {gpu_hours:,.1f} GPU-h)"
+        saved += f" ({_hours(gpu_hours * max(fix.savings_fraction, 0.0), unit)} of {_hours(gpu_hours, unit)})"
     if fix.cause == "untraced-cpu":   # measured against what ran, not against the ideal
-        return (f"fix: {fix.description}: {100 * fix.explained:.0f}% of the time what ran exceeds its replay "
-                f"removed, saves {saved}")
+        return f"fix: {fix.description}: saves {saved} (measured against what ran, not replayed against the ideal)"
+    below = " (S < 1 after it: what stays runs faster than the ideal means)" if fix.fixed_slowdown < 1.0 else ""
     return (f"fix: {fix.description}: S {slowdown:.3f} -> {fix.fixed_slowdown:.3f}, "
-            f"{100 * fix.explained:.0f}% of the straggling time removed, saves {saved}")
+            f"{share_words(fix.explained)} of the straggling time removed{below}, saves {saved}")
 
 
 def run(argv: list[str]) -> int:
@@ -303,12 +358,11 @@ def run(argv: list[str]) -> int:
     from transforms.whatif.replay import replay_threads
 
     try:
-        trace, meta, job_id, source, converted, gpu_hours = load_job(opts)
+        trace, meta, job_id, source, converted, gpu_hours, device = load_job(opts)
     except (OSError, ValueError, *_lake_errors(opts)) as error:
-        code = f" [{error.reason_code}]" if hasattr(error, "reason_code") else ""
-        print(f"strag analyze: cannot read the job: {error}{code}", file=sys.stderr)
-        for rejected in getattr(error, "rejected", ()):
-            print(f"  set aside: {rejected} [{rejected.reason_code}]", file=sys.stderr)
+        # a RawInputError (raw traces) says the cause first: the file set aside, then what that left
+        lines = error.lines() if hasattr(error, "lines") else [str(error)]
+        print(f"strag analyze: cannot read the job: {lines[0]}", *lines[1:], sep="\n", file=sys.stderr)
         return 2
     started = time.perf_counter()
     try:
@@ -320,8 +374,8 @@ def run(argv: list[str]) -> int:
     seconds = time.perf_counter() - started
     if converted is not None:
         print(f"source: {source}")
-    print(summary(result, trace.num_rows, seconds, opts.top))
-    print(verdict_lines(verdict, result, gpu_hours))
+    print(summary(result, trace.num_rows, seconds, opts.top, device))
+    print(verdict_lines(verdict, result, gpu_hours, device))
     if opts.json_out is not None:
         opts.json_out.parent.mkdir(parents=True, exist_ok=True)
         written = result.to_json()

@@ -52,6 +52,7 @@ FnApiRunner and is refused on other runners, whose workers are other processes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -68,12 +69,12 @@ import fsspec
 import pyarrow as pa
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipelines.usage import ArgumentParser, configure_logs, worker_output
+from pipelines.usage import ArgumentParser, Progress, configure_logs, worker_output
 from schemas.fleet import FLEET_TABLE_SPECS
 from schemas.expectations import REASONS
 from schemas.tables import BATCH_TABLES, QUARANTINE_SCHEMA, RUNS_DIR, STAGING_DIR, TIMELINES_DIR
 from transforms.analyze import AnalyzeJobs
-from transforms.commit import CommitConfig, CommitTables
+from transforms.commit import CommitConfig, CommitTables, commit_pending, complete_pending
 from transforms.convert import DEFAULT_FANOUT_RANKS, ConvertRawRanks, fan_out
 from transforms.elements import TableFragment
 from transforms.fleet import AggregateFleet, fleet_rollup_tables
@@ -129,7 +130,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Validate and analyse every job window of a date range; write Hive-partitioned parquet tables "
                     f"({', '.join(BATCH_TABLES)}, job_cause and the fleet_* tables) under --out, replacing exactly "
                     "the range's date partitions.",
-        epilog="Any other --option is passed to Apache Beam (e.g. --flink_master, --environment_type, --setup_file).",
+        epilog="Any other --option is passed to Apache Beam (e.g. --flink_master, --environment_type, --setup_file). "
+               "`strag batch --resume-publish --out URL` completes a publish a run left unfinished (any run does first).",
     )
     parser.add_argument("--lake", required=True, help="lake URL: folder, file://, s3://bucket/prefix (memory:// in-process only)")
     parser.add_argument("--from", dest="date_from", required=True, metavar="YYYY-MM-DD", help="first date (inclusive)")
@@ -197,7 +199,7 @@ def parse(argv: list[str]) -> BatchOptions:
     try:
         date_range(args.date_from, args.date_to)
     except ValueError as error:
-        raise BatchUsageError(f"--from/--to: {error}") from None
+        raise BatchUsageError(str(error)) from None   # it names the option
     runner = args.runner
     if runner == "DirectRunner":
         raise BatchUsageError("--runner DirectRunner tries to download a Prism binary in this Beam version; use FnApiRunner")
@@ -413,7 +415,8 @@ def local_dask_cluster(workers: int):
     from distributed import LocalCluster
 
     with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
-                          "distributed.worker.profile.enabled": False}):
+                          "distributed.worker.profile.enabled": False,
+                          "distributed.worker.preload": ["pipelines.usage"]}):   # library logs only with --verbose
         return LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None)
 
 
@@ -444,25 +447,36 @@ def _print_summary(opts: BatchOptions, summary: dict, counters: dict[str, int], 
     if opts.quiet:
         return
     if summary["reasons"]:
-        print("  reasons: " + ", ".join(f"{code} {n}" for code, n in summary["reasons"].items()))
+        print(_wrapped("  reasons (job windows discarded or quarantined, by the reason of each):",
+                       [f"{code} {n}" for code, n in summary["reasons"].items()]))
     if summary["rows_quarantined"]:
         print(f"  op rows quarantined: {summary['rows_quarantined']:,} of {summary['rows_read']:,} read")
     where = "in this process" if summary.get("running_mode") == "in_memory" else None
     print("  start-up and run (wall s): " + ", ".join(f"{name} {value:.1f}" for name, value in summary["startup"].items())
           + (f" ({where})" if where else ""))
-    work = {k: round(v, 2) for k, v in summary["seconds"].items() if v}
-    print(f"  seconds in workers: {work}")
-    if counters:
-        print("  counters: " + ", ".join(f"{k}={v}" for k, v in sorted(counters.items())))
-    print(f"  tables under {opts.out}/: " + ", ".join(f"{t} ({n} rows)" for t, n in summary["table_rows"].items()))
+    print("  seconds in workers: " + ", ".join(f"{k} {v:.1f}" for k, v in summary["seconds"].items() if v))
+    shown = {k: v for k, v in sorted(counters.items()) if not k.startswith("strag.tables/")}   # the tables line says those
+    if shown:
+        print(_wrapped("  counters (jobs/* count job windows, ops/* op records, quarantine/* quarantine rows):",
+                       [f"{k.removeprefix('strag.')}={v:,}" for k, v in shown.items()]))
+    print(_wrapped(f"  tables under {opts.out}/ (rows):", [f"{t} {n:,}" for t, n in summary["table_rows"].items()]))
     if opts.timelines:
         print(f"  timelines: {summary['timelines']} (straggling kept windows) under {opts.out}/{TIMELINES_DIR}/")
     print(f"  run record: {opts.out}/{RUNS_DIR}/{opts.run_id}.json")
 
 
-def execute(opts: BatchOptions, jobs=None, strays=None) -> tuple[dict, dict[str, int]]:
+def _wrapped(head: str, items: list[str], width: int = 100) -> str:
+    """`head`, then the items comma-separated on lines of at most `width` characters, indented."""
+    import textwrap
+
+    return head + "\n" + textwrap.fill(", ".join(items), width, initial_indent="    ", subsequent_indent="    ",
+                                       break_on_hyphens=False)
+
+
+def execute(opts: BatchOptions, jobs=None, strays=None, progress: Progress | None = None) -> tuple[dict, dict[str, int]]:
     """Build and run the pipeline for parsed options; wait for it. Returns (run summary, Beam
     counters: empty on runners without metrics). jobs, strays: a lake listing already made, or None.
+    progress: numbers the per-window lines (k/N, ETA) from the pipeline's start.
 
     The summary also holds `startup`: wall seconds of this process's steps before and around
     the pipeline (listing, Great Expectations import, graph build with the manifest checks,
@@ -482,7 +496,9 @@ def execute(opts: BatchOptions, jobs=None, strays=None) -> tuple[dict, dict[str,
     build(p, opts, jobs, strays)
     startup["graph build + manifest checks"] = time.perf_counter() - clock
     clock = time.perf_counter()
-    with worker_output():
+    with worker_output(progress):
+        if progress is not None:
+            progress.start(len(jobs))
         result = p.run()
         try:
             result.wait_until_finish()
@@ -507,20 +523,33 @@ def _seconds_since_process_start() -> float | None:
 
 def run(argv: list[str]) -> int:
     """Parse, build and run; print a summary. Returns 0 on success, 2 on a usage error."""
+    if "--resume-publish" in argv:
+        return resume_publish(argv)
     try:
         opts = parse(argv)
     except BatchUsageError as error:
         print(f"strag batch: {error}", file=sys.stderr)
         return 2
     quiet_logs()
+    progress = None if opts.quiet else Progress()
+    workers_output = contextlib.ExitStack()
     cluster = None
     if opts.runner == "DaskRunner" and not opts.dask_address:
+        # its workers write to the stderr they start with: their log lines dropped, window lines numbered
+        workers_output.enter_context(worker_output(progress))
         cluster = local_dask_cluster(opts.workers)
         opts = dataclasses.replace(opts, dask_address=cluster.scheduler_address)
     imports = _seconds_since_process_start()
     started = time.perf_counter()
     try:
-        jobs, strays = list_lake(opts)
+        try:   # a publish an earlier run left unfinished is completed before anything else
+            completed = complete_pending(opts.out, by=opts.run_id)
+            jobs, strays = list_lake(opts)
+        except OSError as error:   # storage failed for good (transforms/storage.py): this run published nothing
+            return _report_failure(opts, error)
+        for run_id in completed:
+            print(f"strag batch: completed the publish of run {run_id}, interrupted earlier "
+                  f"(its record: {opts.out}/{RUNS_DIR}/{run_id}.json)", file=sys.stderr)
         listing = time.perf_counter() - started
         opts = for_run(opts, len(jobs))
         undated = [entry for entry in strays if entry.date is None]
@@ -528,45 +557,100 @@ def run(argv: list[str]) -> int:
             print(f"strag batch: {len(undated)} folder(s) of the lake are not date partitions and are not read: "
                   + "; ".join(entry.detail for entry in undated[:5]) + (" ..." if len(undated) > 5 else ""),
                   file=sys.stderr)
-        if not opts.quiet:
+        if not jobs:   # a range the lake has nothing for: say what it has (every run, --quiet too)
+            print(f"strag batch: no job windows in {opts.lake} for {opts.date_from}..{opts.date_to}; "
+                  f"{_dates_held(opts.lake)}; publishing empty partitions for the range", flush=True)
+        elif not opts.quiet:
             mode = "" if opts.runner != "FnApiRunner" else (
                 " in this process" + ("" if opts.running_mode_given else f" (a small run: at most {SMALL_RUN} windows)")
                 if opts.running_mode == "in_memory" else f", {opts.workers} {opts.running_mode.replace('_', '-')} workers")
             print(f"strag batch: {len(jobs)} job windows in {opts.lake} for {opts.date_from}..{opts.date_to}; "
                   f"running on {opts.runner}{mode}", flush=True)
         try:
-            summary, counters = execute(opts, jobs, strays)
+            summary, counters = execute(opts, jobs, strays, progress)
         except Exception as error:   # the run failed: say why, record it, publish nothing
-            record = record_failure(opts, error)
-            print(f"strag batch {opts.date_from}..{opts.date_to}: FAILED, nothing published (the tables are as before): "
-                  f"{record['reason']}\n  failure record: {opts.out}/{RUNS_DIR}/{opts.run_id}.failed.json", file=sys.stderr)
-            return 1
+            return _report_failure(opts, error)
         summary["startup"] = {**({"Python + imports": imports} if imports is not None else {}), "lake listing": listing,
                               **summary["startup"]}
         _print_summary(opts, summary, counters, time.perf_counter() - started)
     finally:
         if cluster is not None:
             cluster.close()
+        workers_output.close()
     return 0
 
 
-_STORAGE_ERROR = re.compile(r"storage error reading [^\n]*?(?= nothing was quarantined|$)", re.MULTILINE)
+def _dates_held(lake: str) -> str:
+    """What dates the lake holds, in a few words (for a range that found no job windows)."""
+    from transforms.lake import lake_dates
+
+    dates = lake_dates(lake)
+    if not dates:
+        return "the lake holds no date partition yet"
+    if len(dates) <= 4:
+        return f"the lake has data on {', '.join(dates)}"
+    return f"the lake has data on {len(dates)} dates from {dates[0]} to {dates[-1]}"
+
+
+def _report_failure(opts: BatchOptions, error: BaseException) -> int:
+    """Record a failed run, say on stderr why and what was published; exit code 1."""
+    record = record_failure(opts, error)
+    if record.get("publish") == "recorded":
+        what = ("FAILED while publishing; its commit is recorded and the next strag batch on this --out completes it "
+                f"(or now: strag batch --resume-publish --out {opts.out})")
+    elif record.get("publish") == "unknown":   # the storage failed even to say
+        what = ("FAILED; storage failing, so whether its publish began is unknown: if it did, the next strag batch "
+                f"on this --out (or strag batch --resume-publish --out {opts.out}) completes it")
+    else:
+        what = "FAILED, nothing published (the tables are as before)"
+    print(f"strag batch {opts.date_from}..{opts.date_to}: {what}: "
+          f"{record['reason']}\n  failure record: {opts.out}/{RUNS_DIR}/{opts.run_id}.failed.json", file=sys.stderr)
+    return 1
+
+
+def resume_publish(argv: list[str]) -> int:
+    """`strag batch --resume-publish --out URL`: complete the publishes that runs left unfinished
+    (killed, or storage failing for good, after their commit record); analyse nothing."""
+    parser = ArgumentParser(prog="strag batch --resume-publish",
+                            description="Complete every publish under --out that a run left unfinished.")
+    parser.add_argument("--resume-publish", action="store_true", required=True)
+    parser.add_argument("--out", required=True, help="output URL of the tables")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    out = args.out.rstrip("/")
+    quiet_logs()
+    try:
+        completed = complete_pending(out)
+    except OSError as error:
+        print(f"strag batch --resume-publish: FAILED: {error}", file=sys.stderr)
+        return 1
+    if not completed:
+        print(f"strag batch --resume-publish: nothing to complete under {out}")
+    for run_id in completed:
+        print(f"strag batch --resume-publish: completed the publish of run {run_id} (its record: {out}/{RUNS_DIR}/{run_id}.json)")
+    return 0
+
+
+_STORAGE_ERROR = re.compile(r"storage error \w+ [^\n]*?(?= nothing was quarantined|$)", re.MULTILINE)
 
 
 def record_failure(opts: BatchOptions, error: BaseException) -> dict:
-    """Write `{out}/_runs/{run_id}.failed.json` (what failed and why), drop the run's staging folder,
-    and return the record. A storage error (transforms/storage.py) is named by its file."""
+    """Write `{out}/_runs/{run_id}.failed.json` (what failed and why), drop the run's staging folder
+    unless the run recorded its commit (then `publish` is "recorded": the staging is what the next run
+    or --resume-publish completes the publish from), and return the record. A storage error
+    (transforms/storage.py) is named by its file."""
     text = "".join(traceback.format_exception(error))
     storage = [match.group(0).rstrip(" ;") for match in _STORAGE_ERROR.finditer(text)]
     reason = storage[0] if storage else f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     record = {"run_id": opts.run_id, "status": "failed", "dates": list(opts.dates), "lake": opts.lake,
-              "reason": reason, "storage_errors": sorted(set(storage)), "error": text[-4000:]}
+              "reason": reason, "storage_errors": sorted(set(storage)), "error": text[-4000:], "publish": "unknown"}
     try:
         fs, root = fsspec.core.url_to_fs(f"{opts.out}/{RUNS_DIR}/{opts.run_id}.failed.json")
         fs.makedirs(root.rsplit("/", 1)[0], exist_ok=True)
+        record["publish"] = "recorded" if commit_pending(opts.out, opts.run_id) else "none"
         fs.pipe_file(root, json.dumps(record, indent=2).encode())
         staging, staging_root = fsspec.core.url_to_fs(f"{opts.out}/{STAGING_DIR}/{opts.run_id}")
-        if staging.exists(staging_root):
+        if record["publish"] == "none" and staging.exists(staging_root):
             staging.rm(staging_root, recursive=True)
     except OSError as write_error:   # the storage may be what failed: the message on stderr still says why
         record["record_not_written"] = f"{type(write_error).__name__}: {write_error}"

@@ -51,13 +51,23 @@ def date_argument(text: str) -> dt.date:
 
     try:
         return dt.date.fromisoformat(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a date YYYY-MM-DD") from None
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a date YYYY-MM-DD ({error})") from None
+
+
+def _version() -> str:
+    """The installed strag's version (its package metadata), or 'unknown' when run from a bare checkout."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("strag")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
 
 
 def _usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: strag COMMAND [--help] [--verbose] [ARGS...]", "", "commands:"]
+    lines = ["usage: strag COMMAND [--help] [--verbose] [ARGS...]", "       strag --version", "", "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "--verbose (any command): also show the log lines of Apache Beam and the other libraries"]
     return "\n".join(lines)
@@ -68,12 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
+    if argv and argv[0] in ("-V", "--version"):
+        print(f"strag {_version()}")
+        return 0
     if not argv:   # a command is required: say which there are, and fail like any usage error
         print(f"strag: give a command\n\n{_usage()}", file=sys.stderr)
         return 2
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"strag: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        import difflib
+
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        print(f"strag: unknown command {name!r}{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
     from pipelines.usage import configure_logs, set_verbose
 

@@ -20,6 +20,7 @@ import sys
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from pipelines.cli import date_argument
 from pipelines.usage import ArgumentParser, configure_logs
 
 __all__ = ["parse", "run", "fleet_summary"]
@@ -32,7 +33,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--days", type=int, default=7, help="days of fleet (default 7)")
     parser.add_argument("--jobs-per-day", type=int, default=5, help="jobs starting each day (default 5)")
     parser.add_argument("--seed", type=int, default=7, help="fleet seed (default 7)")
-    parser.add_argument("--start-date", default="2024-03-04", help="first date (default 2024-03-04)")
+    parser.add_argument("--start-date", type=date_argument, default=dt.date(2024, 3, 4), help="first date (default 2024-03-04)")
     parser.add_argument("--bad-fraction", type=float, default=0.1, help="share of jobs written as bad input")
     parser.add_argument("--max-records", type=int, default=400_000,
                         help="cap on op records per job, keeps the demo to a few minutes (default 400,000)")
@@ -80,7 +81,7 @@ def run(argv: list[str]) -> int:
     lake, out = pathlib.Path(args.lake).resolve(), pathlib.Path(args.out).resolve()
     # The demo owns these folders: start from a clean lake so the generated fleet is the one described.
     shutil.rmtree(lake, ignore_errors=True)
-    start = dt.date.fromisoformat(args.start_date)
+    start = args.start_date
     end = start + dt.timedelta(days=args.days - 1)
     steps = [
         ("generate", generate.run, ["--lake", str(lake), "--days", str(args.days), "--jobs-per-day", str(args.jobs_per_day),

@@ -12,6 +12,7 @@ import argparse
 import datetime as dt
 import sys
 
+from pipelines.cli import date_argument
 from pipelines.usage import ArgumentParser
 
 __all__ = ["parse", "run"]
@@ -42,7 +43,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--days", type=_positive, required=True, help="number of days (date partitions)")
     parser.add_argument("--jobs-per-day", type=_positive, required=True, help="jobs starting each day")
     parser.add_argument("--seed", type=int, required=True, help="fleet seed (same seed: byte-identical lake)")
-    parser.add_argument("--start-date", type=dt.date.fromisoformat, default=dt.date(2024, 1, 1),
+    parser.add_argument("--start-date", type=date_argument, default=dt.date(2024, 1, 1),
                         help="first date, YYYY-MM-DD (default 2024-01-01)")
     parser.add_argument("--bad-fraction", type=_fraction, default=0.05,
                         help="fraction of jobs written as bad input (default 0.05)")

@@ -114,10 +114,8 @@ def run(argv: list[str]) -> int:
     try:
         job, converted = import_raw(options)
     except (RawInputError, LakeError, ValueError) as error:
-        code = f" [{error.reason_code}]" if isinstance(error, RawInputError) else ""
-        print(f"strag import: {error}{code}", file=sys.stderr)
-        for rejected in getattr(error, "rejected", ()):
-            print(f"  set aside: {rejected} [{rejected.reason_code}]", file=sys.stderr)
+        lines = error.lines() if isinstance(error, RawInputError) else [str(error)]   # the cause first
+        print(f"strag import: {lines[0]}", *lines[1:], sep="\n", file=sys.stderr)
         return 2
     manifest = converted.manifest
     print(f"imported job {job.job_id} on {job.date}: {converted.trace.num_rows:,} ops, dp {manifest['dp_size']} x "

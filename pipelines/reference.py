@@ -81,14 +81,16 @@ class ReferenceFormatError(ValueError):
 
 
 def _read_meta(path: str) -> dict[str, Any]:
+    from transforms.meta_yaml import MetaYamlError, read_meta_yaml
+
     fs, inner = filesystem(path)
     try:
         with fs.open(inner, "rb") as handle:
-            meta = yaml.safe_load(handle)
-    except (OSError, yaml.YAMLError) as error:
-        raise ReferenceFormatError(f"meta file {path}: cannot be read as yaml ({error})") from None
-    if not isinstance(meta, dict):
-        raise ReferenceFormatError(f"meta file {path}: expected a mapping, got {type(meta).__name__}")
+            meta = read_meta_yaml(handle.read())
+    except OSError as error:
+        raise ReferenceFormatError(f"meta file {path}: cannot be read ({error})") from None
+    except MetaYamlError as error:
+        raise ReferenceFormatError(f"meta file {path}: {error}") from None
     missing = [k for k in SIZE_FIELDS if k not in meta]
     if missing:
         raise ReferenceFormatError(f"meta file {path}: missing field(s) {', '.join(missing)}")
@@ -145,8 +147,9 @@ class ImportOptions:
     date: dt.date
 
     def __post_init__(self):
-        if not self.job_id or "/" in self.job_id or "=" in self.job_id:
-            raise ValueError(f"--job-id {self.job_id!r}: must be non-empty without '/' or '='")
+        from schemas.lake import safe_job_id
+
+        safe_job_id(self.job_id)   # it names a lake folder and file
 
 
 def import_reference(options: ImportOptions) -> LakeJob:
@@ -264,7 +267,10 @@ def parse_import(argv: list[str]) -> ImportOptions:
                         help="date partition YYYY-MM-DD (default: today, UTC; the format has no wall clock)")
     args = parser.parse_args(argv)
     date = args.date or dt.datetime.now(dt.timezone.utc).date()
-    return ImportOptions(args.trace, args.meta, args.lake, args.job_id, date)
+    try:
+        return ImportOptions(args.trace, args.meta, args.lake, args.job_id, date)
+    except ValueError as error:
+        parser.error(f"--job-id: {error}")
 
 
 def parse_export(argv: list[str]) -> ExportOptions:

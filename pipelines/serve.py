@@ -126,7 +126,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _route(self):
         from dashboards.html import BUNDLE_PATH
-        from dashboards.live_page import live_index_page, live_job_page, live_version
+        from dashboards.live_page import live_index_page, live_job_page, live_unknown_job_page, live_version
 
         path = urllib.parse.urlparse(self.path).path
         parts = [urllib.parse.unquote(p) for p in path.strip("/").split("/")] if path.strip("/") else []
@@ -138,6 +138,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return self._send(200, _bundle(), "application/javascript")
         if len(parts) == 2 and parts[0] == "job":
             results, alerts = _job_rows(tables, parts[1])
+            if results.num_rows == 0 and alerts.num_rows == 0:
+                known = read_live_table(tables, LIVE_RESULTS)["job_id"].unique().to_pylist()
+                return self._send(404, live_unknown_job_page(parts[1], sorted(known), _job_href), "text/html; charset=utf-8")
             page = live_job_page(parts[1], results, alerts, threshold=self.options.threshold,
                                  version_href=f"/api{_job_href(parts[1])}/version", bundle_href="/" + BUNDLE_PATH)
             return self._send(200, page, "text/html; charset=utf-8")

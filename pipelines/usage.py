@@ -11,7 +11,9 @@
   before importing a subcommand.
 - `worker_output`: Beam's worker processes write their own log lines straight to the
   inherited stderr, next to strag's progress lines; without --verbose their log lines are
-  dropped for the duration of a run.
+  dropped for the duration of a run, and the lines of finished windows get their count and
+  an ETA (`Progress`: `[k/N, ETA 3 min 20 s]`). The local Dask cluster's workers start before a run:
+  they call `configure_logs` themselves (`dask_setup`, a Dask preload).
 
 --verbose is remembered in the environment (STRAG_VERBOSE=1) so that worker processes and
 the subcommands `strag demo` runs see it too.
@@ -25,8 +27,9 @@ import os
 import re
 import sys
 import threading
+import time
 
-__all__ = ["ArgumentParser", "VERBOSE_ENV", "verbose", "set_verbose", "configure_logs", "worker_output"]
+__all__ = ["ArgumentParser", "VERBOSE_ENV", "verbose", "set_verbose", "configure_logs", "worker_output", "Progress", "dask_setup"]
 
 VERBOSE_ENV = "STRAG_VERBOSE"
 _OURS = frozenset({"strag", "pipelines", "transforms", "dashboards", "schemas", "orchestration"})
@@ -89,15 +92,64 @@ def configure_logs() -> None:
     root.setLevel(logging.INFO)
 
 
+def dask_setup(worker=None) -> None:
+    """Dask preload hook (`distributed.worker.preload: [pipelines.usage]`, set by the batch's local
+    cluster): the worker process logs through `configure_logs` too. Its stderr is the one the cluster
+    inherited before any run, so `worker_output` cannot filter it, and without a root handler Beam's
+    import-time `logging.warning` ("apitools not found") would install Python's default one."""
+    configure_logs()
+
+
 # A line Python's default logging format wrote in a child process: "WARNING:root:apitools not found ..."
 _CHILD_LOG_LINE = re.compile(rb"^(DEBUG|INFO|WARNING|ERROR|CRITICAL):[\w.<>]+:")
 
 
+# transforms.analyze.progress_line: "  2024-03-04 job-1: analysed, S 1.023, 347,616 ops, 2.3 s"
+_WINDOW_LINE = re.compile(rb"^  \d{4}-\d{2}-\d{2} \S+: ")
+
+
+class Progress:
+    """Numbers the per-window lines the workers print (transforms.analyze.progress_line) as they
+    reach this process: `  [k/N, ETA 3 min 20 s] 2024-03-04 job-1: analysed, ...`. The ETA is the
+    windows left at the mean pace so far (wall time since `start`, per window done)."""
+
+    def __init__(self, total: int | None = None):
+        self.total, self.done, self._started = total, 0, time.monotonic()
+        self._lock = threading.Lock()
+
+    def start(self, total: int) -> None:
+        """Count `total` windows from now on."""
+        with self._lock:
+            self.total, self.done, self._started = total, 0, time.monotonic()
+
+    def __call__(self, line: bytes) -> bytes:
+        if self.total is None or not _WINDOW_LINE.match(line):
+            return line
+        with self._lock:
+            self.done += 1
+            done, total = self.done, self.total
+            elapsed = time.monotonic() - self._started
+        left = max(total - done, 0)
+        eta = f", ETA {_duration(elapsed / done * left)}" if left else ""
+        return f"  [{done}/{total}{eta}]".encode() + line[1:]
+
+
+def _duration(seconds: float) -> str:
+    """A wall time for people: '45 s', '3 min 20 s', '2 h 05 min'."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
 @contextlib.contextmanager
-def worker_output():
-    """Without --verbose, drop the log lines child processes (Beam's workers) write to the inherited
-    stderr while the block runs, and pass everything else (strag's progress lines) through."""
-    if verbose():
+def worker_output(progress: Progress | None = None):
+    """While the block runs, pass what this process and its children (Beam's workers, started in
+    the block) write to stderr through this process: without --verbose their log lines are dropped,
+    everything else (strag's progress lines) passes, the per-window lines numbered by `progress`."""
+    if verbose() and progress is None:
         yield
         return
     sys.stderr.flush()
@@ -105,7 +157,8 @@ def worker_output():
     read_end, write_end = os.pipe()
     os.dup2(write_end, 2)
     os.close(write_end)
-    forwarder = threading.Thread(target=_forward, args=(read_end, os.dup(saved)), name="strag-stderr", daemon=True)
+    forwarder = threading.Thread(target=_forward, args=(read_end, os.dup(saved), progress or (lambda line: line),
+                                                        not verbose()), name="strag-stderr", daemon=True)
     forwarder.start()
     try:
         yield
@@ -116,9 +169,9 @@ def worker_output():
         forwarder.join(timeout=5)
 
 
-def _forward(read_end: int, out: int) -> None:
+def _forward(read_end: int, out: int, rewrite, drop_logs: bool) -> None:
     with os.fdopen(read_end, "rb") as lines:
         for line in lines:
-            if not _CHILD_LOG_LINE.match(line):
-                os.write(out, line)
+            if not (drop_logs and _CHILD_LOG_LINE.match(line)):
+                os.write(out, rewrite(line))
     os.close(out)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from schemas.tables import TableSpec
+from schemas.table_spec import TableSpec
 
 __all__ = [
     "FLEET_SCHEMA_VERSION",

@@ -29,10 +29,12 @@ tables: every run replaces those of its dates (none when run without --timelines
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 
 import pyarrow as pa
+
+from schemas.fleet import FLEET_TABLE_SPECS
+from schemas.table_spec import PARTITION_KEY, TableSpec
 
 __all__ = [
     "TABLES_SCHEMA_VERSION",
@@ -61,7 +63,6 @@ __all__ = [
 ]
 
 TABLES_SCHEMA_VERSION = "1"
-PARTITION_KEY = "date"
 PART_FILE = "part-0.parquet"
 STAGING_DIR = "_staging"
 RUNS_DIR = "_runs"
@@ -71,32 +72,6 @@ TIMELINES_DIR = "_timelines"
 JOB_STATUSES = ("analysed", "discarded", "quarantined")
 # What a quarantine row covers: one row of a file, a whole file, or a whole job window.
 QUARANTINE_LEVELS = ("row", "file", "job")
-
-
-@dataclasses.dataclass(frozen=True)
-class TableSpec:
-    """A table the commit step can publish.
-
-    name: folder under the output URL (may be nested, e.g. "fleet_rollup/fleet_summary"); schema: Arrow schema of the files (without the
-    partition key); sort_keys: columns that order the rows of a file (with every column
-    appended as a tie-break, so the order is total); partitioned: Hive-partitioned by
-    `date` (False: one file for the whole table, replaced by every run).
-    """
-
-    name: str
-    schema: pa.Schema
-    sort_keys: tuple[str, ...]
-    partitioned: bool = True
-
-    def __post_init__(self):
-        segments = self.name.split("/")
-        if not all(segments) or any(s.startswith(("_", ".")) or "=" in s for s in segments):
-            raise ValueError(f"table name {self.name!r}: folder names must be non-empty, without '=' and not start with '_' or '.'")
-        missing = [k for k in self.sort_keys if k not in self.schema.names]
-        if missing:
-            raise ValueError(f"table {self.name}: sort keys {missing} are not columns of its schema")
-        if PARTITION_KEY in self.schema.names and self.partitioned:
-            raise ValueError(f"table {self.name}: '{PARTITION_KEY}' is the partition key, it lives in the path, not in the file")
 
 
 def _schema(name: str, fields: list[pa.Field]) -> pa.Schema:
@@ -276,13 +251,21 @@ def table_exists(out: str, table: str, *, storage_options: dict | None = None) -
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(table_path(out, table), **(storage_options or {}))
-    return fs.exists(root)
+    return _present(fs, root)
+
+
+def _present(fs, path: str) -> bool:
+    """fs.exists, except that a failing call raises instead of answering False (fsspec's exists
+    swallows every error: a storage blip would read as an empty table, and a rollup rebuilt from it)."""
+    try:
+        fs.info(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _published_spec(table: str) -> TableSpec | None:
     """The spec of a table the batch publishes: a per-job table, or a fleet table (schemas/fleet.py)."""
-    from schemas.fleet import FLEET_TABLE_SPECS   # schemas.fleet builds on this module
-
     return BATCH_TABLES.get(table) or FLEET_TABLE_SPECS.get(table)
 
 
@@ -297,7 +280,9 @@ def read_table(out: str, table: str, *, storage_options: dict | None = None) -> 
 
     fs, root = fsspec.core.url_to_fs(table_path(out, table), **(storage_options or {}))
     spec = _published_spec(table)
-    files = sorted(p for p in fs.find(root) if p.endswith(".parquet") and "/." not in p[len(root):]) if fs.exists(root) else []
+    from transforms.storage import find   # a folder that fails to list raises (see _present)
+
+    files = sorted(p for p in find(fs, root) if p.endswith(".parquet") and "/." not in p[len(root):]) if _present(fs, root) else []
     if not files:
         if spec is None:
             raise FileNotFoundError(f"no table {table!r} under {out}")

@@ -12,6 +12,14 @@ object whose key contains a scheduled fragment first gets the fault:
 
 `times` faults per matching key (None: forever), or, with `rate`, each matching GET fails with
 that probability (seeded). Counters say how many faults were injected.
+
+`ops` widens a fault from object reads to every kind of request (OPS: read = GET of an object,
+list = a bucket listing, info = HEAD, write = PUT, copy = PUT with x-amz-copy-source, delete =
+DELETE or a batch delete POST, other = the rest, e.g. multipart); the fragment is then matched
+against the path and query (a listing names its prefix there) and a batch delete's body (which
+names its keys). `skip` lets that many matching requests through first, counted over all keys:
+`skip=k, times=None` is storage down for good from the k-th request, `skip=k, times=1,
+per_key=False` fails only that one. `calls` lists every matching request.
 """
 from __future__ import annotations
 
@@ -23,7 +31,8 @@ import socket
 import threading
 import urllib.parse
 
-__all__ = ["ProxyFault", "FaultProxy"]
+__all__ = ["ProxyFault", "FaultProxy", "OPS"]
+OPS = ("read", "list", "info", "write", "copy", "delete", "other")
 
 _THROTTLE = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message></Error>")
@@ -37,6 +46,9 @@ class ProxyFault:
     times: int | None = 1           # per matching key; None = always (unless rate is set)
     rate: float | None = None       # instead of times: probability per matching GET
     delay: float = 0.0
+    ops: tuple[str, ...] = ("read",)
+    skip: int = 0
+    per_key: bool = True            # times counts per key; False: over all matching requests
 
     def __post_init__(self):
         if self.kind not in ("throttle", "error", "reset", "partial", "slow"):
@@ -51,6 +63,7 @@ class FaultProxy:
         self.upstream = (parsed.hostname, parsed.port)
         self.schedule: dict[str, ProxyFault] = {}
         self.injected: dict[str, int] = {}
+        self.calls: list[tuple[str, str]] = []
         self._left: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         self._random = random.Random(seed)
@@ -66,18 +79,37 @@ class FaultProxy:
             self.schedule = dict(schedule)
             self._left.clear()
             self.injected = {}
+            self.calls = []
 
-    def _fault_for(self, method: str, path: str) -> ProxyFault | None:
-        if method != "GET" or "?" in path and "list-type" in path:   # object reads only, never listings
-            return None
+    @staticmethod
+    def _op(method: str, path: str, headers) -> str:
+        query = urllib.parse.urlparse(path).query
+        if method == "GET":
+            bucket_level = urllib.parse.urlparse(path).path.strip("/").count("/") == 0
+            return "list" if "list-type" in query or bucket_level else "read"
+        if method == "HEAD":
+            return "info"
+        if method == "PUT":
+            return "copy" if headers.get("x-amz-copy-source") else "write"
+        if method == "DELETE" or method == "POST" and "delete" in urllib.parse.parse_qs(query, keep_blank_values=True):
+            return "delete"
+        return "other"
+
+    def _fault_for(self, method: str, path: str, headers=None, body: bytes | None = None) -> ProxyFault | None:
+        op = self._op(method, path, headers or {})
+        where = urllib.parse.unquote(path) + (body.decode("utf-8", "replace") if op == "delete" and body else "")
         with self._lock:
             for fragment, fault in self.schedule.items():
-                if fragment not in urllib.parse.unquote(path):
+                if op not in fault.ops or fragment not in where:
+                    continue
+                self.calls.append((op, path))
+                if fault.skip > 0:
+                    fault.skip -= 1
                     continue
                 if fault.rate is not None:
                     hit = self._random.random() < fault.rate
                 else:
-                    key = (fragment, path.split("?")[0])
+                    key = (fragment, path.split("?")[0]) if fault.per_key else (fragment,)
                     left = self._left.setdefault(key, fault.times if fault.times is not None else -1)
                     hit = left != 0
                     if left > 0:
@@ -99,7 +131,7 @@ class FaultProxy:
             def _forward(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
-                fault = proxy._fault_for(self.command, self.path)
+                fault = proxy._fault_for(self.command, self.path, self.headers, body)
                 if fault is not None and fault.kind == "reset":
                     self.connection.shutdown(socket.SHUT_RDWR)
                     self.close_connection = True
@@ -108,6 +140,8 @@ class FaultProxy:
                     payload = _THROTTLE if fault.kind == "throttle" else _INTERNAL
                     self.send_response(503 if fault.kind == "throttle" else 500)
                     self.send_header("Content-Type", "application/xml")
+                    if self.command == "HEAD":   # an answer to HEAD has no body
+                        payload = b""
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()
                     self.wfile.write(payload)

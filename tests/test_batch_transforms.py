@@ -21,13 +21,8 @@ from transforms.lake import LakeJob, list_jobs, write_job
 from transforms.match import MatchJobs, balanced_order, date_range, group_windows, match_windows
 from transforms.synth.faults import Cause
 from transforms.synth.job import JobSpec, generate_job
-from transforms.validate import (
-    UNEXPECTED_ERROR,
-    dead_letters,
-    quarantine_on_error,
-    quarantine_rows,
-    validate_job_window,
-)
+from transforms.outcomes import UNEXPECTED_ERROR, dead_letters, quarantine_on_error
+from transforms.validate import quarantine_rows, validate_job_window
 from transforms.validation import Validator
 from transforms.whatif import TraceStructureError, analyze_job
 

@@ -27,6 +27,7 @@ def _cases(tmp: pathlib.Path) -> list[tuple[list[str], str]]:
         (["generate", "--lake", str(tmp / "g"), "--days", "0", "--jobs-per-day", "1", "--seed", "1"], "--days"),
         (["import-reference", "/nope/t.parquet", "/nope/m.yaml", "--lake", str(lake), "--job-id", "x"], "/nope"),
         (["import-reference", "/nope/t.parquet", "/nope/m.yaml", "--lake", str(lake)], "--job-id"),
+        (["import-reference", README, README, "--lake", str(lake), "--job-id", "../../x"], "--job-id: job id '../../x': use"),
         (["export-reference", "--lake", "/nope", "--job-id", "x", "--out", out], "no lake there"),
         (["import", "--format", "kineto", "--lake", str(lake), "--job-id", "x", "/nope"], "/nope"),
         (["land", "/nope", "--lake", str(lake), "--job-id", "x"], "/nope"),
@@ -34,9 +35,16 @@ def _cases(tmp: pathlib.Path) -> list[tuple[list[str], str]]:
         (["analyze", README, "--meta", README], "--meta"),
         (["analyze", "--lake", "/nope", "--job-id", "x"], "no lake there"),
         (["analyze", "--lake", str(lake), "--job-id", "x"], "no job 'x'"),
+        (["analyze", "--lake", str(lake), "--job-id", "../../x"], "--job-id: job id '../../x': use"),
+        (["analyze", "--lake", str(lake), "--job-id", "x", "--date", "2024-13-01"], "--date: '2024-13-01' is not a date"),
+        (["analyze"], "a folder of raw traces DIR [--format kineto|ndtimeline]"),
+        (["analyze", str(tmp / "empty")], "give --format kineto|ndtimeline"),
+        (["analyze", str(lake)], "is a lake: give --lake"),
         (["batch", "--lake", str(lake), "--from", "2024-01-01", "--to", "2024-01-02", "--out", out, "--wokers", "2"], "did you mean --workers"),
         (["batch", "--lake", "/nope", "--from", "2024-01-01", "--to", "2024-01-02", "--out", out], "no lake there"),
-        (["batch", "--lake", str(lake), "--from", "2024-01-02", "--to", "2024-01-01", "--out", out], "--from/--to"),
+        (["batch", "--lake", str(lake), "--from", "2024-01-02", "--to", "2024-01-01", "--out", out], "--from 2024-01-02 is after --to"),
+        (["batch", "--lake", str(lake), "--from", "2024-13-01", "--to", "2024-01-01", "--out", out],
+         "--from 2024-13-01: not a date YYYY-MM-DD (month must be in 1..12)"),
         (["report", "--tables", str(lake), "--out", out], "is a lake, not the tables"),
         (["report", "--tables", str(tmp / "none"), "--out", out], "give --tables the --out of `strag batch`"),
         (["report", "--tables", out, "--out", out, "--lake", str(lake)], "run `strag batch --timelines`"),
@@ -49,11 +57,12 @@ def _cases(tmp: pathlib.Path) -> list[tuple[list[str], str]]:
         (["serve", "--tables", str(tmp / "none")], "no folder there"),
         (["demo", "--days", "0"], "--days"),
         (["nope"], "unknown command"),
+        (["anlyze", "x"], "unknown command 'anlyze' (did you mean analyze?)"),
         ([], "give a command"),
     ]
 
 
-@pytest.mark.parametrize("index", range(26))
+@pytest.mark.parametrize("index", range(34))
 def test_bad_arguments_give_one_line_and_exit_2(index, tmp_path, capsys):
     argv, expected = _cases(tmp_path)[index]
     try:
@@ -65,13 +74,13 @@ def test_bad_arguments_give_one_line_and_exit_2(index, tmp_path, capsys):
     assert "Traceback" not in err
     first = err.strip().splitlines()[0]
     assert expected in first, (argv, err)
-    if argv and argv[0] != "nope":   # the unknown command also lists the commands
+    if argv and argv[0] in cli.COMMANDS:   # an unknown command also lists the commands
         assert len(err.strip().splitlines()) == 1, err
 
 
 def test_cases_cover_every_subcommand(tmp_path):
     assert {argv[0] for argv, _ in _cases(tmp_path) if argv} >= set(cli.COMMANDS)
-    assert len(_cases(tmp_path)) == 26
+    assert len(_cases(tmp_path)) == 34
 
 
 def test_the_strag_script_shows_no_library_log_lines(tmp_path):
@@ -136,3 +145,104 @@ def test_the_script_ends_analyze_without_teardown_and_loses_nothing(reference_di
     assert failed.returncode == 2 and "cannot read the job" in failed.stderr and "teardown" not in failed.stderr
     usage = subprocess.run([sys.executable, "-c", probe, "report"], capture_output=True, text=True, env=env, timeout=120)
     assert usage.returncode == 2 and "teardown ran" in usage.stderr   # other commands exit as usual
+
+
+def test_version_and_a_mistyped_command(capsys):
+    from importlib import metadata
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"strag {metadata.version('strag')}"
+    assert cli.main(["imprt"]) == 2
+    assert capsys.readouterr().err.startswith("strag: unknown command 'imprt' (did you mean import?)\n")
+    assert cli.main(["zzz"]) == 2
+    assert "did you mean" not in capsys.readouterr().err   # nothing close: no guess
+
+
+def test_the_local_dask_cluster_workers_show_no_library_log_lines():
+    """The batch's local Dask cluster starts its workers before a run, with the stderr of the command:
+    Beam's import-time warning in a worker ("apitools not found") stays hidden without --verbose."""
+    probe = ("from pipelines.usage import configure_logs\n"
+             "configure_logs()\n"
+             "from distributed import Client\n"
+             "from pipelines.batch import local_dask_cluster\n"
+             "def load_beam():\n"
+             "    import apache_beam.io.gcp.internal.clients.bigquery  # logs the warning as it loads\n"
+             "    return True\n"
+             "with local_dask_cluster(1) as cluster, Client(cluster) as client:\n"
+             "    print(list(client.run(load_beam).values()))\n")
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1])}
+    env.pop("STRAG_VERBOSE", None)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 0 and done.stdout.strip() == "[True]", done.stderr
+    assert "apitools" not in done.stderr, done.stderr
+
+
+def test_window_lines_are_numbered_with_an_eta(monkeypatch):
+    """`strag batch` numbers the per-window lines its workers print (k/N) and gives an ETA at the mean pace."""
+    from pipelines import usage
+
+    clock = iter([0.0, 100.0, 110.0, 130.0, 160.0])   # made, started, then three windows
+    monkeypatch.setattr(usage.time, "monotonic", lambda: next(clock))
+    progress = usage.Progress()
+    line = b"  2024-03-04 job-1: analysed, S 1.023, 347,616 ops, 2.3 s\n"
+    assert progress(line) == line                      # not started: passed as it is
+    progress.start(4)                                   # t = 100
+    assert progress(line) == b"  [1/4, ETA 30 s] 2024-03-04 job-1: analysed, S 1.023, 347,616 ops, 2.3 s\n"   # 10 s a window
+    assert progress(b"strag batch: something else\n") == b"strag batch: something else\n"
+    assert progress(line).startswith(b"  [2/4, ETA 30 s] 2024-03-04 job-1:")   # 30 s for 2: 15 s a window, 2 left
+    assert progress(line).startswith(b"  [3/4, ETA 20 s] ")                   # 60 s for 3
+    assert usage._duration(200) == "3 min 20 s" and usage._duration(7500) == "2 h 05 min"
+
+
+def test_the_batch_summary_is_wrapped_and_says_what_it_counts(tmp_path, capsys):
+    from pipelines import batch
+
+    (tmp_path / "traces").mkdir()
+    opts = batch.parse(["--lake", str(tmp_path), "--from", "2024-03-04", "--to", "2024-03-05", "--out", str(tmp_path / "out")])
+    summary = {"jobs": {"analysed": 7, "quarantined": 2}, "ops": 1_783_368, "reasons": {"unreadable_file": 1, "incomplete_window": 1},
+               "rows_quarantined": 0, "rows_read": 10, "startup": {"lake listing": 0.01}, "seconds": {"analyze": 3.21, "read": 0.0},
+               "table_rows": {f"fleet_table_number_{i}": 1000 * i for i in range(12)}, "timelines": 0}
+    counters = {"strag.jobs/analysed": 7, "strag.quarantine/unreadable_file": 2, "strag.tables/rows.coverage": 10}
+    batch._print_summary(opts, summary, counters, 12.0)
+    out = capsys.readouterr().out
+    long = ("strag batch", "  run record", "  tables under")   # these hold the caller's URLs
+    assert all(len(line) <= 100 for line in out.splitlines() if not line.startswith(long)), out
+    assert "  reasons (job windows discarded or quarantined, by the reason of each):\n    unreadable_file 1, incomplete_window 1\n" in out
+    assert "quarantine/* quarantine rows" in out and "quarantine/unreadable_file=2" in out
+    assert "tables/rows" not in out                                     # the tables line says those
+    assert f"  tables under {tmp_path / 'out'}/ (rows):\n    fleet_table_number_0 0, " in out and "11,000" in out
+    assert "  seconds in workers: analyze 3.2\n" in out
+
+
+def test_a_range_without_windows_is_told_the_lake_dates(tmp_path):
+    from pipelines import batch
+
+    for day in ("2024-03-04", "2024-03-05"):
+        (tmp_path / "traces" / f"date={day}").mkdir(parents=True)
+    (tmp_path / "raw" / "kineto" / "date=2024-03-09").mkdir(parents=True)
+    assert batch._dates_held(str(tmp_path)) == "the lake has data on 2024-03-04, 2024-03-05, 2024-03-09"
+    for day in range(10, 15):
+        (tmp_path / "manifests" / f"date=2024-03-{day}").mkdir(parents=True)
+    assert batch._dates_held(str(tmp_path)) == "the lake has data on 8 dates from 2024-03-04 to 2024-03-14"
+    (tmp_path / "empty").mkdir()
+    assert batch._dates_held(str(tmp_path / "empty")) == "the lake holds no date partition yet"
+
+
+def test_the_readme_glossary_and_its_s3_endpoint_example(tmp_path):
+    """README: every metric the CLI prints has a glossary row, and the S3-compatible endpoint set as the
+    README says (environment, fsspec config file) reaches the filesystem strag opens a lake with."""
+    text = pathlib.Path(README).read_text()
+    glossary = text[text.index("### Words and numbers"):text.index("### Training setups")]
+    for term in ("| S (slowdown)", "| waste", "| replay discrepancy", "| S_t, S_dp, S_stage", "| S_w", "| M_W", "| M_S",
+                 "Below 0:", "Above 100%:"):
+        assert term in glossary, term
+    assert "Not yet supported:" in text[text.index("### Training setups"):]
+    probe = "from transforms.lake import filesystem; print(filesystem('s3://lake/traces')[0].endpoint_url)"
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1]), "FSSPEC_CONFIG_DIR": str(tmp_path)}
+    told = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                          env={**env, "FSSPEC_S3_ENDPOINT_URL": "http://minio.internal:9000"})
+    assert told.stdout.strip() == "http://minio.internal:9000", told.stderr
+    assert '`{"s3": {"endpoint_url": "http://minio.internal:9000"}}`' in text
+    (tmp_path / "s3.json").write_text('{"s3": {"endpoint_url": "http://ceph.internal:7480"}}')
+    filed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=env)
+    assert filed.stdout.strip() == "http://ceph.internal:7480", filed.stderr

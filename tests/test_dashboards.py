@@ -176,14 +176,53 @@ def test_every_heatmap_uses_one_colour_scale(data):
     assert all(scale == scales[0] for scale in scales) and scales[0]["domain"] == list(charts.HEATMAP_DOMAIN)
 
 
-def test_category_cdf_has_a_panel_per_category_with_its_job_count(data):
+def test_category_chart_has_a_row_per_category_with_its_job_count(data):
     distribution = data.fleet_period("fleet_distribution")
     categories = distribution[distribution["metric"].str.startswith("optype_slowdown:")].copy()
     categories["category"] = categories["metric"].str.split(":").str[1]
-    panels = {r["panel"] for r in _chart_rows(charts.category_cdf_chart(categories, "t"))}
+    rows = {r["category"]: r for r in _chart_rows(charts.category_slowdown_chart(categories, "t"))}
     jobs = categories[categories["weighting"] == "job"].groupby("category")["count"].sum()
-    assert len(panels) == categories["category"].nunique()
-    assert all(any(p.startswith(f"{c}: {n} job windows") for p in panels) for c, n in jobs.items())
+    assert set(rows) == set(jobs.index)
+    assert all(rows[c]["windows"] == n and rows[c]["label"].startswith(f"{n} windows: median") for c, n in jobs.items())
+
+
+def _histogram(category: str, values: list[float]) -> pd.DataFrame:
+    """fleet_distribution rows (job weighting) of S_t values, bins of 0.001 as the fleet tables bin them."""
+    bins = pd.Series([round(v, 3) for v in values]).value_counts().sort_index()
+    return pd.DataFrame({"metric": f"optype_slowdown:{category}", "category": category, "weighting": "job",
+                         "bin_lower": bins.index, "bin_upper": bins.index + 0.001, "count": bins.to_numpy(),
+                         "cumulative_share": bins.cumsum().to_numpy() / bins.sum()})
+
+
+def test_category_chart_tells_apart_categories_a_linear_axis_draws_as_one_line():
+    """Three categories within 1% of S_t = 1 and one up to 2.3: each row's figures are its own, and
+    the axis (S_t - 1 on a symmetric log scale) puts 1.000, 1.004 and 1.01 apart as it does 1.1 and 2.3."""
+    categories = pd.concat([_histogram("compute", [1.05, 1.2, 1.4, 2.3]), _histogram("pp-comm", [1.0, 1.0, 1.0, 1.01]),
+                            _histogram("dp-comm", [1.0] * 4), _histogram("other", [1.0, 1.002, 1.003, 1.004])])
+    chart = charts.category_slowdown_chart(categories, "t")
+    rows = {r["category"]: r for r in _chart_rows(chart)}
+    assert (rows["compute"]["p50"], rows["compute"]["max"]) == pytest.approx((1.2, 2.3))
+    assert (rows["pp-comm"]["p50"], rows["pp-comm"]["max"], rows["pp-comm"]["slowed"]) == pytest.approx((1.0, 1.01, 0.25))
+    assert (rows["dp-comm"]["p50"], rows["dp-comm"]["max"], rows["dp-comm"]["slowed"]) == pytest.approx((1.0, 1.0, 0.0))
+    assert (rows["other"]["p90"], rows["other"]["max"]) == pytest.approx((1.004, 1.004))
+    assert "max 1.004" in rows["other"]["label"] and "max 1.000" in rows["dp-comm"]["label"]
+    spread = chart.to_dict()["layer"][0]["encoding"]["x"]
+    assert spread["scale"]["type"] == "symlog" and spread["scale"]["constant"] == 0.001
+    assert spread["scale"]["domain"][1] >= 1.3 and {0.0, 0.001, 0.01, 0.1, 1.0} <= set(spread["axis"]["values"])
+
+
+@pytest.mark.parametrize("dp, pp, labelled", [(69, 1, False), (8, 4, True), (21, 16, True), (22, 2, False)])
+def test_worker_heatmap_labels_cells_only_where_the_values_fit(dp, pp, labelled):
+    workers = pd.DataFrame({"dp_rank": [d for d in range(dp) for _ in range(pp)], "stage": [s for _ in range(dp) for s in range(pp)],
+                            "host": "h", "slowdown_worker": 1.05, "slowdown_dp": 1.0, "slowdown_stage": 1.0})
+    spec = charts.worker_heatmap(workers, "w").to_dict()
+    texts = [layer for layer in spec["layer"] if layer["mark"]["type"] == "text"]
+    assert bool(texts) == labelled
+    cell = spec["width"] / dp
+    assert (cell >= 30) == labelled   # a "1.05" at font size 10 is ~24 px wide
+    ticks = spec["layer"][0]["encoding"]["x"]["axis"]["values"]
+    assert ticks[0] == 0 and ticks[-1] <= dp - 1 and len(ticks) * 22 <= spec["width"] + 22   # labels >= 22 px apart
+    assert spec["layer"][0]["encoding"]["x"]["axis"]["labelAngle"] == 0
 
 
 def test_readme_sql_example_runs_on_the_tables(tables, data):
@@ -227,3 +266,14 @@ def test_job_page_explains_the_verdict_in_words(data, tmp_path):
     assert "layers repartitioned so every model chunk does the same compute" in text
     assert "M_W: share explained by the top 3% workers" in text and "forward_backward_r_normalised" not in text
     assert "transforms/whatif/causes" not in text
+
+
+def test_cells_and_titles_say_nothing_meaningless():
+    """Evidence that rounds to zero shows "0.000", not "-0.000"; a job id that already says "job" is
+    not titled "Job job-..."."""
+    from dashboards.html import fmt, job_title
+
+    assert [fmt(x) for x in (-0.0, -0.0004, -0.0006, 0.25, -1.25)] == ["0.000", "0.000", "-0.001", "0.250", "-1.250"]
+    assert fmt(-0.004, 2) == "0.00" and fmt(None) == "n/a" and fmt(3) == "3"
+    assert job_title("job-20240304-003") == "job-20240304-003" and job_title("llama-7b") == "Job llama-7b"
+    assert job_title("llama-7b", "job") == "job llama-7b"

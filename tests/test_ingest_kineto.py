@@ -427,7 +427,10 @@ def test_two_files_of_the_same_rank(small, tmp_path):
 def test_files_of_different_world_sizes(small):
     (two, two_paths), (_, eight_paths) = small
     error = raises("raw_mixed_jobs", [*eight_paths[2:], two_paths[0]])   # ranks 2..7 of world 8, rank 0 of world 2
-    assert "world sizes differ" in str(error)
+    assert "ranks of two jobs: rank 0 here is of world size 2, the other rank files of world size 8 (6 files)" in str(error)
+    # a rank number both jobs have is still two jobs, not one rank twice
+    error = raises("raw_mixed_jobs", [*eight_paths, two_paths[0]])
+    assert "ranks of two jobs" in str(error) and error.path == str(two_paths[0])
 
 
 def _rewrite(path: str, target: pathlib.Path, edit) -> str:

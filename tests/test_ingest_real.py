@@ -190,6 +190,23 @@ def test_analyze_command_on_a_folder_of_rank_traces(tmp_path, capsys):
     assert written["source"]["format"] == "kineto"
 
 
+@pytest.mark.parametrize("run", ["pp2dp2-1f1b-slow-sleep"])
+def test_analyze_tells_the_format_from_the_file_names(run, tmp_path, capsys):
+    """`strag analyze DIR` without --format on torch.profiler output: read as kineto, as with --format
+    (PROVENANCE.json beside the traces is set aside, not taken for a trace format of its own)."""
+    assert analyze_cli.run([str(DATA / run), "--json", str(tmp_path / "told.json")]) == 0
+    told = capsys.readouterr().out
+    assert "source: " in told and "torch.profiler" in told and "verdict: individual-worker" in told
+    assert analyze_cli.run(["--format", "kineto", str(DATA / run), "--json", str(tmp_path / "given.json")]) == 0
+    capsys.readouterr()
+    assert (tmp_path / "told.json").read_text() == (tmp_path / "given.json").read_text()
+    assert analyze_cli.parse([str(DATA / run / "rank-0.json.gz")]).fmt == "kineto"   # a single rank file too
+    nd = tmp_path / "nd"
+    nd.mkdir()
+    (nd / "ndtimeline-x.jsonl.gz").write_bytes(b"")
+    assert analyze_cli.parse([str(nd)]).fmt == "ndtimeline"
+
+
 def test_a_missing_rank_is_refused_by_name(tmp_path, capsys):
     folder = tmp_path / "run"
     folder.mkdir()
@@ -237,8 +254,9 @@ def test_import_refuses_bad_input_with_the_reason(tmp_path, capsys):
     (folder / "rank-0.json").write_text("{ not json")
     code = ingest.run(["--format", "kineto", str(folder), "--lake", str(tmp_path / "lake"), "--job-id", "bad"])
     assert code == 2
-    err = capsys.readouterr().err
-    assert "[raw_missing_rank]" in err and "job bad" in err
+    cause, consequence = capsys.readouterr().err.splitlines()   # the cause first, then what it left
+    assert cause.startswith("strag import: job bad, file ") and cause.endswith("[raw_unreadable]")
+    assert consequence == "  so: job bad: no readable rank trace in the window (1 file(s)) [raw_missing_rank]"
     with pytest.raises(SystemExit):
         ingest.run(["--format", "kineto", str(folder), "--lake", str(tmp_path / "lake"), "--job-id", "../escape"])
     assert "--job-id" in capsys.readouterr().err
@@ -252,9 +270,11 @@ def test_a_rank_alone_whose_groups_cannot_place_the_others(tmp_path, capsys):
     (folder / "rank-0.json").write_text("{ not json")
     shutil.copy(rank_files("pp2dp2-1f1b")[1], folder)
     assert analyze_cli.run(["--format", "kineto", str(folder)]) == 2
-    err = capsys.readouterr().err
-    assert "have no trace: ranks 0, 2, 3" in err and "[raw_missing_rank]" in err
-    assert "set aside" in err and "rank-0.json" in err and "[raw_unreadable]" in err
+    cause, consequence = capsys.readouterr().err.splitlines()   # the cause first, then what it left
+    assert cause.startswith("strag analyze: cannot read the job: job run, file ") and "rank-0.json" in cause
+    assert "not a complete JSON document" in cause and cause.endswith("[raw_unreadable]")
+    assert consequence.startswith("  so: job run: ") and "have no trace: ranks 0, 2, 3" in consequence
+    assert consequence.endswith("[raw_missing_rank]")
 
 
 def _copy(run: str, folder: pathlib.Path, ranks=(0, 1, 2, 3)) -> None:
@@ -325,3 +345,27 @@ def test_a_rank_without_backward_compute_is_refused(tmp_path):
         convert_window("kineto", paths, "no-backward", DATE)
     assert caught.value.reason_code == "raw_no_microbatches" and "rank 0" in str(caught.value)
     assert "backward_label" in str(caught.value)
+
+
+def test_analyze_words_for_runs_that_do_not_straggle_or_beat_the_ideal(capsys):
+    """CPU ranks are not called GPUs; a job that does not straggle shows no M_W / M_S shares nor a
+    negative waste; shares beyond 100% or below 0 and a faster backward are said in words."""
+    assert analyze_cli.run([str(DATA / "pp2dp2-1f1b")]) == 0   # S < 1: no straggling at all
+    clean = capsys.readouterr().out
+    assert "GPU" not in clean and "4 CPU ranks" in clean
+    assert "no CPU rank time lost (S < 1" in clean and "waste -" not in clean
+    assert "M_S =" not in clean and "M_W =" not in clean and "M_W, M_S: not shown" in clean
+    assert analyze_cli.run([str(DATA / "pp2dp2-1f1b-slow")]) == 0
+    slow = capsys.readouterr().out
+    assert "GPU" not in slow and "of the CPU rank-hours" in slow
+    assert "forward 4.1x slower and backward 1.4x faster than the other DP ranks" in slow and "0.7x slower" not in slow
+    assert "removes all (124%) of the straggling time" in slow and "removes none (-36%) of the straggling time" in slow
+    assert "all (159%) of the straggling time removed (S < 1 after it" in slow
+    assert "above 100%: with only these idealised" in slow
+
+
+def test_shares_and_speeds_in_words():
+    from transforms.whatif.causes.explain import share_words, times_words
+
+    assert [share_words(x) for x in (0.42, 1.0, 1.004, 1.42, -0.004, -0.12)] == ["42%", "100%", "100%", "all (142%)", "0%", "none (-12%)"]
+    assert times_words(1.6, "forward") == "forward 1.6x slower" and times_words(0.5, "backward") == "backward 2.0x faster"

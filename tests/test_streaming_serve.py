@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import urllib.request
 
 import pytest
@@ -59,7 +60,7 @@ def test_a_remote_host_needs_allow_remote_and_warns(capsys, tmp_path):
 def test_page_and_version_follow_the_live_table(served):
     out, base = served
     status, page = get(f"{base}/job/job-a")
-    assert status == 200 and "Live: job job-a" in page and "1.320" in page and "slowdown-above-threshold" in page
+    assert status == 200 and "<title>Live: job-a</title>" in page and "1.320" in page and "slowdown-above-threshold" in page
     _, before = get(f"{base}/api/job/job-a/version")
     land_row(out, live_row("job-a", "s2", 2, 1.05, first=1_700_000_100.0))  # a late file corrected s2
     _, after = get(f"{base}/api/job/job-a/version")
@@ -113,3 +114,52 @@ def test_serve_and_the_live_pages_do_not_import_beam():
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
                            cwd=pathlib.Path(__file__).parents[1])
     assert shown.stdout.strip() == "[]"
+
+
+def test_an_unknown_job_answers_404_with_a_message_and_the_known_jobs(served):
+    import urllib.error
+
+    _, base = served
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        get(f"{base}/job/unknown")
+    with caught.value as reply:
+        body = reply.read().decode()
+    assert caught.value.code == 404 and caught.value.headers["Content-Type"].startswith("text/html")
+    assert "No job &#x27;unknown&#x27; in the live tables" in body and 'href="/job/job-a"' in body
+    assert "<style>" in body and 'http-equiv="refresh"' in body and "vega-bundle" not in body
+
+
+def test_the_index_is_a_styled_page_listing_each_job(served):
+    _, base = served
+    status, index = get(f"{base}/")
+    assert status == 200 and "<style>" in index and 'class="data"' in index and 'http-equiv="refresh"' in index
+    assert 'href="/job/job-a"' in index and "1.320" in index and "vega-bundle" not in index   # no charts, no bundle
+    assert re.search(r"<td>job-a</td>|>job-a</a></td><td>s2</td><td>2</td>", index)   # latest session s2 of 2
+
+
+def test_sessions_are_numbered_in_landing_order_not_on_a_millisecond_time_axis(served):
+    _, base = served
+    _, page = get(f"{base}/job/job-a")
+    specs = json.loads(re.search(r"const stragSpecs = (\{.*?\});\n", page, re.S).group(1).replace("<\\/", "</"))
+    x = specs["chart-sessions"]["layer"][0]["encoding"]["x"]
+    assert x["type"] == "quantitative" and x["field"] == "order" and x["axis"]["format"] == "d" and x["axis"]["tickMinStep"] == 1
+    rows = [r for values in specs["chart-sessions"]["datasets"].values() for r in values if "order" in r]
+    assert sorted((r["order"], r["session"]) for r in rows) == [(1, "s1"), (2, "s2")]
+
+
+def test_live_index_and_404_pages_render_in_headless_chromium(served, tmp_path):
+    """The pages without charts render too (styled, no console error); screenshots for the eye."""
+    try:
+        browser.find_chromium()
+    except browser.BrowserError as error:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(error))
+    _, base = served
+    for path in ("/", "/job/unknown"):
+        check = asyncio.run(asyncio.wait_for(browser._visit(f"{base}{path}", True), 90))
+        assert check.chart_slots == 0 and check.exceptions == [] and check.screenshot[:4] == b"\x89PNG"
+        external = [url for url in check.external_requests if not url.startswith(base)]
+        assert external == []
+        # the 404 itself is logged by Chromium as a failed resource load: the only console error allowed
+        assert all("404" in e for e in check.console_errors), check.console_errors

@@ -208,24 +208,45 @@ def test_list_landing_groups_sessions_and_passes_strays_on(tmp_path):
                       "loose.parquet"]
 
 
-def test_strays_are_quarantined_once_under_test_stream():
-    """Every poll lists every stray again: quarantined once, and again only when re-delivered."""
+def test_strays_are_quarantined_once_and_moved_out_under_test_stream(tmp_path):
+    """A stray is quarantined and moved out of the landing area (so no poll lists it again and no
+    state is kept for it); one landing again under the same name is a new file: quarantined again."""
+    from apache_beam.transforms.userstate import get_dofn_specs
+
     from transforms.landing import _QuarantineStrayFn
+
+    lake = tmp_path / "lake"
+    loose, hidden = lake / "landing" / "loose.parquet", lake / "landing" / "_j" / "s" / "worker-0-0.parquet"
+    for path in (loose, hidden):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"first")
+    assert get_dofn_specs(_QuarantineStrayFn(str(lake))) == (set(), set())   # no per-path state
+
+    class Land(beam.DoFn):   # the second delivery of loose.parquet: landed again after the first was moved
+        def process(self, element):
+            if element[1][1] == 3.0:
+                loose.write_bytes(b"second")
+            yield element
 
     stream = (
         test_stream.TestStream()
-        .add_elements([("/lake/landing/loose.parquet", (0.5, 1.0)), ("/lake/landing/_j/s/worker-0-0.parquet", (0.5, 1.0))])
-        .add_elements([("/lake/landing/loose.parquet", (0.5, 2.0)), ("/lake/landing/_j/s/worker-0-0.parquet", (0.5, 2.0))])
-        .add_elements([("/lake/landing/loose.parquet", (2.5, 3.0))])
+        .add_elements([(str(loose), (0.5, 1.0)), (str(hidden), (0.5, 1.0))])
+        .add_elements([(str(loose), (2.5, 3.0))])
         .advance_watermark_to_infinity()
     )
     with beam.Pipeline(runner=BundleBasedDirectRunner(), options=PipelineOptions(flags=[], streaming=True)) as pipeline:
-        rows = pipeline | stream | beam.ParDo(_QuarantineStrayFn())
+        rows = pipeline | stream | beam.ParDo(Land()) | beam.ParDo(_QuarantineStrayFn(str(lake)))
         assert_that(rows | beam.Map(lambda r: (r["source_path"].rsplit("/landing/", 1)[-1], r["reason_code"], r["seen_time"],
-                                               "job id '_j'" in r["detail"] or "expected landing/" in r["detail"])),
+                                               ("job id '_j'" in r["detail"] or "expected landing/" in r["detail"])
+                                               and "landing_archive/_strays/" in r["detail"])),
                     equal_to([("loose.parquet", "landing_layout", 1.0, True),
                               ("_j/s/worker-0-0.parquet", "landing_layout", 1.0, True),
                               ("loose.parquet", "landing_layout", 3.0, True)]))
+    strays = lake / "landing_archive" / "_strays"
+    assert sorted(str(p.relative_to(strays)) for p in strays.rglob("*") if p.is_file()) == [
+        "2500/loose.parquet", "500/_j/s/worker-0-0.parquet", "500/loose.parquet"]
+    assert (strays / "2500/loose.parquet").read_bytes() == b"second"
+    assert list((lake / "landing").rglob("*")) == []   # nothing left to list, empty folders dropped
 
 
 def test_runner_metrics_merge_is_materialised():
@@ -297,3 +318,28 @@ def test_analysis_per_bundle_isolates_a_bug_and_stops_on_storage_failure(tmp_pat
     fn.process(good, 0, beam.transforms.window.GlobalWindow())
     with pytest.raises(ConnectionResetError):
         list(fn.finish_bundle())
+
+
+def test_strays_arriving_every_poll_keep_the_listing_bounded(tmp_path):
+    """Ten polls, two strays landing before each: every poll lists only the strays that arrived since
+    the last (the earlier ones left the landing area), each is quarantined once, nothing stays."""
+    from transforms.landing import _ListLandingFn, _QuarantineStrayFn
+
+    lake = tmp_path / "lake"
+    landing = lake / "landing"
+    landing.mkdir(parents=True)
+    lister, quarantine = _ListLandingFn(str(landing)), _QuarantineStrayFn(str(lake))
+    lister.setup()
+    listed, rows = [], []
+    for poll in range(10):
+        for name in (f"notes-{poll}.txt", f"j1/bad session {poll}/worker-0-0.parquet"):
+            (landing / name).parent.mkdir(parents=True, exist_ok=True)
+            (landing / name).write_bytes(b"stray")
+        strays = [value.value for value in lister.process((poll, float(poll), False))
+                  if isinstance(value, beam.pvalue.TaggedOutput)]
+        listed.append(len(strays))
+        for stray in strays:
+            rows += list(quarantine.process(stray))
+    assert listed == [2] * 10
+    assert len(rows) == 20 and len({row["source_path"] for row in rows}) == 20
+    assert not [p for p in landing.rglob("*")]

@@ -46,9 +46,8 @@ from schemas.tables import (
 )
 from transforms.ingest.common import describe_source
 from transforms.elements import JobOutcome, JobProblem, MatchedJob, ValidatedJob, WindowGroup
-from transforms.validate import (
+from transforms.outcomes import (
     QUARANTINED_ERRORS,
-    count_quarantine,
     count_quarantine_error,
     coverage_row,
     error_details,
@@ -57,10 +56,8 @@ from transforms.validate import (
     quarantined_outcome,
     source_format,
     unexpected_error_outcome,
-    validate_job_window,
-    validate_job_windows,
-    worker_validator,
 )
+from transforms.validate import count_quarantine, validate_job_window, validate_job_windows, worker_validator
 from transforms.whatif.errors import WhatIfError
 from transforms.whatif.result import JobMeta, WhatIfResult, discrepancy_reason
 

@@ -10,28 +10,38 @@ How a run becomes visible, and why it is safe to kill at any moment:
    schema, sorted by its sort keys (total order), and written as one parquet file under
    `{out}/_staging/{run_id}/` with deterministic settings (no timestamps), so equal rows
    give equal bytes.
-2. `PublishTables` (one element, the pipeline's single terminal step): every (table, date)
-   of the run's range that got no rows is staged as an empty file; then each partition is
-   published by one atomic replace of its single file `part-0.parquet` (a rename on a
-   local disk, one server-side object copy on S3), stale files in the partition are
-   removed, tables from `finalizers` (unpartitioned rollups) are staged and published the
-   same way, the staging folder is removed and `{out}/_runs/{run_id}.json` is written.
-   Timelines the workers staged (`strag batch --timelines`) move in beside the partitions,
-   and every other timeline of the run's dates is removed: they describe the published tables.
-A crash before step 2 publishes nothing; a crash inside step 2 leaves each partition
-either wholly old or wholly new, never half-written; rerunning the range converges to the
-same bytes. The single terminal step is also what makes the DaskRunner (which only runs
-the last leaf of the graph) execute the whole pipeline.
+2. `PublishTables` (one element, the pipeline's single terminal step): first it completes any
+   publish an earlier run left unfinished (below); every (table, date) of the run's range that
+   got no rows is staged as an empty file; then the run writes its commit record
+   `{out}/_commits/{run_id}.json` (every (table, date) partition and timeline it publishes, its
+   finalizers and summary): from that write on, the run is published whatever happens. Each
+   partition is then published by one atomic replace of its single file `part-0.parquet` (a
+   rename on a local disk, one server-side object copy on S3), stale files in the partition are
+   removed; the run's timelines (`strag batch --timelines`) move in beside the partitions and
+   every other timeline of its dates is removed; `finalizers` rebuild the unpartitioned tables
+   (rollups) from the published partitions, published the same way; `{out}/_runs/{run_id}.json`
+   says what was published; the staging folder goes, and the commit record last.
+Every storage call is retried (transforms/storage.py) and every step is idempotent (a staged
+file already gone whose target exists was published), so a publish that fails for good or is
+killed is completed from its record by the next run before it does anything else, or by
+`strag batch --resume-publish --out URL` (`complete_pending`). A crash before the record
+publishes nothing (the next run over those dates removes the staging); after it, each partition
+is wholly old or wholly new, never half-written, until the completion makes all of them new;
+rerunning the range converges to the same bytes. The single terminal step is also what makes
+the DaskRunner (which only runs the last leaf of the graph) execute the whole pipeline.
 
 Test hook: env STRAG_BATCH_CRASH_AT=after-staging | publish:N kills the run's process
-group (SIGKILL) at that point of step 2 (after staging / after N partitions published).
+group (SIGKILL) at that point of step 2 (after staging, before the record / after N partitions
+published).
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
 import datetime as dt
 import io
 import json
+import logging
 import os
 import signal
 import time
@@ -47,6 +57,7 @@ from schemas.tables import (BATCH_TABLES, PART_FILE, PARTITION_KEY, RUNS_DIR, ST
                             partition_path, timeline_path)
 from transforms.elements import PHASES, JobOutcome, JobStats
 from transforms.lake import is_local, write_file_atomic
+from transforms.storage import exists, retry
 
 __all__ = [
     "CommitConfig",
@@ -59,9 +70,16 @@ __all__ = [
     "publish_run",
     "summarize_run",
     "CRASH_ENV",
+    "COMMITS_DIR",
+    "commit_path",
+    "commit_pending",
+    "complete_pending",
+    "complete_commit",
+    "read_run_record",
 ]
 
 CRASH_ENV = "STRAG_BATCH_CRASH_AT"
+COMMITS_DIR = "_commits"   # {out}/_commits/{run_id}.json: a run's commit record while it publishes
 _RUN_START = "strag:run-start"  # marker element: the publish step runs even when no job was found
 # The windows' JobStats ride the partitions' GroupByKey under this key to the publish step: a
 # branch of their own would be one more Flatten input, and on the DaskRunner every Flatten input
@@ -186,14 +204,45 @@ def parquet_bytes(table: pa.Table) -> bytes:
     return sink.getvalue()
 
 
-def _move_file(fs: fsspec.AbstractFileSystem, source: str, target: str) -> None:
-    """Replace `target` by `source` in one atomic step (local rename / server-side object copy)."""
-    fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
-    if is_local(fs):
-        os.replace(source, target)
-    else:
-        fs.copy(source, target)
-        fs.rm(source)
+def _move_file(fs: fsspec.AbstractFileSystem, source: str, target: str) -> bool:
+    """Replace `target` by `source` in one atomic step (local rename / server-side object copy), retried.
+
+    Idempotent, so an interrupted publish can be completed: a source already gone whose target
+    exists was moved before (by an earlier attempt or run). Returns whether this call moved it."""
+    def move() -> bool:
+        if not exists(fs, source):
+            if exists(fs, target):
+                return False
+            raise FileNotFoundError(f"staged file {source} is gone and {target} was never published")
+        fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+        if is_local(fs):
+            fs.mv(source, target)
+        else:
+            fs.copy(source, target)
+            fs.rm(source)
+        return True
+
+    return retry("publishing", target, move)
+
+
+def _remove(fs: fsspec.AbstractFileSystem, path: str, recursive: bool = False) -> None:
+    """Delete `path`, retried; a path already gone is done."""
+    try:
+        retry("removing", path, lambda: fs.rm(path, recursive=recursive), absent=(FileNotFoundError,))
+    except FileNotFoundError:
+        pass
+
+
+def _list(fs: fsspec.AbstractFileSystem, path: str, detail: bool = False) -> list:
+    """Listing of the folder `path` (fresh, retried); [] when it does not exist."""
+    def listing():
+        fs.invalidate_cache(path)
+        return fs.ls(path, detail=detail)
+
+    try:
+        return retry("listing", path, listing, absent=(FileNotFoundError,))
+    except FileNotFoundError:
+        return []
 
 
 def _fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -229,7 +278,8 @@ def _crash_point(point: str) -> None:
 
 
 def publish_run(config: CommitConfig, staged: Iterable[StagedPartition], stats: Iterable[JobStats]) -> dict[str, Any]:
-    """Publish a staged run: every (table, date) of the range, atomically per partition.
+    """Publish a staged run: every (table, date) of the range, atomically per partition, as a
+    journalled commit (module docstring). Interrupted publishes of earlier runs are completed first.
 
     Returns the run summary (also written to {out}/_runs/{run_id}.json).
     """
@@ -237,6 +287,9 @@ def publish_run(config: CommitConfig, staged: Iterable[StagedPartition], stats: 
     staged = list(staged)
     fs, root = _fs(config.out)
     _, staging = _fs(config.staging)
+    completed = complete_pending(config.out, by=config.run_id)
+    if config.run_id in completed:   # a retried publish step whose first attempt recorded its commit
+        return read_run_record(config.out, config.run_id)
     have = {(s.table, s.date) for s in staged}
     if len(have) != len(staged):
         raise CommitError(f"run {config.run_id}: a partition was staged twice")
@@ -247,75 +300,193 @@ def publish_run(config: CommitConfig, staged: Iterable[StagedPartition], stats: 
                 staged.append(stage_partition(config, table, date, []))
     _crash_point("after-staging")
 
-    published = 0
-    for item in sorted((s for s in staged if s.date is not None), key=lambda s: (s.table, s.date)):
-        _publish_one(fs, f"{staging}/{_relative(item.table, item.date)}", f"{root}/{_relative(item.table, item.date)}")
-        published += 1
-        _crash_point(f"publish:{published}")
-
     stats = list(stats)
-    timelines = _publish_timelines(fs, staging, root, config, stats)
-
-    for finalizer in config.finalizers:
-        for table, rows in sorted(finalizer(config.out).items()):
-            item = stage_partition(config, table, None, [rows])
-            staged.append(item)
-            _publish_one(fs, f"{staging}/{_relative(table, None)}", f"{root}/{_relative(table, None)}")
-
-    _remove_stale_staging(fs, root, config)
     summary = summarize_run(stats, staged)
-    summary.update(run_id=config.run_id, out=config.out, dates=[config.dates[0], config.dates[-1]], timelines=timelines)
+    summary.update(run_id=config.run_id, out=config.out, dates=[config.dates[0], config.dates[-1]])
     summary["seconds"]["publish"] = time.perf_counter() - started
-    write_file_atomic(fs, f"{root}/{RUNS_DIR}/{config.run_id}.json", json.dumps(summary, indent=1, sort_keys=True).encode())
+    record = {
+        "run_id": config.run_id,
+        "written": time.time(),
+        "dates": list(config.dates),
+        "partitions": sorted([s.table, s.date] for s in staged if s.date is not None),
+        "timelines": sorted({timeline_path(item.date, item.job_id) for item in stats if item.timeline}),
+        "finalizers": [f"{f.__module__}:{f.__qualname__}" for f in config.finalizers],
+        "tables": {name: _spec_json(spec) for name, spec in sorted(config.tables.items()) if not spec.partitioned},
+        "summary": summary,
+        "completed_before": completed,
+    }
+    # The journal: from here on the run is published, whatever happens to this process.
+    write_file_atomic(fs, f"{root}/{COMMITS_DIR}/{config.run_id}.json", json.dumps(record, indent=1, sort_keys=True).encode())
+    summary = complete_commit(config.out, record, config)
+    _tidy(lambda: _remove_stale_staging(fs, root, config))
     return summary
 
 
-def _publish_timelines(fs: fsspec.AbstractFileSystem, staging: str, root: str, config: CommitConfig,
-                       stats: list[JobStats]) -> int:
-    """Move the run's staged timelines in, then remove every other timeline of its dates.
-    Returns how many were published."""
-    wanted = {timeline_path(item.date, item.job_id) for item in stats if item.timeline}
+def commit_path(out: str, run_id: str) -> str:
+    """URL of a run's commit record (present from the start of its publish until it is complete)."""
+    return f"{out.rstrip('/')}/{COMMITS_DIR}/{run_id}.json"
+
+
+def commit_pending(out: str, run_id: str) -> bool:
+    """Whether run `run_id` recorded its commit and its publish is not complete."""
+    fs, path = _fs(commit_path(out, run_id))
+    return retry("listing", commit_path(out, run_id), lambda: exists(fs, path))
+
+
+def read_run_record(out: str, run_id: str) -> dict[str, Any]:
+    url = f"{out.rstrip('/')}/{RUNS_DIR}/{run_id}.json"
+    fs, path = _fs(url)
+    return json.loads(retry("reading", url, lambda: fs.cat_file(path)))
+
+
+def complete_pending(out: str, by: str | None = None) -> list[str]:
+    """Complete every publish recorded under {out}/_commits/ and not finished (a run killed or failed
+    for good while publishing), oldest first. by: the run (or None: `strag batch --resume-publish`)
+    doing it, noted in their run records. Returns their run ids."""
+    fs, root = _fs(out)
+    records = []
+    for path in _list(fs, f"{root}/{COMMITS_DIR}"):
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith(".") or not name.endswith(".json"):
+            continue
+        text = retry("reading", path, lambda path=path: fs.cat_file(path))
+        try:
+            records.append(json.loads(text))
+        except ValueError as error:
+            raise CommitError(f"commit record {path} is not JSON ({error}); it was written atomically, so the "
+                              "output was changed by hand: restore or remove it") from None
+    done = []
+    for record in sorted(records, key=lambda r: (r["written"], r["run_id"])):
+        complete_commit(out, record, completed_by=by if by != record["run_id"] else None)
+        done.append(record["run_id"])
+    base = f"{root}/{STAGING_DIR}"
+    if done and is_local(fs):   # an empty staging folder left behind (object stores have none)
+        _tidy(lambda: not _list(fs, base) and retry("listing", base, lambda: exists(fs, base)) and _remove(fs, base, recursive=True))
+    return done
+
+
+def complete_commit(out: str, record: Mapping[str, Any], config: CommitConfig | None = None, *,
+                    completed_by: str | None = None) -> dict[str, Any]:
+    """Publish what a commit record lists; idempotent, so it completes an interrupted publish.
+
+    Partitions move in from staging (one already moved is left as published), their stale files
+    go; the run's timelines move in and every other timeline of its dates goes; the finalizers
+    rebuild the unpartitioned tables; then the run record, then staging and the commit record go.
+    config: the running run's (None: rebuilt from the record). Returns the run summary."""
+    started = time.perf_counter()
+    run_id = record["run_id"]
+    if config is None:
+        config = CommitConfig(out, tuple(record["dates"]), run_id, tables={
+            name: _spec_from_json(name, value) for name, value in record["tables"].items()},
+            finalizers=tuple(_import(name) for name in record["finalizers"]))
+    fs, root = _fs(config.out)
+    _, staging = _fs(config.staging)
+    fs.invalidate_cache()
+    published = []
+    for table, date in record["partitions"]:
+        _publish_one(fs, f"{staging}/{_relative(table, date)}", f"{root}/{_relative(table, date)}")
+        published.append(f"{_relative(table, date)}")
+        _crash_point(f"publish:{len(published)}")
+    _publish_timelines(fs, staging, root, config.dates, set(record["timelines"]))
+    summary = json.loads(json.dumps(record["summary"]))
+    for finalizer in config.finalizers:   # reads the published partitions: retried like any read
+        rebuilt = retry("reading", f"{config.out} (to rebuild the tables of {finalizer.__qualname__})",
+                        lambda: finalizer(config.out), failures=(OSError,))
+        for table, rows in sorted(rebuilt.items()):
+            item = stage_partition(config, table, None, [rows])
+            _publish_one(fs, f"{staging}/{_relative(table, None)}", f"{root}/{_relative(table, None)}")
+            published.append(table)
+            summary["table_rows"][table] = summary["table_rows"].get(table, 0) + item.rows
+            summary["seconds"]["stage"] += item.seconds
+            summary["partitions"] += 1
+    summary["table_rows"] = dict(sorted(summary["table_rows"].items()))
+    summary["timelines"] = len(record["timelines"])
+    summary["published"] = {"partitions": published, "timelines": list(record["timelines"]),
+                            "completed_runs": list(record.get("completed_before", []))}
+    if completed_by is not None:
+        summary["published"]["completed_by"] = completed_by
+    summary["seconds"]["publish"] += time.perf_counter() - started
+    write_file_atomic(fs, f"{root}/{RUNS_DIR}/{run_id}.json", json.dumps(summary, indent=1, sort_keys=True).encode())
+    _remove(fs, staging, recursive=True)
+    _remove(fs, f"{root}/{COMMITS_DIR}/{run_id}.json")   # the publish is complete
+    _tidy(lambda: is_local(fs) and not _list(fs, f"{root}/{COMMITS_DIR}") and _remove(
+        fs, f"{root}/{COMMITS_DIR}", recursive=True))   # object stores have no empty folders
+    return summary
+
+
+def _tidy(call: Callable[[], Any]) -> None:
+    """Tidying after a complete publish (empty folders, other runs' stale staging): a storage failure
+    here changes nothing published and the next run tidies again, so it is logged, not raised."""
+    try:
+        call()
+    except OSError as error:
+        logging.getLogger(__name__).warning("tidying the output after the publish: %s", error)
+
+
+def _spec_json(spec: TableSpec) -> dict[str, Any]:
+    return {"schema": base64.b64encode(spec.schema.serialize().to_pybytes()).decode(), "sort_keys": list(spec.sort_keys)}
+
+
+def _spec_from_json(name: str, value: Mapping[str, Any]) -> TableSpec:
+    schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(value["schema"])))
+    return TableSpec(name, schema, tuple(value["sort_keys"]), partitioned=False)
+
+
+def _import(name: str) -> Finalizer:
+    import importlib
+
+    module, _, qualname = name.partition(":")
+    value: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _publish_timelines(fs: fsspec.AbstractFileSystem, staging: str, root: str, dates: Iterable[str],
+                       wanted: set[str]) -> None:
+    """Move the run's staged timelines in, then remove every other timeline of its dates."""
     for relative in sorted(wanted):
         _move_file(fs, f"{staging}/{relative}", f"{root}/{relative}")
-    for date in config.dates:
+    for date in dates:
         folder = f"{TIMELINES_DIR}/{PARTITION_KEY}={date}"
-        try:
-            listed = [path.rstrip("/") for path in fs.ls(f"{root}/{folder}", detail=False)]
-        except FileNotFoundError:
+        listed = [path.rstrip("/") for path in _list(fs, f"{root}/{folder}")]
+        if not listed:
             continue
         stale = [path for path in listed if f"{folder}/{path.rsplit('/', 1)[-1]}" not in wanted]
         for path in stale:
-            fs.rm(path, recursive=True)
+            _remove(fs, path, recursive=True)
         if len(stale) == len(listed) and is_local(fs):   # object stores have no empty folders to leave
-            fs.rm(f"{root}/{folder}", recursive=True)
-    return len(wanted)
+            _remove(fs, f"{root}/{folder}", recursive=True)
 
 
 def _publish_one(fs: fsspec.AbstractFileSystem, staged_dir: str, live_dir: str) -> None:
     """Swap one partition's single file in, then remove anything else left in the partition."""
-    target = f"{live_dir}/{PART_FILE}"
-    _move_file(fs, f"{staged_dir}/{PART_FILE}", target)
-    for path in fs.ls(live_dir, detail=False):
-        path = path.rstrip("/")
-        if path.rsplit("/", 1)[-1] != PART_FILE and not fs.isdir(path):
-            fs.rm(path)
+    _move_file(fs, f"{staged_dir}/{PART_FILE}", f"{live_dir}/{PART_FILE}")
+    for entry in _list(fs, live_dir, detail=True):
+        path = entry["name"].rstrip("/")
+        if path.rsplit("/", 1)[-1] != PART_FILE and entry.get("type") != "directory":
+            _remove(fs, path)
 
 
 def _remove_stale_staging(fs: fsspec.AbstractFileSystem, root: str, config: CommitConfig) -> None:
-    """Remove this run's staging and that of crashed runs over overlapping dates (their
-    partitions are superseded by this run)."""
+    """Remove the staging of crashed runs over overlapping dates that never recorded a commit
+    (their partitions are superseded by this run; a recorded one is completed, never dropped)."""
     base = f"{root}/{STAGING_DIR}"
-    if not fs.exists(base):
+    listed = _list(fs, base)
+    if not listed:
+        if is_local(fs) and retry("listing", base, lambda: exists(fs, base)):
+            _remove(fs, base, recursive=True)
         return
+    pending = {path.rstrip("/").rsplit("/", 1)[-1].removesuffix(".json") for path in _list(fs, f"{root}/{COMMITS_DIR}")}
     first, last = config.dates[0], config.dates[-1]
-    for path in fs.ls(base, detail=False):
+    for path in listed:
         name = path.rstrip("/").rsplit("/", 1)[-1]
         parts = name.split("_")
         overlaps = len(parts) >= 2 and parts[0] <= last and parts[1] >= first
-        if name == config.run_id or overlaps:
-            fs.rm(path, recursive=True)
-    if not fs.ls(base, detail=False):
-        fs.rm(base, recursive=True)
+        if (name == config.run_id or overlaps) and name not in pending:
+            _remove(fs, path, recursive=True)
+    if is_local(fs) and not _list(fs, base):
+        _remove(fs, base, recursive=True)
 
 
 def summarize_run(stats: Iterable[JobStats], staged: Iterable[StagedPartition] = ()) -> dict[str, Any]:

@@ -10,7 +10,9 @@ Every path returned here is the lake URL as given plus a relative part, so it ca
 opened by any process with `fsspec.open` (credentials come only from the environment
 or fsspec configuration). Writes are atomic: a local file is written under a hidden
 temporary name and renamed; an object-store put (and memory://) is atomic by itself.
-Readers skip names starting with "." or "_" (temporary files, markers).
+Readers skip names starting with "." or "_" (temporary files, markers). Listings and writes are
+retried like reads (transforms/storage.py `retry`): a listing that fails for good raises StorageError,
+never returns part of the lake.
 Parquet files are written with page checksums and read with verification, so corrupt
 bytes are reported as unreadable instead of being decoded into wrong values.
 """
@@ -32,7 +34,7 @@ import pyarrow.parquet as pq
 from schemas.expectations import TraceContractError
 from schemas.lake import LAKE_MARKER, MANIFESTS, TRACES, iso_date, manifest_path, trace_dir
 from schemas.raw import SOURCE_KEY
-from transforms.storage import read_bytes
+from transforms.storage import exists as _exists, find as _find, read_bytes, retry
 from transforms.validation import conform_trace
 from schemas.trace import MANIFEST_SCHEMA, SCHEMA_VERSION, TRACE_SCHEMA
 
@@ -52,6 +54,7 @@ __all__ = [
     "write_job",
     "list_jobs",
     "list_raw_jobs",
+    "lake_dates",
     "StrayEntry",
     "find_job",
     "read_manifest",
@@ -96,8 +99,10 @@ def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    from fsspec.implementations.local import LocalFileSystem
+
     protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    return "file" in protocol or "local" in protocol
+    return "file" in protocol or "local" in protocol or isinstance(fs, LocalFileSystem)
 
 
 def write_file_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
@@ -105,18 +110,27 @@ def write_file_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> 
 
     Local disk: a hidden temporary file beside it, flushed and fsynced, then renamed over
     (atomic on POSIX). Object stores (S3, multipart too) and memory://: one put, whole or nothing.
+    Retried as a whole (transforms/storage.py), then StorageError.
     """
     parent = path.rsplit("/", 1)[0]
-    fs.makedirs(parent, exist_ok=True)
-    if is_local(fs):
-        temporary = f"{parent}/.{path.rsplit('/', 1)[-1]}.{uuid.uuid4().hex}.tmp"
-        with open(temporary, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    else:
-        fs.pipe_file(path, data)
+
+    def write() -> None:
+        fs.makedirs(parent, exist_ok=True)
+        if is_local(fs):
+            temporary = f"{parent}/.{path.rsplit('/', 1)[-1]}.{uuid.uuid4().hex}.tmp"
+            try:
+                with fs.open(temporary, "wb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                fs.mv(temporary, path)   # a rename: atomic on POSIX
+            finally:
+                if os.path.exists(temporary):
+                    os.unlink(temporary)
+        else:
+            fs.pipe_file(path, data)
+
+    retry("writing", path, write)
 
 
 def _write_bytes(url: str, data: bytes) -> None:
@@ -165,12 +179,15 @@ def read_lake_marker(lake: str) -> dict | None:
 
     Raises LakeError when the lake declares a schema version this code does not read.
     """
-    fs, path = filesystem(f"{lake.rstrip('/')}/{LAKE_MARKER}")
-    if not fs.exists(path):
+    url = f"{lake.rstrip('/')}/{LAKE_MARKER}"
+    fs, path = filesystem(url)
+    try:
+        text = retry("reading", url, lambda: fs.cat_file(path), absent=(FileNotFoundError,))
+    except FileNotFoundError:
         return None
     try:
-        content = json.loads(fs.cat_file(path))
-    except (ValueError, OSError) as error:
+        content = json.loads(text)
+    except ValueError as error:
         raise LakeError(f"lake {lake}: {LAKE_MARKER} is not readable JSON ({error})") from None
     version = str(content.get("schema_version"))
     if version != SCHEMA_VERSION:
@@ -253,10 +270,15 @@ class StrayEntry:
 
 def _partition_dates(lake: str, top: str, date_from: str | None, date_to: str | None,
                      strays: list | None = None) -> list[str]:
-    fs, root = filesystem(f"{lake.rstrip('/')}/{top}")
-    fs.invalidate_cache(root)  # object-store listings are cached per process; the lake changes under us
+    url = f"{lake.rstrip('/')}/{top}"
+    fs, root = filesystem(url)
+
+    def listing():
+        fs.invalidate_cache(root)  # object-store listings are cached per process; the lake changes under us
+        return fs.ls(root, detail=False)
+
     try:
-        entries = fs.ls(root, detail=False)
+        entries = retry("listing", url, listing, absent=(FileNotFoundError,))
     except FileNotFoundError:
         return []
     dates = []
@@ -279,9 +301,13 @@ def _partition_dates(lake: str, top: str, date_from: str | None, date_to: str | 
 def _relative_listing(url: str) -> list[str]:
     """Recursive listing of `url` as paths relative to it ('' when absent)."""
     fs, root = filesystem(url)
-    fs.invalidate_cache(root)
+
+    def listing():
+        fs.invalidate_cache(root)
+        return _find(fs, root)
+
     try:
-        found = fs.find(root)
+        found = retry("listing", url, listing, absent=(FileNotFoundError,))
     except FileNotFoundError:
         return []
     root = root.rstrip("/")
@@ -385,6 +411,15 @@ def list_raw_jobs(lake: str, date_from: str | None = None, date_to: str | None =
     return out
 
 
+def lake_dates(lake: str) -> list[str]:
+    """The dates (YYYY-MM-DD, sorted) of the lake's date partitions: traces, manifests and raw of
+    any format. What a date range without job windows is told it missed."""
+    from schemas.raw import RAW, RAW_FORMATS
+
+    tops = (TRACES, MANIFESTS, *(f"{RAW}/{fmt}" for fmt in RAW_FORMATS))
+    return sorted({date for top in tops for date in _partition_dates(lake.rstrip("/"), top, None, None)})
+
+
 # What a folder holds when it is a lake: trace or raw partitions, manifests or the marker file.
 LAKE_PARTS = ("traces", "manifests", "raw", "_lake.json")
 
@@ -394,7 +429,8 @@ def check_lake(lake: str, parts: tuple[str, ...] = LAKE_PARTS) -> None:
     must be named as such, not read as a lake with no jobs). parts=(): the folder need only exist."""
     try:
         fs, root = fsspec.core.url_to_fs(lake)
-        exists = fs.exists(root) and (not parts or any(fs.exists(f"{root}/{part}") for part in parts))
+        exists = retry("listing", lake, lambda: _exists(fs, root) and (
+            not parts or any(_exists(fs, f"{root}/{part}") for part in parts)))
     except (OSError, ValueError, ImportError) as error:
         raise LakeError(f"--lake {lake}: cannot be opened ({type(error).__name__}: {error})") from None
     if not exists:

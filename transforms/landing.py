@@ -28,7 +28,9 @@ session folder, keyed by ``"{job_id}/{session}"``: the folder's files with their
 modification times and the poll time. The listings are the clock of the session
 timeout downstream (transforms/sessions.py), which makes the timeout independent of
 the runner's timer and watermark support (see ARCHITECTURE.md, streaming). Files that
-are not in a session folder are quarantined once each (`landing_layout`).
+are not in a session folder (strays) are quarantined (`landing_layout`) and moved out of
+the landing area at once, to ``{lake}/landing_archive/_strays/{modification ms}/{path}``:
+no per-path state is kept for them, and no poll lists them again.
 
 History does not accumulate: once a session has been analysed and nothing has
 changed for the retention period, its files move to
@@ -59,7 +61,6 @@ import pyarrow as pa
 from apache_beam.io.restriction_trackers import OffsetRange, OffsetRestrictionTracker
 from apache_beam.io.watermark_estimators import ManualWatermarkEstimator
 from apache_beam.metrics import Metrics
-from apache_beam.transforms.userstate import ReadModifyWriteStateSpec
 from apache_beam.utils.timestamp import Timestamp
 
 from schemas.lake import LANDING, LANDING_ARCHIVE, landing_dir, safe_job_id
@@ -95,6 +96,7 @@ LANDING_MANIFEST = "manifest.parquet"
 LANDING_LAYOUT = "landing_layout"  # quarantine reason code of a misplaced landing file
 SESSION_CLOSED = "session_closed"  # quarantine reason code of a file landing in an archived session
 LATE_FOLDER = "_late"  # beside an archived session: files that landed after it was archived
+STRAYS_FOLDER = "_strays"  # in the archive: files that landed outside every session folder
 LANDING_JOB_YAML = "job.yaml"  # a Kineto session's options (schemas.raw.JOB_YAML)
 _WORKER_FILE = re.compile(r"^worker-(\d+)-(\d+)\.parquet$")
 _KINETO_FILE = re.compile(r"^rank-(\d+)-of-(\d+)\.json(?:\.gz)?$")  # strag_collect.kineto.live_trace_name writes it
@@ -449,8 +451,8 @@ class _ListLandingFn(beam.DoFn):
         root = self._root.rstrip("/")
         for path, info in found.items():
             relative = path[len(root):].lstrip("/").split("/")
-            if relative[-1].startswith((".", "_")):
-                continue  # in-flight temporaries and markers
+            if relative[-1].startswith((".", "_")) or not relative[-1] or info.get("type") == "directory":
+                continue  # in-flight temporaries and markers; an object store's folder markers (the landing root's too)
             url = self._protocol + path if self._protocol and not path.startswith(self._protocol) else path
             if len(relative) == 3 and _id_problem(relative[0], relative[1]) is None:
                 sessions.setdefault((relative[0], relative[1]), []).append((url, _modification_time(info)))
@@ -493,22 +495,29 @@ def _modification_time(info: dict) -> float:
 
 
 class _QuarantineStrayFn(beam.DoFn):
-    """Keyed by path, for files outside any session folder: quarantines each once (and again
-    only when it is re-delivered with a newer modification time), not on every poll."""
+    """For files outside any session folder: moves each out of the landing area (LandingArchive.
+    set_aside_stray), then quarantines it, so it is quarantined once, no poll lists it again and
+    no state is kept per path (a stray landing again under the same name is a new file, quarantined
+    again). A move that fails (after the IO layer's retries) is logged and tried at the next poll,
+    which lists the file again; it is quarantined when it has moved."""
 
-    SEEN = ReadModifyWriteStateSpec("modification_time", beam.coders.FloatCoder())
-
-    def __init__(self):
+    def __init__(self, lake: str):
+        self._archive = LandingArchive(lake)
         self._quarantined = Metrics.counter("landing", "quarantined_files")
+        self._failed = Metrics.counter("landing", "stray_move_failures")
 
-    def process(self, element, seen=beam.DoFn.StateParam(SEEN)):
+    def process(self, element):
+        from transforms.storage import retry
+
         path, (modified, poll_time) = element
-        before = seen.read()
-        if before is not None and not modified > before:
+        try:
+            target = retry("moving", path, lambda: self._archive.set_aside_stray(path, modified))
+        except OSError as error:
+            self._failed.inc()
+            _LOG.warning("stray file %s stays in the landing area until the next poll: %s", path, error)
             return
-        seen.write(modified)
         self._quarantined.inc()
-        yield quarantine_row(path, None, "", LANDING_LAYOUT, _stray_detail(path), poll_time)
+        yield quarantine_row(path, None, "", LANDING_LAYOUT, f"{_stray_detail(path)}; moved to {target}", poll_time)
 
 
 def _stray_detail(path: str) -> str:
@@ -583,6 +592,31 @@ class LandingArchive:
         self._drop_landing_folders(job_id, session)
         return moved
 
+    def set_aside_stray(self, url: str, modified: float) -> str:
+        """Move a file outside every session folder to {archive}/_strays/{modification ms}/{its path
+        under landing/}, drop the landing folders it leaves empty; returns where it went. Idempotent
+        (a retried bundle finds it moved)."""
+        fs = self._filesystem()
+        _, source = fsspec.core.url_to_fs(url)
+        relative = source[len(self._landing):].lstrip("/")
+        stamp = int(modified * 1000) if math.isfinite(modified) else 0
+        target = f"{self._archive}/{STRAYS_FOLDER}/{stamp}/{relative}"
+        from transforms.storage import exists
+
+        if not exists(fs, source) and exists(fs, target):
+            return target
+        self._move(url, target)
+        folder = source.rsplit("/", 1)[0]
+        while folder.startswith(self._landing + "/"):   # empty folders left behind (local disks)
+            try:
+                if not (fs.isdir(folder) and not fs.ls(folder)):
+                    break
+                fs.rmdir(folder)
+            except OSError:
+                break   # a file landed meanwhile: the folder stays
+            folder = folder.rsplit("/", 1)[0]
+        return target
+
     def _move(self, url: str, target: str) -> None:
         fs = self._filesystem()
         _, source = fsspec.core.url_to_fs(url)
@@ -619,5 +653,5 @@ class WatchLanding(beam.PTransform):
             .with_output_types(tuple[str, SessionListing], strays=tuple[str, typing.Any])
             .with_outputs("strays", main="sessions")
         )
-        quarantine = listed.strays | "QuarantineStrays" >> beam.ParDo(_QuarantineStrayFn())
+        quarantine = listed.strays | "QuarantineStrays" >> beam.ParDo(_QuarantineStrayFn(self._config.lake))
         return {"sessions": listed.sessions, "quarantine": quarantine}

@@ -29,10 +29,17 @@ __all__ = ["MatchJobs", "date_range", "match_windows", "group_windows", "trace_b
 
 
 def date_range(date_from: str, date_to: str) -> tuple[str, ...]:
-    """ISO dates from date_from to date_to inclusive; ValueError when reversed or malformed."""
-    first, last = dt.date.fromisoformat(date_from), dt.date.fromisoformat(date_to)
+    """ISO dates from date_from to date_to inclusive; ValueError naming the option (--from, --to)
+    when one is malformed or the range is reversed."""
+    dates = []
+    for option, text in (("--from", date_from), ("--to", date_to)):
+        try:
+            dates.append(dt.date.fromisoformat(text))
+        except ValueError as error:
+            raise ValueError(f"{option} {text}: not a date YYYY-MM-DD ({error})") from None
+    first, last = dates
     if last < first:
-        raise ValueError(f"date range {date_from}..{date_to} is reversed: --from must not be after --to")
+        raise ValueError(f"--from {date_from} is after --to {date_to}: the date range is reversed")
     return tuple((first + dt.timedelta(days=i)).isoformat() for i in range((last - first).days + 1))
 
 

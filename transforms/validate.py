@@ -17,17 +17,17 @@ Rules (reason codes live in schemas/expectations.py):
   op in two files), is quarantined whole; coverage names the most basic reason (a file
   missing a column before the workers it then lacks);
 - an unexpected error (a bug meeting odd data: QUARANTINED_ERRORS) is caught (per window, or
-  per group in the DoFn by `quarantine_on_error`) and quarantines that
-  window with reason `unexpected_error`; a storage failure (OSError, StorageError after retries) is not bad data and fails the run.
+  per group in the DoFn by `quarantine_on_error`; transforms/outcomes.py builds those outcomes) and
+  quarantines that window with reason `unexpected_error`; a storage failure (OSError, StorageError
+  after retries) is not bad data and fails the run.
 Every quarantine row bumps the Beam counter `strag.quarantine/<reason_code>`.
 """
 from __future__ import annotations
 
 import threading
 import time
-import traceback
-from collections.abc import Iterable, Sequence
-from typing import Any, Iterator
+from collections.abc import Sequence
+from typing import Any
 
 import apache_beam as beam
 import numpy as np
@@ -35,8 +35,8 @@ import pyarrow as pa
 
 from schemas.expectations import INCOMPLETE_WINDOW, REASONS, JobFiles, Problem, ValidationReport
 from schemas.lake import trace_dir
-from schemas.tables import COVERAGE_SCHEMA, QUARANTINE_SCHEMA
-from transforms.elements import JobOutcome, JobProblem, JobStats, MatchedJob, ValidatedJob, WindowGroup
+from schemas.tables import QUARANTINE_SCHEMA
+from transforms.elements import JobProblem, JobStats, MatchedJob, ValidatedJob
 from transforms.lake import LakeJob, read_job_files
 from transforms.validation import Validator
 
@@ -44,29 +44,12 @@ __all__ = [
     "validate_job_window",
     "validate_job_windows",
     "quarantine_rows",
-    "coverage_row",
-    "gpu_hours",
-    "source_format",
-    "quarantined_outcome",
-    "unexpected_error_outcome",
-    "dead_letters",
-    "quarantine_on_error",
-    "error_details",
+    "window_path",
     "worker_validator",
     "count_quarantine",
-    "count_quarantine_error",
-    "UNEXPECTED_ERROR",
 ]
 
-UNEXPECTED_ERROR = "unexpected_error"
-# Unexpected errors that quarantine their window (a bug meets odd data). Everything else, above all
-# OSError (storage: transforms/storage.py), fails the run: failing infrastructure is not bad data.
-QUARANTINED_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError, ArithmeticError, AssertionError,
-                      RuntimeError, NotImplementedError, pa.ArrowException)
-_UNEXPECTED_REASON = "an unexpected error stopped this job window (a bug meeting this data); see detail, fix, rerun the date"
-
-
-def _window_path(job: LakeJob) -> str:
+def window_path(job: LakeJob) -> str:
     """The folder a window's files came from: its traces partition, or its raw upload folder."""
     return trace_dir(job.lake, job.date, job.job_id) if job.raw_format is None else _raw_path(job)
 
@@ -98,7 +81,7 @@ def quarantine_rows(job: LakeJob, problems: list[Problem], invalid: pa.Table | N
     records = [
         {
             "job_id": p.job_id or job.job_id,
-            "source_path": p.source_path or _window_path(job),
+            "source_path": p.source_path or window_path(job),
             "level": "job" if p.level == "row" else p.level,
             "reason_code": p.reason,
             "reason": REASONS[p.reason][1] if p.reason in REASONS else p.reason,
@@ -122,60 +105,17 @@ def _job_problem(job: LakeJob, report: ValidationReport) -> JobProblem | None:
         # a window that lost a file is partial input: analysing the rest would report a wrong S as complete
         names = ", ".join(f"{p.source_path} ({p.reason})" for p in lost[:5]) + (" ..." if len(lost) > 5 else "")
         return JobProblem(INCOMPLETE_WINDOW, REASONS[INCOMPLETE_WINDOW][1],
-                          f"job {job.job_id} on {job.date}: {len(lost)} file(s) rejected: {names}", _window_path(job))
+                          f"job {job.job_id} on {job.date}: {len(lost)} file(s) rejected: {names}", window_path(job))
     if not unremovable and report.valid.num_rows:
         return None
     # The reason shown for the window is the most basic one (REASONS lists file problems
     # first): a file without a column explains the workers then missing, not the reverse.
     candidates = unremovable + [p for p in report.problems if p.level == "file"]
     if not candidates:
-        return JobProblem("no_valid_rows", f"job {job.job_id} on {job.date}: no valid op rows to analyse", None, _window_path(job))
+        return JobProblem("no_valid_rows", f"job {job.job_id} on {job.date}: no valid op rows to analyse", None, window_path(job))
     order = {code: i for i, code in enumerate(REASONS)}
     first = min(candidates, key=lambda p: order.get(p.reason, len(order)))
-    return JobProblem(first.reason, REASONS.get(first.reason, ("job", first.reason))[1], first.detail, first.source_path or _window_path(job))
-
-
-def gpu_hours(manifest: dict[str, Any]) -> float:
-    """GPU count x wall-clock hours of the window (manifest end_time - start_time)."""
-    return int(manifest["gpus"]) * (manifest["end_time"] - manifest["start_time"]).total_seconds() / 3600.0
-
-
-def source_format(job: LakeJob, manifest: dict[str, Any] | None = None) -> str:
-    """schemas/raw.py SOURCE_FORMATS: the raw format a window was converted from (on the worker,
-    or earlier by `strag import`: the manifest's source record), else "lake"."""
-    source = (manifest or {}).get("source")
-    return job.raw_format or (source.get("format") if isinstance(source, dict) else None) or "lake"
-
-
-def coverage_row(job: LakeJob, status: str, stats: JobStats, *, reason_code: str | None = None, reason: str | None = None,
-                 manifest: dict[str, Any] | None = None, launch_slowdown: float | None = None) -> pa.Table:
-    """The window's coverage row (COVERAGE_SCHEMA)."""
-    gpus = int(manifest["gpus"]) if manifest is not None else None
-    return pa.Table.from_pylist(
-        [{
-            "job_id": job.job_id,
-            "status": status,
-            "reason_code": reason_code,
-            "reason": reason,
-            "has_manifest": job.manifest_path is not None,
-            "trace_files": len(job.trace_files),
-            "rows_read": stats.rows_read,
-            "rows_quarantined": stats.rows_quarantined,
-            "gpus": gpus,
-            "gpu_hours": gpu_hours(manifest) if manifest is not None else None,
-            "launch_slowdown": launch_slowdown,
-            "source_format": source_format(job, manifest),
-        }],
-        schema=COVERAGE_SCHEMA,
-    )
-
-
-def quarantined_outcome(job: LakeJob, problem: JobProblem, quarantine: pa.Table, stats: JobStats,
-                        manifest: dict[str, Any] | None = None) -> JobOutcome:
-    """JobOutcome of a window quarantined whole: coverage row + quarantine rows."""
-    stats.status, stats.reason_code = "quarantined", problem.reason_code
-    coverage = coverage_row(job, "quarantined", stats, reason_code=problem.reason_code, reason=problem.reason, manifest=manifest)
-    return JobOutcome(job.job_id, job.date, {"coverage": coverage, "quarantine": quarantine}, stats)
+    return JobProblem(first.reason, REASONS.get(first.reason, ("job", first.reason))[1], first.detail, first.source_path or window_path(job))
 
 
 def count_quarantine(quarantine: pa.Table) -> None:
@@ -279,32 +219,12 @@ def _validated(matched: MatchedJob, report: ValidationReport, read_seconds: floa
                      seconds={"read": read_seconds, "validate": report.seconds + matched.seconds})
     problem = _job_problem(job, report)
     if problem is None and manifest is None:
-        problem = JobProblem("missing_manifest", REASONS["missing_manifest"][1], f"job {job.job_id} on {job.date}: no usable manifest", _window_path(job))
+        problem = JobProblem("missing_manifest", REASONS["missing_manifest"][1], f"job {job.job_id} on {job.date}: no usable manifest", window_path(job))
     if problem is not None and problem.reason_code == INCOMPLETE_WINDOW:
         quarantine = pa.concat_tables([quarantine, quarantine_rows(job, [Problem(
             INCOMPLETE_WINDOW, job.job_id, problem.source_path, problem.detail, report.valid.num_rows)])])
     trace = None if problem else report.valid
     return ValidatedJob(job, manifest, trace, quarantine, problem, stats)
-
-
-def unexpected_error_outcome(element: Any, error: tuple) -> JobOutcome:
-    """JobOutcome quarantining the window behind a dead-letter element of with_exception_handling()."""
-    job = element.job if isinstance(element, (ValidatedJob, MatchedJob)) else element
-    if not isinstance(job, LakeJob):
-        raise TypeError(f"dead letter for an element of type {type(element).__name__}, expected MatchedJob or ValidatedJob")
-    error_type, message, lines = error
-    name = getattr(error_type, "__name__", str(error_type))
-    detail = f"{name}: {message}\n" + "".join(lines[-6:] if isinstance(lines, list) else [str(lines)])
-    stats = element.stats if isinstance(element, ValidatedJob) else JobStats(job.job_id, job.date, "quarantined")
-    problem = JobProblem(UNEXPECTED_ERROR, _UNEXPECTED_REASON, detail, _window_path(job))
-    record = pa.Table.from_pylist(
-        [{"job_id": job.job_id, "source_path": _window_path(job), "level": "job", "reason_code": UNEXPECTED_ERROR,
-          "reason": _UNEXPECTED_REASON, "detail": detail, "rows": stats.rows_read}],
-        schema=QUARANTINE_SCHEMA,
-    )
-    if isinstance(element, ValidatedJob):
-        return quarantined_outcome(job, problem, pa.concat_tables([element.quarantine, record]), stats, element.manifest)
-    return quarantined_outcome(job, problem, record, stats, getattr(element, "manifest", None))
 
 
 _VALIDATORS = threading.local()
@@ -317,34 +237,3 @@ def worker_validator() -> Validator:
     if validator is None:
         validator = _VALIDATORS.validator = Validator()
     return validator
-
-
-def count_quarantine_error() -> None:
-    """Bump the counters of a window quarantined by an unexpected error."""
-    beam.metrics.Metrics.counter("strag.quarantine", UNEXPECTED_ERROR).inc()
-    beam.metrics.Metrics.counter("strag.jobs", "quarantined").inc()
-
-
-def dead_letters(element) -> Iterator[JobOutcome]:
-    """Dead-letter tuples (element, (type, repr, traceback)) -> a quarantined JobOutcome per
-    window of the element (a WindowGroup gives one per window)."""
-    if isinstance(element, tuple) and len(element) == 2 and isinstance(element[1], tuple) and len(element[1]) == 3:
-        failed, error = element
-        for window in failed.windows if isinstance(failed, WindowGroup) else (failed,):
-            count_quarantine_error()
-            yield unexpected_error_outcome(window, error)
-
-
-def quarantine_on_error(element, outcomes: Iterable[JobOutcome]) -> list[JobOutcome]:
-    """All of `outcomes`, or, when producing them raises an unexpected error (QUARANTINED_ERRORS),
-    none of them but a quarantined JobOutcome per window of `element`, inside the DoFn: no
-    second output (with_exception_handling's) to flatten back in."""
-    try:
-        return list(outcomes)
-    except QUARANTINED_ERRORS as error:   # storage errors (OSError) are not bad data: they fail the run
-        return list(dead_letters((element, error_details(error))))
-
-
-def error_details(error: BaseException) -> tuple:
-    """(type, repr, traceback lines) of an exception: the error part of a dead letter."""
-    return type(error), repr(error), traceback.format_exception(error)

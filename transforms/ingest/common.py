@@ -62,6 +62,16 @@ class RawInputError(ValueError):
     def level(self) -> str:
         return RAW_REASONS[self.reason_code][0]
 
+    def lines(self) -> list[str]:
+        """This error for people, cause first: the files set aside before it (the first is why the
+        window failed, each with its reason code), then this error as their consequence ("so: ...")."""
+        this = f"{self} [{self.reason_code}]"
+        if not self.rejected:
+            return [this]
+        first, *others = self.rejected
+        return [f"{first} [{first.reason_code}]", *(f"  also set aside: {error} [{error.reason_code}]" for error in others),
+                f"  so: {this}"]
+
 
 def _raw_input_error(reason_code, message, job_id, path, op, rejected=()) -> RawInputError:
     error = RawInputError(reason_code, message, job_id=job_id, path=path, op=op)

@@ -21,7 +21,12 @@ Why C and not numba: on the 8,192-GPU job both replay at the same speed, but num
 ~0.5 s per process to import and load its cached code (more than the whole replay), the C
 kernel ~5 ms. It is built once per machine with the system C compiler (`$CC`, else `cc`)
 into `$STRAG_KERNEL_CACHE` (default `~/.cache/strag`), named by a CRC of source and flags;
-without a compiler both fall back (same results; replay ~4x slower on big jobs, repacking ~20x).
+without a compiler both fall back (same results; replay ~4x slower on big jobs, repacking ~20x),
+and say so once per process in one line on stderr naming the reason. A cached library that fails
+to load (truncated, another architecture) is rebuilt. The cache folder is created 0700, and a
+library is loaded only when it and its folder are owned by this user and writable by nobody else
+(a shared cache folder would let anyone who can write there run code in strag): else the kernel
+is refused, said in that line, and the numpy path runs.
 `STRAG_REPLAY=numpy|kernel` forces one path for both functions (tests, benchmarks).
 """
 from __future__ import annotations
@@ -29,13 +34,15 @@ from __future__ import annotations
 import ctypes
 import os
 import pathlib
+import stat
+import sys
 import threading
 import zlib
 
 import numpy as np
 
 __all__ = ["BLOCK_LANES", "available", "wanted", "canonical", "replay_scenario", "op_layout", "repack",
-           "KernelBuildError"]
+           "KernelBuildError", "KernelRefused"]
 
 # Lanes replayed together (whole steps): long enough rows to vectorise, short enough for cache.
 BLOCK_LANES = 256
@@ -46,10 +53,15 @@ INVALID_REPACK = ("repacking: document lengths must be finite, >= 0 and longest 
                   "and a step with documents needs a bin")
 _library: ctypes.CDLL | None = None
 _build_error: str | None = None
+_reported = False   # the fallback line was printed (once per process)
 
 
 class KernelBuildError(RuntimeError):
-    """The C kernel could not be built or loaded (no compiler, compiler error); says why."""
+    """The C kernel could not be built or loaded (no compiler, compiler error, refused); says why."""
+
+
+class KernelRefused(KernelBuildError):
+    """A cached kernel library (or its folder) is not this user's, or others can write it."""
 
 
 def wanted() -> bool:
@@ -67,10 +79,18 @@ def wanted() -> bool:
 
 
 def available() -> bool:
-    """Whether the kernel is built (building it on first use) and loadable."""
+    """Whether the kernel is built (building it on first use) and loadable. When not, one line on
+    stderr (once per process) says why and that the numpy path runs."""
+    global _reported
     try:
         _load()
-    except KernelBuildError:
+    except KernelBuildError as error:
+        if not _reported:
+            _reported = True
+            reason = " ".join(str(error).split())
+            reason = reason if len(reason) <= 400 else reason[:400] + " ..."
+            print(f"strag: C replay kernel not used ({reason}); replaying with numpy (same results, "
+                  "~4x slower on big jobs)", file=sys.stderr, flush=True)
         return False
     return True
 
@@ -92,11 +112,25 @@ def _load() -> ctypes.CDLL:
     compiler = os.environ.get("CC", "cc")
     source = SOURCE.read_bytes()
     key = zlib.crc32(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), os.uname().machine.encode()]))
-    target = _cache_dir() / f"kernel-{key:08x}.so"
+    folder = _cache_dir()
+    target = folder / f"kernel-{key:08x}.so"
     try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_private(folder, "cache folder")
         if not target.exists():
             _build(compiler, target)
-        library = ctypes.CDLL(str(target))
+        _check_private(target, "library")
+        try:
+            if not _whole(target):   # dlopen of a truncated ELF file can crash the process (SIGBUS)
+                raise OSError(f"{target} is truncated")
+            library = ctypes.CDLL(str(target))
+        except OSError:   # a cached library that does not load (truncated, corrupt): built again
+            target.unlink()
+            _build(compiler, target)
+            library = ctypes.CDLL(str(target))
+    except KernelRefused as error:
+        _build_error = str(error)
+        raise KernelBuildError(_build_error) from None
     except (OSError, KernelBuildError) as error:
         _build_error = f"cannot build the C kernel {SOURCE} with {compiler!r}: {error}"
         raise KernelBuildError(_build_error) from None
@@ -110,12 +144,41 @@ def _load() -> ctypes.CDLL:
     return library
 
 
+def _whole(path: pathlib.Path) -> bool:
+    """False when `path` is an ELF file shorter than its own header says (its section header table,
+    written last by the linker, ends past the end of the file); True otherwise (dlopen judges the rest)."""
+    import struct
+
+    with open(path, "rb") as handle:
+        header = handle.read(64)
+    if header[:4] != b"\x7fELF":
+        return True   # not ELF at all: dlopen refuses it with an error (or it is another platform's format)
+    if len(header) < 64 or header[4] not in (1, 2) or header[5] not in (1, 2):
+        return False
+    order = "<" if header[5] == 1 else ">"
+    if header[4] == 2:
+        (offset,), (size, count) = struct.unpack_from(order + "Q", header, 0x28), struct.unpack_from(order + "HH", header, 0x3A)
+    else:
+        (offset,), (size, count) = struct.unpack_from(order + "I", header, 0x20), struct.unpack_from(order + "HH", header, 0x2E)
+    return offset + size * count <= path.stat().st_size
+
+
+def _check_private(path: pathlib.Path, what: str) -> None:
+    """Raise KernelRefused unless `path` is owned by this user and not writable by group or others."""
+    info = path.stat()
+    if info.st_uid != os.geteuid():
+        raise KernelRefused(f"refusing to load the kernel: its {what} {path} is owned by uid {info.st_uid}, "
+                            f"not by this user (uid {os.geteuid()}); set STRAG_KERNEL_CACHE to a folder of yours")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise KernelRefused(f"refusing to load the kernel: its {what} {path} is writable by others "
+                            f"(mode {stat.S_IMODE(info.st_mode):o}); chmod go-w it or remove it")
+
+
 def _build(compiler: str, target: pathlib.Path) -> None:
     """Compile the kernel into `target` atomically (concurrent builders each write their own file)."""
     import subprocess   # here, not at the top: only the first use on a machine builds
     import tempfile
 
-    target.parent.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so", dir=target.parent)
     os.close(handle)
     try:

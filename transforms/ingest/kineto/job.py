@@ -105,18 +105,22 @@ def _placement(ranks: Sequence[RankTrace], layout, job_id: str) -> np.ndarray:
 
 
 def _check_job(ranks: Sequence[RankTrace], job_id: str) -> int:
-    """Duplicate ranks and ranks of another job; returns the world size."""
+    """Ranks of another job and duplicate ranks; returns the world size."""
+    # world sizes first: two files of one rank number but of different world sizes are ranks of two jobs
+    worlds = collections.Counter(t.world for t in ranks)
+    if len(worlds) > 1:
+        odd = min(ranks, key=lambda t: (worlds[t.world], t.path))
+        others = " and ".join(f"{w} ({n} file{'s' if n > 1 else ''})" for w, n in sorted(worlds.items()) if w != odd.world)
+        jobs = "two jobs" if len(worlds) == 2 else f"{len(worlds)} jobs"
+        raise RawInputError("raw_mixed_jobs", f"ranks of {jobs}: rank {odd.rank} here is of world size {odd.world}, the "
+                            f"other rank files of world size {others}; give each job's traces a folder of their own",
+                            job_id=job_id, path=odd.path)
     seen: dict[int, str] = {}
     for trace in ranks:
         if trace.rank in seen:
             raise RawInputError("raw_duplicate_rank", f"rank {trace.rank} appears in {seen[trace.rank]} and {trace.path}",
                                 job_id=job_id, path=trace.path)
         seen[trace.rank] = trace.path
-    worlds = collections.Counter(t.world for t in ranks)
-    if len(worlds) > 1:
-        odd = min(ranks, key=lambda t: worlds[t.world])
-        raise RawInputError("raw_mixed_jobs", f"world sizes differ ({dict(worlds)}); {odd.path} says {odd.world}",
-                            job_id=job_id, path=odd.path)
     world = next(iter(worlds))
     for trace in ranks:
         if not 0 <= trace.rank < world:

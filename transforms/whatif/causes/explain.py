@@ -3,19 +3,40 @@
 "worker dp 1 / stage 1 runs forward and backward compute 1.6x slower than the other DP
 ranks of stage 1 in 32 of 32 steps; at peer speed the job would be 12% faster."
 Percentages of the straggling time are shares of T - T_ideal; "x% faster" is the share of
-step time (and so of GPU-hours) the fix saves.
+step time (and so of GPU-hours) the fix saves. A share above 100% reads "all" (the fix leaves the
+step faster than the ideal: what stays runs faster than its op type's mean), below 0 "none"
+(the fix makes the step slower); the figure follows in brackets.
 """
 from __future__ import annotations
 
 from transforms.whatif.causes.verdict import Fix
 
-__all__ = ["CAUSE_ORDER", "cause_sentence", "verdict_sentence", "discarded_sentence", "untraced_sentence"]
+__all__ = ["CAUSE_ORDER", "cause_sentence", "verdict_sentence", "discarded_sentence", "untraced_sentence", "share_words",
+           "times_words"]
 
 CAUSE_ORDER = ("individual-worker", "stage-imbalance", "sequence-imbalance", "python-gc", "communication")
 
 
 def _pct(share: float) -> str:
     return f"{int(round(100 * share))}%"
+
+
+def share_words(share: float) -> str:
+    """A share of the straggling time in words: "42%", "all (142%)" above 100%, "none (-12%)" below 0."""
+    percent = int(round(100 * share))
+    if percent > 100:
+        return f"all ({percent}%)"
+    if percent < 0:
+        return f"none ({percent}%)"
+    return f"{percent}%"
+
+
+def times_words(ratio: float, what: str = "") -> str:
+    """A time ratio against peers in words: "forward 1.6x slower", "backward 1.4x faster" (1/ratio)."""
+    subject = f"{what} " if what else ""
+    if ratio >= 1.0 or ratio <= 0.0:
+        return f"{subject}{ratio:.1f}x slower"
+    return f"{subject}{1.0 / ratio:.1f}x faster"
 
 
 def _faster(fix: Fix) -> str:
@@ -27,7 +48,16 @@ def _masked(fix: Fix) -> str:
     given = fix.explained_given_others
     if given is None or given < fix.explained + 0.05:
         return ""
-    return f" (once the other causes are fixed, it removes {_pct(given)} of the straggling time that remains)"
+    return f" (once the other causes are fixed, it removes {share_words(given)} of the straggling time that remains)"
+
+
+def _two_speeds(forward: float, backward: float) -> str:
+    """"forward 2.5x and backward 2.3x slower"; each with its own word when one is faster than its peers."""
+    if (forward >= 1.0) == (backward >= 1.0):
+        slower = forward >= 1.0
+        first, second = (forward, backward) if slower else (1.0 / forward, 1.0 / backward)
+        return f"forward {first:.1f}x and backward {second:.1f}x {'slower' if slower else 'faster'}"
+    return f"{times_words(forward, 'forward')} and {times_words(backward, 'backward')}"
 
 
 def _worker(evidence: dict, fix: Fix, implicated) -> str:
@@ -36,13 +66,13 @@ def _worker(evidence: dict, fix: Fix, implicated) -> str:
         parts = []
         for d, p in implicated:
             w = peers[(d, p)]
-            speed = (f"forward and backward compute {w['ratio']:.1f}x" if abs(w["forward"] - w["backward"]) < 0.1
-                     else f"forward {w['forward']:.1f}x and backward {w['backward']:.1f}x")
-            parts.append(f"worker dp {d} / stage {p} runs {speed} slower than the other DP ranks of stage {p} "
+            speed = (times_words(w["ratio"], "forward and backward compute") if abs(w["forward"] - w["backward"]) < 0.1
+                     else _two_speeds(w["forward"], w["backward"]))
+            parts.append(f"worker dp {d} / stage {p} runs {speed} than the other DP ranks of stage {p} "
                          f"in {w['slow_steps']} of {w['steps']} steps")
         return "; ".join(parts) + f"; at peer speed {_faster(fix)}{_masked(fix)}."
     workers = ", ".join(f"dp {d} / stage {p}" for d, p in implicated) or "a few workers"
-    return (f"worker {workers} explains {_pct(evidence['m_w'])} of the straggling time (M_W, no DP peers to compare with); "
+    return (f"worker {workers} explains {share_words(evidence['m_w'])} of the straggling time (M_W, no DP peers to compare with); "
             f"with its compute at ideal speed {_faster(fix)}.")
 
 
@@ -52,7 +82,7 @@ def _stage(evidence: dict, fix: Fix, pp_size: int) -> str:
         chunk, stage = evidence["heaviest_chunk"]
         where = "the last stage" if stage == pp_size - 1 else f"stage {stage}"
         heavy = f"model chunk {chunk} on {where} does {evidence['chunk_ratio']:.2f}x the compute per microbatch of the median chunk; "
-    return (f"{heavy}the last stage explains {_pct(max(evidence['m_s'], 0.0))} of the straggling time (M_S); "
+    return (f"{heavy}the last stage explains {share_words(evidence['m_s'])} of the straggling time (M_S); "
             f"with layers repartitioned evenly {_faster(fix)}{_masked(fix)}.")
 
 
@@ -61,10 +91,10 @@ def _sequence(evidence: dict, fix: Fix) -> str:
             f"so microbatches carry unequal work")
     if "imbalance_degree" in evidence:
         text += f" (the heaviest has {evidence['imbalance_degree']:.2f}x the mean workload per step)"
-    text += f"; spreading each step's work evenly would remove {_pct(evidence['sequence_even_explained'])} of the straggling time"
+    text += f"; spreading each step's work evenly would remove {share_words(evidence['sequence_even_explained'])} of the straggling time"
     if "imbalance_degree_rebalanced" in evidence:
         text += (f"; greedy repacking of the recorded documents (imbalance {evidence['imbalance_degree_rebalanced']:.2f}x) "
-                 f"removes {_pct(fix.explained)}: {_faster(fix)}")
+                 f"removes {share_words(fix.explained)}: {_faster(fix)}")
     else:
         text += f": {_faster(fix)}"
     return text + f"{_masked(fix)}."
@@ -74,7 +104,7 @@ def _gc(evidence: dict, fix: Fix) -> str:
     return (f"forward computes stall {evidence['gc_mean_pause']:.2f} s on average, {evidence['gc_pauses']} times on "
             f"{evidence['gc_workers']} workers in {evidence['gc_steps']} steps, no worker holding more than "
             f"{_pct(evidence['gc_max_worker_share'])} of them: Python garbage collection; the pauses are "
-            f"{_pct(evidence['gc_fix_explained'])} of the straggling time, and with planned GC (all workers at once) "
+            f"{share_words(evidence['gc_fix_explained'])} of the straggling time, and with planned GC (all workers at once) "
             f"{_faster(fix)}{_masked(fix)}.")
 
 
@@ -82,8 +112,8 @@ def _communication(evidence: dict, fix: Fix, implicated) -> str:
     if implicated:
         workers = ", ".join(f"dp {d} / stage {p}" for d, p in implicated)
         return (f"the transfers of worker {workers} are slow: at their typical time they remove "
-                f"{_pct(evidence['worker_comm_explained'])} of the straggling time (its compute only "
-                f"{_pct(max(evidence['worker_compute_explained'], 0.0))}); with its link repaired {_faster(fix)}{_masked(fix)}.")
+                f"{share_words(evidence['worker_comm_explained'])} of the straggling time (its compute only "
+                f"{share_words(evidence['worker_compute_explained'])}); with its link repaired {_faster(fix)}{_masked(fix)}.")
     return (f"communication op types make {_pct(evidence['comm_share'])} of the slowdown by op type "
             f"(slowest: {evidence['top_comm_optype']}); with every transfer at its typical time {_faster(fix)}{_masked(fix)}.")
 
@@ -116,7 +146,7 @@ def verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix 
     if best is None or best.explained <= 0:
         return f"S = {slowdown:.3f} but no detector could run (no attribution): the cause is unknown."
     return (f"S = {slowdown:.3f} but no cause's signature holds; the best single fix ({best.description}) "
-            f"would remove only {_pct(best.explained)} of the straggling time.")
+            f"would remove only {share_words(best.explained)} of the straggling time.")
 
 
 def discarded_sentence(cause: str, evidence: dict, implicated, launch_slowdown: float) -> str:
@@ -147,10 +177,14 @@ def untraced_sentence(untraced, launch_slowdown: float, fix: Fix) -> str:
     others = f" (also {', '.join(f'dp {w[0]} / stage {w[1]}' for w, *_ in untraced[1:])})" if len(untraced) > 1 else ""
     head = (f"Worker dp {d} / stage {p}{others} spends CPU time the trace does not record (pauses, data loading, "
             "host syncs between its ops)")
+    if excess is None:
+        return (f"{head}: its untraced time is {100 * free:.0f}% of the step and beyond its peers' in every step; "
+                "they wait for it in their collectives, which the replay (within 5% of what ran) cannot tell from "
+                f"transfer time; without it the job would be up to {100 * fix.savings_fraction:.0f}% faster (measured).")
     if free > excess:
         return (f"{head}: its untraced time is {100 * free:.0f}% of the step and far beyond its peers' in every step; "
                 f"with only its untraced time the replay is {100 * max(excess, 0.0):.0f}% longer now, the rest is hidden "
                 "behind slower work elsewhere and costs once that is fixed.")
     return (f"{head}: with only its untraced time the replay is {100 * excess:.0f}% longer, "
-            f"{_pct(fix.explained)} of the {100 * (launch_slowdown - 1):.0f}% by which what ran exceeds the replay; "
+            f"{share_words(fix.explained)} of the {100 * (launch_slowdown - 1):.0f}% by which what ran exceeds the replay; "
             f"without it the job would be {100 * fix.savings_fraction:.0f}% faster.")
