@@ -422,7 +422,7 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     if untraced and (primary != "none" or (straggling and evidence.get("localised") is False)):
         # straggling yet spread (collectives that wait for the paused worker stretch over every
         # rank) or unexplained: the worker whose untraced time the others wait for is the cause
-        clearly, workers = _untraced_cause(result, untraced, evidence, fixes)
+        _, workers = _untraced_cause(result, untraced, evidence, fixes)
         listed["untraced-cpu"] = 1.0
         ranked = [*ranked, "untraced-cpu"] if ranked else ["untraced-cpu"]
         if primary in ("unexplained", "none"):
@@ -540,8 +540,7 @@ def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5,
                       persist: float = 0.75, each: float = 0.2) -> list[tuple[tuple[int, int], float, float]]:
     """The workers whose untraced CPU time (launch delays: METHOD.md section 3) makes the replay
     discrepancy, as [(worker, excess or None where the replay attributes no launch delays, hidden
-    excess)] (largest first) or []. A
-    measurement and a replay must agree:
+    excess)] (largest first) or []. A measurement and a replay must agree:
     - measured (`_untraced_time`): the worker's untraced time per step is at least `factor` times
       its DP peers' median in `persist` of the steps (persistent, not one preempted step). Without
       DP peers, against the other stages, and only the one far ahead of the rest (`factor` times
@@ -554,7 +553,11 @@ def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5,
       counts with that time's share of the step instead, also where the replay has no launch
       attribution (a discrepancy within 5%; then only with DP peers and no pipeline)."""
     workers = [(d, p) for d in range(model.dp_size) for p in range(model.pp_size)]
-    if len(workers) < 2:
+    attributed = result.launch_by_dp_rank is not None and result.launch_by_stage is not None
+    alone = model.dp_size == 1
+    if len(workers) < 2 or (not attributed and (alone or model.pp_size > 1)):
+        # no replay to confirm it: only without pipeline neighbours (whose waits for each other
+        # look like gaps too) is a worker's gap before its ops surely its own time
         return []
     partner = _p2p_partner(model)
     per_step = {w: _untraced_time(model, *w, partner=partner) for w in workers}
@@ -574,20 +577,13 @@ def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5,
         ahead = float(np.median(per_step[top])) >= factor * float(np.median(per_step[ranked[1]]))
         named = [top] if ahead and persistent(top, ranked[1:]) else []
     total = max(float(result.launch_slowdown) - 1.0, 0.0)
-    attributed = result.launch_by_dp_rank is not None and result.launch_by_stage is not None
     excess = {(d, p): min(float(result.launch_by_dp_rank.get(d, 1.0)), float(result.launch_by_stage.get(p, 1.0))) - 1.0
               if attributed else None for d, p in named}
     # a worker whose untraced time is beyond its peers' in every step is named even when the replay
     # cannot see its cost now (a slower worker elsewhere sets the step, or collectives that wait for
-    # it are what the replay stretches): its size is what it measures per step
-    # (without DP peers the other stages are no like-for-like baseline: a stage waiting on a heavier
-    # one shows untraced time too, so there it takes 2 x `factor` and the replay's attribution)
+    # it are what the replay stretches): its size is what it measures per step (without DP peers
+    # the other stages are no like-for-like baseline, so there it takes 2 x `factor`)
     step_time = float(result.step_t_nodelay.mean())
-    alone = model.dp_size == 1
-    if not attributed and (alone or model.pp_size > 1):
-        # no replay to confirm it: only without pipeline neighbours (whose waits for each other
-        # look like gaps too) is a worker's gap before its ops surely its own time
-        return []
     hidden = {w: float(np.median(per_step[w])) / step_time
               if persistent(w, peer_set[w], factor * (2.0 if alone else 1.0), 1.0) else 0.0 for w in named}
     counted = {w: max(excess[w] or 0.0, hidden[w]) for w in named}
