@@ -39,7 +39,7 @@ from schemas.expectations import MISSING_MANIFEST, MISSING_WORKERS, JobFiles, Pr
 from schemas.lake import LANDING
 from schemas.tables import QUARANTINE_SCHEMA
 from transforms.lake import LakeJob, LakeReadError, read_job_files, read_manifest
-from transforms.sessions import FORMAT_KINETO, Assembly
+from transforms.sessions import RAW_FORMATS, Assembly
 from transforms.whatif.causes import CauseError, analyze_and_classify
 from transforms.whatif.errors import WhatIfError
 from transforms.whatif.result import JobMeta, WhatIfResult
@@ -69,7 +69,7 @@ def _lake_of(path: str) -> str:
 
 
 def _base_row(assembly: Assembly) -> dict[str, Any]:
-    kineto = assembly.fmt == FORMAT_KINETO
+    kineto = assembly.fmt in RAW_FORMATS   # counted in ranks
     return {
         "job_id": assembly.job_id,
         "session": assembly.session,
@@ -183,8 +183,9 @@ def _raw_rows(job_id: str, folder: str, errors) -> pa.Table:
           "rows": None} for error in errors], schema=QUARANTINE_SCHEMA)
 
 
-def _open_kineto(assembly: Assembly) -> _Opened | tuple[dict[str, Any], pa.Table]:
-    """Convert a Kineto session's traces (the batch's converter); (row, quarantine) at once when it refuses them."""
+def _open_raw(assembly: Assembly) -> _Opened | tuple[dict[str, Any], pa.Table]:
+    """Convert a raw session's rank files, Kineto traces or NDTimeline records (the batch's converter); (row,
+    quarantine) at once when it refuses them."""
     from transforms.ingest import RawInputError, convert_window
 
     row = _base_row(assembly)
@@ -193,7 +194,7 @@ def _open_kineto(assembly: Assembly) -> _Opened | tuple[dict[str, Any], pa.Table
     traces = [assembly.worker_paths[rank] for rank in sorted(assembly.worker_paths)]
     paths = traces + ([assembly.options_path] if assembly.options_path else [])
     try:
-        converted = convert_window(FORMAT_KINETO, paths, assembly.job_id, day)
+        converted = convert_window(assembly.fmt, paths, assembly.job_id, day)
     except RawInputError as error:
         missing = (f"; rank(s) {', '.join(map(str, assembly.missing))} of {len(assembly.expected)} had not landed "
                    f"({assembly.reason})" if assembly.missing else "")
@@ -208,8 +209,8 @@ def _open_kineto(assembly: Assembly) -> _Opened | tuple[dict[str, Any], pa.Table
 
 def _open(assembly: Assembly, validator) -> _Opened | tuple[dict[str, Any], pa.Table]:
     """Read a session's manifest and files; (row, quarantine) at once when there is no usable manifest."""
-    if assembly.fmt == FORMAT_KINETO:
-        return _open_kineto(assembly)
+    if assembly.fmt in RAW_FORMATS:
+        return _open_raw(assembly)
     row = _base_row(assembly)
     paths = tuple(assembly.worker_paths[w] for w in sorted(assembly.worker_paths))
     day = time.strftime("%Y-%m-%d", time.gmtime(assembly.first_arrival))

@@ -99,7 +99,9 @@ LATE_FOLDER = "_late"  # beside an archived session: files that landed after it 
 STRAYS_FOLDER = "_strays"  # in the archive: files that landed outside every session folder
 LANDING_JOB_YAML = "job.yaml"  # a Kineto session's options (schemas.raw.JOB_YAML)
 _WORKER_FILE = re.compile(r"^worker-(\d+)-(\d+)\.parquet$")
-_KINETO_FILE = re.compile(r"^rank-(\d+)-of-(\d+)\.json(?:\.gz)?$")  # strag_collect.kineto.live_trace_name writes it
+# a rank's raw profile: torch.profiler's trace (.json, strag_collect.kineto.live_trace_name writes it) or
+# veScale NDTimeline's records (.jsonl)
+_RANK_FILE = re.compile(r"^rank-(\d+)-of-(\d+)\.(json|jsonl)(?:\.gz)?$")
 
 
 class LandingPathError(ValueError):
@@ -113,8 +115,8 @@ class LandingEvent:
 
     kind: ``worker`` (a worker file, first sighting), ``manifest`` (the session
     manifest, with `workers` = the (dp_rank, stage) pairs it expects), ``kineto`` (a
-    rank's torch.profiler trace: `rank` of `world`), ``job_yaml`` (a Kineto session's
-    options), ``redelivery`` (a path seen before, delivered again with a new modification
+    rank's torch.profiler trace: `rank` of `world`), ``ndtimeline`` (a rank's NDTimeline
+    records, likewise), ``job_yaml`` (a raw session's options), ``redelivery`` (a path seen before, delivered again with a new modification
     time), or ``tick`` (the session folder exists at `poll_time`; `final` on the
     watcher's last poll). poll_time is wall-clock seconds since the epoch.
     """
@@ -202,7 +204,7 @@ def parse_landing_path(path: str) -> tuple[str, str, str, int, int]:
 
 def parse_landing_name(name: str, where: str) -> tuple[str, int, int]:
     """A file name in a session folder -> ('worker', dp, stage), ('manifest', -1, -1), ('kineto', rank,
-    world) or ('job_yaml', -1, -1).
+    world), ('ndtimeline', rank, world) or ('job_yaml', -1, -1).
 
     where: how to name the file in the LandingPathError raised for any other name."""
     if name == LANDING_MANIFEST:
@@ -212,14 +214,15 @@ def parse_landing_name(name: str, where: str) -> tuple[str, int, int]:
     match = _WORKER_FILE.match(name)
     if match:
         return "worker", int(match.group(1)), int(match.group(2))
-    match = _KINETO_FILE.match(name)
+    match = _RANK_FILE.match(name)
     if match:
         rank, world = int(match.group(1)), int(match.group(2))
         if rank >= world:
             raise LandingPathError(f"{where}: file name {name!r}: rank {rank} is not below the world size {world}")
-        return "kineto", rank, world
+        return ("kineto" if match.group(3) == "json" else "ndtimeline"), rank, world
     raise LandingPathError(f"{where}: file name {name!r} is none of worker-DP-STAGE.parquet, {LANDING_MANIFEST} "
-                           f"(parquet sessions), rank-RANK-of-WORLD.json[.gz], {LANDING_JOB_YAML} (Kineto sessions)")
+                           f"(parquet sessions), rank-RANK-of-WORLD.json[.gz], {LANDING_JOB_YAML} (Kineto sessions), "
+                           "rank-RANK-of-WORLD.jsonl[.gz] (NDTimeline sessions)")
 
 
 def expected_workers(row: dict) -> tuple[tuple[int, int], ...]:

@@ -4,7 +4,7 @@ Each (job, session) is assembled once its manifest and every worker it lists hav
 arrived (a Kineto session: once ranks 0..world-1 have, the world size being in the rank
 files' names), or once `timeout_seconds` of poll time have passed since its first file
 (then it is analysed with what it has, and the assembly says what is missing). A session
-holds one format (`FORMAT_LAKE` parquet or `FORMAT_KINETO` traces), set by its first file;
+holds one format (`FORMAT_LAKE` parquet, `FORMAT_KINETO` traces or `FORMAT_NDTIMELINE` records), set by its first file;
 a file of the other format is quarantined (`landing_layout`), never mixed in. A
 worker file that arrives after the session was assembled produces a new assembly
 with the next revision number: its result supersedes the earlier one. A second
@@ -43,6 +43,8 @@ __all__ = [
     "REASON_STOPPED",
     "FORMAT_LAKE",
     "FORMAT_KINETO",
+    "FORMAT_NDTIMELINE",
+    "RAW_FORMATS",
     "AssemblyConfig",
     "Assembly",
     "SessionState",
@@ -56,7 +58,11 @@ REASON_STOPPED = "watcher-stopped"  # the watcher ended before the session compl
 
 FORMAT_LAKE = "lake"      # strag's parquet: manifest.parquet + worker-DP-STAGE.parquet
 FORMAT_KINETO = "kineto"  # torch.profiler traces: rank-R-of-W.json[.gz] (+ job.yaml)
-_FORMAT_OF = {"worker": FORMAT_LAKE, "manifest": FORMAT_LAKE, "kineto": FORMAT_KINETO, "job_yaml": FORMAT_KINETO}
+FORMAT_NDTIMELINE = "ndtimeline"  # veScale NDTimeline records: rank-R-of-W.jsonl[.gz] (+ job.yaml)
+RAW_FORMATS = (FORMAT_KINETO, FORMAT_NDTIMELINE)   # per-rank raw profiles, converted like a raw lake window
+_FORMAT_OF = {"worker": FORMAT_LAKE, "manifest": FORMAT_LAKE, "kineto": FORMAT_KINETO, "ndtimeline": FORMAT_NDTIMELINE}
+_NAMES = {FORMAT_LAKE: ("parquet", "parquet worker files"), FORMAT_KINETO: ("Kineto", "Kineto traces"),
+          FORMAT_NDTIMELINE: ("NDTimeline", "NDTimeline records")}
 
 _LOG = logging.getLogger(__name__)
 
@@ -110,7 +116,7 @@ class Assembly:
 
     @property
     def complete(self) -> bool:
-        if self.fmt == FORMAT_KINETO:
+        if self.fmt in RAW_FORMATS:
             return bool(self.expected) and not self.missing
         return bool(self.manifest_path) and not self.missing
 
@@ -129,7 +135,7 @@ class SessionState:
     duplicate_deliveries: int = 0
     seen: dict = dataclasses.field(default_factory=dict)  # url -> modification time of every file listed
     last_activity: float | None = None  # poll time of the last new file, re-delivery or assembly
-    fmt: str = ""          # FORMAT_LAKE or FORMAT_KINETO once a file said so
+    fmt: str = ""          # FORMAT_LAKE or one of RAW_FORMATS once a file said so
     options_path: str = ""  # a Kineto session's job.yaml
     world: int = 0          # a Kineto session: the largest world size its rank files name
 
@@ -157,11 +163,12 @@ class SessionState:
     def format_conflict(self, event: LandingEvent) -> str | None:
         """Why `event`'s file cannot join this session (its format differs from the session's), else None."""
         fmt = _FORMAT_OF.get(event.kind)
+        if event.kind == "job_yaml" and self.fmt == FORMAT_LAKE:
+            fmt = FORMAT_KINETO   # options of a raw session: no parquet session has them
         if fmt is None or not self.fmt or fmt == self.fmt:
             return None
         return (f"job {event.job_id} session {event.session}: {event.path.rsplit('/', 1)[-1]} is a "
-                f"{'Kineto' if fmt == FORMAT_KINETO else 'parquet'} session file, but the session holds "
-                f"{'Kineto traces' if self.fmt == FORMAT_KINETO else 'parquet worker files'}; land each format "
+                f"{_NAMES[fmt][0]} session file, but the session holds {_NAMES[self.fmt][1]}; land each format "
                 "in a session of its own")
 
     def apply(self, event: LandingEvent, config: AssemblyConfig) -> list[Assembly]:
@@ -188,7 +195,7 @@ class SessionState:
                 self.duplicate_deliveries += 1
                 return []
             self.worker_paths[worker] = event.path
-        elif event.kind == "kineto":
+        elif event.kind in RAW_FORMATS:
             if event.rank in self.worker_paths:
                 self.duplicate_deliveries += 1
                 return []
@@ -219,7 +226,7 @@ class SessionState:
         return []
 
     def _complete(self) -> bool:
-        if self.fmt == FORMAT_KINETO:
+        if self.fmt in RAW_FORMATS:
             return bool(self.expected) and all(rank in self.worker_paths for rank in self.expected)
         return bool(self.manifest_path) and all(worker in self.worker_paths for worker in self.expected)
 
@@ -322,8 +329,8 @@ def _file_event(listing: SessionListing, url: str) -> LandingEvent | dict:
         return quarantine_row(url, listing.job_id, listing.session, LANDING_LAYOUT, str(error), listing.poll_time)
     if kind == "worker":
         return LandingEvent("worker", listing.job_id, listing.session, listing.poll_time, url, dp_rank, stage)
-    if kind == "kineto":
-        return LandingEvent("kineto", listing.job_id, listing.session, listing.poll_time, url, rank=dp_rank, world=stage)
+    if kind in RAW_FORMATS:
+        return LandingEvent(kind, listing.job_id, listing.session, listing.poll_time, url, rank=dp_rank, world=stage)
     if kind == "job_yaml":
         return LandingEvent("job_yaml", listing.job_id, listing.session, listing.poll_time, url)
     try:
