@@ -4,6 +4,7 @@ The generator's truth is read here (evaluation), never by transforms/whatif/caus
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import warnings
@@ -285,3 +286,21 @@ def test_time_covered_by_busy_spans_counts_overlapping_spans_once():
     gaps = _covered(np.array([1.0, 5.0, 6.5, 0.0]), np.array([3.0, 8.5, 7.5, 10.0]), busy_start, busy_end)
     assert gaps.tolist() == [2.0, 1.5, 0.0, 7.0]
     assert _covered(np.array([0.0]), np.array([1.0]), np.zeros(0), np.zeros(0)).tolist() == [0.0]
+
+
+def test_a_worker_far_slower_in_one_direction_is_blamed_though_its_whole_compute_is_not():
+    """Forward 1.6x its peers' in every step, backward faster (CPU contention moved): the whole
+    compute reads 1.1x, under the rule's ratio; the forward reaches the alarm ratio (1.5x), beyond
+    the noise floor, in every step. A peer only 1.3x slower in backward is not blamed."""
+    from transforms.whatif.causes.signals import PeerComparison
+    from transforms.whatif.causes.verdict import CauseRules
+
+    rules = CauseRules()
+    comparison = PeerComparison(ratio=np.array([[1.1], [0.95]]), forward=np.array([[1.6], [0.6]]),
+                                backward=np.array([[0.8], [1.3]]), slow_steps=np.array([[0], [0]]), n_steps=3,
+                                noise_floor=1.1, direction_steps=np.array([[3], [0]]))
+    assert comparison.blamed(rules) == [(0, 0)]
+    noisy = dataclasses.replace(comparison, noise_floor=1.7)   # a floor above the forward ratio: nobody
+    assert noisy.blamed(rules) == []
+    few = dataclasses.replace(comparison, direction_steps=np.array([[1], [0]]))   # one step of three: not persistent
+    assert few.blamed(rules) == []

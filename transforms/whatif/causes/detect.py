@@ -537,12 +537,13 @@ def _worst_direction(peers, worker: tuple[int, int]) -> float:
 
 
 def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5, factor: float = 2.0,
-                      persist: float = 0.75, each: float = 0.2) -> list[tuple[tuple[int, int], float, float]]:
+                      each: float = 0.35) -> list[tuple[tuple[int, int], float, float]]:
     """The workers whose untraced CPU time (launch delays: METHOD.md section 3) makes the replay
     discrepancy, as [(worker, excess or None where the replay attributes no launch delays, hidden
     excess)] (largest first) or []. A measurement and a replay must agree:
     - measured (`_untraced_time`): the worker's untraced time per step is at least `factor` times
-      its DP peers' median in `persist` of the steps (persistent, not one preempted step). Without
+      its DP peers' median in most steps, and in its median step (persistent, not one preempted
+      step; not cleared by one noisy step of a peer). Without
       DP peers, against the other stages, and only the one far ahead of the rest (`factor` times
       the next): a stage waiting on a paused neighbour shows untraced time too;
     - replayed: the no-delay replay with only its delays given back is min(launch S of its DP rank,
@@ -562,10 +563,15 @@ def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5,
     partner = _p2p_partner(model)
     per_step = {w: _untraced_time(model, *w, partner=partner) for w in workers}
 
-    def persistent(worker, others, times: float = factor, steps: float = persist) -> bool:
+    def persistent(worker, others, times: float = factor, steps: float | None = None) -> bool:
+        """`times` the others' median in `steps` of the steps (default: more than half of them,
+        and its median step `times` theirs: one noisy step of a peer does not clear a worker)."""
         baseline = np.median(np.stack([per_step[w] for w in others]), axis=0)
         with np.errstate(divide="ignore", invalid="ignore"):
-            return bool((per_step[worker] / baseline >= times).mean() >= steps)
+            share = (per_step[worker] / baseline >= times).mean()
+            if steps is not None:
+                return bool(share >= steps)
+            return bool(share > 0.5 and np.median(per_step[worker]) >= times * np.median(baseline))
 
     if model.dp_size > 1:
         peer_set = {w: [(d, w[1]) for d in range(model.dp_size) if d != w[0]] for w in workers}

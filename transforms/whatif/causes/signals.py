@@ -116,7 +116,8 @@ class PeerComparison:
     GC pause (one microbatch) or a heavy stage (all DP ranks alike) does not move it.
     ratio / forward / backward: median step ratio over steps (compute, forwards, backwards);
     slow_steps: steps whose ratio is >= `threshold`; n_steps: sampled steps; noise_floor: the
-    ratio the job's own noise reaches (_noise_floor).
+    ratio the job's own noise reaches (_noise_floor); direction_steps: steps whose forward or
+    backward ratio reaches the worker alarm ratio (and the noise floor).
     """
 
     ratio: np.ndarray
@@ -125,6 +126,7 @@ class PeerComparison:
     slow_steps: np.ndarray
     n_steps: int
     noise_floor: float = 1.0     # the ratio the job's own noise reaches (see peer_comparison)
+    direction_steps: np.ndarray | None = None   # steps whose forward or backward ratio reaches the alarm ratio
 
     def threshold(self, rules: CauseRules) -> float:
         """The ratio a worker must exceed: the rule's, or the job's noise floor when that is higher."""
@@ -134,6 +136,11 @@ class PeerComparison:
         """Workers above `threshold` (rules.peer_ratio or the noise floor) their peers, in at least
         rules.peer_steps of the steps, slowest first."""
         slow = (self.ratio >= self.threshold(rules)) & (self.slow_steps >= rules.peer_steps * self.n_steps)
+        if self.direction_steps is not None:
+            # one direction far slower (a 2x forward that a faster backward dilutes in the whole
+            # compute): the alarm ratio, beyond the noise floor, in the same share of the steps
+            alarm = max(rules.worker_alarm_ratio, self.noise_floor)
+            slow |= (np.fmax(self.forward, self.backward) >= alarm) & (self.direction_steps >= rules.peer_steps * self.n_steps)
         cells = [(int(d), int(p)) for d, p in zip(*np.nonzero(slow))]
         return sorted(cells, key=lambda w: (-self.ratio[w], w))
 
@@ -166,8 +173,10 @@ def peer_comparison(model: JobModel, forward: np.ndarray, backward: np.ndarray, 
     by_worker = lambda a: nanmedian(a, axis=1).T                # [pp, S, dp] -> [dp, pp]
     floor = _noise_floor(t_ratio, stage_of_row, model.pp_size)
     threshold = max(rules.peer_ratio, floor)
+    alarm = max(rules.worker_alarm_ratio, floor)
     return PeerComparison(by_worker(step_ratio), by_worker(step_forward), by_worker(step_backward),
-                          (step_ratio >= threshold).sum(axis=1).T, model.n_steps, floor)
+                          (step_ratio >= threshold).sum(axis=1).T, model.n_steps, floor,
+                          (np.fmax(step_forward, step_backward) >= alarm).sum(axis=1).T)
 
 
 def _noise_floor(ratio: np.ndarray, stage_of_row: np.ndarray, pp: int) -> float:
