@@ -469,3 +469,24 @@ def test_unknown_collective_over_the_data_parallel_group(small, tmp_path):
     edited = _rewrite(paths[0], pathlib.Path(tmp_path) / "rank-0.json", rename)
     error = raises("raw_unknown_collective", [edited, *paths[1:]], job.spec.job_id)
     assert error.op == "frobnicate_all" and "frobnicate_all" in str(error) and job.spec.job_id in str(error)
+
+
+def test_connected_components_label_each_component_by_one_member():
+    from transforms.components import components
+
+    labels = components(6, [(0, 1), (2, 3), (3, 4)])
+    assert labels[0] == labels[1] and labels[2] == labels[3] == labels[4]
+    assert len({labels[0], labels[2], labels[5]}) == 3 and labels[5] == 5
+    assert components(3, []) == [0, 1, 2]
+
+
+def test_a_job_yaml_that_is_not_yaml_says_where_the_parser_stopped():
+    from transforms.ingest.common import RawInputError, read_job_yaml
+
+    with pytest.raises(RawInputError) as error:
+        read_job_yaml(b"dp_size: [2\n", job_id="j", path="p/job.yaml")
+    assert error.value.reason_code == "raw_bad_job_yaml" and "not a YAML mapping (ParserError: " in str(error.value)
+    assert "line 2" in str(error.value)
+    with pytest.raises(RawInputError, match="it holds a list"):
+        read_job_yaml(b"- 1\n")
+    assert read_job_yaml(b"dp_size: 2\npp_size: 2\n") == {"dp_size": 2, "pp_size": 2}

@@ -1,6 +1,7 @@
-"""The published trace format's meta yaml (`meta-{trial}.yaml`: dp_size, pp_size, ...) read into a
-mapping: the one reader of it, for `strag analyze --meta` (pipelines/analyze.py) and
-`strag import-reference` (pipelines/reference.py), which then check the fields each needs.
+"""strag's one reader of small YAML mappings: the published trace format's meta yaml
+(`meta-{trial}.yaml`: dp_size, pp_size, ...) for `strag analyze --meta` (pipelines/analyze.py) and
+`strag import-reference` (pipelines/reference.py), and a raw window's job.yaml
+(transforms/ingest/common.read_job_yaml); each caller then checks the fields it needs.
 
 The published meta yamls are flat `name: value` lines; `flat_yaml` reads those exactly as
 yaml.safe_load does without importing PyYAML (~15 ms of `strag analyze`'s ~0.2 s on the AR
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["MetaYamlError", "flat_yaml", "read_meta_yaml"]
+__all__ = ["MetaYamlError", "flat_yaml", "read_meta_yaml", "read_yaml_mapping"]
 
 # A line of the published meta yamls: `name: value` with a decimal int or a bare word as the value.
 _FLAT_LINE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*): (?:(0|-?[1-9][0-9]*)|([A-Za-z_][A-Za-z0-9_.-]*))")
@@ -40,10 +41,16 @@ def flat_yaml(text: str) -> dict | None:
 def read_meta_yaml(data: bytes) -> dict:
     """The fields of a meta yaml's bytes ({} for an empty file); MetaYamlError when it is not a
     YAML mapping ("not a meta yaml (ParserError)", "... (it holds a list, not 'key: value' lines)")."""
+    return read_yaml_mapping(data, "a meta yaml")
+
+
+def read_yaml_mapping(data: bytes | str, what: str = "YAML", detail: bool = False) -> dict:
+    """The mapping a YAML document holds ({} for an empty one); MetaYamlError naming `what` it is
+    not when it is not text, not YAML (with `detail`: where the parser stopped), or not a mapping."""
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
     except UnicodeDecodeError as error:
-        raise MetaYamlError(f"not a meta yaml ({type(error).__name__})") from None
+        raise MetaYamlError(f"not {what} ({type(error).__name__})") from None
     fields = flat_yaml(text)
     if fields is not None:
         return fields
@@ -52,7 +59,8 @@ def read_meta_yaml(data: bytes) -> dict:
     try:
         fields = yaml.safe_load(text) or {}
     except yaml.YAMLError as error:
-        raise MetaYamlError(f"not a meta yaml ({type(error).__name__})") from None
+        where = f": {' '.join(str(error).split())}" if detail else ""
+        raise MetaYamlError(f"not {what} ({type(error).__name__}{where})") from None
     if not isinstance(fields, dict):
-        raise MetaYamlError(f"not a meta yaml (it holds a {type(fields).__name__}, not 'key: value' lines)")
+        raise MetaYamlError(f"not {what} (it holds a {type(fields).__name__}, not 'key: value' lines)")
     return fields

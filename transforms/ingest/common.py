@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import gzip
-import io
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -107,16 +106,12 @@ def read_job_yaml(data: bytes | str | None, *, job_id: str | None = None, path: 
     """job.yaml as a dict of the documented keys (schemas/raw.py JOB_YAML_KEYS); {} when absent."""
     if data is None:
         return {}
-    import yaml
+    from transforms.meta_yaml import MetaYamlError, read_yaml_mapping
 
     try:
-        content = yaml.safe_load(io.StringIO(data.decode() if isinstance(data, bytes) else data))
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
-        raise RawInputError("raw_bad_job_yaml", f"not YAML ({error})", job_id=job_id, path=path) from None
-    if content is None:
-        return {}
-    if not isinstance(content, Mapping):
-        raise RawInputError("raw_bad_job_yaml", f"expected a mapping, got {type(content).__name__}", job_id=job_id, path=path)
+        content = read_yaml_mapping(data, "a YAML mapping", detail=True)
+    except MetaYamlError as error:
+        raise RawInputError("raw_bad_job_yaml", str(error), job_id=job_id, path=path) from None
     unknown = sorted(set(content) - set(JOB_YAML_KEYS))
     if unknown:
         raise RawInputError("raw_bad_job_yaml", f"unknown key(s) {', '.join(map(str, unknown))}; known: {', '.join(JOB_YAML_KEYS)}",

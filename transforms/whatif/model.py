@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 
 from schemas.trace import COMPUTE_OPTYPES, OPTYPES
+from transforms.components import components
 from transforms.whatif.errors import (
     WhatIfError,
     CycleError,
@@ -861,21 +862,9 @@ class _Graph:
     def check_connected(self, template: _Template) -> None:
         """Every op must be linked (by dependencies or comm groups) to a step's optimizer,
         except p2p no-ops, which may form chains of their own."""
-        parent = list(range(len(self.preds)))
-
-        def root(x: int) -> int:
-            while parent[x] != x:
-                parent[x] = parent[parent[x]]
-                x = parent[x]
-            return x
-
-        for op, preds in enumerate(self.preds):
-            for p in preds:
-                parent[root(p)] = root(op)
-        for members in self.group_members:
-            for op in members[1:]:
-                parent[root(op)] = root(members[0])
-        roots = np.array([root(op) for op in range(len(parent))])
+        links = [(p, op) for op, preds in enumerate(self.preds) for p in preds]
+        links += [(op, members[0]) for members in self.group_members for op in members[1:]]
+        roots = np.array(components(len(self.preds), links))
         with_optimizer = set(roots[template.optype == OPT].tolist())
         loose = ~np.isin(roots, list(with_optimizer)) & ~self.noop
         if loose.any():

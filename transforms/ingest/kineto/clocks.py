@@ -5,7 +5,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from transforms.ingest.kineto.layout import _Layout, _components
+from transforms.components import components
+from transforms.ingest.kineto.layout import _Layout
 from transforms.ingest.kineto.pairing import _p2p_pairs
 from transforms.ingest.kineto.spans import _CODE
 
@@ -83,7 +84,7 @@ def _clock_offsets(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, c
     first_member = {}
     for inst, m in zip(instance.tolist(), member.tolist()):
         first_member.setdefault(inst, m)
-    component = _components(n, [(first_member[inst], m) for inst, m in zip(instance.tolist(), member.tolist())])
+    component = components(n, [(first_member[inst], m) for inst, m in zip(instance.tolist(), member.tolist())])
     anchor = {}
     for i in range(n):
         anchor.setdefault(component[i], i)

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from transforms.components import components
 from transforms.ingest.common import RawInputError
 from transforms.ingest.kineto.spans import FWD, RECV, RankTrace, SEND
 
@@ -137,7 +138,7 @@ def _layout_from_structure(ranks: Sequence[RankTrace], world: int) -> _Layout | 
             for trace in ranks:
                 peers = trace.peer[(trace.kind == SEND) | (trace.kind == RECV)]
                 links += [(trace.rank, peer) for peer in np.unique(peers[(peers >= 0) & (peers < world)]).tolist()]
-            component = _components(world, links)
+            component = components(world, links)
             members: dict[int, list[int]] = collections.defaultdict(list)
             for rank in range(world):
                 members[component[rank]].append(rank)
@@ -213,18 +214,3 @@ def _dp_groups(trace: RankTrace, layout: _Layout, described: bool) -> set[str]:
         if dims == {"dp"} or (not described and not dims - {"dp"} and frozenset(group.ranks) == peers):
             names.add(group.name)
     return names
-
-
-def _components(n: int, links) -> list[int]:
-    """Connected-component label (a member index) of each of n nodes linked by (a, b) pairs."""
-    parent = list(range(n))
-
-    def root(v: int) -> int:
-        while parent[v] != v:
-            parent[v] = parent[parent[v]]
-            v = parent[v]
-        return v
-
-    for a, b in links:
-        parent[root(int(a))] = root(int(b))
-    return [root(v) for v in range(n)]
