@@ -302,5 +302,5 @@ def test_a_worker_far_slower_in_one_direction_is_blamed_though_its_whole_compute
     assert comparison.blamed(rules) == [(0, 0)]
     noisy = dataclasses.replace(comparison, noise_floor=1.7)   # a floor above the forward ratio: nobody
     assert noisy.blamed(rules) == []
-    few = dataclasses.replace(comparison, direction_steps=np.array([[1], [0]]))   # one step of three: not persistent
+    few = dataclasses.replace(comparison, direction_steps=np.array([[2], [0]]))   # two steps of three: not persistent
     assert few.blamed(rules) == []

@@ -138,9 +138,10 @@ class PeerComparison:
         slow = (self.ratio >= self.threshold(rules)) & (self.slow_steps >= rules.peer_steps * self.n_steps)
         if self.direction_steps is not None:
             # one direction far slower (a 2x forward that a faster backward dilutes in the whole
-            # compute): the alarm ratio, beyond the noise floor, in the same share of the steps
+            # compute): the alarm ratio, beyond the noise floor, in three steps of four at least
+            # (a peer that the CPU freed by another's pause speeds up reads like it in fewer)
             alarm = max(rules.worker_alarm_ratio, self.noise_floor)
-            slow |= (np.fmax(self.forward, self.backward) >= alarm) & (self.direction_steps >= rules.peer_steps * self.n_steps)
+            slow |= (np.fmax(self.forward, self.backward) >= alarm) & (self.direction_steps >= np.ceil(0.75 * self.n_steps))
         cells = [(int(d), int(p)) for d, p in zip(*np.nonzero(slow))]
         return sorted(cells, key=lambda w: (-self.ratio[w], w))
 
