@@ -264,7 +264,7 @@ def summary(result, n_ops: int, seconds: float, top: int = 3, device: str | None
         lines.append("top op types: " + ranking(result.by_optype, str))
     if not result.straggling:
         if result.mw is not None or result.ms is not None:
-            lines.append(f"M_W, M_S: not shown: they share out the straggling time, and S < 1.1 leaves too little of it "
+            lines.append("M_W, M_S: not shown: they share out the straggling time, and S < 1.1 leaves too little of it "
                          "(see --json)")
         return "\n".join(lines)
     shares = []

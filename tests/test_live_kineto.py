@@ -9,7 +9,6 @@ from the last rank landing to the alert row.
 """
 from __future__ import annotations
 
-import datetime as dt
 import gzip
 import json
 import pathlib
@@ -27,7 +26,7 @@ from pipelines import cli
 from schemas.lake import landing_dir
 from strag_collect import kineto_handler, live_dir, live_session, live_trace_name
 from transforms.analyze_sessions import analyze_session
-from transforms.landing import (LandingEvent, LandingPathError, SessionListing, kineto_trace_name, parse_landing_name,
+from transforms.landing import (LandingEvent, LandingPathError, kineto_trace_name, parse_landing_name,
                                 parse_landing_path)
 from transforms.live_tables import read_live_table
 from transforms.sessions import FORMAT_KINETO, AssemblyConfig, SessionState

@@ -16,14 +16,13 @@ Every storage call of a publish (and of a lake listing) is failed in turn, on a 
 from __future__ import annotations
 
 import json
-import pathlib
 
 import pyarrow as pa
 import pytest
 
 from faulty_storage import OPS, Fault, calls, faults
 from schemas.tables import BATCH_TABLES, TableSpec, read_table
-from transforms.commit import COMMITS_DIR, CommitConfig, commit_pending, complete_pending, publish_run, stage_partition
+from transforms.commit import COMMITS_DIR, CommitConfig, commit_pending, publish_run, stage_partition
 from transforms.elements import JobStats
 from transforms.lake import list_jobs
 from transforms.storage import StorageError

@@ -16,8 +16,7 @@ import pyarrow.compute as pc
 import pytest
 
 from pipelines import streaming
-from transforms.landing import land_generated_session, session_trace, split_workers
-from transforms.lake import write_parquet
+from transforms.landing import land_generated_session, session_trace
 from transforms.live_tables import current_results, read_live_table
 from transforms.synth.faults import Cause
 from transforms.synth.job import JobSpec, generate_job
