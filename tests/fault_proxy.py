@@ -23,6 +23,7 @@ per_key=False` fails only that one. `calls` lists every matching request.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.client
 import http.server
@@ -183,3 +184,23 @@ class FaultProxy:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+
+
+@contextlib.contextmanager
+def proxied(moto_s3):
+    """moto's S3 reached through a FaultProxy for the block: every client, in this process or a
+    worker process, talks to the proxy (AWS_ENDPOINT_URL), and botocore does not retry (the IO
+    layer's retries are under test). Yields the proxy."""
+    import pytest
+    from s3fs import S3FileSystem
+
+    proxy = FaultProxy(moto_s3.endpoint).start()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("AWS_ENDPOINT_URL", proxy.url)
+            patch.setenv("AWS_MAX_ATTEMPTS", "1")
+            S3FileSystem.clear_instance_cache()
+            yield proxy
+            S3FileSystem.clear_instance_cache()
+    finally:
+        proxy.stop()

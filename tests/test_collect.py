@@ -21,6 +21,7 @@ import pytest
 import yaml
 from fsspec.implementations.memory import MemoryFileSystem
 
+from fake_profiler import FakeProfiler
 from fixtures_s3 import moto_s3  # noqa: F401 - a fixture
 from pipelines import analyze as analyze_cli
 from pipelines import cli
@@ -33,17 +34,6 @@ from transforms.lake import list_raw_jobs
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUNS = ROOT / "tests" / "data" / "real_runs"
 DATE = "2026-11-25"
-
-
-class FakeProfiler:
-    """What the handler uses of torch.profiler.profile: export_chrome_trace(path) writes plain JSON."""
-
-    def __init__(self, trace: pathlib.Path):
-        self.trace = trace
-
-    def export_chrome_trace(self, path: str) -> None:
-        with gzip.open(self.trace, "rb") as source, open(path, "wb") as out:
-            shutil.copyfileobj(source, out)
 
 
 class BlockedStore(MemoryFileSystem):

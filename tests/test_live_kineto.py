@@ -21,6 +21,7 @@ import time
 import pyarrow.compute as pc
 import pytest
 
+from fake_profiler import FakeProfiler
 from fixtures_s3 import moto_s3  # noqa: F401 - a fixture
 from pipelines import cli
 from schemas.lake import landing_dir
@@ -39,17 +40,6 @@ SLOWED = "two-fwd3-r1-bwd2-r3-gpipe-pp4-mlp-sleep"   # ranks 1 (fwd x3) and 3 (b
 CLEAN = "clean-gpipe-pp4-mlp-sleep-data-s1"           # no injected slowdown
 DATE = "2026-11-25"
 DEADLINE_SECONDS = 240
-
-
-class FakeProfiler:
-    """What the handler uses of torch.profiler.profile: export_chrome_trace(path) writes plain JSON."""
-
-    def __init__(self, trace: pathlib.Path):
-        self.trace = trace
-
-    def export_chrome_trace(self, path: str) -> None:
-        with gzip.open(self.trace, "rb") as source, open(path, "wb") as out:
-            shutil.copyfileobj(source, out)
 
 
 def _truth(run: str) -> dict:

@@ -221,18 +221,10 @@ from fixtures_s3 import moto_s3  # noqa: E402,F401  (fixture)
 
 @pytest.fixture(scope="module")
 def proxied_s3(moto_s3):
-    from s3fs import S3FileSystem
+    from fault_proxy import proxied
 
-    from fault_proxy import FaultProxy
-
-    proxy = FaultProxy(moto_s3.endpoint).start()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("AWS_ENDPOINT_URL", proxy.url)
-        patch.setenv("AWS_MAX_ATTEMPTS", "1")   # no botocore retries: the IO layer's are under test
-        S3FileSystem.clear_instance_cache()
+    with proxied(moto_s3) as proxy:
         yield moto_s3, proxy
-        S3FileSystem.clear_instance_cache()
-    proxy.stop()
 
 
 @pytest.mark.slow

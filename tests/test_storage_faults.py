@@ -179,19 +179,11 @@ from fixtures_s3 import moto_s3  # noqa: E402,F401  (fixture)
 def s3_lake(moto_s3, lake):
     """The lake on moto's S3, reached through FaultProxy (tests/fault_proxy.py): every client,
     in this process or a worker process, talks to the proxy (AWS_ENDPOINT_URL)."""
-    from s3fs import S3FileSystem
-
-    from fault_proxy import FaultProxy
+    from fault_proxy import proxied
 
     moto_s3.filesystem().put(lake, f"{moto_s3.bucket}/lake", recursive=True)
-    proxy = FaultProxy(moto_s3.endpoint).start()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("AWS_ENDPOINT_URL", proxy.url)
-        patch.setenv("AWS_MAX_ATTEMPTS", "1")   # no botocore retries: the IO layer's are under test
-        S3FileSystem.clear_instance_cache()
+    with proxied(moto_s3) as proxy:
         yield moto_s3, proxy
-        S3FileSystem.clear_instance_cache()
-    proxy.stop()
 
 
 def _s3_run(moto, out: str, workers: str = "2") -> int:

@@ -81,18 +81,12 @@ class RetryPolicy:
 def read_bytes(url: str, policy: RetryPolicy | None = None) -> bytes:
     """The whole content of the file at `url` (any fsspec URL). Any error while fetching is
     retried per `policy` (default: RetryPolicy.from_env()), then raised as StorageError."""
-    policy = policy or RetryPolicy.from_env()
-    last: BaseException | None = None
-    for attempt in range(1, policy.attempts + 1):
-        if attempt > 1:
-            time.sleep(policy.delay(attempt - 1))
-        try:
-            fs, path = fsspec.core.url_to_fs(url)
-            with fs.open(path, "rb") as handle:
-                return handle.read()
-        except Exception as error:   # only the fetch is in here: whatever fails is the storage
-            last = error
-    raise StorageError(url, policy.attempts, last)
+    def fetch() -> bytes:   # only the fetch is in here: whatever fails is the storage
+        fs, path = fsspec.core.url_to_fs(url)
+        with fs.open(path, "rb") as handle:
+            return handle.read()
+
+    return retry("reading", url, fetch, policy)
 
 
 T = TypeVar("T")
