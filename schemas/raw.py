@@ -71,7 +71,8 @@ RAW_REASONS: dict[str, tuple[str, str]] = {
     "raw_not_a_trace": ("file", "the file parses but is not a profiler trace of this format (no traceEvents / records)"),
     "raw_bad_job_yaml": ("job", "job.yaml is not a mapping of the documented keys (schemas/raw.py JOB_YAML_KEYS)"),
     "raw_duplicate_rank": ("job", "two files hold the same global rank; upload one trace per rank"),
-    "raw_mixed_jobs": ("job", "the folder holds ranks of more than one job or run (world size, process groups, run ids or the time their steps ran differ)"),
+    "raw_mixed_jobs": ("job", "the folder holds ranks of more than one job or run (world size, backend, NCCL version, process groups, "
+                              "run ids or the time their steps ran differ: over an hour apart, or a profiled window on one host)"),
     "raw_missing_rank": ("job", "ranks of the job are missing: every rank of the layout needs its trace"),
     "raw_no_steps": ("job", "no complete profiled step (ProfilerStep#N) common to all ranks"),
     "raw_steps_misaligned": ("job", "the ranks' profiled steps do not line up: profile the same steps on every rank"),
@@ -79,6 +80,10 @@ RAW_REASONS: dict[str, tuple[str, str]] = {
     "raw_unknown_collective": ("job", "a collective the converter cannot map to an op type; see detail"),
     "raw_unmatched_comm": ("job", "communication ops do not pair up across ranks (sequence numbers or counts differ)"),
     "raw_no_microbatches": ("job", "no per-microbatch forward/backward compute found; set forward_label/backward_label in job.yaml"),
+    "raw_cpu_only_rank": ("job", "a rank of a GPU job recorded no GPU kernel (profiled without ProfilerActivity.CUDA); profile "
+                                 "every rank with the same activities"),
+    "raw_unlinked_kernels": ("job", "most of a rank's GPU kernels have no CUDA launch in its file (no cuda_runtime / cuda_driver "
+                                    "event of their correlation): its compute cannot be timed on the GPU; export the trace whole"),
     "raw_unsupported_schedule": ("job", "a pipeline schedule the dependency model cannot represent yet (zero-bubble split backwards, V-shaped stage placement)"),
 }
 

@@ -101,13 +101,17 @@ _NOT_COMPUTE = ("gloo:", "c10d::", "PP:", "ProfilerStep#", "Optimizer.", "record
 
 class _GpuWork:
     """A GPU trace's work (kernels, copies, memsets; NCCL kernels are communication) found by the
-    CPU-side CUDA call that launched it (`correlation`): what a CPU range launched, on any thread."""
+    CPU-side CUDA call that launched it (`correlation`): what a CPU range launched, on any thread.
+    `work` counts the GPU work items, `unlinked` those whose launch is not in the trace (no
+    cuda_runtime / cuda_driver event of their correlation): no range can own their time."""
 
     def __init__(self, launches: list[tuple[float, int]], work: list[tuple[int, float, float]]):
+        self.work = len(work)
+        correlation = np.array([c for c, _, _ in work], dtype=np.int64)
+        self.unlinked = int((~np.isin(correlation, np.array([c for _, c in launches], dtype=np.int64))).sum())
         if not launches or not work:
             self._at = self._start = self._end = np.zeros(0)
             return
-        correlation = np.array([c for c, _, _ in work], dtype=np.int64)
         order = np.argsort(correlation, kind="stable")
         ids, first = np.unique(correlation[order], return_index=True)   # a launch may run several kernels
         start = np.minimum.reduceat(np.array([s for _, s, _ in work])[order], first)

@@ -104,29 +104,60 @@ def _placement(ranks: Sequence[RankTrace], layout, job_id: str) -> np.ndarray:
     return placement
 
 
-def _check_job(ranks: Sequence[RankTrace], job_id: str) -> int:
-    """Ranks of another job and duplicate ranks; returns the world size."""
-    # world sizes first: two files of one rank number but of different world sizes are ranks of two jobs
-    worlds = collections.Counter(t.world for t in ranks)
-    if len(worlds) > 1:
-        odd = min(ranks, key=lambda t: (worlds[t.world], t.path))
-        others = " and ".join(f"{w} ({n} file{'s' if n > 1 else ''})" for w, n in sorted(worlds.items()) if w != odd.world)
-        jobs = "two jobs" if len(worlds) == 2 else f"{len(worlds)} jobs"
-        raise RawInputError("raw_mixed_jobs", f"ranks of {jobs}: rank {odd.rank} here is of world size {odd.world}, the "
-                            f"other rank files of world size {others}; give each job's traces a folder of their own",
-                            job_id=job_id, path=odd.path)
-    seen: dict[int, str] = {}
-    for trace in ranks:
-        if trace.rank in seen:
-            raise RawInputError("raw_duplicate_rank", f"rank {trace.rank} appears in {seen[trace.rank]} and {trace.path}",
-                                job_id=job_id, path=trace.path)
-        seen[trace.rank] = trace.path
-    world = next(iter(worlds))
-    for trace in ranks:
-        if not 0 <= trace.rank < world:
-            raise RawInputError("raw_mixed_jobs", f"rank {trace.rank} outside world size {world}", job_id=job_id, path=trace.path)
-    # ranks sharing a clock (one host) ran their profiled steps at the same time, give or take the
-    # drift of a pipeline: a rank whose steps ran minutes away from the others' belongs to another run
+# Ranks of one job ran at the same time: on one host (one clock) within a profiled window of each
+# other (at least a second: the drift of a pipeline); across hosts within an hour, far beyond what
+# unsynchronised host clocks differ by (NTP keeps them within milliseconds, a clock left alone drifts
+# seconds a day), so two windows farther apart than that are two runs, not a skewed clock.
+_SAME_HOST_SLACK_US = 1e6
+_OTHER_HOST_SLACK_US = 3600e6
+# A GPU rank whose kernels mostly lack their CUDA launch cannot have its compute timed on the GPU.
+_UNLINKED_SHARE_MAX = 0.5
+
+
+def _when(instant_us: float) -> str:
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(instant_us / 1e6, tz=dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") + " UTC"
+
+
+def _apart(seconds: float) -> str:
+    """A duration for people: seconds, hours or days."""
+    seconds = abs(seconds)
+    if seconds < 2 * 3600:
+        return f"{seconds:.0f} s"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.0f} days"
+
+
+def _window(trace: RankTrace) -> tuple[float, float] | None:
+    """(start, end) of the rank's profiled steps on its recorded clock, µs since the epoch; None when
+    the recorded clock is no date (a trace without baseTimeNanoseconds on a boot-relative clock)."""
+    start = trace.origin_ns / 1e3 + float(trace.step_start.min())
+    if not 946684800e6 <= start <= 4102444800e6:   # 2000-01-01 .. 2100-01-01
+        return None
+    return start, trace.origin_ns / 1e3 + float(trace.step_end.max())
+
+
+def _odd_value(ranks: Sequence[RankTrace], value_of, what: str, job_id: str) -> None:
+    """raw_mixed_jobs when `value_of(trace)` (None: not recorded) differs between ranks: names the rank
+    of the rarest value and the others' values. What every rank of one job shares: world size, default
+    backend, NCCL version (NCCL refuses to join ranks of different versions)."""
+    values = [value_of(t) for t in ranks]   # by file: two files may claim one rank
+    counts = collections.Counter(v for v in values if v is not None)
+    if len(counts) < 2:
+        return
+    value, odd = min(((v, t) for v, t in zip(values, ranks) if v is not None), key=lambda vt: (counts[vt[0]], vt[1].path))
+    others = " and ".join(f"{v} ({n} file{'s' if n > 1 else ''})" for v, n in sorted(counts.items(), key=str) if v != value)
+    jobs = "two jobs" if len(counts) == 2 else f"{len(counts)} jobs"
+    raise RawInputError("raw_mixed_jobs", f"ranks of {jobs}: rank {odd.rank} here is of {what} {value}, the "
+                        f"other rank files of {what} {others}; give each job's traces a folder of their own",
+                        job_id=job_id, path=odd.path)
+
+
+def _check_times(ranks: Sequence[RankTrace], job_id: str) -> None:
+    """raw_mixed_jobs when a rank profiled its steps away from every other rank: beyond a profiled
+    window on its own host (one clock), beyond an hour on other hosts (see _OTHER_HOST_SLACK_US)."""
     by_clock: dict[str, list[RankTrace]] = collections.defaultdict(list)
     for trace in ranks:
         if trace.host:
@@ -138,20 +169,90 @@ def _check_job(ranks: Sequence[RankTrace], job_id: str) -> int:
         for trace in members:
             start, end = spans[trace.rank]
             others = [span for rank, span in spans.items() if rank != trace.rank]
-            slack = max(end - start, 1e6)   # µs: a whole profiled window (at least a second) of drift
+            slack = max(end - start, _SAME_HOST_SLACK_US)   # µs: a whole profiled window of drift
             if not any(o_start - slack <= end and start <= o_end + slack for o_start, o_end in others):
-                import datetime as dt
-
-                when = dt.datetime.fromtimestamp(start / 1e6, tz=dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-                raise RawInputError("raw_mixed_jobs", f"rank {trace.rank} profiled its steps at {when} UTC on host "
+                raise RawInputError("raw_mixed_jobs", f"rank {trace.rank} profiled its steps at {_when(start)} on host "
                                     f"{trace.host}, away from the other ranks of that host: a trace of another run",
                                     job_id=job_id, path=trace.path)
+    windows = sorted(((w, t) for t in ranks if (w := _window(t)) is not None), key=lambda item: (item[0], item[1].rank))
+    # runs: ranks whose windows chain within the slack; two runs in one folder are two jobs
+    runs: list[list[tuple[tuple[float, float], RankTrace]]] = []
+    reach = -np.inf
+    for window, trace in windows:
+        if window[0] > reach + _OTHER_HOST_SLACK_US:
+            runs.append([])
+        runs[-1].append((window, trace))
+        reach = max(reach, window[1])
+    if len(runs) < 2:
+        return
+    # the odd run is the smallest (of equal ones, the later); its rank nearest to another run is named
+    position = min(range(len(runs)), key=lambda i: (len(runs[i]), -i))
+    odd = runs[position]
+    near = runs[position - 1] if position else runs[1]
+    (start, _), trace = odd[0] if position else odd[-1]
+    (other_start, _), other = near[-1] if position else near[0]
+    devices = (f"; it ran on {trace.device}, rank {other.rank} on {other.device}" if trace.device != other.device else "")
+    raise RawInputError("raw_mixed_jobs", f"rank {trace.rank} profiled its steps at {_when(start)}, "
+                        f"{_apart((start - other_start) / 1e6)} {'after' if start > other_start else 'before'} the "
+                        f"nearest other rank (rank {other.rank}, at {_when(other_start)}){devices}: ranks of one job run "
+                        f"together, so {len(odd)} rank file(s) here are of another run; give each run's traces a folder "
+                        "of their own", job_id=job_id, path=trace.path)
+
+
+def _check_devices(ranks: Sequence[RankTrace], job_id: str) -> None:
+    """A GPU job's ranks must all show their GPU work, each launched by a CUDA call in the trace.
+
+    raw_cpu_only_rank: a rank without any kernel among ranks with kernels (profiled without
+    ProfilerActivity.CUDA): its compute and collectives would be CPU time beside the others' GPU time.
+    raw_unlinked_kernels: a rank most of whose GPU work has no CUDA launch of its `correlation`
+    (runtime events dropped or filtered out): which compute range launched it cannot be told, so
+    its compute would silently be CPU time. A few such items are counted in source (assemble)."""
+    gpu = [t for t in ranks if t.device != "cpu"]
+    cpu = [t for t in ranks if t.device == "cpu"]
+    if gpu and cpu:
+        first = min(cpu, key=lambda t: t.rank)
+        shown = ", ".join(str(t.rank) for t in sorted(cpu, key=lambda t: t.rank)[:8]) + (" ..." if len(cpu) > 8 else "")
+        raise RawInputError("raw_cpu_only_rank", f"rank {first.rank} recorded no GPU kernel, while {len(gpu)} other rank(s) "
+                            f"of the job ran theirs on {gpu[0].device} ({len(cpu)} rank(s) without kernels: {shown}): "
+                            "profiled without ProfilerActivity.CUDA, its compute and collectives cannot be timed like the "
+                            "others'; profile every rank with activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]",
+                            job_id=job_id, path=first.path)
+    for trace in sorted(gpu, key=lambda t: t.rank):
+        if trace.gpu_work and trace.gpu_work_unlinked > _UNLINKED_SHARE_MAX * trace.gpu_work:
+            raise RawInputError("raw_unlinked_kernels", f"rank {trace.rank}: {trace.gpu_work_unlinked} of its "
+                                f"{trace.gpu_work} GPU kernels, copies and memsets "
+                                f"({100.0 * trace.gpu_work_unlinked / trace.gpu_work:.0f}%) have no CUDA launch in the "
+                                "file (no cuda_runtime / cuda_driver event with their args.correlation): which compute "
+                                "range launched them cannot be told, so its compute cannot be timed on the GPU; export "
+                                "the trace whole (runtime events dropped or filtered out?)", job_id=job_id, path=trace.path)
+
+
+def _check_job(ranks: Sequence[RankTrace], job_id: str) -> int:
+    """Ranks of another job (world size, backend, NCCL version, process groups, when they ran),
+    duplicate ranks, GPU ranks without their GPU work (_check_devices); returns the world size."""
+    # world sizes first: two files of one rank number but of different world sizes are ranks of two jobs
+    _odd_value(ranks, lambda t: t.world, "world size", job_id)
+    seen: dict[int, str] = {}
+    for trace in ranks:
+        if trace.rank in seen:
+            raise RawInputError("raw_duplicate_rank", f"rank {trace.rank} appears in {seen[trace.rank]} and {trace.path}",
+                                job_id=job_id, path=trace.path)
+        seen[trace.rank] = trace.path
+    world = ranks[0].world
+    for trace in ranks:
+        if not 0 <= trace.rank < world:
+            raise RawInputError("raw_mixed_jobs", f"rank {trace.rank} outside world size {world}", job_id=job_id, path=trace.path)
+    _odd_value(ranks, lambda t: t.backend or None, "backend", job_id)
+    _odd_value(ranks, lambda t: t.versions.get("nccl_version"), "NCCL version", job_id)
+    _check_times(ranks, job_id)
+    # c10d names a group alike on every rank (a creation counter, or a hash of its ranks)
     defined: dict[str, tuple[int, ...]] = {}
     for trace in ranks:
         for group in trace.groups.values():
-            if len(group.ranks) == world and defined.setdefault(f"world:{group.name}", group.ranks) != group.ranks:
+            if defined.setdefault(group.name, group.ranks) != group.ranks:
                 raise RawInputError("raw_mixed_jobs", f"process group {group.name!r} has ranks {group.ranks} here but "
-                                    f"{defined[f'world:{group.name}']} in another file", job_id=job_id, path=trace.path)
+                                    f"{defined[group.name]} in another file", job_id=job_id, path=trace.path)
+    _check_devices(ranks, job_id)
     return world
 
 
@@ -182,6 +283,10 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
     unmapped: collections.Counter = collections.Counter()
     for trace in ranks:
         unmapped.update(trace.unmapped)
+    # GPU work whose CUDA launch the file lacks belongs to no compute range: a few are counted (most: refused)
+    unlinked = {str(t.rank): t.gpu_work_unlinked for t in sorted(ranks, key=lambda t: t.rank) if t.gpu_work_unlinked}
+    if unlinked:
+        unmapped["GPU work without its CUDA launch (correlation)"] += sum(unlinked.values())
     rows = {t.rank: _ops_of_rank(t, layout.worker[t.rank][1], layout, steps, _dp_groups(t, layout, described), job_id,
                                  unmapped, placement) for t in analysed}
     _check_comm_pairs(rows, layout, job_id)
@@ -267,6 +372,8 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
         "p2p_recvs_posted_early": p2p_posted_early,
         "unmapped": dict(sorted(unmapped.items())),
     }
+    if unlinked:   # rank -> its kernels, copies and memsets left out of compute (no CUDA launch in its file)
+        source["gpu_work_unlinked"] = unlinked
     return ConvertedJob(job_id, trace, manifest, source)
 
 

@@ -252,6 +252,7 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
     trace.origin_ns = (int(base) if isinstance(base, (int, float)) else 0) + round((origin or 0.0) * 1000)
     # one clock per host; without a host name every rank counts as its own clock
     trace.clock = f"host:{host}" if host else f"rank:{rank}"
+    trace.gpu_work, trace.gpu_work_unlinked = (on_gpu.work, on_gpu.unlinked) if on_gpu is not None else (0, 0)
     return trace
 
 
