@@ -1,7 +1,8 @@
-"""Pass 1: one rank's Kineto JSON -> `RankTrace` (events scanned once, compute and comm spans, steps)."""
+"""Pass 1: one rank's Kineto JSON -> `RankTrace` (events read once, compute and comm spans, steps)."""
 from __future__ import annotations
 
 import collections
+import itertools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -11,6 +12,7 @@ import numpy as np
 from transforms.ingest.common import RawInputError, open_bytes
 from transforms.ingest.kineto.compute import (_BACKWARD_OP, _NOT_COMPUTE, _UNMAPPED_QUIET, _GpuWork, _compute_spans,
                                              _unlabeled_compute)
+from transforms.ingest.kineto.reader import EventColumns, NotStreamable, TraceUnreadable, read_trace
 from transforms.ingest.kineto.spans import (BWD, COLL, DEFAULT_BACKWARD_LABELS, DEFAULT_FORWARD_LABELS,
                                             DEFAULT_OPTIMIZER_LABEL, FWD, Group, OPT, RECV, RankTrace, SEND,
                                             WEIGHT_LABEL, WGT, _COLLECTIVES, _NCCL, _STEP)
@@ -19,6 +21,7 @@ from transforms.ingest.kineto.spans import (BWD, COLL, DEFAULT_BACKWARD_LABELS, 
 # --------------------------------------------------------------------------- pass 1: one rank
 
 def _loads(data: bytes):
+    """The whole document decoded into dicts (the path of documents the streaming reader does not take)."""
     try:
         import orjson
 
@@ -29,21 +32,41 @@ def _loads(data: bytes):
         return json.loads(data)
 
 
+def _unreadable(path: str, error: BaseException) -> RawInputError:
+    return RawInputError("raw_unreadable", f"not a complete JSON document ({type(error).__name__}: {error})"
+                         if not isinstance(error, TraceUnreadable) else f"not a complete JSON document ({error})",
+                         path=path)
+
+
 def parse_rank_bytes(path: str, data: bytes, options: Mapping[str, Any] | None = None) -> RankTrace:
-    """One rank's raw file content (JSON, optionally gzipped) -> RankTrace. RawInputError on bad bytes."""
+    """One rank's raw file content (JSON, optionally gzipped) -> RankTrace. RawInputError on bad bytes.
+
+    Streamed (transforms/ingest/kineto/reader.py): gunzipped and decoded a few MB at a time into
+    typed structs, never the whole document; a document whose shape the reader does not take is
+    decoded whole instead (same result)."""
     import gc
 
-    # a trace decodes into millions of small dicts: the cyclic collector would rescan them over and
-    # over (74% of the decode time on 30 MB files, benchmarks/bench_ingest.py); none of them cycle
+    # the reader's structs are not tracked by the cyclic collector, but the columns of a run are
+    # lists of many objects: pausing it saves its rescans (74% of the decode time of dicts on 30 MB
+    # files, benchmarks/bench_ingest.py); none of them cycle
     enabled = gc.isenabled()
     gc.disable()
     try:
+        reader = read_trace(data)
+        events = _EventPass(options or {})
         try:
-            document = _loads(open_bytes(data))
-        except (ValueError, EOFError, OSError) as error:   # JSON decode error, truncated or broken gzip
-            raise RawInputError("raw_unreadable", f"not a complete JSON document ({type(error).__name__}: {error})",
-                                path=path) from None
-        return parse_rank(path, document, options)
+            for columns in reader.chunks():
+                events.add(columns)
+        except TraceUnreadable as error:
+            raise _unreadable(path, error) from None
+        except NotStreamable:
+            del events, reader
+            try:
+                document = _loads(open_bytes(data))
+            except (ValueError, EOFError, OSError) as error:   # JSON decode error, truncated or broken gzip
+                raise _unreadable(path, error) from None
+            return parse_rank(path, document, options)
+        return _rank_of(path, reader.top, events, options or {})
     finally:
         if enabled:
             gc.enable()
@@ -93,162 +116,313 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
     options = options or {}
     if not isinstance(document, Mapping) or not isinstance(document.get("traceEvents"), list):
         raise RawInputError("raw_not_a_trace", "no traceEvents list: not a torch.profiler Chrome trace", path=path)
-    info = document.get("distributedInfo")
+    _check_info(path, document)
+    events = _EventPass(options)
+    trace_events = document["traceEvents"]
+    for at in range(0, len(trace_events), _DICTS_PER_RUN):
+        events.add(EventColumns.of_dicts(trace_events[at:at + _DICTS_PER_RUN]))
+    return _rank_of(path, document, events, options)
+
+
+_DICTS_PER_RUN = 1 << 16
+
+
+def _check_info(path: str, top: Mapping[str, Any]) -> None:
+    info = top.get("distributedInfo")
     if not isinstance(info, Mapping) or "rank" not in info or "world_size" not in info:
         raise RawInputError("raw_not_a_trace", "no distributedInfo (rank, world_size): profile a torch.distributed "
                             "job (the profiler records it once the process group is initialised)", path=path)
-    forward_labels = _compile_labels(options, "forward_label", DEFAULT_FORWARD_LABELS)
-    backward_labels = _compile_labels(options, "backward_label", DEFAULT_BACKWARD_LABELS)
-    optimizer_label = re.compile(options.get("optimizer_label") or DEFAULT_OPTIMIZER_LABEL)
+
+
+# Codes of the event fields the pass tells apart (0: anything else).
+_PHASE = {"X": 1, "s": 2, "f": 3}
+_RUNTIME, _KERNEL, _COPY, _GPU_LABEL, _CPU_OP, _ANNOTATION, _FLOW = range(1, 8)
+_CATEGORY = {"cuda_runtime": _RUNTIME, "cuda_driver": _RUNTIME, "kernel": _KERNEL, "gpu_memcpy": _COPY,
+             "gpu_memset": _COPY, "gpu_user_annotation": _GPU_LABEL, "cpu_op": _CPU_OP,
+             "user_annotation": _ANNOTATION, "fwdbwd": _FLOW}
+
+
+def _name_class(name) -> int:
+    """0 for a CPU op / annotation name that only joins the op list, else 1: a step, gloo span,
+    c10d p2p call or record_param_comms, which the event-by-event part reads."""
+    if not isinstance(name, str):
+        return 1
+    return int(bool(_STEP.match(name)) or name.startswith(("gloo:", "c10d::send", "c10d::recv", "nccl:"))
+               or name == "record_param_comms")
+
+
+class _EventPass:
+    """The one pass over a rank's events, a run (`EventColumns`) at a time, in file order.
+
+    The bulk (CUDA launches, GPU work, CPU ops, flows) is classified and kept as numpy columns per
+    run; only the few events that need their names or args read (steps, labels, gloo and c10d
+    calls, NCCL kernels, GPU annotations) go through Python one by one. Times are kept relative to
+    `origin` (µs), set by the first complete event (ph X with ts and dur): a whole 2^32 µs (72 min)."""
+
+    def __init__(self, options: Mapping[str, Any]):
+        self.deferred: Exception | None = None   # an options error, raised once the file is known to be a trace
+        try:
+            self.forward_labels = _compile_labels(options, "forward_label", DEFAULT_FORWARD_LABELS)
+            self.backward_labels = _compile_labels(options, "backward_label", DEFAULT_BACKWARD_LABELS)
+            self.optimizer_label = re.compile(options.get("optimizer_label") or DEFAULT_OPTIMIZER_LABEL)
+        except (RawInputError, re.error) as error:
+            self.deferred = error
+        self.origin: float | None = None
+        self.kernels = 0
+        self.unmapped: collections.Counter = collections.Counter()
+        self.steps: dict[int, tuple[float, float]] = {}
+        self.step_tid = None
+        self.cpu_labels: list[tuple[int, float, float, int, int, str]] = []   # kind, start, end, mb, chunk, name
+        self.gpu_labels: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+        self.nccl: list[tuple[str, dict, float, float]] = []           # NCCL kernels: name, args, start, end
+        self.comm_meta: list[dict] = []                                 # record_param_comms args, in time order
+        self.gloo_cpu: list[tuple[str, float, float, Any]] = []         # name, start, end, tid
+        self.c10d_p2p: list[tuple[str, float, float, int]] = []         # c10d::send / recv_: name, start, end, local peer
+        self.optimizer: list[tuple[float, float]] = []
+        self.p2p_labels: list[tuple[float, float, int, int]] = []       # start, end, direction (+1 F, -1 B), stage
+        self.overlapped: list[tuple[float, float, str, str]] = []       # OVERLAP_F_B labels: start, end, actions, name
+        self.nccl_ranges: list[tuple[float, float, str, Any]] = []      # `nccl:*` CPU ranges: start, end, name, tid
+        # columns, one array (or list) per run
+        self._launch: list[tuple[np.ndarray, np.ndarray, list]] = []    # CUDA runtime / driver calls: start, correlation, tid
+        self._work: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # kernels, memcpy, memset (not NCCL): correlation, start, end
+        self._cpu: list[tuple[np.ndarray, np.ndarray, list, list]] = []  # every cpu_op / user_annotation: start, end, name, tid
+        self._annotations: list[tuple[np.ndarray, list]] = []           # user_annotation ranges: start, name
+        self._flow_starts: list[np.ndarray] = []                        # fwdbwd flow starts: forward ops autograd recorded
+        self._flow_ends: list[np.ndarray] = []                          # ... and their backward nodes
+        self._name_classes: dict[Any, int] = {}
+
+    def add(self, columns: EventColumns) -> None:
+        n = len(columns)
+        if not n:
+            return
+        phase = np.fromiter(map(_PHASE.get, columns.ph, itertools.repeat(0)), np.int8, n)
+        category = np.fromiter(map(_CATEGORY.get, columns.cat, itertools.repeat(0)), np.int8, n)
+        ts = _floats(columns.ts)
+        has_ts = ~np.isnan(ts)
+        flows = (phase >= 2) & (category == _FLOW) & has_ts
+        if flows.any():
+            self._flow_starts.append(ts[flows & (phase == 2)])
+            self._flow_ends.append(ts[flows & (phase == 3)])
+        complete = (phase == 1) & has_ts
+        complete &= ~np.isnan(_floats(columns.dur)) if complete.any() else complete
+        if not complete.any():
+            return
+        dur = _floats(columns.dur)
+        if self.origin is None:
+            first = float(ts[np.argmax(complete)])
+            self.origin = float(np.floor(first / 2.0 ** 32) * 2.0 ** 32)
+        start = ts - self.origin
+        end = start + dur
+        category = np.where(complete, category, 0)
+        names = columns.name
+        tids = columns.tid
+
+        runtime = np.flatnonzero(category == _RUNTIME)
+        if len(runtime):
+            correlation = columns.correlations(runtime)
+            given = np.fromiter((c is not None for c in correlation), bool, len(runtime))
+            if not given.all():
+                correlation = [c for c in correlation if c is not None]
+                runtime = runtime[given]
+            self._launch.append((start[runtime], np.array(correlation, dtype=np.int64).reshape(-1),
+                                 [tids[i] for i in runtime]))
+
+        rare: list[int] = []
+        gpu = np.flatnonzero((category == _KERNEL) | (category == _COPY))
+        if len(gpu):
+            self.kernels += int(np.count_nonzero(category == _KERNEL))
+            nccl = np.fromiter((names[i].startswith(_NCCL) for i in gpu), bool, len(gpu))
+            rare += gpu[nccl].tolist()
+            work = gpu[~nccl]
+            correlation = columns.correlations(work)
+            given = np.fromiter((c is not None for c in correlation), bool, len(work))
+            if len(work) and not given.all():
+                correlation = [c for c in correlation if c is not None]
+                work = work[given]
+            if len(work):
+                self._work.append((np.array(correlation, dtype=np.int64).reshape(-1), start[work], end[work]))
+        rare += np.flatnonzero(category == _GPU_LABEL).tolist()
+
+        cpu = np.flatnonzero((category == _CPU_OP) | (category == _ANNOTATION))
+        if len(cpu):
+            cpu_names = [names[i] for i in cpu]
+            self._cpu.append((start[cpu], end[cpu], cpu_names, [tids[i] for i in cpu]))
+            annotation = category[cpu] == _ANNOTATION
+            if annotation.any():
+                self._annotations.append((start[cpu[annotation]], [cpu_names[i] for i in np.flatnonzero(annotation)]))
+            known = self._name_classes
+            classes = list(map(known.get, cpu_names))
+            if None in classes:
+                for name in cpu_names:
+                    if name not in known:
+                        known[name] = _name_class(name)
+                classes = list(map(known.__getitem__, cpu_names))
+            special = np.array(classes, dtype=bool) | annotation
+            rare += cpu[special].tolist()
+        if rare:
+            rare.sort()
+            self._one_by_one(columns, rare, start[rare].tolist(), end[rare].tolist())
+
+    def _one_by_one(self, columns: EventColumns, indices: list[int], starts: list[float], ends: list[float]) -> None:
+        """The events whose names or args matter, in file order."""
+        names, categories, tids = columns.name, columns.cat, columns.tid
+        for i, ts, end in zip(indices, starts, ends):
+            name, cat = names[i], categories[i]
+            if cat in ("kernel", "gpu_memcpy", "gpu_memset"):   # NCCL: read once the rank and groups are known
+                self.nccl.append((name, columns.args_of(i), ts, end))
+                continue
+            if cat == "gpu_user_annotation":
+                if not name.startswith("ProfilerStep#"):
+                    self.gpu_labels[name].append((ts, end))
+                continue
+            step = _STEP.match(name)
+            if step:
+                self.steps[int(step.group(1))] = (ts, end)
+                self.step_tid = tids[i]
+                continue
+            if name.startswith("gloo:"):
+                self.gloo_cpu.append((name[5:], ts, end, tids[i]))
+                continue
+            if name.startswith("c10d::send") or name.startswith("c10d::recv"):
+                inputs = columns.args_of(i).get("Concrete Inputs") or []
+                peer = inputs[2] if len(inputs) > 2 and str(inputs[2]).lstrip("-").isdigit() else -1
+                self.c10d_p2p.append(("send" if name.startswith("c10d::send") else "recv", ts, end, int(peer)))
+                continue
+            if name == "record_param_comms":
+                args = columns.args_of(i)
+                if "Collective name" in args:
+                    self.comm_meta.append(dict(args, ts=ts, tid=tids[i]))
+                continue
+            if name.startswith("nccl:"):   # c10d's range around a NCCL call: names the kernels it launched
+                self.nccl_ranges.append((ts, end, name, tids[i]))
+            if cat == "user_annotation" and self.deferred is None:
+                self._label(name, ts, end)
+
+    def _label(self, name: str, ts: float, end: float) -> None:
+        if self.optimizer_label.match(name):
+            self.optimizer.append((ts, end))
+            return
+        found = _match(self.forward_labels, name)
+        kind = FWD
+        if found is None:
+            found, kind = _match(self.backward_labels, name), BWD
+        if found is not None:
+            groups_found = found.groupdict()
+            mb = groups_found.get("mb")
+            chunk = groups_found.get("stage") if "stage" in groups_found else groups_found.get("chunk")
+            self.cpu_labels.append((kind, ts, end, int(mb) if mb is not None else -1,
+                                    int(chunk) if chunk is not None else -1, name))
+        elif (weight := WEIGHT_LABEL.match(name)) is not None:
+            self.cpu_labels.append((WGT, ts, end, int(weight.group("mb")), int(weight.group("stage")), name))
+        elif (overlap := _OVERLAP_LABEL.match(name)) is not None:
+            self.overlapped.append((ts, end, overlap.group("actions"), name))
+        elif (p2p_label := _P2P_LABEL.match(name)) is not None:
+            self.p2p_labels.append((ts, end, 1 if p2p_label.group("dir") == "F" else -1, int(p2p_label.group("stage"))))
+        elif not _UNMAPPED_QUIET.match(name):
+            self.unmapped[f"label {_label_family(name)}"] += 1
+
+    # ---------------------------------------------------------------- the columns, once all runs are in
+
+    def launches(self) -> list[tuple[float, int]]:
+        return list(zip(_joined([r[0] for r in self._launch]).tolist(), _joined([r[1] for r in self._launch], np.int64).tolist()))
+
+    def launch_threads(self, wanted: list[int]) -> dict[int, tuple[float, Any]]:
+        """correlation -> (launch start, thread) of the CUDA calls of the `wanted` correlations (the
+        last call of a correlation wins)."""
+        correlations = _joined([r[1] for r in self._launch], np.int64)
+        keep = np.flatnonzero(np.isin(correlations, np.array(wanted, dtype=np.int64)))
+        starts = _joined([r[0] for r in self._launch])[keep].tolist()
+        threads = list(itertools.chain.from_iterable(r[2] for r in self._launch))
+        return dict(zip(correlations[keep].tolist(), zip(starts, (threads[i] for i in keep))))
+
+    def gpu_work(self) -> list[tuple[int, float, float]]:
+        return list(zip(*(_joined([r[k] for r in self._work], np.int64 if k == 0 else np.float64).tolist() for k in range(3))))
+
+    def cpu_ops(self) -> list[tuple[float, float, str, Any]]:
+        return list(zip(_joined([r[0] for r in self._cpu]).tolist(), _joined([r[1] for r in self._cpu]).tolist(),
+                        itertools.chain.from_iterable(r[2] for r in self._cpu),
+                        itertools.chain.from_iterable(r[3] for r in self._cpu)))
+
+    def annotations(self) -> set[tuple[float, str]]:
+        return set(zip(_joined([r[0] for r in self._annotations]).tolist(),
+                       itertools.chain.from_iterable(r[1] for r in self._annotations)))
+
+    def flows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Sorted fwdbwd flow starts and ends on the span columns' time axis."""
+        origin = self.origin or 0.0
+        return np.sort(_joined(self._flow_starts) - origin), np.sort(_joined(self._flow_ends) - origin)
+
+
+def _floats(values: list) -> np.ndarray:
+    """A column of numbers or None as float64, NaN for None."""
+    return np.array(values, dtype=np.float64).reshape(-1)
+
+
+def _joined(parts: list[np.ndarray], dtype=np.float64) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Mapping[str, Any]) -> RankTrace:
+    """The RankTrace of a rank whose events went through `events` and whose other top-level keys are `top`."""
+    _check_info(path, top)
+    if events.deferred is not None:
+        raise events.deferred
+    info = top["distributedInfo"]
     rank, world = int(info["rank"]), int(info["world_size"])
     groups = _groups(info)
-    unmapped: collections.Counter = collections.Counter()
-
-    steps: dict[int, tuple[float, float]] = {}
-    step_tid = None
-    cpu_labels: list[tuple[int, float, float, int, int, str]] = []   # kind, start, end, mb, chunk, name
-    gpu_labels: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
-    comm: list[tuple[int, float, float, int, str, str, int]] = []          # kind, start, end, peer, coll, group, local peer
-    comm_meta: list[dict] = []                                      # record_param_comms args, in time order
-    gloo_cpu: list[tuple[str, float, float, int]] = []               # name, start, end, tid
-    c10d_p2p: list[tuple[str, float, float, int]] = []               # c10d::send / recv_: name, start, end, local peer
-    cpu_ops: list[tuple[float, float, str, object]] = []             # every cpu_op / user_annotation: start, end, name, tid
-    optimizer: list[tuple[float, float]] = []
-    p2p_labels: list[tuple[float, float, int, int]] = []              # start, end, direction (+1 F, -1 B), stage
-    overlapped: list[tuple[float, float, str, str]] = []              # OVERLAP_F_B labels: start, end, actions, name
-    launches: list[tuple[float, int]] = []                           # CUDA runtime / driver calls: start, correlation
-    gpu_work: list[tuple[int, float, float]] = []                    # kernels, memcpy, memset (not NCCL): correlation, start, end
-    annotations: set[tuple[float, str]] = set()                      # user_annotation ranges: start, name
-    kernels = 0
-    launch_tid: dict[int, tuple[float, object]] = {}                # correlation -> (launch start, thread)
+    unmapped = events.unmapped
+    steps, step_tid, cpu_labels, optimizer = events.steps, events.step_tid, events.cpu_labels, events.optimizer
+    comm: list[tuple[int, float, float, int, str, str, int]] = []   # kind, start, end, peer, coll, group, local peer
     unnamed: list[tuple[int, int]] = []                              # NCCL kernels without a collective name: (comm index, correlation)
-    origin = None   # times are kept relative to it (µs), so durations stay exact
-    flow_starts: list[float] = []                                   # fwdbwd flow starts: forward ops autograd recorded
-    flow_ends: list[float] = []                                     # ... and their backward nodes
-    for event in document["traceEvents"]:
-        if event.get("ph") != "X":
-            if event.get("cat") == "fwdbwd" and event.get("ts") is not None:
-                if event.get("ph") == "s":
-                    flow_starts.append(float(event["ts"]))
-                elif event.get("ph") == "f":
-                    flow_ends.append(float(event["ts"]))
-            continue
-        name = event.get("name", "")
-        cat = event.get("cat", "")
-        ts = event.get("ts")
-        dur = event.get("dur")
-        if ts is None or dur is None:
-            continue
-        if origin is None:   # a whole 2^32 µs (72 min): the same for any event order
-            origin = float(np.floor(float(ts) / 2.0 ** 32) * 2.0 ** 32)
-        ts = float(ts) - origin
-        end = ts + float(dur)
-        if cat in ("cuda_runtime", "cuda_driver"):
-            correlation = (event.get("args") or {}).get("correlation")
-            if correlation is not None:
-                launches.append((ts, int(correlation)))
-                launch_tid[int(correlation)] = (ts, event.get("tid"))
-            continue
-        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
-            kernels += cat == "kernel"
-            args = event.get("args") or {}
-            if name.startswith(_NCCL):
-                if "Collective name" not in args and args.get("correlation") is not None:
-                    unnamed.append((len(comm), int(args["correlation"])))
-                comm.append(_nccl_span(name, args, ts, end, rank, groups))
-            elif args.get("correlation") is not None:
-                gpu_work.append((int(args["correlation"]), ts, end))
-            continue
-        if cat not in ("user_annotation", "cpu_op", "gpu_user_annotation"):
-            continue
-        if cat == "gpu_user_annotation":
-            if not name.startswith("ProfilerStep#"):
-                gpu_labels[name].append((ts, end))
-            continue
-        cpu_ops.append((ts, end, name, event.get("tid")))
-        if cat == "user_annotation":
-            annotations.add((ts, name))
-        step = _STEP.match(name)
-        if step:
-            steps[int(step.group(1))] = (ts, end)
-            step_tid = event.get("tid")
-            continue
-        if name.startswith("gloo:"):
-            gloo_cpu.append((name[5:], ts, end, event.get("tid")))
-            continue
-        if name.startswith("c10d::send") or name.startswith("c10d::recv"):
-            inputs = (event.get("args") or {}).get("Concrete Inputs") or []
-            peer = inputs[2] if len(inputs) > 2 and str(inputs[2]).lstrip("-").isdigit() else -1
-            c10d_p2p.append(("send" if name.startswith("c10d::send") else "recv", ts, end, int(peer)))
-            continue
-        if name == "record_param_comms":
-            args = event.get("args") or {}
-            if "Collective name" in args:
-                comm_meta.append(dict(args, ts=ts, tid=event.get("tid")))
-            continue
-        if cat == "user_annotation":
-            if optimizer_label.match(name):
-                optimizer.append((ts, end))
-                continue
-            found = _match(forward_labels, name)
-            kind = FWD
-            if found is None:
-                found, kind = _match(backward_labels, name), BWD
-            if found is not None:
-                groups_found = found.groupdict()
-                mb = groups_found.get("mb")
-                chunk = groups_found.get("stage") if "stage" in groups_found else groups_found.get("chunk")
-                cpu_labels.append((kind, ts, end, int(mb) if mb is not None else -1,
-                                   int(chunk) if chunk is not None else -1, name))
-            elif (weight := WEIGHT_LABEL.match(name)) is not None:
-                cpu_labels.append((WGT, ts, end, int(weight.group("mb")), int(weight.group("stage")), name))
-            elif (overlap := _OVERLAP_LABEL.match(name)) is not None:
-                overlapped.append((ts, end, overlap.group("actions"), name))
-            elif (p2p_label := _P2P_LABEL.match(name)) is not None:
-                p2p_labels.append((ts, end, 1 if p2p_label.group("dir") == "F" else -1, int(p2p_label.group("stage"))))
-            elif not _UNMAPPED_QUIET.match(name):
-                unmapped[f"label {_label_family(name)}"] += 1
+    for name, args, ts, end in events.nccl:
+        if "Collective name" not in args and args.get("correlation") is not None:
+            unnamed.append((len(comm), int(args["correlation"])))
+        comm.append(_nccl_span(name, args, ts, end, rank, groups))
+    kernels, origin = events.kernels, events.origin
     if not steps:
         raise RawInputError("raw_no_steps", "no ProfilerStep#N span: call prof.step() once per training step", path=path)
     device = "cpu"
-    properties = document.get("deviceProperties") or []
+    properties = top.get("deviceProperties") or []
     if kernels and properties and isinstance(properties[0], Mapping):
         device = str(properties[0].get("name") or "gpu")
     elif kernels:
         device = "gpu"
-    versions = {"schemaVersion": document.get("schemaVersion"), "backend": info.get("backend"),
-                "nccl_version": info.get("nccl_version"), "trace_id": document.get("trace_id")}
+    versions = {"schemaVersion": top.get("schemaVersion"), "backend": info.get("backend"),
+                "nccl_version": info.get("nccl_version"), "trace_id": top.get("trace_id")}
+    cpu_ops = events.cpu_ops()
     if unnamed:
-        _name_from_launch(comm, unnamed, launch_tid, cpu_ops)
+        # (only the `nccl:` ranges and the unnamed kernels' launches matter to it)
+        _name_from_launch(comm, unnamed, events.launch_threads([c for _, c in unnamed]), events.nccl_ranges)
     if not kernels:
-        comm += _gloo_spans(gloo_cpu, comm_meta, c10d_p2p, rank, groups, unmapped)
+        comm += _gloo_spans(events.gloo_cpu, events.comm_meta, events.c10d_p2p, rank, groups, unmapped)
     main = [op for op in cpu_ops if op[3] == step_tid]
     # the autograd engine runs a GPU job's backward on threads of its own: its top-level
     # `evaluate_function` ops are the backward work the main thread waits for meanwhile
     backward_elsewhere = [op for op in cpu_ops if op[3] != step_tid and op[2].startswith(_BACKWARD_OP)]
-    if overlapped:
-        cpu_labels += _split_overlapped(overlapped, cpu_ops, path)
+    if events.overlapped:
+        cpu_labels += _split_overlapped(events.overlapped, cpu_ops, path)
     kinds = {label[0] for label in cpu_labels} & {FWD, BWD}
-    autograd = np.sort(np.array(flow_starts) - (origin or 0.0))   # on the span columns' time axis
+    autograd, flow_ends = events.flows()   # on the span columns' time axis
     if kinds != {FWD, BWD}:
         # no (or only forward) schedule labels: microbatches from the main thread's op runs
         # with the backward on another thread, the main thread's record_function ranges (`## backward ##`)
         # span work they do not hold: they are labels, not ops, and what they hold is
+        annotations = events.annotations() if backward_elsewhere else set()
         ops = main if not backward_elsewhere else \
             [op for op in main if (op[0], op[2]) not in annotations or _STEP.match(op[2])] + backward_elsewhere
         cpu_labels = [label for label in cpu_labels if label[0] in kinds] + _unlabeled_compute(
             ops, sorted(steps.values()), optimizer, forward=FWD not in kinds, autograd=autograd)
-    on_gpu = _GpuWork(launches, gpu_work) if kernels else None
-    spans = _compute_spans(cpu_labels, gpu_labels if kernels else {}, comm, main, on_gpu)
+    on_gpu = _GpuWork(events.launches(), events.gpu_work()) if kernels else None
+    spans = _compute_spans(cpu_labels, events.gpu_labels if kernels else {}, comm, main, on_gpu)
     if on_gpu is not None:   # the optimizer's time is its kernels' too: one clock for a step's ops
         optimizer = [on_gpu.span(s, e) or (s, e) for s, e in optimizer]
-    work = _recorded_ops(spans, autograd, np.sort(np.array(flow_ends) - (origin or 0.0))) if not kernels else [-1] * len(spans)
+    work = _recorded_ops(spans, autograd, flow_ends) if not kernels else [-1] * len(spans)
     trace = _rank_trace(path, rank, world, str(info.get("backend") or ""), groups, device, versions, steps, spans,
-                        comm, optimizer, unmapped, _p2p_directions(comm, cpu_labels, p2p_labels), work)
-    host = document.get("host_name") or info.get("host_name")
+                        comm, optimizer, unmapped, _p2p_directions(comm, cpu_labels, events.p2p_labels), work)
+    host = top.get("host_name") or info.get("host_name")
     trace.host = str(host) if host else None
     # Kineto's ts are µs after baseTimeNanoseconds: the recorded instant of time 0 of this rank, in ns
-    base = document.get("baseTimeNanoseconds")
+    base = top.get("baseTimeNanoseconds")
     trace.origin_ns = (int(base) if isinstance(base, (int, float)) else 0) + round((origin or 0.0) * 1000)
     # one clock per host; without a host name every rank counts as its own clock
     trace.clock = f"host:{host}" if host else f"rank:{rank}"

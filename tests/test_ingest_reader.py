@@ -1,0 +1,344 @@
+"""The streaming Kineto reader (transforms/ingest/kineto/reader.py) and the columnar event pass
+(rank.py `_EventPass`) give exactly the RankTrace of a plain event-by-event pass over the whole
+document decoded into dicts (`_ReferencePass` below: the loop the converter ran before issue 22),
+on real GPU traces, the committed real CPU runs, generated traces, and shapes the streaming reader
+must survive (any event order, keys after traceEvents, escaped quotes and brackets in names, runs
+cut anywhere, gzip members, broken bytes)."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gzip
+import json
+import pathlib
+import re
+
+import numpy as np
+import orjson
+import pytest
+
+from transforms.ingest.common import RawInputError
+from transforms.ingest.kineto import rank as kineto_rank
+from transforms.ingest.kineto import reader as kineto_reader
+from transforms.ingest.kineto.compute import _UNMAPPED_QUIET
+from transforms.ingest.kineto.rank import parse_rank, parse_rank_bytes
+from transforms.ingest.kineto.spans import (BWD, DEFAULT_BACKWARD_LABELS, DEFAULT_FORWARD_LABELS,
+                                            DEFAULT_OPTIMIZER_LABEL, FWD, WEIGHT_LABEL, WGT, _NCCL, _STEP)
+from transforms.synth.job import generate_job
+from transforms.synth.kineto_writer import write_kineto_job
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HTA = sorted((ROOT.parent / "shared" / "traces" / "hta").glob("*.json.gz"))
+REAL_RUNS = sorted((ROOT / "tests" / "data" / "real_runs").glob("*/rank-*.json.gz"))
+
+
+class _ReferencePass:
+    """The event pass as one loop over the decoded dicts, event by event (what rank.py did before
+    the columnar pass), exposing what `_rank_of` reads."""
+
+    def __init__(self, events: list, options=None):
+        options = options or {}
+        forward_labels = kineto_rank._compile_labels(options, "forward_label", DEFAULT_FORWARD_LABELS)
+        backward_labels = kineto_rank._compile_labels(options, "backward_label", DEFAULT_BACKWARD_LABELS)
+        optimizer_label = re.compile(options.get("optimizer_label") or DEFAULT_OPTIMIZER_LABEL)
+        self.deferred = None
+        self.unmapped = collections.Counter()
+        self.steps, self.step_tid, self.cpu_labels = {}, None, []
+        self.gpu_labels = collections.defaultdict(list)
+        self.nccl, self.comm_meta, self.gloo_cpu, self.c10d_p2p = [], [], [], []
+        self.optimizer, self.p2p_labels, self.overlapped = [], [], []
+        self._launches, self._work, self._cpu, self._annotations = [], [], [], set()
+        self._launch_tid = {}
+        self.kernels, self.origin = 0, None
+        self._flow_starts, self._flow_ends = [], []
+        for event in events:
+            if event.get("ph") != "X":
+                if event.get("cat") == "fwdbwd" and event.get("ts") is not None:
+                    if event.get("ph") == "s":
+                        self._flow_starts.append(float(event["ts"]))
+                    elif event.get("ph") == "f":
+                        self._flow_ends.append(float(event["ts"]))
+                continue
+            name, cat, ts, dur = event.get("name", ""), event.get("cat", ""), event.get("ts"), event.get("dur")
+            if ts is None or dur is None:
+                continue
+            if self.origin is None:
+                self.origin = float(np.floor(float(ts) / 2.0 ** 32) * 2.0 ** 32)
+            ts = float(ts) - self.origin
+            end = ts + float(dur)
+            if cat in ("cuda_runtime", "cuda_driver"):
+                correlation = (event.get("args") or {}).get("correlation")
+                if correlation is not None:
+                    self._launches.append((ts, int(correlation)))
+                    self._launch_tid[int(correlation)] = (ts, event.get("tid"))
+                continue
+            if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+                self.kernels += cat == "kernel"
+                args = event.get("args") or {}
+                if name.startswith(_NCCL):
+                    self.nccl.append((name, args, ts, end))
+                elif args.get("correlation") is not None:
+                    self._work.append((int(args["correlation"]), ts, end))
+                continue
+            if cat == "gpu_user_annotation":
+                if not name.startswith("ProfilerStep#"):
+                    self.gpu_labels[name].append((ts, end))
+                continue
+            if cat not in ("user_annotation", "cpu_op"):
+                continue
+            self._cpu.append((ts, end, name, event.get("tid")))
+            if cat == "user_annotation":
+                self._annotations.add((ts, name))
+            step = _STEP.match(name)
+            if step:
+                self.steps[int(step.group(1))] = (ts, end)
+                self.step_tid = event.get("tid")
+                continue
+            if name.startswith("gloo:"):
+                self.gloo_cpu.append((name[5:], ts, end, event.get("tid")))
+                continue
+            if name.startswith("c10d::send") or name.startswith("c10d::recv"):
+                inputs = (event.get("args") or {}).get("Concrete Inputs") or []
+                peer = inputs[2] if len(inputs) > 2 and str(inputs[2]).lstrip("-").isdigit() else -1
+                self.c10d_p2p.append(("send" if name.startswith("c10d::send") else "recv", ts, end, int(peer)))
+                continue
+            if name == "record_param_comms":
+                args = event.get("args") or {}
+                if "Collective name" in args:
+                    self.comm_meta.append(dict(args, ts=ts, tid=event.get("tid")))
+                continue
+            if cat == "user_annotation":
+                if optimizer_label.match(name):
+                    self.optimizer.append((ts, end))
+                    continue
+                found, kind = kineto_rank._match(forward_labels, name), FWD
+                if found is None:
+                    found, kind = kineto_rank._match(backward_labels, name), BWD
+                if found is not None:
+                    groups = found.groupdict()
+                    mb = groups.get("mb")
+                    chunk = groups.get("stage") if "stage" in groups else groups.get("chunk")
+                    self.cpu_labels.append((kind, ts, end, int(mb) if mb is not None else -1,
+                                            int(chunk) if chunk is not None else -1, name))
+                elif (weight := WEIGHT_LABEL.match(name)) is not None:
+                    self.cpu_labels.append((WGT, ts, end, int(weight.group("mb")), int(weight.group("stage")), name))
+                elif (overlap := kineto_rank._OVERLAP_LABEL.match(name)) is not None:
+                    self.overlapped.append((ts, end, overlap.group("actions"), name))
+                elif (p2p := kineto_rank._P2P_LABEL.match(name)) is not None:
+                    self.p2p_labels.append((ts, end, 1 if p2p.group("dir") == "F" else -1, int(p2p.group("stage"))))
+                elif not _UNMAPPED_QUIET.match(name):
+                    self.unmapped[f"label {kineto_rank._label_family(name)}"] += 1
+
+    def launches(self):
+        return list(self._launches)
+
+    def launch_threads(self, wanted):
+        return dict(self._launch_tid)
+
+    @property
+    def nccl_ranges(self):
+        return [op for op in self._cpu if op[2].startswith("nccl:")]
+
+    def gpu_work(self):
+        return list(self._work)
+
+    def cpu_ops(self):
+        return list(self._cpu)
+
+    def annotations(self):
+        return set(self._annotations)
+
+    def flows(self):
+        origin = self.origin or 0.0
+        return np.sort(np.array(self._flow_starts) - origin), np.sort(np.array(self._flow_ends) - origin)
+
+
+def reference(path: str, data: bytes, options=None):
+    """RankTrace (or the RawInputError) of the reference pass over the whole document."""
+    try:
+        document = orjson.loads(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
+    except (ValueError, EOFError, OSError):
+        return "raw_unreadable"
+    if not isinstance(document, dict) or not isinstance(document.get("traceEvents"), list):
+        return "raw_not_a_trace"
+    try:
+        kineto_rank._check_info(path, document)
+        return kineto_rank._rank_of(path, document, _ReferencePass(document["traceEvents"], options), options or {})
+    except RawInputError as error:
+        return error.reason_code
+
+
+def streamed(path: str, data: bytes, options=None, **reader_options):
+    original = kineto_reader.read_trace
+    if reader_options:
+        kineto_rank.read_trace = lambda content: original(content, **reader_options)
+    try:
+        return parse_rank_bytes(path, data, options)
+    except RawInputError as error:
+        return error.reason_code
+    finally:
+        kineto_rank.read_trace = original
+
+
+def assert_same(got, expected) -> None:
+    if isinstance(expected, str) or isinstance(got, str):
+        assert got == expected
+        return
+    for field in dataclasses.fields(expected):
+        a, b = getattr(got, field.name), getattr(expected, field.name)
+        if isinstance(b, np.ndarray):
+            assert a.dtype == b.dtype and a.shape == b.shape, field.name
+            assert a.tolist() == b.tolist(), field.name   # exact, floats included
+        else:
+            assert a == b, field.name
+    assert list(got.unmapped.items()) == list(expected.unmapped.items())
+
+
+def _document_bytes(document: dict, *, indent: bool = True) -> bytes:
+    return orjson.dumps(document, option=orjson.OPT_INDENT_2 if indent else 0)
+
+
+@pytest.mark.parametrize("path", HTA, ids=lambda p: p.name)
+def test_real_gpu_traces_parse_as_the_reference_does(path):
+    data = path.read_bytes()
+    expected = reference(str(path), data)
+    assert_same(streamed(str(path), data), expected)
+    # small runs: cuts fall everywhere, across gzip pieces too
+    plain = gzip.decompress(data)
+    small = len(plain) < (8 << 20)
+    assert_same(streamed(str(path), data, chunk_bytes=1 << 14 if small else 1 << 18), expected)
+    assert_same(streamed(str(path), plain, chunk_bytes=3000 if small else 1 << 17), expected)
+    # the dict path (an already decoded document) goes through the same pass
+    assert_same(parse_rank(str(path), orjson.loads(plain)), expected)
+
+
+def test_the_real_cpu_runs_are_all_there():
+    assert len(REAL_RUNS) >= 40
+
+
+@pytest.mark.parametrize("path", REAL_RUNS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_the_real_cpu_runs_parse_as_the_reference_does(path):
+    data = path.read_bytes()
+    expected = reference(str(path), data)
+    assert not isinstance(expected, str), path
+    assert_same(streamed(str(path), data), expected)
+    if path.name == "rank-0.json.gz":
+        assert_same(streamed(str(path), data, chunk_bytes=1 << 15), expected)
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_ingest_kineto import spec_of
+
+    folder = tmp_path_factory.mktemp("generated")
+    paths = []
+    for name in ("dp1xpp2", "dp2xpp4-slow"):
+        paths += write_kineto_job(generate_job(spec_of(name)), folder / name)
+    return paths
+
+
+def test_generated_traces_parse_as_the_reference_does(generated):
+    for path in generated:
+        data = pathlib.Path(path).read_bytes()
+        expected = reference(str(path), data)
+        assert not isinstance(expected, str)
+        assert_same(streamed(str(path), data), expected)
+        assert_same(streamed(str(path), data, chunk_bytes=1 << 13), expected)
+
+
+def _gpu_document() -> dict:
+    return orjson.loads(gzip.decompress((ROOT.parent / "shared" / "traces" / "hta" / "nccl_data.json.gz").read_bytes()))
+
+
+def test_any_event_order_and_keys_after_the_events():
+    document = _gpu_document()
+    events = document["traceEvents"]
+    shuffled = [events[i] for i in np.random.default_rng(3).permutation(len(events))]
+    # traceEvents first, every other key after it
+    late = {"traceEvents": shuffled, **{k: v for k, v in document.items() if k != "traceEvents"}}
+    data = _document_bytes(late)
+    assert data.index(b'"traceEvents"') < data.index(b'"distributedInfo"')
+    expected = reference("late.json", data)
+    assert not isinstance(expected, str)
+    for chunk_bytes in (1 << 22, 5000):
+        assert_same(streamed("late.json", data, chunk_bytes=chunk_bytes), expected)
+        assert_same(streamed("late.json", gzip.compress(data, 1), chunk_bytes=chunk_bytes), expected)
+
+
+def test_escaped_quotes_and_brackets_in_names():
+    document = _gpu_document()
+    events = document["traceEvents"]
+    tricky = ['a "[{" b', 'x}, {"ph": "X"', "]}]}", 'back\\\\"slash', 'tail}\n  },\n  {', "ProfilerStep#x}"]
+    steps = [e for e in events if e.get("name", "").startswith("ProfilerStep#")]
+    extra = []
+    for i, name in enumerate(tricky * 40):
+        base = steps[i % len(steps)]
+        # user annotations (unmapped labels) and CPU ops inside steps, args with brackets too
+        extra.append({"ph": "X", "cat": "user_annotation" if i % 2 else "cpu_op", "name": name,
+                      "ts": base["ts"] + 1 + i, "dur": 2, "tid": base["tid"],
+                      "args": {"note": name, "nested": [{"k": [name, "}]"]}]}})
+    document = dict(document, traceEvents=[x for pair in zip(events, extra) for x in pair] + events[len(extra):])
+    data = _document_bytes(document)
+    assert b'\\"[{\\"' in data
+    expected = reference("tricky.json", data)
+    assert not isinstance(expected, str)
+    assert sum(expected.unmapped.values()) > 0
+    for chunk_bytes in (1 << 22, 2000, 300):
+        assert_same(streamed("tricky.json", data, chunk_bytes=chunk_bytes), expected)
+    compact = _document_bytes(document, indent=False)
+    assert_same(streamed("tricky.json", compact, chunk_bytes=700), expected)
+
+
+def test_gzip_members_concatenated():
+    data = _document_bytes(_gpu_document())
+    half = len(data) // 2
+    two = gzip.compress(data[:half]) + gzip.compress(data[half:])
+    assert_same(streamed("two.json", two, chunk_bytes=1 << 16), reference("two.json", data))
+
+
+@pytest.mark.parametrize("content", [
+    b"", b"   ", b"PAR1\x00\x01 this is not json", b'{"traceEvents": [', b'{"traceEvents": [{"ph": "X"}, ',
+    b'{"traceEvents": [{"ph": "X"}] , "x": }', b'{"traceEvents": []} trailing', b'{"traceEvents": [}]}',
+    b'{"traceEvents": [{"ph": "X"}}]}', b'{"traceEvents": [{"ph": "X" "cat": 1}]}', b'{"a": 1',
+])
+def test_broken_json_is_unreadable(content):
+    for data in (content, gzip.compress(content)):
+        assert streamed("bad.json", data) == "raw_unreadable" == reference("bad.json", data)
+
+
+@pytest.mark.parametrize("document", [
+    [], {"traceEvents": {}}, {"traceEvents": []}, {"a": 1}, {"traceEvents": [], "distributedInfo": {"rank": 0}},
+    {"traceEvents": [1, 2], "distributedInfo": {"rank": 0, "world_size": 1}},   # not events: decoded whole
+    {"traceEvents": [{"ph": "X", "ts": "12", "dur": 1, "cat": "cpu_op", "name": "ProfilerStep#1"}],
+     "distributedInfo": {"rank": 0, "world_size": 1}},
+])
+def test_documents_that_are_no_trace(document):
+    data = json.dumps(document).encode()
+    if isinstance(document, dict) and document.get("traceEvents") == [1, 2]:
+        with pytest.raises(AttributeError):   # the old path failed so too: an event must be an object
+            streamed("odd.json", data)
+        return
+    assert_same(streamed("odd.json", data), reference("odd.json", data))
+
+
+def test_truncated_gzip_is_unreadable():
+    data = (ROOT.parent / "shared" / "traces" / "hta" / "nccl_data.json.gz").read_bytes()
+    for cut in (len(data) // 2, len(data) - 4, 12):
+        with pytest.raises(RawInputError) as raised:
+            parse_rank_bytes("cut.json.gz", data[:cut])
+        assert raised.value.reason_code == "raw_unreadable" and "cut.json.gz" in str(raised.value)
+        assert "not a complete JSON document" in str(raised.value)
+
+
+def test_the_reader_reads_every_top_level_key():
+    document = {"schemaVersion": 1, "deviceProperties": [{"name": 'a "quoted" [gpu]'}], "traceEvents": [{"ph": "M"}],
+                "distributedInfo": {"rank": 3, "world_size": 4}, "baseTimeNanoseconds": 17, "trace_id": "t",
+                "host_name": "h", "traceName": "x]}"}
+    for data in (json.dumps(document).encode(), json.dumps(document, indent=3).encode()):
+        reader = kineto_reader.read_trace(data, chunk_bytes=16)
+        runs = list(reader.chunks())
+        assert sum(len(r) for r in runs) == 1 and reader.events == 1
+        assert reader.top == {k: v for k, v in document.items() if k != "traceEvents"}
