@@ -9,26 +9,33 @@ The inverse of transforms/ingest/kineto.py, for round-trip tests and the ingest 
     paths = write_kineto_job(job, "/tmp/j1", filler=0, compress=False)
 
 What one rank's file holds (the events and args of a real NCCL/GPU trace, e.g. the public
-HTA `nccl_data.json.gz`):
+HTA `nccl_data.json.gz`; tests/test_kineto_writer_structure.py holds the two alike):
 
 - top level: schemaVersion, deviceProperties, distributedInfo (backend nccl, rank,
   world_size, pg_count, pg_config with the default group `default_pg`, the pipeline groups
   `mesh_pp` (ranks in stage order), the data-parallel groups `mesh_dp` (dp order), the
   tensor-parallel groups `mesh_tp`, the embedding groups (stage 0 and pp-1 of a pipeline);
   every group of the job (as DeviceMesh lists them) or only the rank's own), baseTimeNanoseconds,
-  traceEvents (plus process/thread metadata events);
+  displayTimeUnit, traceEvents: process and thread names and sort indices (ph M; CPU ops on pid =
+  tid = the process's main thread, the autograd engine's thread `pt_autograd_0`, GPU work on
+  pid = device, tid = stream), the profiler's own span (cat Trace) and markers (ph i);
 - per step: `ProfilerStep#{step}` (user_annotation, main thread) from a little before the
   rank's first event of the step to a little after its last, and `Optimizer.zero_grad#AdamW.zero_grad`;
 - per compute op: CPU user_annotation `PP:{gmc}F{mb}` / `PP:{gmc}B{mb}` (the label of
   torch.distributed.pipelining) starting a little before the op, and a gpu_user_annotation
   of the same name with exactly the op's start and duration; `filler` kernels per forward
   (twice as many per backward) inside it, each with its cpu_op `aten::*`, its
-  cudaLaunchKernel (cuda_runtime) and its `kernel`, tied by args.correlation and ac2g flows;
+  cudaLaunchKernel (cuda_runtime) and its `kernel`, tied by args.correlation and ac2g flows
+  (s at the call, f with bp "e" at the kernel, id = correlation); a backward's ops run on the
+  autograd thread (`autograd::engine::evaluate_function: XBackward0` > `XBackward0` > aten op),
+  each node the f end of a fwdbwd flow from the forward op that recorded it; `copies`: a
+  device-to-device copy and a memset (cudaMemcpyAsync / cudaMemsetAsync) per compute op too;
 - per p2p op: a `ncclDevKernel_SendRecv(...)` kernel with the op's exact start and duration,
   "Collective name" send/recv, the pp group's name, description and ranks, the peer's
-  GROUP-LOCAL index as "Dst Rank"/"Src Rank", a running "Seq"; plus the CPU side
-  (record_param_comms, `nccl:send 0->1` annotation, cudaLaunchKernel). No-op p2p rows (peer
-  outside the pipeline) leave nothing;
+  GROUP-LOCAL index as "Dst Rank"/"Src Rank", a running "Seq"; plus the CPU side, one
+  collective at a time on the main thread (c10d::send / c10d::recv_ > record_param_comms >
+  `nccl:send 0->1` annotation > cudaLaunchKernelExC) and the annotation again on the kernel's
+  stream. No-op p2p rows (peer outside the pipeline) leave nothing;
 - DP ops: grads-reduce-scatter -> ReduceScatter kernel ("reduce_scatter"), params-all-gather ->
   AllGather ("_allgather_base"), separate-grads-all-reduce -> AllReduce ("allreduce"), over the
   stage's dp group; layernorm-grads-all-reduce -> AllReduce over the rank's tp group,
@@ -233,12 +240,24 @@ def _ranks_text(ranks) -> str:
     return "[" + ", ".join(str(r) for r in ranks) + "]"
 
 
+# CUDA runtime calls as CUPTI names them: (name, cbid)
+_LAUNCH_KERNEL, _LAUNCH_KERNEL_EXC = ("cudaLaunchKernel", 211), ("cudaLaunchKernelExC", 430)   # NCCL >= 2.19: ExC
+_MEMCPY, _MEMSET = ("cudaMemcpyAsync", 41), ("cudaMemsetAsync", 51)
+# c10d's op around each collective's record_param_comms (Collective name -> op)
+_C10D_OP = {"send": "c10d::send", "recv": "c10d::recv_", "allreduce": "c10d::allreduce_",
+            "reduce_scatter": "c10d::_reduce_scatter_base_", "_allgather_base": "c10d::_allgather_base_"}
+
+
 class _Events:
-    """Builds one rank's traceEvents (CPU side on the main thread, GPU side on streams)."""
+    """Builds one rank's traceEvents: CPU ops on the main thread (pid = tid = the process, as torch
+    writes it), a backward's ops on the autograd engine's thread (a GPU backward runs there), GPU
+    work on pid = device, tid = stream, each tied to its CUDA call by args.correlation and an ac2g
+    flow (s at the call, f with bp "e" at the GPU op, id = correlation)."""
 
     def __init__(self, rank: int, offset_us: float, seed: int):
         self.pid = 100_000 + rank
         self.tid = self.pid
+        self.autograd_tid = self.pid + 1_000
         self.device = rank % 8
         self.offset = offset_us
         self.cpu: list[dict] = []
@@ -246,6 +265,7 @@ class _Events:
         self.flows: list[dict] = []
         self.correlation = 1000
         self.external = 1
+        self.sequence = 0            # autograd's sequence number of forward ops (fwdbwd flow ids)
         self.rng = np.random.default_rng(seed)
 
     def _next(self) -> tuple[int, int]:
@@ -253,84 +273,162 @@ class _Events:
         self.external += 1
         return self.correlation, self.external
 
-    def user_annotation(self, name: str, ts: float, dur: float) -> None:
+    def user_annotation(self, name: str, ts: float, dur: float, tid: int | None = None) -> None:
         self.external += 1
-        self.cpu.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": self.pid, "tid": self.tid,
+        self.cpu.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": self.pid, "tid": tid or self.tid,
                          "ts": ts + self.offset, "dur": dur, "args": {"External id": self.external,
-                                                                      "Record function id": self.external}})
+                                                                      "Record function id": self.external,
+                                                                      "Ev Idx": self.external - 1}})
 
-    def gpu_annotation(self, name: str, ts: float, dur: float) -> None:
+    def cpu_op(self, name: str, ts: float, dur: float, tid: int | None = None, args: Mapping[str, Any] | None = None) -> None:
+        self.external += 1
+        self.cpu.append({"ph": "X", "cat": "cpu_op", "name": name, "pid": self.pid, "tid": tid or self.tid,
+                         "ts": ts + self.offset, "dur": dur,
+                         "args": {"External id": self.external, "Record function id": self.external,
+                                  "Ev Idx": self.external - 1, **(args or {})}})
+
+    def gpu_annotation(self, name: str, ts: float, dur: float, stream: int = _STREAM_COMPUTE) -> None:
         self.external += 1
         self.gpu.append({"ph": "X", "cat": "gpu_user_annotation", "name": name, "pid": self.device,
-                         "tid": _STREAM_COMPUTE, "ts": ts + self.offset, "dur": dur,
-                         "args": {"External id": self.external, "device": self.device, "stream": _STREAM_COMPUTE}})
+                         "tid": stream, "ts": ts + self.offset, "dur": dur, "args": {"External id": self.external}})
 
-    def launch(self, cpu_name: str, cpu_ts: float, cpu_dur: float, kernel: str, ts: float, dur: float, stream: int,
+    def fwdbwd(self, phase: str, flow_id: int, ts: float, tid: int) -> None:
+        """One end of an autograd flow: s at a forward op, f (bp "e") at the backward node it recorded."""
+        flow = {"ph": phase, "id": flow_id, "pid": self.pid, "tid": tid, "ts": ts + self.offset, "cat": "fwdbwd",
+                "name": "fwdbwd"}
+        self.flows.append(dict(flow, bp="e") if phase == "f" else flow)
+
+    def launch(self, cpu_name: str | None, cpu_ts: float, cpu_dur: float, kernel: str, ts: float, dur: float, stream: int,
                kernel_args: Mapping[str, Any] | None = None, cpu_args: Mapping[str, Any] | None = None,
-               grid=(132, 1, 1), block=(256, 1, 1)) -> None:
-        """A cpu_op issuing one kernel: cpu_op, cudaLaunchKernel inside it, the kernel, ac2g flows."""
+               grid=(132, 1, 1), block=(256, 1, 1), tid: int | None = None, category: str = "kernel",
+               runtime: tuple[str, int] = _LAUNCH_KERNEL) -> None:
+        """A cpu_op (None: the caller wrote the ops around the call) issuing one GPU op: the CUDA call
+        inside it, the GPU op (`kernel`, `gpu_memcpy` or `gpu_memset`), the ac2g flow binding them."""
+        tid = tid or self.tid
+        if cpu_name is not None:
+            self.cpu_op(cpu_name, cpu_ts, cpu_dur, tid, cpu_args)
         correlation, external = self._next()
         launch_ts = cpu_ts + cpu_dur * 0.55
         launch_dur = cpu_dur * 0.3
-        self.cpu.append({"ph": "X", "cat": "cpu_op", "name": cpu_name, "pid": self.pid, "tid": self.tid,
-                         "ts": cpu_ts + self.offset, "dur": cpu_dur,
-                         "args": {"External id": external, "Record function id": external,
-                                  "Ev Idx": external - 1, **(cpu_args or {})}})
-        self.cpu.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": self.pid, "tid": self.tid,
+        self.cpu.append({"ph": "X", "cat": "cuda_runtime", "name": runtime[0], "pid": self.pid, "tid": tid,
                          "ts": launch_ts + self.offset, "dur": launch_dur,
-                         "args": {"External id": external, "cbid": 211, "correlation": correlation}})
-        args = {"External id": external, "queued": 0, "device": self.device, "context": 1, "stream": stream,
-                "correlation": correlation, "registers per thread": 128, "shared memory": 98304,
-                "blocks per SM": 1.0, "warps per SM": 8.0, "grid": list(grid), "block": list(block),
-                "est. achieved occupancy %": 12}
+                         "args": {"External id": external, "cbid": runtime[1], "correlation": correlation}})
+        args = {"External id": external, "device": self.device, "context": 1, "stream": stream, "correlation": correlation}
+        if category == "kernel":
+            args = {"External id": external, "queued": 0, "device": self.device, "context": 1, "stream": stream,
+                    "correlation": correlation, "registers per thread": 128, "shared memory": 98304,
+                    "blocks per SM": 1.0, "warps per SM": 8.0, "grid": list(grid), "block": list(block),
+                    "est. achieved occupancy %": 12}
+        else:   # copies and memsets: their size and bandwidth
+            size = 4 << 20
+            args.update({"bytes": size, "memory bandwidth (GB/s)": size / max(dur, 1e-3) / 1e3})
         args.update(kernel_args or {})
-        self.gpu.append({"ph": "X", "cat": "kernel", "name": kernel, "pid": self.device, "tid": stream,
+        self.gpu.append({"ph": "X", "cat": category, "name": kernel, "pid": self.device, "tid": stream,
                          "ts": ts + self.offset, "dur": dur, "args": args})
-        self.flows.append({"ph": "s", "id": correlation, "pid": self.pid, "tid": self.tid,
+        self.flows.append({"ph": "s", "id": correlation, "pid": self.pid, "tid": tid,
                            "ts": launch_ts + self.offset, "cat": "ac2g", "name": "ac2g"})
         self.flows.append({"ph": "f", "id": correlation, "pid": self.device, "tid": stream,
                            "ts": ts + self.offset, "cat": "ac2g", "name": "ac2g", "bp": "e"})
 
-    def filler(self, n: int, cpu_ts: float, cpu_dur: float, ts: float, dur: float) -> None:
+    def collective(self, c10d_op: str, annotation: str, cpu_ts: float, kernel: str, ts: float, dur: float, stream: int,
+                   kernel_args: Mapping[str, Any], cpu_args: Mapping[str, Any]) -> None:
+        """An NCCL collective or p2p as torch records it: the c10d op holding record_param_comms holding
+        the `nccl:*` range holding the kernel's launch (cudaLaunchKernelExC); the range again on the GPU
+        over the kernel."""
+        self.cpu_op(c10d_op, cpu_ts, 14.0)
+        self.cpu_op("record_param_comms", cpu_ts + 1.0, 12.0, args=cpu_args)
+        self.user_annotation(annotation, cpu_ts + 2.0, 10.0)
+        self.launch(None, cpu_ts + 3.0, 8.0, kernel, ts, dur, stream, kernel_args=kernel_args, grid=(16, 1, 1),
+                    block=(640, 1, 1), runtime=_LAUNCH_KERNEL_EXC)
+        self.gpu_annotation(annotation, ts, dur, stream)
+
+    def filler(self, n: int, cpu_ts: float, cpu_dur: float, ts: float, dur: float, *, backward: bool = False,
+               recorded: list[int] | None = None, copies: bool = False) -> list[int]:
         """n kernels exactly covering [ts, ts + dur] (first starts at ts, last ends at ts + dur), launched
-        from n cpu_ops spread over [cpu_ts, cpu_ts + cpu_dur]."""
+        from n ops spread over [cpu_ts, cpu_ts + cpu_dur]: a forward's aten ops on the main thread, a
+        backward's `autograd::engine::evaluate_function:` nodes on the autograd thread, each node the end
+        of the fwdbwd flow of a forward op in `recorded` (latest first). copies: a device-to-device copy
+        and a memset (cudaMemcpyAsync / cudaMemsetAsync) in the gaps after the first kernels. Returns
+        the flow ids of the forward ops (autograd's sequence numbers)."""
         if n <= 0 or dur <= 0:
-            return
+            return []
         weights = self.rng.uniform(0.2, 1.0, n)
         bounds = ts + dur * np.concatenate([[0.0], np.cumsum(weights) / weights.sum()])
         gap = min(1.5, dur / (4 * n))
         cpu_step = cpu_dur / n
         last = n - 1
+        pending = list(recorded or [])
+        flows = []
         for i in range(n):
             lo = ts if i == 0 else round(float(bounds[i]) + gap, 3)
             hi = ts + dur if i == last else round(float(bounds[i + 1]), 3)
             op, kernel = _FILLER[i % len(_FILLER)]
-            self.launch(op, round(cpu_ts + i * cpu_step, 3), round(cpu_step * 0.8, 3), kernel, lo,
-                        hi - lo if i in (0, last) else round(hi - lo, 3), _STREAM_COMPUTE,
-                        cpu_args={"Sequence number": self.external, "Fwd thread id": 1})
+            op_ts, op_dur = round(cpu_ts + i * cpu_step, 3), round(cpu_step * 0.8, 3)
+            duration = hi - lo if i in (0, last) else round(hi - lo, 3)
+            if backward:
+                node = f"{op.split('::')[-1].title().replace('_', '')}Backward0"
+                sequence = pending.pop(0) if pending else -1
+                args = {"Sequence number": sequence, "Fwd thread id": 1} if sequence >= 0 else {}
+                self.cpu_op(f"autograd::engine::evaluate_function: {node}", op_ts, op_dur, self.autograd_tid, args)
+                self.cpu_op(node, op_ts + op_dur * 0.05, op_dur * 0.9, self.autograd_tid, args)
+                if sequence >= 0:
+                    self.fwdbwd("f", sequence, op_ts + op_dur * 0.05, self.autograd_tid)
+                self.launch(op, op_ts + op_dur * 0.1, op_dur * 0.8, kernel, lo, duration, _STREAM_COMPUTE,
+                            tid=self.autograd_tid)
+            else:
+                self.sequence += 1
+                self.launch(op, op_ts, op_dur, kernel, lo, duration, _STREAM_COMPUTE,
+                            cpu_args={"Sequence number": self.sequence, "Fwd thread id": 0})
+                self.fwdbwd("s", self.sequence, op_ts, self.tid)
+                flows.append(self.sequence)
+            if copies and i + 1 < n and i < 2 and gap > 0.2:   # in the gap before the next kernel
+                at = round(float(bounds[i + 1]) + gap * 0.25, 3)
+                name, category, runtime, cpu_name = (("Memcpy DtoD (Device -> Device)", "gpu_memcpy", _MEMCPY, "aten::copy_")
+                                                     if i == 0 else ("Memset (Device)", "gpu_memset", _MEMSET, "aten::zero_"))
+                self.launch(cpu_name, op_ts + op_dur * 0.85, op_dur * 0.1, name, at, round(gap * 0.5, 3), _STREAM_COMPUTE,
+                            tid=self.autograd_tid if backward else self.tid, category=category, runtime=runtime)
+        return flows
 
-    def metadata(self, rank: int) -> list[dict]:
+    def metadata(self, rank: int, streams: Sequence[int]) -> list[dict]:
+        """Process and thread names and sort indices, as torch writes them (every GPU of the host)."""
         name = f"trainer:{rank}"
         out = [{"ph": "M", "name": "process_name", "pid": self.pid, "tid": 0, "args": {"name": name}},
                {"ph": "M", "name": "process_labels", "pid": self.pid, "tid": 0, "args": {"labels": "CPU"}},
-               {"ph": "M", "name": "process_name", "pid": self.device, "tid": 0, "args": {"name": name}},
-               {"ph": "M", "name": "process_labels", "pid": self.device, "tid": 0, "args": {"labels": f"GPU {self.device}"}},
-               {"ph": "M", "name": "thread_name", "pid": self.pid, "tid": self.tid,
-                "args": {"name": f"thread {self.tid} (python3.11)"}}]
-        for stream in (_STREAM_COMPUTE, _STREAM_SEND, _STREAM_RECV, _STREAM_DP, _STREAM_OTHER):
-            out.append({"ph": "M", "name": "thread_name", "pid": self.device, "tid": stream,
-                        "args": {"name": f"stream {stream} "}})
+               {"ph": "M", "name": "process_sort_index", "pid": self.pid, "tid": 0, "args": {"sort_index": self.pid}}]
+        for device in range(8):
+            out += [{"ph": "M", "name": "process_name", "pid": device, "tid": 0, "args": {"name": name}},
+                    {"ph": "M", "name": "process_labels", "pid": device, "tid": 0, "args": {"labels": f"GPU {device}"}},
+                    {"ph": "M", "name": "process_sort_index", "pid": device, "tid": 0,
+                     "args": {"sort_index": 16_777_216 + device}}]
+        for stream in streams:
+            out += [{"ph": "M", "name": "thread_name", "pid": self.device, "tid": stream, "args": {"name": f"stream {stream} "}},
+                    {"ph": "M", "name": "thread_sort_index", "pid": self.device, "tid": stream, "args": {"sort_index": stream}}]
+        for tid, role in ((self.tid, "pt_main_thread"), (self.autograd_tid, "pt_autograd_0")):
+            out += [{"ph": "M", "name": "thread_name", "pid": self.pid, "tid": tid, "args": {"name": f"thread {tid} ({role})"}},
+                    {"ph": "M", "name": "thread_sort_index", "pid": self.pid, "tid": tid, "args": {"sort_index": tid}}]
         return out
+
+    def profiler_span(self, start: float, end: float) -> list[dict]:
+        """The profiler's own events: its whole recording window and the markers at its ends."""
+        return [{"ph": "M", "name": "process_sort_index", "pid": "Spans", "tid": 0, "ts": start,
+                 "args": {"sort_index": 536_870_912}},
+                {"ph": "X", "cat": "Trace", "name": "PyTorch Profiler (0)", "pid": "Spans", "tid": "PyTorch Profiler",
+                 "ts": start, "dur": end - start, "args": {"Op count": 0}},
+                {"ph": "i", "name": "Iteration Start: PyTorch Profiler", "s": "g", "pid": "Traces",
+                 "tid": "Trace PyTorch Profiler", "ts": start},
+                {"ph": "i", "name": "Record Window End", "s": "g", "pid": "", "tid": "", "ts": end}]
 
 
 def rank_document(arrays: JobArrays, dp_rank: int, stage: int, *, filler: int = 0, clock_offset_us: float = 0.0,
                   base_us: float = DEFAULT_BASE_US, base_time_ns: int = BASE_TIME_NS, groups: str = "all",
                   device_name: str = "NVIDIA H800", host_name: str | None = None,
-                  cpu_lead_us: float = 25.0, step_margin_us: float = 40.0, seed: int = 0) -> dict[str, Any]:
+                  cpu_lead_us: float = 25.0, step_margin_us: float = 40.0, seed: int = 0, copies: bool = False) -> dict[str, Any]:
     """The Kineto JSON document (a dict) of worker (dp_rank, stage).
 
-    filler: kernels per forward compute op (backward: twice as many), each with its cpu_op,
-    cudaLaunchKernel and flow events (0 = none: small files for tests).
+    filler: kernels per forward compute op (backward: twice as many, launched from the autograd
+    thread), each with its cpu_op, cudaLaunchKernel and flow events (0 = none: small files for tests).
+    copies: with filler, a device-to-device copy and a memset per compute op too (cudaMemcpyAsync,
+    cudaMemsetAsync; inside the op's span, so the rows stay the same).
     clock_offset_us: added to every timestamp of this rank (a skewed host clock).
     base_time_ns: the file's baseTimeNanoseconds; ts are written relative to it (an event at job
     time t has ts = base_us + t - (base_time_ns - BASE_TIME_NS) / 1000).
@@ -362,6 +460,8 @@ def rank_document(arrays: JobArrays, dp_rank: int, stage: int, *, filler: int = 
     mine = mine[np.lexsort((arrays.optype[mine], arrays.start[mine]))]
     ev = _Events(rank, clock_offset_us, seed * 1_000_003 + rank)
     seq: dict[str, int] = {}
+    issued = [-np.inf]   # end of the last c10d call on the main thread: one collective is issued at a time
+    recorded: dict[tuple[int, int], list[int]] = {}   # (chunk, microbatch) -> fwdbwd flow ids of its forward ops
     pp_group = by_role["pp"]
     step_bounds: dict[int, list[float]] = {}
 
@@ -378,12 +478,11 @@ def rank_document(arrays: JobArrays, dp_rank: int, stage: int, *, filler: int = 
                   "Group size": group["pg_size"], "dtype": dtype, "In split size": "[]", "Out split size": "[]",
                   "Process Group Name": group["pg_name"], "Process Group Description": group["pg_desc"],
                   "Process Group Ranks": _ranks_text(group["ranks"]), **extra}
-        cpu_ts = ts - cpu_lead_us
-        ev.user_annotation(cpu_name, cpu_ts + 2.0, 8.0)
-        ev.launch("record_param_comms", cpu_ts, 12.0, kernel, ts, dur, stream,
-                  kernel_args={**common, "Seq": count}, cpu_args={**common, "Seq": count, "Global rank start": 0,
-                                                                "Global rank stride": 1},
-                  grid=(16, 1, 1), block=(640, 1, 1))
+        cpu_ts = min(max(ts - cpu_lead_us, issued[0] + 0.5), ts - 10.5)   # its launch still precedes the kernel
+        issued[0] = cpu_ts + 14.0
+        ev.collective(_C10D_OP[collective], cpu_name, cpu_ts, kernel, ts, dur, stream,
+                      kernel_args={**common, "Seq": count},
+                      cpu_args={**common, "Seq": count, "Global rank start": 0, "Global rank stride": 1})
 
     for i in mine.tolist():
         name = OPTYPES[arrays.optype[i]]
@@ -396,8 +495,12 @@ def rank_document(arrays: JobArrays, dp_rank: int, stage: int, *, filler: int = 
             cpu_dur = max(dur * 0.6, 1.0)
             ev.user_annotation(label, ts - cpu_lead_us, cpu_dur)
             ev.gpu_annotation(label, ts, dur)
-            n = filler * (2 if name == "backward-compute" else 1)
-            ev.filler(n, ts - cpu_lead_us + 1.0, max(cpu_dur - 2.0, 0.5), ts, dur)
+            backward = name == "backward-compute"
+            key = (int(arrays.gmc[i]), int(arrays.mb[i]))
+            flows = ev.filler(filler * (2 if backward else 1), ts - cpu_lead_us + 1.0, max(cpu_dur - 2.0, 0.5), ts, dur,
+                              backward=backward, recorded=recorded.pop(key, [])[::-1] if backward else None, copies=copies)
+            if not backward:
+                recorded[key] = flows
         elif name in ("forward-send", "forward-recv", "backward-send", "backward-recv"):
             towards_next = name in ("forward-send", "backward-recv")
             peer_stage = stage + 1 if towards_next else stage - 1
@@ -436,16 +539,20 @@ def rank_document(arrays: JobArrays, dp_rank: int, stage: int, *, filler: int = 
                    "maxThreadsPerBlock": 1024, "maxThreadsPerMultiprocessor": 2048, "regsPerBlock": 65536,
                    "warpSize": 32, "sharedMemPerBlock": 49152, "numSms": 132, "regsPerMultiprocessor": 65536,
                    "sharedMemPerBlockOptin": 232448, "sharedMemPerMultiprocessor": 233472} for i in range(8)]
-    metadata = ev.metadata(rank)
+    metadata = ev.metadata(rank, (_STREAM_COMPUTE, _STREAM_SEND, _STREAM_RECV, _STREAM_DP, _STREAM_OTHER))
+    timed = ev.cpu + ev.gpu
+    first = min((e["ts"] for e in timed), default=origin + clock_offset_us)
+    last = max((e["ts"] + e["dur"] for e in timed), default=first)
     for event in metadata:
-        event["ts"] = origin + clock_offset_us
+        event["ts"] = first - 1.0
+    profiler = ev.profiler_span(first - 1.0, last + 1.0)
     return {
         "schemaVersion": 1,
         "deviceProperties": properties,
         "distributedInfo": info,
         "record_shapes": 0,
         "with_stack": 0,
-        "traceEvents": metadata + ev.cpu + ev.gpu + ev.flows,
+        "traceEvents": metadata + ev.cpu + ev.gpu + ev.flows + profiler,
         "traceName": f"rank-{rank}.json",
         "displayTimeUnit": "ms",
         "baseTimeNanoseconds": int(base_time_ns),
@@ -478,7 +585,8 @@ def write_rank(document: Mapping[str, Any], path: str | os.PathLike, *, compress
 def write_kineto_job(job, folder: str | os.PathLike, *, filler: int = 0, compress: bool = False,
                      clock_offset_us: Mapping[int, float] | None = None, base_us: float = DEFAULT_BASE_US,
                      groups: str = "all", clocks: str = "job", workers: Sequence[tuple[int, int]] | None = None,
-                     step_gap_s: float = 0.02, seed: int = 0, arrays: JobArrays | None = None) -> list[str]:
+                     step_gap_s: float = 0.02, seed: int = 0, arrays: JobArrays | None = None,
+                     copies: bool = False) -> list[str]:
     """Write `job` as one Kineto trace per analysed worker into folder: rank-{rank:05d}.json[.gz].
 
     clock_offset_us: global rank -> µs added to all of that rank's timestamps.
@@ -503,7 +611,7 @@ def write_kineto_job(job, folder: str | os.PathLike, *, filler: int = 0, compres
         rank = arrays.rank_of[(dp_rank, stage)]
         document = rank_document(arrays, dp_rank, stage, filler=filler, clock_offset_us=float(offsets.get(rank, 0.0)),
                                  base_us=base_us, base_time_ns=base_of[(dp_rank, stage)], groups=groups, seed=seed,
-                                 host_name=f"clock-{clock_index[keys[(dp_rank, stage)]]}")
+                                 host_name=f"clock-{clock_index[keys[(dp_rank, stage)]]}", copies=copies)
         suffix = ".json.gz" if compress else ".json"
         paths.append(write_rank(document, folder / f"rank-{rank:05d}{suffix}", compress=compress))
     return paths
