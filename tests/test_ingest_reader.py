@@ -20,7 +20,7 @@ import pytest
 from transforms.ingest.common import RawInputError
 from transforms.ingest.kineto import rank as kineto_rank
 from transforms.ingest.kineto import reader as kineto_reader
-from transforms.ingest.kineto.compute import _UNMAPPED_QUIET
+from transforms.ingest.kineto.compute import _BACKWARD_OP, _UNMAPPED_QUIET, _unlabeled_compute
 from transforms.ingest.kineto.rank import parse_rank, parse_rank_bytes
 from transforms.ingest.kineto.spans import (BWD, DEFAULT_BACKWARD_LABELS, DEFAULT_FORWARD_LABELS,
                                             DEFAULT_OPTIMIZER_LABEL, FWD, WEIGHT_LABEL, WGT, _NCCL, _STEP)
@@ -148,6 +148,10 @@ class _ReferencePass:
     def annotations(self):
         return set(self._annotations)
 
+    def threads(self, cpu_ops, step_tid):
+        return ([op for op in cpu_ops if op[3] == step_tid],
+                [op for op in cpu_ops if op[3] != step_tid and op[2].startswith(_BACKWARD_OP)])
+
     def flows(self):
         origin = self.origin or 0.0
         return np.sort(np.array(self._flow_starts) - origin), np.sort(np.array(self._flow_ends) - origin)
@@ -161,11 +165,16 @@ def reference(path: str, data: bytes, options=None):
         return "raw_unreadable"
     if not isinstance(document, dict) or not isinstance(document.get("traceEvents"), list):
         return "raw_not_a_trace"
+    by_step = kineto_rank._unlabeled_by_step
+    # unlabeled compute over all the steps at once, as before (the pass calls it a step at a time)
+    kineto_rank._unlabeled_by_step = lambda ops, steps, optimizer, **kw: _unlabeled_compute(ops, steps, optimizer, **kw)
     try:
         kineto_rank._check_info(path, document)
         return kineto_rank._rank_of(path, document, _ReferencePass(document["traceEvents"], options), options or {})
     except RawInputError as error:
         return error.reason_code
+    finally:
+        kineto_rank._unlabeled_by_step = by_step
 
 
 def streamed(path: str, data: bytes, options=None, **reader_options):

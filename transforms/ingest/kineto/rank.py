@@ -190,53 +190,60 @@ class _EventPass:
         self._flow_starts: list[np.ndarray] = []                        # fwdbwd flow starts: forward ops autograd recorded
         self._flow_ends: list[np.ndarray] = []                          # ... and their backward nodes
         self._name_classes: dict[Any, int] = {}
+        self._nccl_names: dict[Any, bool] = {}
 
     def add(self, columns: EventColumns) -> None:
         n = len(columns)
         if not n:
             return
-        phase = np.fromiter(map(_PHASE.get, columns.ph, itertools.repeat(0)), np.int8, n)
-        category = np.fromiter(map(_CATEGORY.get, columns.cat, itertools.repeat(0)), np.int8, n)
-        ts = _floats(columns.ts)
+        category = columns.codes("cat", _CATEGORY)
+        # the rest of an event matters only in the categories above, except that the first complete
+        # event of any category sets the origin
+        rows = None if self.origin is None else np.flatnonzero(category)
+        phase, ts = columns.codes("ph", _PHASE, rows), columns.floats("ts", rows)
+        if rows is not None:
+            phase, ts = _spread(phase, rows, n, 0), _spread(ts, rows, n, np.nan)
         has_ts = ~np.isnan(ts)
         flows = (phase >= 2) & (category == _FLOW) & has_ts
         if flows.any():
             self._flow_starts.append(ts[flows & (phase == 2)])
             self._flow_ends.append(ts[flows & (phase == 3)])
         complete = (phase == 1) & has_ts
-        complete &= ~np.isnan(_floats(columns.dur)) if complete.any() else complete
         if not complete.any():
             return
-        dur = _floats(columns.dur)
+        dur = columns.floats("dur", rows)
+        if rows is not None:
+            dur = _spread(dur, rows, n, np.nan)
+        complete &= ~np.isnan(dur)
+        if not complete.any():
+            return
         if self.origin is None:
             first = float(ts[np.argmax(complete)])
             self.origin = float(np.floor(first / 2.0 ** 32) * 2.0 ** 32)
         start = ts - self.origin
         end = start + dur
         category = np.where(complete, category, 0)
-        names = columns.name
-        tids = columns.tid
 
         runtime = np.flatnonzero(category == _RUNTIME)
         if len(runtime):
             correlation = columns.correlations(runtime)
-            given = np.fromiter((c is not None for c in correlation), bool, len(runtime))
-            if not given.all():
+            if None in correlation:
+                given = np.fromiter((c is not None for c in correlation), bool, len(runtime))
                 correlation = [c for c in correlation if c is not None]
                 runtime = runtime[given]
             self._launch.append((start[runtime], np.array(correlation, dtype=np.int64).reshape(-1),
-                                 [tids[i] for i in runtime]))
+                                 columns.pick("tid", runtime)))
 
         rare: list[int] = []
         gpu = np.flatnonzero((category == _KERNEL) | (category == _COPY))
         if len(gpu):
             self.kernels += int(np.count_nonzero(category == _KERNEL))
-            nccl = np.fromiter((names[i].startswith(_NCCL) for i in gpu), bool, len(gpu))
+            nccl = _prefixed(columns.pick("name", gpu), _NCCL, self._nccl_names)
             rare += gpu[nccl].tolist()
             work = gpu[~nccl]
             correlation = columns.correlations(work)
-            given = np.fromiter((c is not None for c in correlation), bool, len(work))
-            if len(work) and not given.all():
+            if None in correlation:
+                given = np.fromiter((c is not None for c in correlation), bool, len(work))
                 correlation = [c for c in correlation if c is not None]
                 work = work[given]
             if len(work):
@@ -245,8 +252,8 @@ class _EventPass:
 
         cpu = np.flatnonzero((category == _CPU_OP) | (category == _ANNOTATION))
         if len(cpu):
-            cpu_names = [names[i] for i in cpu]
-            self._cpu.append((start[cpu], end[cpu], cpu_names, [tids[i] for i in cpu]))
+            cpu_names = columns.pick("name", cpu)
+            self._cpu.append((start[cpu], end[cpu], cpu_names, columns.pick("tid", cpu)))
             annotation = category[cpu] == _ANNOTATION
             if annotation.any():
                 self._annotations.append((start[cpu[annotation]], [cpu_names[i] for i in np.flatnonzero(annotation)]))
@@ -265,9 +272,8 @@ class _EventPass:
 
     def _one_by_one(self, columns: EventColumns, indices: list[int], starts: list[float], ends: list[float]) -> None:
         """The events whose names or args matter, in file order."""
-        names, categories, tids = columns.name, columns.cat, columns.tid
-        for i, ts, end in zip(indices, starts, ends):
-            name, cat = names[i], categories[i]
+        for i, name, cat, tid, ts, end in zip(indices, columns.pick("name", indices), columns.pick("cat", indices),
+                                              columns.pick("tid", indices), starts, ends):
             if cat in ("kernel", "gpu_memcpy", "gpu_memset"):   # NCCL: read once the rank and groups are known
                 self.nccl.append((name, columns.args_of(i), ts, end))
                 continue
@@ -278,10 +284,10 @@ class _EventPass:
             step = _STEP.match(name)
             if step:
                 self.steps[int(step.group(1))] = (ts, end)
-                self.step_tid = tids[i]
+                self.step_tid = tid
                 continue
             if name.startswith("gloo:"):
-                self.gloo_cpu.append((name[5:], ts, end, tids[i]))
+                self.gloo_cpu.append((name[5:], ts, end, tid))
                 continue
             if name.startswith("c10d::send") or name.startswith("c10d::recv"):
                 inputs = columns.args_of(i).get("Concrete Inputs") or []
@@ -291,10 +297,10 @@ class _EventPass:
             if name == "record_param_comms":
                 args = columns.args_of(i)
                 if "Collective name" in args:
-                    self.comm_meta.append(dict(args, ts=ts, tid=tids[i]))
+                    self.comm_meta.append(dict(args, ts=ts, tid=tid))
                 continue
             if name.startswith("nccl:"):   # c10d's range around a NCCL call: names the kernels it launched
-                self.nccl_ranges.append((ts, end, name, tids[i]))
+                self.nccl_ranges.append((ts, end, name, tid))
             if cat == "user_annotation" and self.deferred is None:
                 self._label(name, ts, end)
 
@@ -343,6 +349,18 @@ class _EventPass:
                         itertools.chain.from_iterable(r[2] for r in self._cpu),
                         itertools.chain.from_iterable(r[3] for r in self._cpu)))
 
+    def threads(self, cpu_ops: list, step_tid) -> tuple[list, list]:
+        """(the ops of the thread that ran the steps, the autograd backward ops of other threads),
+        each in file order."""
+        tids = np.empty(len(cpu_ops), dtype=object)
+        tids[:] = list(itertools.chain.from_iterable(r[3] for r in self._cpu))
+        main = tids == step_tid
+        if not isinstance(main, np.ndarray) or main.shape != tids.shape:   # a tid numpy cannot compare one by one
+            main = np.fromiter((tid == step_tid for tid in tids), bool, len(tids))
+        names = list(itertools.chain.from_iterable(r[2] for r in self._cpu))
+        backward = ~main & _prefixed(names, _BACKWARD_OP, {})
+        return [cpu_ops[i] for i in np.flatnonzero(main)], [cpu_ops[i] for i in np.flatnonzero(backward)]
+
     def annotations(self) -> set[tuple[float, str]]:
         return set(zip(_joined([r[0] for r in self._annotations]).tolist(),
                        itertools.chain.from_iterable(r[1] for r in self._annotations)))
@@ -353,9 +371,23 @@ class _EventPass:
         return np.sort(_joined(self._flow_starts) - origin), np.sort(_joined(self._flow_ends) - origin)
 
 
-def _floats(values: list) -> np.ndarray:
-    """A column of numbers or None as float64, NaN for None."""
-    return np.array(values, dtype=np.float64).reshape(-1)
+def _spread(values: np.ndarray, rows: np.ndarray, n: int, fill) -> np.ndarray:
+    """`values` of the events at `rows` placed in a column of all n events, `fill` elsewhere."""
+    out = np.full(n, fill, dtype=values.dtype)
+    out[rows] = values
+    return out
+
+
+def _prefixed(names: list, prefix, known: dict) -> np.ndarray:
+    """Whether each name starts with `prefix` (a str or tuple), through `known` (name -> answer):
+    names repeat, so each is looked at once."""
+    answers = list(map(known.get, names))
+    if None in answers:
+        for name in names:
+            if name not in known:
+                known[name] = name.startswith(prefix)
+        answers = list(map(known.__getitem__, names))
+    return np.array(answers, dtype=bool).reshape(-1)
 
 
 def _joined(parts: list[np.ndarray], dtype=np.float64) -> np.ndarray:
@@ -395,10 +427,9 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
         _name_from_launch(comm, unnamed, events.launch_threads([c for _, c in unnamed]), events.nccl_ranges)
     if not kernels:
         comm += _gloo_spans(events.gloo_cpu, events.comm_meta, events.c10d_p2p, rank, groups, unmapped)
-    main = [op for op in cpu_ops if op[3] == step_tid]
     # the autograd engine runs a GPU job's backward on threads of its own: its top-level
     # `evaluate_function` ops are the backward work the main thread waits for meanwhile
-    backward_elsewhere = [op for op in cpu_ops if op[3] != step_tid and op[2].startswith(_BACKWARD_OP)]
+    main, backward_elsewhere = events.threads(cpu_ops, step_tid)
     if events.overlapped:
         cpu_labels += _split_overlapped(events.overlapped, cpu_ops, path)
     kinds = {label[0] for label in cpu_labels} & {FWD, BWD}
@@ -410,7 +441,7 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
         annotations = events.annotations() if backward_elsewhere else set()
         ops = main if not backward_elsewhere else \
             [op for op in main if (op[0], op[2]) not in annotations or _STEP.match(op[2])] + backward_elsewhere
-        cpu_labels = [label for label in cpu_labels if label[0] in kinds] + _unlabeled_compute(
+        cpu_labels = [label for label in cpu_labels if label[0] in kinds] + _unlabeled_by_step(
             ops, sorted(steps.values()), optimizer, forward=FWD not in kinds, autograd=autograd)
     on_gpu = _GpuWork(events.launches(), events.gpu_work()) if kernels else None
     spans = _compute_spans(cpu_labels, events.gpu_labels if kernels else {}, comm, main, on_gpu)
@@ -428,6 +459,21 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     trace.clock = f"host:{host}" if host else f"rank:{rank}"
     trace.gpu_work, trace.gpu_work_unlinked = (on_gpu.work, on_gpu.unlinked) if on_gpu is not None else (0, 0)
     return trace
+
+
+def _unlabeled_by_step(ops: list, steps: list[tuple[float, float]], optimizer: list, *, forward: bool,
+                       autograd: np.ndarray) -> list:
+    """`_unlabeled_compute` a step at a time, given only the ops that start in the step and the
+    optimizer spans that overlap it (all it reads of them): the same spans, in time that grows with
+    the ops, not with ops x steps (a 500 MB rank holds hundreds of steps)."""
+    ordered = sorted(ops, key=lambda op: (op[0], -op[1]))   # its own order, so each slice is sorted already
+    starts = np.array([op[0] for op in ordered], dtype=np.float64)
+    out = []
+    for step_start, step_end in steps:
+        lo, hi = np.searchsorted(starts, step_start, side="left"), np.searchsorted(starts, step_end, side="right")
+        near = [span for span in optimizer if span[0] <= step_end and span[1] > step_start]
+        out += _unlabeled_compute(ordered[lo:hi], [(step_start, step_end)], near, forward=forward, autograd=autograd)
+    return out
 
 
 def _label_family(name: str) -> str:

@@ -25,6 +25,7 @@ an unexpected JSON type) raises `NotStreamable`: decode it whole instead, the ol
 """
 from __future__ import annotations
 
+import itertools
 import operator
 import zlib
 from collections.abc import Iterator
@@ -97,46 +98,76 @@ _DECODE_EVENTS = msgspec.json.Decoder(list[TraceEvent])
 
 
 class EventColumns:
-    """A run of events as columns (lists in file order): ph, cat, name, ts, dur, tid, args. ts and
-    dur are float or None; args is an `EventArgs`, a dict (events given as dicts) or None."""
+    """A run of events, read a field at a time in file order (no per-event dict is built): codes
+    of ph / cat, ts / dur as float64 (NaN where absent or null), and name, tid, args of chosen
+    events. Over decoded `TraceEvent` structs (`of_structs`) or dicts (`of_dicts`)."""
 
-    __slots__ = ("ph", "cat", "name", "ts", "dur", "tid", "args")
+    __slots__ = ("_events", "_structs")
 
-    def __init__(self, ph, cat, name, ts, dur, tid, args):
-        self.ph, self.cat, self.name, self.ts, self.dur, self.tid, self.args = ph, cat, name, ts, dur, tid, args
-
-    def __len__(self) -> int:
-        return len(self.ph)
+    def __init__(self, events: list, structs: bool):
+        self._events, self._structs = events, structs
 
     @classmethod
     def of_structs(cls, events: list[TraceEvent]) -> "EventColumns":
-        return cls([e.ph for e in events], [e.cat for e in events], [e.name for e in events], [e.ts for e in events],
-                   [e.dur for e in events], [e.tid for e in events], [e.args for e in events])
+        return cls(events, True)
 
     @classmethod
     def of_dicts(cls, events: list) -> "EventColumns":
         """Events already decoded as dicts (`parse_rank` on a document), with the defaults the
         converter always used (a missing name or cat is "")."""
-        return cls([e.get("ph") for e in events], [e.get("cat", "") for e in events],
-                   [e.get("name", "") for e in events], [e.get("ts") for e in events], [e.get("dur") for e in events],
-                   [e.get("tid") for e in events], [e.get("args") for e in events])
+        return cls(events, False)
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def _field(self, field: str, indices, default=None) -> Iterator:
+        events = self._events if indices is None else map(self._events.__getitem__, _ints(indices))
+        if self._structs:
+            return map(_GETTERS[field], events)
+        return (e.get(field, default) for e in events)
+
+    def codes(self, field: str, table: dict, indices=None) -> np.ndarray:
+        """int8 code of `field` (ph or cat) from `table` (0 for any other value) of every event, or
+        of those at `indices`."""
+        count = len(self._events) if indices is None else len(indices)
+        return np.fromiter(map(table.get, self._field(field, indices, ""), itertools.repeat(0)), np.int8, count)
+
+    def floats(self, field: str, indices=None) -> np.ndarray:
+        """ts or dur of every event (or of those at `indices`) as float64, NaN where absent or null."""
+        return np.array(list(self._field(field, indices)), dtype=np.float64).reshape(-1)
+
+    def pick(self, field: str, indices) -> list:
+        """`field` (name, cat, tid) of the events at `indices`."""
+        events, indices = self._events, _ints(indices)
+        if self._structs:
+            return list(map(_GETTERS[field], map(events.__getitem__, indices)))
+        default = "" if field in ("name", "cat") else None
+        return [events[i].get(field, default) for i in indices]
 
     def correlations(self, indices) -> list:
         """args.correlation of the events at `indices` (None where absent)."""
-        args = self.args
-        try:   # decoded structs: each has an EventArgs (unless the file says "args": null)
-            return list(map(_CORRELATION, map(args.__getitem__, indices)))
-        except AttributeError:
-            pass
-        return [(a.correlation if isinstance(a, EventArgs) else (a or {}).get("correlation")) if a is not None else None
-                for a in (args[i] for i in indices)]
+        events, indices = self._events, _ints(indices)
+        if self._structs:
+            try:   # each struct has an EventArgs, unless the file says "args": null
+                return list(map(_CORRELATION, map(_GETTERS["args"], map(events.__getitem__, indices))))
+            except AttributeError:
+                return [e.args.correlation if e.args is not None else None for e in map(events.__getitem__, indices)]
+        return [(events[i].get("args") or {}).get("correlation") for i in indices]
 
     def args_of(self, index: int) -> dict:
         """The args of one event as a mapping ({} when absent or empty)."""
-        a = self.args[index]
-        if isinstance(a, EventArgs):
-            return a.as_dict()
-        return a or {}
+        event = self._events[index]
+        if self._structs:
+            return event.args.as_dict() if event.args is not None else {}
+        return event.get("args") or {}
+
+
+def _ints(indices) -> list:
+    """Positions as a list of ints (indexing a list with numpy integers costs a conversion each)."""
+    return indices.tolist() if isinstance(indices, np.ndarray) else indices
+
+
+_GETTERS = {field: operator.attrgetter(field) for field in TraceEvent.__struct_fields__}
 
 
 def read_trace(data: bytes, *, chunk_bytes: int = CHUNK_BYTES) -> "TraceReader":
