@@ -260,9 +260,8 @@ class _EventPass:
             known = self._name_classes
             classes = list(map(known.get, cpu_names))
             if None in classes:
-                for name in cpu_names:
-                    if name not in known:
-                        known[name] = _name_class(name)
+                for name in set(cpu_names).difference(known):
+                    known[name] = _name_class(name)
                 classes = list(map(known.__getitem__, cpu_names))
             special = np.array(classes, dtype=bool) | annotation
             rare += cpu[special].tolist()
@@ -383,9 +382,8 @@ def _prefixed(names: list, prefix, known: dict) -> np.ndarray:
     names repeat, so each is looked at once."""
     answers = list(map(known.get, names))
     if None in answers:
-        for name in names:
-            if name not in known:
-                known[name] = name.startswith(prefix)
+        for name in set(names).difference(known):
+            known[name] = name.startswith(prefix)
         answers = list(map(known.__getitem__, names))
     return np.array(answers, dtype=bool).reshape(-1)
 

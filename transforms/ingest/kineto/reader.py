@@ -352,7 +352,7 @@ class TraceReader:
             events = None
             if cut is not None:
                 try:
-                    events = _DECODE_EVENTS.decode(b"[" + buf[pos:cut + 1] + b"]")
+                    events = _DECODE_EVENTS.decode(_framed(buf, pos, cut + 1))
                 except msgspec.ValidationError as error:
                     raise NotStreamable(str(error)) from None
                 except msgspec.DecodeError:
@@ -366,7 +366,7 @@ class TraceReader:
                     raise TraceUnreadable("JSONDecodeError: the document ends inside traceEvents")
                 cut = ends
                 try:
-                    events = _DECODE_EVENTS.decode(b"[" + buf[pos:cut] + b"]")
+                    events = _DECODE_EVENTS.decode(_framed(buf, pos, cut))
                 except msgspec.ValidationError as error:
                     raise NotStreamable(str(error)) from None
                 except msgspec.DecodeError as error:
@@ -384,6 +384,11 @@ class TraceReader:
                 return
             if text.buf[at] != ord(","):
                 raise TraceUnreadable(f"JSONDecodeError: unexpected {chr(text.buf[at])!r} between events")
+
+
+def _framed(buf, start: int, stop: int) -> bytes:
+    """`[` + buf[start:stop] + `]`, copied once."""
+    return b"".join((b"[", memoryview(buf)[start:stop], b"]"))
 
 
 def _last_cut(buf, pos: int, limit: int) -> int | None:
