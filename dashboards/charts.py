@@ -36,7 +36,7 @@ __all__ = [
 HEATMAP_DOMAIN = (1.0, 1.5)
 _HEATMAP_COLOURS = ["#ffffff", "#fcbba1", "#fb6a4a", "#cb181d", "#67000d"]
 _WIDTH, _HEIGHT = 440, 250
-_CATEGORY_ORDER = ["compute", "pp-comm", "dp-comm", "other"]
+_CATEGORY_ORDER = ["compute", "pp-comm", "dp-comm", "group-comm", "other"]
 # What each weighting of fleet_distribution counts, in the words of a legend.
 WEIGHTING_LABELS = {"job": "each job window once", "gpu_hours": "by GPU-hours", "step": "each (job, step) pair once"}
 _STRAGGLING_LABELS = {False: "S < 1.1", True: "straggling, S >= 1.1"}

@@ -87,6 +87,8 @@ OPTYPE_CATEGORIES: dict[str, str] = {
     "params-all-gather": "dp-comm",
     "grads-reduce-scatter": "dp-comm",
     "separate-grads-all-reduce": "dp-comm",
+    "all-to-all": "group-comm",
+    "group-collective": "group-comm",
     "layernorm-grads-all-reduce": "other",
     "embedding-grads-all-reduce": "other",
     "optimizer-clip-main-grad": "other",
@@ -187,7 +189,7 @@ FLEET_OPTYPE_SCHEMA = _schema(
     "fleet_optype",
     _PERIOD
     + [
-        pa.field("category", pa.string(), nullable=False),            # compute | pp-comm | dp-comm | other
+        pa.field("category", pa.string(), nullable=False),            # compute | pp-comm | dp-comm | group-comm | other
         pa.field("optype", pa.string(), nullable=True),               # null on the category row
         pa.field("jobs", pa.int64(), nullable=False),                 # windows with attribution (S >= 1.03)
         pa.field("slowdown_mean", pa.float64(), nullable=True),       # mean S_t

@@ -14,6 +14,7 @@ __all__ = [
     "COMPUTE_OPTYPES",
     "P2P_OPTYPES",
     "DP_COMM_OPTYPES",
+    "IN_COMPUTE_OPTYPES",
     "TRACE_SCHEMA",
     "TRACE_REQUIRED",
     "MANIFEST_SCHEMA",
@@ -43,10 +44,16 @@ OPTYPES: tuple[str, ...] = (
     # zero-bubble schedules split a microbatch's backward: backward-compute is the input-gradient
     # half (it feeds the backward-send), this the weight-gradient half the schedule runs where it fits
     "backward-weight-compute",
+    # collectives of a group that spans workers, inside the step's compute (not DP grad sync, which
+    # has its own types): expert / embedding parallel all-to-all, and any other (broadcast, barrier,
+    # FSDP's per-layer gathers ...); each synchronises its group and sits between compute ops
+    "all-to-all",
+    "group-collective",
 )
 COMPUTE_OPTYPES = ("forward-compute", "backward-compute", "backward-weight-compute")
 P2P_OPTYPES = ("forward-send", "forward-recv", "backward-send", "backward-recv")
 DP_COMM_OPTYPES = ("params-all-gather", "grads-reduce-scatter", "separate-grads-all-reduce")
+IN_COMPUTE_OPTYPES = ("all-to-all", "group-collective")
 
 # One row per op occurrence. Timestamps and durations are seconds (float64 in the
 # lake: a lossless superset of the published float32 traces).

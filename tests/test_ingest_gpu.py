@@ -174,3 +174,76 @@ def test_sendrecv_kernels_of_an_older_trace_are_named_by_the_c10d_range_that_lau
     # the rest (launched before the trace began: no launch recorded) keep the kernel's own name
     assert int(((trace.kind == COLL) & (trace.coll == "sendrecv")).sum()) == len(launched) - expected
     assert not any(key.startswith("label nccl:") for key in trace.unmapped)   # c10d's ranges are known labels
+
+
+# --- a recommendation model: DDP + embedding all-to-all (world8_rank3, 8 A100s, old torch) ------------
+
+A2A_SOURCE = "world8_rank3.json.gz"
+
+
+def _a2a_issued_per_step(path: pathlib.Path) -> dict[int, int]:
+    """Independently: per profiled step, the `nccl:all_to_all` ranges opened on the CPU inside the
+    step's span (one per all-to-all the step issues, on any thread)."""
+    events = [e for e in json.loads(gzip.decompress(path.read_bytes()))["traceEvents"] if e.get("ph") == "X"]
+    steps = {int(e["name"].split("#")[1]): (e["ts"], e["ts"] + e["dur"]) for e in events
+             if e["name"].startswith("ProfilerStep#")}
+    ranges = [e["ts"] for e in events if e["name"] == "nccl:all_to_all"]
+    return {n: sum(s <= t <= e for t in ranges) for n, (s, e) in steps.items()}
+
+
+@pytest.fixture(scope="module")
+def a2a_clean(tmp_path_factory):
+    from gpu_jobs import build_job
+
+    paths = build_job(_real_rank(A2A_SOURCE), tmp_path_factory.mktemp("a2a-clean"), world=4, per_host=4)
+    return convert_kineto([str(p) for p in paths], "gpu-a2a", DATE)
+
+
+def test_embedding_all_to_all_is_an_op_of_its_own_on_every_rank(a2a_clean):
+    table = a2a_clean.trace.to_pandas()
+    assert not any("all_to_all" in key for key in a2a_clean.source["unmapped"])
+    issued = _a2a_issued_per_step(_real_rank(A2A_SOURCE))
+    a2a = table[table.optype == "all-to-all"].groupby(["rank", "step"]).size()
+    assert set(a2a.index.get_level_values(0)) == {0, 1, 2, 3}
+    for (rank, step), n in a2a.items():
+        assert n == issued[step], (rank, step)
+    # the forward that issued the embedding all-to-all is cut there: its pieces share its microbatch
+    forward = table[(table.optype == "forward-compute") & (table["rank"] == 0)]
+    assert (forward.groupby("step").size() > 1).all() and (forward.mb_id == 0).all()
+
+
+def test_a_clean_ddp_and_all_to_all_job_names_no_straggler(a2a_clean):
+    from transforms.whatif.causes import analyze_and_classify
+
+    result, verdict = analyze_and_classify(a2a_clean.trace, JobMeta.from_mapping(a2a_clean.manifest), "gpu-a2a")
+    assert not result.discarded and abs(result.launch_slowdown - 1) < 0.05
+    assert result.slowdown < 1.1 and verdict.cause == "none" and not verdict.implicated_workers
+
+
+def test_a_slower_machine_in_a_ddp_and_all_to_all_job_is_the_worker_blamed(tmp_path):
+    """Rank 2 runs 1.5x slower (tests/gpu_jobs.py: its kernels, NCCL ones included; the others'
+    steps start when its steps do): it is the worker blamed, not the all-to-all it takes longer in."""
+    from gpu_jobs import build_job
+    from transforms.whatif.causes import analyze_and_classify
+
+    paths = build_job(_real_rank(A2A_SOURCE), tmp_path / "job", world=4, slow={2: 1.5}, per_host=4)
+    job = convert_kineto([str(p) for p in paths], "gpu-a2a-slow", DATE)
+    result, verdict = analyze_and_classify(job.trace, JobMeta.from_mapping(job.manifest), "gpu-a2a-slow")
+    assert not result.discarded
+    assert verdict.cause == "individual-worker" and verdict.implicated_workers == [(2, 0)]
+    assert max(result.by_dp_rank, key=result.by_dp_rank.get) == 2
+    assert result.slowdown > 1.3
+
+
+def test_a_trace_with_one_profiled_step_is_analysed(document, tmp_path):
+    """A profiler schedule with active=1 records one ProfilerStep: enough (each step replays alone)."""
+    steps = sorted(e["name"] for e in document["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#"))
+    keep = steps[1]
+    events = [e for e in document["traceEvents"] if not str(e.get("name", "")).startswith("ProfilerStep#") or e["name"] == keep]
+    for rank in (0, 1):
+        copy = dict(document, traceEvents=events, distributedInfo=dict(document["distributedInfo"], rank=rank))
+        (tmp_path / f"rank-{rank}.json.gz").write_bytes(gzip.compress(json.dumps(copy).encode()))
+    job = convert_kineto(sorted(str(p) for p in tmp_path.iterdir()), "gpu-one-step", DATE)
+    assert job.source["steps"] == [int(keep.split("#")[1])]
+    result = analyze_job(job.trace, JobMeta.from_mapping(job.manifest), "gpu-one-step")
+    assert len(result.steps) == 1 and result.slowdown < 1.05

@@ -490,3 +490,41 @@ def test_a_job_yaml_that_is_not_yaml_says_where_the_parser_stopped():
     with pytest.raises(RawInputError, match="it holds a list"):
         read_job_yaml(b"- 1\n")
     assert read_job_yaml(b"dp_size: 2\npp_size: 2\n") == {"dp_size": 2, "pp_size": 2}
+
+
+@pytest.mark.parametrize("desc, dims, syncs", [
+    ("TENSOR_MODEL_PARALLEL_GROUP", {"tp"}, False),                 # Megatron-Core group_desc
+    ("PIPELINE_MODEL_PARALLEL_GROUP", {"pp"}, False),
+    ("DATA_PARALLEL_GROUP", {"dp"}, True),
+    ("DATA_PARALLEL_GROUP_WITH_CP", {"dp", "cp"}, True),             # grads sync over data x context
+    ("CONTEXT_PARALLEL_GROUP", {"cp"}, False),
+    ("EXPERT_MODEL_PARALLEL_GROUP", {"ep"}, False),
+    ("EXPERT_DATA_PARALLEL_GROUP", {"ep", "dp"}, False),
+    ("TENSOR_AND_DATA_PARALLEL_GROUP", {"tp", "dp"}, False),
+    ("MODEL_PARALLEL_GROUP", set(), False),                          # tp x pp: no dim of ours alone
+    ("mesh_dp_shard_cp", {"dp", "cp"}, True),                       # torchtitan's flattened mesh dims
+    ("mesh_dp_replicate", {"dp"}, True),
+    ("mesh_ep", {"ep"}, False),
+    ("default_pg", set(), False),
+])
+def test_group_descriptions_name_their_dims(desc, dims, syncs):
+    from transforms.ingest.kineto.spans import Group
+
+    group = Group("7", desc, (0, 1))
+    assert group.dims() == dims and group.syncs_grads() == syncs
+
+
+def test_grads_synced_over_a_data_and_context_group_are_the_dp_collectives(tmp_path):
+    """The same tp 2 job with its data-parallel groups described as torchtitan's flattened
+    `dp_shard_cp` mesh dim (grads sync over data x context): the same conversion."""
+    job = generate_job(JobSpec("kineto-dpcp", dp=2, pp=2, tp=2, microbatches=4, steps=3, sessions=1, seed=5,
+                               dp_overlap=False, record_noop_p2p=False))
+    plain = convert_kineto(write_kineto_job(job, tmp_path / "plain"), job.spec.job_id, DATE, {"clock": "trust"})
+    paths = write_kineto_job(job, tmp_path / "dpcp")
+    for path in paths:
+        text = pathlib.Path(path).read_text()
+        assert '"mesh_dp"' in text
+        pathlib.Path(path).write_text(text.replace('"mesh_dp"', '"mesh_dp_shard_cp"'))
+    renamed = convert_kineto(paths, job.spec.job_id, DATE, {"clock": "trust"})
+    assert renamed.trace.equals(plain.trace)
+    assert (renamed.manifest["dp_size"], renamed.manifest["tp_size"]) == (2, 2)

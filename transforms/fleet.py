@@ -467,7 +467,7 @@ class DistributionFn(_TableFn):
 
 
 class OptypeFn(_TableFn):
-    """fleet_optype: waste by op type and by category (compute / pp-comm / dp-comm / other)."""
+    """fleet_optype: waste by op type and by category (compute / pp-comm / dp-comm / group-comm / other)."""
 
     table = "fleet_optype"
 

@@ -30,7 +30,7 @@ import dataclasses
 import numpy as np
 import pyarrow as pa
 
-from schemas.trace import COMPUTE_OPTYPES, OPTYPES
+from schemas.trace import COMPUTE_OPTYPES, IN_COMPUTE_OPTYPES, OPTYPES
 from transforms.components import components
 from transforms.whatif.errors import (
     WhatIfError,
@@ -80,6 +80,7 @@ AG, RS = _CODE["params-all-gather"], _CODE["grads-reduce-scatter"]
 SEP, LN = _CODE["separate-grads-all-reduce"], _CODE["layernorm-grads-all-reduce"]
 EMB, CLIP = _CODE["embedding-grads-all-reduce"], _CODE["optimizer-clip-main-grad"]
 OPT, GC, WGT = _CODE["optimizer"], _CODE["gc"], _CODE["backward-weight-compute"]
+IN_COMPUTE = tuple(_CODE[name] for name in IN_COMPUTE_OPTYPES)
 P2P = (FSEND, FRECV, BSEND, BRECV)
 # Ties in start time and seq_id are broken by optype name, alphabetically.
 _NAME_RANK = np.argsort(np.argsort(np.array(OPTYPES, dtype=object)))
@@ -226,13 +227,35 @@ class JobModel:
         if cached is not None and cached[0] is self.original_cost:
             return cached[1]
         ideal = np.zeros(self.n_ops)
+        classes = self._ideal_classes()
         for code in self.optype_codes():
-            rows = self.op_optype == code
-            values = self.original_cost[rows]
-            ideal[rows] = values.mean() if OPTYPES[code] in COMPUTE_LIKE_OPTYPES else median(values)
+            for cls in distinct(classes[self.op_optype == code]):
+                rows = (self.op_optype == code) & (classes == cls)
+                values = self.original_cost[rows]
+                ideal[rows] = values.mean() if OPTYPES[code] in COMPUTE_LIKE_OPTYPES else median(values)
         ideal.setflags(write=False)
         self.__dict__["_ideal_cost"] = (self.original_cost, ideal)
         return ideal
+
+    def _ideal_classes(self) -> np.ndarray:
+        """Per op, which ops of its type share its ideal: all of them (0), as METHOD.md section 4
+        states, unless collectives inside the compute cut it into pieces of different sizes (a
+        recommendation model's embedding all-to-all inside the forward). Then the k-th piece of a
+        microbatch's compute shares its ideal with the k-th pieces of the others, and each
+        in-compute collective of a step (seq_id) has its own."""
+        classes = np.zeros(self.n_ops, dtype=np.int64)
+        inside = np.isin(self.op_optype, IN_COMPUTE)
+        if not inside.any():
+            return classes
+        classes[inside] = self.op_seq_id[inside]
+        compute = np.flatnonzero(np.isin(self.op_optype, (FWD, BWD, WGT)))
+        key = ((self.op_optype[compute].astype(np.int64) * (self.pp_size + 1) + self.op_stage[compute])
+               * (int(self.op_gmc.max()) + 2) + self.op_gmc[compute]) * (1 << 20) + self.mb_id[compute, 0]
+        order = np.lexsort((self.observed_start[compute, 0], key))
+        first = np.r_[True, key[order][1:] != key[order][:-1]]
+        group_start = np.maximum.accumulate(np.where(first, np.arange(len(order)), 0))
+        classes[compute[order]] = np.arange(len(order)) - group_start
+        return classes
 
     def ideal_by_optype(self, ideal: np.ndarray | None = None) -> dict[str, float]:
         """optype name -> ideal cost; `ideal` is `ideal_cost()` when the caller already has it."""
@@ -898,6 +921,7 @@ def _build_graph(template: _Template, dp_size: int, meta: JobMeta) -> _Graph:
             graph.chain(template.ordered(stage, (AG, RS)))
         _chunk_dp_dependencies(template, graph)
     _step_tail(template, graph)
+    _in_compute_collectives(template, graph)
 
     # Comm groups beyond p2p: DP collectives (each synchronised over DP ranks), embedding
     # all-reduce between the first and last stage, clip over all stages and DP ranks.
@@ -910,6 +934,35 @@ def _build_graph(template: _Template, dp_size: int, meta: JobMeta) -> _Graph:
     if template.has(CLIP):
         graph.group([template.require(CLIP, 0, stage, "the grad-norm all-reduce synchronises all workers") for stage in range(pp)], synced=True)
     return graph
+
+
+def _in_compute_collectives(template: _Template, graph: _Graph) -> None:
+    """Collectives of a group spanning workers inside the step (all-to-all, group-collective): in
+    start order on a stream of their own per stage, each after the compute op that was running or
+    last ran when it started (it launched it), and before the compute op that starts when it ends
+    after the compute stream idled (it waited for it: the converter cuts a compute span at the
+    collectives it issued), else before the optimizer when it ended before that started.
+    Each synchronises its group over the DP ranks, like the DP collectives."""
+    for stage in range(template.pp):
+        ops = template.ordered(stage, IN_COMPUTE)
+        if not len(ops):
+            continue
+        graph.chain(ops)
+        compute = template.ordered(stage, (FWD, BWD, WGT))
+        starts, ends = template.start[compute], template.end[compute]
+        tail = template.require(OPT, 0, stage, "every stage ends its step with the optimizer")
+        for op in ops.tolist():
+            launched_in = np.searchsorted(starts, template.start[op], side="left") - 1
+            if launched_in >= 0:
+                graph.edge(int(compute[launched_in]), op)
+            waiting = max(np.searchsorted(starts, template.end[op] - NOOP_TOLERANCE, side="left"), launched_in + 1)
+            idle = waiting < len(compute) and (waiting == 0 or ends[waiting - 1] <= template.end[op] + NOOP_TOLERANCE)
+            if idle and starts[waiting] - template.end[op] <= NOOP_TOLERANCE:
+                graph.edge(op, int(compute[waiting]))
+            elif template.end[op] <= template.start[tail] + NOOP_TOLERANCE:
+                graph.edge(op, tail)
+        for op in ops.tolist():
+            graph.group([op], synced=graph.uses_dp)
 
 
 def _p2p_dependencies(template: _Template, graph: _Graph) -> None:

@@ -36,6 +36,7 @@ _CATEGORY_OF = {
     "forward-send": 1, "forward-recv": 1, "backward-send": 1, "backward-recv": 1,
     "params-all-gather": 3, "grads-reduce-scatter": 3, "separate-grads-all-reduce": 3,
     "layernorm-grads-all-reduce": 3, "embedding-grads-all-reduce": 3, "optimizer-clip-main-grad": 3,
+    "all-to-all": 3, "group-collective": 3,
 }
 _SLOT = 1.1   # a step's slot on the time axis, as a multiple of its longest version
 # Op events per version a timeline export keeps by default (its first steps up to this many):

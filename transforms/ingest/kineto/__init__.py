@@ -32,8 +32,11 @@ The mapping (ARCHITECTURE.md, "Kineto mapping"):
   gradients -> grads-reduce-scatter, all_gather -> params-all-gather, matched across
   ranks by their order in the group within the step (= NCCL's sequence number order);
 - optimizer: `Optimizer.step#...` (union of the step's optimizer spans);
-- everything else that is communication or a label (broadcast, barrier, all_to_all,
-  collectives of other groups, unknown labels) is counted in source.unmapped.
+- collectives inside the compute (all_to_all, broadcast, barrier, FSDP's per-layer all_gather)
+  over a group of several workers, without a pipeline: `all-to-all` / `group-collective` ops,
+  the compute label that issued one cut there into pieces of its microbatch;
+- everything else that is communication or a label (collectives of other groups, those inside a
+  pipeline's compute, unknown labels) is counted in source.unmapped.
 - clocks: a rank's times are `baseTimeNanoseconds` + ts; ranks of one host (`host_name`) share
   a clock, and between hosts offsets are estimated so that the ends of matched collectives and
   p2p pairs coincide (least squares). A shift of one host's clock then changes nothing: the

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from transforms.ingest.kineto.spans import BWD, FWD, RECV, SEND, _STEP
+from transforms.ingest.kineto.spans import (BWD, COLL, FWD, IN_COMPUTE_COLLECTIVES, RECV, SEND, Group, _COLLECTIVES,
+                                            _STEP)
 
 
 
@@ -131,15 +132,69 @@ class _GpuWork:
         return float(self._start[lo:hi].min()), float(self._end[lo:hi].max())
 
 
+_ISSUE = re.compile(r"^nccl:(?P<name>\w+)$")   # c10d's range around a NCCL collective's launch
+
+
+def _issued_collectives(comm: list, cpu_ops: list, on_gpu: bool,
+                        groups: Mapping[str, Group] | None = None) -> list[tuple[float, float, float]]:
+    """(issued at, start, end) of each collective a compute op may hold: IN_COMPUTE_COLLECTIVES
+    (all-to-all, broadcast ...) and the all-gathers of FSDP's per-layer parameters, over any group
+    not described as tensor or context parallel (whose collectives are the worker's compute). A
+    CPU collective is issued when it starts; a NCCL one when its
+    `nccl:<name>` range opened on the CPU: the k-th such range of a collective name is the k-th
+    kernel of that name (one stream per group runs them in issue order), or, when the counts
+    differ, the latest range of that name opened before the kernel started."""
+    spans: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    inside_worker = {name for name, group in (groups or {}).items() if group.dims() & {"tp", "cp"}}
+    for kind, start, end, _, coll, group, *_ in comm:
+        if kind == COLL and coll in (*IN_COMPUTE_COLLECTIVES, "all_gather") and group not in inside_worker:
+            spans[coll].append((start, end))
+    if not on_gpu:
+        return sorted((start, start, end) for name in spans for start, end in spans[name])
+    issued: dict[str, list[float]] = collections.defaultdict(list)
+    for start, _, name, _ in cpu_ops:
+        found = _ISSUE.match(name)
+        if found and _COLLECTIVES.get(found.group("name").lstrip("_").removesuffix("_base")) in spans:
+            issued[_COLLECTIVES[found.group("name").lstrip("_").removesuffix("_base")]].append(start)
+    out = []
+    for name, kernels in spans.items():
+        kernels.sort()
+        times = np.sort(np.array(issued.get(name, ())))
+        if len(times) == len(kernels):
+            out += [(float(t), s, e) for t, (s, e) in zip(times, kernels)]
+            continue
+        for s, e in kernels:
+            before = np.searchsorted(times, s, side="right") - 1
+            out.append((float(times[before]) if before >= 0 else s, s, e))
+    return sorted(out)
+
+
+def _pieces(start: float, end: float, held: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """[start, end] cut at each (collective start, end) in `held` (sorted): the work before it and the
+    work after it; one more piece per collective however they overlap (pieces may be empty), so a
+    compute op holds the same pieces in every step."""
+    pieces, at = [], start
+    for a, b in held:
+        cut = min(max(a, at), end)
+        pieces.append((at, cut))
+        at = min(max(b, cut), end)
+    pieces.append((at, end))
+    return pieces
+
+
 def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list,
-                   ops: list | None = None, gpu_work: _GpuWork | None = None) -> list[tuple[int, float, float, int, int]]:
-    """(kind, start, end, mb, chunk) of each compute label: on a GPU trace the span of the GPU work
+                   ops: list | None = None, gpu_work: _GpuWork | None = None,
+                   collectives: list[tuple[float, float, float]] = ()) -> list[tuple[int, float, float, int, int, int]]:
+    """(kind, start, end, mb, chunk, piece) of each compute label: on a GPU trace the span of the GPU work
     launched while the label was open, on any thread (a backward's kernels come from the autograd
     engine's thread), else its GPU annotation span, else the CPU span with p2p waits at its edges cut off (a recv ending inside it,
     a send issued at its back) and, given the label thread's ops (start, end, name, tid), when it
     issues a send (GPipe's `Forward k`), ending at its last op: time between that op and the send
     that no op accounts for (a pause before the send) is untraced, the send's launch delay, not
-    compute."""
+    compute. A label that issued collectives of a group (`collectives`: _issued_collectives) is cut
+    at each into pieces (piece 0, 1, ...: the work before the collective and the work after it,
+    which waits for it); on a GPU the compute stream may run kernels that do not need the
+    collective while its stream transfers: that overlap counts as the collective's time."""
     inner = sorted((s, e) for s, e, name, _ in (ops or ()) if not name.startswith(_NOT_COMPUTE))
     inner_start = np.array([s for s, _ in inner]) if inner else np.zeros(0)
     inner_end = np.array([e for _, e in inner]) if inner else np.zeros(0)
@@ -149,11 +204,19 @@ def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list,
     p2p_start = np.array([s for s, _, _ in p2p]) if p2p else np.zeros(0)
     recv_spans = sorted(((s, e) for s, e, k in p2p if k == RECV), key=lambda span: span[1])
     recv_end = np.array([e for _, e in recv_spans]) if recv_spans else np.zeros(0)
+    issued_at = np.array([t for t, _, _ in collectives])
     out = []
+
+    def emit(kind, label_start, label_end, start, end, mb, chunk):
+        lo, hi = np.searchsorted(issued_at, label_start), np.searchsorted(issued_at, label_end, side="right")
+        held = sorted((a, b) for _, a, b in collectives[lo:hi])
+        for piece, (s, e) in enumerate(_pieces(start, end, held)):
+            out.append((kind, s, e, mb, chunk, piece))
+
     for kind, start, end, mb, chunk, name in sorted(labels, key=lambda l: l[1]):
         launched = gpu_work.span(start, end) if gpu_work is not None else None
         if launched is not None:
-            out.append((kind, *launched, mb, chunk))
+            emit(kind, start, end, *launched, mb, chunk)
             continue
         # the label's GPU span: the next one of that name starting after the CPU label did (GPU work
         # follows its launch), so a span the profiler dropped costs only its own step
@@ -164,7 +227,7 @@ def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list,
         if position < len(on_gpu):
             next_gpu[name] = position + 1
             gpu_start, gpu_end = on_gpu[position]
-            out.append((kind, gpu_start, gpu_end, mb, chunk))
+            emit(kind, start, end, gpu_start, gpu_end, mb, chunk)
             continue
         lo, hi = np.searchsorted(p2p_start, start), np.searchsorted(p2p_start, end)
         compute_start, compute_end = start, end
@@ -187,5 +250,5 @@ def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list,
             held = (inner_end[lo:hi] <= end) & ~((inner_start[lo:hi] == start) & (inner_end[lo:hi] == end))
             if held.any():   # between its last op and the send it issues: untraced (its front stays compute)
                 compute_end = min(compute_end, float(inner_end[lo:hi][held].max()))
-        out.append((kind, compute_start, max(compute_end, compute_start), mb, chunk))
+        emit(kind, start, end, compute_start, max(compute_end, compute_start), mb, chunk)
     return out

@@ -279,7 +279,7 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
     for trace in analysed:
         _resolve_local_peers(trace, layout)
     steps, dropped = _kept_steps(analysed, job_id)
-    described = any(g.dims() == {"dp"} for t in ranks for g in t.groups.values())
+    described = any(g.syncs_grads() for t in ranks for g in t.groups.values())
     unmapped: collections.Counter = collections.Counter()
     for trace in ranks:
         unmapped.update(trace.unmapped)

@@ -55,9 +55,12 @@ def _layout_from_groups(ranks: Sequence[RankTrace], world: int) -> _Layout | Non
     """Coordinates from process groups whose description names one dim (DeviceMesh `mesh_pp`, Megatron names)."""
     coords: dict[int, dict[str, int]] = collections.defaultdict(dict)
     sizes: dict[str, int] = {}
+    data_context: list[tuple[int, ...]] = []   # groups over data x context (grads sync)
     for trace in ranks:
         for group in trace.groups.values():
             dims = group.dims()
+            if dims == {"dp", "cp"}:
+                data_context.append(group.ranks)
             if len(dims) != 1:
                 continue
             (dim,) = dims
@@ -65,6 +68,16 @@ def _layout_from_groups(ranks: Sequence[RankTrace], world: int) -> _Layout | Non
                 return None
             for index, rank in enumerate(group.ranks):
                 coords[rank][dim] = index
+    if "dp" not in sizes and data_context:
+        # only the data x context group is described: context-parallel ranks vary fastest within it
+        # (Megatron's order tp-cp-ep-dp-pp, torchtitan's mesh [pp, dp, cp, tp])
+        cp = sizes.get("cp", 1)
+        if len({len(g) for g in data_context}) != 1 or len(data_context[0]) % cp:
+            return None
+        sizes["dp"] = len(data_context[0]) // cp
+        for group in data_context:
+            for index, rank in enumerate(group):
+                coords[rank]["dp"] = index // cp
     if not {"dp", "pp"} & set(sizes):
         return None
     dp, pp, tp, cp = (sizes.get(d, 1) for d in ("dp", "pp", "tp", "cp"))
@@ -199,8 +212,8 @@ def _resolve_local_peers(trace: RankTrace, layout: _Layout) -> None:
 
 def _dp_groups(trace: RankTrace, layout: _Layout, described: bool) -> set[str]:
     """Names (as this rank's trace spells them: pg_name differs between ranks) of the rank's
-    data-parallel groups. None when dp = 1. When some group of the job names the dp dim, only such
-    groups; otherwise the groups whose members are exactly this stage's DP ranks and that name no
+    data-parallel groups. None when dp = 1. When some group of the job names the dp dim (alone or
+    with cp: Group.syncs_grads), only such groups; otherwise the groups whose members are exactly this stage's DP ranks and that name no
     other dim (the default group of plain DDP). Collectives whose group the trace does not name
     (gloo CPU traces, old NCCL ones) count as data-parallel: the only collectives a training step
     issues outside its compute."""
@@ -210,7 +223,6 @@ def _dp_groups(trace: RankTrace, layout: _Layout, described: bool) -> set[str]:
     peers = frozenset(rank for rank, (_, s) in layout.worker.items() if s == stage)
     names = {""}
     for group in trace.groups_of_rank():
-        dims = group.dims()
-        if dims == {"dp"} or (not described and not dims - {"dp"} and frozenset(group.ranks) == peers):
+        if group.syncs_grads() or (not described and not group.dims() - {"dp"} and frozenset(group.ranks) == peers):
             names.add(group.name)
     return names

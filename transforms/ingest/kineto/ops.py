@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import numpy as np
 
 from transforms.ingest.common import RawInputError
 from transforms.ingest.kineto.layout import _Layout
-from transforms.ingest.kineto.spans import (BWD, COLL, FWD, OPT, RECV, RankTrace, SEND, WGT, _CODE, _COLLECTIVES,
-                                            _DP_OPTYPE, _KIND_NAMES, first_start_per_step)
+from transforms.ingest.kineto.spans import (BWD, COLL, FWD, IN_COMPUTE_COLLECTIVES, OPT, RECV, RankTrace, SEND, WGT,
+                                            _CODE, _COLLECTIVES, _DP_OPTYPE, _KIND_NAMES, first_start_per_step)
 
 
 def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarray, dp_groups: set[str],
@@ -16,7 +17,10 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
     """The op rows of one analysed rank over the kept steps (times in µs on its own clock), with
     `peer_stage` (the pipeline rank a p2p op pairs with, -1 for other ops) for the job level;
     `placement` is the stage of each global model chunk."""
+    if trace.piece is not None and layout.pp > 1:
+        trace = _whole_labels(trace)   # a pipeline's p2p serve whole microbatches: no cut compute
     in_steps = np.isin(trace.step, steps)
+    piece = trace.piece[in_steps] if trace.piece is not None else np.zeros(int(in_steps.sum()), dtype=np.int8)
     kind, start, end, step = trace.kind[in_steps], trace.start[in_steps], trace.end[in_steps], trace.step[in_steps]
     mb, chunk, peer, coll, group = (a[in_steps] for a in (trace.mb, trace.chunk, trace.peer, trace.coll, trace.group))
     n_ops = trace.n_ops[in_steps]
@@ -61,13 +65,25 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
     zero = bool((dp_coll & (coll == "reduce_scatter")).any())
     # FSDP / ZeRO-3 gather each layer's parameters just before its forward (and again for its
     # backward), inside the compute: only gathers before the step's first compute are the
-    # model's params-all-gather; the others overlap compute, whose spans hold any exposed wait
+    # model's params-all-gather; the others synchronise the DP ranks between layers (the compute
+    # they are issued in is cut at them), without a pipeline (whose p2p serve whole microbatches:
+    # there the compute holds them, waits included)
     compute_kind = (kind == FWD) | (kind == BWD)
     first_compute = first_start_per_step(step, start, compute_kind)
+    spanning = _spanning_groups(trace, layout, dp_groups)
     for i in np.flatnonzero(kind == COLL).tolist():
         name = coll[i]
+        if pp == 1 and group[i] in spanning and name in IN_COMPUTE_COLLECTIVES:
+            # all-to-all (expert / embedding parallel), broadcast, barrier ...: a synchronising
+            # collective of its group between compute ops (a pipeline's compute is not cut: its
+            # p2p ops serve whole microbatches)
+            optype[i] = _CODE["all-to-all" if name == "all_to_all" else "group-collective"]
+            continue
         if group[i] in dp_groups and name == "all_gather" and start[i] >= first_compute.get(int(step[i]), np.inf):
-            unmapped["all_gather during compute (per-layer parameter gathers)"] += 1
+            if pp == 1:   # synchronises the DP ranks between the layers' compute
+                optype[i] = _CODE["group-collective"]
+            else:
+                unmapped["all_gather during compute (per-layer parameter gathers)"] += 1
             continue
         if group[i] in dp_groups:
             mapped = "separate-grads-all-reduce" if zero and name == "all_reduce" else _DP_OPTYPE.get(name)
@@ -101,6 +117,9 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
         for i in order.tolist():
             if unlabeled[i]:
                 key = (int(step[i]), int(kind[i]), int(mc[i]))
+                if piece[i] > 0:   # a later piece of the compute before it (cut at a collective)
+                    microbatch[i] = max(seen[key] - 1, 0)
+                    continue
                 microbatch[i] = seen[key]
                 seen[key] += 1
     is_p2p_row = rows & is_p2p
@@ -117,6 +136,37 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
         "peer_stage": np.concatenate([np.where(is_p2p_row[rows], pair_stage[rows], -1), np.full(len(opt_steps), -1)]),
     }
     return out
+
+
+def _whole_labels(trace: RankTrace) -> RankTrace:
+    """The trace with each compute label's pieces (cut at the collectives it issued) joined again."""
+    later = trace.piece > 0
+    end, n_ops = trace.end.copy(), trace.n_ops.copy()
+    order = np.argsort(trace.start, kind="stable")
+    whole = order[~later[order]]
+    for i in np.flatnonzero(later).tolist():   # extends the last whole span of its kind before it
+        same = whole[(trace.kind[whole] == trace.kind[i]) & (trace.start[whole] <= trace.start[i])]
+        if len(same):
+            end[same[-1]] = max(end[same[-1]], end[i])
+            n_ops[same[-1]] += max(int(n_ops[i]), 0)
+    columns = {f.name: getattr(trace, f.name) for f in dataclasses.fields(trace)}
+    columns.update(end=end, n_ops=n_ops, piece=None)
+    for name in ("kind", "start", "end", "step", "mb", "chunk", "peer", "coll", "group", "peer_local", "direction", "n_ops"):
+        columns[name] = columns[name][~later]
+    return RankTrace(**columns)
+
+
+def _spanning_groups(trace: RankTrace, layout: _Layout, dp_groups: set[str]) -> set[str]:
+    """Names of this rank's groups whose members are more than one worker: its DP groups (a group
+    the trace does not name among them) and any other group over ranks of several workers (an
+    expert-parallel one). A group within one worker (tensor / context parallel: one representative
+    rank among its members) is the worker's compute."""
+    out = set(dp_groups)
+    for group in trace.groups_of_rank():
+        if sum(rank in layout.worker for rank in group.ranks) > 1:
+            out.add(group.name)
+    return out
+
 
 
 # p2p op type -> the global model chunk of its peer, relative to the chunk it serves

@@ -5,7 +5,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from schemas.trace import COMPUTE_OPTYPES, OPTYPES
+from schemas.trace import COMPUTE_OPTYPES, IN_COMPUTE_OPTYPES, OPTYPES
 from transforms.ingest.common import RawInputError
 from transforms.ingest.kineto.layout import _Layout
 from transforms.ingest.kineto.spans import _CODE, first_start_per_step
@@ -63,7 +63,8 @@ def _check_comm_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout
         return _per_step(rows[rank]["step"][rows[rank]["optype"] == code])
 
     steps = sorted(set(np.concatenate([r["step"] for r in rows.values()]).tolist()))
-    for code in (_CODE["grads-reduce-scatter"], _CODE["params-all-gather"], _CODE["separate-grads-all-reduce"]):
+    for code in (_CODE["grads-reduce-scatter"], _CODE["params-all-gather"], _CODE["separate-grads-all-reduce"],
+                 *(_CODE[name] for name in IN_COMPUTE_OPTYPES)):
         for stage in range(layout.pp):
             members = [rank_of[(d, stage)] for d in range(layout.dp) if (d, stage) in rank_of]
             per_rank = {rank: counts(rank, code) for rank in members}
@@ -159,7 +160,8 @@ def _serialise_chains(rows: Mapping[int, dict[str, np.ndarray]]) -> int:
     them one after the other with their whole spans, slower than what ran. Returns the number of
     ops changed."""
     changed = 0
-    chains = [[_CODE[name]] for name in _P2P_CHAINS] + [[_CODE[name] for name in _DP_CHAIN]]
+    chains = ([[_CODE[name]] for name in _P2P_CHAINS] + [[_CODE[name] for name in _DP_CHAIN]]
+              + [[_CODE[name] for name in IN_COMPUTE_OPTYPES]])
     for r in rows.values():
         for codes in chains:
             hit = np.flatnonzero(np.isin(r["optype"], codes))

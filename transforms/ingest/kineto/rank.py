@@ -11,6 +11,7 @@ import numpy as np
 
 from transforms.ingest.common import RawInputError, open_bytes
 from transforms.ingest.kineto.compute import (_BACKWARD_OP, _NOT_COMPUTE, _UNMAPPED_QUIET, _GpuWork, _compute_spans,
+                                             _issued_collectives,
                                              _unlabeled_compute)
 from transforms.ingest.kineto.reader import EventColumns, NotStreamable, TraceUnreadable, read_trace
 from transforms.ingest.kineto.spans import (BWD, COLL, DEFAULT_BACKWARD_LABELS, DEFAULT_FORWARD_LABELS,
@@ -442,7 +443,8 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
         cpu_labels = [label for label in cpu_labels if label[0] in kinds] + _unlabeled_by_step(
             ops, sorted(steps.values()), optimizer, forward=FWD not in kinds, autograd=autograd)
     on_gpu = _GpuWork(events.launches(), events.gpu_work()) if kernels else None
-    spans = _compute_spans(cpu_labels, events.gpu_labels if kernels else {}, comm, main, on_gpu)
+    spans = _compute_spans(cpu_labels, events.gpu_labels if kernels else {}, comm, main, on_gpu,
+                           _issued_collectives(comm, events.nccl_ranges, bool(kernels), groups))
     if on_gpu is not None:   # the optimizer's time is its kernels' too: one clock for a step's ops
         optimizer = [on_gpu.span(s, e) or (s, e) for s, e in optimizer]
     work = _recorded_ops(spans, autograd, flow_ends) if not kernels else [-1] * len(spans)
@@ -665,10 +667,10 @@ def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spa
     step_ids = np.array(sorted(steps), dtype=np.int64)
     step_start = np.array([steps[s][0] for s in step_ids])
     step_end = np.array([steps[s][1] for s in step_ids])
-    rows = [(k, s, e, mb, ch, -1, "", "", -1, 0, n) for (k, s, e, mb, ch), n in zip(spans, work)]
-    rows += [(k, s, e, -1, stage, peer, coll, group, local, direction, -1)
+    rows = [(k, s, e, mb, ch, -1, "", "", -1, 0, n, piece) for (k, s, e, mb, ch, piece), n in zip(spans, work)]
+    rows += [(k, s, e, -1, stage, peer, coll, group, local, direction, -1, 0)
              for (k, s, e, peer, coll, group, local), (direction, stage) in zip(comm, directions)]
-    rows += [(OPT, s, e, -1, -1, -1, "", "", -1, 0, -1) for s, e in optimizer]
+    rows += [(OPT, s, e, -1, -1, -1, "", "", -1, 0, -1, 0) for s, e in optimizer]
     kind = np.array([r[0] for r in rows], dtype=np.int8)
     start = np.array([r[1] for r in rows], dtype=np.float64)
     end = np.array([r[2] for r in rows], dtype=np.float64)
@@ -690,4 +692,5 @@ def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spa
         coll=np.array([r[6] for r in rows], dtype=object), group=np.array([r[7] for r in rows], dtype=object),
         unmapped=unmapped, peer_local=np.array([r[8] for r in rows], dtype=np.int64),
         direction=np.array([r[9] for r in rows], dtype=np.int8), n_ops=np.array([r[10] for r in rows], dtype=np.int64),
+        piece=np.array([r[11] for r in rows], dtype=np.int8) if any(r[11] for r in rows) else None,
     )

@@ -46,6 +46,9 @@ _COLLECTIVES = {
     "broadcast": "broadcast", "barrier": "barrier", "reduce": "reduce", "gather": "gather", "scatter": "scatter",
     "send": "send", "recv": "recv", "recv_anysource": "recv", "sendrecv": "sendrecv",
 }
+# Collectives a compute op may hold, each a synchronising op of its group inside the step
+# (all-to-all of expert / embedding parallelism, broadcast, barrier ...): compute is cut at them.
+IN_COMPUTE_COLLECTIVES = ("all_to_all", "broadcast", "barrier", "gather", "scatter", "reduce")
 # Canonical DP collective -> op type; the other known collectives are counted as unmapped.
 _DP_OPTYPE = {"all_reduce": "grads-reduce-scatter", "reduce_scatter": "grads-reduce-scatter", "all_gather": "params-all-gather"}
 _DIM_TOKENS = {
@@ -53,6 +56,7 @@ _DIM_TOKENS = {
     "dp": {"dp", "data", "ddp", "fsdp", "replicate", "shard"},
     "tp": {"tp", "tensor"},
     "cp": {"cp", "context"},
+    "ep": {"ep", "expert", "moe"},
 }
 
 
@@ -76,6 +80,12 @@ class Group:
         tokens = set(re.split(r"[^a-z]+", self.desc.lower()))
         return {dim for dim, names in _DIM_TOKENS.items() if tokens & names}
 
+    def syncs_grads(self) -> bool:
+        """Whether the description names a data-parallel group: dp alone, or dp with cp (Megatron's
+        DATA_PARALLEL_GROUP_WITH_CP, torchtitan's `dp_cp` / `dp_shard_cp`: context-parallel ranks
+        are one worker, so their grads sync over data x context)."""
+        return self.dims() in ({"dp"}, {"dp", "cp"})
+
 
 @dataclasses.dataclass
 class RankTrace:
@@ -87,7 +97,8 @@ class RankTrace:
     -1), coll (canonical collective name for COLL spans), group (pg_name or ""), peer_local
     (the peer as a rank of an unnamed group, resolved once the layout is known, or -1),
     direction (+1 forward / -1 backward for p2p issued under a label that says so, else 0),
-    n_ops (operations autograd recorded inside a compute span, else -1).
+    n_ops (operations autograd recorded inside a compute span, else -1), piece (0, or the
+    k-th piece of a compute label cut at the collectives it issued).
     """
 
     path: str
@@ -113,6 +124,7 @@ class RankTrace:
     peer_local: np.ndarray
     direction: np.ndarray        # int8
     n_ops: np.ndarray
+    piece: np.ndarray | None = None   # int8; None: no compute was cut
     host: str | None = None      # the trace's host_name, when torch wrote it
     clock: str = ""              # ranks with equal clock keys share one clock (their host)
     origin_ns: int = 0           # recorded instant of time 0 of the span columns (baseTimeNanoseconds + first ts)

@@ -22,12 +22,12 @@ def pairs(model: JobModel) -> tuple[np.ndarray, np.ndarray]:
     Returns two [n_pairs, n_lanes] op-index arrays (row k of both = one microbatch; the same
     stage and chunk in every lane); empty when forwards and backwards do not pair up.
     """
-    forward = np.flatnonzero(model.op_optype == FORWARD)
-    backward = np.flatnonzero(model.op_optype == BACKWARD)
+    chunks = int(model.op_gmc.max()) + 2
+    forward = _main_pieces(model, np.flatnonzero(model.op_optype == FORWARD), chunks)
+    backward = _main_pieces(model, np.flatnonzero(model.op_optype == BACKWARD), chunks)
     empty = np.zeros((0, model.n_lanes), np.int64)
     if len(forward) != len(backward) or not len(forward):
         return empty, empty
-    chunks = int(model.op_gmc.max()) + 2
 
     def keyed(ops):
         key = (model.op_stage[ops, None].astype(np.int64) * chunks + model.op_gmc[ops, None]) * (1 << 20) + model.mb_id[ops]
@@ -42,6 +42,17 @@ def pairs(model: JobModel) -> tuple[np.ndarray, np.ndarray]:
     if not np.array_equal(f_key, b_key):
         return empty, empty
     return f_ops, b_ops
+
+
+def _main_pieces(model: JobModel, ops: np.ndarray, chunks: int) -> np.ndarray:
+    """One op per (stage, chunk, microbatch): a compute a collective cut into pieces (an all-to-all
+    inside the forward) is represented by its longest piece (mean over lanes)."""
+    key = (model.op_stage[ops].astype(np.int64) * chunks + model.op_gmc[ops]) * (1 << 20) + model.mb_id[ops, 0]
+    if len(np.unique(key)) == len(ops):
+        return ops
+    order = np.lexsort((-model.original_cost[ops].mean(axis=1), key))
+    first = np.r_[True, key[order][1:] != key[order][:-1]]
+    return np.sort(ops[order][first])
 
 
 def take(values: np.ndarray, ops: np.ndarray) -> np.ndarray:
