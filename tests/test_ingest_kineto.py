@@ -471,6 +471,31 @@ def test_unknown_collective_over_the_data_parallel_group(small, tmp_path):
     assert error.op == "frobnicate_all" and "frobnicate_all" in str(error) and job.spec.job_id in str(error)
 
 
+def test_a_collective_lost_from_one_rank_drops_its_step_named_by_its_seq(small, tmp_path):
+    """A DP collective's kernel dropped from rank 0's file (mid-window): its DP peer still has that
+    Seq, so the step is dropped, and the reason names the rank, group, Seq; matching the step's
+    collectives by order would have paired the wrong ones."""
+    _, (job, paths) = small
+    arrays = job_arrays(job)
+    dp_names = {g["pg_name"] for g in process_groups(arrays) if g["role"] == "dp"}
+    lost = {}
+
+    def drop(document):
+        kernels = [e for e in document["traceEvents"] if e.get("cat") == "kernel"
+                   and (e.get("args") or {}).get("Process Group Name") in dp_names]
+        victim = kernels[len(kernels) // 2]
+        lost.update(seq=victim["args"]["Seq"], group=victim["args"]["Process Group Name"])
+        document["traceEvents"].remove(victim)
+
+    edited = _rewrite(paths[0], pathlib.Path(tmp_path) / "rank-0.json", drop)
+    converted = convert_kineto([edited, *paths[1:]], job.spec.job_id, DATE)
+    why = converted.source["steps_dropped_why"]
+    assert len(why) == 1 and int(next(iter(why))) in converted.source["steps_dropped"]
+    assert int(next(iter(why))) not in converted.source["steps"]
+    reason = next(iter(why.values()))
+    assert reason.startswith("rank 0 has no ") and f"Seq {lost['seq']} of process group {lost['group']!r}" in reason
+
+
 def test_connected_components_label_each_component_by_one_member():
     from transforms.components import components
 

@@ -236,7 +236,8 @@ def describe_source(source: dict) -> str:
     if collapsed:
         parts.append(f"{collapsed} TP/CP ranks collapsed")
     if source.get("steps_dropped"):
-        parts.append(f"steps dropped {source['steps_dropped']}")
+        why = source.get("steps_dropped_why") or {}
+        parts.append(f"steps dropped {source['steps_dropped']}" + "".join(f" (step {s}: {r})" for s, r in why.items()))
     if source.get("clock_offset_max_s"):
         parts.append(f"clock offsets up to {1e3 * source['clock_offset_max_s']:.2f} ms aligned")
     unmapped = source.get("unmapped") or {}

@@ -13,7 +13,8 @@ from transforms.ingest.kineto.clocks import _clock_offsets
 from transforms.ingest.kineto.layout import _dp_groups, _layout, _resolve_local_peers
 from transforms.ingest.kineto.ops import _ops_of_rank, _pipeline_end_noops
 from transforms.ingest.kineto.pairing import (_check_comm_pairs, _clip_p2p_waits, _collectives_after_compute,
-                                              _overlapped_dp_marker, _recv_waits_after_compute, _serialise_chains)
+                                              _overlapped_dp_marker, _recv_waits_after_compute, _seq_gaps,
+                                              _serialise_chains)
 from transforms.ingest.kineto.rank import parse_rank_bytes
 from transforms.ingest.kineto.spans import BWD, FWD, OPT, RankTrace, _KIND_NAMES
 
@@ -27,9 +28,10 @@ def _step_structure(trace: RankTrace, steps: np.ndarray) -> dict[int, tuple]:
     return out
 
 
-def _kept_steps(ranks: Sequence[RankTrace], job_id: str) -> tuple[np.ndarray, list[int]]:
+def _kept_steps(ranks: Sequence[RankTrace], job_id: str) -> tuple[np.ndarray, list[int], dict[int, str]]:
     """Steps every analysed rank has complete (optimizer, forward and backward spans, the same
-    structure as the rank's other steps); returns (kept, dropped)."""
+    structure as the rank's other steps, every collective Seq its group's members ran); returns
+    (kept, dropped, why: step -> reason, for the steps dropped for a lost collective)."""
     common = None
     union: set[int] = set()
     for trace in ranks:
@@ -59,13 +61,16 @@ def _kept_steps(ranks: Sequence[RankTrace], job_id: str) -> tuple[np.ndarray, li
             kinds = structure[step]
             if kinds != modal or not (kinds[FWD] and kinds[BWD] and kinds[OPT]):
                 keep[i] = False
+    why = _seq_gaps(ranks, candidates)
+    keep &= ~np.isin(candidates, list(why))
     kept = candidates[keep]
     dropped = sorted(union - set(kept.tolist()))
     if len(kept) < MIN_STEPS:
+        lost = "".join(f"; step {step}: {reason}" for step, reason in sorted(why.items()))
         raise RawInputError("raw_no_steps", f"{len(kept)} profiled step(s) complete on every rank (common steps "
-                            f"{candidates.tolist()}); the analysis needs at least {MIN_STEPS}: profile more active steps",
-                            job_id=job_id)
-    return kept, dropped
+                            f"{candidates.tolist()}){lost}; the analysis needs at least {MIN_STEPS}: profile more "
+                            "active steps", job_id=job_id)
+    return kept, dropped, why
 
 
 def _placement(ranks: Sequence[RankTrace], layout, job_id: str) -> np.ndarray:
@@ -278,7 +283,7 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
     placement = _placement(analysed, layout, job_id)
     for trace in analysed:
         _resolve_local_peers(trace, layout)
-    steps, dropped = _kept_steps(analysed, job_id)
+    steps, dropped, dropped_why = _kept_steps(analysed, job_id)
     described = any(g.syncs_grads() for t in ranks for g in t.groups.values())
     unmapped: collections.Counter = collections.Counter()
     for trace in ranks:
@@ -361,6 +366,7 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
         "layout": layout.how,
         "steps": steps.tolist(),
         "steps_dropped": dropped,
+        "steps_dropped_why": {str(step): reason for step, reason in sorted(dropped_why.items())},
         "clock": clock,
         "clocks": len(set(clock_of.values())) if clock != "trust" else 1,
         "clock_offset_max_s": max(abs(v) for v in offsets.values()) * 1e-6 if offsets else 0.0,

@@ -151,8 +151,10 @@ def _whole_labels(trace: RankTrace) -> RankTrace:
             n_ops[same[-1]] += max(int(n_ops[i]), 0)
     columns = {f.name: getattr(trace, f.name) for f in dataclasses.fields(trace)}
     columns.update(end=end, n_ops=n_ops, piece=None)
-    for name in ("kind", "start", "end", "step", "mb", "chunk", "peer", "coll", "group", "peer_local", "direction", "n_ops"):
-        columns[name] = columns[name][~later]
+    for name in ("kind", "start", "end", "step", "mb", "chunk", "peer", "coll", "group", "peer_local", "direction", "n_ops",
+                 "seq"):
+        if columns[name] is not None:
+            columns[name] = columns[name][~later]
     return RankTrace(**columns)
 
 

@@ -1,14 +1,15 @@
 """Comm ops matched across ranks: p2p pairs, the check that every collective and transfer has its peers, idle waits cut off p2p pairs."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+import collections
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from schemas.trace import COMPUTE_OPTYPES, IN_COMPUTE_OPTYPES, OPTYPES
 from transforms.ingest.common import RawInputError
 from transforms.ingest.kineto.layout import _Layout
-from transforms.ingest.kineto.spans import _CODE, first_start_per_step
+from transforms.ingest.kineto.spans import COLL, RankTrace, _CODE, first_start_per_step
 
 
 def _channels(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout):
@@ -85,6 +86,36 @@ def _check_comm_pairs(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout
                                     f"has {sent.get(step, 0)} {send} ops to stage {layout.worker[peer][1]} but rank "
                                     f"{peer} {received.get(step, 0)} {recv} ops from stage {layout.worker[rank][1]}{hint}",
                                     job_id=job_id, op=send)
+
+
+def _seq_gaps(ranks: Sequence[RankTrace], steps: np.ndarray) -> dict[int, str]:
+    """Recent NCCL traces number each collective in its process group (`Seq`): the members of a group
+    ran the same ones, in Seq order on one stream. Within the Seq range every member profiled, a
+    Seq one member has and another lacks is an event lost from that other's trace (a full profiler
+    buffer, a cut export), and pairing that step's collectives by order would pair the wrong ones.
+    Returns {step: why} for the steps holding such a Seq (the first gap of each step)."""
+    held: dict[str, dict[int, dict[int, tuple[int, str]]]] = collections.defaultdict(dict)   # group -> rank -> Seq -> (step, coll)
+    for trace in ranks:
+        if trace.seq is None:
+            continue
+        hit = (trace.seq >= 0) & (trace.kind == COLL) & np.isin(trace.step, steps)
+        for group in sorted({str(g) for g in trace.group[hit]}):
+            mine = hit & (trace.group == group)
+            held[group][trace.rank] = dict(zip(trace.seq[mine].tolist(), zip(trace.step[mine].tolist(), trace.coll[mine])))
+    gaps: dict[int, str] = {}
+    for group, members in sorted(held.items()):
+        if len(members) < 2:
+            continue
+        lo = max(min(seqs) for seqs in members.values())   # windows may start or end a collective apart
+        hi = min(max(seqs) for seqs in members.values())
+        union = {n: where for seqs in members.values() for n, where in seqs.items() if lo <= n <= hi}
+        for rank, seqs in sorted(members.items()):
+            for n in sorted(set(union) - set(seqs)):
+                step, coll = union[n]
+                others = ", ".join(str(r) for r, s in sorted(members.items()) if n in s)
+                gaps.setdefault(int(step), f"rank {rank} has no {coll} Seq {n} of process group {group!r}, which "
+                                           f"rank(s) {others} ran: an event lost from its trace")
+    return gaps
 
 
 def _clip_p2p_waits(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, offsets: Mapping[int, float],

@@ -403,7 +403,7 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     groups = _groups(info)
     unmapped = events.unmapped
     steps, step_tid, cpu_labels, optimizer = events.steps, events.step_tid, events.cpu_labels, events.optimizer
-    comm: list[tuple[int, float, float, int, str, str, int]] = []   # kind, start, end, peer, coll, group, local peer
+    comm: list[tuple[int, float, float, int, str, str, int, int]] = []   # kind, start, end, peer, coll, group, local peer, Seq
     unnamed: list[tuple[int, int]] = []                              # NCCL kernels without a collective name: (comm index, correlation)
     for name, args, ts, end in events.nccl:
         if "Collective name" not in args and args.get("correlation") is not None:
@@ -482,21 +482,24 @@ def _label_family(name: str) -> str:
 
 
 def _nccl_span(name: str, args: Mapping[str, Any], start: float, end: float, rank: int,
-               groups: Mapping[str, Group]) -> tuple[int, float, float, int, str, str, int]:
-    """(kind, start, end, peer, collective, group) of one NCCL kernel."""
+               groups: Mapping[str, Group]) -> tuple[int, float, float, int, str, str, int, int]:
+    """(kind, start, end, peer, collective, group, local peer, Seq) of one NCCL kernel (Seq: the
+    collective's number in its process group, recent torch; -1 when absent)."""
     collective = args.get("Collective name")
     if collective is None:   # old traces: the kernel name says what it is (ncclKernel_AllReduce_RING_LL_Sum_float)
         token = re.match(r"nccl(?:Dev)?Kernel_([A-Za-z]+)", name)
         collective = token.group(1) if token else name
     canonical = _COLLECTIVES.get(str(collective).lower(), str(collective).lower())
     group = str(args.get("Process Group Name", ""))
+    seq = args.get("Seq")
+    seq = int(seq) if isinstance(seq, (int, float)) or (isinstance(seq, str) and seq.isdigit()) else -1
     peer = -1
     if canonical in ("send", "recv"):
         key = "Dst Rank" if canonical == "send" else "Src Rank"
         if key in args:
             peer = _global_peer(int(args[key]), group, groups, rank)
-        return (SEND if canonical == "send" else RECV, start, end, peer, canonical, group, -1)
-    return (COLL, start, end, -1, canonical, group, -1)
+        return (SEND if canonical == "send" else RECV, start, end, peer, canonical, group, -1, seq)
+    return (COLL, start, end, -1, canonical, group, -1, seq)
 
 
 def _name_from_launch(comm: list, unnamed: list[tuple[int, int]], launch_tid: Mapping[int, tuple[float, object]],
@@ -523,12 +526,12 @@ def _name_from_launch(comm: list, unnamed: list[tuple[int, int]], launch_tid: Ma
         if i < 0:
             continue
         canonical = _COLLECTIVES.get(ordered[tid][i][2].lower())
-        kind, start, end, peer, collective, group, local = comm[index]
+        kind, start, end, peer, collective, group, local, seq = comm[index]
         if canonical is None or canonical == collective:
             continue
         if canonical in ("send", "recv") or kind != COLL:
             continue   # a p2p kernel keeps what it is; only collectives are renamed
-        comm[index] = (kind, start, end, peer, canonical, group, local)
+        comm[index] = (kind, start, end, peer, canonical, group, local, seq)
 
 
 def _global_peer(local: int, group: str, groups: Mapping[str, Group], rank: int) -> int:
@@ -546,7 +549,7 @@ def _gloo_spans(gloo: list, meta: list[dict], c10d: list, rank: int, groups: Map
     where the trace has it, else (CPU traces) the c10d call's `Concrete Inputs` (the group-local
     peer: global through a group that names the pp dim, else kept as `local` for the job level,
     where the layout says which ranks form the rank's pipeline). A p2p op spans its c10d call and
-    its gloo span. Tuples: (kind, start, end, peer, collective, group, local peer)."""
+    its gloo span. Tuples: (kind, start, end, peer, collective, group, local peer, Seq = -1)."""
     issued: dict[str, list[dict]] = collections.defaultdict(list)
     for args in sorted(meta, key=lambda a: a["ts"]):
         canonical = _COLLECTIVES.get(str(args["Collective name"]).lower(), str(args["Collective name"]).lower())
@@ -576,9 +579,9 @@ def _gloo_spans(gloo: list, meta: list[dict], c10d: list, rank: int, groups: Map
                     peer = pipeline.ranks[call[3]]
                 elif peer < 0 and call[3] >= 0:
                     local = call[3]   # a rank of the (unnamed) group the call used: resolved with the layout
-            out.append((SEND if canonical == "send" else RECV, start, end, peer, canonical, group, local))
+            out.append((SEND if canonical == "send" else RECV, start, end, peer, canonical, group, local, -1))
         else:
-            out.append((COLL, start, end, -1, canonical, group, -1))
+            out.append((COLL, start, end, -1, canonical, group, -1, -1))
     return out
 
 
@@ -667,10 +670,10 @@ def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spa
     step_ids = np.array(sorted(steps), dtype=np.int64)
     step_start = np.array([steps[s][0] for s in step_ids])
     step_end = np.array([steps[s][1] for s in step_ids])
-    rows = [(k, s, e, mb, ch, -1, "", "", -1, 0, n, piece) for (k, s, e, mb, ch, piece), n in zip(spans, work)]
-    rows += [(k, s, e, -1, stage, peer, coll, group, local, direction, -1, 0)
-             for (k, s, e, peer, coll, group, local), (direction, stage) in zip(comm, directions)]
-    rows += [(OPT, s, e, -1, -1, -1, "", "", -1, 0, -1, 0) for s, e in optimizer]
+    rows = [(k, s, e, mb, ch, -1, "", "", -1, 0, n, piece, -1) for (k, s, e, mb, ch, piece), n in zip(spans, work)]
+    rows += [(k, s, e, -1, stage, peer, coll, group, local, direction, -1, 0, seq)
+             for (k, s, e, peer, coll, group, local, seq), (direction, stage) in zip(comm, directions)]
+    rows += [(OPT, s, e, -1, -1, -1, "", "", -1, 0, -1, 0, -1) for s, e in optimizer]
     kind = np.array([r[0] for r in rows], dtype=np.int8)
     start = np.array([r[1] for r in rows], dtype=np.float64)
     end = np.array([r[2] for r in rows], dtype=np.float64)
@@ -693,4 +696,5 @@ def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spa
         unmapped=unmapped, peer_local=np.array([r[8] for r in rows], dtype=np.int64),
         direction=np.array([r[9] for r in rows], dtype=np.int8), n_ops=np.array([r[10] for r in rows], dtype=np.int64),
         piece=np.array([r[11] for r in rows], dtype=np.int8) if any(r[11] for r in rows) else None,
+        seq=np.array([r[12] for r in rows], dtype=np.int64) if any(r[12] >= 0 for r in rows) else None,
     )

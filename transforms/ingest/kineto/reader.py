@@ -66,12 +66,14 @@ class EventArgs(msgspec.Struct, frozen=True, gc=False):
     dst: Any = msgspec.field(default=_UNSET, name="Dst Rank")
     src: Any = msgspec.field(default=_UNSET, name="Src Rank")
     inputs: Any = msgspec.field(default=_UNSET, name="Concrete Inputs")
+    seq: Any = msgspec.field(default=_UNSET, name="Seq")
 
     def as_dict(self) -> dict[str, Any]:
         """The keys the file had, as they were spelled."""
         out = {} if self.correlation is None else {"correlation": self.correlation}
         for key, value in (("Collective name", self.collective), ("Process Group Name", self.group),
-                           ("Dst Rank", self.dst), ("Src Rank", self.src), ("Concrete Inputs", self.inputs)):
+                           ("Dst Rank", self.dst), ("Src Rank", self.src), ("Concrete Inputs", self.inputs),
+                           ("Seq", self.seq)):
             if value is not _UNSET:
                 out[key] = value
         return out

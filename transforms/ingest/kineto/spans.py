@@ -98,7 +98,8 @@ class RankTrace:
     (the peer as a rank of an unnamed group, resolved once the layout is known, or -1),
     direction (+1 forward / -1 backward for p2p issued under a label that says so, else 0),
     n_ops (operations autograd recorded inside a compute span, else -1), piece (0, or the
-    k-th piece of a compute label cut at the collectives it issued).
+    k-th piece of a compute label cut at the collectives it issued), seq (a collective's number
+    in its process group, `Seq` of recent NCCL traces, else -1).
     """
 
     path: str
@@ -125,6 +126,7 @@ class RankTrace:
     direction: np.ndarray        # int8
     n_ops: np.ndarray
     piece: np.ndarray | None = None   # int8; None: no compute was cut
+    seq: np.ndarray | None = None     # int64 NCCL Seq of collectives (-1 elsewhere); None: the trace has none
     host: str | None = None      # the trace's host_name, when torch wrote it
     clock: str = ""              # ranks with equal clock keys share one clock (their host)
     origin_ns: int = 0           # recorded instant of time 0 of the span columns (baseTimeNanoseconds + first ts)
