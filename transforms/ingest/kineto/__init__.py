@@ -30,7 +30,9 @@ The mapping (ARCHITECTURE.md, "Kineto mapping"):
 - DP collectives (all_reduce, reduce_scatter, all_gather over the data-parallel group):
   gloo spans on the runloop threads or NCCL kernels; all_reduce and reduce_scatter of
   gradients -> grads-reduce-scatter, all_gather -> params-all-gather, matched across
-  ranks by their order in the group within the step (= NCCL's sequence number order);
+  ranks by their order in the group within the step (= NCCL's sequence number order); where
+  the trace records `Seq` (recent NCCL), a step in which a member lacks a Seq the group's other
+  members ran is dropped, the reason in source.steps_dropped_why;
 - optimizer: `Optimizer.step#...` (union of the step's optimizer spans);
 - collectives inside the compute (all_to_all, broadcast, barrier, FSDP's per-layer all_gather)
   over a group of several workers, without a pipeline: `all-to-all` / `group-collective` ops,
