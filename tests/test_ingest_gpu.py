@@ -13,6 +13,7 @@ import gzip
 import json
 import pathlib
 
+import numpy as np
 import pytest
 
 from transforms.ingest.kineto import convert_kineto
@@ -247,3 +248,35 @@ def test_a_trace_with_one_profiled_step_is_analysed(document, tmp_path):
     assert job.source["steps"] == [int(keep.split("#")[1])]
     result = analyze_job(job.trace, JobMeta.from_mapping(job.manifest), "gpu-one-step")
     assert len(result.steps) == 1 and result.slowdown < 1.05
+
+
+# --- every public GPU rank parses, checked against independent sums over the same file ---------------
+
+HTA_FILES = ["nccl_data.json.gz", "ddp2_rank1.json.gz", "world2_rank1.json.gz", "world8_rank3.json.gz",
+             "world16_rank0.json.gz", "world1_rank0.json.gz", "sampled_rank-0.json.gz", "sampled_rank-1.json.gz"]
+
+
+@pytest.mark.parametrize("name", HTA_FILES)
+def test_each_public_gpu_rank_parses_to_what_its_file_holds(name):
+    """Per rank, from the raw events alone: the ProfilerStep spans (exact), the NCCL kernels (count
+    and summed time within 1%: each is one communication span of the rank), and the GPU work the
+    converter attributes to CUDA launches (non-NCCL kernels, copies and memsets with a correlation)."""
+    from transforms.ingest.kineto.rank import parse_rank_bytes
+    from transforms.ingest.kineto.spans import COLL, RECV, SEND
+
+    path = _real_rank(name)
+    events = [e for e in json.loads(gzip.decompress(path.read_bytes()))["traceEvents"] if e.get("ph") == "X"]
+    steps = sorted((int(e["name"].split("#")[1]), float(e["ts"]), float(e["dur"])) for e in events
+                   if e.get("name", "").startswith("ProfilerStep#"))
+    nccl = [float(e["dur"]) for e in events if e.get("cat") == "kernel" and e["name"].startswith(("ncclKernel_", "ncclDevKernel_"))]
+    work = sum(1 for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+               and not e["name"].startswith(("ncclKernel_", "ncclDevKernel_")) and "correlation" in (e.get("args") or {}))
+
+    trace = parse_rank_bytes(str(path), path.read_bytes())
+    assert trace.steps.tolist() == [n for n, _, _ in steps]
+    assert np.allclose(trace.step_end - trace.step_start, [d for _, _, d in steps], rtol=0, atol=1e-6)
+    assert np.allclose(np.diff(trace.step_start), np.diff([t for _, t, _ in steps]), rtol=0, atol=1e-6)
+    comm = np.isin(trace.kind, (COLL, SEND, RECV))
+    assert int(comm.sum()) == len(nccl)
+    assert float((trace.end - trace.start)[comm].sum()) == pytest.approx(sum(nccl), rel=0.01)
+    assert trace.gpu_work == work and trace.device != "cpu"
