@@ -1140,7 +1140,9 @@ def _step_tail(template: _Template, graph: _Graph) -> None:
         if graph.dp_overlapped:
             last_scatter = template.require(RS, n_scatter - 1, stage, "the last reduce-scatter precedes the step tail")
             separate = template.require(SEP, 0, stage, "overlapped DP all-reduces the separate grads before clipping")
-            graph.chain([*layernorm, *embedding, separate, *clip, optimizer], after=[last_scatter, *after])
+            # (a converted trace may all-reduce more than one set of separate grads: all in the tail)
+            more = [op for op in template.ordered(stage, (SEP,)).tolist() if op != separate]
+            graph.chain([*layernorm, *embedding, separate, *more, *clip, optimizer], after=[last_scatter, *after])
         else:
             chain = [template.require(RS, i, stage, "non-overlapped DP reduce-scatters all grads in the tail") for i in range(n_scatter)]
             graph.chain([*layernorm, *embedding, *chain, *clip, optimizer], after=after)

@@ -7,8 +7,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from transforms.ingest.kineto.spans import (BWD, COLL, FWD, IN_COMPUTE_COLLECTIVES, RECV, SEND, Group, _COLLECTIVES,
-                                            _STEP)
+from transforms.ingest.kineto.spans import BWD, COLL, FWD, IN_COMPUTE_COLLECTIVES, RECV, SEND, Group, _STEP
 
 
 
@@ -132,41 +131,15 @@ class _GpuWork:
         return float(self._start[lo:hi].min()), float(self._end[lo:hi].max())
 
 
-_ISSUE = re.compile(r"^nccl:(?P<name>\w+)$")   # c10d's range around a NCCL collective's launch
-
-
-def _issued_collectives(comm: list, cpu_ops: list, on_gpu: bool,
-                        groups: Mapping[str, Group] | None = None) -> list[tuple[float, float, float]]:
+def _issued_collectives(comm: list, issued: list[float], groups: Mapping[str, Group] | None = None
+                        ) -> list[tuple[float, float, float]]:
     """(issued at, start, end) of each collective a compute op may hold: IN_COMPUTE_COLLECTIVES
     (all-to-all, broadcast ...) and the all-gathers of FSDP's per-layer parameters, over any group
-    not described as tensor or context parallel (whose collectives are the worker's compute). A
-    CPU collective is issued when it starts; a NCCL one when its
-    `nccl:<name>` range opened on the CPU: the k-th such range of a collective name is the k-th
-    kernel of that name (one stream per group runs them in issue order), or, when the counts
-    differ, the latest range of that name opened before the kernel started."""
-    spans: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    not described as tensor or context parallel (whose collectives are the worker's compute).
+    `issued`: per comm span, the CPU time it was issued at (a NCCL kernel's launch, a CPU span's start)."""
     inside_worker = {name for name, group in (groups or {}).items() if group.dims() & {"tp", "cp"}}
-    for kind, start, end, _, coll, group, *_ in comm:
-        if kind == COLL and coll in (*IN_COMPUTE_COLLECTIVES, "all_gather") and group not in inside_worker:
-            spans[coll].append((start, end))
-    if not on_gpu:
-        return sorted((start, start, end) for name in spans for start, end in spans[name])
-    issued: dict[str, list[float]] = collections.defaultdict(list)
-    for start, _, name, _ in cpu_ops:
-        found = _ISSUE.match(name)
-        if found and _COLLECTIVES.get(found.group("name").lstrip("_").removesuffix("_base")) in spans:
-            issued[_COLLECTIVES[found.group("name").lstrip("_").removesuffix("_base")]].append(start)
-    out = []
-    for name, kernels in spans.items():
-        kernels.sort()
-        times = np.sort(np.array(issued.get(name, ())))
-        if len(times) == len(kernels):
-            out += [(float(t), s, e) for t, (s, e) in zip(times, kernels)]
-            continue
-        for s, e in kernels:
-            before = np.searchsorted(times, s, side="right") - 1
-            out.append((float(times[before]) if before >= 0 else s, s, e))
-    return sorted(out)
+    return sorted((at, start, end) for (kind, start, end, _, coll, group, *_), at in zip(comm, issued)
+                  if kind == COLL and coll in (*IN_COMPUTE_COLLECTIVES, "all_gather") and group not in inside_worker)
 
 
 def _pieces(start: float, end: float, held: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -184,8 +157,9 @@ def _pieces(start: float, end: float, held: list[tuple[float, float]]) -> list[t
 
 def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list,
                    ops: list | None = None, gpu_work: _GpuWork | None = None,
-                   collectives: list[tuple[float, float, float]] = ()) -> list[tuple[int, float, float, int, int, int]]:
-    """(kind, start, end, mb, chunk, piece) of each compute label: on a GPU trace the span of the GPU work
+                   collectives: list[tuple[float, float, float]] = ()) -> list[tuple[int, float, float, int, int, int, float]]:
+    """(kind, start, end, mb, chunk, piece, issued) of each compute label (issued: the label's CPU
+    start, which says the step it belongs to): on a GPU trace the span of the GPU work
     launched while the label was open, on any thread (a backward's kernels come from the autograd
     engine's thread), else its GPU annotation span, else the CPU span with p2p waits at its edges cut off (a recv ending inside it,
     a send issued at its back) and, given the label thread's ops (start, end, name, tid), when it
@@ -211,7 +185,7 @@ def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list,
         lo, hi = np.searchsorted(issued_at, label_start), np.searchsorted(issued_at, label_end, side="right")
         held = sorted((a, b) for _, a, b in collectives[lo:hi])
         for piece, (s, e) in enumerate(_pieces(start, end, held)):
-            out.append((kind, s, e, mb, chunk, piece))
+            out.append((kind, s, e, mb, chunk, piece, label_start))
 
     for kind, start, end, mb, chunk, name in sorted(labels, key=lambda l: l[1]):
         launched = gpu_work.span(start, end) if gpu_work is not None else None

@@ -443,13 +443,17 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
         cpu_labels = [label for label in cpu_labels if label[0] in kinds] + _unlabeled_by_step(
             ops, sorted(steps.values()), optimizer, forward=FWD not in kinds, autograd=autograd)
     on_gpu = _GpuWork(events.launches(), events.gpu_work()) if kernels else None
+    # the CPU time each comm span was issued at: which compute label issued it, and its step
+    issued = _issued_at(events, comm)
     spans = _compute_spans(cpu_labels, events.gpu_labels if kernels else {}, comm, main, on_gpu,
-                           _issued_collectives(comm, events.nccl_ranges, bool(kernels), groups))
+                           _issued_collectives(comm, issued, groups))
+    optimizer = [(s, e, s) for s, e in optimizer]
     if on_gpu is not None:   # the optimizer's time is its kernels' too: one clock for a step's ops
-        optimizer = [on_gpu.span(s, e) or (s, e) for s, e in optimizer]
+        optimizer = [(*(on_gpu.span(s, e) or (s, e)), s) for s, e, _ in optimizer]
     work = _recorded_ops(spans, autograd, flow_ends) if not kernels else [-1] * len(spans)
     trace = _rank_trace(path, rank, world, str(info.get("backend") or ""), groups, device, versions, steps, spans,
-                        comm, optimizer, unmapped, _p2p_directions(comm, cpu_labels, events.p2p_labels), work)
+                        comm, optimizer, unmapped, _p2p_directions(comm, cpu_labels, events.p2p_labels), work,
+                        issued)
     host = top.get("host_name") or info.get("host_name")
     trace.host = str(host) if host else None
     # Kineto's ts are µs after baseTimeNanoseconds: the recorded instant of time 0 of this rank, in ns
@@ -665,23 +669,36 @@ def _recorded_ops(spans: list, starts: np.ndarray, ends: np.ndarray) -> list[int
     return out
 
 
+def _issued_at(events, comm: list) -> list[float]:
+    """Per comm span, the CPU time it was issued at: a NCCL kernel's CUDA launch (its correlation),
+    else (gloo, or a launch the file lacks) its own start. The NCCL spans come first in `comm`, in
+    the order of events.nccl."""
+    correlations = [(args or {}).get("correlation") for _, args, _, _ in events.nccl]
+    launched = events.launch_threads([int(c) for c in correlations if c is not None]) if events.kernels else {}
+    out = []
+    for i, span in enumerate(comm):
+        correlation = correlations[i] if i < len(correlations) else None
+        out.append(launched[int(correlation)][0] if correlation is not None and int(correlation) in launched else span[1])
+    return out
+
+
 def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spans, comm, optimizer, unmapped,
-                directions, work) -> RankTrace:
+                directions, work, issued) -> RankTrace:
     step_ids = np.array(sorted(steps), dtype=np.int64)
     step_start = np.array([steps[s][0] for s in step_ids])
     step_end = np.array([steps[s][1] for s in step_ids])
-    rows = [(k, s, e, mb, ch, -1, "", "", -1, 0, n, piece, -1) for (k, s, e, mb, ch, piece), n in zip(spans, work)]
-    rows += [(k, s, e, -1, stage, peer, coll, group, local, direction, -1, 0, seq)
-             for (k, s, e, peer, coll, group, local, seq), (direction, stage) in zip(comm, directions)]
-    rows += [(OPT, s, e, -1, -1, -1, "", "", -1, 0, -1, 0, -1) for s, e in optimizer]
+    rows = [(k, s, e, mb, ch, -1, "", "", -1, 0, n, piece, -1, at) for (k, s, e, mb, ch, piece, at), n in zip(spans, work)]
+    rows += [(k, s, e, -1, stage, peer, coll, group, local, direction, -1, 0, seq, at)
+             for (k, s, e, peer, coll, group, local, seq), (direction, stage), at in zip(comm, directions, issued)]
+    rows += [(OPT, s, e, -1, -1, -1, "", "", -1, 0, -1, 0, -1, at) for s, e, at in optimizer]
     kind = np.array([r[0] for r in rows], dtype=np.int8)
     start = np.array([r[1] for r in rows], dtype=np.float64)
     end = np.array([r[2] for r in rows], dtype=np.float64)
-    # a span belongs to the profiled step whose CPU span holds its start (GPU work launched late
-    # in a step may run past the step's CPU span: it still starts before the next step ends)
-    position = np.searchsorted(step_start, start, side="right") - 1
-    inside = (position >= 0) & (start < np.append(step_start[1:], np.inf)[np.maximum(position, 0)])
-    inside &= start <= step_end[np.maximum(position, 0)] + (0 if device == "cpu" else np.inf)
+    at = np.array([r[13] for r in rows], dtype=np.float64)
+    # a span belongs to the profiled step whose CPU span holds the CPU time it was issued at (its GPU
+    # work may run past the step's CPU span, a step or more behind on a deep launch queue)
+    position = np.searchsorted(step_start, at, side="right") - 1
+    inside = (position >= 0) & (at <= step_end[np.maximum(position, 0)])
     step = np.where(inside, step_ids[np.maximum(position, 0)], -1)
     outside = int((~inside).sum())
     if outside:
