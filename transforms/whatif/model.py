@@ -938,8 +938,8 @@ def _build_graph(template: _Template, dp_size: int, meta: JobMeta) -> _Graph:
 
 def _in_compute_collectives(template: _Template, graph: _Graph) -> None:
     """Collectives of a group spanning workers inside the step (all-to-all, group-collective): in
-    start order on a stream of their own per stage, each after the compute op that was running or
-    last ran when it started (it launched it), and before the compute op that starts when it ends
+    start order on a stream of their own per stage, each after the last compute op done when it
+    started (the one before its launch), and before the compute op that starts when it ends
     after the compute stream idled (it waited for it: the converter cuts a compute span at the
     collectives it issued), else before the optimizer when it ended before that started.
     Each synchronises its group over the DP ranks, like the DP collectives."""
@@ -951,8 +951,11 @@ def _in_compute_collectives(template: _Template, graph: _Graph) -> None:
         compute = template.ordered(stage, (FWD, BWD, WGT))
         starts, ends = template.start[compute], template.end[compute]
         tail = template.require(OPT, 0, stage, "every stage ends its step with the optimizer")
+        reached = np.maximum.accumulate(ends) if len(ends) else ends
         for op in ops.tolist():
-            launched_in = np.searchsorted(starts, template.start[op], side="left") - 1
+            # the compute it followed: the last one done when it started (on a GPU the compute
+            # launched after it may start first, while its stream waits for the compute before it)
+            launched_in = int(np.searchsorted(reached, template.start[op] + NOOP_TOLERANCE, side="right")) - 1
             if launched_in >= 0:
                 graph.edge(int(compute[launched_in]), op)
             waiting = max(np.searchsorted(starts, template.end[op] - NOOP_TOLERANCE, side="left"), launched_in + 1)

@@ -130,6 +130,24 @@ class _GpuWork:
             return None
         return float(self._start[lo:hi].min()), float(self._end[lo:hi].max())
 
+    def pieces(self, start: float, end: float, cuts: list[float]) -> list[tuple[float, float]]:
+        """The GPU work launched within [start, end] on the CPU, split at the CPU times `cuts`
+        (sorted, inside): (first start, last end) of each part, an empty part a zero-length span
+        where the part before it ended (one part more than cuts, whatever ran)."""
+        bounds = np.searchsorted(self._at, [start, *cuts], side="left").tolist()
+        bounds.append(int(np.searchsorted(self._at, end, side="right")))
+        out, at = [], None
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            if hi > lo:   # a part's work on another stream may start before the part before ends: from there
+                first, last = float(self._start[lo:hi].min()), float(self._end[lo:hi].max())
+                first = first if at is None else min(max(first, at), max(last, at))
+                out.append((first, max(last, first)))
+                at = out[-1][1]
+            else:
+                out.append((at, at))
+        first = next((s for s, _ in out if s is not None), None)   # empty leading parts: at the first work
+        return [(first, first) if s is None else (s, e) for s, e in out]
+
 
 def _issued_collectives(comm: list, issued: list[float], groups: Mapping[str, Group] | None = None
                         ) -> list[tuple[float, float, float]]:
@@ -166,9 +184,9 @@ def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list,
     issues a send (GPipe's `Forward k`), ending at its last op: time between that op and the send
     that no op accounts for (a pause before the send) is untraced, the send's launch delay, not
     compute. A label that issued collectives of a group (`collectives`: _issued_collectives) is cut
-    at each into pieces (piece 0, 1, ...: the work before the collective and the work after it,
-    which waits for it); on a GPU the compute stream may run kernels that do not need the
-    collective while its stream transfers: that overlap counts as the collective's time."""
+    at each into pieces (piece 0, 1, ...): on a CPU trace the work before the collective and the
+    work after it (the thread blocked in it); on a GPU the kernels launched before and after it,
+    those after running alongside the collective's stream until one needs its result."""
     inner = sorted((s, e) for s, e, name, _ in (ops or ()) if not name.startswith(_NOT_COMPUTE))
     inner_start = np.array([s for s, _ in inner]) if inner else np.zeros(0)
     inner_end = np.array([e for _, e in inner]) if inner else np.zeros(0)
@@ -190,7 +208,12 @@ def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list,
     for kind, start, end, mb, chunk, name in sorted(labels, key=lambda l: l[1]):
         launched = gpu_work.span(start, end) if gpu_work is not None else None
         if launched is not None:
-            emit(kind, start, end, *launched, mb, chunk)
+            # its kernels before and after each collective it launched: the compute stream runs them
+            # in launch order, the collective's stream alongside (no hole: overlap stays compute)
+            lo, hi = np.searchsorted(issued_at, start), np.searchsorted(issued_at, end, side="right")
+            cuts = sorted(t for t, _, _ in collectives[lo:hi])
+            for piece, (s, e) in enumerate(gpu_work.pieces(start, end, cuts)):
+                out.append((kind, s, e, mb, chunk, piece, start))
             continue
         # the label's GPU span: the next one of that name starting after the CPU label did (GPU work
         # follows its launch), so a span the profiler dropped costs only its own step
