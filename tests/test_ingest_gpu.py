@@ -290,3 +290,18 @@ def test_each_public_gpu_rank_parses_to_what_its_file_holds(name):
     assert int(comm.sum()) == len(nccl)
     assert float((trace.end - trace.start)[comm].sum()) == pytest.approx(sum(nccl), rel=0.01)
     assert trace.gpu_work == work and trace.device != "cpu"
+
+
+def test_groups_come_from_the_kernels_args_when_pg_config_is_absent(document, converted, tmp_path):
+    """A trace whose distributedInfo lists no pg_config (older torch) still names its groups: each NCCL
+    kernel carries `Process Group Name / Description / Ranks`. The same job as with pg_config."""
+    from transforms.ingest.kineto.rank import parse_rank
+
+    info = {k: v for k, v in document["distributedInfo"].items() if k not in ("pg_config", "pg_count")}
+    trace = parse_rank("rank-0.json", dict(document, distributedInfo=info))
+    assert {name: (g.desc, g.ranks) for name, g in trace.groups.items()} == {"0": ("default_pg", (0, 1))}
+    for rank in (0, 1):
+        copy = dict(document, distributedInfo=dict(info, rank=rank))
+        (tmp_path / f"rank-{rank}.json.gz").write_bytes(gzip.compress(json.dumps(copy).encode()))
+    job = convert_kineto(sorted(str(p) for p in tmp_path.iterdir()), "gpu-ddp", DATE)
+    assert job.trace.equals(converted.trace)

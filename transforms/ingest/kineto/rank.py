@@ -405,6 +405,11 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     steps, step_tid, cpu_labels, optimizer = events.steps, events.step_tid, events.cpu_labels, events.optimizer
     comm: list[tuple[int, float, float, int, str, str, int, int]] = []   # kind, start, end, peer, coll, group, local peer, Seq
     unnamed: list[tuple[int, int]] = []                              # NCCL kernels without a collective name: (comm index, correlation)
+    for _, args, _, _ in events.nccl:   # groups pg_config does not list (older torch): from the kernels' args
+        group = args.get("Process Group Name")
+        if group is not None and str(group) not in groups and args.get("Process Group Ranks") is not None:
+            groups[str(group)] = Group(str(group), str(args.get("Process Group Description") or ""),
+                                       _ranks_arg(args["Process Group Ranks"]))
     for name, args, ts, end in events.nccl:
         if "Collective name" not in args and args.get("correlation") is not None:
             unnamed.append((len(comm), int(args["correlation"])))

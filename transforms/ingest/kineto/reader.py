@@ -67,13 +67,16 @@ class EventArgs(msgspec.Struct, frozen=True, gc=False):
     src: Any = msgspec.field(default=_UNSET, name="Src Rank")
     inputs: Any = msgspec.field(default=_UNSET, name="Concrete Inputs")
     seq: Any = msgspec.field(default=_UNSET, name="Seq")
+    group_desc: Any = msgspec.field(default=_UNSET, name="Process Group Description")
+    group_ranks: Any = msgspec.field(default=_UNSET, name="Process Group Ranks")
 
     def as_dict(self) -> dict[str, Any]:
         """The keys the file had, as they were spelled."""
         out = {} if self.correlation is None else {"correlation": self.correlation}
         for key, value in (("Collective name", self.collective), ("Process Group Name", self.group),
                            ("Dst Rank", self.dst), ("Src Rank", self.src), ("Concrete Inputs", self.inputs),
-                           ("Seq", self.seq)):
+                           ("Seq", self.seq), ("Process Group Description", self.group_desc),
+                           ("Process Group Ranks", self.group_ranks)):
             if value is not _UNSET:
                 out[key] = value
         return out
