@@ -70,6 +70,7 @@ DIM_TOKENS = {
     "dp": {"dp", "data", "ddp", "fsdp", "replicate", "shard"},
     "tp": {"tp", "tensor"},
     "cp": {"cp", "context"},
+    "ep": {"ep", "expert", "moe"},
 }
 _LAYOUT_DIMS = ("tp", "cp", "dp", "pp")   # schemas.raw.LAYOUT_DIMS
 MAX_PENDING_WINDOWS = 2
@@ -201,6 +202,8 @@ def job_yaml_fields(mesh: Any, world: int | None) -> dict[str, Any]:
     merged: list[list] = []
     for name, size in dims:
         kind = _dim_of(name)
+        if kind not in _LAYOUT_DIMS:   # none, or one job.yaml has no size for (ep)
+            kind = None
         if kind is None:
             if size != 1:
                 return {}

@@ -89,6 +89,7 @@ class RankCfg:
     data_ms = 0.0         # data:R:MS
     legacy_sleep_s = 0.0  # --slow-mode sleep (old flag): sleep at the end of each chunk forward
     sleep_fwd_ms = 3.0    # --noise sleep: per-block forward sleep (backward sleeps 2x)
+    ep_group = None       # --moe: the expert-parallel group (the DP group) of the MLP blocks' all-to-alls
 
 
 CFG = RankCfg()
@@ -159,7 +160,10 @@ class SlowWrap(nn.Module):
 
 
 class MLPBlock(nn.Module):
-    """Pre-LayerNorm transformer-style MLP block with a residual connection."""
+    """Pre-LayerNorm transformer-style MLP block with a residual connection. With --moe its MLP is
+    this rank's expert: the block's rows are dispatched evenly over the expert-parallel group (the DP
+    group) by an all-to-all, run through the expert, and combined back by another (autograd runs
+    both again in the backward)."""
 
     def __init__(self, hidden: int):
         super().__init__()
@@ -168,7 +172,17 @@ class MLPBlock(nn.Module):
         self.fc2 = nn.Linear(4 * hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+        h = self.ln(x)
+        if CFG.ep_group is None:
+            return x + self.fc2(F.gelu(self.fc1(h)))
+        from torch.distributed.nn.functional import all_to_all_single
+
+        shape = h.shape
+        flat = h.reshape(-1, shape[-1])
+        routed = all_to_all_single(torch.empty_like(flat), flat, group=CFG.ep_group)
+        out = self.fc2(F.gelu(self.fc1(routed)))
+        back = all_to_all_single(torch.empty_like(out), out, group=CFG.ep_group)
+        return x + back.reshape(shape)
 
 
 class DecoderBlock(nn.Module):
@@ -481,6 +495,8 @@ def main() -> None:
     ap.add_argument("--grad-sync", choices=["flat", "ddp", "async", "fsdp2", "none"], default=None,
                     help="default: ddp for --schedule dp, none for pp4, else flat")
     ap.add_argument("--model", choices=["mlp", "transformer"], default="mlp")
+    ap.add_argument("--moe", type=int, choices=[0, 1], default=0,
+                    help="mlp, --schedule dp: each block's MLP is an expert, tokens exchanged by all-to-all over the DP group")
     ap.add_argument("--noise", choices=["cpu", "sleep"], default="cpu")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--microbatch-size", type=int, default=None,
@@ -601,6 +617,13 @@ def main() -> None:
     pp_size, dp_size, pp_rank, dp_rank = layout_coords(args.layout, rank)
     pp_group, dp_group, groups_desc = make_groups(args.layout, args.groups, rank)
     dims = model_dims(args.model, args.noise)
+    if args.moe:
+        if args.schedule != "dp" or args.model != "mlp":
+            raise SystemExit("--moe needs --schedule dp and --model mlp")
+        if args.noise == "cpu" and (CFG.fwd_factor > 1 or CFG.bwd_factor > 1):
+            # the CPU slowdowns re-run a block on the slowed rank alone: its all-to-alls would hang
+            raise SystemExit("--moe slows forward / backward with --noise sleep only")
+        CFG.ep_group = dp_group
     device = torch.device("cpu")
     xs, ys = make_data(args, dp_rank, args.microbatch_size, dims)
     loader_it = None
@@ -814,7 +837,8 @@ def main() -> None:
             "run": args.name, "world": world, "pp": pp_size, "dp": dp_size, "layout": args.layout,
             "groups": args.groups, "schedule": args.schedule,
             "schedule_class": sched_class if args.schedule != "dp" else "none",
-            "virtual_stages_per_rank": n_virtual, "grad_sync": args.grad_sync, "model": args.model,
+            "virtual_stages_per_rank": n_virtual, "grad_sync": args.grad_sync,
+            "model": args.model + ("-moe" if args.moe else ""),
             "microbatches": M, "noise": args.noise, "seed": args.seed, "data_in_step": bool(args.data_in_step),
             "profiler": {"record_shapes": bool(args.record_shapes), "with_stack": bool(args.with_stack),
                          "wait": args.prof_wait, "warmup": args.prof_warmup, "active": args.prof_active,
