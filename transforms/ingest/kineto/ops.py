@@ -170,7 +170,6 @@ def _spanning_groups(trace: RankTrace, layout: _Layout, dp_groups: set[str]) -> 
     return out
 
 
-
 # p2p op type -> the global model chunk of its peer, relative to the chunk it serves
 _PEER_CHUNK = {_CODE["forward-send"]: 1, _CODE["forward-recv"]: -1, _CODE["backward-send"]: -1, _CODE["backward-recv"]: 1}
 
