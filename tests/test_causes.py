@@ -304,3 +304,18 @@ def test_a_worker_far_slower_in_one_direction_is_blamed_though_its_whole_compute
     assert noisy.blamed(rules) == []
     few = dataclasses.replace(comparison, direction_steps=np.array([[2], [0]]))   # two steps of three: not persistent
     assert few.blamed(rules) == []
+
+
+@pytest.mark.parametrize("slow_steps, n_steps, blamed", [(1, 2, False), (2, 2, True), (2, 3, True), (2, 4, False),
+                                                          (3, 4, True), (1, 1, True)])
+def test_a_worker_is_blamed_when_it_is_slow_in_most_steps(slow_steps, n_steps, blamed):
+    """1.21x its peers (above the rule's 1.2x) in more than half the steps: a neighbour that CPU
+    contention slowed in one step of two is not persistent (a real run: the slowed rank's pipeline
+    neighbour on a 2-core machine read 1.21x in 1 of 2 steps)."""
+    from transforms.whatif.causes.signals import PeerComparison
+    from transforms.whatif.causes.verdict import CauseRules
+
+    comparison = PeerComparison(ratio=np.array([[1.21], [0.9]]), forward=np.array([[1.2], [0.9]]),
+                                backward=np.array([[1.2], [0.9]]), slow_steps=np.array([[slow_steps], [0]]),
+                                n_steps=n_steps, noise_floor=1.1)
+    assert comparison.blamed(CauseRules()) == ([(0, 0)] if blamed else [])

@@ -14,8 +14,8 @@ Signatures (a cause is a candidate when its signature holds)
   other DP ranks of its stage, per step (signals.peer_comparison: robust to stage imbalance,
   which hits every DP rank of a stage alike), or its step's whole compute against theirs when
   that is higher (a stall in one microbatch every step):
-  >= `peer_ratio` (1.2x) or the job's noise floor, whichever is higher, in at least
-  `peer_steps` (half) of the steps; or its forward or backward alone >= `worker_alarm_ratio`
+  >= `peer_ratio` (1.2x) or the job's noise floor, whichever is higher, in more than
+  `peer_steps` (half) of the steps (most of them); or its forward or backward alone >= `worker_alarm_ratio`
   (and the floor) in three steps of four (a faster other direction dilutes the whole compute). Fix: that worker at peer speed, none of its computes above
   its peers' median of the same compute (GC pauses left to python-gc's fix). Named even below S 1.1
   when >= `worker_alarm_ratio` (1.5x, compute, forward or backward). With one DP rank (no

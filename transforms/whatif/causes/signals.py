@@ -144,9 +144,9 @@ class PeerComparison:
         return max(rules.peer_ratio, self.noise_floor)
 
     def blamed(self, rules: CauseRules) -> list[tuple[int, int]]:
-        """Workers above `threshold` (rules.peer_ratio or the noise floor) their peers, in at least
-        rules.peer_steps of the steps, slowest first."""
-        slow = (self.ratio >= self.threshold(rules)) & (self.slow_steps >= rules.peer_steps * self.n_steps)
+        """Workers above `threshold` (rules.peer_ratio or the noise floor) their peers, in more than
+        rules.peer_steps of the steps (most: 2 of 2, 2 of 3, 3 of 4), slowest first."""
+        slow = (self.ratio >= self.threshold(rules)) & (self.slow_steps > rules.peer_steps * self.n_steps)
         if self.direction_steps is not None:
             # one direction far slower (a 2x forward that a faster backward dilutes in the whole
             # compute): the alarm ratio, beyond the noise floor, in three steps of four at least

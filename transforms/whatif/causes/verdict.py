@@ -29,7 +29,7 @@ class CauseRules:
     straggling: float = STRAGGLING_THRESHOLD
     worker_mw: float = 0.5               # M_W rule (one DP rank: no peers to compare with)
     peer_ratio: float = 1.2              # a worker's compute over its DP peers' median
-    peer_steps: float = 0.5              # ... in at least this share of the sampled steps
+    peer_steps: float = 0.5              # ... in more than this share of the sampled steps (most)
     stage_alarm_ratio: float = 1.3      # a chunk this much heavier is named in a discarded window (measured)
     worker_alarm_ratio: float = 1.5      # a blamed worker this much slower (compute, forward or backward) is named even below S 1.1
     stage_ms: float = 0.5
