@@ -617,6 +617,10 @@ def main() -> None:
     pp_size, dp_size, pp_rank, dp_rank = layout_coords(args.layout, rank)
     pp_group, dp_group, groups_desc = make_groups(args.layout, args.groups, rank)
     dims = model_dims(args.model, args.noise)
+    if args.grad_sync == "fsdp2" and args.noise == "cpu" and CFG.bwd_factor > 1:
+        # the CPU backward slowdown re-runs a block in its backward hook, after FSDP2 resharded its
+        # parameters (DTensors the plain forward cannot mix with tensors)
+        raise SystemExit("--grad-sync fsdp2 slows backward with --noise sleep only")
     if args.moe:
         if args.schedule != "dp" or args.model != "mlp":
             raise SystemExit("--moe needs --schedule dp and --model mlp")
