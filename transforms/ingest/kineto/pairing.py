@@ -221,14 +221,24 @@ def _collectives_after_compute(rows: Mapping[int, dict[str, np.ndarray]]) -> int
         coll = np.flatnonzero(np.isin(r["optype"], dp_codes))
         if not len(compute) or not len(coll):
             continue
-        compute = compute[np.argsort(r["start"][compute], kind="stable")]
-        starts, ends = r["start"][compute], np.maximum.accumulate(r["end"][compute])
+        # a microbatch's compute is one unit however many pieces collectives inside it cut it into
+        key = np.stack([r["step"][compute], r["optype"][compute], r["gmc"][compute], r["mb_id"][compute]])
+        _, unit = np.unique(key, axis=1, return_inverse=True)
+        unit = unit.reshape(-1)
+        first = np.full(unit.max() + 1, np.inf)
+        last = np.full(unit.max() + 1, -np.inf)
+        np.minimum.at(first, unit, r["start"][compute])
+        np.maximum.at(last, unit, r["end"][compute])
+        head = np.full(unit.max() + 1, -1)
+        head[unit[::-1]] = compute[::-1]          # a representative op of each unit
+        order = np.argsort(first, kind="stable")
+        starts, ends = first[order], np.maximum.accumulate(last[order])
         running = np.searchsorted(starts, r["start"][coll], side="right") - 1
         inside = (running >= 0) & (ends[np.maximum(running, 0)] > r["start"][coll])
         moved = coll[inside]
         r["start"][moved] = np.minimum(ends[running[inside]], r["end"][moved])
         # the gradients it reduces are of the model chunk whose backward was running
-        issuer = compute[running[inside]]
+        issuer = head[order][running[inside]]
         r["mc"][moved], r["gmc"][moved] = r["mc"][issuer], r["gmc"][issuer]
         changed += int(inside.sum())
     return changed
