@@ -199,9 +199,11 @@ def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list,
     issued_at = np.array([t for t, _, _ in collectives])
     out = []
 
+    def issued_in(label_start, label_end):   # the collectives a label issued
+        return collectives[np.searchsorted(issued_at, label_start):np.searchsorted(issued_at, label_end, side="right")]
+
     def emit(kind, label_start, label_end, start, end, mb, chunk):
-        lo, hi = np.searchsorted(issued_at, label_start), np.searchsorted(issued_at, label_end, side="right")
-        held = sorted((a, b) for _, a, b in collectives[lo:hi])
+        held = sorted((a, b) for _, a, b in issued_in(label_start, label_end))
         for piece, (s, e) in enumerate(_pieces(start, end, held)):
             out.append((kind, s, e, mb, chunk, piece, label_start))
 
@@ -210,8 +212,7 @@ def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list,
         if launched is not None:
             # its kernels before and after each collective it launched: the compute stream runs them
             # in launch order, the collective's stream alongside (no hole: overlap stays compute)
-            lo, hi = np.searchsorted(issued_at, start), np.searchsorted(issued_at, end, side="right")
-            cuts = sorted(t for t, _, _ in collectives[lo:hi])
+            cuts = sorted(t for t, _, _ in issued_in(start, end))
             for piece, (s, e) in enumerate(gpu_work.pieces(start, end, cuts)):
                 out.append((kind, s, e, mb, chunk, piece, start))
             continue

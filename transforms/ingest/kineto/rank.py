@@ -426,9 +426,12 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     versions = {"schemaVersion": top.get("schemaVersion"), "backend": info.get("backend"),
                 "nccl_version": info.get("nccl_version"), "trace_id": top.get("trace_id")}
     cpu_ops = events.cpu_ops()
+    # the CUDA launch of each NCCL kernel: names the unnamed ones, says when each was issued
+    correlations = [(args or {}).get("correlation") for _, args, _, _ in events.nccl]
+    launched = events.launch_threads([int(c) for c in correlations if c is not None]) if kernels else {}
     if unnamed:
         # (only the `nccl:` ranges and the unnamed kernels' launches matter to it)
-        _name_from_launch(comm, unnamed, events.launch_threads([c for _, c in unnamed]), events.nccl_ranges)
+        _name_from_launch(comm, unnamed, launched, events.nccl_ranges)
     if not kernels:
         comm += _gloo_spans(events.gloo_cpu, events.comm_meta, events.c10d_p2p, rank, groups, unmapped)
     # the autograd engine runs a GPU job's backward on threads of its own: its top-level
@@ -449,7 +452,7 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
             ops, sorted(steps.values()), optimizer, forward=FWD not in kinds, autograd=autograd)
     on_gpu = _GpuWork(events.launches(), events.gpu_work()) if kernels else None
     # the CPU time each comm span was issued at: which compute label issued it, and its step
-    issued = _issued_at(events, comm)
+    issued = _issued_at(comm, correlations, launched)
     spans = _compute_spans(cpu_labels, events.gpu_labels if kernels else {}, comm, main, on_gpu,
                            _issued_collectives(comm, issued, groups))
     optimizer = [(s, e, s) for s, e in optimizer]
@@ -674,12 +677,10 @@ def _recorded_ops(spans: list, starts: np.ndarray, ends: np.ndarray) -> list[int
     return out
 
 
-def _issued_at(events, comm: list) -> list[float]:
-    """Per comm span, the CPU time it was issued at: a NCCL kernel's CUDA launch (its correlation),
-    else (gloo, or a launch the file lacks) its own start. The NCCL spans come first in `comm`, in
-    the order of events.nccl."""
-    correlations = [(args or {}).get("correlation") for _, args, _, _ in events.nccl]
-    launched = events.launch_threads([int(c) for c in correlations if c is not None]) if events.kernels else {}
+def _issued_at(comm: list, correlations: list, launched: Mapping[int, tuple[float, Any]]) -> list[float]:
+    """Per comm span, the CPU time it was issued at: a NCCL kernel's CUDA launch (`correlations`
+    of the NCCL spans, which come first in `comm`; `launched`: correlation -> (launch start,
+    thread)), else (gloo, or a launch the file lacks) its own start."""
     out = []
     for i, span in enumerate(comm):
         correlation = correlations[i] if i < len(correlations) else None

@@ -30,7 +30,7 @@ def pairs(model: JobModel) -> tuple[np.ndarray, np.ndarray]:
         return empty, empty
 
     def keyed(ops):
-        key = (model.op_stage[ops, None].astype(np.int64) * chunks + model.op_gmc[ops, None]) * (1 << 20) + model.mb_id[ops]
+        key = _microbatch_key(model, ops, chunks)
         if (key == key[:, :1]).all():        # the usual case: microbatch ids alike in every lane, one order for all
             order = np.argsort(key[:, 0], kind="stable")
             return np.broadcast_to(ops[order, None], key.shape), key[order]
@@ -44,10 +44,15 @@ def pairs(model: JobModel) -> tuple[np.ndarray, np.ndarray]:
     return f_ops, b_ops
 
 
+def _microbatch_key(model: JobModel, ops: np.ndarray, chunks: int) -> np.ndarray:
+    """[len(ops), n_lanes] key of each op's (stage, chunk, microbatch) in each lane."""
+    return (model.op_stage[ops, None].astype(np.int64) * chunks + model.op_gmc[ops, None]) * (1 << 20) + model.mb_id[ops]
+
+
 def _main_pieces(model: JobModel, ops: np.ndarray, chunks: int) -> np.ndarray:
     """One op per (stage, chunk, microbatch): a compute a collective cut into pieces (an all-to-all
     inside the forward) is represented by its longest piece (mean over lanes)."""
-    key = (model.op_stage[ops].astype(np.int64) * chunks + model.op_gmc[ops]) * (1 << 20) + model.mb_id[ops, 0]
+    key = _microbatch_key(model, ops, chunks)[:, 0]
     if len(np.unique(key)) == len(ops):
         return ops
     order = np.lexsort((-model.original_cost[ops].mean(axis=1), key))
