@@ -71,13 +71,18 @@ def test_page_and_version_follow_the_live_table(served):
     assert 'href="/job/job-a"' in index
 
 
-def test_live_page_renders_in_headless_chromium(served):
+def _chromium_or_skip() -> None:
+    """Skip without Chromium, except in CI, where `make test` installs it: its absence fails there."""
     try:
         browser.find_chromium()
     except browser.BrowserError as error:
         if os.environ.get("CI"):
             raise
         pytest.skip(str(error))
+
+
+def test_live_page_renders_in_headless_chromium(served):
+    _chromium_or_skip()
     _, base = served
     # The page is served over http from this machine: requests to the server are local.
     check = asyncio.run(asyncio.wait_for(browser._visit(f"{base}/job/job-a", False), 90))
@@ -149,12 +154,7 @@ def test_sessions_are_numbered_in_landing_order_not_on_a_millisecond_time_axis(s
 
 def test_live_index_and_404_pages_render_in_headless_chromium(served, tmp_path):
     """The pages without charts render too (styled, no console error); screenshots for the eye."""
-    try:
-        browser.find_chromium()
-    except browser.BrowserError as error:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(str(error))
+    _chromium_or_skip()
     _, base = served
     for path in ("/", "/job/unknown"):
         check = asyncio.run(asyncio.wait_for(browser._visit(f"{base}{path}", True), 90))
