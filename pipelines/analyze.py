@@ -189,7 +189,7 @@ def load_job(opts: AnalyzeOptions):
         converted = convert_window(opts.fmt, raw_files([str(opts.trace)], opts.fmt), job_id,
                                    dt.datetime.now(dt.timezone.utc).date().isoformat(),
                                    job_yaml=_options(str(opts.job_yaml) if opts.job_yaml else None))
-        return (converted.trace, JobMeta.from_mapping(converted.manifest), job_id,
+        return (converted.trace, converted.job_meta(), job_id,
                 f"{opts.trace} ({describe_source(converted.source)})", converted, None, converted.source.get("device"))
     if opts.trace is not None:
         fields = _read_meta(opts.meta)

@@ -21,7 +21,6 @@ from schemas.tables import read_table
 from transforms.ingest import convert_window
 from transforms.ingest.ndtimeline import write_ndtimeline
 from transforms.lake import list_jobs
-from transforms.whatif import JobMeta
 from transforms.whatif.causes import analyze_and_classify
 
 pytestmark = pytest.mark.slow
@@ -116,7 +115,7 @@ def test_tables_equal_the_converter_and_engine_on_the_same_files(raw_run, raw_la
         if job.job_id not in ("clean", "slowed", "ddp", "st"):
             continue
         converted = convert_window(job.raw_format, job.trace_files, job.job_id, DATE)
-        result, verdict = analyze_and_classify(converted.trace, JobMeta.from_mapping(converted.manifest), job.job_id)
+        result, verdict = analyze_and_classify(converted.trace, converted.job_meta(), job.job_id)
         row = summary[job.job_id]
         assert row["slowdown"] == pytest.approx(result.slowdown, rel=1e-12)
         assert row["launch_slowdown"] == pytest.approx(result.launch_slowdown, rel=1e-12)

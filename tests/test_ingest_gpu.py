@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from transforms.ingest.kineto import convert_kineto
-from transforms.whatif import JobMeta, analyze_job
+from transforms.whatif import analyze_job
 
 HTA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "hta"
 DATE = "2026-11-25"
@@ -103,7 +103,7 @@ def test_compute_and_optimizer_are_the_gpu_work_they_launched(converted, documen
 
 
 def test_the_two_identical_ranks_do_not_straggle(converted):
-    result = analyze_job(converted.trace, JobMeta.from_mapping(converted.manifest), "gpu-ddp")
+    result = analyze_job(converted.trace, converted.job_meta(), "gpu-ddp")
     assert result.slowdown < 1.05
 
 
@@ -129,7 +129,7 @@ def test_a_clean_gpu_job_on_two_hosts_finds_their_clock_offset_and_no_straggler(
     offsets = job.source["clock_offsets_s"]
     assert job.source["clocks"] == 2 and len(offsets) == 1
     assert abs(next(iter(offsets.values()))) == pytest.approx(0.050, abs=5e-4)   # host 1 reads 50 ms later
-    result, verdict = analyze_and_classify(job.trace, JobMeta.from_mapping(job.manifest), "gpu-clean")
+    result, verdict = analyze_and_classify(job.trace, job.job_meta(), "gpu-clean")
     assert result.slowdown < 1.05 and verdict.cause == "none" and not verdict.implicated_workers
 
 
@@ -144,7 +144,7 @@ def test_a_slower_gpu_machine_is_the_worker_blamed(name, tmp_path):
 
     paths = build_job(_real_rank(name), tmp_path / "job", world=4, slow={2: 1.5}, per_host=4)
     job = convert_kineto([str(p) for p in paths], "gpu-slow", DATE)
-    result, verdict = analyze_and_classify(job.trace, JobMeta.from_mapping(job.manifest), "gpu-slow")
+    result, verdict = analyze_and_classify(job.trace, job.job_meta(), "gpu-slow")
     assert verdict.cause == "individual-worker"
     assert verdict.implicated_workers == [(2, 0)]
     assert max(result.by_dp_rank, key=result.by_dp_rank.get) == 2
@@ -225,7 +225,7 @@ def test_a_clean_ddp_and_all_to_all_job_names_no_straggler(name, tmp_path):
     job = convert_kineto([str(p) for p in paths], "gpu-a2a", DATE)
     # (a pipelined trainer's first profiled step lacks the work the step before it issued)
     assert len(job.source["steps"]) >= 3 and set(job.source["steps_dropped"]) <= {min(job.source["steps"]) - 1}
-    result, verdict = analyze_and_classify(job.trace, JobMeta.from_mapping(job.manifest), "gpu-a2a")
+    result, verdict = analyze_and_classify(job.trace, job.job_meta(), "gpu-a2a")
     assert not result.discarded and abs(result.launch_slowdown - 1) < 0.05
     assert result.slowdown < 1.1 and verdict.cause == "none" and not verdict.implicated_workers
 
@@ -239,7 +239,7 @@ def test_a_slower_machine_in_a_ddp_and_all_to_all_job_is_the_worker_blamed(name,
 
     paths = build_job(_real_rank(name), tmp_path / "job", world=4, slow={2: 1.5}, per_host=4)
     job = convert_kineto([str(p) for p in paths], "gpu-a2a-slow", DATE)
-    result, verdict = analyze_and_classify(job.trace, JobMeta.from_mapping(job.manifest), "gpu-a2a-slow")
+    result, verdict = analyze_and_classify(job.trace, job.job_meta(), "gpu-a2a-slow")
     assert not result.discarded
     assert verdict.cause == "individual-worker" and verdict.implicated_workers == [(2, 0)]
     assert max(result.by_dp_rank, key=result.by_dp_rank.get) == 2
@@ -256,7 +256,7 @@ def test_a_trace_with_one_profiled_step_is_analysed(document, tmp_path):
         (tmp_path / f"rank-{rank}.json.gz").write_bytes(gzip.compress(json.dumps(copy).encode()))
     job = convert_kineto(sorted(str(p) for p in tmp_path.iterdir()), "gpu-one-step", DATE)
     assert job.source["steps"] == [int(keep.split("#")[1])]
-    result = analyze_job(job.trace, JobMeta.from_mapping(job.manifest), "gpu-one-step")
+    result = analyze_job(job.trace, job.job_meta(), "gpu-one-step")
     assert len(result.steps) == 1 and result.slowdown < 1.05
 
 

@@ -24,7 +24,7 @@ from transforms.ingest.ndtimeline import METRIC_OPTYPES, convert_ndtimeline, exp
 from transforms.lake import find_job, read_manifest, read_trace_files
 from transforms.whatif.parity import reference_mismatches
 from transforms.synth.job import JobSpec, generate_job
-from transforms.whatif import JobMeta, analyze_job
+from transforms.whatif import analyze_job
 
 DATE = dt.date(2024, 3, 4)
 ROW_KEY = ["step", "dp_rank", "stage", "optype", "seq_id"]
@@ -64,7 +64,7 @@ def round_trip(request, reference_dir, tmp_path_factory):
 
 def test_round_trip_reproduces_every_reference_field(round_trip, reference_dir):
     name, _, _, converted = round_trip
-    result = analyze_job(converted.trace, JobMeta.from_mapping(converted.manifest), job_id=name)
+    result = analyze_job(converted.trace, converted.job_meta(), job_id=name)
     expected = {kind: json.loads((reference_dir / f"{kind}-{name}.json").read_text()) for kind in ("result", "mw", "ms")}
     problems = reference_mismatches(result, expected)
     assert not problems, f"{name}: {len(problems)} mismatches, e.g. " + "; ".join(problems[:5])
@@ -92,7 +92,7 @@ def test_generated_interleaved_job_with_tp_cp_and_hosts_round_trips(tmp_path):
     assert {k: v for k, v in converted.manifest.items() if k != "submit_time"} == {
         k: v for k, v in manifest.items() if k != "submit_time"}
     assert read_job_yaml(pathlib.Path(paths[1]).read_bytes())["gpu_hours_scale"] < 1   # end_time kept through it
-    ours = analyze_job(converted.trace, JobMeta.from_mapping(converted.manifest), job_id="gen-a")
+    ours = analyze_job(converted.trace, converted.job_meta(), job_id="gen-a")
     assert ours.slowdown == analyze_job(job.trace, job.meta, job_id="gen-a").slowdown
 
 

@@ -227,14 +227,13 @@ def validator():
 
 def test_a_complete_kineto_session_is_analysed_like_its_raw_window(tmp_path, validator):
     from transforms.ingest import convert_window
-    from transforms.whatif.result import JobMeta
 
     folder = tmp_path / "landing" / "j" / "w0"
     _stage(SLOWED, folder, range(4))
     row, quarantine = analyze_session(_kineto_assembly(folder, [0, 1, 2, 3], 4, "complete"), validator,
                                       analyze_and_classify)
     converted = convert_window("kineto", sorted(str(p) for p in _rank_traces(SLOWED).values()), "j", DATE)
-    expected, verdict = analyze_and_classify(converted.trace, JobMeta.from_mapping(converted.manifest), "j")
+    expected, verdict = analyze_and_classify(converted.trace, converted.job_meta(), "j")
     assert row["status"] == "analysed" and row["complete"] and row["source_format"] == "kineto"
     assert row["slowdown"] == pytest.approx(expected.slowdown, rel=1e-12) and row["slowdown"] >= 1.1
     assert row["verdict"] == verdict.cause == "individual-worker"

@@ -21,7 +21,6 @@ from transforms.sessions import FORMAT_NDTIMELINE, AssemblyConfig, SessionState
 from transforms.synth import Cause, JobSpec, generate_job
 from transforms.validation import Validator
 from transforms.whatif.causes import analyze_and_classify
-from transforms.whatif.result import JobMeta
 
 DATE = "2026-11-25"
 JOB_YAML = "dp_size: 2\npp_size: 2\ntp_size: 1\ncp_size: 1\nvpp_size: 1\n"
@@ -60,7 +59,7 @@ def test_a_complete_ndtimeline_session_is_analysed_like_its_raw_window(ranks, tm
     row, quarantine = analyze_session(assembly, Validator(), analyze_and_classify)
     files = sorted(str(p) for p in folder.iterdir())
     converted = convert_window("ndtimeline", files, "nd", DATE)
-    expected, verdict = analyze_and_classify(converted.trace, JobMeta.from_mapping(converted.manifest), "nd")
+    expected, verdict = analyze_and_classify(converted.trace, converted.job_meta(), "nd")
     assert row["status"] == "analysed" and row["complete"] and row["source_format"] == "ndtimeline"
     assert row["slowdown"] == pytest.approx(expected.slowdown, rel=1e-12) and row["slowdown"] >= 1.1
     assert row["verdict"] == verdict.cause == "individual-worker"

@@ -77,15 +77,8 @@ DISCREPANCY_REASON_CODE = "replay_discrepancy"
 
 
 def job_meta(manifest: dict[str, Any]) -> JobMeta:
-    """The engine's JobMeta from a manifest row."""
-    return JobMeta(
-        dp_size=int(manifest["dp_size"]),
-        pp_size=int(manifest["pp_size"]),
-        tp_size=int(manifest["tp_size"]),
-        dsp_size=int(manifest["dsp_size"]),
-        vpp_size=int(manifest["vpp_size"]),
-        world_size=int(manifest["world_size"]),
-    )
+    """The engine's JobMeta from a manifest row (with its `source`, when a converted raw job has one)."""
+    return JobMeta.from_mapping(manifest)
 
 
 def _discard_reason(result: WhatIfResult) -> str | None:

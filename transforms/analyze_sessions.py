@@ -204,7 +204,7 @@ def _open_raw(assembly: Assembly) -> _Opened | tuple[dict[str, Any], pa.Table]:
     job = LakeJob(lake, day, assembly.job_id, tuple(paths), None)
     row.update(dp_size=int(converted.manifest["dp_size"]), pp_size=int(converted.manifest["pp_size"]))
     rejected = _raw_rows(assembly.job_id, folder, converted.rejected) if converted.rejected else None
-    return _Opened(assembly, row, job, dict(converted.manifest), [(folder, converted.trace)], folder, rejected)
+    return _Opened(assembly, row, job, {**converted.manifest, "source": converted.source}, [(folder, converted.trace)], folder, rejected)
 
 
 def _open(assembly: Assembly, validator) -> _Opened | tuple[dict[str, Any], pa.Table]:

@@ -91,6 +91,13 @@ class ConvertedJob:
     source: dict[str, Any]
     rejected: list[RawInputError] = dataclasses.field(default_factory=list)   # files set aside (file-level errors)
 
+    def job_meta(self):
+        """The engine's JobMeta: the manifest's parallelism and, from `source`, where the compute
+        ran (device 'cpu': host_compute), as the batch reads it back from the lake."""
+        from transforms.whatif.result import JobMeta
+
+        return JobMeta.from_mapping({**self.manifest, "source": self.source})
+
     def source_json(self) -> str:
         return json.dumps(self.source, sort_keys=True, default=str)
 

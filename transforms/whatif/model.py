@@ -906,7 +906,7 @@ class _Graph:
 def _build_graph(template: _Template, dp_size: int, meta: JobMeta) -> _Graph:
     graph = _Graph(template.n)
     pp = template.pp
-    _p2p_dependencies(template, graph)
+    _p2p_dependencies(template, graph, meta.host_compute)
     for stage in range(pp):
         graph.chain(template.ordered(stage, (FWD, BWD, WGT)))   # a stage computes one op at a time
         compute = template.ordered(stage, (FWD, BWD))
@@ -968,14 +968,26 @@ def _in_compute_collectives(template: _Template, graph: _Graph) -> None:
             graph.group([op], synced=graph.uses_dp)
 
 
-def _p2p_dependencies(template: _Template, graph: _Graph) -> None:
+def _p2p_dependencies(template: _Template, graph: _Graph, host_compute: bool = False) -> None:
     """Match each send/recv to the compute op it serves, mark no-ops, pair peers. The peer is the
     stage holding the neighbouring model chunk (`_placement`); an op whose neighbour chunk does not
     exist or runs on its own stage is a no-op. Valid ops pair by order per channel (optype, stage,
     peer stage): with chunk g on stage g mod pp that is the k-th forward-send of stage s with the
-    k-th forward-recv of stage s+1 (mod pp), as METHOD.md section 2 states."""
+    k-th forward-recv of stage s+1 (mod pp), as METHOD.md section 2 states.
+
+    A recv follows the previous compute of its direction (METHOD.md). With host_compute (the
+    compute ran on the thread that issues the recv: CPU jobs), it also follows the compute op run
+    just before the one it serves, of any kind, when the template saw it issued after that op
+    ended: a thread that computes one op at a time issues nothing during it. Without this, a
+    schedule that runs other work between two computes of a direction (1F1B's steady state,
+    interleaved and zero-bubble schedules) replays its recvs early and the gap as launch delay."""
     pp, total_chunks = template.pp, template.vpp * template.pp
     placement = _placement(template)
+    stream_before = {}   # compute op -> the compute op run just before it on its stage
+    if host_compute:
+        for stage in range(pp):
+            stream = template.ordered(stage, (FWD, BWD, WGT)).tolist()
+            stream_before.update(zip(stream[1:], stream[:-1]))
     valid: dict[tuple[int, int, int, int], int] = {}   # (optype, stage, peer stage, k) -> op
     counted: collections.Counter = collections.Counter()   # (optype, stage, peer stage) -> valid ops so far
     for stage in range(pp):
@@ -1031,6 +1043,9 @@ def _p2p_dependencies(template: _Template, graph: _Graph) -> None:
                         previous = template.find(compute_type, int(template.seq_id[served]) - 1, stage)
                         if previous is not None:
                             graph.edge(previous, op)
+                        before = stream_before.get(served)
+                        if before is not None and template.end[before] <= template.start[op] + NOOP_TOLERANCE:
+                            graph.edge(before, op)
                     if not graph.noop[op]:
                         channel = (optype, stage, peer_stage)
                         valid[(*channel, counted[channel])] = op

@@ -37,7 +37,13 @@ def discrepancy_reason(launch_slowdown: float) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class JobMeta:
-    """Parallelism of a job (the published meta-*.yaml fields)."""
+    """Parallelism of a job (the published meta-*.yaml fields), and where its compute ran.
+
+    host_compute: the compute ran on the host CPU thread that also issues the job's send/recv
+    (CPU training, e.g. torch on gloo; a converted trace whose source says device 'cpu'). That
+    thread does one thing at a time, in program order, so a recv issued after the compute op
+    before the one it serves waits for that op (model._p2p_dependencies). False (GPU jobs, the
+    published traces): compute runs on a device stream and a recv may start under it."""
 
     dp_size: int
     pp_size: int
@@ -45,6 +51,7 @@ class JobMeta:
     dsp_size: int = 1
     vpp_size: int = 1
     world_size: int = 0
+    host_compute: bool = False
 
     def __post_init__(self):
         for name in ("dp_size", "pp_size", "tp_size", "dsp_size", "vpp_size"):
@@ -55,9 +62,13 @@ class JobMeta:
 
     @classmethod
     def from_mapping(cls, fields) -> "JobMeta":
-        """From a published meta yaml (trial_name and run_id ignored) or a manifest row."""
+        """From a published meta yaml (trial_name and run_id ignored) or a manifest row; with the
+        row's `source` (a converted raw job's, lake.py keeps it beside the manifest), device 'cpu'
+        sets host_compute."""
         names = ("dp_size", "pp_size", "tp_size", "dsp_size", "vpp_size", "world_size")
-        return cls(**{name: int(fields[name]) for name in names if fields.get(name) is not None})
+        source = fields.get("source")
+        host = bool(fields.get("host_compute")) or (isinstance(source, dict) and source.get("device") == "cpu")
+        return cls(**{name: int(fields[name]) for name in names if fields.get(name) is not None}, host_compute=host)
 
     @property
     def workers(self) -> int:

@@ -303,7 +303,7 @@ def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mappin
     clock = options.get("clock", "auto")
     clock_of = {rank: (by_rank[rank].clock if clock == "auto" else f"rank:{rank}") for rank in rows}
     offsets = {rank: 0.0 for rank in rows} if clock == "trust" else _clock_offsets(rows, layout, clock_of)
-    p2p_posted_early = _recv_waits_after_compute(rows)
+    p2p_posted_early = _recv_waits_after_compute(rows, host_thread=all(t.device == "cpu" for t in analysed))
     step_starts = {rank: dict(zip(by_rank[rank].steps.tolist(), (by_rank[rank].step_start
                    + (by_rank[rank].origin_ns - first_origin) / 1000.0).tolist())) for rank in rows}
     p2p_clipped = _clip_p2p_waits(rows, layout, offsets, step_starts)

@@ -272,15 +272,21 @@ def _overlapped_dp_marker(rows: Mapping[int, dict[str, np.ndarray]]) -> int:
     return added
 
 
-def _recv_waits_after_compute(rows: Mapping[int, dict[str, np.ndarray]]) -> int:
+def _recv_waits_after_compute(rows: Mapping[int, dict[str, np.ndarray]], host_thread: bool = False) -> int:
     """A recv posted ahead (asynchronous schedules post it before the compute it serves, and before
     the computes in between) only starts waiting once the rank is done with the compute before
     it: its start moves to the end of the rank's last compute op that ended before the recv did.
     Its transfer (end - latest start of the pair) then no longer counts the receiver's own work
-    in between, and the dependency model's compute(i-1) -> recv(i) edge holds. Returns the number
-    of recvs changed."""
+    in between, and the dependency model's compute(i-1) -> recv(i) edge holds.
+
+    host_thread (CPU jobs: one thread computes, issues the sends and waits on the recvs): nor does
+    it wait while it issues a send, so a send issued after the recv was posted and before it
+    completed moves the recv's start to that send's issue too. What the thread did before that
+    issue (an untraced pause, say) then shows as the recv's launch delay, the receiver's untraced
+    time, instead of as a slow transfer. Returns the number of recvs changed."""
     changed = 0
     compute_codes = [_CODE[name] for name in COMPUTE_OPTYPES]
+    send_codes = [_CODE["forward-send"], _CODE["backward-send"]]
     for r in rows.values():
         compute = np.isin(r["optype"], compute_codes)
         recv = np.flatnonzero(np.isin(r["optype"], [_CODE["forward-recv"], _CODE["backward-recv"]]))
@@ -289,6 +295,10 @@ def _recv_waits_after_compute(rows: Mapping[int, dict[str, np.ndarray]]) -> int:
         ends = np.sort(r["end"][compute])
         before = np.searchsorted(ends, r["end"][recv], side="right") - 1
         last = np.where(before >= 0, ends[np.maximum(before, 0)], -np.inf)
+        sends = np.sort(r["start"][np.isin(r["optype"], send_codes)])
+        if host_thread and len(sends):
+            issued = np.searchsorted(sends, r["end"][recv], side="left") - 1
+            last = np.maximum(last, np.where(issued >= 0, sends[np.maximum(issued, 0)], -np.inf))
         moved = last > r["start"][recv]
         r["start"][recv[moved]] = np.minimum(last[moved], r["end"][recv[moved]])
         changed += int(moved.sum())

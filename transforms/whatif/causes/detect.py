@@ -556,9 +556,10 @@ def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5,
     workers = [(d, p) for d in range(model.dp_size) for p in range(model.pp_size)]
     attributed = result.launch_by_dp_rank is not None and result.launch_by_stage is not None
     alone = model.dp_size == 1
-    if len(workers) < 2 or (not attributed and (alone or model.pp_size > 1)):
+    if len(workers) < 2 or (not attributed and (alone or (model.pp_size > 1 and not model.meta.host_compute))):
         # no replay to confirm it: only without pipeline neighbours (whose waits for each other
-        # look like gaps too) is a worker's gap before its ops surely its own time
+        # look like gaps too), or where the recvs start when the thread begins to wait
+        # (host_compute), is a worker's gap before its ops surely its own time
         return []
     partner = _p2p_partner(model)
     per_step = {w: _untraced_time(model, *w, partner=partner) for w in workers}
@@ -643,10 +644,15 @@ def _untraced_time(model: JobModel, dp: int, stage: int, partner: np.ndarray | N
     # busy: computing, or blocked in a recv or a DP collective (waiting on a peer is no untraced work)
     busy = ops[np.isin(model.op_optype[ops], [OPTYPES.index(name) for name in (*COMPUTE_OPTYPES, *DP_COMM_OPTYPES)]) | recv]
     peer = np.where(recv, partner[ops], -1)
+    # where the compute ran on the thread that waits on the recvs (host_compute: CPU jobs), a recv
+    # after a compute starts when that thread begins to wait (the converter moves it past the
+    # computes and send issues in between): the gap before it is the thread's own time
+    own_wait = recv & bool(model.meta.host_compute) & (model.pred_index[model.pred_ptr[ops]] < model.n_ops)
     out = []
     for lane in np.flatnonzero(model.lane_dp == dp).tolist():
         delay = np.maximum(model.launch_delay[ops, lane], 0.0)
         late = np.where(peer >= 0, model.observed_start[ops, lane] > model.observed_start[np.maximum(peer, 0), lane] + 1e-6, True)
+        late |= own_wait
         waiting = (delay > 0) & (~recv | late)
         gap_end = model.observed_start[ops[waiting], lane]
         gap_start = gap_end - delay[waiting]
