@@ -38,6 +38,8 @@ try:   # ISA-L's inflate: the same stream at about 3x zlib's speed
     from isal import isal_zlib as _inflate
 except ImportError:   # pragma: no cover - isal is a declared dependency
     _inflate = zlib
+# isal raises its own IsalError (no zlib.error) on a corrupt stream
+_INFLATE_ERRORS = (zlib.error, getattr(_inflate, "error", zlib.error))
 
 __all__ = ["TraceEvent", "EventArgs", "TraceReader", "read_trace", "TraceUnreadable", "NotStreamable",
            "PARSER"]
@@ -137,7 +139,7 @@ class _Text:
                 self._taken += len(self._pending)
             try:
                 out = self._inflater.decompress(self._pending, _INFLATE_BYTES)
-            except zlib.error as error:   # isal raises zlib.error too
+            except _INFLATE_ERRORS as error:   # a bad checksum, a corrupt block
                 raise TraceUnreadable(f"error: {error}") from None
             self._pending = self._inflater.unconsumed_tail
             self.buf += out
