@@ -1,18 +1,20 @@
 """A streaming, typed reader of one Kineto (torch.profiler Chrome trace) JSON file.
 
 `read_trace(data)` turns a rank file's bytes (JSON, optionally gzipped) into
-- `reader.chunks()`: the `traceEvents` array as `EventColumns`, one per few MB of JSON: lists of
-  the fields the converter reads (ph, cat, name, ts, dur, tid, args), in file order;
+- `reader.chunks()`: the `traceEvents` array as `EventColumns` (columns.py), one per few MB of JSON:
+  numpy columns of the events the converter reads, grouped by category, in file order;
 - `reader.top`: every other top-level key, decoded (distributedInfo, deviceProperties,
   baseTimeNanoseconds, schemaVersion, trace_id, host_name, ...), whether it stands before or after
   traceEvents; complete once `chunks()` is exhausted.
 
 Memory: the file is gunzipped a few MB at a time (never the whole document), the array is cut into
-runs of whole events and each run is decoded with msgspec into `TraceEvent` structs that keep only
-the fields above (the rest of an event is skipped by the decoder, never built), so what is held is
-the compressed file, one run of JSON and its structs. Speed: msgspec's typed decode runs at 2-3x
-orjson's dict decode on Kineto files (benchmarks/bench_ingest.py), and gzip goes through ISA-L
-(`isal`) when installed (3x zlib).
+runs of whole events and each run is decoded with msgspec into structs of a union tagged by `cat`
+that keep only the fields read of each category (the rest of an event is skipped by the decoder,
+never built), then into columns; what is held is the compressed file, one run of JSON and its
+structs. A run whose events the tagged structs refuse (no cat or one of its own, a null field, a
+correlation that is no int64) is decoded again into the general `TraceEvent` structs below, which
+give the same columns. Speed: gzip goes through ISA-L (`isal`, 3x zlib), fed 64 KB of input a call
+(the output stays in cache, and no unconsumed rest of the file is copied at each call).
 
 Cutting the array: a run ends after the last `}` of a window that a `,` follows; decoding
 `[run]` proves the cut (a `}` inside a string leaves the string open, one inside a nested value
@@ -44,7 +46,7 @@ _INFLATE_ERRORS = (zlib.error, getattr(_inflate, "error", zlib.error))
 __all__ = ["TraceEvent", "EventArgs", "TraceReader", "read_trace", "TraceUnreadable", "NotStreamable",
            "PARSER"]
 
-PARSER = "msgspec typed structs, streamed"
+PARSER = "msgspec structs tagged by category -> numpy columns, streamed"
 CHUNK_BYTES = 4 << 20          # JSON per decoded run: a few MB keeps the structs of one run small
 _INFLATE_INPUT = 1 << 16       # gzip fed per call: the rest of the input is never copied (an `unconsumed_tail` of the
                                # whole file, copied at each call, halved the speed), and the output stays in cache
