@@ -24,8 +24,10 @@ The converted job's S is checked against the native analysis of the generated tr
    layout torch.profiler writes (an event over a few indented lines), gzipped, as both ranks of a
    2-rank job. Converted in a fresh subprocess by the streaming reader and, in the same run, by the
    old path (the whole document decoded by orjson into dicts, then `parse_rank`): MB (uncompressed),
-   CPU seconds, MB/s per core against the target 300, peak RSS (VmHWM) against the target 1 GB, and
-   HTA's rule of thumb (memory ~4.7x the trace size) for comparison.
+   CPU seconds, MB/s per core against the target 300, where the time goes (gunzip + decode into
+   columns: reader.py and columns.py; the event pass and the rank's spans: events.py, rank.py,
+   compute.py), peak RSS (VmHWM) against the target 1 GB, and HTA's rule of thumb (memory ~4.7x the
+   trace size) for comparison.
 """
 from __future__ import annotations
 
@@ -391,7 +393,7 @@ def bench_real(folder: pathlib.Path, target_mb: float) -> None:
         print(f"   {label}, parser: {out['parser']}")
         print(f"     {total:,.0f} MB in CPU {out['cpu_seconds']:.2f} s (wall {out['seconds']:.2f} s): {per_core:,.0f} MB/s "
               f"per core (target >= {REAL_TARGET_MB_S:.0f}: {'met' if per_core >= REAL_TARGET_MB_S else 'MISSED'}); "
-              f"gunzip + decode {out['decode']:.2f} s, event pass {out['events']:.2f} s, "
+              f"gunzip + decode into columns {out['decode']:.2f} s, event pass + spans {out['events']:.2f} s, "
               f"the rest {out['seconds'] - out['decode'] - out['events']:.2f} s; {out['rows']:,} op rows, {out['steps']} steps")
         print(f"     peak RSS (VmHWM, fresh process) {peak / 2**20:,.0f} MiB ({out['baseline_rss'] / 2**20:,.0f} MiB after "
               f"imports; target <= {REAL_TARGET_RSS / 2**30:.0f} GiB: {'met' if peak <= REAL_TARGET_RSS else 'MISSED'}) "

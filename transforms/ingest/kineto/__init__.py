@@ -4,9 +4,11 @@ Two passes, both plain functions:
 
 1. `parse_rank(path, data)`: one rank's JSON -> `RankTrace`, compact numpy columns of the
    spans that matter (profiled steps, per-microbatch forward/backward compute, p2p and
-   collective comm, optimizer) plus counts of everything that fit no op type. One pass over
-   the events in Python, the rest vectorised. Only this pass touches the JSON, one rank at
-   a time, so memory stays bounded by the largest rank file.
+   collective comm, optimizer) plus counts of everything that fit no op type. The events
+   arrive as numpy columns a run of a few MB at a time (reader.py, columns.py); the event
+   pass (events.py) reads names and args only of the few that need them (steps, labels,
+   comm), the rest vectorised. Only this pass touches the JSON, one rank at a time, so
+   memory stays bounded by the largest rank file.
 2. `assemble(ranks, job_id, date, options)`: the ranks of one job -> `ConvertedJob`:
    checks (duplicate, missing or foreign ranks, steps that do not line up), the dp/pp
    layout, op types, seq ids, clock alignment, manifest.

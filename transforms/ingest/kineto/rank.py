@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import collections
-import itertools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -10,13 +9,13 @@ from typing import Any
 import numpy as np
 
 from transforms.ingest.common import RawInputError, open_bytes
-from transforms.ingest.kineto.compute import (_BACKWARD_OP, _NOT_COMPUTE, _UNMAPPED_QUIET, _GpuWork, _compute_spans,
-                                             _issued_collectives,
+from transforms.ingest.kineto.columns import general_columns
+from transforms.ingest.kineto.compute import (_BACKWARD_OP, _NOT_COMPUTE, _GpuWork, _compute_spans, _issued_collectives,
                                              _unlabeled_compute)
-from transforms.ingest.kineto.reader import EventColumns, NotStreamable, TraceUnreadable, read_trace
-from transforms.ingest.kineto.spans import (BWD, COLL, DEFAULT_BACKWARD_LABELS, DEFAULT_FORWARD_LABELS,
-                                            DEFAULT_OPTIMIZER_LABEL, FWD, Group, OPT, RECV, RankTrace, SEND,
-                                            WEIGHT_LABEL, WGT, _COLLECTIVES, _NCCL, _STEP)
+from transforms.ingest.kineto.events import (_OVERLAP_LABEL, _P2P_LABEL, _EventPass, _compile_labels,  # noqa: F401
+                                             _label_family, _match)
+from transforms.ingest.kineto.reader import NotStreamable, TraceUnreadable, read_trace
+from transforms.ingest.kineto.spans import (BWD, COLL, FWD, Group, OPT, RECV, RankTrace, SEND, _COLLECTIVES, _STEP)
 
 
 # --------------------------------------------------------------------------- pass 1: one rank
@@ -73,23 +72,6 @@ def parse_rank_bytes(path: str, data: bytes, options: Mapping[str, Any] | None =
             gc.enable()
 
 
-def _compile_labels(options: Mapping[str, Any], key: str, defaults: tuple[str, ...]) -> list[re.Pattern]:
-    given = options.get(key)
-    patterns = [given] if isinstance(given, str) else list(given or defaults)
-    try:
-        return [re.compile(p) for p in patterns]
-    except re.error as error:
-        raise RawInputError("raw_bad_job_yaml", f"{key} {given!r} is not a regular expression ({error})") from None
-
-
-def _match(patterns: list[re.Pattern], name: str):
-    for pattern in patterns:
-        found = pattern.match(name)
-        if found:
-            return found
-    return None
-
-
 def _groups(info: Mapping[str, Any]) -> dict[str, Group]:
     config = info.get("pg_config") or []
     if isinstance(config, Mapping):     # some versions key the groups by name
@@ -121,7 +103,7 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
     events = _EventPass(options)
     trace_events = document["traceEvents"]
     for at in range(0, len(trace_events), _DICTS_PER_RUN):
-        events.add(EventColumns.of_dicts(trace_events[at:at + _DICTS_PER_RUN]))
+        events.add(general_columns(trace_events[at:at + _DICTS_PER_RUN], structs=False))
     return _rank_of(path, document, events, options)
 
 
@@ -133,264 +115,6 @@ def _check_info(path: str, top: Mapping[str, Any]) -> None:
     if not isinstance(info, Mapping) or "rank" not in info or "world_size" not in info:
         raise RawInputError("raw_not_a_trace", "no distributedInfo (rank, world_size): profile a torch.distributed "
                             "job (the profiler records it once the process group is initialised)", path=path)
-
-
-# Codes of the event fields the pass tells apart (0: anything else).
-_PHASE = {"X": 1, "s": 2, "f": 3}
-_RUNTIME, _KERNEL, _COPY, _GPU_LABEL, _CPU_OP, _ANNOTATION, _FLOW = range(1, 8)
-_CATEGORY = {"cuda_runtime": _RUNTIME, "cuda_driver": _RUNTIME, "kernel": _KERNEL, "gpu_memcpy": _COPY,
-             "gpu_memset": _COPY, "gpu_user_annotation": _GPU_LABEL, "cpu_op": _CPU_OP,
-             "user_annotation": _ANNOTATION, "fwdbwd": _FLOW}
-
-
-def _name_class(name) -> int:
-    """0 for a CPU op / annotation name that only joins the op list, else 1: a step, gloo span,
-    c10d p2p call or record_param_comms, which the event-by-event part reads."""
-    if not isinstance(name, str):
-        return 1
-    return int(bool(_STEP.match(name)) or name.startswith(("gloo:", "c10d::send", "c10d::recv", "nccl:"))
-               or name == "record_param_comms")
-
-
-class _EventPass:
-    """The one pass over a rank's events, a run (`EventColumns`) at a time, in file order.
-
-    The bulk (CUDA launches, GPU work, CPU ops, flows) is classified and kept as numpy columns per
-    run; only the few events that need their names or args read (steps, labels, gloo and c10d
-    calls, NCCL kernels, GPU annotations) go through Python one by one. Times are kept relative to
-    `origin` (µs), set by the first complete event (ph X with ts and dur): a whole 2^32 µs (72 min)."""
-
-    def __init__(self, options: Mapping[str, Any]):
-        self.deferred: Exception | None = None   # an options error, raised once the file is known to be a trace
-        try:
-            self.forward_labels = _compile_labels(options, "forward_label", DEFAULT_FORWARD_LABELS)
-            self.backward_labels = _compile_labels(options, "backward_label", DEFAULT_BACKWARD_LABELS)
-            self.optimizer_label = re.compile(options.get("optimizer_label") or DEFAULT_OPTIMIZER_LABEL)
-        except (RawInputError, re.error) as error:
-            self.deferred = error
-        self.origin: float | None = None
-        self.kernels = 0
-        self.unmapped: collections.Counter = collections.Counter()
-        self.steps: dict[int, tuple[float, float]] = {}
-        self.step_tid = None
-        self.cpu_labels: list[tuple[int, float, float, int, int, str]] = []   # kind, start, end, mb, chunk, name
-        self.gpu_labels: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
-        self.nccl: list[tuple[str, dict, float, float]] = []           # NCCL kernels: name, args, start, end
-        self.comm_meta: list[dict] = []                                 # record_param_comms args, in time order
-        self.gloo_cpu: list[tuple[str, float, float, Any]] = []         # name, start, end, tid
-        self.c10d_p2p: list[tuple[str, float, float, int]] = []         # c10d::send / recv_: name, start, end, local peer
-        self.optimizer: list[tuple[float, float]] = []
-        self.p2p_labels: list[tuple[float, float, int, int]] = []       # start, end, direction (+1 F, -1 B), stage
-        self.overlapped: list[tuple[float, float, str, str]] = []       # OVERLAP_F_B labels: start, end, actions, name
-        self.nccl_ranges: list[tuple[float, float, str, Any]] = []      # `nccl:*` CPU ranges: start, end, name, tid
-        # columns, one array (or list) per run
-        self._launch: list[tuple[np.ndarray, np.ndarray, list]] = []    # CUDA runtime / driver calls: start, correlation, tid
-        self._work: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # kernels, memcpy, memset (not NCCL): correlation, start, end
-        self._cpu: list[tuple[np.ndarray, np.ndarray, list, list]] = []  # every cpu_op / user_annotation: start, end, name, tid
-        self._annotations: list[tuple[np.ndarray, list]] = []           # user_annotation ranges: start, name
-        self._flow_starts: list[np.ndarray] = []                        # fwdbwd flow starts: forward ops autograd recorded
-        self._flow_ends: list[np.ndarray] = []                          # ... and their backward nodes
-        self._name_classes: dict[Any, int] = {}
-        self._nccl_names: dict[Any, bool] = {}
-
-    def add(self, columns: EventColumns) -> None:
-        n = len(columns)
-        if not n:
-            return
-        category = columns.codes("cat", _CATEGORY)
-        # the rest of an event matters only in the categories above, except that the first complete
-        # event of any category sets the origin
-        rows = None if self.origin is None else np.flatnonzero(category)
-        phase, ts = columns.codes("ph", _PHASE, rows), columns.floats("ts", rows)
-        if rows is not None:
-            phase, ts = _spread(phase, rows, n, 0), _spread(ts, rows, n, np.nan)
-        has_ts = ~np.isnan(ts)
-        flows = (phase >= 2) & (category == _FLOW) & has_ts
-        if flows.any():
-            self._flow_starts.append(ts[flows & (phase == 2)])
-            self._flow_ends.append(ts[flows & (phase == 3)])
-        complete = (phase == 1) & has_ts
-        if not complete.any():
-            return
-        dur = columns.floats("dur", rows)
-        if rows is not None:
-            dur = _spread(dur, rows, n, np.nan)
-        complete &= ~np.isnan(dur)
-        if not complete.any():
-            return
-        if self.origin is None:
-            first = float(ts[np.argmax(complete)])
-            self.origin = float(np.floor(first / 2.0 ** 32) * 2.0 ** 32)
-        start = ts - self.origin
-        end = start + dur
-        category = np.where(complete, category, 0)
-
-        runtime = np.flatnonzero(category == _RUNTIME)
-        if len(runtime):
-            correlation = columns.correlations(runtime)
-            if None in correlation:
-                given = np.fromiter((c is not None for c in correlation), bool, len(runtime))
-                correlation = [c for c in correlation if c is not None]
-                runtime = runtime[given]
-            self._launch.append((start[runtime], np.array(correlation, dtype=np.int64).reshape(-1),
-                                 columns.pick("tid", runtime)))
-
-        rare: list[int] = []
-        gpu = np.flatnonzero((category == _KERNEL) | (category == _COPY))
-        if len(gpu):
-            self.kernels += int(np.count_nonzero(category == _KERNEL))
-            nccl = _prefixed(columns.pick("name", gpu), _NCCL, self._nccl_names)
-            rare += gpu[nccl].tolist()
-            work = gpu[~nccl]
-            correlation = columns.correlations(work)
-            if None in correlation:
-                given = np.fromiter((c is not None for c in correlation), bool, len(work))
-                correlation = [c for c in correlation if c is not None]
-                work = work[given]
-            if len(work):
-                self._work.append((np.array(correlation, dtype=np.int64).reshape(-1), start[work], end[work]))
-        rare += np.flatnonzero(category == _GPU_LABEL).tolist()
-
-        cpu = np.flatnonzero((category == _CPU_OP) | (category == _ANNOTATION))
-        if len(cpu):
-            cpu_names = columns.pick("name", cpu)
-            self._cpu.append((start[cpu], end[cpu], cpu_names, columns.pick("tid", cpu)))
-            annotation = category[cpu] == _ANNOTATION
-            if annotation.any():
-                self._annotations.append((start[cpu[annotation]], [cpu_names[i] for i in np.flatnonzero(annotation)]))
-            known = self._name_classes
-            classes = list(map(known.get, cpu_names))
-            if None in classes:
-                for name in set(cpu_names).difference(known):
-                    known[name] = _name_class(name)
-                classes = list(map(known.__getitem__, cpu_names))
-            special = np.array(classes, dtype=bool) | annotation
-            rare += cpu[special].tolist()
-        if rare:
-            rare.sort()
-            self._one_by_one(columns, rare, start[rare].tolist(), end[rare].tolist())
-
-    def _one_by_one(self, columns: EventColumns, indices: list[int], starts: list[float], ends: list[float]) -> None:
-        """The events whose names or args matter, in file order."""
-        for i, name, cat, tid, ts, end in zip(indices, columns.pick("name", indices), columns.pick("cat", indices),
-                                              columns.pick("tid", indices), starts, ends):
-            if cat in ("kernel", "gpu_memcpy", "gpu_memset"):   # NCCL: read once the rank and groups are known
-                self.nccl.append((name, columns.args_of(i), ts, end))
-                continue
-            if cat == "gpu_user_annotation":
-                if not name.startswith("ProfilerStep#"):
-                    self.gpu_labels[name].append((ts, end))
-                continue
-            step = _STEP.match(name)
-            if step:
-                self.steps[int(step.group(1))] = (ts, end)
-                self.step_tid = tid
-                continue
-            if name.startswith("gloo:"):
-                self.gloo_cpu.append((name[5:], ts, end, tid))
-                continue
-            if name.startswith("c10d::send") or name.startswith("c10d::recv"):
-                inputs = columns.args_of(i).get("Concrete Inputs") or []
-                peer = inputs[2] if len(inputs) > 2 and str(inputs[2]).lstrip("-").isdigit() else -1
-                self.c10d_p2p.append(("send" if name.startswith("c10d::send") else "recv", ts, end, int(peer)))
-                continue
-            if name == "record_param_comms":
-                args = columns.args_of(i)
-                if "Collective name" in args:
-                    self.comm_meta.append(dict(args, ts=ts, tid=tid))
-                continue
-            if name.startswith("nccl:"):   # c10d's range around a NCCL call: names the kernels it launched
-                self.nccl_ranges.append((ts, end, name, tid))
-            if cat == "user_annotation" and self.deferred is None:
-                self._label(name, ts, end)
-
-    def _label(self, name: str, ts: float, end: float) -> None:
-        if self.optimizer_label.match(name):
-            self.optimizer.append((ts, end))
-            return
-        found = _match(self.forward_labels, name)
-        kind = FWD
-        if found is None:
-            found, kind = _match(self.backward_labels, name), BWD
-        if found is not None:
-            groups_found = found.groupdict()
-            mb = groups_found.get("mb")
-            chunk = groups_found.get("stage") if "stage" in groups_found else groups_found.get("chunk")
-            self.cpu_labels.append((kind, ts, end, int(mb) if mb is not None else -1,
-                                    int(chunk) if chunk is not None else -1, name))
-        elif (weight := WEIGHT_LABEL.match(name)) is not None:
-            self.cpu_labels.append((WGT, ts, end, int(weight.group("mb")), int(weight.group("stage")), name))
-        elif (overlap := _OVERLAP_LABEL.match(name)) is not None:
-            self.overlapped.append((ts, end, overlap.group("actions"), name))
-        elif (p2p_label := _P2P_LABEL.match(name)) is not None:
-            self.p2p_labels.append((ts, end, 1 if p2p_label.group("dir") == "F" else -1, int(p2p_label.group("stage"))))
-        elif not _UNMAPPED_QUIET.match(name):
-            self.unmapped[f"label {_label_family(name)}"] += 1
-
-    # ---------------------------------------------------------------- the columns, once all runs are in
-
-    def launches(self) -> list[tuple[float, int]]:
-        return list(zip(_joined([r[0] for r in self._launch]).tolist(), _joined([r[1] for r in self._launch], np.int64).tolist()))
-
-    def launch_threads(self, wanted: list[int]) -> dict[int, tuple[float, Any]]:
-        """correlation -> (launch start, thread) of the CUDA calls of the `wanted` correlations (the
-        last call of a correlation wins)."""
-        correlations = _joined([r[1] for r in self._launch], np.int64)
-        keep = np.flatnonzero(np.isin(correlations, np.array(wanted, dtype=np.int64)))
-        starts = _joined([r[0] for r in self._launch])[keep].tolist()
-        threads = list(itertools.chain.from_iterable(r[2] for r in self._launch))
-        return dict(zip(correlations[keep].tolist(), zip(starts, (threads[i] for i in keep))))
-
-    def gpu_work(self) -> list[tuple[int, float, float]]:
-        return list(zip(*(_joined([r[k] for r in self._work], np.int64 if k == 0 else np.float64).tolist() for k in range(3))))
-
-    def cpu_ops(self) -> list[tuple[float, float, str, Any]]:
-        return list(zip(_joined([r[0] for r in self._cpu]).tolist(), _joined([r[1] for r in self._cpu]).tolist(),
-                        itertools.chain.from_iterable(r[2] for r in self._cpu),
-                        itertools.chain.from_iterable(r[3] for r in self._cpu)))
-
-    def threads(self, cpu_ops: list, step_tid) -> tuple[list, list]:
-        """(the ops of the thread that ran the steps, the autograd backward ops of other threads),
-        each in file order."""
-        tids = np.empty(len(cpu_ops), dtype=object)
-        tids[:] = list(itertools.chain.from_iterable(r[3] for r in self._cpu))
-        main = tids == step_tid
-        if not isinstance(main, np.ndarray) or main.shape != tids.shape:   # a tid numpy cannot compare one by one
-            main = np.fromiter((tid == step_tid for tid in tids), bool, len(tids))
-        names = list(itertools.chain.from_iterable(r[2] for r in self._cpu))
-        backward = ~main & _prefixed(names, _BACKWARD_OP, {})
-        return [cpu_ops[i] for i in np.flatnonzero(main)], [cpu_ops[i] for i in np.flatnonzero(backward)]
-
-    def annotations(self) -> set[tuple[float, str]]:
-        return set(zip(_joined([r[0] for r in self._annotations]).tolist(),
-                       itertools.chain.from_iterable(r[1] for r in self._annotations)))
-
-    def flows(self) -> tuple[np.ndarray, np.ndarray]:
-        """Sorted fwdbwd flow starts and ends on the span columns' time axis."""
-        origin = self.origin or 0.0
-        return np.sort(_joined(self._flow_starts) - origin), np.sort(_joined(self._flow_ends) - origin)
-
-
-def _spread(values: np.ndarray, rows: np.ndarray, n: int, fill) -> np.ndarray:
-    """`values` of the events at `rows` placed in a column of all n events, `fill` elsewhere."""
-    out = np.full(n, fill, dtype=values.dtype)
-    out[rows] = values
-    return out
-
-
-def _prefixed(names: list, prefix, known: dict) -> np.ndarray:
-    """Whether each name starts with `prefix` (a str or tuple), through `known` (name -> answer):
-    names repeat, so each is looked at once."""
-    answers = list(map(known.get, names))
-    if None in answers:
-        for name in set(names).difference(known):
-            known[name] = name.startswith(prefix)
-        answers = list(map(known.__getitem__, names))
-    return np.array(answers, dtype=bool).reshape(-1)
-
-
-def _joined(parts: list[np.ndarray], dtype=np.float64) -> np.ndarray:
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
 def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Mapping[str, Any]) -> RankTrace:
@@ -486,11 +210,6 @@ def _unlabeled_by_step(ops: list, steps: list[tuple[float, float]], optimizer: l
         near = [span for span in optimizer if span[0] <= step_end and span[1] > step_start]
         out += _unlabeled_compute(ordered[lo:hi], [(step_start, step_end)], near, forward=forward, autograd=autograd)
     return out
-
-
-def _label_family(name: str) -> str:
-    """A label with its numbers replaced by N, so that counts group by kind of label."""
-    return re.sub(r"\d+", "N", name)[:80]
 
 
 def _nccl_span(name: str, args: Mapping[str, Any], start: float, end: float, rank: int,
@@ -597,9 +316,6 @@ def _gloo_spans(gloo: list, meta: list[dict], c10d: list, rank: int, groups: Map
     return out
 
 
-# torch.distributed.pipelining's OVERLAP_F_B action (DualPipeV): `PP:(0F3;3B1)OVERLAP_F_B` runs its
-# sub-actions one after the other under one label
-_OVERLAP_LABEL = re.compile(r"^PP:\((?P<actions>[^()]*)\)OVERLAP_F_B$")
 _SUB_ACTION = re.compile(r"^(?P<stage>\d+)(?P<op>F|B|I|W)(?P<mb>\d+)$")
 
 
@@ -633,9 +349,6 @@ def _split_overlapped(overlapped: list, cpu_ops: list, path: str) -> list[tuple]
         out.append((BWD, split, end, int(backward.group("mb")), int(backward.group("stage")), name + ":B"))
     return out
 
-
-# torch.distributed.pipelining's p2p actions (`PP:2SEND_F0`): they hold the issue of the send / recv
-_P2P_LABEL = re.compile(r"^PP:(?P<stage>\d+)(?P<op>SEND|RECV)_(?P<dir>[FB])(?P<mb>\d+)$")
 
 
 def _p2p_directions(comm: list, labels: list, p2p_labels: list) -> list[tuple[int, int]]:

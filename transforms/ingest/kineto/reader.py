@@ -1,18 +1,20 @@
 """A streaming, typed reader of one Kineto (torch.profiler Chrome trace) JSON file.
 
 `read_trace(data)` turns a rank file's bytes (JSON, optionally gzipped) into
-- `reader.chunks()`: the `traceEvents` array as `EventColumns`, one per few MB of JSON: lists of
-  the fields the converter reads (ph, cat, name, ts, dur, tid, args), in file order;
+- `reader.chunks()`: the `traceEvents` array as `EventColumns` (columns.py), one per few MB of JSON:
+  numpy columns of the events the converter reads, grouped by category, in file order;
 - `reader.top`: every other top-level key, decoded (distributedInfo, deviceProperties,
   baseTimeNanoseconds, schemaVersion, trace_id, host_name, ...), whether it stands before or after
   traceEvents; complete once `chunks()` is exhausted.
 
 Memory: the file is gunzipped a few MB at a time (never the whole document), the array is cut into
-runs of whole events and each run is decoded with msgspec into `TraceEvent` structs that keep only
-the fields above (the rest of an event is skipped by the decoder, never built), so what is held is
-the compressed file, one run of JSON and its structs. Speed: msgspec's typed decode runs at 2-3x
-orjson's dict decode on Kineto files (benchmarks/bench_ingest.py), and gzip goes through ISA-L
-(`isal`) when installed (3x zlib).
+runs of whole events and each run is decoded with msgspec into structs of a union tagged by `cat`
+that keep only the fields read of each category (the rest of an event is skipped by the decoder,
+never built), then into columns; what is held is the compressed file, one run of JSON and its
+structs. A run whose events the tagged structs refuse (no cat or one of its own, a null field, a
+correlation that is no int64) is decoded again into the general `TraceEvent` structs below, which
+give the same columns. Speed: gzip goes through ISA-L (`isal`, 3x zlib), fed 64 KB of input a call
+(the output stays in cache, and no unconsumed rest of the file is copied at each call).
 
 Cutting the array: a run ends after the last `}` of a window that a `,` follows; decoding
 `[run]` proves the cut (a `}` inside a string leaves the string open, one inside a nested value
@@ -25,8 +27,6 @@ an unexpected JSON type) raises `NotStreamable`: decode it whole instead, the ol
 """
 from __future__ import annotations
 
-import itertools
-import operator
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -34,17 +34,23 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from transforms.ingest.kineto.columns import EventColumns, columns_of, general_columns
+
 try:   # ISA-L's inflate: the same stream at about 3x zlib's speed
     from isal import isal_zlib as _inflate
 except ImportError:   # pragma: no cover - isal is a declared dependency
     _inflate = zlib
+# isal raises its own IsalError (no zlib.error) on a corrupt stream
+_INFLATE_ERRORS = (zlib.error, getattr(_inflate, "error", zlib.error))
 
-__all__ = ["TraceEvent", "EventArgs", "EventColumns", "TraceReader", "read_trace", "TraceUnreadable", "NotStreamable",
+__all__ = ["TraceEvent", "EventArgs", "TraceReader", "read_trace", "TraceUnreadable", "NotStreamable",
            "PARSER"]
 
-PARSER = "msgspec typed structs, streamed"
+PARSER = "msgspec structs tagged by category -> numpy columns, streamed"
 CHUNK_BYTES = 4 << 20          # JSON per decoded run: a few MB keeps the structs of one run small
-_INFLATE_BYTES = 1 << 20       # gunzipped per call (1-4 MB pieces inflate fastest: they stay in cache)
+_INFLATE_INPUT = 1 << 16       # gzip fed per call: the rest of the input is never copied (an `unconsumed_tail` of the
+                               # whole file, copied at each call, halved the speed), and the output stays in cache
+_INFLATE_BYTES = 4 << 20       # at most gunzipped per call (64 KB of Kineto JSON inflate to about 1.5 MB)
 _WHITESPACE = b" \t\r\n"
 _UNSET = msgspec.UNSET
 
@@ -83,7 +89,6 @@ class EventArgs(msgspec.Struct, frozen=True, gc=False):
 
 
 _NO_ARGS = EventArgs()   # shared by the events without args: every struct's args has the attributes
-_CORRELATION = operator.attrgetter("correlation")
 
 
 class TraceEvent(msgspec.Struct, gc=False):
@@ -102,79 +107,6 @@ class TraceEvent(msgspec.Struct, gc=False):
 _DECODE_EVENTS = msgspec.json.Decoder(list[TraceEvent])
 
 
-class EventColumns:
-    """A run of events, read a field at a time in file order (no per-event dict is built): codes
-    of ph / cat, ts / dur as float64 (NaN where absent or null), and name, tid, args of chosen
-    events. Over decoded `TraceEvent` structs (`of_structs`) or dicts (`of_dicts`)."""
-
-    __slots__ = ("_events", "_structs")
-
-    def __init__(self, events: list, structs: bool):
-        self._events, self._structs = events, structs
-
-    @classmethod
-    def of_structs(cls, events: list[TraceEvent]) -> "EventColumns":
-        return cls(events, True)
-
-    @classmethod
-    def of_dicts(cls, events: list) -> "EventColumns":
-        """Events already decoded as dicts (`parse_rank` on a document), with the defaults the
-        converter always used (a missing name or cat is "")."""
-        return cls(events, False)
-
-    def __len__(self) -> int:
-        return len(self._events)
-
-    def _field(self, field: str, indices, default=None) -> Iterator:
-        events = self._events if indices is None else map(self._events.__getitem__, _ints(indices))
-        if self._structs:
-            return map(_GETTERS[field], events)
-        return (e.get(field, default) for e in events)
-
-    def codes(self, field: str, table: dict, indices=None) -> np.ndarray:
-        """int8 code of `field` (ph or cat) from `table` (0 for any other value) of every event, or
-        of those at `indices`."""
-        count = len(self._events) if indices is None else len(indices)
-        return np.fromiter(map(table.get, self._field(field, indices, ""), itertools.repeat(0)), np.int8, count)
-
-    def floats(self, field: str, indices=None) -> np.ndarray:
-        """ts or dur of every event (or of those at `indices`) as float64, NaN where absent or null."""
-        return np.array(list(self._field(field, indices)), dtype=np.float64).reshape(-1)
-
-    def pick(self, field: str, indices) -> list:
-        """`field` (name, cat, tid) of the events at `indices`."""
-        events, indices = self._events, _ints(indices)
-        if self._structs:
-            return list(map(_GETTERS[field], map(events.__getitem__, indices)))
-        default = "" if field in ("name", "cat") else None
-        return [events[i].get(field, default) for i in indices]
-
-    def correlations(self, indices) -> list:
-        """args.correlation of the events at `indices` (None where absent)."""
-        events, indices = self._events, _ints(indices)
-        if self._structs:
-            try:   # each struct has an EventArgs, unless the file says "args": null
-                return list(map(_CORRELATION, map(_GETTERS["args"], map(events.__getitem__, indices))))
-            except AttributeError:
-                return [e.args.correlation if e.args is not None else None for e in map(events.__getitem__, indices)]
-        return [(events[i].get("args") or {}).get("correlation") for i in indices]
-
-    def args_of(self, index: int) -> dict:
-        """The args of one event as a mapping ({} when absent or empty)."""
-        event = self._events[index]
-        if self._structs:
-            return event.args.as_dict() if event.args is not None else {}
-        return event.get("args") or {}
-
-
-def _ints(indices) -> list:
-    """Positions as a list of ints (indexing a list with numpy integers costs a conversion each)."""
-    return indices.tolist() if isinstance(indices, np.ndarray) else indices
-
-
-_GETTERS = {field: operator.attrgetter(field) for field in TraceEvent.__struct_fields__}
-
-
 def read_trace(data: bytes, *, chunk_bytes: int = CHUNK_BYTES) -> "TraceReader":
     """A reader of one rank file's content (gzip or plain JSON bytes)."""
     return TraceReader(data, chunk_bytes=chunk_bytes)
@@ -188,6 +120,7 @@ class _Text:
         if data[:2] == b"\x1f\x8b":
             self.buf = bytearray()
             self._compressed = memoryview(data)
+            self._taken, self._pending = 0, b""
             self._inflater = _inflate.decompressobj(31)
             self.eof = False
         else:   # plain JSON is already in memory: read it in place
@@ -203,22 +136,25 @@ class _Text:
             del self.buf[:self.pos]
             self.pos = 0
         while len(self.buf) - self.pos < wanted and not self.eof:
+            if not len(self._pending):   # the next slice of the compressed input
+                self._pending = self._compressed[self._taken:self._taken + _INFLATE_INPUT]
+                self._taken += len(self._pending)
             try:
-                out = self._inflater.decompress(self._compressed, _INFLATE_BYTES)
-            except zlib.error as error:   # isal raises zlib.error too
+                out = self._inflater.decompress(self._pending, _INFLATE_BYTES)
+            except _INFLATE_ERRORS as error:   # a bad checksum, a corrupt block
                 raise TraceUnreadable(f"error: {error}") from None
-            self._compressed = self._inflater.unconsumed_tail
+            self._pending = self._inflater.unconsumed_tail
             self.buf += out
             if self._inflater.eof:
-                rest = self._inflater.unused_data
+                rest = bytes(self._inflater.unused_data) + self._compressed[self._taken:]
                 if rest[:2] == b"\x1f\x8b":   # another gzip member follows (gzip -c a b > c)
-                    self._compressed = memoryview(rest)
+                    self._compressed, self._taken, self._pending = memoryview(rest), 0, b""
                     self._inflater = _inflate.decompressobj(31)
                 elif rest.strip(b"\x00"):
                     raise TraceUnreadable("BadGzipFile: trailing garbage after a gzip member")
                 else:
                     self.eof = True
-            elif not out and not len(self._compressed):
+            elif not out and not len(self._pending) and self._taken >= len(self._compressed):
                 raise TraceUnreadable("EOFError: Compressed file ended before the end-of-stream marker was reached")
         return True
 
@@ -243,6 +179,7 @@ class TraceReader:
         self._chunk_bytes = chunk_bytes
         self.top: dict[str, Any] = {}
         self.events = 0
+        self._lean = False
 
     def chunks(self) -> Iterator[EventColumns]:
         text = self._text
@@ -354,15 +291,13 @@ class TraceReader:
             if cut is None and limit < len(buf):   # an event bigger than a run: take more at once
                 size *= 2
                 continue
-            events = None
+            columns = None
             if cut is not None:
                 try:
-                    events = _DECODE_EVENTS.decode(_framed(buf, pos, cut + 1))
-                except msgspec.ValidationError as error:
-                    raise NotStreamable(str(error)) from None
+                    columns = self._decode(_framed(buf, pos, cut + 1))
                 except msgspec.DecodeError:
-                    events = None   # a `}` inside a string or a nested value: cut exactly
-            if events is None:
+                    columns = None   # a `}` inside a string or a nested value: cut exactly
+            if columns is None:
                 ends = _element_ends(buf, pos, len(buf))
                 if ends is None:
                     if text.more(len(buf) - pos + size):
@@ -371,16 +306,14 @@ class TraceReader:
                     raise TraceUnreadable("JSONDecodeError: the document ends inside traceEvents")
                 cut = ends
                 try:
-                    events = _DECODE_EVENTS.decode(_framed(buf, pos, cut))
-                except msgspec.ValidationError as error:
-                    raise NotStreamable(str(error)) from None
+                    columns = self._decode(_framed(buf, pos, cut))
                 except msgspec.DecodeError as error:
                     raise TraceUnreadable(f"JSONDecodeError: {error}") from None
                 cut -= 1
-            self.events += len(events)
+            self.events += columns.n
             text.pos = cut + 1
-            yield EventColumns.of_structs(events)
-            del events
+            yield columns
+            del columns
             at = text.skip_whitespace()
             if at < 0:
                 raise TraceUnreadable("JSONDecodeError: the document ends inside traceEvents")
@@ -389,6 +322,23 @@ class TraceReader:
                 return
             if text.buf[at] != ord(","):
                 raise TraceUnreadable(f"JSONDecodeError: unexpected {chr(text.buf[at])!r} between events")
+
+
+    def _decode(self, array: bytes) -> EventColumns:
+        """The columns of a run (`[...]`): by the category-tagged structs, else (events that stray
+        from them) by the general structs; NotStreamable when those do not take them either,
+        msgspec.DecodeError when the bytes are no JSON array (a cut inside an event, bad JSON)."""
+        try:
+            columns = columns_of(array, self._lean)
+        except msgspec.ValidationError:
+            try:
+                events = _DECODE_EVENTS.decode(array)
+            except msgspec.ValidationError as error:
+                raise NotStreamable(str(error)) from None
+            columns = general_columns(events, structs=True)
+        if columns.first_complete is not None:
+            self._lean = True   # the origin is known: skipped categories need no times any more
+        return columns
 
 
 def _framed(buf, start: int, stop: int) -> bytes:

@@ -1,0 +1,295 @@
+"""The event pass of one rank: a run of events (`EventColumns`) at a time, in file order, into
+the columns and lists `_rank_of` (rank.py) reads: CUDA launches, GPU work, CPU ops, flows, and the
+few events whose names or args matter (steps, labels, gloo and c10d calls, NCCL kernels)."""
+from __future__ import annotations
+
+import collections
+import itertools
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from transforms.ingest.common import RawInputError
+from transforms.ingest.kineto.columns import ANNOTATION, KERNEL, EventColumns, Group
+from transforms.ingest.kineto.compute import _BACKWARD_OP, _UNMAPPED_QUIET
+from transforms.ingest.kineto.spans import (BWD, DEFAULT_BACKWARD_LABELS, DEFAULT_FORWARD_LABELS,
+                                            DEFAULT_OPTIMIZER_LABEL, FWD, WEIGHT_LABEL, WGT, _NCCL, _STEP)
+
+def _compile_labels(options: Mapping[str, Any], key: str, defaults: tuple[str, ...]) -> list[re.Pattern]:
+    given = options.get(key)
+    patterns = [given] if isinstance(given, str) else list(given or defaults)
+    try:
+        return [re.compile(p) for p in patterns]
+    except re.error as error:
+        raise RawInputError("raw_bad_job_yaml", f"{key} {given!r} is not a regular expression ({error})") from None
+
+
+def _match(patterns: list[re.Pattern], name: str):
+    for pattern in patterns:
+        found = pattern.match(name)
+        if found:
+            return found
+    return None
+
+
+
+def _label_family(name: str) -> str:
+    """A label with its numbers replaced by N, so that counts group by kind of label."""
+    return re.sub(r"\d+", "N", name)[:80]
+
+
+
+# torch.distributed.pipelining's OVERLAP_F_B action (DualPipeV): `PP:(0F3;3B1)OVERLAP_F_B` runs its
+# sub-actions one after the other under one label
+_OVERLAP_LABEL = re.compile(r"^PP:\((?P<actions>[^()]*)\)OVERLAP_F_B$")
+_SUB_ACTION = re.compile(r"^(?P<stage>\d+)(?P<op>F|B|I|W)(?P<mb>\d+)$")
+
+# torch.distributed.pipelining's p2p actions (`PP:2SEND_F0`): they hold the issue of the send / recv
+_P2P_LABEL = re.compile(r"^PP:(?P<stage>\d+)(?P<op>SEND|RECV)_(?P<dir>[FB])(?P<mb>\d+)$")
+
+
+
+def _name_class(name) -> int:
+    """0 for a CPU op / annotation name that only joins the op list, else 1: a step, gloo span,
+    c10d p2p call or record_param_comms, which the event-by-event part reads."""
+    if not isinstance(name, str):
+        return 1
+    return int(bool(_STEP.match(name)) or name.startswith(("gloo:", "c10d::send", "c10d::recv", "nccl:"))
+               or name == "record_param_comms")
+
+
+
+_GPU, _GPU_LABEL, _CPU = range(3)   # the groups of rare events
+
+
+class _EventPass:
+    """The one pass over a rank's events, a run (`EventColumns`) at a time, in file order.
+
+    The bulk (CUDA launches, GPU work, CPU ops, flows) is classified and kept as numpy columns per
+    run; only the few events that need their names or args read (steps, labels, gloo and c10d
+    calls, NCCL kernels, GPU annotations) go through Python one by one. Times are kept relative to
+    `origin` (µs), set by the first complete event (ph X with ts and dur): a whole 2^32 µs (72 min)."""
+
+    def __init__(self, options: Mapping[str, Any]):
+        self.deferred: Exception | None = None   # an options error, raised once the file is known to be a trace
+        try:
+            self.forward_labels = _compile_labels(options, "forward_label", DEFAULT_FORWARD_LABELS)
+            self.backward_labels = _compile_labels(options, "backward_label", DEFAULT_BACKWARD_LABELS)
+            self.optimizer_label = re.compile(options.get("optimizer_label") or DEFAULT_OPTIMIZER_LABEL)
+        except (RawInputError, re.error) as error:
+            self.deferred = error
+        self.origin: float | None = None
+        self.kernels = 0
+        self.unmapped: collections.Counter = collections.Counter()
+        self.steps: dict[int, tuple[float, float]] = {}
+        self.step_tid = None
+        self.cpu_labels: list[tuple[int, float, float, int, int, str]] = []   # kind, start, end, mb, chunk, name
+        self.gpu_labels: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+        self.nccl: list[tuple[str, dict, float, float]] = []           # NCCL kernels: name, args, start, end
+        self.comm_meta: list[dict] = []                                 # record_param_comms args, in time order
+        self.gloo_cpu: list[tuple[str, float, float, Any]] = []         # name, start, end, tid
+        self.c10d_p2p: list[tuple[str, float, float, int]] = []         # c10d::send / recv_: name, start, end, local peer
+        self.optimizer: list[tuple[float, float]] = []
+        self.p2p_labels: list[tuple[float, float, int, int]] = []       # start, end, direction (+1 F, -1 B), stage
+        self.overlapped: list[tuple[float, float, str, str]] = []       # OVERLAP_F_B labels: start, end, actions, name
+        self.nccl_ranges: list[tuple[float, float, str, Any]] = []      # `nccl:*` CPU ranges: start, end, name, tid
+        # columns, one array (or list) per run
+        self._launch: list[tuple[np.ndarray, np.ndarray, list]] = []    # CUDA runtime / driver calls: start, correlation, tid
+        self._work: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # kernels, memcpy, memset (not NCCL): correlation, start, end
+        self._cpu: list[tuple[np.ndarray, np.ndarray, list, list]] = []  # every cpu_op / user_annotation: start, end, name, tid
+        self._annotations: list[tuple[np.ndarray, list]] = []           # user_annotation ranges: start, name
+        self._flow_starts: list[np.ndarray] = []                        # fwdbwd flow starts: forward ops autograd recorded
+        self._flow_ends: list[np.ndarray] = []                          # ... and their backward nodes
+        self._name_classes: dict[Any, int] = {}
+        self._nccl_names: dict[Any, bool] = {}
+
+    def add(self, columns: EventColumns) -> None:
+        if self.origin is None:
+            if columns.first_complete is None:   # flows before any complete event keep their raw ts
+                self._flows(columns)
+                return
+            self.origin = float(np.floor(columns.first_complete / 2.0 ** 32) * 2.0 ** 32)
+        self._flows(columns)
+        origin = self.origin
+        rare: list[tuple[np.ndarray, int, Group, list, list | None, np.ndarray, np.ndarray]] = []
+
+        launch = columns.launch
+        if len(launch):
+            start = launch.ts - origin
+            correlation, given = columns.correlations(launch)
+            tids = columns.tids(launch)
+            if not given.all():
+                keep = np.flatnonzero(given)
+                start, correlation, tids = start[keep], correlation[keep], [tids[i] for i in keep.tolist()]
+            self._launch.append((start, correlation, tids))
+
+        gpu = columns.gpu
+        if len(gpu):
+            start = gpu.ts - origin
+            end = start + gpu.dur
+            self.kernels += int(np.count_nonzero(gpu.code == KERNEL))
+            names = columns.names(gpu)
+            nccl = _prefixed(names, _NCCL, self._nccl_names)
+            if nccl.any():
+                rare.append((np.flatnonzero(nccl), _GPU, gpu, names, None, start, end))
+            correlation, given = columns.correlations(gpu)
+            work = ~nccl & given
+            if work.any():
+                self._work.append((correlation[work], start[work], end[work]))
+
+        label = columns.gpu_label
+        if len(label):
+            start = label.ts - origin
+            rare.append((np.arange(len(label)), _GPU_LABEL, label, columns.names(label), None, start, start + label.dur))
+
+        cpu = columns.cpu
+        if len(cpu):
+            start = cpu.ts - origin
+            end = start + cpu.dur
+            names, tids = columns.names(cpu), columns.tids(cpu)
+            self._cpu.append((start, end, names, tids))
+            annotation = cpu.code == ANNOTATION
+            if annotation.any():
+                self._annotations.append((start[annotation], [names[i] for i in np.flatnonzero(annotation).tolist()]))
+            known = self._name_classes
+            classes = list(map(known.get, names))
+            if None in classes:
+                for name in set(names).difference(known):
+                    known[name] = _name_class(name)
+                classes = list(map(known.__getitem__, names))
+            special = np.array(classes, dtype=bool) | annotation
+            if special.any():
+                rare.append((np.flatnonzero(special), _CPU, cpu, names, tids, start, end))
+        if rare:
+            self._one_by_one(columns, rare)
+
+    def _flows(self, columns: EventColumns) -> None:
+        if len(columns.flow_starts) or len(columns.flow_ends):
+            self._flow_starts.append(columns.flow_starts)
+            self._flow_ends.append(columns.flow_ends)
+
+    def _one_by_one(self, columns: EventColumns, rare: list) -> None:
+        """The events whose names or args matter (`rare`: per group, the positions of those events
+        and the group's names, tids, starts, ends), in file order."""
+        index = np.concatenate([group.index[at] for at, _, group, *_ in rare])
+        which = np.concatenate([np.full(len(at), k) for k, (at, *_) in enumerate(rare)])
+        position = np.concatenate([at for at, *_ in rare])
+        order = np.argsort(index, kind="stable")
+        for k, i in zip(which[order].tolist(), position[order].tolist()):
+            _, kind, group, names, tids, starts, ends = rare[k]
+            name, ts, end = names[i], float(starts[i]), float(ends[i])
+            if kind == _GPU:   # NCCL: read once the rank and groups are known
+                self.nccl.append((name, columns.args_of(group, i), ts, end))
+                continue
+            if kind == _GPU_LABEL:
+                if not name.startswith("ProfilerStep#"):
+                    self.gpu_labels[name].append((ts, end))
+                continue
+            tid = tids[i]
+            step = _STEP.match(name)
+            if step:
+                self.steps[int(step.group(1))] = (ts, end)
+                self.step_tid = tid
+                continue
+            if name.startswith("gloo:"):
+                self.gloo_cpu.append((name[5:], ts, end, tid))
+                continue
+            if name.startswith("c10d::send") or name.startswith("c10d::recv"):
+                inputs = columns.args_of(group, i).get("Concrete Inputs") or []
+                peer = inputs[2] if len(inputs) > 2 and str(inputs[2]).lstrip("-").isdigit() else -1
+                self.c10d_p2p.append(("send" if name.startswith("c10d::send") else "recv", ts, end, int(peer)))
+                continue
+            if name == "record_param_comms":
+                args = columns.args_of(group, i)
+                if "Collective name" in args:
+                    self.comm_meta.append(dict(args, ts=ts, tid=tid))
+                continue
+            if name.startswith("nccl:"):   # c10d's range around a NCCL call: names the kernels it launched
+                self.nccl_ranges.append((ts, end, name, tid))
+            if group.code[i] == ANNOTATION and self.deferred is None:
+                self._label(name, ts, end)
+
+    def _label(self, name: str, ts: float, end: float) -> None:
+        if self.optimizer_label.match(name):
+            self.optimizer.append((ts, end))
+            return
+        found = _match(self.forward_labels, name)
+        kind = FWD
+        if found is None:
+            found, kind = _match(self.backward_labels, name), BWD
+        if found is not None:
+            groups_found = found.groupdict()
+            mb = groups_found.get("mb")
+            chunk = groups_found.get("stage") if "stage" in groups_found else groups_found.get("chunk")
+            self.cpu_labels.append((kind, ts, end, int(mb) if mb is not None else -1,
+                                    int(chunk) if chunk is not None else -1, name))
+        elif (weight := WEIGHT_LABEL.match(name)) is not None:
+            self.cpu_labels.append((WGT, ts, end, int(weight.group("mb")), int(weight.group("stage")), name))
+        elif (overlap := _OVERLAP_LABEL.match(name)) is not None:
+            self.overlapped.append((ts, end, overlap.group("actions"), name))
+        elif (p2p_label := _P2P_LABEL.match(name)) is not None:
+            self.p2p_labels.append((ts, end, 1 if p2p_label.group("dir") == "F" else -1, int(p2p_label.group("stage"))))
+        elif not _UNMAPPED_QUIET.match(name):
+            self.unmapped[f"label {_label_family(name)}"] += 1
+
+    # ---------------------------------------------------------------- the columns, once all runs are in
+
+    def launches(self) -> list[tuple[float, int]]:
+        return list(zip(_joined([r[0] for r in self._launch]).tolist(), _joined([r[1] for r in self._launch], np.int64).tolist()))
+
+    def launch_threads(self, wanted: list[int]) -> dict[int, tuple[float, Any]]:
+        """correlation -> (launch start, thread) of the CUDA calls of the `wanted` correlations (the
+        last call of a correlation wins)."""
+        correlations = _joined([r[1] for r in self._launch], np.int64)
+        keep = np.flatnonzero(np.isin(correlations, np.array(wanted, dtype=np.int64)))
+        starts = _joined([r[0] for r in self._launch])[keep].tolist()
+        threads = list(itertools.chain.from_iterable(r[2] for r in self._launch))
+        return dict(zip(correlations[keep].tolist(), zip(starts, (threads[i] for i in keep))))
+
+    def gpu_work(self) -> list[tuple[int, float, float]]:
+        return list(zip(*(_joined([r[k] for r in self._work], np.int64 if k == 0 else np.float64).tolist() for k in range(3))))
+
+    def cpu_ops(self) -> list[tuple[float, float, str, Any]]:
+        return list(zip(_joined([r[0] for r in self._cpu]).tolist(), _joined([r[1] for r in self._cpu]).tolist(),
+                        itertools.chain.from_iterable(r[2] for r in self._cpu),
+                        itertools.chain.from_iterable(r[3] for r in self._cpu)))
+
+    def threads(self, cpu_ops: list, step_tid) -> tuple[list, list]:
+        """(the ops of the thread that ran the steps, the autograd backward ops of other threads),
+        each in file order."""
+        tids = np.empty(len(cpu_ops), dtype=object)
+        tids[:] = list(itertools.chain.from_iterable(r[3] for r in self._cpu))
+        main = tids == step_tid
+        if not isinstance(main, np.ndarray) or main.shape != tids.shape:   # a tid numpy cannot compare one by one
+            main = np.fromiter((tid == step_tid for tid in tids), bool, len(tids))
+        names = list(itertools.chain.from_iterable(r[2] for r in self._cpu))
+        backward = ~main & _prefixed(names, _BACKWARD_OP, {})
+        return [cpu_ops[i] for i in np.flatnonzero(main)], [cpu_ops[i] for i in np.flatnonzero(backward)]
+
+    def annotations(self) -> set[tuple[float, str]]:
+        return set(zip(_joined([r[0] for r in self._annotations]).tolist(),
+                       itertools.chain.from_iterable(r[1] for r in self._annotations)))
+
+    def flows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Sorted fwdbwd flow starts and ends on the span columns' time axis."""
+        origin = self.origin or 0.0
+        return np.sort(_joined(self._flow_starts) - origin), np.sort(_joined(self._flow_ends) - origin)
+
+
+
+def _prefixed(names: list, prefix, known: dict) -> np.ndarray:
+    """Whether each name starts with `prefix` (a str or tuple), through `known` (name -> answer):
+    names repeat, so each is looked at once."""
+    answers = list(map(known.get, names))
+    if None in answers:
+        for name in set(names).difference(known):
+            known[name] = name.startswith(prefix)
+        answers = list(map(known.__getitem__, names))
+    return np.array(answers, dtype=bool).reshape(-1)
+
+
+def _joined(parts: list[np.ndarray], dtype=np.float64) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
