@@ -319,3 +319,29 @@ def test_a_worker_is_blamed_when_it_is_slow_in_most_steps(slow_steps, n_steps, b
                                 backward=np.array([[1.2], [0.9]]), slow_steps=np.array([[slow_steps], [0]]),
                                 n_steps=n_steps, noise_floor=1.1)
     assert comparison.blamed(CauseRules()) == ([(0, 0)] if blamed else [])
+
+
+def test_one_slow_chunk_at_the_usual_work_makes_a_stage_a_slow_machine():
+    """One DP rank, two chunks per stage: the last stage's chunks 3 and 7 are slow in forward (a GC
+    pause at every chunk forward on that rank). Chunk 7 also holds the loss head (more operations),
+    so the stage as a whole looks both heavier and slower; chunk 3 runs the usual operations at over
+    twice the pace, which only a slow machine does. An uneven split (chunk 0 with 3x the layers, 3x
+    the operations at the usual pace) stays a heavy partition. Per-chunk means as measured on a real
+    interleaved pp4 run (forward / backward ms, operations)."""
+    import numpy as np
+
+    from transforms.whatif.causes.detect import MORE_WORK, SLOWER_PACE, _usual_work_slower
+    from transforms.whatif.causes.signals import ChunkWork
+
+    chunks = np.arange(8)
+    ops = np.array([10, 8, 8, 8, 8, 8, 8, 13], dtype=float)
+    backward = np.array([8.27, 7.91, 8.10, 7.89, 7.92, 8.11, 8.08, 7.85]) * 1e-3
+    gc_paused = ChunkWork(chunks, ops, ops, np.array([4.70, 4.28, 4.35, 14.35, 4.47, 4.48, 4.31, 17.32]) * 1e-3, backward)
+    ratio, speed = gc_paused.of([3, 7])
+    assert ratio >= MORE_WORK and speed >= SLOWER_PACE   # the stage alone cannot tell
+    assert _usual_work_slower(np.array([3, 7]), gc_paused, MORE_WORK, SLOWER_PACE)
+    split_ops = ops.copy()
+    split_ops[0] = 30
+    uneven = ChunkWork(chunks, split_ops, split_ops, np.array([14.1, 4.28, 4.35, 4.4, 4.47, 4.48, 4.31, 6.9]) * 1e-3,
+                       backward * split_ops / ops)
+    assert not _usual_work_slower(np.array([0, 4]), uneven, MORE_WORK, SLOWER_PACE)

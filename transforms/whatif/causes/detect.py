@@ -223,8 +223,10 @@ def _work_or_speed(model: JobModel, result: WhatIfResult, signals: _Signals, wor
         out = [c for c in out if c.cause != "individual-worker"]
         if "stage-imbalance" not in causes:
             out.append(_Candidate("stage-imbalance", "stage", margin(ratio, more, 1.5), rules.stage_min_explained, 0.4))
-    elif speed >= slower and ratio < more:
-        # every stage that runs its usual work slowly is a slow machine (two can be)
+    elif speed >= slower and (ratio < more or _usual_work_slower(hot, work, more, slower)):
+        # every stage that runs its usual work slowly is a slow machine (two can be); with several
+        # chunks per stage, one of them doing the usual work at the slow pace is enough: a heavier
+        # partition is more work at the usual pace (the last chunk's loss head adds operations)
         workers = tuple((0, p) for p in _slow_stages(model, work, more, slower)) or tuple((0, int(p)) for p in sorted(hot_stages))
         out = [c for c in out if c.cause not in ("stage-imbalance", "individual-worker")]
         out.append(_Candidate("individual-worker", "worker-compute", margin(speed, slower, 2.0), rules.min_explained, 0.6,
@@ -232,14 +234,21 @@ def _work_or_speed(model: JobModel, result: WhatIfResult, signals: _Signals, wor
     return out
 
 
+def _usual_work_slower(chunks: np.ndarray, work: ChunkWork, more: float, slower: float) -> bool:
+    """Whether one of these chunks runs its usual amount of work (< `more` the median) at >= `slower`
+    the median pace."""
+    return any(speed >= slower and ratio < more for ratio, speed in (work.of([int(g)]) for g in chunks.tolist()))
+
+
 def _slow_stages(model: JobModel, work: ChunkWork, more: float, slower: float) -> list[int]:
     """Pipeline stages whose chunks run their usual amount of work (< `more` the median) at
-    >= `slower` the median pace: machines slower than the others (one DP rank: no peers)."""
+    >= `slower` the median pace, or one of whose chunks does: machines slower than the others
+    (one DP rank: no peers)."""
     out = []
     for p in range(model.pp_size):
         chunks = distinct(model.op_gmc[(model.op_stage == p) & np.isin(model.op_optype, (FORWARD, BACKWARD))])
         ratio, speed = work.of(chunks.tolist())
-        if speed >= slower and ratio < more:
+        if speed >= slower and (ratio < more or _usual_work_slower(chunks, work, more, slower)):
             out.append(p)
     return out
 
