@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -203,6 +205,12 @@ def gzip_traces(run_dir: str) -> list[str]:
     return new
 
 
+def _processes(args: list[str]) -> int:
+    """Processes a run needs: pp x dp of its --layout (ppPdpD-order, ppN, dpN; train.py's default: 4)."""
+    layout = args[args.index("--layout") + 1] if "--layout" in args else "pp2dp2"
+    return math.prod(int(n) for n in re.findall(r"\d+", layout))
+
+
 def run_one(run: dict, out: str, torchrun: str, timeout: float) -> tuple[bool, dict]:
     name = run["name"]
     args = run["args"] if isinstance(run["args"], list) else shlex.split(run["args"])
@@ -212,7 +220,7 @@ def run_one(run: dict, out: str, torchrun: str, timeout: float) -> tuple[bool, d
     logs = os.path.join(out, "_logs")
     os.makedirs(logs, exist_ok=True)
     log_path = os.path.join(logs, name + ".log")
-    cmd = [torchrun, "--standalone", "--nproc_per_node", "4", os.path.join(HERE, "train.py"), *args,
+    cmd = [torchrun, "--standalone", "--nproc_per_node", str(_processes(args)), os.path.join(HERE, "train.py"), *args,
            "--name", name, "--out", run_dir]
     t0 = time.time()
     with open(log_path, "w") as log:

@@ -16,7 +16,9 @@ Schedules (--schedule):
   dp           no pipeline: every rank runs the whole model over the microbatches
 
 Layouts (--layout): pp2dp2-ppmajor (mesh ("pp","dp"), rank = pp*2+dp), pp2dp2-dpmajor (mesh
-("dp","pp"), rank = dp*2+pp), pp4 (4 stages x 1 replica), dp4 (data parallel only).
+("dp","pp"), rank = dp*2+pp), pp4 (4 stages x 1 replica), dp4 (data parallel only); any other
+ppPdpD-ppmajor / ppPdpD-dpmajor / ppN / dpN too, launched with --nproc_per_node P x D (e.g.
+pp2dp4-dpmajor on 8 processes).
 Groups (--groups): mesh (init_device_mesh + get_group) or new_group (dist.new_group for every pp
 group, then every dp group, on every rank, in the same order; no mesh).
 
@@ -40,8 +42,10 @@ import contextlib
 import datetime as _dt
 import gc
 import json
+import math
 import os
 import platform
+import re
 import socket
 import sys
 import time
@@ -68,7 +72,14 @@ SCHEDULES = {
     "dualpipev": ("ScheduleDualPipeV", 2, "v"),
     "dp": ("none (data parallel only)", 1, "loop"),
 }
-LAYOUTS = ("pp2dp2-ppmajor", "pp2dp2-dpmajor", "pp4", "dp4")
+
+
+def _layout_arg(value: str) -> str:
+    try:
+        layout_sizes(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return value
 SLOW_KINDS = ("fwd", "bwd", "send", "allreduce", "gc", "data", "split")
 CAUSES = {"fwd": ["individual-worker"], "bwd": ["individual-worker"],
           "send": ["untraced-cpu", "individual-worker"], "allreduce": ["untraced-cpu", "individual-worker"],
@@ -434,15 +445,28 @@ def parse_slow(specs: list[str]) -> list[dict]:
     return out
 
 
+_LAYOUT = re.compile(r"^(?:pp(?P<pp>\d+)dp(?P<dp>\d+)-(?P<order>ppmajor|dpmajor)|pp(?P<pp_only>\d+)|dp(?P<dp_only>\d+))$")
+
+
+def layout_sizes(layout: str) -> tuple[int, int, str]:
+    """(pp_size, dp_size, order) of a layout name: ppPdpD-ppmajor / -dpmajor, ppN, dpN."""
+    m = _LAYOUT.match(layout)
+    if not m:
+        raise ValueError(f"layout {layout!r}: expected ppPdpD-ppmajor, ppPdpD-dpmajor, ppN or dpN")
+    if m["pp_only"]:
+        return int(m["pp_only"]), 1, "ppmajor"
+    if m["dp_only"]:
+        return 1, int(m["dp_only"]), "dpmajor"
+    return int(m["pp"]), int(m["dp"]), m["order"]
+
+
 def layout_coords(layout: str, rank: int) -> tuple[int, int, int, int]:
-    """(pp_size, dp_size, pp_rank, dp_rank) of a global rank."""
-    if layout == "pp2dp2-ppmajor":
-        return 2, 2, rank // 2, rank % 2
-    if layout == "pp2dp2-dpmajor":
-        return 2, 2, rank % 2, rank // 2
-    if layout == "pp4":
-        return 4, 1, rank, 0
-    return 1, 4, 0, rank
+    """(pp_size, dp_size, pp_rank, dp_rank) of a global rank: ppmajor is mesh ("pp", "dp"), rank =
+    pp_rank * dp + dp_rank; dpmajor is mesh ("dp", "pp"), rank = dp_rank * pp + pp_rank."""
+    pp, dp, order = layout_sizes(layout)
+    if order == "ppmajor":
+        return pp, dp, rank // dp, rank % dp
+    return pp, dp, rank % pp, rank // pp
 
 
 def make_groups(layout: str, groups: str, rank: int):
@@ -451,21 +475,21 @@ def make_groups(layout: str, groups: str, rank: int):
     if groups == "mesh":
         from torch.distributed.device_mesh import init_device_mesh
 
-        if layout == "pp2dp2-ppmajor":
-            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-        elif layout == "pp2dp2-dpmajor":
-            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
-        elif layout == "pp4":
-            mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
+        _, _, order = layout_sizes(layout)
+        if pp > 1 and dp > 1:
+            shape, names = ((pp, dp), ("pp", "dp")) if order == "ppmajor" else ((dp, pp), ("dp", "pp"))
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        elif dp == 1:
+            mesh = init_device_mesh("cpu", (pp,), mesh_dim_names=("pp",))
         else:
-            mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+            mesh = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
         names = mesh.mesh_dim_names
         pg = mesh.get_group("pp") if "pp" in names else None
         dg = mesh.get_group("dp") if "dp" in names else None
         return pg, dg, {"kind": "init_device_mesh", "shape": list(mesh.mesh.shape), "dim_names": list(names)}
     # new_group: every rank creates every group, pp groups first, then dp groups, same order everywhere
     by_pp, by_dp = {}, {}
-    for r in range(4):
+    for r in range(pp * dp):
         _, _, p, d = layout_coords(layout, r)
         by_dp.setdefault(p, []).append(r)  # same pp coordinate -> one dp group
         by_pp.setdefault(d, []).append(r)  # same dp coordinate -> one pp group
@@ -489,7 +513,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for the traces, PROVENANCE.json and truth.json")
     ap.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
-    ap.add_argument("--layout", choices=LAYOUTS, default=None,
+    ap.add_argument("--layout", type=_layout_arg, default=None,
                     help="default: dp4 for --schedule dp, else pp2dp2-ppmajor")
     ap.add_argument("--groups", choices=["mesh", "new_group"], default="mesh")
     ap.add_argument("--grad-sync", choices=["flat", "ddp", "async", "fsdp2", "none"], default=None,
@@ -533,16 +557,17 @@ def main() -> None:
     # ---- resolve defaults and validate
     if args.layout is None:
         args.layout = "dp4" if args.schedule == "dp" else "pp2dp2-ppmajor"
-    if (args.schedule == "dp") != (args.layout == "dp4"):
-        raise SystemExit("--schedule dp goes with --layout dp4 (and only it)")
+    pp_size, dp_size, _ = layout_sizes(args.layout)
+    if (args.schedule == "dp") != (pp_size == 1):
+        raise SystemExit("--schedule dp goes with a dpN layout (and only it)")
     if args.grad_sync is None:
-        args.grad_sync = "ddp" if args.schedule == "dp" else ("none" if args.layout == "pp4" else "flat")
-    if args.layout == "pp4" and args.grad_sync != "none":
-        raise SystemExit("--layout pp4 has no data parallelism: --grad-sync none")
-    if args.layout != "pp4" and args.grad_sync == "none":
-        raise SystemExit("--grad-sync none is only for --layout pp4")
-    if args.grad_sync == "fsdp2" and args.layout != "dp4":
-        raise SystemExit("--grad-sync fsdp2 only with --layout dp4")
+        args.grad_sync = "ddp" if args.schedule == "dp" else ("none" if dp_size == 1 else "flat")
+    if dp_size == 1 and args.grad_sync != "none":
+        raise SystemExit(f"--layout {args.layout} has no data parallelism: --grad-sync none")
+    if dp_size > 1 and args.grad_sync == "none":
+        raise SystemExit("--grad-sync none is only for a ppN layout")
+    if args.grad_sync == "fsdp2" and pp_size != 1:
+        raise SystemExit("--grad-sync fsdp2 only with a dpN layout")
     if args.grad_sync == "ddp" and args.schedule not in ("dp", "1f1b"):
         # every multi-microbatch schedule but 1F1B runs several forwards before the last backward;
         # DDP's bucket rebuild then trips "params_.size() == rebuilt_param_indices_.size() INTERNAL
@@ -564,12 +589,12 @@ def main() -> None:
             slowdowns.append({"kind": "fwd", "rank": args.slow_rank, "amount": None,
                               "legacy_sleep_ms": args.slow_sleep_ms})
     args.uneven = any(s["kind"] == "split" for s in slowdowns)
-    if args.uneven and args.layout == "dp4":
+    if args.uneven and pp_size == 1:
         raise SystemExit("split:uneven needs a pipeline layout")
     for s in slowdowns:
         if s["kind"] == "data" and not args.data_in_step:
             raise SystemExit("--slow data:... needs --data-in-step 1")
-        if s["kind"] == "send" and args.layout == "dp4":
+        if s["kind"] == "send" and pp_size == 1:
             raise SystemExit("--slow send:... needs a pipeline layout")
         if s["kind"] == "allreduce" and args.grad_sync in ("none", "fsdp2"):
             raise SystemExit(f"--slow allreduce:... not supported with --grad-sync {args.grad_sync}")
@@ -586,7 +611,7 @@ def main() -> None:
         prefault_heap(args.prefault_mb)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    assert world == 4, "this script expects --nproc_per_node 4"
+    assert world == math.prod(layout_sizes(args.layout)[:2]), f"--layout {args.layout} needs --nproc_per_node pp x dp"
 
     # ---- this rank's injections
     gc_thousands = 0
