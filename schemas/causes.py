@@ -52,6 +52,7 @@ EVIDENCE_LABELS: dict[str, tuple[str, str]] = {
     "peer_noise_floor": ("noise floor of the peer ratio", "the ratio this job's own noise reaches: 3 standard errors of a worker's median ratio, from the spread of per-microbatch ratios to its peers; a worker is blamed only above it"),
     "untraced_workers": ("workers with untraced CPU time", "dp rank, stage, the no-delay replay's slowdown with only their launch delays given back, and, for a worker a slower one hides, 1 + its untraced time's share of the step (hidden_slowdown)"),
     "localised": ("straggling stands out", "the hottest DP rank, stage or step holds at least twice the slowdown of the next (else: the job's own variation)"),
+    "transient": ("one step's", "what the best single fix removes sits in one step (a held-up transfer, a preempted rank): the job's own variation"),
     "comm_localised": ("slow transfers gather", "transfers beyond their own typical time gather on one DP rank, stage or step (else: spread, the machine's noise)"),
     "chunk_work_ratio": ("work of the hot stage", "operations autograd recorded per microbatch in the hot stage's chunks over the median chunk's (more layers: > 1)"),
     "chunk_speed_ratio": ("pace of the hot stage", "seconds per recorded operation of the hot stage's chunks over the median chunk's, forward or backward (a slower machine: > 1)"),

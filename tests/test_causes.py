@@ -31,6 +31,8 @@ CASES = {
     "sequence-unrecorded": ((Cause("seq_len_imbalance", {}),), 32768, False),
     "gc": ((GC,), 4096, False),
     "flapping-link": ((Cause("comm_flapping", {"dp_rank": 2, "stage": 1, "factor": 12, "steps_fraction": 0.4}),), 4096, False),
+    # one step of 16 with the link 200x slow: the job straggles by S, all of it in that one step
+    "one-held-step": ((Cause("comm_flapping", {"dp_rank": 2, "stage": 1, "factor": 200, "steps_fraction": 0.0625}),), 4096, False),
     "stage-and-gc": ((STAGE, GC), 4096, False),
     # the issue's hard case: a 1.6x slower worker on stage 1 hides the heavy last stage from M_W and M_S
     "worker-and-stage": ((Cause("slow_worker", {"dp_rank": 1, "stage": 1, "factor": 1.6}), STAGE), 4096, False),
@@ -345,3 +347,14 @@ def test_one_slow_chunk_at_the_usual_work_makes_a_stage_a_slow_machine():
     uneven = ChunkWork(chunks, split_ops, split_ops, np.array([14.1, 4.28, 4.35, 4.4, 4.47, 4.48, 4.31, 6.9]) * 1e-3,
                        backward * split_ops / ops)
     assert not _usual_work_slower(np.array([0, 4]), uneven, MORE_WORK, SLOWER_PACE)
+
+
+def test_straggling_held_in_one_step_is_the_jobs_own_variation(analysed):
+    """S >= 1.1, yet what the best fix (transfers at their typical time) removes sits in one step of
+    16: a transfer held up once is no straggler to fix ("none", evidence `transient`); the same link
+    slow in 40% of the steps is a flapping link ("communication", test above)."""
+    job, _, result, verdict, _ = analysed("one-held-step")
+    per_step = result.step_t_nodelay / result.step_t_noblk
+    assert result.slowdown >= 1.1 and (per_step > 1.5).sum() == 1, per_step   # one step holds it
+    assert verdict.cause == "none" and verdict.causes == [] and verdict.evidence.get("transient") is True
+    assert "transient" in verdict.explanation and "one step" in verdict.explanation

@@ -529,6 +529,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="training steps (default wait+warmup+active)")
     ap.add_argument("--record-shapes", type=int, choices=[0, 1], default=1)
     ap.add_argument("--with-stack", type=int, choices=[0, 1], default=0)
+    ap.add_argument("--profile-memory", type=int, choices=[0, 1], default=0,
+                    help="torch.profiler profile_memory: [memory] instant events on every allocation")
+    ap.add_argument("--with-modules", type=int, choices=[0, 1], default=0,
+                    help="torch.profiler with_modules: nn.Module hierarchy events")
+    ap.add_argument("--with-flops", type=int, choices=[0, 1], default=0)
     ap.add_argument("--prof-wait", type=int, default=PROF_WAIT)
     ap.add_argument("--prof-warmup", type=int, default=PROF_WARMUP)
     ap.add_argument("--prof-active", type=int, default=PROF_ACTIVE)
@@ -822,7 +827,8 @@ def main() -> None:
                  schedule=prof_schedule(wait=args.prof_wait, warmup=args.prof_warmup, active=args.prof_active,
                                         repeat=1),
                  record_shapes=bool(args.record_shapes), with_stack=bool(args.with_stack),
-                 on_trace_ready=on_ready) as prof:
+                 profile_memory=bool(args.profile_memory), with_modules=bool(args.with_modules),
+                 with_flops=bool(args.with_flops), on_trace_ready=on_ready) as prof:
         for i in range(args.steps):
             t0 = time.perf_counter()
             loss = train_step(i)
@@ -870,6 +876,8 @@ def main() -> None:
             "model": args.model + ("-moe" if args.moe else ""),
             "microbatches": M, "noise": args.noise, "seed": args.seed, "data_in_step": bool(args.data_in_step),
             "profiler": {"record_shapes": bool(args.record_shapes), "with_stack": bool(args.with_stack),
+                         "profile_memory": bool(args.profile_memory), "with_modules": bool(args.with_modules),
+                         "with_flops": bool(args.with_flops),
                          "wait": args.prof_wait, "warmup": args.prof_warmup, "active": args.prof_active,
                          "export": args.export},
             "rank_coords": {str(r): c for r, c in enumerate(all_coords)},

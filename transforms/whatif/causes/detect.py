@@ -254,11 +254,14 @@ def _slow_stages(model: JobModel, work: ChunkWork, more: float, slower: float) -
 
 
 def _candidates(model: JobModel, result: WhatIfResult, signals: _Signals, share, rules: CauseRules,
-                evidence: dict, work: ChunkWork | None = None) -> list[_Candidate]:
-    """Every cause whose signature holds (package docstring), with the replay that measures it."""
+                evidence: dict, work: ChunkWork | None = None, persists=lambda scenario: True) -> list[_Candidate]:
+    """Every cause whose signature holds (package docstring), with the replay that measures it.
+    persists(scenario): whether its fix saves time in more than one step (a slow or flapping link
+    recurs; one transfer held up once, a preempted rank, is the job's own variation)."""
     out: list[_Candidate] = []
     blamed = signals.peers.blamed(rules) if signals.peers is not None else []
-    located_comm = signals.mw > rules.worker_mw and share("worker-comm") > share("worker-compute")
+    located_comm = signals.mw > rules.worker_mw and share("worker-comm") > share("worker-compute") \
+        and persists("worker-comm")
     if blamed:
         ratio = float(signals.peers.ratio[blamed[0]])
         out.append(_Candidate("individual-worker", "worker-peer", margin(ratio, rules.peer_ratio, 1.5), rules.min_explained, 0.5,
@@ -269,7 +272,8 @@ def _candidates(model: JobModel, result: WhatIfResult, signals: _Signals, share,
     if located_comm:
         out.append(_Candidate("communication", "worker-comm", margin(signals.mw, rules.worker_mw, 0.9), rules.min_explained, 0.6,
                               _hot_half(result)))
-    elif (signals.comm_share >= rules.comm_share or signals.comm_excess >= rules.comm_excess) and _comm_localised(model, evidence):
+    elif (signals.comm_share >= rules.comm_share or signals.comm_excess >= rules.comm_excess) and _comm_localised(model, evidence) \
+            and persists("communication"):
         signature = max(margin(signals.comm_share, rules.comm_share, 0.9), margin(signals.comm_excess, rules.comm_excess, 4 * rules.comm_excess))
         out.append(_Candidate("communication", "communication", signature, rules.min_explained, 0.6))
     if model.pp_size > 1:
@@ -327,6 +331,11 @@ def _combined_times(model: JobModel, costs: dict, sets: list[tuple[str, ...]], p
     return times
 
 
+def _fix_scenario(fix: Fix, reported: dict[str, str], costs: dict) -> str:
+    """The replayed scenario behind a cause's fix."""
+    return reported.get(fix.cause) or _default_scenario(fix.cause, costs)
+
+
 def _default_scenario(cause: str, costs: dict) -> str | None:
     """The fix replayed for a cause that no signature proposed (shown for comparison)."""
     return {"individual-worker": "worker-peer" if "worker-peer" in costs else "worker-compute",
@@ -376,7 +385,16 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         return Fix(cause, t, slowdown * t / tori, (tori - t) / gap, 1.0 - t / tori, FIX_NAMES[scenario], given)
 
     _record_shares(evidence, share)
-    candidates = _candidates(model, result, signals, share, rules, evidence, work)
+
+    def persists(scenario: str) -> bool:
+        """Whether its fix saves at least half its largest per-step saving in two steps or more (a
+        flapping link recurs; one transfer held up once does not), or in the only one. A fix that
+        saves nothing in any step shows no transient: True (the other rules judge it)."""
+        saving = np.asarray(result.step_t_nodelay, dtype=np.float64) - fixed.span(scenario)
+        top = float(saving.max())
+        return top <= 0 or int((saving >= 0.5 * top).sum()) >= min(2, len(saving))
+
+    candidates = _candidates(model, result, signals, share, rules, evidence, work, persists)
     reported = {c.cause: _reported_fix(c, costs) for c in candidates}
     worth = (1.0 + 0.5 * (rules.straggling - 1.0)) * tideal        # a remaining S of 1.05 by default
     given, joint = _given_others(model, costs, reported, planned_gc, step_time, tideal, worth)
@@ -420,6 +438,11 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         # ops of one type that differ by design), not a straggler anyone could fix
         evidence["localised"] = False
         primary, confidence = "none", 1.0
+    elif fixes and not persists(_fix_scenario(max(fixes.values(), key=lambda f: f.explained), reported, costs)):
+        # straggling by S, yet what its best fix removes sits in one step: one transfer held up once,
+        # a rank preempted for a moment; the job's own variation, not a straggler to fix
+        evidence["transient"] = True
+        primary, confidence = "none", 1.0
     else:
         primary = "unexplained"
         confidence = float(np.clip(1.0 - max((f.explained for f in fixes.values()), default=0.0), 0.0, 1.0))
@@ -446,7 +469,8 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     if primary in ("none", "unexplained"):
         best = max(fixes.values(), key=lambda f: f.explained, default=None)
         explanations[primary] = explain.verdict_sentence(primary, slowdown, rules.straggling, best,
-                                                         spread=evidence.get("localised") is False)
+                                                         spread=evidence.get("localised") is False,
+                                                         transient=bool(evidence.get("transient")))
     return Verdict(model.job_id, slowdown, primary, ranked, float(confidence),
                    {c: float(listed[c]) for c in ranked}, evidence, implicated, fixes, explanations, joint_fix,
                    timings)

@@ -135,8 +135,13 @@ def cause_sentence(cause: str, evidence: dict, fix: Fix, implicated, pp_size: in
     return text[0].upper() + text[1:]
 
 
-def verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix | None, spread: bool = False) -> str:
+def verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix | None, spread: bool = False,
+                     transient: bool = False) -> str:
     """The sentence of a verdict without a listed cause: "none" or "unexplained"."""
+    if verdict == "none" and transient:
+        return (f"S = {slowdown:.3f}, but transient: what the best single fix ({best.description}) removes sits in one "
+                "step, not in the others; one held-up transfer or a rank preempted for a moment "
+                "is the job's own variation, not a straggler to fix.")
     if verdict == "none" and spread:
         return (f"S = {slowdown:.3f}, but spread: no DP rank, stage or step holds twice the slowdown of the next, "
                 "or most of it is transfer time varying over every rank and step, and no cause's signature holds; "
