@@ -553,3 +553,25 @@ def test_grads_synced_over_a_data_and_context_group_are_the_dp_collectives(tmp_p
     renamed = convert_kineto(paths, job.spec.job_id, DATE, {"clock": "trust"})
     assert renamed.trace.equals(plain.trace)
     assert (renamed.manifest["dp_size"], renamed.manifest["tp_size"]) == (2, 2)
+
+
+def test_an_unlabelled_forward_ends_where_its_thread_waits_on_a_send():
+    """Schedule1F1B without `PP:` labels: a forward is the run of top-level ops between p2p calls.
+    When the schedule then waits on the previous send (its gloo span ends when that wait returns:
+    the neighbour was late) and does some bookkeeping before the next send, the forward ends with
+    its last compute op, not after the wait: the wait is the neighbour's lateness, not this rank's
+    compute."""
+    from transforms.ingest.kineto.compute import _unlabeled_compute
+    from transforms.ingest.kineto.spans import BWD, FWD
+
+    ops = [(0.5, 30.0, "gloo:send", 1),          # the previous microbatch's send, waited on until 30
+           (1.0, 5.0, "SleepFn", 1), (6.0, 10.0, "SleepFn", 1),   # this microbatch's forward
+           (30.5, 31.0, "aten::detach", 1),      # after the wait: the next send's bookkeeping
+           (31.0, 40.0, "gloo:send", 1),
+           (41.0, 60.0, "autograd::engine::evaluate_function: AddmmBackward0", 1)]
+    spans = _unlabeled_compute(ops, [(0.0, 100.0)], [], forward=True)
+    assert [(kind, start, end) for kind, start, end, *_ in spans] == [(FWD, 1.0, 10.0), (BWD, 41.0, 60.0)]
+    # without the wait (the send's span ends after the bookkeeping) the bookkeeping is the forward's
+    ops[0] = (0.5, 35.0, "gloo:send", 1)
+    spans = _unlabeled_compute(ops, [(0.0, 100.0)], [], forward=True)
+    assert [(kind, start, end) for kind, start, end, *_ in spans] == [(FWD, 1.0, 31.0), (BWD, 41.0, 60.0)]

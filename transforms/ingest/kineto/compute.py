@@ -28,7 +28,7 @@ def _unlabeled_compute(ops: list, steps: list[tuple[float, float]], optimizer: l
     Schedule1F1B, plain DDP), from the main thread's top-level ops in each step: a run of
     `autograd::engine::evaluate_function:` ops is one microbatch's backward, a run of other ops
     between p2p calls is a forward when a backward run follows it in the step (trailing grad-sync
-    copies are not); runs shorter than a tenth of the step's median backward run are bookkeeping
+    copies are not), and a run ends where the thread waited on a p2p op (a gloo span ended); runs shorter than a tenth of the step's median backward run are bookkeeping
     between p2p calls, not compute, and of more forward runs than backward ones the longest are the
     forwards. With `autograd` (sorted starts of the forward ops autograd recorded for a backward:
     the trace's `fwdbwd` flows), a forward run is the span of its top-level ops that hold such an
@@ -37,6 +37,10 @@ def _unlabeled_compute(ops: list, steps: list[tuple[float, float]], optimizer: l
     Returns label tuples (kind, start, end, mb=-1, chunk=-1, name)."""
     ops = sorted(ops, key=lambda op: (op[0], -op[1]))
     flows = autograd if autograd is not None and len(autograd) else None
+    # where the thread waited on a p2p op: gloo's send / recv spans end when the schedule's wait on
+    # them returns; a run does not go on over such a wait (the compute before it is done, what
+    # follows is the next action's bookkeeping)
+    waits = np.sort(np.array([end for _, end, name, _ in ops if name.startswith(("gloo:send", "gloo:recv"))], dtype=np.float64))
     out = []
     for step_start, step_end in steps:
         runs: list[list] = []            # [kind, start, end]
@@ -65,7 +69,8 @@ def _unlabeled_compute(ops: list, steps: list[tuple[float, float]], optimizer: l
             kind = BWD if name.startswith(_BACKWARD_OP) else FWD
             recorded = flows is None or kind == BWD or \
                 np.searchsorted(flows, start, side="left") < np.searchsorted(flows, end, side="right")
-            if current is not None and current[0] == kind:
+            if current is not None and current[0] == kind and \
+                    np.searchsorted(waits, current[2], side="right") == np.searchsorted(waits, start, side="right"):
                 current[2] = max(current[2], end)
             else:
                 current = [kind, start, end, np.inf, -np.inf]
