@@ -55,7 +55,10 @@ and a sentence (explain.py). With two or more, `joint_fix` replays all fixes tog
 (fixes.compose). A fix must also save `min_savings` (3%) of the step alone, unless it matters once
 the other causes are fixed or it is a measured slow worker. "unexplained": straggling, nothing
 listed; "none": S below 1.1, or straggling no DP rank, stage or step holds twice the next's share
-of (or mostly transfer-time variation over every rank and step): the job's own variation.
+of (or mostly transfer-time variation over every rank and step), or that the best fix removes in
+one step only (`transient`: a transfer held up once): the job's own variation. Communication is a
+candidate only when its fix saves at least half its largest per-step saving in two steps or more
+(a flapping link recurs).
 
 Discarded windows (replay off by more than 5% either way) get measurements only: a worker >=
 `worker_alarm_ratio` its peers, a chunk >= `stage_alarm_ratio` the median chunk's compute (with
