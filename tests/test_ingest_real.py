@@ -358,7 +358,9 @@ def test_analyze_words_for_runs_that_do_not_straggle_or_beat_the_ideal(capsys):
     assert analyze_cli.run([str(DATA / "pp2dp2-1f1b-slow")]) == 0
     slow = capsys.readouterr().out
     assert "GPU" not in slow and "of the CPU rank-hours" in slow
-    assert "forward 4.1x slower and backward 1.4x faster than the other DP ranks" in slow and "0.7x slower" not in slow
+    # a faster direction is said as faster, not as "0.7x slower" (the factors are measured: forward ~4x)
+    assert re.search(r"forward [4-5]\.\dx slower and backward 1\.\dx faster than the other DP ranks", slow)
+    assert "0.7x slower" not in slow
     # the slow worker's M_W share is above 100% and the last stage's below 0 (the shares themselves
     # are the engine's, checked against the reference elsewhere): said as "all (N%)" / "none (-N%)"
     assert re.search(r"removes all \(1\d\d%\) of the straggling time", slow)
