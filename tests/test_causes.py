@@ -358,3 +358,29 @@ def test_straggling_held_in_one_step_is_the_jobs_own_variation(analysed):
     assert result.slowdown >= 1.1 and (per_step > 1.5).sum() == 1, per_step   # one step holds it
     assert verdict.cause == "none" and verdict.causes == [] and verdict.evidence.get("transient") is True
     assert "transient" in verdict.explanation and "one step" in verdict.explanation
+
+
+def test_untraced_time_must_stand_out_of_the_job_not_only_of_its_dp_peers(monkeypatch):
+    """A worker is named for untraced CPU work when its time between ops is twice its DP peers' and
+    twice the job's other workers' in most steps. Per-step untraced ms as measured on two real runs
+    (2 x 2, CPU ranks): a clean CPU-bound run, where worker (1, 0) has 6-60 ms against its peer's
+    3-4 ms but the pipeline's other stage has 10-34 ms (the job's noise: nobody named), and a run
+    with rank 0 paused before every send (270 ms against 5-26 ms: named)."""
+    import types
+
+    import numpy as np
+
+    from transforms.whatif.causes import detect
+
+    def names(per_step_ms):
+        model = types.SimpleNamespace(dp_size=2, pp_size=2, meta=types.SimpleNamespace(host_compute=True))
+        result = types.SimpleNamespace(launch_by_dp_rank={0: 1.007, 1: 1.047}, launch_by_stage={0: 1.035, 1: 1.016},
+                                       launch_slowdown=1.0508, step_t_nodelay=np.array([0.47, 0.47, 0.47]))
+        monkeypatch.setattr(detect, "_p2p_partner", lambda model: None)
+        monkeypatch.setattr(detect, "_untraced_time", lambda model, d, p, partner=None: np.array(per_step_ms[(d, p)]) / 1e3)
+        return [w for w, *_ in detect._untraced_workers(model, result)]
+
+    clean = {(0, 0): [3.9, 3.4, 4.4], (0, 1): [25.1, 10.4, 17.9], (1, 0): [14.1, 5.7, 60.1], (1, 1): [34.4, 21.3, 12.2]}
+    assert names(clean) == []
+    paused = {(0, 0): [269.2, 270.6, 290.8], (0, 1): [16.1, 16.0, 15.3], (1, 0): [5.6, 14.3, 16.2], (1, 1): [19.0, 26.4, 16.0]}
+    assert names(paused) == [(0, 0)]

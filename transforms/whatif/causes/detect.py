@@ -576,7 +576,8 @@ def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5,
     excess)] (largest first) or []. A measurement and a replay must agree:
     - measured (`_untraced_time`): the worker's untraced time per step is at least `factor` times
       its DP peers' median in most steps, and in its median step (persistent, not one preempted
-      step; not cleared by one noisy step of a peer). Without
+      step; not cleared by one noisy step of a peer), and as much beyond the job's other workers'
+      (a few ms that stand out only against peers with even fewer are the job's noise). Without
       DP peers, against the other stages, and only the one far ahead of the rest (`factor` times
       the next): a stage waiting on a paused neighbour shows untraced time too;
     - replayed: the no-delay replay with only its delays given back is min(launch S of its DP rank,
@@ -609,7 +610,9 @@ def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5,
 
     if model.dp_size > 1:
         peer_set = {w: [(d, w[1]) for d in range(model.dp_size) if d != w[0]] for w in workers}
-        named = [w for w in workers if persistent(w, peer_set[w])]
+        # beyond its DP peers, and beyond the job's own untraced time: a worker whose few ms between
+        # ops stand out only against peers with even fewer is the job's noise, not a paused worker
+        named = [w for w in workers if persistent(w, peer_set[w]) and persistent(w, [o for o in workers if o != w])]
     else:
         ranked = sorted(workers, key=lambda w: (-float(np.median(per_step[w])), w))
         top = ranked[0]
