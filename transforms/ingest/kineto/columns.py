@@ -23,7 +23,7 @@ from typing import Annotated, Any, Union
 import msgspec
 import numpy as np
 
-__all__ = ["EventColumns", "Group", "columns_of", "general_columns", "CATEGORIES"]
+__all__ = ["EventColumns", "Group", "ArgsKeys", "columns_of", "general_columns", "CATEGORIES"]
 
 _NAN = float("nan")
 _UNSET = msgspec.UNSET
@@ -45,10 +45,10 @@ class _LaunchArgs(msgspec.Struct, frozen=True, gc=False):
     correlation: _Correlation = _NO_CORRELATION
 
 
-class FastArgs(msgspec.Struct, frozen=True, gc=False):
-    """The args keys the converter reads (those of the reader's `EventArgs`), correlation typed."""
+class ArgsKeys(msgspec.Struct, frozen=True, gc=False):
+    """The `args` keys the converter reads besides `correlation` (UNSET: absent), shared by the
+    tagged structs' `FastArgs` and the reader's general `EventArgs`, which differ in correlation."""
 
-    correlation: _Correlation = _NO_CORRELATION
     collective: Any = msgspec.field(default=_UNSET, name="Collective name")
     group: Any = msgspec.field(default=_UNSET, name="Process Group Name")
     dst: Any = msgspec.field(default=_UNSET, name="Dst Rank")
@@ -58,9 +58,8 @@ class FastArgs(msgspec.Struct, frozen=True, gc=False):
     group_desc: Any = msgspec.field(default=_UNSET, name="Process Group Description")
     group_ranks: Any = msgspec.field(default=_UNSET, name="Process Group Ranks")
 
-    def as_dict(self) -> dict[str, Any]:
-        """The keys the file had, as they were spelled (as `EventArgs.as_dict`)."""
-        out = {} if self.correlation == _NO_CORRELATION else {"correlation": self.correlation}
+    def _keyed(self, out: dict[str, Any]) -> dict[str, Any]:
+        """`out` with the keys the file had, as they were spelled."""
         for key, value in (("Collective name", self.collective), ("Process Group Name", self.group),
                            ("Dst Rank", self.dst), ("Src Rank", self.src), ("Concrete Inputs", self.inputs),
                            ("Seq", self.seq), ("Process Group Description", self.group_desc),
@@ -68,6 +67,16 @@ class FastArgs(msgspec.Struct, frozen=True, gc=False):
             if value is not _UNSET:
                 out[key] = value
         return out
+
+
+class FastArgs(ArgsKeys, frozen=True, gc=False):
+    """The args keys the converter reads, correlation typed (an int64; the sentinel: absent)."""
+
+    correlation: _Correlation = _NO_CORRELATION
+
+    def as_dict(self) -> dict[str, Any]:
+        """The keys the file had, as they were spelled (as `EventArgs.as_dict`)."""
+        return self._keyed({} if self.correlation == _NO_CORRELATION else {"correlation": self.correlation})
 
 
 _NO_ARGS = FastArgs()

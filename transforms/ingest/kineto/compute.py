@@ -1,6 +1,7 @@
 """Per-microbatch compute spans of one rank: schedule labels (their GPU span where present) or, without labels, runs of the main thread's top-level ops."""
 from __future__ import annotations
 
+import bisect
 import collections
 import re
 from collections.abc import Mapping
@@ -40,7 +41,7 @@ def _unlabeled_compute(ops: list, steps: list[tuple[float, float]], optimizer: l
     # where the thread waited on a p2p op: gloo's send / recv spans end when the schedule's wait on
     # them returns; a run does not go on over such a wait (the compute before it is done, what
     # follows is the next action's bookkeeping)
-    waits = np.sort(np.array([end for _, end, name, _ in ops if name.startswith(("gloo:send", "gloo:recv"))], dtype=np.float64))
+    waits = sorted(end for _, end, name, _ in ops if name.startswith(("gloo:send", "gloo:recv")))
     out = []
     for step_start, step_end in steps:
         runs: list[list] = []            # [kind, start, end]
@@ -70,7 +71,7 @@ def _unlabeled_compute(ops: list, steps: list[tuple[float, float]], optimizer: l
             recorded = flows is None or kind == BWD or \
                 np.searchsorted(flows, start, side="left") < np.searchsorted(flows, end, side="right")
             if current is not None and current[0] == kind and \
-                    np.searchsorted(waits, current[2], side="right") == np.searchsorted(waits, start, side="right"):
+                    (not waits or bisect.bisect_right(waits, current[2]) == bisect.bisect_right(waits, start)):
                 current[2] = max(current[2], end)
             else:
                 current = [kind, start, end, np.inf, -np.inf]

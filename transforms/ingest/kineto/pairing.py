@@ -295,8 +295,8 @@ def _recv_waits_after_compute(rows: Mapping[int, dict[str, np.ndarray]], host_th
         ends = np.sort(r["end"][compute])
         before = np.searchsorted(ends, r["end"][recv], side="right") - 1
         last = np.where(before >= 0, ends[np.maximum(before, 0)], -np.inf)
-        sends = np.sort(r["start"][np.isin(r["optype"], send_codes)])
-        if host_thread and len(sends):
+        sends = np.sort(r["start"][np.isin(r["optype"], send_codes)]) if host_thread else r["start"][:0]
+        if len(sends):
             issued = np.searchsorted(sends, r["end"][recv], side="left") - 1
             last = np.maximum(last, np.where(issued >= 0, sends[np.maximum(issued, 0)], -np.inf))
         moved = last > r["start"][recv]

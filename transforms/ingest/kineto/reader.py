@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from transforms.ingest.kineto.columns import EventColumns, columns_of, general_columns
+from transforms.ingest.kineto.columns import ArgsKeys, EventColumns, columns_of, general_columns
 
 try:   # ISA-L's inflate: the same stream at about 3x zlib's speed
     from isal import isal_zlib as _inflate
@@ -52,7 +52,6 @@ _INFLATE_INPUT = 1 << 16       # gzip fed per call: the rest of the input is nev
                                # whole file, copied at each call, halved the speed), and the output stays in cache
 _INFLATE_BYTES = 4 << 20       # at most gunzipped per call (64 KB of Kineto JSON inflate to about 1.5 MB)
 _WHITESPACE = b" \t\r\n"
-_UNSET = msgspec.UNSET
 
 
 class TraceUnreadable(ValueError):
@@ -63,29 +62,14 @@ class NotStreamable(ValueError):
     """A document the streaming reader does not take: decode it whole (same results, more memory)."""
 
 
-class EventArgs(msgspec.Struct, frozen=True, gc=False):
-    """The `args` of an event, only the keys the converter reads (UNSET: absent)."""
+class EventArgs(ArgsKeys, frozen=True, gc=False):
+    """The `args` of an event, only the keys the converter reads (UNSET: absent; correlation None)."""
 
     correlation: Any = None
-    collective: Any = msgspec.field(default=_UNSET, name="Collective name")
-    group: Any = msgspec.field(default=_UNSET, name="Process Group Name")
-    dst: Any = msgspec.field(default=_UNSET, name="Dst Rank")
-    src: Any = msgspec.field(default=_UNSET, name="Src Rank")
-    inputs: Any = msgspec.field(default=_UNSET, name="Concrete Inputs")
-    seq: Any = msgspec.field(default=_UNSET, name="Seq")
-    group_desc: Any = msgspec.field(default=_UNSET, name="Process Group Description")
-    group_ranks: Any = msgspec.field(default=_UNSET, name="Process Group Ranks")
 
     def as_dict(self) -> dict[str, Any]:
         """The keys the file had, as they were spelled."""
-        out = {} if self.correlation is None else {"correlation": self.correlation}
-        for key, value in (("Collective name", self.collective), ("Process Group Name", self.group),
-                           ("Dst Rank", self.dst), ("Src Rank", self.src), ("Concrete Inputs", self.inputs),
-                           ("Seq", self.seq), ("Process Group Description", self.group_desc),
-                           ("Process Group Ranks", self.group_ranks)):
-            if value is not _UNSET:
-                out[key] = value
-        return out
+        return self._keyed({} if self.correlation is None else {"correlation": self.correlation})
 
 
 _NO_ARGS = EventArgs()   # shared by the events without args: every struct's args has the attributes
