@@ -236,24 +236,32 @@ def summary(result, n_ops: int, seconds: float, top: int = 3, device: str | None
     from transforms.whatif.result import ATTRIBUTION_THRESHOLD, DISCREPANCY_LIMIT
 
     meta = result.meta
-    waste = (f"waste {100 * result.waste:.1f}% of {_unit(device)} time" if result.slowdown >= 1.0 else
+    slowdown = result.model_slowdown
+    waste = (f"waste {100 * result.waste:.1f}% of {_unit(device)} time" if slowdown >= 1.0 else
              f"no {_unit(device)} time lost (S < 1: the ideal replay is slower than the replay, within its noise)")
+    untraced = result.untraced
+    named = "" if untraced is None else ", ".join(f"dp {d} / stage {p}" for d, p in untraced.workers)
     lines = [
         f"job {result.job_id}: {len(result.steps)} step{'s' if len(result.steps) != 1 else ''}, dp {meta.dp_size} x pp {meta.pp_size} workers "
         f"(tp {meta.tp_size}, cp {meta.dsp_size}, vpp {meta.vpp_size}; {meta.world_size} {_unit(device)}s), {n_ops:,} ops, "
         f"analysed in {seconds:.2f} s",
-        f"S = {result.slowdown:.4f}: {waste}; "
-        + ("straggling (S >= 1.1)" if result.straggling else "not straggling (S < 1.1)"),
-        f"step time {result.step_t_nodelay.mean():.3f} s replayed, {result.step_t_noblk.mean():.3f} s ideal; "
-        f"per-step S {result.step_slowdown.min():.3f} .. {result.step_slowdown.max():.3f}",
-        f"replay discrepancy {result.launch_slowdown:.4f}: "
+        f"S = {slowdown:.4f}: {waste}; "
+        + ("straggling (S >= 1.1)" if result.straggling else "not straggling (S < 1.1)")
+        + ("" if untraced is None else f" (with the untraced CPU time of {named}; over the traced ops alone S = "
+                                       f"{result.slowdown:.4f})"),
+        f"step time {result.model_step_t.mean():.3f} s replayed, {result.step_t_noblk.mean():.3f} s ideal; "
+        f"per-step S {result.model_step_slowdown.min():.3f} .. {result.model_step_slowdown.max():.3f}",
+        f"replay discrepancy {result.replay_discrepancy:.4f}: "
         + (f"DISCARDED from fleet statistics (outside 1/{DISCREPANCY_LIMIT} .. {DISCREPANCY_LIMIT}): the replay does not "
            "match the trace, so S, the attribution and the what-if savings below are not trustworthy; what the trace "
            "measured (per-worker compute against DP peers) still holds" if result.discarded
-           else f"ok (within 1/{DISCREPANCY_LIMIT} .. {DISCREPANCY_LIMIT})"),
+           else f"ok (within 1/{DISCREPANCY_LIMIT} .. {DISCREPANCY_LIMIT})")
+        + ("" if untraced is None else f"; the replay gives back the untraced CPU time of {named}, which the "
+                                       f"no-delay replay of METHOD.md leaves out (its discrepancy: {result.launch_slowdown:.4f})"),
     ]
     if result.by_stage is None:
-        lines.append(f"no attribution: S < {ATTRIBUTION_THRESHOLD}")
+        lines.append(f"no attribution: S < {ATTRIBUTION_THRESHOLD}" if untraced is None else
+                     f"no attribution of the traced ops: their S < {ATTRIBUTION_THRESHOLD}")
     else:
         def ranking(values: dict, label) -> str:
             best = sorted(values.items(), key=lambda item: -item[1])[:top]

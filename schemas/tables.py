@@ -99,14 +99,21 @@ JOB_SUMMARY_SCHEMA = _schema(
         pa.field("n_steps", pa.int32(), nullable=False),           # sampled steps analysed
         pa.field("n_ops", pa.int64(), nullable=False),             # op records analysed
         pa.field("step_time_observed", pa.float64(), nullable=False),  # mean step_t_base, s
-        pa.field("step_time", pa.float64(), nullable=False),       # T: mean no-delay replay, s
+        # T: mean no-delay replay, s; with the untraced CPU time of untraced_workers given back when
+        # the root-cause analysis named them (transforms/whatif/result.py UntracedWork)
+        pa.field("step_time", pa.float64(), nullable=False),
         pa.field("step_time_ideal", pa.float64(), nullable=False),  # T_ideal: mean ideal replay, s
         pa.field("slowdown", pa.float64(), nullable=False),        # S = T / T_ideal
         pa.field("waste", pa.float64(), nullable=False),           # 1 - 1/S, fraction of GPU time
         pa.field("gpu_hours", pa.float64(), nullable=False),       # gpus x (end_time - start_time), h
         pa.field("wasted_gpu_hours", pa.float64(), nullable=False),  # gpu_hours x waste
-        pa.field("launch_slowdown", pa.float64(), nullable=False),  # replay discrepancy mean(base)/mean(nodelay)
-        pa.field("discarded", pa.bool_(), nullable=False),         # replay off by > 5% either way: not in fleet statistics
+        pa.field("launch_slowdown", pa.float64(), nullable=False),  # METHOD's replay discrepancy mean(base)/mean(nodelay)
+        # mean(base) / T: launch_slowdown, or against the replay with untraced_workers' untraced time;
+        # null in files written before the column existed
+        pa.field("replay_discrepancy", pa.float64(), nullable=True),
+        pa.field("untraced_workers", pa.list_(pa.struct([pa.field("dp_rank", pa.int32()), pa.field("stage", pa.int32())])),
+                 nullable=True),                                   # whose untraced CPU time T includes; null: none
+        pa.field("discarded", pa.bool_(), nullable=False),         # replay_discrepancy off by > 5% either way: not in fleet statistics
         pa.field("discard_reason", pa.string(), nullable=True),    # human reason when discarded
         pa.field("straggling", pa.bool_(), nullable=False),        # S >= 1.1
         pa.field("attributed", pa.bool_(), nullable=False),        # S >= 1.03: attribution tables have rows
@@ -134,7 +141,7 @@ STEP_SLOWDOWN_SCHEMA = _schema(
         pa.field("job_id", pa.string(), nullable=False),
         pa.field("step", pa.int64(), nullable=False),
         pa.field("step_time_observed", pa.float64(), nullable=False),  # step_t_base, s
-        pa.field("step_time", pa.float64(), nullable=False),           # step_t_nodelay, s
+        pa.field("step_time", pa.float64(), nullable=False),           # step_t_nodelay (job_summary.step_time), s
         pa.field("step_time_ideal", pa.float64(), nullable=False),     # step_t_noblk, s
         pa.field("slowdown", pa.float64(), nullable=False),            # S_s = step_time / step_time_ideal
     ],
@@ -291,5 +298,10 @@ def read_table(out: str, table: str, *, storage_options: dict | None = None) -> 
     partitioning = None
     if spec is None or spec.partitioned:
         partitioning = ds.partitioning(pa.schema([pa.field(PARTITION_KEY, pa.date32())]), flavor="hive")
-    dataset = ds.dataset(files, filesystem=fs, format="parquet", partitioning=partitioning, partition_base_dir=root)
+    schema = None
+    if spec is not None:   # partitions written before a column existed read it as null, in any file order
+        schema = pa.schema(list(spec.schema) + ([pa.field(PARTITION_KEY, pa.date32())] if spec.partitioned else []),
+                           metadata=spec.schema.metadata)
+    dataset = ds.dataset(files, schema=schema, filesystem=fs, format="parquet", partitioning=partitioning,
+                         partition_base_dir=root)
     return dataset.to_table()

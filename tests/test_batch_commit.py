@@ -102,6 +102,28 @@ def test_read_table_adds_the_partition_date(tmp_path):
     assert read_table(str(tmp_path), "coverage").num_rows == 0  # not written: known schema, empty
 
 
+def test_read_table_reads_a_column_added_later_as_null_in_older_partitions(tmp_path):
+    """job_summary partitions written before replay_discrepancy / untraced_workers existed read
+    those columns as null beside newer partitions, whichever file the dataset meets first."""
+    from schemas.tables import JOB_SUMMARY_SCHEMA, table_path
+
+    new_names = ("replay_discrepancy", "untraced_workers")
+    old_schema = pa.schema([f for f in JOB_SUMMARY_SCHEMA if f.name not in new_names])
+    root = pathlib.Path(table_path(str(tmp_path), "job_summary"))
+    for date, schema in (("2024-03-01", old_schema), ("2024-03-02", JOB_SUMMARY_SCHEMA)):
+        folder = root / f"date={date}"
+        folder.mkdir(parents=True)
+        pq.write_table(schema.empty_table(), folder / PART_FILE)
+    # an old partition with a row: a row from before the columns existed
+    row = {f.name: None for f in old_schema}
+    table = pa.Table.from_pylist([row], schema=pa.schema([f.with_nullable(True) for f in old_schema]))
+    pq.write_table(table, root / "date=2024-03-01" / PART_FILE)
+    read = read_table(str(tmp_path), "job_summary")
+    assert {n for n in new_names} <= set(read.column_names) and read.num_rows == 1
+    assert read.column("replay_discrepancy").to_pylist() == [None]
+    assert read.column("untraced_workers").to_pylist() == [None]
+
+
 def test_stage_partition_rejects_dates_outside_the_range_and_unknown_tables(tmp_path):
     config = CommitConfig(str(tmp_path), DATES, "r1", tables={"step_slowdown": SPEC})
     with pytest.raises(CommitError, match="outside the run's range"):

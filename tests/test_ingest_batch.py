@@ -25,14 +25,15 @@ from transforms.whatif.causes import analyze_and_classify
 
 pytestmark = pytest.mark.slow
 DATA = pathlib.Path(__file__).parent / "data" / "real_traces"
+RUNS = pathlib.Path(__file__).parent / "data" / "real_runs"
 DATE = "2026-11-20"
 
 
-def _copy_ranks(run: str, folder: str, keep=None) -> list[pathlib.Path]:
+def _copy_ranks(run: str, folder: str, keep=None, data: pathlib.Path = DATA) -> list[pathlib.Path]:
     target = pathlib.Path(folder)
     target.mkdir(parents=True, exist_ok=True)
     copied = []
-    for path in sorted((DATA / run).glob("rank-*.json.gz")):
+    for path in sorted((data / run).glob("rank-*.json.gz")):
         if keep is None or keep(path):
             copied.append(pathlib.Path(shutil.copy(path, target)))
     return copied
@@ -48,6 +49,8 @@ def raw_lake(tmp_path_factory, reference_dir):
     broken[2].write_bytes(broken[2].read_bytes()[:50_000])
     _copy_ranks("pp2dp2-1f1b", raw_dir(lake, "kineto", DATE, "three-ranks"), keep=lambda p: "rank-3" not in p.name)
     stray = _copy_ranks("pp2dp2-1f1b", raw_dir(lake, "kineto", DATE, "stray-json"))
+    # rank 3 sleeps before each gradient all-reduce: untraced CPU time (truth.json)
+    _copy_ranks("allreduce-r3-dp4-flat-mlp-sleep-ng", raw_dir(lake, "kineto", DATE, "paused"), data=RUNS)
     (stray[0].parent / "PROVENANCE.json").write_text('{"not": "a trace"}')
     published = pq.read_table(reference_dir / "trace-ST.parquet")
     import yaml
@@ -71,7 +74,7 @@ def raw_run(raw_lake, tmp_path_factory):
 
 def test_raw_windows_are_listed_with_their_format(raw_lake):
     jobs = {job.job_id: job for job in list_jobs(raw_lake, DATE, DATE)}
-    assert set(jobs) == {"clean", "slowed", "ddp", "truncated", "three-ranks", "stray-json", "st"}
+    assert set(jobs) == {"clean", "slowed", "ddp", "truncated", "three-ranks", "stray-json", "paused", "st"}
     assert jobs["clean"].raw_format == "kineto" and len(jobs["clean"].trace_files) == 4
     assert jobs["st"].raw_format == "ndtimeline" and any(p.endswith("/job.yaml") for p in jobs["st"].trace_files)
     assert all(job.manifest_path is None for job in jobs.values())
@@ -80,15 +83,15 @@ def test_raw_windows_are_listed_with_their_format(raw_lake):
 def test_coverage_counts_every_raw_window(raw_run):
     out, summary = raw_run
     coverage = {row["job_id"]: row for row in read_table(out, "coverage").to_pylist()}
-    assert set(coverage) == {"clean", "slowed", "ddp", "truncated", "three-ranks", "stray-json", "st"}
-    assert {job: row["source_format"] for job, row in coverage.items()} == {
-        **{job: "kineto" for job in ("clean", "slowed", "ddp", "truncated", "three-ranks", "stray-json")}, "st": "ndtimeline"}
+    kineto = ("clean", "slowed", "ddp", "truncated", "three-ranks", "stray-json", "paused")
+    assert set(coverage) == {*kineto, "st"}
+    assert {job: row["source_format"] for job, row in coverage.items()} == {**{job: "kineto" for job in kineto}, "st": "ndtimeline"}
     assert coverage["truncated"]["status"] == "quarantined" and coverage["truncated"]["reason_code"] == "raw_unreadable"
     assert coverage["three-ranks"]["reason_code"] == "raw_missing_rank"
-    assert {coverage[j]["status"] for j in ("clean", "slowed", "ddp", "st", "stray-json")} <= {"analysed", "discarded"}
+    assert {coverage[j]["status"] for j in ("clean", "slowed", "ddp", "st", "stray-json", "paused")} <= {"analysed", "discarded"}
     fleet = read_table(out, "fleet_coverage").to_pandas()
     daily = fleet[fleet.period == "day"]
-    assert daily.groupby("source_format").jobs.sum().to_dict() == {"kineto": 6, "ndtimeline": 1}
+    assert daily.groupby("source_format").jobs.sum().to_dict() == {"kineto": 7, "ndtimeline": 1}
     quarantined = daily[daily.status == "quarantined"].set_index("reason").jobs.to_dict()
     assert quarantined == {"raw_missing_rank": 1, "raw_unreadable": 1}
 
@@ -112,13 +115,14 @@ def test_tables_equal_the_converter_and_engine_on_the_same_files(raw_run, raw_la
     out, _ = raw_run
     summary = {row["job_id"]: row for row in read_table(out, "job_summary").to_pylist()}
     for job in list_jobs(raw_lake, DATE, DATE):
-        if job.job_id not in ("clean", "slowed", "ddp", "st"):
+        if job.job_id not in ("clean", "slowed", "ddp", "st", "paused"):
             continue
         converted = convert_window(job.raw_format, job.trace_files, job.job_id, DATE)
         result, verdict = analyze_and_classify(converted.trace, converted.job_meta(), job.job_id)
         row = summary[job.job_id]
-        assert row["slowdown"] == pytest.approx(result.slowdown, rel=1e-12)
+        assert row["slowdown"] == pytest.approx(result.model_slowdown, rel=1e-12)
         assert row["launch_slowdown"] == pytest.approx(result.launch_slowdown, rel=1e-12)
+        assert row["replay_discrepancy"] == pytest.approx(result.replay_discrepancy, rel=1e-12)
         assert row["n_ops"] == converted.trace.num_rows
         assert row["source_format"] == job.raw_format
         assert row["source"] and ("torch.profiler" in row["source"] or "NDTimeline" in row["source"])
@@ -127,6 +131,31 @@ def test_tables_equal_the_converter_and_engine_on_the_same_files(raw_run, raw_la
     slowed = workers[workers.job_id == "slowed"].set_index(["dp_rank", "stage"])
     assert slowed.loc[(1, 0), "rank"] == 1 and bool(slowed.loc[(1, 0), "in_mw_set"])
     assert set(slowed.host) == {"vm"}
+
+
+def test_a_paused_workers_untraced_time_is_modelled_and_the_window_kept(raw_run, raw_lake):
+    """Rank 3 sleeps before each all-reduce: METHOD.md's no-delay replay leaves that out (what ran is
+    ~60% longer, so the window would be discarded); the root-cause analysis names the worker, and
+    with only its launch delays given back the replay matches what ran: the window is kept, its S
+    includes the pause, and the cause is untraced-cpu on that worker."""
+    out, _ = raw_run
+    row = {r["job_id"]: r for r in read_table(out, "job_summary").to_pylist()}["paused"]
+    assert row["launch_slowdown"] > 1.05 and abs(row["replay_discrepancy"] - 1.0) <= 0.05
+    assert not row["discarded"] and row["discard_reason"] is None
+    assert row["untraced_workers"] == [{"dp_rank": 3, "stage": 0}]
+    assert row["cause"] == "untraced-cpu" and row["straggling"]
+    # S includes the pause: T (the replay with it) over T_ideal, and more than the traced ops' S
+    assert row["slowdown"] == pytest.approx(row["step_time"] / row["step_time_ideal"], rel=0.02)
+    assert row["step_time"] == pytest.approx(row["step_time_observed"], rel=0.05)
+    steps = read_table(out, "step_slowdown").to_pandas()
+    paused = steps[steps.job_id == "paused"]
+    assert (paused.step_time / paused.step_time_observed).between(1 / 1.05, 1.05).all()
+    coverage = {r["job_id"]: r for r in read_table(out, "coverage").to_pylist()}
+    assert coverage["paused"]["status"] == "analysed"
+    # the clean and slowed windows model nobody's untraced time
+    assert row["untraced_workers"] and all(row_["untraced_workers"] is None for job, row_ in
+                                          {r["job_id"]: r for r in read_table(out, "job_summary").to_pylist()}.items()
+                                          if job in ("clean", "slowed", "ddp", "st"))
 
 
 def test_ndtimeline_window_in_the_batch_equals_the_published_result(raw_run, reference_dir):
@@ -146,7 +175,7 @@ def test_big_windows_parsed_rank_by_rank_give_the_same_tables(raw_run, raw_lake,
     fanned = str(tmp_path / "fanned")
     summary, _ = batch.execute(batch.parse(["--lake", raw_lake, "--from", DATE, "--to", DATE, "--out", fanned,
                                             "--workers", "2", "--quiet", "--fanout-ranks", "4"]))
-    assert sum(summary["jobs"].values()) == 7
+    assert sum(summary["jobs"].values()) == 8
     for table in ("job_summary", "coverage", "quarantine", "worker_attribution", "step_slowdown", "fleet_coverage"):
         ours = read_table(fanned, table).to_pylist()
         theirs = read_table(out, table).to_pylist()

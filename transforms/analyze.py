@@ -84,7 +84,7 @@ def job_meta(manifest: dict[str, Any]) -> JobMeta:
 def _discard_reason(result: WhatIfResult) -> str | None:
     if not result.discarded:
         return None
-    return f"{discrepancy_reason(result.launch_slowdown)}; kept out of fleet statistics"
+    return f"{discrepancy_reason(result.replay_discrepancy)}; kept out of fleet statistics"
 
 
 def _optional(value: float | None) -> float | None:
@@ -134,13 +134,16 @@ def result_tables(validated: ValidatedJob, result: WhatIfResult, verdict=None) -
         "n_steps": int(steps.size),
         "n_ops": stats.ops,
         "step_time_observed": float(np.mean(result.step_t_base)),
-        "step_time": float(np.mean(result.step_t_nodelay)),
+        "step_time": float(np.mean(result.model_step_t)),
         "step_time_ideal": float(np.mean(result.step_t_noblk)),
-        "slowdown": float(result.slowdown),
+        "slowdown": float(result.model_slowdown),
         "waste": float(result.waste),
         "gpu_hours": hours,
         "wasted_gpu_hours": hours * float(result.waste),
         "launch_slowdown": float(result.launch_slowdown),
+        "replay_discrepancy": float(result.replay_discrepancy),
+        "untraced_workers": None if result.untraced is None else [
+            {"dp_rank": int(d), "stage": int(p)} for d, p in result.untraced.workers],
         "discarded": result.discarded,
         "discard_reason": _discard_reason(result),
         "straggling": result.straggling,
@@ -161,9 +164,9 @@ def result_tables(validated: ValidatedJob, result: WhatIfResult, verdict=None) -
             "job_id": [job.job_id] * steps.size,
             "step": steps,
             "step_time_observed": np.asarray(result.step_t_base, np.float64),
-            "step_time": np.asarray(result.step_t_nodelay, np.float64),
+            "step_time": np.asarray(result.model_step_t, np.float64),
             "step_time_ideal": np.asarray(result.step_t_noblk, np.float64),
-            "slowdown": np.asarray(result.step_slowdown, np.float64),
+            "slowdown": np.asarray(result.model_step_slowdown, np.float64),
         },
         schema=STEP_SLOWDOWN_SCHEMA,
     )

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["discrepancy_discards", "discrepancy_reason", "JobMeta", "Decomposition", "WhatIfResult", "DISCREPANCY_LIMIT", "ATTRIBUTION_THRESHOLD", "STRAGGLING_THRESHOLD"]
+__all__ = ["discrepancy_discards", "discrepancy_reason", "JobMeta", "Decomposition", "UntracedWork", "WhatIfResult", "DISCREPANCY_LIMIT", "ATTRIBUTION_THRESHOLD", "STRAGGLING_THRESHOLD"]
 
 DISCREPANCY_LIMIT = 1.05      # observed / replayed step time above this, or below its inverse: discard
 ATTRIBUTION_THRESHOLD = 1.03  # attributions computed only when S >= this
@@ -98,6 +98,23 @@ class Decomposition:
         return {name: float(getattr(self, name)) for name in ("trem", "tadd", "tori", "tideal", "rem", "add")}
 
 
+@dataclasses.dataclass(frozen=True)
+class UntracedWork:
+    """Named workers' untraced CPU time, modelled: the no-delay replay with only their launch delays
+    given back (every other launch delay 0). METHOD.md section 3 replays without launch delays, so
+    a worker that stalls the job between its ops (a GC pause, a slow data loader, a pause before a
+    send or the gradient all-reduce) makes what ran longer than the replay and the window would be
+    discarded. Once the root-cause analysis names the worker(s) whose untraced time that is
+    (causes.detect: measured beyond their peers and the job, and confirmed by the replay), their
+    untraced time is part of the model, like a traced op of its own whose ideal is 0: the replay
+    with it is T, and what ran is compared against that (`WhatIfResult.replay_discrepancy`).
+
+    workers: (dp_rank, stage) pairs; step_t: the replay's step span per step (seconds)."""
+
+    workers: tuple[tuple[int, int], ...]
+    step_t: np.ndarray
+
+
 @dataclasses.dataclass
 class WhatIfResult:
     """Everything the engine computes for one job's trace window.
@@ -138,23 +155,58 @@ class WhatIfResult:
     launch_by_optype_per_step: dict[str, np.ndarray] | None = None
     worker_rank: np.ndarray | None = None              # [dp_size, pp_size] global rank of each worker
     timeline: Any = None                               # transforms.whatif.timeline.Timeline when asked for
+    # Set by the root-cause analysis (causes.classify) when it names the workers whose untraced CPU
+    # time makes what ran longer than the no-delay replay: their untraced time modelled.
+    untraced: UntracedWork | None = None
+
+    @property
+    def model_step_t(self) -> np.ndarray:
+        """T per step as the model replays it: the no-delay replay, with the named workers'
+        untraced CPU time given back when `untraced` is set."""
+        return self.step_t_nodelay if self.untraced is None else self.untraced.step_t
+
+    @property
+    def model_slowdown(self) -> float:
+        """S of the model: `slowdown` (METHOD.md), times T with the named workers' untraced time
+        over T without it when `untraced` is set (their untraced time's ideal is 0)."""
+        if self.untraced is None:
+            return float(self.slowdown)
+        return float(self.slowdown * self.untraced.step_t.mean() / self.step_t_nodelay.mean())
+
+    @property
+    def model_step_slowdown(self) -> np.ndarray:
+        """S_s of the model (the same rule per step)."""
+        if self.untraced is None:
+            return self.step_slowdown
+        return self.step_slowdown * self.untraced.step_t / self.step_t_nodelay
+
+    @property
+    def replay_discrepancy(self) -> float:
+        """What ran over the model's replay (mean step times): `launch_slowdown` (METHOD.md), or
+        against the replay with the named workers' untraced time when `untraced` is set."""
+        if self.untraced is None:
+            return float(self.launch_slowdown)
+        return float(self.step_t_base.mean() / self.untraced.step_t.mean())
 
     @property
     def waste(self) -> float:
-        """Fraction of GPU time lost to stragglers: 1 - 1/S."""
-        return 1.0 - 1.0 / self.slowdown if self.slowdown > 0 else math.nan
+        """Fraction of GPU time lost to stragglers: 1 - 1/S (the model's S)."""
+        slowdown = self.model_slowdown
+        return 1.0 - 1.0 / slowdown if slowdown > 0 else math.nan
 
     @property
     def discarded(self) -> bool:
-        """True when the replay is more than 5% slower or faster than what ran (observed over replayed
-        step time above 1.05 or below 1/1.05): keep out of fleet statistics. Slower than the trace:
-        untraced CPU work the no-delay replay drops; faster: the dependency model serialises work
-        that overlapped (or clocks disagree)."""
-        return discrepancy_discards(self.launch_slowdown)
+        """True when the model's replay is more than 5% slower or faster than what ran (observed
+        over replayed step time above 1.05 or below 1/1.05): keep out of fleet statistics. Slower
+        than the trace: untraced CPU work the no-delay replay drops (unless the root-cause analysis
+        named whose it is: `untraced`); faster: the dependency model serialises work that
+        overlapped (or clocks disagree)."""
+        return discrepancy_discards(self.replay_discrepancy)
 
     @property
     def straggling(self) -> bool:
-        return bool(self.slowdown >= STRAGGLING_THRESHOLD)
+        """S of the model at least the straggling threshold."""
+        return bool(self.model_slowdown >= STRAGGLING_THRESHOLD)
 
     # ------------------------------------------------------------------ JSON
 
@@ -231,8 +283,14 @@ class WhatIfResult:
         out["straggling"] = self.straggling
         out["discarded"] = self.discarded
         out["discard_reason"] = (
-            discrepancy_reason(self.launch_slowdown) if self.discarded else None
+            discrepancy_reason(self.replay_discrepancy) if self.discarded else None
         )
+        out["replay_discrepancy"] = self.replay_discrepancy
+        out["untraced_work"] = None if self.untraced is None else {
+            "workers": [list(w) for w in self.untraced.workers],
+            "step_t": dict(zip((str(int(s)) for s in self.steps), map(float, self.untraced.step_t))),
+            "slowdown": self.model_slowdown,
+        }
         out["worker_slowdown"] = None if self.worker_slowdown is None else self.worker_slowdown.tolist()
         out["ideal_durations"] = self.ideal_durations
         return out

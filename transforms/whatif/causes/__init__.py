@@ -67,9 +67,12 @@ backward, is a slow machine even when its chunk totals are not that much heavier
 untraced-cpu: workers whose untraced time (launch delay while neither computing nor blocked in a
 recv or DP collective) is persistently twice their DP peers' and whose delays make most of the
 discrepancy, or 4x their peers' in every step (hidden behind a slower worker now; its fix: that
-time removed, against what ran); nothing measured: "none". A window whose replay matches lists
-untraced-cpu after its what-if causes when such a worker's untraced time is at least half the
-straggling threshold's share of the step.
+time removed, against what ran); nothing measured: "none". When the replay with only the named
+untraced-cpu workers' launch delays given back is within 5% of what ran, their untraced time is
+modelled (`model_untraced` sets result.untraced, result.UntracedWork): the window is kept, its S
+and T include that time, and it gets the same measured verdict. A window whose no-delay replay
+matches lists untraced-cpu after its what-if causes when such a worker's untraced time is at
+least half the straggling threshold's share of the step.
 
 Modules: verdict (dataclasses, job_cause row), signals, sequences, fixes, detect
 (classify), explain (sentences). Words for causes, fixes and evidence: schemas/causes.py.

@@ -32,7 +32,7 @@ from transforms.whatif.causes.verdict import CauseError, CauseRules, Fix, Verdic
 from transforms.whatif.metrics import analyze_model, worker_set_mask
 from transforms.whatif.model import JobModel, compile_job, distinct
 from transforms.whatif.replay import Mix, Scenario, replay, replay_thread_count
-from transforms.whatif.result import JobMeta, WhatIfResult
+from transforms.whatif.result import DISCREPANCY_LIMIT, JobMeta, UntracedWork, WhatIfResult, discrepancy_discards
 from schemas.causes import FIX_NAMES
 from schemas.trace import COMPUTE_OPTYPES, DP_COMM_OPTYPES, OPTYPES
 
@@ -360,7 +360,8 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     slowdown = float(result.slowdown)
     straggling = slowdown >= rules.straggling
     evidence: dict[str, object] = {"slowdown": slowdown, "launch_slowdown": float(result.launch_slowdown)}
-    if result.discarded:
+    model_untraced(model, result)
+    if result.discarded or result.untraced is not None:
         return _measured_verdict(model, result, rules, evidence, paired or pair_signals(model, rules), work)
     tori, tideal = float(result.step_t_nodelay.mean()), float(result.step_t_noblk.mean())
     gap = tori - tideal
@@ -476,15 +477,33 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
                    timings)
 
 
+def model_untraced(model: JobModel, result: WhatIfResult) -> None:
+    """Set `result.untraced` when what ran is more than 5% longer than the no-delay replay, the
+    workers whose untraced CPU time makes it are named (`_untraced_workers`: measured beyond their
+    peers' and the job's, and confirmed by the replay), and the replay with only their launch
+    delays given back is within 5% of what ran: the model then explains the trace, with their
+    untraced time as work of its own (result.UntracedWork), and the window is kept."""
+    if result.untraced is not None or not result.launch_slowdown > DISCREPANCY_LIMIT:
+        return
+    named = [worker for worker, *_ in _untraced_workers(model, result)]
+    if not named:
+        return
+    mask = worker_set_mask(model, named)
+    spans = replay(model, [Scenario("untraced", model.original_cost, Mix(0.0, model.launch_delay, mask))]).span("untraced")
+    if not discrepancy_discards(float(result.step_t_base.mean() / spans.mean())):
+        result.untraced = UntracedWork(tuple(named), spans)
+
+
 def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, evidence: dict,
                       paired: PairSignals, work: ChunkWork | None = None) -> Verdict:
     """The verdict of a window whose replay does not match its trace (discrepancy beyond 5% either
-    way): no what-if fix of the replay, only causes the trace measures, ranked by how clearly:
+    way), or matches it only with named workers' untraced time modelled (`model_untraced`): no
+    what-if fix of traced ops, only causes the trace measures, ranked by how clearly:
     a worker >= worker_alarm_ratio its DP peers (beyond the noise floor), a model chunk >=
     stage_alarm_ratio the median chunk's compute, and untraced-cpu: one worker's untraced CPU
     time making the discrepancy (its fix: that time removed, against what ran). Nothing measured:
     "none", since S itself comes from the replay that does not match."""
-    slowdown, launch = float(result.slowdown), float(result.launch_slowdown)
+    slowdown, launch = float(result.model_slowdown), float(result.launch_slowdown)
     evidence.update(paired.evidence)
     measured: dict[str, float] = {}                  # cause -> how clearly it measures (a ratio)
     implicated: dict[str, list[tuple[int, int]]] = {}
@@ -520,7 +539,8 @@ def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, 
     primary = ranked[0] if ranked else "none"
     workers = list(dict.fromkeys(w for c in ranked for w in implicated[c]))
     evidence = {k: (float(v) if isinstance(v, (np.floating, float)) else v) for k, v in evidence.items()}
-    explanations = {c: explain.discarded_sentence(c, evidence, implicated.get(c, []), launch) for c in (ranked or [primary])}
+    explanations = {c: explain.discarded_sentence(c, evidence, implicated.get(c, []), launch, modelled=not result.discarded)
+                    for c in (ranked or [primary])}
     if untraced:
         explanations["untraced-cpu"] = explain.untraced_sentence(untraced, launch, fixes["untraced-cpu"])
     return Verdict(model.job_id, slowdown, primary, ranked, 1.0, {c: 1.0 for c in ranked}, evidence, workers, fixes,
@@ -642,6 +662,9 @@ def _untraced_cause(result: WhatIfResult, untraced: list, evidence: dict, fixes:
     1 + the share of what ran it costs, the workers)."""
     launch, slowdown = float(result.launch_slowdown), float(result.slowdown)
     (_, excess, free) = untraced[0]
+    if result.untraced is not None and {w for w, *_ in untraced} == set(result.untraced.workers):
+        # their untraced time is modelled: what the replay with it takes beyond the one without
+        excess = float(result.untraced.step_t.mean() / result.step_t_nodelay.mean()) - 1.0
     if excess is None:   # no launch attribution: what it measures is the estimate, against what ran
         saved, explained = free, min(1.0, free / max(1.0 - 1.0 / slowdown, 1e-9))
     else:

@@ -154,13 +154,17 @@ def verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix 
             f"would remove only {share_words(best.explained)} of the straggling time.")
 
 
-def discarded_sentence(cause: str, evidence: dict, implicated, launch_slowdown: float) -> str:
+def discarded_sentence(cause: str, evidence: dict, implicated, launch_slowdown: float, modelled: bool = False) -> str:
     """The sentence of a window whose replay does not match its trace (discrepancy beyond 5% either
-    way): what that means, and only what the trace measured (no what-if savings)."""
+    way), or matches it only with named workers' untraced CPU time (`modelled`): what that means,
+    and only what the trace measured (no what-if savings of traced ops)."""
     off = (f"what ran took {100 * (launch_slowdown - 1):.0f}% longer than the replay of its ops (untraced CPU work)"
            if launch_slowdown > 1 else f"the replay takes {100 * (1 / launch_slowdown - 1):.0f}% longer than what ran "
            "(the dependency model serialises work that overlapped)")
     head = f"The replay does not match the trace ({off}), so no what-if saving is given"
+    if modelled:
+        head = (f"The replay of its traced ops matches the trace only with the named workers' untraced CPU time ({off}), "
+                "so no what-if saving of traced ops is given")
     if cause == "individual-worker":
         peers = {(w["dp_rank"], w["stage"]): w for w in evidence.get("peer_workers", [])}
         facts = [f"worker dp {d} / stage {p}'s forward takes {peers[(d, p)]['forward']:.1f}x and its backward "
