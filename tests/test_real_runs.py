@@ -214,3 +214,35 @@ def test_a_recv_waits_from_the_send_its_thread_issued_after_posting_it():
 
     result, verdict = analyze_and_classify(converted.trace, converted.job_meta(), "send")
     assert verdict.cause == "untraced-cpu" and "communication" not in verdict.causes
+
+
+def test_each_ddp_bucket_has_its_own_ideal_transfer():
+    """DDP all-reduces its gradient buckets while the backward runs, each bucket of its own size:
+    the converted job says so (distinct_dp_collectives), and each DP collective's ideal is the
+    median of that same collective (stage, seq_id) over steps and DP ranks, not one median over
+    buckets of different sizes. A job that all-reduces once after the backward (flat) keeps
+    METHOD.md's one ideal per op type."""
+    import numpy as np
+
+    from schemas.trace import DP_COMM_OPTYPES, OPTYPES
+    from transforms.whatif.model import compile_job
+
+    converted = _convert("allreduce-r1-dp4-ddp-mlp-cpu")
+    meta = converted.job_meta()
+    assert converted.source["collectives_issued_during_compute"] > 0 and meta.distinct_dp_collectives
+    model = compile_job(converted.trace, meta, "ddp")
+    ideal = model.ideal_cost()
+    codes = [OPTYPES.index(name) for name in DP_COMM_OPTYPES]
+    dp_ops = np.flatnonzero(np.isin(model.op_optype, codes))
+    assert len(dp_ops) >= 2
+    for op in dp_ops.tolist():
+        same = np.flatnonzero((model.op_optype == model.op_optype[op]) & (model.op_stage == model.op_stage[op])
+                              & (model.op_seq_id == model.op_seq_id[op]))
+        assert ideal[op] == pytest.approx(float(np.median(model.original_cost[same])), abs=1e-12)
+    assert len({round(float(ideal[op]), 12) for op in dp_ops.tolist()}) > 1   # buckets differ
+
+    flat = _convert("allreduce-r3-dp4-flat-mlp-sleep-ng")
+    assert not flat.job_meta().distinct_dp_collectives
+    model = compile_job(flat.trace, flat.job_meta(), "flat")
+    rows = np.isin(model.op_optype, codes)
+    assert len(set(model.ideal_cost()[rows].round(12).tolist())) == len(set(model.op_optype[rows].tolist()))

@@ -30,7 +30,7 @@ import dataclasses
 import numpy as np
 import pyarrow as pa
 
-from schemas.trace import COMPUTE_OPTYPES, IN_COMPUTE_OPTYPES, OPTYPES
+from schemas.trace import COMPUTE_OPTYPES, DP_COMM_OPTYPES, IN_COMPUTE_OPTYPES, OPTYPES
 from transforms.components import components
 from transforms.whatif.errors import (
     WhatIfError,
@@ -81,6 +81,7 @@ SEP, LN = _CODE["separate-grads-all-reduce"], _CODE["layernorm-grads-all-reduce"
 EMB, CLIP = _CODE["embedding-grads-all-reduce"], _CODE["optimizer-clip-main-grad"]
 OPT, GC, WGT = _CODE["optimizer"], _CODE["gc"], _CODE["backward-weight-compute"]
 IN_COMPUTE = tuple(_CODE[name] for name in IN_COMPUTE_OPTYPES)
+DP_COMM = tuple(_CODE[name] for name in DP_COMM_OPTYPES)
 P2P = (FSEND, FRECV, BSEND, BRECV)
 # Ties in start time and seq_id are broken by optype name, alphabetically.
 _NAME_RANK = np.argsort(np.argsort(np.array(OPTYPES, dtype=object)))
@@ -242,8 +243,13 @@ class JobModel:
         states, unless collectives inside the compute cut it into pieces of different sizes (a
         recommendation model's embedding all-to-all inside the forward). Then the k-th piece of a
         microbatch's compute shares its ideal with the k-th pieces of the others, and each
-        in-compute collective of a step (seq_id) has its own."""
+        in-compute collective of a step (seq_id) has its own. With `meta.distinct_dp_collectives`
+        (one DP collective per bucket or parameter, each its own size), each DP collective of a
+        step (stage, seq_id) has its own too: the same collective over steps and DP ranks."""
         classes = np.zeros(self.n_ops, dtype=np.int64)
+        if self.meta.distinct_dp_collectives:
+            dp = np.isin(self.op_optype, DP_COMM)
+            classes[dp] = self.op_stage[dp].astype(np.int64) * (1 << 32) + self.op_seq_id[dp]
         inside = np.isin(self.op_optype, IN_COMPUTE)
         if not inside.any():
             return classes

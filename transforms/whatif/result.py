@@ -43,7 +43,14 @@ class JobMeta:
     (CPU training, e.g. torch on gloo; a converted trace whose source says device 'cpu'). That
     thread does one thing at a time, in program order, so a recv issued after the compute op
     before the one it serves waits for that op (model._p2p_dependencies). False (GPU jobs, the
-    published traces): compute runs on a device stream and a recv may start under it."""
+    published traces): compute runs on a device stream and a recv may start under it.
+
+    distinct_dp_collectives: the DP collectives were issued while the backward ran, one per
+    gradient bucket or parameter (DDP, per-parameter async all-reduce, FSDP; a converted trace
+    whose source counts collectives_issued_during_compute): each reduces its own tensor, of its
+    own size, so each collective of a step (stage, seq_id) has its own ideal transfer, the median
+    of that same collective over steps and DP ranks (model.ideal_cost). False (METHOD.md, the
+    published traces): one ideal per op type, as for Megatron's equal buckets."""
 
     dp_size: int
     pp_size: int
@@ -52,6 +59,7 @@ class JobMeta:
     vpp_size: int = 1
     world_size: int = 0
     host_compute: bool = False
+    distinct_dp_collectives: bool = False
 
     def __post_init__(self):
         for name in ("dp_size", "pp_size", "tp_size", "dsp_size", "vpp_size"):
@@ -64,11 +72,14 @@ class JobMeta:
     def from_mapping(cls, fields) -> "JobMeta":
         """From a published meta yaml (trial_name and run_id ignored) or a manifest row; with the
         row's `source` (a converted raw job's, lake.py keeps it beside the manifest), device 'cpu'
-        sets host_compute."""
+        sets host_compute, DP collectives issued during the compute distinct_dp_collectives."""
         names = ("dp_size", "pp_size", "tp_size", "dsp_size", "vpp_size", "world_size")
         source = fields.get("source")
         host = bool(fields.get("host_compute")) or (isinstance(source, dict) and source.get("device") == "cpu")
-        return cls(**{name: int(fields[name]) for name in names if fields.get(name) is not None}, host_compute=host)
+        distinct = bool(fields.get("distinct_dp_collectives")) or (
+            isinstance(source, dict) and int(source.get("collectives_issued_during_compute") or 0) > 0)
+        return cls(**{name: int(fields[name]) for name in names if fields.get(name) is not None}, host_compute=host,
+                   distinct_dp_collectives=distinct)
 
     @property
     def workers(self) -> int:
