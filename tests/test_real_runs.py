@@ -38,6 +38,7 @@ def test_the_committed_corpus_covers_the_layouts_and_schedules():
     assert {t["grad_sync"] for t in truths} >= {"flat", "ddp", "async", "none"}
     assert {s["kind"] for t in truths for s in t["slowdowns"]} >= {"fwd", "bwd", "send", "allreduce", "gc", "data", "split"}
     assert sum(not t["expected"]["straggling"] for t in truths) >= 6
+    assert any(t["profiler"].get("repeat", 1) > 1 for t in truths)   # a file per rank per profiler cycle
 
 
 @pytest.mark.parametrize("run", RUN_DIRS, ids=lambda p: p.name)
@@ -246,3 +247,62 @@ def test_each_ddp_bucket_has_its_own_ideal_transfer():
     model = compile_job(flat.trace, flat.job_meta(), "flat")
     rows = np.isin(model.op_optype, codes)
     assert len(set(model.ideal_cost()[rows].round(12).tolist())) == len(set(model.op_optype[rows].tolist()))
+
+
+CYCLES = "c-1f1b-ppmajor-mesh-mlp-sleep-fwd2-r1-cycles2-tb"
+
+
+def _cycle_files(run: pathlib.Path) -> dict[int, list[pathlib.Path]]:
+    """Per rank, its files in step order (each file's first ProfilerStep), read from the files."""
+    import gzip
+    import re
+
+    out: dict[int, list[tuple[int, pathlib.Path]]] = {}
+    for path in sorted(run.glob("*.pt.trace.json.gz")):
+        document = json.loads(gzip.decompress(path.read_bytes()))
+        steps = [int(m.group(1)) for e in document["traceEvents"] if (m := re.match(r"ProfilerStep#(\d+)$", str(e.get("name"))))]
+        out.setdefault(int(document["distributedInfo"]["rank"]), []).append((min(steps), path))
+    return {rank: [p for _, p in sorted(files)] for rank, files in out.items()}
+
+
+def test_profiler_cycles_are_one_job():
+    """schedule(repeat=2) with tensorboard_trace_handler writes a file per rank per cycle: the cycles'
+    steps (other ProfilerStep numbers in each) are one job, every step of both analysed, the second
+    cycle's times after the first's."""
+    run = RUNS / CYCLES
+    files = _cycle_files(run)
+    assert len(files) == 4 and all(len(f) == 2 for f in files.values())
+    converted = _convert(CYCLES)
+    each = [convert_kineto([str(f[c]) for f in files.values()], "cycle", "2026-11-25", {}) for c in (0, 1)]
+    steps = [c.source["steps"] for c in each]
+    assert not set(steps[0]) & set(steps[1])
+    assert converted.source["profiler_cycles"] == 2 and converted.source["steps"] == steps[0] + steps[1]
+    assert converted.trace.num_rows == sum(c.trace.num_rows for c in each)
+    table = converted.trace.to_pandas()
+    first, second = table[table.step.isin(steps[0])], table[table.step.isin(steps[1])]
+    assert second.start_ts.min() >= (first.start_ts + first.duration).max()
+    traced = sum((c.manifest["end_time"] - c.manifest["start_time"]).total_seconds() for c in each)
+    assert (converted.manifest["end_time"] - converted.manifest["start_time"]).total_seconds() == pytest.approx(traced, abs=1e-6)
+    from transforms.ingest import describe_source
+
+    assert "2 profiler cycles" in describe_source(converted.source)
+
+
+def test_a_profiler_cycle_a_rank_lacks_is_dropped_with_its_reason(tmp_path):
+    """One rank's second-cycle file is missing (not uploaded yet): the complete cycle is analysed, the
+    other's steps are listed as dropped with the reason; a file of one rank twice is still a duplicate."""
+    from transforms.ingest import RawInputError
+
+    files = _cycle_files(RUNS / CYCLES)
+    paths = [str(f) for rank, pair in files.items() for f in (pair if rank != 2 else pair[:1])]
+    converted = convert_kineto(paths, "cycle", "2026-11-25", {})
+    first = convert_kineto([str(pair[0]) for pair in files.values()], "cycle", "2026-11-25", {})
+    assert converted.source["steps"] == first.source["steps"] and converted.trace.num_rows == first.trace.num_rows
+    dropped = converted.source["steps_dropped"]
+    assert dropped and all("profiler cycle incomplete" in converted.source["steps_dropped_why"][str(s)] and
+                           "rank" in converted.source["steps_dropped_why"][str(s)] for s in dropped)
+    twice = tmp_path / "again.pt.trace.json.gz"
+    twice.write_bytes(files[1][0].read_bytes())
+    with pytest.raises(RawInputError, match="overlapping steps") as error:
+        convert_kineto([*map(str, (f for pair in files.values() for f in pair)), str(twice)], "cycle", "2026-11-25", {})
+    assert error.value.reason_code == "raw_duplicate_rank"

@@ -537,6 +537,9 @@ def main() -> None:
     ap.add_argument("--prof-wait", type=int, default=PROF_WAIT)
     ap.add_argument("--prof-warmup", type=int, default=PROF_WARMUP)
     ap.add_argument("--prof-active", type=int, default=PROF_ACTIVE)
+    ap.add_argument("--prof-repeat", type=int, default=1,
+                    help="profiler cycles (schedule repeat); with --steps past one cycle, each cycle writes its own "
+                         "file per rank (--export chrome: rank-{r}-cycle{c}.json)")
     ap.add_argument("--export", choices=["chrome", "tensorboard"], default="chrome")
     ap.add_argument("--data-in-step", type=int, choices=[0, 1], default=0,
                     help="1: fetch each step's batch through a DataLoader inside the profiled step")
@@ -585,7 +588,7 @@ def main() -> None:
     if args.microbatch_size is None:
         args.microbatch_size = 128 if args.model == "mlp" else 2
     if args.steps is None:
-        args.steps = args.prof_wait + args.prof_warmup + args.prof_active
+        args.steps = (args.prof_wait + args.prof_warmup + args.prof_active) * args.prof_repeat
     slowdowns = parse_slow(args.slow)
     if args.slow_rank >= 0:
         if args.slow_mode == "compute" and args.slow_factor > 1:
@@ -806,8 +809,12 @@ def main() -> None:
 
         strag_handler = on_ready = kineto_handler(args.strag_lake, job_id=args.strag_job_id or args.name, live=True)
     elif args.export == "chrome":
+        cycles = []
+
         def on_ready(prof) -> None:
-            prof.export_chrome_trace(os.path.join(args.out, f"rank-{rank}.json"))
+            cycles.append(prof.step_num)
+            name = f"rank-{rank}.json" if args.prof_repeat == 1 else f"rank-{rank}-cycle{len(cycles)}.json"
+            prof.export_chrome_trace(os.path.join(args.out, name))
     else:
         on_ready = torch.profiler.tensorboard_trace_handler(args.out)
 
@@ -825,7 +832,7 @@ def main() -> None:
     step_times = []
     with profile(activities=[ProfilerActivity.CPU],
                  schedule=prof_schedule(wait=args.prof_wait, warmup=args.prof_warmup, active=args.prof_active,
-                                        repeat=1),
+                                        repeat=args.prof_repeat),
                  record_shapes=bool(args.record_shapes), with_stack=bool(args.with_stack),
                  profile_memory=bool(args.profile_memory), with_modules=bool(args.with_modules),
                  with_flops=bool(args.with_flops), on_trace_ready=on_ready) as prof:
@@ -840,12 +847,12 @@ def main() -> None:
         print(f"rank {rank}: strag_collect uploads still running after 120 s", flush=True)
 
     if args.export == "chrome":
-        my_file = f"rank-{rank}.json"
-    else:
-        mine = sorted(f for f in set(os.listdir(args.out)) - before if f.startswith(worker + "."))
-        my_file = mine[-1] if mine else None
+        my_files = ([f"rank-{rank}.json"] if args.prof_repeat == 1 else
+                    [f"rank-{rank}-cycle{c}.json" for c in range(1, args.prof_repeat + 1)])
+    else:   # one file per profiler cycle
+        my_files = sorted(f for f in set(os.listdir(args.out)) - before if f.startswith(worker + "."))
     all_info = [None] * world
-    dist.all_gather_object(all_info, {"coords": coords, "file": my_file,
+    dist.all_gather_object(all_info, {"coords": coords, "files": my_files,
                                       "step_ms": [round(t * 1e3, 1) for t in step_times]})
     dist.barrier()
     if rank == 0:
@@ -879,12 +886,12 @@ def main() -> None:
                          "profile_memory": bool(args.profile_memory), "with_modules": bool(args.with_modules),
                          "with_flops": bool(args.with_flops),
                          "wait": args.prof_wait, "warmup": args.prof_warmup, "active": args.prof_active,
-                         "export": args.export},
+                         "repeat": args.prof_repeat, "export": args.export},
             "rank_coords": {str(r): c for r, c in enumerate(all_coords)},
             "slowdowns": truth_slow,
             "expected": {"straggling": bool(slowdowns), "slow_ranks": slow_ranks,
                          "primary_causes": causes or ["none"]},
-            "trace_files": [a["file"] for a in all_info],
+            "trace_files": [f for a in all_info for f in a["files"]],
             "torch_version": torch.__version__, "command": cmd, "loadavg": loadavg, "date_utc": date,
         }
         with open(os.path.join(args.out, "truth.json"), "w") as f:
@@ -923,7 +930,7 @@ def main() -> None:
             "profiler": {"activities": ["CPU"], "record_shapes": bool(args.record_shapes),
                          "with_stack": bool(args.with_stack),
                          "schedule": {"wait": args.prof_wait, "warmup": args.prof_warmup,
-                                      "active": args.prof_active, "repeat": 1},
+                                      "active": args.prof_active, "repeat": args.prof_repeat},
                          "export": ("prof.export_chrome_trace in on_trace_ready" if args.export == "chrome"
                                     else "torch.profiler.tensorboard_trace_handler(out)")},
             "steps_profiled": list(range(args.prof_wait + args.prof_warmup,

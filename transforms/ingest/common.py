@@ -50,6 +50,11 @@ class RawInputError(ValueError):
         self._message = message
         self.rejected: list[RawInputError] = []   # files set aside before this job-level error
 
+    @property
+    def message(self) -> str:
+        """What is wrong, without the job / file prefix."""
+        return self._message
+
     def __reduce__(self):   # crosses process pools and Beam workers intact
         return (_raw_input_error, (self.reason_code, self._message, self.job_id, self.path, self.op, self.rejected))
 
@@ -242,6 +247,8 @@ def describe_source(source: dict) -> str:
     collapsed = source.get("tp_cp_collapsed") or (source.get("tp_collapsed") or 0) + (source.get("cp_collapsed") or 0)
     if collapsed:
         parts.append(f"{collapsed} TP/CP ranks collapsed")
+    if (source.get("profiler_cycles") or 1) > 1:
+        parts.append(f"{source['profiler_cycles']} profiler cycles (a file per rank each), steps {source.get('steps')}")
     if source.get("steps_dropped"):
         why = source.get("steps_dropped_why") or {}
         parts.append(f"steps dropped {source['steps_dropped']}" + "".join(f" (step {s}: {r})" for s, r in why.items()))

@@ -10,6 +10,7 @@ import numpy as np
 from transforms.ingest.common import ConvertedJob, RawInputError, build_manifest, build_trace
 from transforms.whatif.model import MIN_STEPS
 from transforms.ingest.kineto.clocks import _clock_offsets
+from transforms.ingest.kineto.cycles import join_cycles, split_cycles
 from transforms.ingest.kineto.layout import _dp_groups, _layout, _resolve_local_peers
 from transforms.ingest.kineto.ops import _ops_of_rank, _pipeline_end_noops
 from transforms.ingest.kineto.pairing import (_check_comm_pairs, _clip_p2p_waits, _collectives_after_compute,
@@ -263,10 +264,39 @@ def _check_job(ranks: Sequence[RankTrace], job_id: str) -> int:
 
 def assemble(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mapping[str, Any] | None = None,
              files: int | None = None) -> ConvertedJob:
-    """The parsed ranks of one job -> ConvertedJob (op rows, manifest, source). RawInputError on bad input."""
+    """The parsed ranks of one job -> ConvertedJob (op rows, manifest, source). RawInputError on bad input.
+    Several files of one rank with other steps are profiler cycles (cycles.py): each is assembled
+    on its own, then joined."""
     options = options or {}
     if not ranks:
         raise RawInputError("raw_missing_rank", f"no readable rank trace in the window ({files or 0} file(s))", job_id=job_id)
+    # world sizes first: two files of one rank number but of different world sizes are ranks of two jobs
+    _odd_value(ranks, lambda t: t.world, "world size", job_id)
+    cycles = split_cycles(ranks, job_id)
+    if len(cycles) == 1:
+        return _assemble_cycle(ranks, job_id, date, options, files)
+    converted, left_out = [], {}
+    for cycle in cycles:
+        try:
+            converted.append(_assemble_cycle(cycle, job_id, date, options, len(cycle)))
+        except RawInputError as error:
+            # a cycle some rank's file lacks (not uploaded yet, set aside as unreadable): its steps
+            # are dropped with the reason, the complete cycles analysed; nothing complete: refused
+            if error.reason_code != "raw_missing_rank":
+                raise
+            left_out[error] = sorted({int(step) for trace in cycle for step in trace.steps.tolist()})
+    if not converted:
+        raise next(iter(left_out))
+    joined = join_cycles(converted, job_id)
+    for error, steps in left_out.items():
+        joined.source["steps_dropped"] = sorted([*joined.source["steps_dropped"], *steps])
+        joined.source["steps_dropped_why"].update({str(step): f"profiler cycle incomplete: {error.message}" for step in steps})
+    return joined
+
+
+def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options: Mapping[str, Any],
+                    files: int | None) -> ConvertedJob:
+    """`assemble` of one profiler cycle (every rank at most once)."""
     world = _check_job(ranks, job_id)
     layout = _layout(ranks, world, options, job_id)
     by_rank = {t.rank: t for t in ranks}
