@@ -46,7 +46,7 @@ class _ReferencePass:
         self.steps, self.step_tid, self.cpu_labels = {}, None, []
         self.gpu_labels = collections.defaultdict(list)
         self.nccl, self.comm_meta, self.gloo_cpu, self.c10d_p2p = [], [], [], []
-        self.optimizer, self.p2p_labels, self.overlapped = [], [], []
+        self.optimizer, self.optimizer_tids, self.p2p_labels, self.overlapped = [], [], [], []
         self._launches, self._work, self._cpu, self._annotations = [], [], [], set()
         self._launch_tid = {}
         self.kernels, self.origin = 0, None
@@ -110,6 +110,7 @@ class _ReferencePass:
             if cat == "user_annotation":
                 if optimizer_label.match(name):
                     self.optimizer.append((ts, end))
+                    self.optimizer_tids.append(event.get("tid"))
                     continue
                 found, kind = kineto_rank._match(forward_labels, name), FWD
                 if found is None:

@@ -39,6 +39,7 @@ def test_the_committed_corpus_covers_the_layouts_and_schedules():
     assert {s["kind"] for t in truths for s in t["slowdowns"]} >= {"fwd", "bwd", "send", "allreduce", "gc", "data", "split"}
     assert sum(not t["expected"]["straggling"] for t in truths) >= 6
     assert any(t["profiler"].get("repeat", 1) > 1 for t in truths)   # a file per rank per profiler cycle
+    assert any(not t["profiler"].get("schedule", True) for t in truths)   # no schedule, no prof.step()
 
 
 @pytest.mark.parametrize("run", RUN_DIRS, ids=lambda p: p.name)
@@ -306,3 +307,36 @@ def test_a_profiler_cycle_a_rank_lacks_is_dropped_with_its_reason(tmp_path):
     with pytest.raises(RawInputError, match="overlapping steps") as error:
         convert_kineto([*map(str, (f for pair in files.values() for f in pair)), str(twice)], "cycle", "2026-11-25", {})
     assert error.value.reason_code == "raw_duplicate_rank"
+
+
+def test_steps_without_profilerstep_are_told_by_the_optimizer():
+    """A profile around a few iterations without a schedule and without prof.step() has no
+    ProfilerStep spans: each step ends with the optimizer's step, and the job is analysed (the
+    source says how its steps were told); a file with neither is refused with what to do."""
+    import gzip
+
+    from transforms.ingest import RawInputError, describe_source
+
+    run = RUNS / "d-gpipe-pp4-mesh-mlp-sleep-fwd3-r1-nosched"
+    truth = _truth(run)
+    assert not truth["profiler"]["schedule"]
+    assert all(b"ProfilerStep" not in gzip.decompress((run / f).read_bytes()) for f in truth["trace_files"])
+    converted = _convert(run.name)
+    assert "Optimizer.step" in converted.source["steps_from"] and "steps told by" in describe_source(converted.source)
+    assert len(converted.source["steps"]) >= 2
+    table = converted.trace.to_pandas()
+    # every step holds one optimizer op per rank and every microbatch's forward and backward
+    per_step = table.groupby("step").optype.value_counts().unstack()
+    assert (per_step["optimizer"] == truth["world"]).all()
+    assert (per_step["forward-compute"] == truth["microbatches"] * truth["world"]).all()
+
+    document = json.loads(gzip.decompress((run / truth["trace_files"][0]).read_bytes()))
+    document["traceEvents"] = [e for e in document["traceEvents"] if not str(e.get("name", "")).startswith("Optimizer.")]
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        bare = pathlib.Path(tmp, "rank-0.json")
+        bare.write_text(json.dumps(document))
+        with pytest.raises(RawInputError, match="no ProfilerStep.*no Optimizer.step span") as error:
+            convert_kineto([str(bare)], "bare", "2026-11-25", {})
+    assert error.value.reason_code == "raw_no_steps"

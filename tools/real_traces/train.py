@@ -537,6 +537,9 @@ def main() -> None:
     ap.add_argument("--prof-wait", type=int, default=PROF_WAIT)
     ap.add_argument("--prof-warmup", type=int, default=PROF_WARMUP)
     ap.add_argument("--prof-active", type=int, default=PROF_ACTIVE)
+    ap.add_argument("--prof-schedule", type=int, choices=[0, 1], default=1,
+                    help="0: profile every step without a schedule and without prof.step() (no ProfilerStep "
+                         "spans), the trace written when the profiler stops")
     ap.add_argument("--prof-repeat", type=int, default=1,
                     help="profiler cycles (schedule repeat); with --steps past one cycle, each cycle writes its own "
                          "file per rank (--export chrome: rank-{r}-cycle{c}.json)")
@@ -832,7 +835,7 @@ def main() -> None:
     step_times = []
     with profile(activities=[ProfilerActivity.CPU],
                  schedule=prof_schedule(wait=args.prof_wait, warmup=args.prof_warmup, active=args.prof_active,
-                                        repeat=args.prof_repeat),
+                                        repeat=args.prof_repeat) if args.prof_schedule else None,
                  record_shapes=bool(args.record_shapes), with_stack=bool(args.with_stack),
                  profile_memory=bool(args.profile_memory), with_modules=bool(args.with_modules),
                  with_flops=bool(args.with_flops), on_trace_ready=on_ready) as prof:
@@ -840,7 +843,8 @@ def main() -> None:
             t0 = time.perf_counter()
             loss = train_step(i)
             step_times.append(time.perf_counter() - t0)
-            prof.step()
+            if args.prof_schedule:
+                prof.step()
             if rank == world - 1 or rank == 0:
                 print(f"rank {rank} step {i} loss {loss:.4f} {step_times[-1] * 1e3:.0f} ms", flush=True)
     if strag_handler is not None and not strag_handler.flush(timeout=120):
@@ -886,7 +890,7 @@ def main() -> None:
                          "profile_memory": bool(args.profile_memory), "with_modules": bool(args.with_modules),
                          "with_flops": bool(args.with_flops),
                          "wait": args.prof_wait, "warmup": args.prof_warmup, "active": args.prof_active,
-                         "repeat": args.prof_repeat, "export": args.export},
+                         "repeat": args.prof_repeat, "schedule": bool(args.prof_schedule), "export": args.export},
             "rank_coords": {str(r): c for r, c in enumerate(all_coords)},
             "slowdowns": truth_slow,
             "expected": {"straggling": bool(slowdowns), "slow_ranks": slow_ranks,

@@ -247,6 +247,8 @@ def describe_source(source: dict) -> str:
     collapsed = source.get("tp_cp_collapsed") or (source.get("tp_collapsed") or 0) + (source.get("cp_collapsed") or 0)
     if collapsed:
         parts.append(f"{collapsed} TP/CP ranks collapsed")
+    if source.get("steps_from"):
+        parts.append(f"steps told by {source['steps_from']}")
     if (source.get("profiler_cycles") or 1) > 1:
         parts.append(f"{source['profiler_cycles']} profiler cycles (a file per rank each), steps {source.get('steps')}")
     if source.get("steps_dropped"):

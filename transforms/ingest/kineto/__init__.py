@@ -14,8 +14,9 @@ Two passes, both plain functions:
    layout, op types, seq ids, clock alignment, manifest.
 
 The mapping (ARCHITECTURE.md, "Kineto mapping"):
-- steps: `ProfilerStep#N`; a step is kept when every analysed rank has it complete
-  (an optimizer span and every kind of compute), others are listed in source.steps_dropped;
+- steps: `ProfilerStep#N` (without them: each ends with an `Optimizer.step` span); a step is kept
+  when every analysed rank has it complete (an optimizer span and every kind of compute), others
+  are listed in source.steps_dropped; a rank's files of other steps are profiler cycles (cycles.py);
 - rank and world: `distributedInfo`; process groups: `distributedInfo.pg_config`
   ({pg_name, pg_desc, ranks}); the pp / dp coordinates of a rank are its index in the
   group whose description names the dim (`mesh_pp`, `PIPELINE...`, `DATA_PARALLEL...`),

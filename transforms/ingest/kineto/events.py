@@ -92,6 +92,7 @@ class _EventPass:
         self.gloo_cpu: list[tuple[str, float, float, Any]] = []         # name, start, end, tid
         self.c10d_p2p: list[tuple[str, float, float, int]] = []         # c10d::send / recv_: name, start, end, local peer
         self.optimizer: list[tuple[float, float]] = []
+        self.optimizer_tids: list = []          # the thread of each optimizer span
         self.p2p_labels: list[tuple[float, float, int, int]] = []       # start, end, direction (+1 F, -1 B), stage
         self.overlapped: list[tuple[float, float, str, str]] = []       # OVERLAP_F_B labels: start, end, actions, name
         self.nccl_ranges: list[tuple[float, float, str, Any]] = []      # `nccl:*` CPU ranges: start, end, name, tid
@@ -209,11 +210,12 @@ class _EventPass:
             if name.startswith("nccl:"):   # c10d's range around a NCCL call: names the kernels it launched
                 self.nccl_ranges.append((ts, end, name, tid))
             if group.code[i] == ANNOTATION and self.deferred is None:
-                self._label(name, ts, end)
+                self._label(name, ts, end, tid)
 
-    def _label(self, name: str, ts: float, end: float) -> None:
+    def _label(self, name: str, ts: float, end: float, tid=None) -> None:
         if self.optimizer_label.match(name):
             self.optimizer.append((ts, end))
+            self.optimizer_tids.append(tid)
             return
         found = _match(self.forward_labels, name)
         kind = FWD

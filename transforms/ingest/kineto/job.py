@@ -395,6 +395,7 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
         "tp_cp_collapsed": collapsed,
         "layout": layout.how,
         "steps": steps.tolist(),
+        **({"steps_from": "Optimizer.step spans (no ProfilerStep)"} if any(t.steps_inferred for t in analysed) else {}),
         "steps_dropped": dropped,
         "steps_dropped_why": {str(step): reason for step, reason in sorted(dropped_why.items())},
         "clock": clock,

@@ -139,8 +139,13 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
             unnamed.append((len(comm), int(args["correlation"])))
         comm.append(_nccl_span(name, args, ts, end, rank, groups))
     kernels, origin = events.kernels, events.origin
+    cpu_ops = events.cpu_ops()
+    inferred = not steps and bool(optimizer)
+    if inferred:   # profiled without a schedule and without prof.step(): the optimizer's steps tell the steps
+        steps, step_tid = _steps_from_optimizer(optimizer, events.optimizer_tids, cpu_ops)
     if not steps:
-        raise RawInputError("raw_no_steps", "no ProfilerStep#N span: call prof.step() once per training step", path=path)
+        raise RawInputError("raw_no_steps", "no ProfilerStep#N span (call prof.step() once per training step) and no "
+                            "Optimizer.step span to tell the steps by", path=path)
     device = "cpu"
     properties = top.get("deviceProperties") or []
     if kernels and properties and isinstance(properties[0], Mapping):
@@ -149,7 +154,6 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
         device = "gpu"
     versions = {"schemaVersion": top.get("schemaVersion"), "backend": info.get("backend"),
                 "nccl_version": info.get("nccl_version"), "trace_id": top.get("trace_id")}
-    cpu_ops = events.cpu_ops()
     # the CUDA launch of each NCCL kernel: names the unnamed ones, says when each was issued
     correlations = [(args or {}).get("correlation") for _, args, _, _ in events.nccl]
     launched = events.launch_threads([int(c) for c in correlations if c is not None]) if kernels else {}
@@ -188,6 +192,7 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
                         issued)
     host = top.get("host_name") or info.get("host_name")
     trace.host = str(host) if host else None
+    trace.steps_inferred = inferred
     # Kineto's ts are µs after baseTimeNanoseconds: the recorded instant of time 0 of this rank, in ns
     base = top.get("baseTimeNanoseconds")
     trace.origin_ns = (int(base) if isinstance(base, (int, float)) else 0) + round((origin or 0.0) * 1000)
@@ -399,6 +404,27 @@ def _issued_at(comm: list, correlations: list, launched: Mapping[int, tuple[floa
         correlation = correlations[i] if i < len(correlations) else None
         out.append(launched[int(correlation)][0] if correlation is not None and int(correlation) in launched else span[1])
     return out
+
+
+def _steps_from_optimizer(optimizer: list[tuple[float, float]], tids: list, cpu_ops: list) -> tuple[dict, Any]:
+    """Steps of a trace without ProfilerStep spans (a profile around a few iterations, no schedule,
+    no prof.step()): ({n: (start, end)}, thread) where step n ends with the n-th optimizer step of
+    the thread that ran most of them and starts where the one before ended (the first: at that
+    thread's first op), so zero_grad, data loading and the microbatches fall in the step they begin."""
+    thread = collections.Counter(tids).most_common(1)[0][0]
+    spans = sorted(span for span, tid in zip(optimizer, tids) if tid == thread)
+    merged: list[list[float]] = []
+    for start, end in spans:   # an optimizer step recorded in parts (nested ranges): one
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    first = min((op[0] for op in cpu_ops if op[3] == thread), default=merged[0][0])
+    steps, begin = {}, min(first, merged[0][0])
+    for number, (_, end) in enumerate(merged):
+        steps[number] = (begin, end)
+        begin = end
+    return steps, thread
 
 
 def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spans, comm, optimizer, unmapped,

@@ -129,6 +129,7 @@ class RankTrace:
     seq: np.ndarray | None = None     # int64 NCCL Seq of collectives (-1 elsewhere); None: the trace has none
     host: str | None = None      # the trace's host_name, when torch wrote it
     clock: str = ""              # ranks with equal clock keys share one clock (their host)
+    steps_inferred: bool = False  # no ProfilerStep: steps told by the optimizer's step spans
     origin_ns: int = 0           # recorded instant of time 0 of the span columns (baseTimeNanoseconds + first ts)
     gpu_work: int = 0            # GPU work items (kernels, copies, memsets; not NCCL) in the file
     gpu_work_unlinked: int = 0   # ... of which no CUDA launch (cuda_runtime / cuda_driver correlation) is in the file
