@@ -376,7 +376,10 @@ def _rank_axis(count: int, cell: int, title: str) -> alt.Axis:
     return alt.Axis(title=title, values=list(range(0, count, step)), labelAngle=0, labelOverlap=False)
 
 
-def worker_heatmap(workers: pd.DataFrame, title: str) -> alt.Chart:
+NO_ATTRIBUTION = "S < 1.03: no attribution computed"
+
+
+def worker_heatmap(workers: pd.DataFrame, title: str, empty: str = NO_ATTRIBUTION) -> alt.Chart:
     """SMon's worker heatmap: x = DP rank, y = PP rank, colour = S_w from 1.0 to 1.5 (clamped).
 
     Each cell carries its S_w as text only where the text fits (cells of at least _LABELLED_CELL
@@ -384,7 +387,7 @@ def worker_heatmap(workers: pd.DataFrame, title: str) -> alt.Chart:
     every k-th rank."""
     rows = workers.dropna(subset=["slowdown_worker"])
     if rows.empty:
-        return _empty(title, "S < 1.03: no attribution computed")
+        return _empty(title, empty)
     dp, pp = int(rows["dp_rank"].max()) + 1, int(rows["stage"].max()) + 1
     cell = max(8, min(48, 640 // max(dp, 1)))
     row_height = max(cell, 22 if pp > 1 else 40)
@@ -407,11 +410,11 @@ def worker_heatmap(workers: pd.DataFrame, title: str) -> alt.Chart:
     return alt.layer(*layers).properties(title=alt.TitleParams(title, subtitle=subtitle), width=cell * dp, height=row_height * pp)
 
 
-def step_heatmap(per_step: pd.DataFrame, group: str, title: str) -> alt.Chart:
+def step_heatmap(per_step: pd.DataFrame, group: str, title: str, empty: str = NO_ATTRIBUTION) -> alt.Chart:
     """Per-step heatmap: x = step, y = stage or DP rank, colour = that group's per-step S_g (1.0 to 1.5)."""
     rows = per_step.dropna(subset=["step"])
     if rows.empty:
-        return _empty(title, "S < 1.03: no per-step attribution computed")
+        return _empty(title, empty.replace("no attribution", "no per-step attribution"))
     label = {"stage": "PP rank", "dp_rank": "DP rank"}[group]
     groups = int(rows[group].nunique())
     return (
@@ -426,11 +429,11 @@ def step_heatmap(per_step: pd.DataFrame, group: str, title: str) -> alt.Chart:
     )
 
 
-def attribution_bars(rows: pd.DataFrame, field: str, title: str) -> alt.Chart:
+def attribution_bars(rows: pd.DataFrame, field: str, title: str, empty: str = NO_ATTRIBUTION) -> alt.Chart:
     """S attributed to each op type or stage over the window (rows with step null)."""
     rows = rows[rows["step"].isna()] if "step" in rows else rows
     if rows.empty:
-        return _empty(title, "S < 1.03: no attribution computed")
+        return _empty(title, empty)
     kind = "N" if field == "optype" else "O"
     bars = alt.Chart(rows).mark_bar(color="#f58518").encode(
         y=alt.Y(f"{field}:{kind}", title=None if field == "optype" else "PP rank", sort="-x" if field == "optype" else "ascending"),

@@ -76,12 +76,24 @@ def _evidence_value(value) -> str:
         return fmt(value, 3)
     if isinstance(value, list) and not value:
         return "none"
-    if isinstance(value, list) and isinstance(value[0], dict):     # peer workers
-        return "; ".join(f"dp {w['dp_rank']} / stage {w['stage']}: {w['ratio']:.2f}x in {w['slow_steps']} of {w['steps']} steps"
-                         for w in value)
+    if isinstance(value, list) and isinstance(value[0], dict):     # per worker: peer workers, untraced workers
+        return "; ".join(_worker_evidence(w) for w in value)
     if isinstance(value, dict):
         return ", ".join(f"{k}: {fmt(x, 3)}" for k, x in value.items())
     return json.dumps(value)
+
+
+def _worker_evidence(w: dict) -> str:
+    """One worker's entry of a per-worker evidence list, in words."""
+    head = f"dp {w.get('dp_rank')} / stage {w.get('stage')}"
+    if "ratio" in w:    # measured against its DP peers
+        return f"{head}: {w['ratio']:.2f}x in {w['slow_steps']} of {w['steps']} steps"
+    if "hidden_slowdown" in w:    # untraced CPU time
+        replayed = w.get("launch_slowdown")
+        return (f"{head}: untraced time {100 * (w['hidden_slowdown'] - 1):.0f}% of the step"
+                + ("" if replayed is None else f", the replay with it {100 * (replayed - 1):.0f}% longer"))
+    return f"{head}: " + ", ".join(f"{k} {fmt(x, 3) if isinstance(x, float) else x}" for k, x in w.items()
+                                   if k not in ("dp_rank", "stage"))
 
 
 def _verdict_blocks(v, fixes: dict, slowdown: float) -> list:
@@ -155,13 +167,17 @@ def build_job_page(data: ReportData, date: dt.date, job_id: str, out_dir: pathli
     else:
         blocks.append(Text("No timeline for this job window: `strag batch --timelines` writes one for every straggling window "
                            "(Chrome-trace JSON for Perfetto), and the report links it."))
+    # attribution is of the traced ops: where T holds named workers' untraced time, say whose S it is
+    untraced = getattr(s, "untraced_workers", None)
+    empty = charts.NO_ATTRIBUTION if untraced is None or not len(untraced) else \
+        "the traced ops' S < 1.03: no attribution computed (the slowdown is untraced CPU time)"
     blocks += [
         [Chart("steps", "Per-step slowdown", charts.step_slowdown_chart(steps, float(s.slowdown), "S_s per sampled step (dashed: S)")),
-         Chart("workers", "Worker heatmap", charts.worker_heatmap(workers, "S_w = min(S_dp, S_stage)"))],
-        [Chart("stage_steps", "Per-step heatmap by stage", charts.step_heatmap(stages, "stage", "S_stage per step")),
-         Chart("dp_steps", "Per-step heatmap by DP rank", charts.step_heatmap(dp_ranks, "dp_rank", "S_dp per step"))],
-        [Chart("optypes", "Slowdown by op type", charts.attribution_bars(optypes, "optype", "S_t - 1 per op type")),
-         Chart("stages", "Slowdown by stage", charts.attribution_bars(stages, "stage", "S_stage - 1 per stage"))],
+         Chart("workers", "Worker heatmap", charts.worker_heatmap(workers, "S_w = min(S_dp, S_stage)", empty))],
+        [Chart("stage_steps", "Per-step heatmap by stage", charts.step_heatmap(stages, "stage", "S_stage per step", empty)),
+         Chart("dp_steps", "Per-step heatmap by DP rank", charts.step_heatmap(dp_ranks, "dp_rank", "S_dp per step", empty))],
+        [Chart("optypes", "Slowdown by op type", charts.attribution_bars(optypes, "optype", "S_t - 1 per op type", empty)),
+         Chart("stages", "Slowdown by stage", charts.attribution_bars(stages, "stage", "S_stage - 1 per stage", empty))],
     ]
     page = render_page(
         job_title(job_id), f"{date.isoformat()} · what-if analysis of {s.n_steps} sampled steps · tables {data.out}",

@@ -37,7 +37,9 @@ FIX_NAMES: dict[str, str] = {
 # evidence key -> (label, one-line meaning). Shares are of the straggling time T - T_ideal.
 EVIDENCE_LABELS: dict[str, tuple[str, str]] = {
     "slowdown": ("slowdown S", "mean step time over the ideal step time (1.0 = no straggling)"),
-    "launch_slowdown": ("replay discrepancy", "observed over replayed step time; above 1.05 or below 1/1.05 the window is discarded"),
+    "slowdown_traced": ("slowdown S of the traced ops", "S without the named workers' untraced CPU time (METHOD.md's S)"),
+    "launch_slowdown": ("replay discrepancy without untraced time", "observed over the no-delay replay (METHOD.md); above 1.05 or "
+                        "below 1/1.05 the window is discarded, unless the named workers' untraced CPU time accounts for it"),
     "attributed": ("attributed", "whether per-worker and per-type attribution ran (S >= 1.03)"),
     "m_w": ("M_W: share explained by the top 3% workers", "idealising the slowest 3% of workers removes this share"),
     "m_s": ("M_S: share explained by the last stage", "idealising the last pipeline stage removes this share"),

@@ -158,6 +158,23 @@ def test_a_paused_workers_untraced_time_is_modelled_and_the_window_kept(raw_run,
                                           if job in ("clean", "slowed", "ddp", "st"))
 
 
+def test_the_job_page_of_a_modelled_pause_says_whose_untraced_time_it_is(raw_run, tmp_path):
+    """The report's page of the paused window: the replay discrepancy card names the worker whose
+    untraced time the replay includes (and METHOD's figure without it), the evidence lists its
+    untraced time in words, and the empty attribution charts say they are of the traced ops."""
+    import datetime as dt
+
+    from dashboards.data import load_report_data
+    from dashboards.job_page import build_job_page
+
+    out, _ = raw_run
+    page = build_job_page(load_report_data(out), dt.date.fromisoformat(DATE), "paused", tmp_path).read_text()
+    assert "the replay includes the untraced CPU time of dp 3 / stage 0 (without it: 6" in page
+    assert "dp 3 / stage 0: untraced time" in page and "of the step, the replay with it" in page
+    assert "the traced ops' S &lt; 1.03: no attribution computed (the slowdown is untraced CPU time)" in page \
+        or "the traced ops' S < 1.03: no attribution computed (the slowdown is untraced CPU time)" in page
+
+
 def test_ndtimeline_window_in_the_batch_equals_the_published_result(raw_run, reference_dir):
     import json
 

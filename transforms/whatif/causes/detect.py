@@ -361,6 +361,8 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     straggling = slowdown >= rules.straggling
     evidence: dict[str, object] = {"slowdown": slowdown, "launch_slowdown": float(result.launch_slowdown)}
     model_untraced(model, result)
+    if result.untraced is not None:   # S with the named workers' untraced time; METHOD's beside it
+        evidence.update(slowdown=result.model_slowdown, slowdown_traced=slowdown)
     if result.discarded or result.untraced is not None:
         return _measured_verdict(model, result, rules, evidence, paired or pair_signals(model, rules), work)
     tori, tideal = float(result.step_t_nodelay.mean()), float(result.step_t_noblk.mean())
