@@ -53,12 +53,19 @@ def _discrepancy_number(s) -> tuple[str, str, str]:
     replayed = getattr(s, "replay_discrepancy", None)
     replayed = s.launch_slowdown if replayed is None or replayed != replayed else replayed
     note = "discarded: replay off by more than 5%" if s.discarded else "within 5%: kept"
-    workers = getattr(s, "untraced_workers", None)
-    if workers is not None and len(workers):
+    workers = _untraced_workers(s)
+    if workers:
         named = ", ".join(f"dp {w['dp_rank']} / stage {w['stage']}" for w in workers)
         note += (f"; the replay includes the untraced CPU time of {named} "
                  f"(without it: {100 * (s.launch_slowdown - 1):.1f}%)")
     return ("replay discrepancy", f"{100 * (replayed - 1):.1f}%", note)
+
+
+def _untraced_workers(s) -> list:
+    """The workers whose untraced CPU time the window's T includes ([] when none, or in rows written
+    before the column existed)."""
+    workers = getattr(s, "untraced_workers", None)
+    return [] if workers is None else list(workers)
 
 
 def _saved_number(fixes: dict, cause: str) -> tuple[str, str, str]:
@@ -168,8 +175,7 @@ def build_job_page(data: ReportData, date: dt.date, job_id: str, out_dir: pathli
         blocks.append(Text("No timeline for this job window: `strag batch --timelines` writes one for every straggling window "
                            "(Chrome-trace JSON for Perfetto), and the report links it."))
     # attribution is of the traced ops: where T holds named workers' untraced time, say whose S it is
-    untraced = getattr(s, "untraced_workers", None)
-    empty = charts.NO_ATTRIBUTION if untraced is None or not len(untraced) else \
+    empty = charts.NO_ATTRIBUTION if not _untraced_workers(s) else \
         "the traced ops' S < 1.03: no attribution computed (the slowdown is untraced CPU time)"
     blocks += [
         [Chart("steps", "Per-step slowdown", charts.step_slowdown_chart(steps, float(s.slowdown), "S_s per sampled step (dashed: S)")),

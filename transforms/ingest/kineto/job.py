@@ -234,10 +234,9 @@ def _check_devices(ranks: Sequence[RankTrace], job_id: str) -> None:
 
 
 def _check_job(ranks: Sequence[RankTrace], job_id: str) -> int:
-    """Ranks of another job (world size, backend, NCCL version, process groups, when they ran),
-    duplicate ranks, GPU ranks without their GPU work (_check_devices); returns the world size."""
-    # world sizes first: two files of one rank number but of different world sizes are ranks of two jobs
-    _odd_value(ranks, lambda t: t.world, "world size", job_id)
+    """Ranks of another job (backend, NCCL version, process groups, when they ran; `assemble` checked
+    the world sizes before splitting the cycles), duplicate ranks, GPU ranks without their GPU work
+    (_check_devices); returns the world size."""
     seen: dict[int, str] = {}
     for trace in ranks:
         if trace.rank in seen:

@@ -360,11 +360,11 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     slowdown = float(result.slowdown)
     straggling = slowdown >= rules.straggling
     evidence: dict[str, object] = {"slowdown": slowdown, "launch_slowdown": float(result.launch_slowdown)}
-    model_untraced(model, result)
+    untraced = model_untraced(model, result)
     if result.untraced is not None:   # S with the named workers' untraced time; METHOD's beside it
         evidence.update(slowdown=result.model_slowdown, slowdown_traced=slowdown)
     if result.discarded or result.untraced is not None:
-        return _measured_verdict(model, result, rules, evidence, paired or pair_signals(model, rules), work)
+        return _measured_verdict(model, result, rules, evidence, paired or pair_signals(model, rules), work, untraced)
     tori, tideal = float(result.step_t_nodelay.mean()), float(result.step_t_noblk.mean())
     gap = tori - tideal
     if result.by_optype is None or result.mw is None or gap <= 0:
@@ -479,38 +479,41 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
                    timings)
 
 
-def model_untraced(model: JobModel, result: WhatIfResult) -> None:
+def model_untraced(model: JobModel, result: WhatIfResult) -> list | None:
     """Set `result.untraced` when what ran is more than 5% longer than the no-delay replay, the
     workers whose untraced CPU time makes it are named (`_untraced_workers`: measured beyond their
     peers' and the job's, and confirmed by the replay), and the replay with only their launch
     delays given back is within 5% of what ran: the model then explains the trace, with their
-    untraced time as work of its own (result.UntracedWork), and the window is kept."""
+    untraced time as work of its own (result.UntracedWork), and the window is kept. Returns
+    `_untraced_workers`' answer when it was asked (None: not asked)."""
     if result.untraced is not None or not result.launch_slowdown > DISCREPANCY_LIMIT:
-        return
-    named = [worker for worker, *_ in _untraced_workers(model, result)]
-    if not named:
-        return
-    mask = worker_set_mask(model, named)
-    spans = replay(model, [Scenario("untraced", model.original_cost, Mix(0.0, model.launch_delay, mask))]).span("untraced")
-    if not discrepancy_discards(float(result.step_t_base.mean() / spans.mean())):
-        result.untraced = UntracedWork(tuple(named), spans)
+        return None
+    untraced = _untraced_workers(model, result)
+    named = [worker for worker, *_ in untraced]
+    if named:
+        mask = worker_set_mask(model, named)
+        spans = replay(model, [Scenario("untraced", model.original_cost, Mix(0.0, model.launch_delay, mask))]).span("untraced")
+        if not discrepancy_discards(float(result.step_t_base.mean() / spans.mean())):
+            result.untraced = UntracedWork(tuple(named), spans)
+    return untraced
 
 
 def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, evidence: dict,
-                      paired: PairSignals, work: ChunkWork | None = None) -> Verdict:
+                      paired: PairSignals, work: ChunkWork | None = None, untraced: list | None = None) -> Verdict:
     """The verdict of a window whose replay does not match its trace (discrepancy beyond 5% either
     way), or matches it only with named workers' untraced time modelled (`model_untraced`): no
     what-if fix of traced ops, only causes the trace measures, ranked by how clearly:
     a worker >= worker_alarm_ratio its DP peers (beyond the noise floor), a model chunk >=
     stage_alarm_ratio the median chunk's compute, and untraced-cpu: one worker's untraced CPU
     time making the discrepancy (its fix: that time removed, against what ran). Nothing measured:
-    "none", since S itself comes from the replay that does not match."""
+    "none", since S itself comes from the replay that does not match. untraced: `_untraced_workers`'
+    answer when the caller has it."""
     slowdown, launch = float(result.model_slowdown), float(result.launch_slowdown)
     evidence.update(paired.evidence)
     measured: dict[str, float] = {}                  # cause -> how clearly it measures (a ratio)
     implicated: dict[str, list[tuple[int, int]]] = {}
     fixes: dict[str, Fix] = {}
-    untraced = _untraced_workers(model, result)
+    untraced = _untraced_workers(model, result) if untraced is None else untraced
     if untraced:
         measured["untraced-cpu"], implicated["untraced-cpu"] = _untraced_cause(result, untraced, evidence, fixes)
     blamed = paired.peers.blamed(rules) if paired.peers is not None else []
