@@ -204,12 +204,26 @@ def assert_same(got, expected) -> None:
     assert list(got.unmapped.items()) == list(expected.unmapped.items())
 
 
+@pytest.fixture(params=["c", "msgspec"])
+def scan_mode(request, monkeypatch):
+    """Read by the compiled scanner (scan.c), or by msgspec throughout (the path without a compiler)."""
+    if request.param == "c":
+        from transforms.ingest.kineto import scan
+
+        try:
+            scan._load()
+        except scan.LibraryBuildError as error:
+            pytest.skip(f"no C scanner here: {error}")
+    monkeypatch.setenv("STRAG_SCAN", request.param)
+    return request.param
+
+
 def _document_bytes(document: dict, *, indent: bool = True) -> bytes:
     return orjson.dumps(document, option=orjson.OPT_INDENT_2 if indent else 0)
 
 
 @pytest.mark.parametrize("path", HTA, ids=lambda p: p.name)
-def test_real_gpu_traces_parse_as_the_reference_does(path):
+def test_real_gpu_traces_parse_as_the_reference_does(path, scan_mode):
     data = path.read_bytes()
     expected = reference(str(path), data)
     assert_same(streamed(str(path), data), expected)
@@ -250,7 +264,7 @@ def generated(tmp_path_factory):
     return paths
 
 
-def test_generated_traces_parse_as_the_reference_does(generated):
+def test_generated_traces_parse_as_the_reference_does(generated, scan_mode):
     for path in generated:
         data = pathlib.Path(path).read_bytes()
         expected = reference(str(path), data)
@@ -263,7 +277,7 @@ def _gpu_document() -> dict:
     return orjson.loads(gzip.decompress((ROOT.parent / "shared" / "traces" / "hta" / "nccl_data.json.gz").read_bytes()))
 
 
-def test_any_event_order_and_keys_after_the_events():
+def test_any_event_order_and_keys_after_the_events(scan_mode):
     document = _gpu_document()
     events = document["traceEvents"]
     shuffled = [events[i] for i in np.random.default_rng(3).permutation(len(events))]
@@ -278,7 +292,7 @@ def test_any_event_order_and_keys_after_the_events():
         assert_same(streamed("late.json", gzip.compress(data, 1), chunk_bytes=chunk_bytes), expected)
 
 
-def test_escaped_quotes_and_brackets_in_names():
+def test_escaped_quotes_and_brackets_in_names(scan_mode):
     document = _gpu_document()
     events = document["traceEvents"]
     tricky = ['a "[{" b', 'x}, {"ph": "X"', "]}]}", 'back\\\\"slash', 'tail}\n  },\n  {', "ProfilerStep#x}"]
@@ -302,7 +316,7 @@ def test_escaped_quotes_and_brackets_in_names():
     assert_same(streamed("tricky.json", compact, chunk_bytes=700), expected)
 
 
-def test_gzip_members_concatenated():
+def test_gzip_members_concatenated(scan_mode):
     data = _document_bytes(_gpu_document())
     half = len(data) // 2
     two = gzip.compress(data[:half]) + gzip.compress(data[half:])
@@ -313,8 +327,9 @@ def test_gzip_members_concatenated():
     b"", b"   ", b"PAR1\x00\x01 this is not json", b'{"traceEvents": [', b'{"traceEvents": [{"ph": "X"}, ',
     b'{"traceEvents": [{"ph": "X"}] , "x": }', b'{"traceEvents": []} trailing', b'{"traceEvents": [}]}',
     b'{"traceEvents": [{"ph": "X"}}]}', b'{"traceEvents": [{"ph": "X" "cat": 1}]}', b'{"a": 1',
+    b'{"traceEvents": [{"ph": "X"}, ]}', b'{"traceEvents": [{"ph": "X"}, {"ph": "X"},\n ]}',
 ])
-def test_broken_json_is_unreadable(content):
+def test_broken_json_is_unreadable(content, scan_mode):
     for data in (content, gzip.compress(content)):
         assert streamed("bad.json", data) == "raw_unreadable" == reference("bad.json", data)
 
@@ -325,7 +340,7 @@ def test_broken_json_is_unreadable(content):
     {"traceEvents": [{"ph": "X", "ts": "12", "dur": 1, "cat": "cpu_op", "name": "ProfilerStep#1"}],
      "distributedInfo": {"rank": 0, "world_size": 1}},
 ])
-def test_documents_that_are_no_trace(document):
+def test_documents_that_are_no_trace(document, scan_mode):
     data = json.dumps(document).encode()
     if isinstance(document, dict) and document.get("traceEvents") == [1, 2]:
         with pytest.raises(AttributeError):   # the old path failed so too: an event must be an object

@@ -34,12 +34,12 @@ from __future__ import annotations
 import ctypes
 import os
 import pathlib
-import stat
 import sys
 import threading
-import zlib
 
 import numpy as np
+
+from transforms.native import LibraryBuildError, LibraryRefused, load_library, short_reason
 
 __all__ = ["BLOCK_LANES", "available", "wanted", "canonical", "replay_scenario", "op_layout", "repack",
            "KernelBuildError", "KernelRefused"]
@@ -56,12 +56,7 @@ _build_error: str | None = None
 _reported = False   # the fallback line was printed (once per process)
 
 
-class KernelBuildError(RuntimeError):
-    """The C kernel could not be built or loaded (no compiler, compiler error, refused); says why."""
-
-
-class KernelRefused(KernelBuildError):
-    """A cached kernel library (or its folder) is not this user's, or others can write it."""
+KernelBuildError, KernelRefused = LibraryBuildError, LibraryRefused   # the names the replay's callers know
 
 
 def wanted() -> bool:
@@ -87,19 +82,11 @@ def available() -> bool:
     except KernelBuildError as error:
         if not _reported:
             _reported = True
-            reason = " ".join(str(error).split())
-            reason = reason if len(reason) <= 400 else reason[:400] + " ..."
+            reason = short_reason(error)
             print(f"strag: C replay kernel not used ({reason}); replaying with numpy (same results, "
                   "~4x slower on big jobs)", file=sys.stderr, flush=True)
         return False
     return True
-
-
-def _cache_dir() -> pathlib.Path:
-    configured = os.environ.get("STRAG_KERNEL_CACHE")
-    if configured:
-        return pathlib.Path(configured)
-    return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "strag"
 
 
 def _load() -> ctypes.CDLL:
@@ -109,30 +96,10 @@ def _load() -> ctypes.CDLL:
         return _library
     if _build_error is not None:
         raise KernelBuildError(_build_error)
-    compiler = os.environ.get("CC", "cc")
-    source = SOURCE.read_bytes()
-    key = zlib.crc32(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), os.uname().machine.encode()]))
-    folder = _cache_dir()
-    target = folder / f"kernel-{key:08x}.so"
     try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        _check_private(folder, "cache folder")
-        if not target.exists():
-            _build(compiler, target)
-        _check_private(target, "library")
-        try:
-            if not _whole(target):   # dlopen of a truncated ELF file can crash the process (SIGBUS)
-                raise OSError(f"{target} is truncated")
-            library = ctypes.CDLL(str(target))
-        except OSError:   # a cached library that does not load (truncated, corrupt): built again
-            target.unlink()
-            _build(compiler, target)
-            library = ctypes.CDLL(str(target))
-    except KernelRefused as error:
+        library = load_library(SOURCE, FLAGS)
+    except LibraryBuildError as error:
         _build_error = str(error)
-        raise KernelBuildError(_build_error) from None
-    except (OSError, KernelBuildError) as error:
-        _build_error = f"cannot build the C kernel {SOURCE} with {compiler!r}: {error}"
         raise KernelBuildError(_build_error) from None
     function = library.strag_replay
     function.restype = None
@@ -142,57 +109,6 @@ def _load() -> ctypes.CDLL:
     library.strag_repack.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 6
     _library = library
     return library
-
-
-def _whole(path: pathlib.Path) -> bool:
-    """False when `path` is an ELF file shorter than its own header says (its section header table,
-    written last by the linker, ends past the end of the file); True otherwise (dlopen judges the rest)."""
-    import struct
-
-    with open(path, "rb") as handle:
-        header = handle.read(64)
-    if header[:4] != b"\x7fELF":
-        return True   # not ELF at all: dlopen refuses it with an error (or it is another platform's format)
-    if len(header) < 64 or header[4] not in (1, 2) or header[5] not in (1, 2):
-        return False
-    order = "<" if header[5] == 1 else ">"
-    if header[4] == 2:
-        (offset,), (size, count) = struct.unpack_from(order + "Q", header, 0x28), struct.unpack_from(order + "HH", header, 0x3A)
-    else:
-        (offset,), (size, count) = struct.unpack_from(order + "I", header, 0x20), struct.unpack_from(order + "HH", header, 0x2E)
-    return offset + size * count <= path.stat().st_size
-
-
-def _check_private(path: pathlib.Path, what: str) -> None:
-    """Raise KernelRefused unless `path` is owned by this user and not writable by group or others."""
-    info = path.stat()
-    if info.st_uid != os.geteuid():
-        raise KernelRefused(f"refusing to load the kernel: its {what} {path} is owned by uid {info.st_uid}, "
-                            f"not by this user (uid {os.geteuid()}); set STRAG_KERNEL_CACHE to a folder of yours")
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise KernelRefused(f"refusing to load the kernel: its {what} {path} is writable by others "
-                            f"(mode {stat.S_IMODE(info.st_mode):o}); chmod go-w it or remove it")
-
-
-def _build(compiler: str, target: pathlib.Path) -> None:
-    """Compile the kernel into `target` atomically (concurrent builders each write their own file)."""
-    import subprocess   # here, not at the top: only the first use on a machine builds
-    import tempfile
-
-    handle, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so", dir=target.parent)
-    os.close(handle)
-    try:
-        try:
-            done = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
-                                  timeout=120)
-        except subprocess.SubprocessError as error:   # timeout
-            raise KernelBuildError(str(error)) from None
-        if done.returncode:
-            raise KernelBuildError(done.stderr.strip()[-2000:] or f"exit status {done.returncode}")
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
 
 
 def op_layout(model) -> tuple[np.ndarray, ...]:

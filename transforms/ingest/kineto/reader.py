@@ -34,6 +34,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from transforms.ingest.kineto import scan as _scan
 from transforms.ingest.kineto.columns import ArgsKeys, EventColumns, columns_of, general_columns
 
 try:   # ISA-L's inflate: the same stream at about 3x zlib's speed
@@ -91,9 +92,10 @@ class TraceEvent(msgspec.Struct, gc=False):
 _DECODE_EVENTS = msgspec.json.Decoder(list[TraceEvent])
 
 
-def read_trace(data: bytes, *, chunk_bytes: int = CHUNK_BYTES) -> "TraceReader":
-    """A reader of one rank file's content (gzip or plain JSON bytes)."""
-    return TraceReader(data, chunk_bytes=chunk_bytes)
+def read_trace(data: bytes, *, chunk_bytes: int = CHUNK_BYTES, scan: bool = True) -> "TraceReader":
+    """A reader of one rank file's content (gzip or plain JSON bytes); `scan=False`: never the
+    compiled scanner (the msgspec path throughout)."""
+    return TraceReader(data, chunk_bytes=chunk_bytes, scan=scan)
 
 
 class _Text:
@@ -158,8 +160,9 @@ class _Text:
 class TraceReader:
     """See the module docstring. `chunks()` may be iterated once; `top` holds the other top-level keys."""
 
-    def __init__(self, data: bytes, *, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, data: bytes, *, chunk_bytes: int = CHUNK_BYTES, scan: bool = True):
         self._text = _Text(data)
+        self._scan = scan
         self._chunk_bytes = chunk_bytes
         self.top: dict[str, Any] = {}
         self.events = 0
@@ -259,14 +262,57 @@ class TraceReader:
         return value
 
     def _array(self) -> Iterator[EventColumns]:
-        """The events of traceEvents (read position just after its `[`), a run at a time."""
-        text, size = self._text, self._chunk_bytes
+        """The events of traceEvents (read position just after its `[`), a run at a time: by the
+        compiled scanner (scan.py) while it takes the events, else a run the msgspec way."""
+        text = self._text
         at = text.skip_whitespace()
         if at < 0:
             raise TraceUnreadable("JSONDecodeError: the document ends inside traceEvents")
         if text.buf[at] == ord("]"):
             text.pos += 1
             return
+        scanner = _scan.scanner() if self._scan else None
+        size = self._chunk_bytes
+        while True:
+            if scanner is not None:
+                text.more(size)
+                buf, pos = text.buf, text.pos
+                limit = min(len(buf), pos + size)
+                status, end, columns = scanner.scan(buf, pos, limit)
+                del buf
+                if columns is not None:
+                    self.events += columns.n
+                    text.pos = end
+                    if columns.first_complete is not None:
+                        self._lean = True
+                    yield columns
+                    del columns
+                if status == _scan.END:
+                    text.pos = end
+                    return
+                if status == _scan.FULL or (status == _scan.MORE and end > pos):
+                    continue
+                if status == _scan.MORE:   # an event longer than the window, or the end of the bytes so far
+                    if limit < len(text.buf):
+                        size *= 2
+                    elif not text.more(len(text.buf) - pos + size):
+                        raise TraceUnreadable("JSONDecodeError: the document ends inside traceEvents")
+                    continue
+                # BAD or STRAY at `end`: a run from there the msgspec way (its error, or the general structs)
+            columns, size, done = self._msgspec_run(size)
+            self.events += columns.n
+            yield columns
+            del columns
+            if done:
+                return
+
+    def _msgspec_run(self, size: int) -> tuple[EventColumns, int, bool]:
+        """One run of events decoded by msgspec from the read position (the start of an event):
+        (its columns, the run size, whether traceEvents ended after it)."""
+        text = self._text
+        at = text.skip_whitespace()
+        if at >= 0 and text.buf[at] == ord("]"):   # `[..., ]`
+            raise TraceUnreadable("JSONDecodeError: a `,` with no event after it ends traceEvents")
         while True:
             text.more(size)
             buf, pos = text.buf, text.pos
@@ -294,19 +340,16 @@ class TraceReader:
                 except msgspec.DecodeError as error:
                     raise TraceUnreadable(f"JSONDecodeError: {error}") from None
                 cut -= 1
-            self.events += columns.n
             text.pos = cut + 1
-            yield columns
-            del columns
             at = text.skip_whitespace()
             if at < 0:
                 raise TraceUnreadable("JSONDecodeError: the document ends inside traceEvents")
             text.pos = at + 1
             if text.buf[at] == ord("]"):
-                return
+                return columns, size, True
             if text.buf[at] != ord(","):
                 raise TraceUnreadable(f"JSONDecodeError: unexpected {chr(text.buf[at])!r} between events")
-
+            return columns, size, False
 
     def _decode(self, array: bytes) -> EventColumns:
         """The columns of a run (`[...]`): by the category-tagged structs, else (events that stray

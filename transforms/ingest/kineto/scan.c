@@ -1,0 +1,604 @@
+/* The event scanner of the Kineto reader (scan.py): the elements of a trace's `traceEvents` array
+ * straight into columns, one pass over the bytes, no object per event.
+ *
+ * strag_scan reads whole events from buf[pos:len] (pos: the start of an element, or the
+ * whitespace before it) and writes, per event, the columns scan.py turns into `EventColumns`:
+ * category code (CATEGORY_CODES in scan.py; 0 for every other category or none), ph
+ * (1 X, 2 s, 3 f, 0 other or none), ts and dur (NaN when absent or null), the ids of the tid and
+ * name (interned in the state's tables, -1 when absent or not read), args.correlation (INT64_MIN
+ * when absent or null), and the byte span of the args object (relative to the call's pos; -1 when
+ * absent or null). Names are read of the categories whose names the converter reads (codes 3-8),
+ * tids of those and the CUDA calls (1-2). Every value is checked as JSON (strings, escapes,
+ * numbers, literals, nesting) while it is skipped.
+ *
+ * It stops, and says why in result[2], at the array's `]` (END, consumed), when `cap` events are
+ * written (FULL), at an event that does not end before `len` (MORE: give more bytes), at malformed
+ * JSON (BAD), or at an event the columns do not take (STRAY: not an object, a key with an escape,
+ * ph/cat no string, ts/dur no finite number, a tid that is an object or array, args no object, a
+ * correlation that is no int64, nesting deeper than 256). result[0] is the events written,
+ * result[1] the position to go on from: after the last whole event and its `,` (or `]`). On BAD
+ * and STRAY the caller decodes from there the way it did before the scanner (msgspec), which
+ * says what is wrong or reads what the columns do not take.
+ *
+ * Numbers: one whose digits make a mantissa m below 2^53 and whose power of ten k is at most 22
+ * is exact as one IEEE operation (m / 10^k, m * 10^k: both operands exact, one rounding); every
+ * other number goes through strtod. Both round correctly, as msgspec does. A correlation is an
+ * integer of at most 18 digits here (a longer one: STRAY).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { MORE = 0, END = 1, FULL = 2, BAD = -1, STRAY = -2, NOMEM = -3, OK = 3 };
+enum { MAX_DEPTH = 256 };
+
+typedef struct {
+    char *arena;
+    int64_t arena_len, arena_cap;
+    int64_t *offset;
+    int32_t *length;
+    uint64_t *hash;
+    int64_t count, cap;
+    int32_t *slots;      /* open addressing: id + 1, 0 empty */
+    int64_t n_slots;
+} table_t;
+
+typedef struct {
+    table_t names, tids;
+} state_t;
+
+typedef struct {
+    const uint8_t *p, *e;
+} cur_t;
+
+static uint8_t string_special[256];   /* '"', '\\' and control characters */
+static int8_t hex_value[256];
+static int tables_ready;
+
+static void init_tables(void) {
+    if (tables_ready) return;
+    for (int i = 0; i < 256; i++) {
+        string_special[i] = (i < 0x20 || i == '"' || i == '\\');
+        hex_value[i] = (i >= '0' && i <= '9') ? i - '0' : (i >= 'a' && i <= 'f') ? i - 'a' + 10
+                     : (i >= 'A' && i <= 'F') ? i - 'A' + 10 : -1;
+    }
+    tables_ready = 1;
+}
+
+void *strag_scan_new(void) {
+    init_tables();
+    return calloc(1, sizeof(state_t));
+}
+
+static void table_free(table_t *t) {
+    free(t->arena); free(t->offset); free(t->length); free(t->hash); free(t->slots);
+}
+
+void strag_scan_free(void *state) {
+    state_t *s = state;
+    if (!s) return;
+    table_free(&s->names);
+    table_free(&s->tids);
+    free(s);
+}
+
+static uint64_t hash_bytes(const uint8_t *p, int64_t n) {
+    uint64_t h = 1469598103934665603ULL;
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        h = (h ^ w) * 1099511628211ULL;
+        h ^= h >> 29;
+        p += 8; n -= 8;
+    }
+    while (n-- > 0) h = (h ^ *p++) * 1099511628211ULL;
+    h ^= h >> 32;
+    return h;
+}
+
+static int table_grow_slots(table_t *t) {
+    int64_t n = t->n_slots ? t->n_slots * 2 : 1024;
+    int32_t *slots = calloc((size_t)n, sizeof(int32_t));
+    if (!slots) return 0;
+    for (int64_t id = 0; id < t->count; id++) {
+        int64_t at = (int64_t)(t->hash[id] & (uint64_t)(n - 1));
+        while (slots[at]) at = (at + 1) & (n - 1);
+        slots[at] = (int32_t)(id + 1);
+    }
+    free(t->slots);
+    t->slots = slots;
+    t->n_slots = n;
+    return 1;
+}
+
+/* the id of bytes p[0:n] in t, added when new; -1 when out of memory */
+static int32_t intern(table_t *t, const uint8_t *p, int64_t n) {
+    uint64_t h = hash_bytes(p, n);
+    if ((t->count + 1) * 2 > t->n_slots && !table_grow_slots(t)) return -1;
+    int64_t mask = t->n_slots - 1, at = (int64_t)(h & (uint64_t)mask);
+    for (;;) {
+        int32_t slot = t->slots[at];
+        if (!slot) break;
+        int64_t id = slot - 1;
+        if (t->hash[id] == h && t->length[id] == n && memcmp(t->arena + t->offset[id], p, (size_t)n) == 0)
+            return (int32_t)id;
+        at = (at + 1) & mask;
+    }
+    if (t->count == t->cap) {
+        int64_t cap = t->cap ? t->cap * 2 : 256;
+        int64_t *offset = realloc(t->offset, (size_t)cap * sizeof(int64_t));
+        if (!offset) return -1;
+        t->offset = offset;
+        int32_t *length = realloc(t->length, (size_t)cap * sizeof(int32_t));
+        if (!length) return -1;
+        t->length = length;
+        uint64_t *hash = realloc(t->hash, (size_t)cap * sizeof(uint64_t));
+        if (!hash) return -1;
+        t->hash = hash;
+        t->cap = cap;
+    }
+    if (t->arena_len + n > t->arena_cap) {
+        int64_t cap = t->arena_cap ? t->arena_cap : 4096;
+        while (cap < t->arena_len + n) cap *= 2;
+        char *arena = realloc(t->arena, (size_t)cap);
+        if (!arena) return -1;
+        t->arena = arena;
+        t->arena_cap = cap;
+    }
+    memcpy(t->arena + t->arena_len, p, (size_t)n);
+    int64_t id = t->count++;
+    t->offset[id] = t->arena_len;
+    t->length[id] = (int32_t)n;
+    t->hash[id] = h;
+    t->arena_len += n;
+    t->slots[at] = (int32_t)(id + 1);
+    return (int32_t)id;
+}
+
+/* how many entries table `which` (0 names, 1 tids) holds */
+int64_t strag_scan_count(void *state, int which) {
+    state_t *s = state;
+    return which ? s->tids.count : s->names.count;
+}
+
+/* entries [first, count) of table `which`: their bytes one after the other into out (of size
+ * cap), their lengths into lengths; returns the bytes written, -1 when cap is too small */
+int64_t strag_scan_entries(void *state, int which, int64_t first, char *out, int64_t cap, int32_t *lengths) {
+    state_t *s = state;
+    table_t *t = which ? &s->tids : &s->names;
+    int64_t written = 0;
+    for (int64_t id = first; id < t->count; id++) {
+        int64_t n = t->length[id];
+        if (written + n > cap) return -1;
+        memcpy(out + written, t->arena + t->offset[id], (size_t)n);
+        lengths[id - first] = (int32_t)n;
+        written += n;
+    }
+    return written;
+}
+
+/* the bytes table `which` holds in all (for the caller's buffer) */
+int64_t strag_scan_bytes(void *state, int which, int64_t first) {
+    state_t *s = state;
+    table_t *t = which ? &s->tids : &s->names;
+    return first < t->count ? t->arena_len - t->offset[first] : 0;
+}
+
+/* ------------------------------------------------------------------ JSON pieces */
+
+static inline int is_ws(uint8_t c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; }
+
+static inline void skip_ws(cur_t *c) {
+    while (c->p < c->e && is_ws(*c->p)) c->p++;
+}
+
+/* the string at c->p (a '"'): its content [*s, *se), whether it holds an escape */
+static int scan_string(cur_t *c, const uint8_t **s, const uint8_t **se, int *escaped) {
+    const uint8_t *p = c->p + 1, *e = c->e;
+    int esc = 0;
+    for (;;) {
+        while (p + 4 <= e && !string_special[p[0]] && !string_special[p[1]] && !string_special[p[2]]
+               && !string_special[p[3]])
+            p += 4;
+        if (p >= e) return MORE;
+        uint8_t ch = *p;
+        if (ch == '"') break;
+        if (ch == '\\') {
+            esc = 1;
+            if (p + 1 >= e) return MORE;
+            uint8_t n = p[1];
+            if (n == 'u') {
+                if (p + 6 > e) return MORE;
+                if ((hex_value[p[2]] | hex_value[p[3]] | hex_value[p[4]] | hex_value[p[5]]) < 0) return BAD;
+                p += 6;
+                continue;
+            }
+            if (n == '"' || n == '\\' || n == '/' || n == 'b' || n == 'f' || n == 'n' || n == 'r' || n == 't') {
+                p += 2;
+                continue;
+            }
+            return BAD;
+        }
+        if (ch < 0x20) return BAD;
+        p++;
+    }
+    if (s) { *s = c->p + 1; *se = p; *escaped = esc; }
+    c->p = p + 1;
+    return OK;
+}
+
+/* digits are taken into the mantissa while it is below this (18 digits at least; more: strtod) */
+#define BIG 100000000000000000ULL
+static const double POW10[23] = {1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14,
+                                  1e15, 1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
+
+/* the number at c->p: checked against JSON's grammar; its value when value is given; *integral
+ * when it has no fraction or exponent, then *whole its value when it fits an int64 (*fits) */
+static int scan_number(cur_t *c, double *value, int *integral, int64_t *whole, int *fits) {
+    const uint8_t *p = c->p, *e = c->e, *start = p;
+    int negative = 0;
+    if (p < e && *p == '-') { negative = 1; p++; }
+    if (p >= e) return MORE;
+    uint64_t mantissa = 0;
+    int frac_digits = 0, overflow = 0;
+    if (*p == '0') {
+        p++;
+    } else if (*p >= '1' && *p <= '9') {
+        while (p < e && *p >= '0' && *p <= '9') {
+            if (mantissa < BIG) mantissa = mantissa * 10 + (uint64_t)(*p - '0'); else overflow = 1;
+            p++;
+        }
+    } else {
+        return BAD;
+    }
+    int has_frac = 0, has_exp = 0, exp_negative = 0;
+    int64_t exponent = 0;
+    if (p < e && *p == '.') {
+        has_frac = 1;
+        p++;
+        if (p >= e) return MORE;
+        if (!(*p >= '0' && *p <= '9')) return BAD;
+        while (p < e && *p >= '0' && *p <= '9') {
+            if (mantissa < BIG) { mantissa = mantissa * 10 + (uint64_t)(*p - '0'); frac_digits++; } else overflow = 1;
+            p++;
+        }
+    }
+    if (p < e && (*p == 'e' || *p == 'E')) {
+        has_exp = 1;
+        p++;
+        if (p < e && (*p == '+' || *p == '-')) { exp_negative = *p == '-'; p++; }
+        if (p >= e) return MORE;
+        if (!(*p >= '0' && *p <= '9')) return BAD;
+        while (p < e && *p >= '0' && *p <= '9') {
+            if (exponent < 100000) exponent = exponent * 10 + (*p - '0');
+            p++;
+        }
+    }
+    if (p >= e) return MORE;   /* a number ends before the `,` or `}` that follows it */
+    c->p = p;
+    if (integral) {
+        *integral = !has_frac && !has_exp;
+        *fits = 0;
+        if (*integral && !overflow) {
+            if (!negative && mantissa <= (uint64_t)INT64_MAX) { *whole = (int64_t)mantissa; *fits = 1; }
+            else if (negative && mantissa <= (uint64_t)INT64_MAX) { *whole = -(int64_t)mantissa; *fits = 1; }
+        }
+    }
+    if (value) {
+        int64_t power = (exp_negative ? -exponent : exponent) - frac_digits;
+        if (!overflow && mantissa < (1ULL << 53) && power >= -22 && power <= 22) {
+            double m = (double)mantissa;
+            double v = power < 0 ? m / POW10[-power] : m * POW10[power];
+            *value = negative ? -v : v;
+        } else {
+            char local[128];
+            size_t n = (size_t)(p - start);
+            char *text = n < sizeof local ? local : malloc(n + 1);
+            if (!text) return NOMEM;
+            memcpy(text, start, n);
+            text[n] = 0;
+            *value = strtod(text, NULL);
+            if (text != local) free(text);
+        }
+    }
+    return OK;
+}
+
+static int scan_literal(cur_t *c) {
+    static const char *words[3] = {"true", "false", "null"};
+    const char *word = *c->p == 't' ? words[0] : *c->p == 'f' ? words[1] : words[2];
+    size_t n = strlen(word);
+    for (size_t i = 0; i < n; i++) {
+        if (c->p + i >= c->e) return MORE;
+        if (c->p[i] != (uint8_t)word[i]) return BAD;
+    }
+    c->p += n;
+    return OK;
+}
+
+/* an object's key at c->p and its ':' (c->p then at the value): OK, or why not */
+static int object_key(cur_t *c, const uint8_t **key, int64_t *key_n, int *escaped) {
+    const uint8_t *end;
+    int status;
+    if (*c->p != '"') return BAD;
+    if ((status = scan_string(c, key, &end, escaped)) != OK) return status;
+    *key_n = end - *key;
+    skip_ws(c);
+    if (c->p >= c->e) return MORE;
+    if (*c->p != ':') return BAD;
+    c->p++;
+    skip_ws(c);
+    return c->p < c->e ? OK : MORE;
+}
+
+/* after a member's value: NEXT (c->p at the next key) or CLOSED (past the object's '}') */
+enum { NEXT = 10, CLOSED = 11 };
+static int object_next(cur_t *c) {
+    skip_ws(c);
+    if (c->p >= c->e) return MORE;
+    if (*c->p == '}') { c->p++; return CLOSED; }
+    if (*c->p != ',') return BAD;
+    c->p++;
+    skip_ws(c);
+    return c->p < c->e ? NEXT : MORE;
+}
+
+static int skip_value(cur_t *c, int depth);
+
+static int skip_container(cur_t *c, int depth) {
+    if (depth > MAX_DEPTH) return STRAY;
+    int object = *c->p == '{';
+    c->p++;
+    skip_ws(c);
+    if (c->p >= c->e) return MORE;
+    if (*c->p == (object ? '}' : ']')) { c->p++; return OK; }
+    for (;;) {
+        int status;
+        if (object) {
+            const uint8_t *key;
+            int64_t key_n;
+            int escaped;
+            if ((status = object_key(c, &key, &key_n, &escaped)) != OK) return status;
+            if ((status = skip_value(c, depth + 1)) != OK) return status;
+            if ((status = object_next(c)) != NEXT) return status == CLOSED ? OK : status;
+            continue;
+        }
+        if ((status = skip_value(c, depth + 1)) != OK) return status;
+        skip_ws(c);
+        if (c->p >= c->e) return MORE;
+        if (*c->p == ']') { c->p++; return OK; }
+        if (*c->p != ',') return BAD;
+        c->p++;
+        skip_ws(c);
+        if (c->p >= c->e) return MORE;
+    }
+}
+
+/* the value at c->p (not whitespace, not the end) */
+static int skip_value(cur_t *c, int depth) {
+    uint8_t ch = *c->p;
+    if (ch == '"') return scan_string(c, NULL, NULL, NULL);
+    if (ch == '{' || ch == '[') return skip_container(c, depth);
+    if (ch == '-' || (ch >= '0' && ch <= '9')) return scan_number(c, NULL, NULL, NULL, NULL);
+    if (ch == 't' || ch == 'f' || ch == 'n') return scan_literal(c);
+    return BAD;
+}
+
+/* ------------------------------------------------------------------ events */
+
+/* category codes: the order of CATEGORY_CODES in scan.py */
+static int category_code(const uint8_t *s, int64_t n) {
+#define IS(text) (n == (int64_t)sizeof(text) - 1 && memcmp(s, text, sizeof(text) - 1) == 0)
+    switch (n) {
+    case 6:
+        return IS("kernel") ? 3 : IS("cpu_op") ? 7 : IS("fwdbwd") ? 9 : 0;
+    case 10:
+        return IS("gpu_memcpy") ? 4 : IS("gpu_memset") ? 5 : 0;
+    case 11:
+        return IS("cuda_driver") ? 2 : 0;
+    case 12:
+        return IS("cuda_runtime") ? 1 : 0;
+    case 15:
+        return IS("user_annotation") ? 8 : 0;
+    case 19:
+        return IS("gpu_user_annotation") ? 6 : 0;
+    default:
+        return 0;
+    }
+#undef IS
+}
+
+#define KEY(text) (key_n == (int64_t)sizeof(text) - 1 && memcmp(key, text, sizeof(text) - 1) == 0)
+
+/* a string or number (or null, for ts/dur) value: NaN for null */
+static int timed_value(cur_t *c, double *out) {
+    uint8_t ch = *c->p;
+    if (ch == 'n') {
+        int status = scan_literal(c);
+        if (status == OK) *out = NAN;
+        return status;
+    }
+    if (ch == '-' || (ch >= '0' && ch <= '9')) {
+        int status = scan_number(c, out, NULL, NULL, NULL);
+        return status == OK && isinf(*out) ? STRAY : status;   /* msgspec: "Number out of range" */
+    }
+    if (ch == 't' || ch == 'f' || ch == '"' || ch == '{' || ch == '[') {
+        int status = skip_value(c, 1);
+        return status == OK ? STRAY : status;
+    }
+    return BAD;
+}
+
+static int scan_args(cur_t *c, int64_t *correlation) {
+    c->p++;
+    skip_ws(c);
+    if (c->p >= c->e) return MORE;
+    if (*c->p == '}') { c->p++; return OK; }
+    for (;;) {
+        const uint8_t *key;
+        int64_t key_n;
+        int escaped, status;
+        if ((status = object_key(c, &key, &key_n, &escaped)) != OK) return status;
+        if (escaped) {   /* a key with an escape could spell one that is read */
+            status = skip_value(c, 2);
+            return status == OK ? STRAY : status;
+        }
+        if (KEY("correlation")) {
+            uint8_t ch = *c->p;
+            if (ch == 'n') {
+                if ((status = scan_literal(c)) != OK) return status;
+                *correlation = INT64_MIN;
+            } else if (ch == '-' || (ch >= '0' && ch <= '9')) {
+                int integral, fits;
+                int64_t whole = 0;
+                if ((status = scan_number(c, NULL, &integral, &whole, &fits)) != OK) return status;
+                if (!integral || !fits || whole == INT64_MIN) return STRAY;
+                *correlation = whole;
+            } else {
+                status = skip_value(c, 2);
+                return status == OK ? STRAY : status;
+            }
+        } else if ((status = skip_value(c, 2)) != OK) {
+            return status;
+        }
+        if ((status = object_next(c)) != NEXT) return status == CLOSED ? OK : status;
+    }
+}
+
+typedef struct {
+    int8_t code, ph;
+    double ts, dur;
+    int32_t tid, name;
+    int64_t correlation;
+    int32_t args_lo, args_hi;
+} event_t;
+
+static int scan_event(state_t *s, cur_t *c, const uint8_t *base, event_t *ev) {
+    const uint8_t *name = NULL, *name_end = NULL, *tid = NULL, *tid_end = NULL;
+    ev->code = 0; ev->ph = 0; ev->ts = NAN; ev->dur = NAN; ev->tid = -1; ev->name = -1;
+    ev->correlation = INT64_MIN; ev->args_lo = -1; ev->args_hi = -1;
+    c->p++;   /* the '{' */
+    skip_ws(c);
+    if (c->p >= c->e) return MORE;
+    if (*c->p != '}') {
+        for (;;) {
+            const uint8_t *key;
+            int64_t key_n;
+            int escaped, status;
+            if ((status = object_key(c, &key, &key_n, &escaped)) != OK) return status;
+            uint8_t ch = *c->p;
+            if (escaped) {
+                status = skip_value(c, 1);
+                return status == OK ? STRAY : status;
+            }
+            if (KEY("ph") || KEY("cat")) {
+                const uint8_t *v, *v_end;
+                int v_escaped;
+                if (ch != '"') {
+                    status = skip_value(c, 1);
+                    return status == OK ? STRAY : status;
+                }
+                if ((status = scan_string(c, &v, &v_end, &v_escaped)) != OK) return status;
+                if (v_escaped) return STRAY;
+                if (key_n == 2) {
+                    ev->ph = (v_end - v == 1) ? (*v == 'X' ? 1 : *v == 's' ? 2 : *v == 'f' ? 3 : 0) : 0;
+                } else {
+                    ev->code = (int8_t)category_code(v, v_end - v);
+                }
+            } else if (KEY("ts")) {
+                if ((status = timed_value(c, &ev->ts)) != OK) return status;
+            } else if (KEY("dur")) {
+                if ((status = timed_value(c, &ev->dur)) != OK) return status;
+            } else if (KEY("name")) {
+                const uint8_t *v, *v_end;
+                int v_escaped;
+                if (ch != '"') {
+                    status = skip_value(c, 1);
+                    return status == OK ? STRAY : status;
+                }
+                if ((status = scan_string(c, &v, &v_end, &v_escaped)) != OK) return status;
+                name = v;
+                name_end = v_end;
+            } else if (KEY("tid")) {
+                if (ch == '{' || ch == '[') {
+                    status = skip_value(c, 1);
+                    return status == OK ? STRAY : status;
+                }
+                tid = c->p;
+                if ((status = skip_value(c, 1)) != OK) return status;
+                tid_end = c->p;
+            } else if (KEY("args")) {
+                if (ch == '{') {
+                    const uint8_t *lo = c->p;
+                    if ((status = scan_args(c, &ev->correlation)) != OK) return status;
+                    ev->args_lo = (int32_t)(lo - base);
+                    ev->args_hi = (int32_t)(c->p - base);
+                } else if (ch == 'n') {
+                    if ((status = scan_literal(c)) != OK) return status;
+                    ev->correlation = INT64_MIN;
+                    ev->args_lo = ev->args_hi = -1;
+                } else {
+                    status = skip_value(c, 1);
+                    return status == OK ? STRAY : status;
+                }
+            } else if ((status = skip_value(c, 1)) != OK) {
+                return status;
+            }
+            if ((status = object_next(c)) == CLOSED) break;
+            if (status != NEXT) return status;
+        }
+    } else {
+        c->p++;   /* the '}' of {} */
+    }
+    if (ev->code >= 1 && ev->code <= 8 && tid) {
+        if ((ev->tid = intern(&s->tids, tid, tid_end - tid)) < 0) return NOMEM;
+    }
+    if (ev->code >= 3 && ev->code <= 8 && name) {
+        if ((ev->name = intern(&s->names, name, name_end - name)) < 0) return NOMEM;
+    }
+    return OK;
+}
+
+/* See the comment at the top. result: [events written, position to go on from, status] */
+void strag_scan(void *state, const uint8_t *buf, int64_t len, int64_t pos, int64_t cap,
+                int8_t *code, int8_t *ph, double *ts, double *dur, int32_t *tid, int32_t *name,
+                int64_t *correlation, int32_t *args_lo, int32_t *args_hi, int64_t *result) {
+    state_t *s = state;
+    cur_t c = {buf + pos, buf + len};
+    const uint8_t *base = buf + pos;
+    int64_t n = 0;
+    int status = FULL;
+    while (n < cap) {
+        const uint8_t *start = c.p;
+        skip_ws(&c);
+        if (c.p >= c.e) { c.p = start; status = MORE; break; }
+        if (*c.p != '{') {
+            status = (*c.p == '[' || *c.p == '"' || *c.p == '-' || (*c.p >= '0' && *c.p <= '9') || *c.p == 't'
+                      || *c.p == 'f' || *c.p == 'n') ? STRAY : BAD;
+            c.p = start;
+            break;
+        }
+        event_t ev;
+        int got = scan_event(s, &c, base, &ev);
+        if (got == OK) {
+            skip_ws(&c);
+            if (c.p >= c.e) got = MORE;
+            else if (*c.p != ',' && *c.p != ']') got = BAD;
+        }
+        if (got != OK) { c.p = start; status = got; break; }
+        code[n] = ev.code; ph[n] = ev.ph; ts[n] = ev.ts; dur[n] = ev.dur; tid[n] = ev.tid; name[n] = ev.name;
+        correlation[n] = ev.correlation; args_lo[n] = ev.args_lo; args_hi[n] = ev.args_hi;
+        n++;
+        if (*c.p == ']') { c.p++; status = END; break; }
+        c.p++;   /* the ',' */
+        /* `[..., ]` is no JSON: the next element must follow */
+        const uint8_t *next = c.p;
+        skip_ws(&c);
+        if (c.p < c.e && *c.p == ']') { c.p = start; n--; status = BAD; break; }
+        c.p = next;
+    }
+    result[0] = n;
+    result[1] = c.p - buf;
+    result[2] = status;
+}
