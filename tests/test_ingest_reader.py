@@ -6,6 +6,7 @@ must survive (any event order, keys after traceEvents, escaped quotes and bracke
 cut anywhere, gzip members, broken bytes)."""
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import gzip
@@ -20,7 +21,7 @@ import pytest
 from transforms.ingest.common import RawInputError
 from transforms.ingest.kineto import rank as kineto_rank
 from transforms.ingest.kineto import reader as kineto_reader
-from transforms.ingest.kineto.compute import _BACKWARD_OP, _UNMAPPED_QUIET, _unlabeled_compute
+from transforms.ingest.kineto.compute import (_BACKWARD_OP, _RUN_BREAK, _RUN_NEUTRAL, _UNMAPPED_QUIET)
 from transforms.ingest.kineto.rank import parse_rank, parse_rank_bytes
 from transforms.ingest.kineto.spans import (BWD, DEFAULT_BACKWARD_LABELS, DEFAULT_FORWARD_LABELS,
                                             DEFAULT_OPTIMIZER_LABEL, FWD, WEIGHT_LABEL, WGT, _NCCL, _STEP)
@@ -130,8 +131,9 @@ class _ReferencePass:
                 elif not _UNMAPPED_QUIET.match(name):
                     self.unmapped[f"label {kineto_rank._label_family(name)}"] += 1
 
-    def launches(self):
-        return list(self._launches)
+    def launch_columns(self):
+        return (np.array([t for t, _ in self._launches], dtype=np.float64),
+                np.array([c for _, c in self._launches], dtype=np.int64))
 
     def launch_threads(self, wanted):
         return dict(self._launch_tid)
@@ -140,8 +142,8 @@ class _ReferencePass:
     def nccl_ranges(self):
         return [op for op in self._cpu if op[2].startswith("nccl:")]
 
-    def gpu_work(self):
-        return list(self._work)
+    def work_columns(self):
+        return tuple(np.array([w[k] for w in self._work], dtype=np.int64 if k == 0 else np.float64) for k in range(3))
 
     def cpu_ops(self):
         return list(self._cpu)
@@ -158,6 +160,87 @@ class _ReferencePass:
         return np.sort(np.array(self._flow_starts) - origin), np.sort(np.array(self._flow_ends) - origin)
 
 
+def _unlabeled_loop_one(ops: list, steps: list[tuple[float, float]], optimizer: list, *, forward: bool,
+                       autograd: np.ndarray | None = None) -> list:
+    """compute.py's `_unlabeled_compute` as it was written first: one loop over the ops, a stack of
+    open ancestors per step (the reference the vectorised version must equal)."""
+    ops = sorted(ops, key=lambda op: (op[0], -op[1]))
+    flows = autograd if autograd is not None and len(autograd) else None
+    # where the thread waited on a p2p op: gloo's send / recv spans end when the schedule's wait on
+    # them returns; a run does not go on over such a wait (the compute before it is done, what
+    # follows is the next action's bookkeeping)
+    waits = sorted(end for _, end, name, _ in ops if name.startswith(("gloo:send", "gloo:recv")))
+    out = []
+    for step_start, step_end in steps:
+        runs: list[list] = []            # [kind, start, end]
+        stack: list[float] = []          # ends of open ancestors below the step span
+        current = None
+        for start, end, name, _ in ops:
+            if start < step_start or start > step_end or (start == step_start and _STEP.match(name)):
+                continue
+            if name.startswith("gloo:"):
+                # gloo's p2p spans are asynchronous: they stay open until the schedule waits on
+                # them, over the compute issued meanwhile; only their start breaks a run
+                if name.startswith(("gloo:send", "gloo:recv")):
+                    current = None
+                continue
+            while stack and stack[-1] <= start:
+                stack.pop()
+            depth = len(stack)
+            stack.append(end)
+            if depth:
+                continue                 # inside a top-level op of the step
+            if name.startswith(_RUN_BREAK) or _STEP.match(name) or any(s <= start < e for s, e in optimizer):
+                current = None
+                continue
+            if name.startswith(_RUN_NEUTRAL):
+                continue
+            kind = BWD if name.startswith(_BACKWARD_OP) else FWD
+            recorded = flows is None or kind == BWD or \
+                np.searchsorted(flows, start, side="left") < np.searchsorted(flows, end, side="right")
+            if current is not None and current[0] == kind and \
+                    (not waits or bisect.bisect_right(waits, current[2]) == bisect.bisect_right(waits, start)):
+                current[2] = max(current[2], end)
+            else:
+                current = [kind, start, end, np.inf, -np.inf]
+                runs.append(current)
+            if recorded:
+                current[3] = min(current[3], start)
+        # a forward run starts at its first op autograd recorded (none: not a forward); what
+        # follows the last one (the stage detaching its output to send) is still its work
+        runs = [[kind, s, e] for kind, s0, e, s, _ in runs if s < np.inf]
+        backward = [end - start for kind, start, end in runs if kind == BWD]
+        # bookkeeping between p2p calls (splitting inputs, allocating buffers) makes runs of
+        # microseconds; a microbatch's compute is a sizeable share of a backward
+        floor = 0.1 * float(np.median(backward)) if backward else 0.0
+        runs = [run for run in runs if run[2] - run[1] >= floor]
+        last_backward = max((i for i, run in enumerate(runs) if run[0] == BWD), default=-1)
+        forwards = [i for i, run in enumerate(runs) if run[0] == FWD and i < last_backward]
+        if len(forwards) > len(backward):
+            # every microbatch has one forward and one backward: the longest runs are the forwards,
+            # the rest is bookkeeping the OS stretched (splitting inputs, allocating recv buffers)
+            forwards = sorted(sorted(forwards, key=lambda i: runs[i][1] - runs[i][2])[:len(backward)])
+        for i, (kind, start, end) in enumerate(runs):
+            if kind == BWD:
+                out.append((BWD, start, end, -1, -1, "autograd backward"))
+            elif forward and i in forwards:
+                out.append((FWD, start, end, -1, -1, "forward ops"))
+    return out
+
+
+def _unlabeled_loop(ops: list, steps: list, optimizer: list, *, forward: bool, autograd=None) -> list:
+    """`_unlabeled_loop_one` a step at a time, given the ops that start in the step and the optimizer
+    spans that overlap it (what the converter called before the vectorised version)."""
+    ordered = sorted(ops, key=lambda op: (op[0], -op[1]))
+    starts = np.array([op[0] for op in ordered], dtype=np.float64)
+    out = []
+    for step_start, step_end in steps:
+        lo, hi = np.searchsorted(starts, step_start, side="left"), np.searchsorted(starts, step_end, side="right")
+        near = [span for span in optimizer if span[0] <= step_end and span[1] > step_start]
+        out += _unlabeled_loop_one(ordered[lo:hi], [(step_start, step_end)], near, forward=forward, autograd=autograd)
+    return out
+
+
 def reference(path: str, data: bytes, options=None):
     """RankTrace (or the RawInputError) of the reference pass over the whole document."""
     try:
@@ -166,16 +249,15 @@ def reference(path: str, data: bytes, options=None):
         return "raw_unreadable"
     if not isinstance(document, dict) or not isinstance(document.get("traceEvents"), list):
         return "raw_not_a_trace"
-    by_step = kineto_rank._unlabeled_by_step
-    # unlabeled compute over all the steps at once, as before (the pass calls it a step at a time)
-    kineto_rank._unlabeled_by_step = lambda ops, steps, optimizer, **kw: _unlabeled_compute(ops, steps, optimizer, **kw)
+    vectorised = kineto_rank._unlabeled_compute
+    kineto_rank._unlabeled_compute = _unlabeled_loop   # the loop the vectorised version replaced
     try:
         kineto_rank._check_info(path, document)
         return kineto_rank._rank_of(path, document, _ReferencePass(document["traceEvents"], options), options or {})
     except RawInputError as error:
         return error.reason_code
     finally:
-        kineto_rank._unlabeled_by_step = by_step
+        kineto_rank._unlabeled_compute = vectorised
 
 
 def streamed(path: str, data: bytes, options=None, **reader_options):

@@ -189,6 +189,10 @@ class EventColumns:
             return event.args.as_dict() if event.args is not None else {}
         return event.get("args") or {}
 
+    def args_many(self, group: Group, positions) -> list[dict]:
+        """`args_of` of several of a group's events."""
+        return [self.args_of(group, i) for i in positions]
+
     def category_of(self, group: Group, i: int) -> str:
         event = group.events[i]
         if self._structs is _FAST:

@@ -36,67 +36,110 @@ def _unlabeled_compute(ops: list, steps: list[tuple[float, float]], optimizer: l
     op: data loading, zeroing grad buffers, splitting inputs or targets and logging record none,
     so they are neither a microbatch nor part of one (their time stays untraced, as launch delay).
     Returns label tuples (kind, start, end, mb=-1, chunk=-1, name)."""
-    ops = sorted(ops, key=lambda op: (op[0], -op[1]))
+    if not ops:
+        return []
+    names = [op[2] for op in ops]
+    starts = np.fromiter((op[0] for op in ops), np.float64, len(ops))
+    ends = np.fromiter((op[1] for op in ops), np.float64, len(ops))
+    order = np.lexsort((-ends, starts))   # by start, the longer first (stable, as sorted() was)
+    starts, ends = starts[order], ends[order]
+    classes = _classes_of(names)[order]
     flows = autograd if autograd is not None and len(autograd) else None
+    recorded = np.ones(len(starts), dtype=bool) if flows is None else \
+        np.searchsorted(flows, starts, side="left") < np.searchsorted(flows, ends, side="right")
+    recorded |= (classes & _C_BACKWARD) != 0
+    in_optimizer = np.zeros(len(starts), dtype=bool)
+    for span_start, span_end in optimizer:
+        in_optimizer |= (span_start <= starts) & (starts < span_end)
+    out = []
+    for step_start, step_end in steps:
+        lo, hi = np.searchsorted(starts, step_start, side="left"), np.searchsorted(starts, step_end, side="right")
+        runs = _step_runs(starts[lo:hi], ends[lo:hi], classes[lo:hi], recorded[lo:hi], in_optimizer[lo:hi], step_start)
+        out += _step_labels(runs, forward)
+    return out
+
+
+# what the run-building reads of an op's name, one bit each
+_C_GLOO, _C_GLOO_P2P, _C_BREAK, _C_NEUTRAL, _C_BACKWARD, _C_STEP = 1, 2, 4, 8, 16, 32
+
+
+def _class_of(name: str) -> int:
+    step = bool(_STEP.match(name))
+    return (_C_GLOO * name.startswith("gloo:") | _C_GLOO_P2P * name.startswith(("gloo:send", "gloo:recv"))
+            | _C_BREAK * (name.startswith(_RUN_BREAK) or step) | _C_NEUTRAL * name.startswith(_RUN_NEUTRAL)
+            | _C_BACKWARD * name.startswith(_BACKWARD_OP) | _C_STEP * step)
+
+
+def _classes_of(names: list[str]) -> np.ndarray:
+    """`_class_of` of each name, each distinct name looked at once."""
+    known = {name: _class_of(name) for name in set(names)}
+    return np.fromiter(map(known.__getitem__, names), np.int64, len(names))
+
+
+def _step_runs(starts: np.ndarray, ends: np.ndarray, classes: np.ndarray, recorded: np.ndarray,
+               in_optimizer: np.ndarray, step_start: float) -> list:
+    """The runs [kind, start, end, first recorded start] of one step's ops (sorted by start, the
+    longer first). An op nested in an earlier op of the step is no run's: it is top-level exactly
+    when every earlier op (gloo's spans aside) ended by its start."""
+    keep = ~((starts == step_start) & ((classes & _C_STEP) != 0))
+    gloo = (classes & _C_GLOO) != 0
+    pushed = keep & ~gloo
+    reach = np.maximum.accumulate(np.where(pushed, ends, -np.inf))
+    before = np.concatenate([[-np.inf], reach[:-1]])
+    top = pushed & (before <= starts)
+    p2p = keep & ((classes & _C_GLOO_P2P) != 0)
     # where the thread waited on a p2p op: gloo's send / recv spans end when the schedule's wait on
     # them returns; a run does not go on over such a wait (the compute before it is done, what
     # follows is the next action's bookkeeping)
-    waits = sorted(end for _, end, name, _ in ops if name.startswith(("gloo:send", "gloo:recv")))
+    waits = np.sort(ends[p2p])
+    wait_index = np.searchsorted(waits, starts, side="right").tolist()
+    waits = waits.tolist()
+    runs: list[list] = []
+    current = None
+    for i in np.flatnonzero(top | p2p).tolist():
+        cls = int(classes[i])
+        # gloo's p2p spans are asynchronous: they stay open until the schedule waits on them, over
+        # the compute issued meanwhile; only their start breaks a run
+        if cls & _C_GLOO or cls & _C_BREAK or in_optimizer[i]:
+            current = None
+            continue
+        if cls & _C_NEUTRAL:
+            continue
+        kind = BWD if cls & _C_BACKWARD else FWD
+        start, end = float(starts[i]), float(ends[i])
+        if current is not None and current[0] == kind and \
+                (not waits or bisect.bisect_right(waits, current[2]) == wait_index[i]):
+            current[2] = max(current[2], end)
+        else:
+            current = [kind, start, end, np.inf]
+            runs.append(current)
+        if recorded[i]:
+            current[3] = min(current[3], start)
+    return runs
+
+
+def _step_labels(runs: list, forward: bool) -> list:
+    """One step's compute labels from its runs (see `_unlabeled_compute`)."""
     out = []
-    for step_start, step_end in steps:
-        runs: list[list] = []            # [kind, start, end]
-        stack: list[float] = []          # ends of open ancestors below the step span
-        current = None
-        for start, end, name, _ in ops:
-            if start < step_start or start > step_end or (start == step_start and _STEP.match(name)):
-                continue
-            if name.startswith("gloo:"):
-                # gloo's p2p spans are asynchronous: they stay open until the schedule waits on
-                # them, over the compute issued meanwhile; only their start breaks a run
-                if name.startswith(("gloo:send", "gloo:recv")):
-                    current = None
-                continue
-            while stack and stack[-1] <= start:
-                stack.pop()
-            depth = len(stack)
-            stack.append(end)
-            if depth:
-                continue                 # inside a top-level op of the step
-            if name.startswith(_RUN_BREAK) or _STEP.match(name) or any(s <= start < e for s, e in optimizer):
-                current = None
-                continue
-            if name.startswith(_RUN_NEUTRAL):
-                continue
-            kind = BWD if name.startswith(_BACKWARD_OP) else FWD
-            recorded = flows is None or kind == BWD or \
-                np.searchsorted(flows, start, side="left") < np.searchsorted(flows, end, side="right")
-            if current is not None and current[0] == kind and \
-                    (not waits or bisect.bisect_right(waits, current[2]) == bisect.bisect_right(waits, start)):
-                current[2] = max(current[2], end)
-            else:
-                current = [kind, start, end, np.inf, -np.inf]
-                runs.append(current)
-            if recorded:
-                current[3] = min(current[3], start)
-        # a forward run starts at its first op autograd recorded (none: not a forward); what
-        # follows the last one (the stage detaching its output to send) is still its work
-        runs = [[kind, s, e] for kind, s0, e, s, _ in runs if s < np.inf]
-        backward = [end - start for kind, start, end in runs if kind == BWD]
-        # bookkeeping between p2p calls (splitting inputs, allocating buffers) makes runs of
-        # microseconds; a microbatch's compute is a sizeable share of a backward
-        floor = 0.1 * float(np.median(backward)) if backward else 0.0
-        runs = [run for run in runs if run[2] - run[1] >= floor]
-        last_backward = max((i for i, run in enumerate(runs) if run[0] == BWD), default=-1)
-        forwards = [i for i, run in enumerate(runs) if run[0] == FWD and i < last_backward]
-        if len(forwards) > len(backward):
-            # every microbatch has one forward and one backward: the longest runs are the forwards,
-            # the rest is bookkeeping the OS stretched (splitting inputs, allocating recv buffers)
-            forwards = sorted(sorted(forwards, key=lambda i: runs[i][1] - runs[i][2])[:len(backward)])
-        for i, (kind, start, end) in enumerate(runs):
-            if kind == BWD:
-                out.append((BWD, start, end, -1, -1, "autograd backward"))
-            elif forward and i in forwards:
-                out.append((FWD, start, end, -1, -1, "forward ops"))
+    # a forward run starts at its first op autograd recorded (none: not a forward); what
+    # follows the last one (the stage detaching its output to send) is still its work
+    runs = [[kind, s, e] for kind, s0, e, s in runs if s < np.inf]
+    backward = [end - start for kind, start, end in runs if kind == BWD]
+    # bookkeeping between p2p calls (splitting inputs, allocating buffers) makes runs of
+    # microseconds; a microbatch's compute is a sizeable share of a backward
+    floor = 0.1 * float(np.median(backward)) if backward else 0.0
+    runs = [run for run in runs if run[2] - run[1] >= floor]
+    last_backward = max((i for i, run in enumerate(runs) if run[0] == BWD), default=-1)
+    forwards = [i for i, run in enumerate(runs) if run[0] == FWD and i < last_backward]
+    if len(forwards) > len(backward):
+        # every microbatch has one forward and one backward: the longest runs are the forwards,
+        # the rest is bookkeeping the OS stretched (splitting inputs, allocating recv buffers)
+        forwards = sorted(sorted(forwards, key=lambda i: runs[i][1] - runs[i][2])[:len(backward)])
+    for i, (kind, start, end) in enumerate(runs):
+        if kind == BWD:
+            out.append((BWD, start, end, -1, -1, "autograd backward"))
+        elif forward and i in forwards:
+            out.append((FWD, start, end, -1, -1, "forward ops"))
     return out
 
 
@@ -111,20 +154,22 @@ class _GpuWork:
     `work` counts the GPU work items, `unlinked` those whose launch is not in the trace (no
     cuda_runtime / cuda_driver event of their correlation): no range can own their time."""
 
-    def __init__(self, launches: list[tuple[float, int]], work: list[tuple[int, float, float]]):
-        self.work = len(work)
-        correlation = np.array([c for c, _, _ in work], dtype=np.int64)
-        self.unlinked = int((~np.isin(correlation, np.array([c for _, c in launches], dtype=np.int64))).sum())
-        if not launches or not work:
+    def __init__(self, launch_at: np.ndarray, launch_correlation: np.ndarray, work_correlation: np.ndarray,
+                 work_start: np.ndarray, work_end: np.ndarray):
+        """The CUDA calls (start, correlation) and the GPU work (correlation, start, end), as columns."""
+        self.work = len(work_correlation)
+        correlation = np.asarray(work_correlation, dtype=np.int64)
+        called = np.asarray(launch_correlation, dtype=np.int64)
+        self.unlinked = int((~np.isin(correlation, called)).sum())
+        if not len(called) or not len(correlation):
             self._at = self._start = self._end = np.zeros(0)
             return
         order = np.argsort(correlation, kind="stable")
         ids, first = np.unique(correlation[order], return_index=True)   # a launch may run several kernels
-        start = np.minimum.reduceat(np.array([s for _, s, _ in work])[order], first)
-        end = np.maximum.reduceat(np.array([e for _, _, e in work])[order], first)
-        launches = sorted(launches)
-        at = np.array([t for t, _ in launches])
-        called = np.array([c for _, c in launches], dtype=np.int64)
+        start = np.minimum.reduceat(np.asarray(work_start, dtype=np.float64)[order], first)
+        end = np.maximum.reduceat(np.asarray(work_end, dtype=np.float64)[order], first)
+        by_time = np.lexsort((called, launch_at))   # the calls in time order
+        at, called = np.asarray(launch_at, dtype=np.float64)[by_time], called[by_time]
         index = np.minimum(np.searchsorted(ids, called), len(ids) - 1)
         found = ids[index] == called
         self._at, self._start, self._end = at[found], start[index[found]], end[index[found]]
@@ -193,9 +238,17 @@ def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list,
     at each into pieces (piece 0, 1, ...): on a CPU trace the work before the collective and the
     work after it (the thread blocked in it); on a GPU the kernels launched before and after it,
     those after running alongside the collective's stream until one needs its result."""
-    inner = sorted((s, e) for s, e, name, _ in (ops or ()) if not name.startswith(_NOT_COMPUTE))
-    inner_start = np.array([s for s, _ in inner]) if inner else np.zeros(0)
-    inner_end = np.array([e for _, e in inner]) if inner else np.zeros(0)
+    inner: list[np.ndarray] = []   # (starts, ends) of the ops that are compute, sorted; made when first needed
+
+    def compute_ops() -> tuple[np.ndarray, np.ndarray]:
+        if not inner:
+            kept = [(s, e) for s, e, name, _ in (ops or ()) if not name.startswith(_NOT_COMPUTE)]
+            starts = np.array([s for s, _ in kept], dtype=np.float64)
+            ends = np.array([e for _, e in kept], dtype=np.float64)
+            order = np.lexsort((ends, starts))
+            inner.extend((starts[order], ends[order]))
+        return inner[0], inner[1]
+
     next_gpu: dict[str, int] = collections.Counter()
     gpu_sorted = {name: sorted(spans) for name, spans in gpu_labels.items()}
     p2p = sorted((s, e, k) for k, s, e, *_ in comm if k in (SEND, RECV))
@@ -249,6 +302,7 @@ def _compute_spans(labels: list, gpu_labels: Mapping[str, list], comm: list,
         for s, e, k in reversed(nested):   # sends at the back: the compute ended before them
             if k == SEND and s >= compute_start:
                 compute_end, issues_send = min(compute_end, s), True
+        inner_start, inner_end = compute_ops() if issues_send else (None, None)
         if issues_send and len(inner_start):
             lo, hi = np.searchsorted(inner_start, compute_start), np.searchsorted(inner_start, compute_end, side="right")
             held = (inner_end[lo:hi] <= end) & ~((inner_start[lo:hi] == start) & (inner_end[lo:hi] == end))

@@ -64,6 +64,11 @@ def _name_class(name) -> int:
 _GPU, _GPU_LABEL, _CPU = range(3)   # the groups of rare events
 
 
+def _args_read(name: str) -> bool:
+    """Whether the args of a CPU op of this name are read (c10d p2p calls, record_param_comms)."""
+    return name.startswith(("c10d::send", "c10d::recv")) or name == "record_param_comms"
+
+
 class _EventPass:
     """The one pass over a rank's events, a run (`EventColumns`) at a time, in file order.
 
@@ -178,11 +183,16 @@ class _EventPass:
         which = np.concatenate([np.full(len(at), k) for k, (at, *_) in enumerate(rare)])
         position = np.concatenate([at for at, *_ in rare])
         order = np.argsort(index, kind="stable")
+        # the args read, decoded together per group: every NCCL kernel's, and those of the CPU ops named below
+        args = []
+        for at, kind, group, names, *_ in rare:
+            wanted = at.tolist() if kind == _GPU else [i for i in at.tolist() if kind == _CPU and _args_read(names[i])]
+            args.append(dict(zip(wanted, columns.args_many(group, wanted))) if wanted else {})
         for k, i in zip(which[order].tolist(), position[order].tolist()):
             _, kind, group, names, tids, starts, ends = rare[k]
             name, ts, end = names[i], float(starts[i]), float(ends[i])
             if kind == _GPU:   # NCCL: read once the rank and groups are known
-                self.nccl.append((name, columns.args_of(group, i), ts, end))
+                self.nccl.append((name, args[k][i], ts, end))
                 continue
             if kind == _GPU_LABEL:
                 if not name.startswith("ProfilerStep#"):
@@ -198,14 +208,13 @@ class _EventPass:
                 self.gloo_cpu.append((name[5:], ts, end, tid))
                 continue
             if name.startswith("c10d::send") or name.startswith("c10d::recv"):
-                inputs = columns.args_of(group, i).get("Concrete Inputs") or []
+                inputs = args[k][i].get("Concrete Inputs") or []
                 peer = inputs[2] if len(inputs) > 2 and str(inputs[2]).lstrip("-").isdigit() else -1
                 self.c10d_p2p.append(("send" if name.startswith("c10d::send") else "recv", ts, end, int(peer)))
                 continue
             if name == "record_param_comms":
-                args = columns.args_of(group, i)
-                if "Collective name" in args:
-                    self.comm_meta.append(dict(args, ts=ts, tid=tid))
+                if "Collective name" in args[k][i]:
+                    self.comm_meta.append(dict(args[k][i], ts=ts, tid=tid))
                 continue
             if name.startswith("nccl:"):   # c10d's range around a NCCL call: names the kernels it launched
                 self.nccl_ranges.append((ts, end, name, tid))
@@ -238,8 +247,9 @@ class _EventPass:
 
     # ---------------------------------------------------------------- the columns, once all runs are in
 
-    def launches(self) -> list[tuple[float, int]]:
-        return list(zip(_joined([r[0] for r in self._launch]).tolist(), _joined([r[1] for r in self._launch], np.int64).tolist()))
+    def launch_columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """(start, correlation) of the CUDA calls."""
+        return _joined([r[0] for r in self._launch]), _joined([r[1] for r in self._launch], np.int64)
 
     def launch_threads(self, wanted: list[int]) -> dict[int, tuple[float, Any]]:
         """correlation -> (launch start, thread) of the CUDA calls of the `wanted` correlations (the
@@ -250,8 +260,9 @@ class _EventPass:
         threads = list(itertools.chain.from_iterable(r[2] for r in self._launch))
         return dict(zip(correlations[keep].tolist(), zip(starts, (threads[i] for i in keep))))
 
-    def gpu_work(self) -> list[tuple[int, float, float]]:
-        return list(zip(*(_joined([r[k] for r in self._work], np.int64 if k == 0 else np.float64).tolist() for k in range(3))))
+    def work_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(correlation, start, end) of the GPU work other than NCCL kernels."""
+        return tuple(_joined([r[k] for r in self._work], np.int64 if k == 0 else np.float64) for k in range(3))
 
     def cpu_ops(self) -> list[tuple[float, float, str, Any]]:
         return list(zip(_joined([r[0] for r in self._cpu]).tolist(), _joined([r[1] for r in self._cpu]).tolist(),

@@ -176,9 +176,9 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
         annotations = events.annotations() if backward_elsewhere else set()
         ops = main if not backward_elsewhere else \
             [op for op in main if (op[0], op[2]) not in annotations or _STEP.match(op[2])] + backward_elsewhere
-        cpu_labels = [label for label in cpu_labels if label[0] in kinds] + _unlabeled_by_step(
+        cpu_labels = [label for label in cpu_labels if label[0] in kinds] + _unlabeled_compute(
             ops, sorted(steps.values()), optimizer, forward=FWD not in kinds, autograd=autograd)
-    on_gpu = _GpuWork(events.launches(), events.gpu_work()) if kernels else None
+    on_gpu = _GpuWork(*events.launch_columns(), *events.work_columns()) if kernels else None
     # the CPU time each comm span was issued at: which compute label issued it, and its step
     issued = _issued_at(comm, correlations, launched)
     spans = _compute_spans(cpu_labels, events.gpu_labels if kernels else {}, comm, main, on_gpu,
@@ -200,21 +200,6 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     trace.clock = f"host:{host}" if host else f"rank:{rank}"
     trace.gpu_work, trace.gpu_work_unlinked = (on_gpu.work, on_gpu.unlinked) if on_gpu is not None else (0, 0)
     return trace
-
-
-def _unlabeled_by_step(ops: list, steps: list[tuple[float, float]], optimizer: list, *, forward: bool,
-                       autograd: np.ndarray) -> list:
-    """`_unlabeled_compute` a step at a time, given only the ops that start in the step and the
-    optimizer spans that overlap it (all it reads of them): the same spans, in time that grows with
-    the ops, not with ops x steps (a 500 MB rank holds hundreds of steps)."""
-    ordered = sorted(ops, key=lambda op: (op[0], -op[1]))   # its own order, so each slice is sorted already
-    starts = np.array([op[0] for op in ordered], dtype=np.float64)
-    out = []
-    for step_start, step_end in steps:
-        lo, hi = np.searchsorted(starts, step_start, side="left"), np.searchsorted(starts, step_end, side="right")
-        near = [span for span in optimizer if span[0] <= step_end and span[1] > step_start]
-        out += _unlabeled_compute(ordered[lo:hi], [(step_start, step_end)], near, forward=forward, autograd=autograd)
-    return out
 
 
 def _nccl_span(name: str, args: Mapping[str, Any], start: float, end: float, rank: int,

@@ -286,6 +286,7 @@ class TraceReader:
                     if columns.first_complete is not None:
                         self._lean = True
                     yield columns
+                    columns.release()   # its view of the buffer, before the buffer moves
                     del columns
                 if status == _scan.END:
                     text.pos = end

@@ -5,7 +5,7 @@
 the JSON as it goes and keeps, per event, its category, ph, ts, dur, tid, name, args.correlation
 and where its args object lies. Names and tids are interned in C (each distinct one is a Python
 object once per file, not once per event); the args of the few events whose args are read are
-decoded with msgspec from the bytes of the run, kept with the columns. The columns equal those of
+decoded with msgspec from the bytes of the run, viewed by the columns until `release()`. The columns equal those of
 the msgspec structs (columns.py) on every run (tests/test_ingest_scan.py); the scanner stops,
 and the reader decodes the rest of the run the msgspec way, at malformed JSON (whose message is
 then msgspec's) and at events the columns do not take (see scan.c).
@@ -139,8 +139,8 @@ class Scanner:
         if not n:
             return status, end, None
         self._grow_tables()
-        raw = bytes(memoryview(buf)[pos:end])
-        return status, end, ScannedColumns(self, out.take(n), raw)
+        # the run's bytes, for the args read: a view (no copy), released once the run is read
+        return status, end, ScannedColumns(self, out.take(n), memoryview(buf)[pos:end])
 
     def _grow_tables(self) -> None:
         for which, table, decode in ((0, self.names, _decode_name), (1, self.tids, _decode_tid)):
@@ -194,7 +194,7 @@ def _args_decoder():
     if _DECODE_ARGS is None:
         from transforms.ingest.kineto.reader import EventArgs
 
-        _DECODE_ARGS = msgspec.json.Decoder(EventArgs)
+        _DECODE_ARGS = msgspec.json.Decoder(list[EventArgs])
     return _DECODE_ARGS
 
 
@@ -204,7 +204,7 @@ class ScannedColumns(EventColumns):
 
     __slots__ = ("_scanner", "_rows", "_raw", "_fine")
 
-    def __init__(self, scanner: Scanner, rows: dict[str, np.ndarray], raw: bytes):
+    def __init__(self, scanner: Scanner, rows: dict[str, np.ndarray], raw: memoryview):
         fine = rows["code"]
         code = _COARSE[fine]
         ts, dur, ph = rows["ts"], rows["dur"], rows["ph"]
@@ -221,6 +221,11 @@ class ScannedColumns(EventColumns):
             groups[key] = Group(at, ts[at], dur[at], code[at], at)
         super().__init__(len(fine), first_complete, flow_starts, flow_ends, groups, _SCANNED)
         self._scanner, self._rows, self._raw, self._fine = scanner, rows, raw, fine
+
+    def release(self) -> None:
+        """Let go of the run's bytes (the reader's buffer, which it then resizes): the args can no
+        longer be read."""
+        self._raw.release()
 
     def name_ids(self, group: Group) -> np.ndarray:
         """The names of a group's events as ids into `self.name_table` (0: no name)."""
@@ -241,11 +246,19 @@ class ScannedColumns(EventColumns):
         return values, values != _NO_CORRELATION
 
     def args_of(self, group: Group, i: int) -> dict:
-        row = int(group.index[i])
-        lo, hi = int(self._rows["args_lo"][row]), int(self._rows["args_hi"][row])
-        if lo < 0:
-            return {}
-        return _args_decoder().decode(self._raw[lo:hi]).as_dict()
+        return self.args_many(group, [i])[0]
+
+    def args_many(self, group: Group, positions) -> list[dict]:
+        """The args of several events, decoded in one call (the keys read, as `args_of` gives them)."""
+        rows = group.index[np.asarray(positions, dtype=np.int64)]
+        lo, hi = self._rows["args_lo"][rows].tolist(), self._rows["args_hi"][rows].tolist()
+        raw = self._raw
+        array = b"[" + b",".join([raw[a:b] if a >= 0 else b"{}" for a, b in zip(lo, hi)]) + b"]"
+        out = msgspec.to_builtins(_args_decoder().decode(array))
+        for args in out:
+            if args["correlation"] is None:
+                del args["correlation"]
+        return out
 
     def category_of(self, group: Group, i: int) -> str:
         return CATEGORY_CODES[int(self._fine[group.index[i]]) - 1]
