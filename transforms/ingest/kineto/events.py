@@ -109,6 +109,7 @@ class _EventPass:
         self._flow_starts: list[np.ndarray] = []                        # fwdbwd flow starts: forward ops autograd recorded
         self._flow_ends: list[np.ndarray] = []                          # ... and their backward nodes
         self._name_classes: dict[Any, int] = {}
+        self._label_meanings: dict[str, tuple] = {}
         self._nccl_names: dict[Any, bool] = {}
 
     def add(self, columns: EventColumns) -> None:
@@ -178,54 +179,75 @@ class _EventPass:
 
     def _one_by_one(self, columns: EventColumns, rare: list) -> None:
         """The events whose names or args matter (`rare`: per group, the positions of those events
-        and the group's names, tids, starts, ends), in file order."""
-        index = np.concatenate([group.index[at] for at, _, group, *_ in rare])
-        which = np.concatenate([np.full(len(at), k) for k, (at, *_) in enumerate(rare)])
-        position = np.concatenate([at for at, *_ in rare])
-        order = np.argsort(index, kind="stable")
-        # the args read, decoded together per group: every NCCL kernel's, and those of the CPU ops named below
-        args = []
-        for at, kind, group, names, *_ in rare:
-            wanted = at.tolist() if kind == _GPU else [i for i in at.tolist() if kind == _CPU and _args_read(names[i])]
-            args.append(dict(zip(wanted, columns.args_many(group, wanted))) if wanted else {})
-        for k, i in zip(which[order].tolist(), position[order].tolist()):
-            _, kind, group, names, tids, starts, ends = rare[k]
-            name, ts, end = names[i], float(starts[i]), float(ends[i])
+        and the group's names, tids, starts, ends). Each group feeds lists of its own (NCCL kernels,
+        GPU labels; the CPU ops everything else), so each is read in its own file order."""
+        for at, kind, group, names, tids, starts, ends in rare:
+            positions = at.tolist()
+            named = [names[i] for i in positions]
+            spans = zip(named, starts[at].tolist(), ends[at].tolist())
             if kind == _GPU:   # NCCL: read once the rank and groups are known
-                self.nccl.append((name, args[k][i], ts, end))
-                continue
-            if kind == _GPU_LABEL:
-                if not name.startswith("ProfilerStep#"):
-                    self.gpu_labels[name].append((ts, end))
-                continue
-            tid = tids[i]
-            step = _STEP.match(name)
-            if step:
-                self.steps[int(step.group(1))] = (ts, end)
-                self.step_tid = tid
-                continue
-            if name.startswith("gloo:"):
-                self.gloo_cpu.append((name[5:], ts, end, tid))
-                continue
-            if name.startswith("c10d::send") or name.startswith("c10d::recv"):
-                inputs = args[k][i].get("Concrete Inputs") or []
-                peer = inputs[2] if len(inputs) > 2 and str(inputs[2]).lstrip("-").isdigit() else -1
-                self.c10d_p2p.append(("send" if name.startswith("c10d::send") else "recv", ts, end, int(peer)))
-                continue
-            if name == "record_param_comms":
-                if "Collective name" in args[k][i]:
-                    self.comm_meta.append(dict(args[k][i], ts=ts, tid=tid))
-                continue
-            if name.startswith("nccl:"):   # c10d's range around a NCCL call: names the kernels it launched
-                self.nccl_ranges.append((ts, end, name, tid))
-            if group.code[i] == ANNOTATION and self.deferred is None:
-                self._label(name, ts, end, tid)
+                self.nccl += [(name, args, ts, end) for (name, ts, end), args
+                              in zip(spans, columns.args_many(group, positions))]
+            elif kind == _GPU_LABEL:
+                for name, ts, end in spans:
+                    if not name.startswith("ProfilerStep#"):
+                        self.gpu_labels[name].append((ts, end))
+            else:
+                # the args read, decoded together: those of the CPU ops named in _args_read
+                wanted = [i for i, name in zip(positions, named) if _args_read(name)]
+                args = dict(zip(wanted, columns.args_many(group, wanted))) if wanted else {}
+                annotation = (group.code[at] == ANNOTATION).tolist()
+                for i, (name, ts, end), tid, is_annotation in zip(positions, spans, [tids[i] for i in positions],
+                                                                    annotation):
+                    self._cpu_event(name, ts, end, tid, is_annotation, args.get(i))
+
+    def _cpu_event(self, name: str, ts: float, end: float, tid, is_annotation: bool, args: dict | None) -> None:
+        """One CPU op or annotation whose name matters (a step, gloo or c10d call, label)."""
+        step = _STEP.match(name)
+        if step:
+            self.steps[int(step.group(1))] = (ts, end)
+            self.step_tid = tid
+            return
+        if name.startswith("gloo:"):
+            self.gloo_cpu.append((name[5:], ts, end, tid))
+            return
+        if name.startswith("c10d::send") or name.startswith("c10d::recv"):
+            inputs = args.get("Concrete Inputs") or []
+            peer = inputs[2] if len(inputs) > 2 and str(inputs[2]).lstrip("-").isdigit() else -1
+            self.c10d_p2p.append(("send" if name.startswith("c10d::send") else "recv", ts, end, int(peer)))
+            return
+        if name == "record_param_comms":
+            if "Collective name" in args:
+                self.comm_meta.append(dict(args, ts=ts, tid=tid))
+            return
+        if name.startswith("nccl:"):   # c10d's range around a NCCL call: names the kernels it launched
+            self.nccl_ranges.append((ts, end, name, tid))
+        if is_annotation and self.deferred is None:
+            self._label(name, ts, end, tid)
 
     def _label(self, name: str, ts: float, end: float, tid=None) -> None:
-        if self.optimizer_label.match(name):
+        meaning = self._label_meanings.get(name)
+        if meaning is None:
+            meaning = self._label_meanings[name] = self._meaning(name)
+        what, *details = meaning
+        if what == "optimizer":
             self.optimizer.append((ts, end))
             self.optimizer_tids.append(tid)
-            return
+        elif what == "compute":
+            self.cpu_labels.append((details[0], ts, end, details[1], details[2], name))
+        elif what == "overlap":
+            self.overlapped.append((ts, end, details[0], name))
+        elif what == "p2p":
+            self.p2p_labels.append((ts, end, details[0], details[1]))
+        elif what == "unmapped":
+            self.unmapped[details[0]] += 1
+
+    def _meaning(self, name: str) -> tuple:
+        """What a label of this name is (labels repeat: asked once per name): ("optimizer",),
+        ("compute", kind, mb, chunk), ("overlap", actions), ("p2p", direction, stage),
+        ("unmapped", family) or ("quiet",)."""
+        if self.optimizer_label.match(name):
+            return ("optimizer",)
         found = _match(self.forward_labels, name)
         kind = FWD
         if found is None:
@@ -234,16 +256,16 @@ class _EventPass:
             groups_found = found.groupdict()
             mb = groups_found.get("mb")
             chunk = groups_found.get("stage") if "stage" in groups_found else groups_found.get("chunk")
-            self.cpu_labels.append((kind, ts, end, int(mb) if mb is not None else -1,
-                                    int(chunk) if chunk is not None else -1, name))
-        elif (weight := WEIGHT_LABEL.match(name)) is not None:
-            self.cpu_labels.append((WGT, ts, end, int(weight.group("mb")), int(weight.group("stage")), name))
-        elif (overlap := _OVERLAP_LABEL.match(name)) is not None:
-            self.overlapped.append((ts, end, overlap.group("actions"), name))
-        elif (p2p_label := _P2P_LABEL.match(name)) is not None:
-            self.p2p_labels.append((ts, end, 1 if p2p_label.group("dir") == "F" else -1, int(p2p_label.group("stage"))))
-        elif not _UNMAPPED_QUIET.match(name):
-            self.unmapped[f"label {_label_family(name)}"] += 1
+            return ("compute", kind, int(mb) if mb is not None else -1, int(chunk) if chunk is not None else -1)
+        if (weight := WEIGHT_LABEL.match(name)) is not None:
+            return ("compute", WGT, int(weight.group("mb")), int(weight.group("stage")))
+        if (overlap := _OVERLAP_LABEL.match(name)) is not None:
+            return ("overlap", overlap.group("actions"))
+        if (p2p_label := _P2P_LABEL.match(name)) is not None:
+            return ("p2p", 1 if p2p_label.group("dir") == "F" else -1, int(p2p_label.group("stage")))
+        if not _UNMAPPED_QUIET.match(name):
+            return ("unmapped", f"label {_label_family(name)}")
+        return ("quiet",)
 
     # ---------------------------------------------------------------- the columns, once all runs are in
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -207,10 +208,7 @@ def _nccl_span(name: str, args: Mapping[str, Any], start: float, end: float, ran
     """(kind, start, end, peer, collective, group, local peer, Seq) of one NCCL kernel (Seq: the
     collective's number in its process group, recent torch; -1 when absent)."""
     collective = args.get("Collective name")
-    if collective is None:   # old traces: the kernel name says what it is (ncclKernel_AllReduce_RING_LL_Sum_float)
-        token = re.match(r"nccl(?:Dev)?Kernel_([A-Za-z]+)", name)
-        collective = token.group(1) if token else name
-    canonical = _COLLECTIVES.get(str(collective).lower(), str(collective).lower())
+    canonical = _canonical_collective(name if collective is None else str(collective), collective is None)
     group = str(args.get("Process Group Name", ""))
     seq = args.get("Seq")
     seq = int(seq) if isinstance(seq, (int, float)) or (isinstance(seq, str) and seq.isdigit()) else -1
@@ -221,6 +219,16 @@ def _nccl_span(name: str, args: Mapping[str, Any], start: float, end: float, ran
             peer = _global_peer(int(args[key]), group, groups, rank)
         return (SEND if canonical == "send" else RECV, start, end, peer, canonical, group, -1, seq)
     return (COLL, start, end, -1, canonical, group, -1, seq)
+
+
+@functools.lru_cache(maxsize=4096)
+def _canonical_collective(name: str, from_kernel: bool) -> str:
+    """The collective a `Collective name` says, or (old traces, `from_kernel`) a NCCL kernel's name
+    (ncclKernel_AllReduce_RING_LL_Sum_float), in _COLLECTIVES' spelling. Names repeat: asked once each."""
+    if from_kernel:
+        token = re.match(r"nccl(?:Dev)?Kernel_([A-Za-z]+)", name)
+        name = token.group(1) if token else name
+    return _COLLECTIVES.get(name.lower(), name.lower())
 
 
 def _name_from_launch(comm: list, unnamed: list[tuple[int, int]], launch_tid: Mapping[int, tuple[float, object]],
@@ -234,25 +242,29 @@ def _name_from_launch(comm: list, unnamed: list[tuple[int, int]], launch_tid: Ma
             ranges[tid].append((start, end, name[5:]))
     if not ranges:
         return
-    starts = {tid: np.array([r[0] for r in sorted(spans)]) for tid, spans in ranges.items()}
-    ordered = {tid: sorted(spans) for tid, spans in ranges.items()}
+    by_thread: dict[object, list[tuple[int, float]]] = collections.defaultdict(list)   # tid -> (comm index, launch)
     for index, correlation in unnamed:
         launched = launch_tid.get(correlation)
-        if launched is None or launched[1] not in ordered:
-            continue
-        at, tid = launched
-        i = int(np.searchsorted(starts[tid], at, side="right")) - 1
-        while i >= 0 and ordered[tid][i][1] < at:   # the innermost open range: nested ranges start later
-            i -= 1
-        if i < 0:
-            continue
-        canonical = _COLLECTIVES.get(ordered[tid][i][2].lower())
-        kind, start, end, peer, collective, group, local, seq = comm[index]
-        if canonical is None or canonical == collective:
-            continue
-        if canonical in ("send", "recv") or kind != COLL:
-            continue   # a p2p kernel keeps what it is; only collectives are renamed
-        comm[index] = (kind, start, end, peer, canonical, group, local, seq)
+        if launched is not None and launched[1] in ranges:
+            by_thread[launched[1]].append((index, launched[0]))
+    for tid, wanted in by_thread.items():
+        ordered = sorted(ranges[tid])
+        starts = np.array([r[0] for r in ordered])
+        ends = [r[1] for r in ordered]
+        at = np.array([a for _, a in wanted])
+        open_at = np.searchsorted(starts, at, side="right") - 1   # the last range started by the launch
+        for (index, launch), i in zip(wanted, open_at.tolist()):
+            while i >= 0 and ends[i] < launch:   # the innermost open range: nested ranges start later
+                i -= 1
+            if i < 0:
+                continue
+            canonical = _COLLECTIVES.get(ordered[i][2].lower())
+            kind, start, end, peer, collective, group, local, seq = comm[index]
+            if canonical is None or canonical == collective:
+                continue
+            if canonical in ("send", "recv") or kind != COLL:
+                continue   # a p2p kernel keeps what it is; only collectives are renamed
+            comm[index] = (kind, start, end, peer, canonical, group, local, seq)
 
 
 def _global_peer(local: int, group: str, groups: Mapping[str, Group], rank: int) -> int:
