@@ -9,7 +9,8 @@ enough filler (aten ops, cudaLaunchKernel, kernels, flows) that each rank's JSON
 into a temporary folder (removed at the end). Then:
 1. JSON parse speed of one rank file: the standard library's `json` vs `orjson` (also with the
    cyclic garbage collector paused during the call) vs msgspec's typed decode into the reader's
-   structs (transforms/ingest/kineto/reader.py: only the fields the converter reads), MB/s of CPU time.
+   structs (transforms/ingest/kineto/reader.py: only the fields the converter reads) vs the compiled
+   scanner the reader uses by default (scan.c: the events straight into columns), MB/s of CPU time.
 2. `convert_kineto` of the whole job in one process (a fresh subprocess): MB, seconds,
    MB/s per core (file MB / CPU seconds of the converting processes: the machine may be
    shared, so wall time is shown too) against the target (>= 50 MB/s per core), where the time goes (read, gunzip +
@@ -22,7 +23,8 @@ The converted job's S is checked against the native analysis of the generated tr
    V100, 19k kernels, 5 steps) with its ProfilerStep windows copied later in time (correlation ids,
    flow ids and step numbers renumbered) until one rank's JSON is --real-mb MB (500; --quick 60), in the
    layout torch.profiler writes (an event over a few indented lines), gzipped, as both ranks of a
-   2-rank job. Converted in a fresh subprocess by the streaming reader and, in the same run, by the
+   2-rank job. Converted in a fresh subprocess by the streaming reader (its C scanner) and, in the
+   same run, by the streaming reader without it (msgspec: a machine without a C compiler) and by the
    old path (the whole document decoded by orjson into dicts, then `parse_rank`): MB (uncompressed),
    CPU seconds, MB/s per core against the target 300, where the time goes (gunzip + decode into
    columns: reader.py and columns.py; the event pass and the rank's spans: events.py, rank.py,
@@ -204,8 +206,11 @@ def bench_parse(path: str, repeats: int) -> None:
     from transforms.ingest.kineto.reader import TraceEvent
 
     typed = msgspec.json.Decoder(msgspec.defstruct("Trace", [("traceEvents", list[TraceEvent])])).decode
-    for name, loads, collect in (("json (stdlib)", json.loads, True), ("orjson", orjson.loads, True),
-                                 ("orjson, no GC", orjson.loads, False), ("msgspec typed", typed, True)):
+    parsers = [("json (stdlib)", json.loads, True), ("orjson", orjson.loads, True),
+               ("orjson, no GC", orjson.loads, False), ("msgspec typed", typed, True)]
+    if _scanner_builds():
+        parsers.append(("C scanner", _scan_all, True))
+    for name, loads, collect in parsers:
         times, cpu = [], []
         for _ in range(repeats):
             if not collect:
@@ -220,7 +225,36 @@ def bench_parse(path: str, repeats: int) -> None:
               f"CPU {min(cpu):6.3f} s ({results[name]:6.1f} MB/s)")
     print(f"   orjson / json: {results['orjson'] / results['json (stdlib)']:.1f}x; "
           f"orjson with the cyclic GC paused / json: {results['orjson, no GC'] / results['json (stdlib)']:.1f}x; "
-          f"msgspec typed (the reader's structs) / orjson no GC: {results['msgspec typed'] / results['orjson, no GC']:.1f}x")
+          f"msgspec typed (the reader's structs) / orjson no GC: {results['msgspec typed'] / results['orjson, no GC']:.1f}x"
+          + (f"; the C scanner (the reader's default: the events straight into columns) / msgspec typed: "
+             f"{results['C scanner'] / results['msgspec typed']:.1f}x" if "C scanner" in results else ""))
+
+
+def _scanner_builds() -> bool:
+    from transforms.ingest.kineto import scan
+
+    try:
+        scan._load()
+    except scan.LibraryBuildError as error:
+        print(f"   (no C scanner here: {error})")
+        return False
+    return True
+
+
+def _scan_all(data: bytes) -> int:
+    """Every event of a whole (plain JSON) trace through the compiled scanner into columns."""
+    from transforms.ingest.kineto import scan
+
+    scanner = scan.Scanner()
+    pos = data.index(b"[", data.index(b'"traceEvents"')) + 1
+    events = 0
+    while True:
+        status, pos, columns = scanner.scan(data, pos, min(len(data), pos + (4 << 20)))
+        events += columns.n if columns is not None else 0
+        if status == scan.END:
+            return events
+        if status not in (scan.MORE, scan.FULL):
+            raise ValueError(f"the scanner stopped at byte {pos} (status {status})")
 
 
 def bench_convert(paths: list[str], folder: pathlib.Path, workers: int, total_mb: float, largest_mb: float) -> dict:
@@ -234,7 +268,7 @@ def bench_convert(paths: list[str], folder: pathlib.Path, workers: int, total_mb
           f"(target >= {TARGET_MB_S:.0f} MB/s per core: {met}); {out['rows']:,} op rows")
     if workers == 1:
         rest = out["seconds"] - out["decode"] - out["events"]
-        print(f"   time: read runs (gunzip + msgspec decode) {out['decode']:.2f} s, event pass (columns + spans) "
+        print(f"   time: read runs (gunzip + scan into columns) {out['decode']:.2f} s, event pass (columns + spans) "
               f"{out['events']:.2f} s, read files + assemble the job {rest:.2f} s")
         grown, one = (out["max_rss"] - out["baseline_rss"]) / MB, out["one_document"] / MB
         bounded = grown < 4 * one
@@ -284,6 +318,8 @@ from transforms.ingest.kineto import reader as kineto_reader
 
 spent = {"decode": 0.0, "events": 0.0}
 timed_reading(spent)
+if mode == "msgspec":
+    os.environ["STRAG_SCAN"] = "msgspec"
 if mode == "old":
     kineto_job.parse_rank_bytes = whole_document
 baseline = peak_rss()
@@ -292,7 +328,7 @@ converted = kineto.convert_kineto(paths, "bench-real", "2024-01-01", {})
 print(json.dumps({"seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - started_cpu,
                   "rows": converted.trace.num_rows, "steps": int(len(set(converted.trace.column("step").to_pylist()))),
                   "decode": spent["decode"], "events": spent["events"], "baseline_rss": baseline, "max_rss": peak_rss(),
-                  "parser": kineto_reader.PARSER if mode == "new" else "orjson, whole document, dicts"}))
+                  "parser": kineto_reader.parser() if mode != "old" else "orjson, whole document, dicts"}))
 """
 
 
@@ -385,11 +421,12 @@ def bench_real(folder: pathlib.Path, target_mb: float) -> None:
           f"{rank_mb * MB / events:.0f} B per event) as 2 ranks of {rank_mb:,.0f} MB JSON each "
           f"({gz / 2:,.0f} MB gzipped; written in {time.perf_counter() - started:.0f} s):")
     results = {}
-    for mode in ("new", "old"):
+    for mode in ("new", "msgspec", "old"):
         out = results[mode] = _python(_REAL, json.dumps(paths), mode)
         per_core = total / out["cpu_seconds"]
         peak = out["max_rss"]
-        label = "streaming reader" if mode == "new" else "old path (baseline)"
+        label = {"new": "streaming reader", "msgspec": "streaming reader without the C scanner (no compiler)",
+                 "old": "old path (baseline)"}[mode]
         print(f"   {label}, parser: {out['parser']}")
         print(f"     {total:,.0f} MB in CPU {out['cpu_seconds']:.2f} s (wall {out['seconds']:.2f} s): {per_core:,.0f} MB/s "
               f"per core (target >= {REAL_TARGET_MB_S:.0f}: {'met' if per_core >= REAL_TARGET_MB_S else 'MISSED'}); "
@@ -399,6 +436,7 @@ def bench_real(folder: pathlib.Path, target_mb: float) -> None:
               f"imports; target <= {REAL_TARGET_RSS / 2**30:.0f} GiB: {'met' if peak <= REAL_TARGET_RSS else 'MISSED'}) "
               f"= {peak / (rank_mb * MB):.2f}x one rank's JSON")
     new, old = results["new"], results["old"]
+    print(f"   the C scanner / msgspec: {results['msgspec']['cpu_seconds'] / new['cpu_seconds']:.1f}x the speed")
     print(f"   new / old: {old['cpu_seconds'] / new['cpu_seconds']:.1f}x the speed, "
           f"{new['max_rss'] / old['max_rss']:.2f}x the peak memory; HTA's rule of thumb (memory ~{HTA_RULE}x the trace "
           f"size) would be {HTA_RULE * rank_mb / 1e3:.1f} GB for one rank")

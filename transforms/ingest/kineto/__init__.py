@@ -5,7 +5,8 @@ Two passes, both plain functions:
 1. `parse_rank(path, data)`: one rank's JSON -> `RankTrace`, compact numpy columns of the
    spans that matter (profiled steps, per-microbatch forward/backward compute, p2p and
    collective comm, optimizer) plus counts of everything that fit no op type. The events
-   arrive as numpy columns a run of a few MB at a time (reader.py, columns.py); the event
+   arrive as numpy columns a run of a few MB at a time (reader.py; scan.c writes them from
+   the bytes in one C pass, columns.py from msgspec's structs where it stops); the event
    pass (events.py) reads names and args only of the few that need them (steps, labels,
    comm), the rest vectorised. Only this pass touches the JSON, one rank at a time, so
    memory stays bounded by the largest rank file.

@@ -7,19 +7,24 @@
   baseTimeNanoseconds, schemaVersion, trace_id, host_name, ...), whether it stands before or after
   traceEvents; complete once `chunks()` is exhausted.
 
-Memory: the file is gunzipped a few MB at a time (never the whole document), the array is cut into
-runs of whole events and each run is decoded with msgspec into structs of a union tagged by `cat`
-that keep only the fields read of each category (the rest of an event is skipped by the decoder,
-never built), then into columns; what is held is the compressed file, one run of JSON and its
-structs. A run whose events the tagged structs refuse (no cat or one of its own, a null field, a
-correlation that is no int64) is decoded again into the general `TraceEvent` structs below, which
-give the same columns. Speed: gzip goes through ISA-L (`isal`, 3x zlib), fed 64 KB of input a call
-(the output stays in cache, and no unconsumed rest of the file is copied at each call).
+Memory: the file is gunzipped a few MB at a time (never the whole document) and `traceEvents` is
+read a run of whole events at a time; what is held is the compressed file, one run of JSON and its
+columns. Speed: gzip goes through ISA-L (`isal`, 3x zlib), fed 64 KB of input a call (the output
+stays in cache, and no unconsumed rest of the file is copied at each call).
 
-Cutting the array: a run ends after the last `}` of a window that a `,` follows; decoding
-`[run]` proves the cut (a `}` inside a string leaves the string open, one inside a nested value
-leaves it unbalanced: the decode fails). When it fails, `_element_ends` finds the cut exactly: a
-vectorised byte scan that skips escaped quotes and strings and tracks nesting.
+Two ways to read a run, the same columns either way:
+- the compiled scanner (scan.py, scan.c; the default wherever a C compiler is): one C pass over the
+  bytes that checks the JSON and writes the columns, names and tids interned, no Python object per
+  event. It stops at malformed JSON and at events the columns do not take (a string ts, a float
+  correlation, ...): the run from there is read the second way, which says what is wrong or reads it.
+- msgspec: a run is cut after the last `}` of a window that a `,` follows; decoding `[run]` proves
+  the cut (a `}` inside a string leaves the string open, one inside a nested value leaves it
+  unbalanced: the decode fails), and when it fails `_element_ends` finds the cut exactly (a
+  vectorised byte scan that skips escaped quotes and strings and tracks nesting). The run is
+  decoded into structs of a union tagged by `cat` that keep only the fields read of each category,
+  then into columns (columns.py); a run the tagged structs refuse (no cat or one of its own, a null
+  field, a correlation that is no int64) is decoded again into the general `TraceEvent` structs
+  below, which give the same columns.
 
 Bad bytes raise `TraceUnreadable` (the caller's raw_unreadable); a file whose shape the streaming
 path does not take (top level not an object, traceEvents not an array or given twice, a field of
@@ -45,9 +50,12 @@ except ImportError:   # pragma: no cover - isal is a declared dependency
 _INFLATE_ERRORS = (zlib.error, getattr(_inflate, "error", zlib.error))
 
 __all__ = ["TraceEvent", "EventArgs", "TraceReader", "read_trace", "TraceUnreadable", "NotStreamable",
-           "PARSER"]
+           "parser"]
 
-PARSER = "msgspec structs tagged by category -> numpy columns, streamed"
+def parser() -> str:
+    """What reads the events here (benchmarks name it)."""
+    return ("compiled scanner (scan.c) -> numpy columns, streamed; msgspec where it stops" if _scan.wanted()
+            else "msgspec structs tagged by category -> numpy columns, streamed")
 CHUNK_BYTES = 4 << 20          # JSON per decoded run: a few MB keeps the structs of one run small
 _INFLATE_INPUT = 1 << 16       # gzip fed per call: the rest of the input is never copied (an `unconsumed_tail` of the
                                # whole file, copied at each call, halved the speed), and the output stays in cache
