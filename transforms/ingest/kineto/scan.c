@@ -59,7 +59,8 @@ static uint8_t string_special[256];   /* '"', '\\' and control characters */
 static int8_t hex_value[256];
 static int tables_ready;
 
-static void init_tables(void) {
+/* filled once, when the library is loaded (before any thread can scan) */
+__attribute__((constructor)) static void init_tables(void) {
     if (tables_ready) return;
     for (int i = 0; i < 256; i++) {
         string_special[i] = (i < 0x20 || i == '"' || i == '\\');
