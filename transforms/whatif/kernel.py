@@ -19,7 +19,7 @@ bins, O(documents x log bins), ~30 ns a document), ~20x faster than the same rul
 
 Why C and not numba: on the 8,192-GPU job both replay at the same speed, but numba costs
 ~0.5 s per process to import and load its cached code (more than the whole replay), the C
-kernel ~5 ms. It is built once per machine with the system C compiler (`$CC`, else `cc`)
+kernel ~5 ms. It is built once per machine (transforms/native.py) with the system C compiler (`$CC`, else `cc`)
 into `$STRAG_KERNEL_CACHE` (default `~/.cache/strag`), named by a CRC of source and flags;
 without a compiler both fall back (same results; replay ~4x slower on big jobs, repacking ~20x),
 and say so once per process in one line on stderr naming the reason. A cached library that fails

@@ -52,15 +52,17 @@ _INFLATE_ERRORS = (zlib.error, getattr(_inflate, "error", zlib.error))
 __all__ = ["TraceEvent", "EventArgs", "TraceReader", "read_trace", "TraceUnreadable", "NotStreamable",
            "parser"]
 
-def parser() -> str:
-    """What reads the events here (benchmarks name it)."""
-    return ("compiled scanner (scan.c) -> numpy columns, streamed; msgspec where it stops" if _scan.wanted()
-            else "msgspec structs tagged by category -> numpy columns, streamed")
 CHUNK_BYTES = 4 << 20          # JSON per decoded run: a few MB keeps the structs of one run small
 _INFLATE_INPUT = 1 << 16       # gzip fed per call: the rest of the input is never copied (an `unconsumed_tail` of the
                                # whole file, copied at each call, halved the speed), and the output stays in cache
 _INFLATE_BYTES = 4 << 20       # at most gunzipped per call (64 KB of Kineto JSON inflate to about 1.5 MB)
 _WHITESPACE = b" \t\r\n"
+
+
+def parser() -> str:
+    """What reads the events here (benchmarks name it)."""
+    return ("compiled scanner (scan.c) -> numpy columns, streamed; msgspec where it stops" if _scan.wanted()
+            else "msgspec structs tagged by category -> numpy columns, streamed")
 
 
 class TraceUnreadable(ValueError):
@@ -100,10 +102,9 @@ class TraceEvent(msgspec.Struct, gc=False):
 _DECODE_EVENTS = msgspec.json.Decoder(list[TraceEvent])
 
 
-def read_trace(data: bytes, *, chunk_bytes: int = CHUNK_BYTES, scan: bool = True) -> "TraceReader":
-    """A reader of one rank file's content (gzip or plain JSON bytes); `scan=False`: never the
-    compiled scanner (the msgspec path throughout)."""
-    return TraceReader(data, chunk_bytes=chunk_bytes, scan=scan)
+def read_trace(data: bytes, *, chunk_bytes: int = CHUNK_BYTES) -> "TraceReader":
+    """A reader of one rank file's content (gzip or plain JSON bytes)."""
+    return TraceReader(data, chunk_bytes=chunk_bytes)
 
 
 class _Text:
@@ -168,9 +169,8 @@ class _Text:
 class TraceReader:
     """See the module docstring. `chunks()` may be iterated once; `top` holds the other top-level keys."""
 
-    def __init__(self, data: bytes, *, chunk_bytes: int = CHUNK_BYTES, scan: bool = True):
+    def __init__(self, data: bytes, *, chunk_bytes: int = CHUNK_BYTES):
         self._text = _Text(data)
-        self._scan = scan
         self._chunk_bytes = chunk_bytes
         self.top: dict[str, Any] = {}
         self.events = 0
@@ -279,7 +279,7 @@ class TraceReader:
         if text.buf[at] == ord("]"):
             text.pos += 1
             return
-        scanner = _scan.scanner() if self._scan else None
+        scanner = _scan.scanner()   # None: msgspec throughout (no compiler, or STRAG_SCAN=msgspec)
         size = self._chunk_bytes
         while True:
             if scanner is not None:
