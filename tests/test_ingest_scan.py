@@ -17,9 +17,11 @@ import numpy as np
 import orjson
 import pytest
 
+from transforms.ingest.common import RawInputError
 from transforms.ingest.kineto import reader as kineto_reader
 from transforms.ingest.kineto import scan
 from transforms.ingest.kineto.columns import general_columns
+from transforms.ingest.kineto.rank import parse_rank_bytes
 
 from test_ingest_columns import _columns_equal
 from test_ingest_reader import HTA, REAL_RUNS, assert_same, reference, streamed
@@ -124,6 +126,7 @@ def test_names_tids_and_args_of_every_shape():
     b'{"ph": "X", "cat": "cpu_op", "ts": "12", "dur": 1}',                 # ts a string
     b'{"ph": "X", "cat": "cpu_op", "ts": 1, "dur": 1, "args": [1]}',      # args no object
     b'{"ph": "X", "cat": "cpu_op", "ts": 1e400, "dur": 1}',              # msgspec: out of range
+    b'{"ph": "X", "cat": "kernel", "ts": 1, "dur": 1, "args": {"Seq": 2e999}}',   # ... in args too
     b'{"ph": "X", "cat": "kernel", "ts": 1, "dur": 1, "args": {"correlation": 1.5}}',
     b'{"ph": "X", "cat": "kernel", "ts": 1, "dur": 1, "args": {"correlation": "7"}}',
     b'{"ph": "X", "cat": "kernel", "ts": 1, "dur": 1, "args": {"correlation": 12345678901234567890}}',
@@ -176,6 +179,17 @@ def test_runs_stop_where_the_bytes_do_and_go_on_from_there():
     assert sum(run.n for run in runs) == len(events)
 
 
+@pytest.mark.parametrize("mode", ["c", "msgspec"])
+def test_a_name_that_is_no_utf8_is_unreadable_with_the_bytes_named(mode, monkeypatch):
+    monkeypatch.setenv("STRAG_SCAN", mode)
+    document = (b'{"distributedInfo": {"rank": 0, "world_size": 1}, "traceEvents": [{"ph": "X", "cat": "cpu_op", '
+                b'"name": "aten::mm\xff", "ts": 1, "dur": 1, "tid": 1}]}')
+    with pytest.raises(RawInputError) as raised:
+        parse_rank_bytes("latin.json", document)
+    assert raised.value.reason_code == "raw_unreadable" == reference("latin.json", document)
+    assert "latin.json" in str(raised.value) and "not UTF-8" in str(raised.value) and "\\xff" in str(raised.value)
+
+
 def test_a_trace_with_stray_events_parses_as_the_reference_does():
     document = orjson.loads(gzip.decompress((ROOT.parent / "shared" / "traces" / "hta" / "nccl_data.json.gz").read_bytes()))
     events = document["traceEvents"]
@@ -210,3 +224,41 @@ def test_without_a_compiler_the_msgspec_path_reads_and_one_line_says_so(monkeypa
     monkeypatch.setenv("STRAG_SCAN", "fast")
     with pytest.raises(ValueError, match="STRAG_SCAN"):
         scan.scanner()
+
+
+def test_mutated_bytes_read_the_same_by_both_paths_and_never_crash(monkeypatch):
+    """Random damage to a real trace (bytes replaced, dropped, doubled; cuts): the scanner must not
+    crash and must reach what the msgspec path reaches, a RankTrace or the same reason code."""
+    document = orjson.loads(gzip.decompress(HTA[0].read_bytes()))
+    steps = [e for e in document["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")][:2]
+    events = [e for e in document["traceEvents"] if steps[0]["ts"] <= e.get("ts", 0) <= steps[-1]["ts"] + steps[-1]["dur"]]
+    kept = events[:1500] + [e for e in events[1500:] if str(e.get("name", "")).startswith("ProfilerStep#")]
+    text = orjson.dumps(dict(document, traceEvents=kept), option=orjson.OPT_INDENT_2)
+    assert not isinstance(streamed("whole.json", text), str)
+    rng = random.Random(2)
+    read = 0
+    alphabet = b'{}[]",:\\ \n0123456789.eE-+tfnulrsaX\x00\x1f\xff'
+    for trial in range(150):
+        data = bytearray(text)
+        for _ in range(rng.randrange(1, 4)):
+            at = rng.randrange(len(data))
+            action = rng.randrange(4)
+            if action == 0:
+                data[at] = rng.choice(alphabet)
+            elif action == 1:
+                del data[at:at + rng.randrange(1, 30)]
+            elif action == 2:
+                data[at:at] = data[at:at + rng.randrange(1, 30)]
+            else:
+                del data[at:]
+                break
+        outcomes = []
+        for mode in ("c", "msgspec"):
+            monkeypatch.setenv("STRAG_SCAN", mode)
+            outcomes.append(streamed("mutated.json", bytes(data), chunk_bytes=rng.choice([1 << 12, 1 << 20])))
+        if isinstance(outcomes[1], str):
+            assert outcomes[0] == outcomes[1], (trial, outcomes)
+        else:
+            assert_same(outcomes[0], outcomes[1])
+            read += 1
+    assert 5 <= read < 150   # some damage leaves a readable trace, most does not

@@ -34,6 +34,9 @@ def _loads(data: bytes):
 
 
 def _unreadable(path: str, error: BaseException) -> RawInputError:
+    if isinstance(error, UnicodeDecodeError):
+        return RawInputError("raw_unreadable", f"not UTF-8 JSON: a string holds {error.object[error.start:error.end]!r} "
+                             f"({error.reason})", path=path)
     return RawInputError("raw_unreadable", f"not a complete JSON document ({type(error).__name__}: {error})"
                          if not isinstance(error, TraceUnreadable) else f"not a complete JSON document ({error})",
                          path=path)
@@ -58,7 +61,7 @@ def parse_rank_bytes(path: str, data: bytes, options: Mapping[str, Any] | None =
         try:
             for columns in reader.chunks():
                 events.add(columns)
-        except TraceUnreadable as error:
+        except (TraceUnreadable, UnicodeDecodeError) as error:   # (a name or key that is no UTF-8)
             raise _unreadable(path, error) from None
         except NotStreamable:
             del events, reader

@@ -319,14 +319,18 @@ static inline const uint8_t *skip_digits(const uint8_t *p, const uint8_t *e) {
     return p;
 }
 
-/* past the number at c->p, its grammar checked (a skipped value: nothing computed) */
+/* past the number at c->p, its grammar checked (a skipped value: nothing computed). One that may
+ * be out of a double's range (over 300 digits, or an exponent over 300) is STRAY: msgspec refuses
+ * "Number out of range" where it reads it, and says so. */
 static int skip_number(cur_t *c) {
-    const uint8_t *p = c->p, *e = c->e;
+    const uint8_t *p = c->p, *e = c->e, *digits;
     if (*p == '-') p++;
     if (p >= e) return MORE;
+    digits = p;
     if (*p == '0') p++;
     else if (*p >= '1' && *p <= '9') p = skip_digits(p, e);
     else return BAD;
+    int huge = p - digits > 300;
     if (p < e && *p == '.') {
         p++;
         if (p >= e) return MORE;
@@ -335,14 +339,20 @@ static int skip_number(cur_t *c) {
     }
     if (p < e && (*p == 'e' || *p == 'E')) {
         p++;
+        int negative = p < e && *p == '-';
         if (p < e && (*p == '+' || *p == '-')) p++;
         if (p >= e) return MORE;
         if ((uint8_t)(*p - '0') >= 10) return BAD;
-        while (p < e && (uint8_t)(*p - '0') < 10) p++;
+        int64_t exponent = 0;
+        while (p < e && (uint8_t)(*p - '0') < 10) {
+            if (exponent < 100000) exponent = exponent * 10 + (*p - '0');
+            p++;
+        }
+        huge |= !negative && exponent > 300;
     }
     if (p >= e) return MORE;
     c->p = p;
-    return OK;
+    return huge ? STRAY : OK;
 }
 
 static int scan_number(cur_t *c, double *value, int *integral, int64_t *whole, int *fits) {
