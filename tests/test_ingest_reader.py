@@ -20,6 +20,7 @@ import pytest
 
 from transforms.ingest.common import RawInputError
 from transforms.ingest.kineto import rank as kineto_rank
+from transforms.ingest.kineto import events as kineto_events
 from transforms.ingest.kineto import reader as kineto_reader
 from transforms.ingest.kineto.compute import (_BACKWARD_OP, _RUN_BREAK, _RUN_NEUTRAL, _UNMAPPED_QUIET)
 from transforms.ingest.kineto.rank import parse_rank, parse_rank_bytes
@@ -146,14 +147,14 @@ class _ReferencePass:
         return tuple(np.array([w[k] for w in self._work], dtype=np.int64 if k == 0 else np.float64) for k in range(3))
 
     def cpu_ops(self):
-        return list(self._cpu)
+        return kineto_events.CpuOps.from_tuples(self._cpu)
 
     def annotations(self):
         return set(self._annotations)
 
     def threads(self, cpu_ops, step_tid):
-        return ([op for op in cpu_ops if op[3] == step_tid],
-                [op for op in cpu_ops if op[3] != step_tid and op[2].startswith(_BACKWARD_OP)])
+        return (kineto_events.CpuOps.from_tuples([op for op in cpu_ops if op[3] == step_tid]),
+                kineto_events.CpuOps.from_tuples([op for op in cpu_ops if op[3] != step_tid and op[2].startswith(_BACKWARD_OP)]))
 
     def flows(self):
         origin = self.origin or 0.0

@@ -190,6 +190,25 @@ def test_a_name_that_is_no_utf8_is_unreadable_with_the_bytes_named(mode, monkeyp
     assert "latin.json" in str(raised.value) and "not UTF-8" in str(raised.value) and "\\xff" in str(raised.value)
 
 
+@pytest.mark.parametrize("mode", ["c", "msgspec"])
+def test_an_event_named_by_a_number_is_no_trace_with_the_event_named(mode, monkeypatch):
+    monkeypatch.setenv("STRAG_SCAN", mode)
+    document = (b'{"distributedInfo": {"rank": 0, "world_size": 1}, "traceEvents": [{"ph": "X", "cat": "cpu_op", '
+                b'"name": 17, "ts": 5, "dur": 1, "tid": 1}]}')
+    with pytest.raises(RawInputError) as raised:
+        parse_rank_bytes("numbered.json", document)
+    assert raised.value.reason_code == "raw_not_a_trace"
+    assert "numbered.json" in str(raised.value) and "'cpu_op' event at ts 5 has the name 17" in str(raised.value)
+
+
+@pytest.mark.parametrize("mode", ["c", "msgspec"])
+def test_a_category_that_is_no_utf8_is_unreadable(mode, monkeypatch):
+    monkeypatch.setenv("STRAG_SCAN", mode)
+    document = (b'{"distributedInfo": {"rank": 0, "world_size": 1}, "traceEvents": [{"ph": "X", "cat": "cpu\xffop", '
+                b'"name": "x", "ts": 5, "dur": 1, "tid": 1}]}')
+    assert streamed("cat.json", document) == "raw_unreadable" == reference("cat.json", document)
+
+
 def test_a_trace_with_stray_events_parses_as_the_reference_does():
     document = orjson.loads(gzip.decompress((ROOT.parent / "shared" / "traces" / "hta" / "nccl_data.json.gz").read_bytes()))
     events = document["traceEvents"]

@@ -23,7 +23,12 @@ from typing import Annotated, Any, Union
 import msgspec
 import numpy as np
 
-__all__ = ["EventColumns", "Group", "ArgsKeys", "columns_of", "general_columns", "CATEGORIES"]
+__all__ = ["EventColumns", "Group", "ArgsKeys", "columns_of", "general_columns", "CATEGORIES", "BadEvent"]
+
+
+class BadEvent(ValueError):
+    """An event the converter reads whose name is no string (a document decoded whole into dicts;
+    the typed decoders refuse it before): what it is and where."""
 
 _NAN = float("nan")
 _UNSET = msgspec.UNSET
@@ -277,4 +282,9 @@ def general_columns(events: list, structs: bool) -> EventColumns:
     for key, codes in _GROUPS.items():
         rows = np.flatnonzero(complete & np.isin(code, codes))
         groups[key] = Group(rows, ts[rows], dur[rows], code[rows], _take(events, rows))
+        if not structs and key != "launch":   # (a struct's name is a str by its type)
+            for event in groups[key].events:
+                if not isinstance(event.get("name", ""), str):
+                    raise BadEvent(f"a {event.get('cat')!r} event at ts {event.get('ts')} has the name "
+                                   f"{event.get('name')!r}, not a string")
     return EventColumns(n, first_complete, flow_starts, flow_ends, groups, structs)

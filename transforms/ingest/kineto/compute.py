@@ -36,11 +36,14 @@ def _unlabeled_compute(ops: list, steps: list[tuple[float, float]], optimizer: l
     op: data loading, zeroing grad buffers, splitting inputs or targets and logging record none,
     so they are neither a microbatch nor part of one (their time stays untraced, as launch delay).
     Returns label tuples (kind, start, end, mb=-1, chunk=-1, name)."""
-    if not ops:
+    if not len(ops):
         return []
-    names = [op[2] for op in ops]
-    starts = np.fromiter((op[0] for op in ops), np.float64, len(ops))
-    ends = np.fromiter((op[1] for op in ops), np.float64, len(ops))
+    if isinstance(ops, list):
+        names = [op[2] for op in ops]
+        starts = np.fromiter((op[0] for op in ops), np.float64, len(ops))
+        ends = np.fromiter((op[1] for op in ops), np.float64, len(ops))
+    else:   # columns (events.CpuOps)
+        names, starts, ends = ops.names, ops.start, ops.end
     order = np.lexsort((-ends, starts))   # by start, the longer first (stable, as sorted() was)
     starts, ends = starts[order], ends[order]
     classes = _classes_of(names)[order]

@@ -286,22 +286,21 @@ class _EventPass:
         """(correlation, start, end) of the GPU work other than NCCL kernels."""
         return tuple(_joined([r[k] for r in self._work], np.int64 if k == 0 else np.float64) for k in range(3))
 
-    def cpu_ops(self) -> list[tuple[float, float, str, Any]]:
-        return list(zip(_joined([r[0] for r in self._cpu]).tolist(), _joined([r[1] for r in self._cpu]).tolist(),
-                        itertools.chain.from_iterable(r[2] for r in self._cpu),
-                        itertools.chain.from_iterable(r[3] for r in self._cpu)))
+    def cpu_ops(self) -> CpuOps:
+        return CpuOps(_joined([r[0] for r in self._cpu]), _joined([r[1] for r in self._cpu]),
+                      list(itertools.chain.from_iterable(r[2] for r in self._cpu)),
+                      list(itertools.chain.from_iterable(r[3] for r in self._cpu)))
 
-    def threads(self, cpu_ops: list, step_tid) -> tuple[list, list]:
+    def threads(self, cpu_ops: CpuOps, step_tid) -> tuple[CpuOps, CpuOps]:
         """(the ops of the thread that ran the steps, the autograd backward ops of other threads),
         each in file order."""
         tids = np.empty(len(cpu_ops), dtype=object)
-        tids[:] = list(itertools.chain.from_iterable(r[3] for r in self._cpu))
+        tids[:] = cpu_ops.tids
         main = tids == step_tid
         if not isinstance(main, np.ndarray) or main.shape != tids.shape:   # a tid numpy cannot compare one by one
             main = np.fromiter((tid == step_tid for tid in tids), bool, len(tids))
-        names = list(itertools.chain.from_iterable(r[2] for r in self._cpu))
-        backward = ~main & _prefixed(names, _BACKWARD_OP, {})
-        return [cpu_ops[i] for i in np.flatnonzero(main)], [cpu_ops[i] for i in np.flatnonzero(backward)]
+        backward = ~main & _prefixed(cpu_ops.names, _BACKWARD_OP, {})
+        return cpu_ops.take(np.flatnonzero(main)), cpu_ops.take(np.flatnonzero(backward))
 
     def annotations(self) -> set[tuple[float, str]]:
         return set(zip(_joined([r[0] for r in self._annotations]).tolist(),
@@ -312,6 +311,50 @@ class _EventPass:
         origin = self.origin or 0.0
         return np.sort(_joined(self._flow_starts) - origin), np.sort(_joined(self._flow_ends) - origin)
 
+
+
+class CpuOps:
+    """A rank's CPU ops and annotations as columns (start, end: µs on the span axis; names, tids:
+    lists), in file order. Iterating gives (start, end, name, tid) tuples, for the few readers that
+    go op by op; the hot paths read the columns."""
+
+    __slots__ = ("start", "end", "names", "tids")
+
+    def __init__(self, start: np.ndarray, end: np.ndarray, names: list, tids: list):
+        self.start, self.end, self.names, self.tids = start, end, names, tids
+
+    @classmethod
+    def from_tuples(cls, ops) -> "CpuOps":
+        ops = list(ops)
+        return cls(np.array([op[0] for op in ops], dtype=np.float64), np.array([op[1] for op in ops], dtype=np.float64),
+                   [op[2] for op in ops], [op[3] for op in ops])
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __iter__(self):
+        return zip(self.start.tolist(), self.end.tolist(), self.names, self.tids)
+
+    def take(self, rows: np.ndarray) -> "CpuOps":
+        rows = np.asarray(rows, dtype=np.int64)
+        listed = rows.tolist()
+        return CpuOps(self.start[rows], self.end[rows], [self.names[i] for i in listed], [self.tids[i] for i in listed])
+
+    def __add__(self, other: "CpuOps") -> "CpuOps":
+        return CpuOps(np.concatenate([self.start, other.start]), np.concatenate([self.end, other.end]),
+                      self.names + other.names, self.tids + other.tids)
+
+    def without(self, spans: set[tuple[float, str]], unless) -> "CpuOps":
+        """These ops but those whose (start, name) is in `spans`, unless `unless(name)`."""
+        if not spans or not len(self):
+            return self
+        candidates = np.flatnonzero(np.isin(self.start, np.fromiter((s for s, _ in spans), np.float64, len(spans))))
+        drop = [i for i in candidates.tolist() if (float(self.start[i]), self.names[i]) in spans and not unless(self.names[i])]
+        if not drop:
+            return self
+        keep = np.ones(len(self), dtype=bool)
+        keep[drop] = False
+        return self.take(np.flatnonzero(keep))
 
 
 def _prefixed(names: list, prefix, known: dict) -> np.ndarray:

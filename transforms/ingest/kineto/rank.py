@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from transforms.ingest.common import RawInputError, open_bytes
-from transforms.ingest.kineto.columns import general_columns
+from transforms.ingest.kineto.columns import BadEvent, general_columns
 from transforms.ingest.kineto.compute import (_BACKWARD_OP, _NOT_COMPUTE, _GpuWork, _compute_spans, _issued_collectives,
                                              _unlabeled_compute)
 from transforms.ingest.kineto.events import (_OVERLAP_LABEL, _P2P_LABEL, _EventPass, _compile_labels,  # noqa: F401
@@ -106,8 +106,11 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
     _check_info(path, document)
     events = _EventPass(options)
     trace_events = document["traceEvents"]
-    for at in range(0, len(trace_events), _DICTS_PER_RUN):
-        events.add(general_columns(trace_events[at:at + _DICTS_PER_RUN], structs=False))
+    try:
+        for at in range(0, len(trace_events), _DICTS_PER_RUN):
+            events.add(general_columns(trace_events[at:at + _DICTS_PER_RUN], structs=False))
+    except BadEvent as error:
+        raise RawInputError("raw_not_a_trace", f"{error}: not a torch.profiler trace", path=path) from None
     return _rank_of(path, document, events, options)
 
 
@@ -177,9 +180,9 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
         # no (or only forward) schedule labels: microbatches from the main thread's op runs
         # with the backward on another thread, the main thread's record_function ranges (`## backward ##`)
         # span work they do not hold: they are labels, not ops, and what they hold is
-        annotations = events.annotations() if backward_elsewhere else set()
-        ops = main if not backward_elsewhere else \
-            [op for op in main if (op[0], op[2]) not in annotations or _STEP.match(op[2])] + backward_elsewhere
+        annotations = events.annotations() if len(backward_elsewhere) else set()
+        ops = main if not len(backward_elsewhere) else \
+            main.without(annotations, unless=_STEP.match) + backward_elsewhere
         cpu_labels = [label for label in cpu_labels if label[0] in kinds] + _unlabeled_compute(
             ops, sorted(steps.values()), optimizer, forward=FWD not in kinds, autograd=autograd)
     on_gpu = _GpuWork(*events.launch_columns(), *events.work_columns()) if kernels else None

@@ -641,6 +641,8 @@ static int scan_event(state_t *s, cur_t *c, const uint8_t *base, event_t *ev) {
                 }
                 if ((status = scan_string(c, &v, &v_end, &v_escaped)) != OK) return status;
                 if (v_escaped) return STRAY;
+                for (const uint8_t *b = v; b < v_end; b++)
+                    if (*b >= 0x80) return STRAY;   /* no category or phase: msgspec says whether it is UTF-8 */
                 if (key_n == 2) {
                     ev->ph = (v_end - v == 1) ? (*v == 'X' ? 1 : *v == 's' ? 2 : *v == 'f' ? 3 : 0) : 0;
                 } else {
