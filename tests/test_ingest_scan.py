@@ -191,14 +191,16 @@ def test_a_name_that_is_no_utf8_is_unreadable_with_the_bytes_named(mode, monkeyp
 
 
 @pytest.mark.parametrize("mode", ["c", "msgspec"])
-def test_an_event_named_by_a_number_is_no_trace_with_the_event_named(mode, monkeypatch):
+@pytest.mark.parametrize("fields, says", [(b'"name": 17, "ts": 5, "dur": 1', "'cpu_op' event at ts 5 has the name 17"),
+                                          (b'"name": "a", "ts": 5, "dur": {"x": 1}', "'cpu_op' event has the dur {'x': 1}")])
+def test_an_event_with_a_field_of_another_type_is_no_trace_with_the_event_named(mode, fields, says, monkeypatch):
     monkeypatch.setenv("STRAG_SCAN", mode)
     document = (b'{"distributedInfo": {"rank": 0, "world_size": 1}, "traceEvents": [{"ph": "X", "cat": "cpu_op", '
-                b'"name": 17, "ts": 5, "dur": 1, "tid": 1}]}')
+                + fields + b', "tid": 1}]}')
     with pytest.raises(RawInputError) as raised:
-        parse_rank_bytes("numbered.json", document)
+        parse_rank_bytes("odd.json", document)
     assert raised.value.reason_code == "raw_not_a_trace"
-    assert "numbered.json" in str(raised.value) and "'cpu_op' event at ts 5 has the name 17" in str(raised.value)
+    assert "odd.json" in str(raised.value) and says in str(raised.value)
 
 
 @pytest.mark.parametrize("mode", ["c", "msgspec"])

@@ -256,6 +256,20 @@ def _flows(flows: list) -> tuple[np.ndarray, np.ndarray]:
     return ts[given & (ph == "s")], ts[given & (ph == "f")]
 
 
+def _times(values: list, events: list, field: str) -> np.ndarray:
+    """A time field as float64 (None: NaN); BadEvent naming the first event whose value is no number."""
+    try:
+        return np.array(values, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError):
+        for event, value in zip(events, values):
+            try:
+                float(value if value is not None else "nan")
+            except (TypeError, ValueError):
+                cat = event.cat if hasattr(event, "cat") else event.get("cat")
+                raise BadEvent(f"a {cat!r} event has the {field} {value!r}, not a number") from None
+        raise
+
+
 def general_columns(events: list, structs: bool) -> EventColumns:
     """The same columns of events decoded otherwise: the reader's general `TraceEvent` structs
     (`structs`; None where a field is absent or null) or dicts of a whole document (a missing name
@@ -269,8 +283,7 @@ def general_columns(events: list, structs: bool) -> EventColumns:
         cat, ph = [e.get("cat", "") for e in events], [e.get("ph", "") for e in events]
         ts, dur = [e.get("ts") for e in events], [e.get("dur") for e in events]
     code = np.fromiter(map(CATEGORIES.get, cat, [0] * n), np.int8, n)
-    ts = np.array(ts, dtype=np.float64).reshape(-1)     # None -> NaN
-    dur = np.array(dur, dtype=np.float64).reshape(-1)
+    ts, dur = _times(ts, events, "ts"), _times(dur, events, "dur")   # None -> NaN
     phase = np.array(ph, dtype=object).reshape(-1)
     has_ts = ~np.isnan(ts)
     is_flow = (code == FLOW) & has_ts
