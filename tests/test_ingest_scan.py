@@ -56,7 +56,7 @@ def _equal_to_msgspec(events: list[dict] | bytes) -> None:
 @pytest.mark.parametrize("path", HTA, ids=lambda p: p.name)
 def test_real_gpu_trace_events_scan_as_msgspec_decodes_them(path):
     document = orjson.loads(gzip.decompress(path.read_bytes()))
-    events = document["traceEvents"][:60000]
+    events = document["traceEvents"][:20000]
     _equal_to_msgspec(events)
     # as torch.profiler writes them (indented), and compact
     _equal_to_msgspec(orjson.dumps(events, option=orjson.OPT_INDENT_2)[1:-1])
