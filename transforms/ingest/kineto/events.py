@@ -64,9 +64,25 @@ def _name_class(name) -> int:
 _GPU, _GPU_LABEL, _CPU = range(3)   # the groups of rare events
 
 
-def _args_read(name: str) -> bool:
-    """Whether the args of a CPU op of this name are read (c10d p2p calls, record_param_comms)."""
-    return name.startswith(("c10d::send", "c10d::recv")) or name == "record_param_comms"
+_STEP_SPAN, _GLOO, _P2P, _COMMS, _NCCL_RANGE, _OTHER = range(6)   # what a CPU op whose name matters is
+
+
+def _cpu_action(name: str) -> tuple[int, Any]:
+    """(what a CPU op or annotation of this name is, what its name says): a step and its number, a
+    gloo span and its collective, a c10d p2p call and its direction, record_param_comms, c10d's
+    `nccl:` range, or other (a label when it is an annotation)."""
+    step = _STEP.match(name)
+    if step:
+        return _STEP_SPAN, int(step.group(1))
+    if name.startswith("gloo:"):
+        return _GLOO, name[5:]
+    if name.startswith("c10d::send") or name.startswith("c10d::recv"):
+        return _P2P, "send" if name.startswith("c10d::send") else "recv"
+    if name == "record_param_comms":
+        return _COMMS, None
+    if name.startswith("nccl:"):
+        return _NCCL_RANGE, None
+    return _OTHER, None
 
 
 class _EventPass:
@@ -110,6 +126,7 @@ class _EventPass:
         self._flow_ends: list[np.ndarray] = []                          # ... and their backward nodes
         self._name_classes: dict[Any, int] = {}
         self._label_meanings: dict[str, tuple] = {}
+        self._cpu_actions: dict[str, tuple[int, Any]] = {}
         self._nccl_names: dict[Any, bool] = {}
 
     def add(self, columns: EventColumns) -> None:
@@ -193,37 +210,37 @@ class _EventPass:
                     if not name.startswith("ProfilerStep#"):
                         self.gpu_labels[name].append((ts, end))
             else:
-                # the args read, decoded together: those of the CPU ops named in _args_read
-                wanted = [i for i, name in zip(positions, named) if _args_read(name)]
-                args = dict(zip(wanted, columns.args_many(group, wanted))) if wanted else {}
-                annotation = (group.code[at] == ANNOTATION).tolist()
-                for i, (name, ts, end), tid, is_annotation in zip(positions, spans, [tids[i] for i in positions],
-                                                                    annotation):
-                    self._cpu_event(name, ts, end, tid, is_annotation, args.get(i))
+                self._cpu_events(columns, group, positions, named, spans, [tids[i] for i in positions],
+                                 (group.code[at] == ANNOTATION).tolist())
 
-    def _cpu_event(self, name: str, ts: float, end: float, tid, is_annotation: bool, args: dict | None) -> None:
-        """One CPU op or annotation whose name matters (a step, gloo or c10d call, label)."""
-        step = _STEP.match(name)
-        if step:
-            self.steps[int(step.group(1))] = (ts, end)
-            self.step_tid = tid
-            return
-        if name.startswith("gloo:"):
-            self.gloo_cpu.append((name[5:], ts, end, tid))
-            return
-        if name.startswith("c10d::send") or name.startswith("c10d::recv"):
-            inputs = args.get("Concrete Inputs") or []
-            peer = inputs[2] if len(inputs) > 2 and str(inputs[2]).lstrip("-").isdigit() else -1
-            self.c10d_p2p.append(("send" if name.startswith("c10d::send") else "recv", ts, end, int(peer)))
-            return
-        if name == "record_param_comms":
-            if "Collective name" in args:
-                self.comm_meta.append(dict(args, ts=ts, tid=tid))
-            return
-        if name.startswith("nccl:"):   # c10d's range around a NCCL call: names the kernels it launched
-            self.nccl_ranges.append((ts, end, name, tid))
-        if is_annotation and self.deferred is None:
-            self._label(name, ts, end, tid)
+    def _cpu_events(self, columns: EventColumns, group: Group, positions: list[int], names: list[str], spans,
+                    tids: list, annotation: list[bool]) -> None:
+        """The CPU ops and annotations of a run whose names matter (steps, gloo and c10d calls,
+        labels), in file order; what each is, asked once per name (`_cpu_action`)."""
+        known = self._cpu_actions
+        actions = [known.get(name) or known.setdefault(name, _cpu_action(name)) for name in names]
+        # the args read, decoded together: those of c10d's p2p calls and record_param_comms
+        wanted = [i for i, action in zip(positions, actions) if action[0] in (_P2P, _COMMS)]
+        args = dict(zip(wanted, columns.args_many(group, wanted))) if wanted else {}
+        labels = self.deferred is None
+        for i, (name, ts, end), tid, is_annotation, (action, value) in zip(positions, spans, tids, annotation, actions):
+            if action == _STEP_SPAN:
+                self.steps[value] = (ts, end)
+                self.step_tid = tid
+            elif action == _GLOO:
+                self.gloo_cpu.append((value, ts, end, tid))
+            elif action == _P2P:
+                inputs = args[i].get("Concrete Inputs") or []
+                peer = inputs[2] if len(inputs) > 2 and str(inputs[2]).lstrip("-").isdigit() else -1
+                self.c10d_p2p.append((value, ts, end, int(peer)))
+            elif action == _COMMS:
+                if "Collective name" in args[i]:
+                    self.comm_meta.append(dict(args[i], ts=ts, tid=tid))
+            else:
+                if action == _NCCL_RANGE:   # c10d's range around a NCCL call: names the kernels it launched
+                    self.nccl_ranges.append((ts, end, name, tid))
+                if is_annotation and labels:
+                    self._label(name, ts, end, tid)
 
     def _label(self, name: str, ts: float, end: float, tid=None) -> None:
         meaning = self._label_meanings.get(name)
