@@ -27,8 +27,8 @@ __all__ = ["EventColumns", "Group", "ArgsKeys", "columns_of", "general_columns",
 
 
 class BadEvent(ValueError):
-    """An event the converter reads whose name is no string (a document decoded whole into dicts;
-    the typed decoders refuse it before): what it is and where."""
+    """An event the converter reads whose name is no string or whose ts / dur is no number (a
+    document decoded whole into dicts; the typed decoders refuse it before): what it is and where."""
 
 _NAN = float("nan")
 _UNSET = msgspec.UNSET

@@ -5,14 +5,14 @@
 the JSON as it goes and keeps, per event, its category, ph, ts, dur, tid, name, args.correlation
 and where its args object lies. Names and tids are interned in C (each distinct one is a Python
 object once per file, not once per event); the args of the few events whose args are read are
-decoded with msgspec from the bytes of the run, viewed by the columns until `release()`. The columns equal those of
-the msgspec structs (columns.py) on every run (tests/test_ingest_scan.py); the scanner stops,
-and the reader decodes the rest of the run the msgspec way, at malformed JSON (whose message is
-then msgspec's) and at events the columns do not take (see scan.c).
+decoded with msgspec from the bytes of the run, which the columns view until `release()`. The
+columns equal those of the msgspec structs (columns.py) on every run (tests/test_ingest_scan.py);
+the scanner stops, and the reader decodes the rest of the run the msgspec way, at malformed JSON
+(whose message is then msgspec's) and at events the columns do not take (see scan.c).
 
 Built like the replay kernel (transforms/native.py); without a C compiler the reader keeps the
-msgspec path (same results, about half the speed) and one line on stderr says so, once per
-process. `STRAG_SCAN=msgspec|c` forces one path (tests, benchmarks).
+msgspec path (same results, ~2.5x slower to convert a trace) and one line on stderr says so, once
+per process. `STRAG_SCAN=msgspec|c` forces one path (tests, benchmarks).
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def wanted() -> bool:
             _reported = True
             reason = short_reason(error)
             print(f"strag: C trace scanner not used ({reason}); reading traces with msgspec (same results, "
-                  "about half the speed)", file=sys.stderr, flush=True)
+                  "~2.5x slower)", file=sys.stderr, flush=True)
         return False
     return True
 
@@ -226,14 +226,6 @@ class ScannedColumns(EventColumns):
         """Let go of the run's bytes (the reader's buffer, which it then resizes): the args can no
         longer be read."""
         self._raw.release()
-
-    def name_ids(self, group: Group) -> np.ndarray:
-        """The names of a group's events as ids into `self.name_table` (0: no name)."""
-        return self._rows["name"][group.index] + 1
-
-    @property
-    def name_table(self) -> list[str]:
-        return self._scanner.names
 
     def names(self, group: Group) -> list:
         return _gather(self._scanner.names, self._rows["name"][group.index] + 1)
