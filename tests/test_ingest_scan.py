@@ -227,9 +227,9 @@ def test_a_trace_with_stray_events_parses_as_the_reference_does():
 
 
 def test_without_a_compiler_the_msgspec_path_reads_and_one_line_says_so(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(scan, "_library", None)
-    monkeypatch.setattr(scan, "_build_error", None)
-    monkeypatch.setattr(scan, "_reported", False)
+    monkeypatch.setattr(scan.HELPER, "library", None)
+    monkeypatch.setattr(scan.HELPER, "build_error", None)
+    monkeypatch.setattr(scan.HELPER, "reported", False)
     monkeypatch.setenv("STRAG_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("STRAG_SCAN", "auto")

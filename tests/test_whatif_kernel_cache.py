@@ -20,9 +20,9 @@ from transforms.whatif import kernel
 
 def _fresh(monkeypatch, cache: pathlib.Path, compiler: str | None = None) -> None:
     """A process that has not loaded the kernel yet, with this cache folder (and compiler)."""
-    monkeypatch.setattr(kernel, "_library", None)
-    monkeypatch.setattr(kernel, "_build_error", None)
-    monkeypatch.setattr(kernel, "_reported", False)
+    monkeypatch.setattr(kernel.HELPER, "library", None)
+    monkeypatch.setattr(kernel.HELPER, "build_error", None)
+    monkeypatch.setattr(kernel.HELPER, "reported", False)
     monkeypatch.setenv("STRAG_KERNEL_CACHE", str(cache))
     monkeypatch.setenv("STRAG_REPLAY", "auto")
     if compiler is not None:

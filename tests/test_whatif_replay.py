@@ -149,8 +149,8 @@ def test_replay_backend_choice(monkeypatch, tmp_path):
     monkeypatch.setenv("STRAG_REPLAY", "fast")
     with pytest.raises(ValueError, match="STRAG_REPLAY='fast'"):
         kernel.wanted()
-    monkeypatch.setattr(kernel, "_library", None)
-    monkeypatch.setattr(kernel, "_build_error", None)
+    monkeypatch.setattr(kernel.HELPER, "library", None)
+    monkeypatch.setattr(kernel.HELPER, "build_error", None)
     monkeypatch.setenv("STRAG_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("STRAG_REPLAY", "auto")

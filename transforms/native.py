@@ -15,9 +15,11 @@ import ctypes
 import os
 import pathlib
 import stat
+import sys
 import zlib
+from collections.abc import Callable
 
-__all__ = ["LibraryBuildError", "LibraryRefused", "load_library", "cache_dir", "short_reason"]
+__all__ = ["LibraryBuildError", "LibraryRefused", "CompiledHelper", "load_library", "cache_dir", "short_reason"]
 
 
 class LibraryBuildError(RuntimeError):
@@ -33,6 +35,60 @@ def cache_dir() -> pathlib.Path:
     if configured:
         return pathlib.Path(configured)
     return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "strag"
+
+
+class CompiledHelper:
+    """One compiled helper as a process sees it: its library, built and loaded once (`load`), or
+    the reason it cannot be, remembered; whether to use it (`wanted`: the environment variable
+    `env` set to `off` or `on` forces the choice, else whenever it builds); and, when it is not
+    used, one line on stderr, once per process (`fallback`: the line, `{reason}` in it)."""
+
+    def __init__(self, source: pathlib.Path, flags: tuple[str, ...], declare: Callable[[ctypes.CDLL], None], *,
+                 env: str, off: str, on: str, fallback: str):
+        self.source, self.flags, self._declare = source, flags, declare
+        self.env, self.off, self.on, self.fallback = env, off, on, fallback
+        self.library: ctypes.CDLL | None = None
+        self.build_error: str | None = None
+        self.reported = False   # the fallback line was printed
+
+    def load(self) -> ctypes.CDLL:
+        """The library (its functions declared by `declare`); LibraryBuildError if it cannot be built."""
+        if self.library is not None:
+            return self.library
+        if self.build_error is not None:
+            raise LibraryBuildError(self.build_error)
+        try:
+            library = load_library(self.source, self.flags)
+        except LibraryBuildError as error:
+            self.build_error = str(error)
+            raise LibraryBuildError(self.build_error) from None
+        self._declare(library)
+        self.library = library
+        return library
+
+    def available(self) -> bool:
+        """Whether the library builds and loads; when not, the fallback line (once) says why."""
+        try:
+            self.load()
+        except LibraryBuildError as error:
+            if not self.reported:
+                self.reported = True
+                print(self.fallback.format(reason=short_reason(error)), file=sys.stderr, flush=True)
+            return False
+        return True
+
+    def wanted(self) -> bool:
+        """Use the library? `env` = off | on forces the choice (on: LibraryBuildError when it cannot
+        be built); by default whenever it is available."""
+        choice = os.environ.get(self.env, "auto")
+        if choice not in ("auto", self.off, self.on):
+            raise ValueError(f"{self.env}={choice!r}: expected auto, {self.off} or {self.on}")
+        if choice == self.off:
+            return False
+        if choice == self.on:
+            self.load()
+            return True
+        return self.available()
 
 
 def load_library(source: pathlib.Path, flags: tuple[str, ...]) -> ctypes.CDLL:

@@ -32,16 +32,14 @@ is refused, said in that line, and the numpy path runs.
 from __future__ import annotations
 
 import ctypes
-import os
 import pathlib
-import sys
 import threading
 
 import numpy as np
 
-from transforms.native import LibraryBuildError, LibraryRefused, load_library, short_reason
+from transforms.native import CompiledHelper, LibraryBuildError, LibraryRefused
 
-__all__ = ["BLOCK_LANES", "available", "wanted", "canonical", "replay_scenario", "op_layout", "repack",
+__all__ = ["BLOCK_LANES", "HELPER", "available", "wanted", "canonical", "replay_scenario", "op_layout", "repack",
            "KernelBuildError", "KernelRefused"]
 
 # Lanes replayed together (whole steps): long enough rows to vectorise, short enough for cache.
@@ -51,64 +49,39 @@ FLAGS = ("-O3", "-std=c99", "-ffp-contract=off", "-fPIC", "-shared")   # no -ffa
 _ENV = "STRAG_REPLAY"
 INVALID_REPACK = ("repacking: document lengths must be finite, >= 0 and longest first within each step, "
                   "and a step with documents needs a bin")
-_library: ctypes.CDLL | None = None
-_build_error: str | None = None
-_reported = False   # the fallback line was printed (once per process)
-
-
 KernelBuildError, KernelRefused = LibraryBuildError, LibraryRefused   # the names the replay's callers know
 
 
-def wanted() -> bool:
-    """Use the compiled kernel (replay and repacking)? STRAG_REPLAY=numpy|kernel forces the choice;
-    by default whenever it builds."""
-    choice = os.environ.get(_ENV, "auto")
-    if choice not in ("auto", "numpy", "kernel"):
-        raise ValueError(f"{_ENV}={choice!r}: expected auto, numpy or kernel")
-    if choice == "numpy":
-        return False
-    if choice == "kernel":
-        _load()   # raises KernelBuildError with the compiler's message
-        return True
-    return available()
-
-
-def available() -> bool:
-    """Whether the kernel is built (building it on first use) and loadable. When not, one line on
-    stderr (once per process) says why and that the numpy path runs."""
-    global _reported
-    try:
-        _load()
-    except KernelBuildError as error:
-        if not _reported:
-            _reported = True
-            reason = short_reason(error)
-            print(f"strag: C replay kernel not used ({reason}); replaying with numpy (same results, "
-                  "~4x slower on big jobs)", file=sys.stderr, flush=True)
-        return False
-    return True
-
-
-def _load() -> ctypes.CDLL:
-    """The kernel library, built on first use on this machine; KernelBuildError if it cannot be."""
-    global _library, _build_error
-    if _library is not None:
-        return _library
-    if _build_error is not None:
-        raise KernelBuildError(_build_error)
-    try:
-        library = load_library(SOURCE, FLAGS)
-    except LibraryBuildError as error:
-        _build_error = str(error)
-        raise KernelBuildError(_build_error) from None
+def _declare(library) -> None:
     function = library.strag_replay
     function.restype = None
     function.argtypes = ([ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4
                          + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 7 + [ctypes.c_int] + [ctypes.c_void_p] * 5)
     library.strag_repack.restype = ctypes.c_int
     library.strag_repack.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 6
-    _library = library
-    return library
+
+
+HELPER = CompiledHelper(SOURCE, FLAGS, _declare, env=_ENV, off="numpy", on="kernel",
+                        fallback="strag: C replay kernel not used ({reason}); replaying with numpy (same results, "
+                                 "~4x slower on big jobs)")
+
+
+def wanted() -> bool:
+    """Use the compiled kernel (replay and repacking)? STRAG_REPLAY=numpy|kernel forces the choice
+    (kernel: KernelBuildError with the compiler's message when it cannot be built); by default
+    whenever it builds."""
+    return HELPER.wanted()
+
+
+def available() -> bool:
+    """Whether the kernel is built (building it on first use) and loadable. When not, one line on
+    stderr (once per process) says why and that the numpy path runs."""
+    return HELPER.available()
+
+
+def _load() -> ctypes.CDLL:
+    """The kernel library, built on first use on this machine; KernelBuildError if it cannot be."""
+    return HELPER.load()
 
 
 def op_layout(model) -> tuple[np.ndarray, ...]:

@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import ctypes
 import operator
-import os
 import pathlib
-import sys
 
 import msgspec
 import numpy as np
 
 from transforms.ingest.kineto.columns import (ANNOTATION, COPY, CPU_OP, FLOW, GPU_LABEL, KERNEL, LAUNCH, EventColumns,
                                               Group, _GROUPS)
-from transforms.native import LibraryBuildError, load_library, short_reason
+from transforms.native import CompiledHelper, LibraryBuildError
 
-__all__ = ["Scanner", "scanner", "CATEGORY_CODES", "MORE", "END", "FULL", "BAD", "STRAY"]
+__all__ = ["Scanner", "scanner", "wanted", "HELPER", "LibraryBuildError", "CATEGORY_CODES", "MORE", "END", "FULL",
+           "BAD", "STRAY"]
 
 SOURCE = pathlib.Path(__file__).with_name("scan.c")
 FLAGS = ("-O3", "-std=c99", "-fPIC", "-shared")
@@ -42,22 +41,8 @@ _NO_CORRELATION = -(2 ** 63)
 _ENV = "STRAG_SCAN"
 _PH_X, _PH_S, _PH_F = 1, 2, 3
 
-_library: ctypes.CDLL | None = None
-_build_error: str | None = None
-_reported = False
 
-
-def _load() -> ctypes.CDLL:
-    global _library, _build_error
-    if _library is not None:
-        return _library
-    if _build_error is not None:
-        raise LibraryBuildError(_build_error)
-    try:
-        library = load_library(SOURCE, FLAGS)
-    except LibraryBuildError as error:
-        _build_error = str(error)
-        raise
+def _declare(library) -> None:
     library.strag_scan_new.restype = ctypes.c_void_p
     library.strag_scan_new.argtypes = []
     library.strag_scan_free.restype = None
@@ -72,32 +57,21 @@ def _load() -> ctypes.CDLL:
     library.strag_scan.restype = None
     library.strag_scan.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64] \
         + [ctypes.c_void_p] * 10
-    _library = library
-    return library
+
+
+HELPER = CompiledHelper(SOURCE, FLAGS, _declare, env=_ENV, off="msgspec", on="c",
+                        fallback="strag: C trace scanner not used ({reason}); reading traces with msgspec (same "
+                                 "results, ~2.5x slower)")
+
+
+def _load() -> ctypes.CDLL:
+    return HELPER.load()
 
 
 def wanted() -> bool:
     """Scan with C? STRAG_SCAN=msgspec|c forces the choice; by default whenever it builds (else one
     line on stderr, once per process, says why)."""
-    global _reported
-    choice = os.environ.get(_ENV, "auto")
-    if choice not in ("auto", "msgspec", "c"):
-        raise ValueError(f"{_ENV}={choice!r}: expected auto, msgspec or c")
-    if choice == "msgspec":
-        return False
-    if choice == "c":
-        _load()
-        return True
-    try:
-        _load()
-    except LibraryBuildError as error:
-        if not _reported:
-            _reported = True
-            reason = short_reason(error)
-            print(f"strag: C trace scanner not used ({reason}); reading traces with msgspec (same results, "
-                  "~2.5x slower)", file=sys.stderr, flush=True)
-        return False
-    return True
+    return HELPER.wanted()
 
 
 def scanner() -> "Scanner | None":
@@ -160,12 +134,8 @@ class Scanner:
 
 
 def _decode_name(raw: bytes) -> str:
-    if b"\\" in raw:
-        return msgspec.json.decode(b'"' + raw + b'"')
-    try:
-        return raw.decode()
-    except UnicodeDecodeError:   # what msgspec says of the same bytes
-        return msgspec.json.decode(b'"' + raw + b'"')
+    """A name's JSON string content: its escapes decoded (UnicodeDecodeError when it is no UTF-8)."""
+    return msgspec.json.decode(b'"' + raw + b'"') if b"\\" in raw else raw.decode()
 
 
 def _decode_tid(raw: bytes):
