@@ -527,6 +527,12 @@ static int skip_value(cur_t *c, int depth) {
 
 /* ------------------------------------------------------------------ events */
 
+/* a value the columns do not take: skipped (its JSON still checked), then STRAY (or why it is bad) */
+static int stray_value(cur_t *c, int depth) {
+    int status = skip_value(c, depth);
+    return status == OK ? STRAY : status;
+}
+
 /* category codes: the order of CATEGORY_CODES in scan.py */
 static int category_code(const uint8_t *s, int64_t n) {
 #define IS(text) (n == (int64_t)sizeof(text) - 1 && memcmp(s, text, sizeof(text) - 1) == 0)
@@ -564,8 +570,7 @@ static int timed_value(cur_t *c, double *out) {
         return status == OK && isinf(*out) ? STRAY : status;   /* msgspec: "Number out of range" */
     }
     if (ch == 't' || ch == 'f' || ch == '"' || ch == '{' || ch == '[') {
-        int status = skip_value(c, 1);
-        return status == OK ? STRAY : status;
+        return stray_value(c, 1);
     }
     return BAD;
 }
@@ -581,8 +586,7 @@ static int scan_args(cur_t *c, int64_t *correlation) {
         int escaped, status;
         if ((status = object_key(c, &key, &key_n, &escaped)) != OK) return status;
         if (escaped) {   /* a key with an escape could spell one that is read */
-            status = skip_value(c, 2);
-            return status == OK ? STRAY : status;
+            return stray_value(c, 2);
         }
         if (KEY("correlation")) {
             uint8_t ch = *c->p;
@@ -596,8 +600,7 @@ static int scan_args(cur_t *c, int64_t *correlation) {
                 if (!integral || !fits || whole == INT64_MIN) return STRAY;
                 *correlation = whole;
             } else {
-                status = skip_value(c, 2);
-                return status == OK ? STRAY : status;
+                return stray_value(c, 2);
             }
         } else if ((status = skip_value(c, 2)) != OK) {
             return status;
@@ -629,15 +632,13 @@ static int scan_event(state_t *s, cur_t *c, const uint8_t *base, event_t *ev) {
             if ((status = object_key(c, &key, &key_n, &escaped)) != OK) return status;
             uint8_t ch = *c->p;
             if (escaped) {
-                status = skip_value(c, 1);
-                return status == OK ? STRAY : status;
+                return stray_value(c, 1);
             }
             if (KEY("ph") || KEY("cat")) {
                 const uint8_t *v, *v_end;
                 int v_escaped;
                 if (ch != '"') {
-                    status = skip_value(c, 1);
-                    return status == OK ? STRAY : status;
+                    return stray_value(c, 1);
                 }
                 if ((status = scan_string(c, &v, &v_end, &v_escaped)) != OK) return status;
                 if (v_escaped) return STRAY;
@@ -656,16 +657,14 @@ static int scan_event(state_t *s, cur_t *c, const uint8_t *base, event_t *ev) {
                 const uint8_t *v, *v_end;
                 int v_escaped;
                 if (ch != '"') {
-                    status = skip_value(c, 1);
-                    return status == OK ? STRAY : status;
+                    return stray_value(c, 1);
                 }
                 if ((status = scan_string(c, &v, &v_end, &v_escaped)) != OK) return status;
                 name = v;
                 name_end = v_end;
             } else if (KEY("tid")) {
                 if (ch == '{' || ch == '[') {
-                    status = skip_value(c, 1);
-                    return status == OK ? STRAY : status;
+                    return stray_value(c, 1);
                 }
                 tid = c->p;
                 if ((status = skip_value(c, 1)) != OK) return status;
@@ -681,8 +680,7 @@ static int scan_event(state_t *s, cur_t *c, const uint8_t *base, event_t *ev) {
                     ev->correlation = INT64_MIN;
                     ev->args_lo = ev->args_hi = -1;
                 } else {
-                    status = skip_value(c, 1);
-                    return status == OK ? STRAY : status;
+                    return stray_value(c, 1);
                 }
             } else if ((status = skip_value(c, 1)) != OK) {
                 return status;
