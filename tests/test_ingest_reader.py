@@ -22,7 +22,7 @@ from transforms.ingest.common import RawInputError
 from transforms.ingest.kineto import rank as kineto_rank
 from transforms.ingest.kineto import events as kineto_events
 from transforms.ingest.kineto import reader as kineto_reader
-from transforms.ingest.kineto.compute import (_BACKWARD_OP, _RUN_BREAK, _RUN_NEUTRAL, _UNMAPPED_QUIET)
+from transforms.ingest.kineto.compute import _BACKWARD_OP, _RUN_BREAK, _RUN_NEUTRAL, _UNMAPPED_QUIET, _step_labels
 from transforms.ingest.kineto.rank import parse_rank, parse_rank_bytes
 from transforms.ingest.kineto.spans import (BWD, DEFAULT_BACKWARD_LABELS, DEFAULT_FORWARD_LABELS,
                                             DEFAULT_OPTIMIZER_LABEL, FWD, WEIGHT_LABEL, WGT, _NCCL, _STEP)
@@ -164,7 +164,8 @@ class _ReferencePass:
 def _unlabeled_loop_one(ops: list, steps: list[tuple[float, float]], optimizer: list, *, forward: bool,
                        autograd: np.ndarray | None = None) -> list:
     """compute.py's `_unlabeled_compute` as it was written first: one loop over the ops, a stack of
-    open ancestors per step (the reference the vectorised version must equal)."""
+    open ancestors per step, finds the runs (the reference the vectorised run finding must equal);
+    the labels of the runs are compute's `_step_labels`, which the vectorisation left as it was."""
     ops = sorted(ops, key=lambda op: (op[0], -op[1]))
     flows = autograd if autograd is not None and len(autograd) else None
     # where the thread waited on a p2p op: gloo's send / recv spans end when the schedule's wait on
@@ -173,7 +174,7 @@ def _unlabeled_loop_one(ops: list, steps: list[tuple[float, float]], optimizer: 
     waits = sorted(end for _, end, name, _ in ops if name.startswith(("gloo:send", "gloo:recv")))
     out = []
     for step_start, step_end in steps:
-        runs: list[list] = []            # [kind, start, end]
+        runs: list[list] = []            # [kind, start, end, first recorded start]
         stack: list[float] = []          # ends of open ancestors below the step span
         current = None
         for start, end, name, _ in ops:
@@ -203,29 +204,11 @@ def _unlabeled_loop_one(ops: list, steps: list[tuple[float, float]], optimizer: 
                     (not waits or bisect.bisect_right(waits, current[2]) == bisect.bisect_right(waits, start)):
                 current[2] = max(current[2], end)
             else:
-                current = [kind, start, end, np.inf, -np.inf]
+                current = [kind, start, end, np.inf]
                 runs.append(current)
             if recorded:
                 current[3] = min(current[3], start)
-        # a forward run starts at its first op autograd recorded (none: not a forward); what
-        # follows the last one (the stage detaching its output to send) is still its work
-        runs = [[kind, s, e] for kind, s0, e, s, _ in runs if s < np.inf]
-        backward = [end - start for kind, start, end in runs if kind == BWD]
-        # bookkeeping between p2p calls (splitting inputs, allocating buffers) makes runs of
-        # microseconds; a microbatch's compute is a sizeable share of a backward
-        floor = 0.1 * float(np.median(backward)) if backward else 0.0
-        runs = [run for run in runs if run[2] - run[1] >= floor]
-        last_backward = max((i for i, run in enumerate(runs) if run[0] == BWD), default=-1)
-        forwards = [i for i, run in enumerate(runs) if run[0] == FWD and i < last_backward]
-        if len(forwards) > len(backward):
-            # every microbatch has one forward and one backward: the longest runs are the forwards,
-            # the rest is bookkeeping the OS stretched (splitting inputs, allocating recv buffers)
-            forwards = sorted(sorted(forwards, key=lambda i: runs[i][1] - runs[i][2])[:len(backward)])
-        for i, (kind, start, end) in enumerate(runs):
-            if kind == BWD:
-                out.append((BWD, start, end, -1, -1, "autograd backward"))
-            elif forward and i in forwards:
-                out.append((FWD, start, end, -1, -1, "forward ops"))
+        out += _step_labels(runs, forward)   # runs -> labels: the part the vectorised version kept as it was
     return out
 
 
