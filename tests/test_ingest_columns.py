@@ -6,6 +6,7 @@ gives the file's bytes across gzip members and still tells a truncated file."""
 from __future__ import annotations
 
 import gzip
+import itertools
 import pathlib
 
 import msgspec
@@ -145,24 +146,39 @@ def test_the_origin_of_a_trace_whose_first_complete_event_is_of_a_skipped_catego
     assert got.origin_ns != streamed("plain.json", _document_bytes(document)).origin_ns
 
 
-def test_gunzip_a_slice_at_a_time_across_members_and_truncation():
+def _consume(text, steps) -> bytes:
+    """Everything `text` reads, taken `next(steps)` bytes at a time (each step asks for that many)."""
+    out = bytearray()
+    while text.more(next(steps)):
+        out += text.buf[text.pos:text.end]
+        text.pos = text.end
+    return bytes(out)
+
+
+def test_gunzip_in_place_across_members_and_truncation(monkeypatch):
+    monkeypatch.setattr(kineto_reader, "_BUFFER_BYTES", 1 << 20)   # less than the text: the unread rest moves
     plain = np.random.default_rng(0).integers(32, 127, 3 << 20, dtype=np.uint8).tobytes()
     two = gzip.compress(plain[:1 << 20], 6) + gzip.compress(plain[1 << 20:], 1)
-    assert len(two) > 4 * kineto_reader._INFLATE_INPUT
+    sizes = np.random.default_rng(1).integers(1, 1 << 18, 1000).tolist()
+    assert _consume(kineto_reader._Text(two), iter(sizes)) == plain
+    # a `wanted` beyond the buffer (an event longer than it) grows the buffer; the unread bytes move along
     text = kineto_reader._Text(two)
-    while text.more(len(text.buf) - text.pos + 12345):
-        pass
-    assert bytes(text.buf) == plain
+    assert text.more(100) and text.end - text.pos >= 100
+    text.pos += 37
+    capacity = len(text.buf)
+    assert text.more(capacity + 5) and len(text.buf) > capacity and text.end - text.pos >= capacity + 5
+    assert bytes(text.buf[text.pos:text.end]) == plain[37:text.end - text.pos + 37]
+    assert text.pos == 0 and not text.eof
     truncated = kineto_reader._Text(two[:len(two) // 2])
-    with pytest.raises(kineto_reader.TraceUnreadable, match="ended before"):
-        while truncated.more(len(truncated.buf) - truncated.pos + 1):
-            pass
+    with pytest.raises(kineto_reader.TraceUnreadable, match="EOFError: .*ended before"):
+        _consume(truncated, itertools.repeat(1 << 16))
     broken = bytearray(two)   # a corrupt block or checksum (isal raises its own error, not zlib's)
     broken[len(two) // 3:len(two) // 3 + 64] = bytes(64)
     with pytest.raises(kineto_reader.TraceUnreadable):
-        text = kineto_reader._Text(bytes(broken))
-        while text.more(len(text.buf) - text.pos + 1):
-            pass
+        _consume(kineto_reader._Text(bytes(broken)), itertools.repeat(1 << 16))
+    with pytest.raises(kineto_reader.TraceUnreadable, match="BadGzipFile"):   # garbage after the last member
+        _consume(kineto_reader._Text(two + b"not gzip at all"), itertools.repeat(1 << 16))
+    assert _consume(kineto_reader._Text(two + bytes(9)), itertools.repeat(1 << 16)) == plain   # zero padding
 
 
 def test_a_real_trace_streamed_in_gzip_runs_cut_anywhere():
@@ -173,4 +189,3 @@ def test_a_real_trace_streamed_in_gzip_runs_cut_anywhere():
     expected = reference(str(path), data)
     for chunk_bytes in (777, 1 << 16):
         assert_same(streamed(str(path), data, chunk_bytes=chunk_bytes), expected)
-    assert pathlib.Path(path).stat().st_size > kineto_reader._INFLATE_INPUT

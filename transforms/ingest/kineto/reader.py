@@ -8,9 +8,10 @@
   traceEvents; complete once `chunks()` is exhausted.
 
 Memory: the file is gunzipped a few MB at a time (never the whole document) and `traceEvents` is
-read a run of whole events at a time; what is held is the compressed file, one run of JSON and its
-columns. Speed: gzip goes through ISA-L (`isal`, 3x zlib), fed 64 KB of input a call (the output
-stays in cache, and no unconsumed rest of the file is copied at each call).
+read a run of whole events at a time; what is held is the compressed file, one buffer of JSON (two
+runs) and the columns of a run. Speed: gzip goes through ISA-L (`isal`, 3x zlib), which inflates
+straight into that buffer (no bytes object per inflated piece, no copy of it: 13% of the time to
+convert a trace went to those); the scanner reads the bytes where they were inflated.
 
 Two ways to read a run, the same columns either way:
 - the compiled scanner (scan.py, scan.c; the default wherever a C compiler is): one C pass over the
@@ -32,6 +33,8 @@ an unexpected JSON type) raises `NotStreamable`: decode it whole instead, the ol
 """
 from __future__ import annotations
 
+import gzip
+import io
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -42,20 +45,30 @@ import numpy as np
 from transforms.ingest.kineto import scan as _scan
 from transforms.ingest.kineto.columns import ArgsKeys, EventColumns, columns_of, general_columns
 
-try:   # ISA-L's inflate: the same stream at about 3x zlib's speed
-    from isal import isal_zlib as _inflate
+try:   # ISA-L's inflate (the same stream at about 3x zlib's speed), straight into the reader's buffer
+    from isal.isal_zlib import IsalError as _IsalError, _GzipReader as _IsalGzipReader
 except ImportError:   # pragma: no cover - isal is a declared dependency
-    _inflate = zlib
-# isal raises its own IsalError (no zlib.error) on a corrupt stream
-_INFLATE_ERRORS = (zlib.error, getattr(_inflate, "error", zlib.error))
+    _IsalGzipReader = None
+    _IsalError = zlib.error
+# what a damaged stream raises: a truncated one EOFError, a bad header or checksum BadGzipFile, a bad block
+# isal's IsalError (zlib.error without isal). Never an error of storage: the bytes are in memory.
+_GUNZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error, _IsalError)
+
+
+def _gunzip(data: bytes):
+    """A reader of the gzip members in `data` with `readinto`: isal's (implemented in C; it reads
+    `data` in place and inflates into the buffer given), else the standard library's."""
+    if _IsalGzipReader is not None:
+        return _IsalGzipReader(data)
+    return gzip.GzipFile(fileobj=io.BytesIO(data))   # pragma: no cover
+
 
 __all__ = ["TraceEvent", "EventArgs", "TraceReader", "read_trace", "TraceUnreadable", "NotStreamable",
            "parser"]
 
 CHUNK_BYTES = 4 << 20          # JSON per decoded run: a few MB keeps the structs of one run small
-_INFLATE_INPUT = 1 << 16       # gzip fed per call: the rest of the input is never copied (an `unconsumed_tail` of the
-                               # whole file, copied at each call, halved the speed), and the output stays in cache
-_INFLATE_BYTES = 4 << 20       # at most gunzipped per call (64 KB of Kineto JSON inflate to about 1.5 MB)
+_BUFFER_BYTES = 2 * CHUNK_BYTES   # the gunzipped text's buffer: a run and the next, inflated in place
+_INFLATE_MIN = 1 << 16            # inflated per call at least
 _WHITESPACE = b" \t\r\n"
 
 
@@ -108,59 +121,61 @@ def read_trace(data: bytes, *, chunk_bytes: int = CHUNK_BYTES) -> "TraceReader":
 
 
 class _Text:
-    """The decompressed text as a sliding window: `buf[pos:]` is what is not consumed yet."""
+    """The decompressed text in a buffer the reader owns: `buf[pos:end]` is read and not consumed
+    yet (`buf` may be longer than `end`: read no further). Gzip is inflated straight into `buf`,
+    whose unread rest moves to its front when it fills: no bytes object per inflated piece, no
+    copy of what was inflated (the buffer grows only for an event longer than it)."""
 
     def __init__(self, data: bytes):
         self.pos = 0
         if data[:2] == b"\x1f\x8b":
-            self.buf = bytearray()
-            self._compressed = memoryview(data)
-            self._taken, self._pending = 0, b""
-            self._inflater = _inflate.decompressobj(31)
+            self.buf = bytearray(_BUFFER_BYTES)
+            self.end = 0
+            self._gunzip = _gunzip(data)
             self.eof = False
         else:   # plain JSON is already in memory: read it in place
             self.buf = data
-            self._compressed = None
+            self.end = len(data)
             self.eof = True
 
     def more(self, wanted: int) -> bool:
-        """Inflate until `wanted` unread bytes are buffered or the file ends; False at the end."""
+        """Inflate until `wanted` unread bytes are buffered or the file ends; False at the end.
+        Moves the unread bytes: views of the buffer must be let go of before."""
         if self.eof:
             return False
-        if self.pos > (1 << 20) and self.pos * 2 > len(self.buf):
-            del self.buf[:self.pos]
-            self.pos = 0
-        while len(self.buf) - self.pos < wanted and not self.eof:
-            if not len(self._pending):   # the next slice of the compressed input
-                self._pending = self._compressed[self._taken:self._taken + _INFLATE_INPUT]
-                self._taken += len(self._pending)
+        rest = self.end - self.pos
+        if self.pos + max(wanted, _INFLATE_MIN) > len(self.buf):   # no room behind the unread bytes
+            if max(wanted, _INFLATE_MIN) > len(self.buf):
+                buf = bytearray(max(2 * len(self.buf), wanted + _INFLATE_MIN))
+                buf[:rest] = memoryview(self.buf)[self.pos:self.end]
+                self.buf = buf
+            else:
+                view = memoryview(self.buf)
+                view[:rest] = view[self.pos:self.end]   # overlapping: memoryview moves like memmove
+                view.release()
+            self.pos, self.end = 0, rest
+        while self.end - self.pos < wanted:
+            view = memoryview(self.buf)[self.end:]
             try:
-                out = self._inflater.decompress(self._pending, _INFLATE_BYTES)
-            except _INFLATE_ERRORS as error:   # a bad checksum, a corrupt block
-                raise TraceUnreadable(f"error: {error}") from None
-            self._pending = self._inflater.unconsumed_tail
-            self.buf += out
-            if self._inflater.eof:
-                rest = bytes(self._inflater.unused_data) + self._compressed[self._taken:]
-                if rest[:2] == b"\x1f\x8b":   # another gzip member follows (gzip -c a b > c)
-                    self._compressed, self._taken, self._pending = memoryview(rest), 0, b""
-                    self._inflater = _inflate.decompressobj(31)
-                elif rest.strip(b"\x00"):
-                    raise TraceUnreadable("BadGzipFile: trailing garbage after a gzip member")
-                else:
-                    self.eof = True
-            elif not out and not len(self._pending) and self._taken >= len(self._compressed):
-                raise TraceUnreadable("EOFError: Compressed file ended before the end-of-stream marker was reached")
+                got = self._gunzip.readinto(view)
+            except _GUNZIP_ERRORS as error:   # a truncated stream, a bad checksum or block, trailing garbage
+                raise TraceUnreadable(f"{type(error).__name__}: {error}") from None
+            finally:
+                view.release()
+            if not got:
+                self.eof = True
+                break
+            self.end += got
         return True
 
     def skip_whitespace(self) -> int:
         """Position of the next non-whitespace byte (inflating as needed); -1 at the end of the text."""
         while True:
-            buf, pos = self.buf, self.pos
-            while pos < len(buf) and buf[pos] in _WHITESPACE:
+            buf, pos, end = self.buf, self.pos, self.end
+            while pos < end and buf[pos] in _WHITESPACE:
                 pos += 1
             self.pos = pos
-            if pos < len(buf):
+            if pos < end:
                 return pos
             if not self.more(1):
                 return -1
@@ -231,7 +246,7 @@ class TraceReader:
         while True:
             buf, at = text.buf, text.pos + 1
             while True:   # the closing quote: one that an even run of backslashes precedes
-                at = buf.find(b'"', at)
+                at = buf.find(b'"', at, text.end)
                 if at < 0:
                     break
                 backslashes = 0
@@ -242,7 +257,7 @@ class TraceReader:
                 at += 1
             if at >= 0:
                 break
-            if not text.more(len(buf) - text.pos + (1 << 16)):
+            if not text.more(text.end - text.pos + (1 << 16)):
                 raise TraceUnreadable("JSONDecodeError: the document ends inside a top-level key")
         try:
             key = msgspec.json.decode(bytes(buf[text.pos:at + 1]))
@@ -255,10 +270,10 @@ class TraceReader:
         """Decode the JSON value at the read position, whatever its size, and move past it."""
         text, window = self._text, 1 << 16
         while True:
-            end = _value_end(text.buf, text.pos, min(len(text.buf), text.pos + window))
+            end = _value_end(text.buf, text.pos, min(text.end, text.pos + window))
             if end is not None:
                 break
-            if len(text.buf) - text.pos > window:
+            if text.end - text.pos > window:
                 window *= 4
             elif not text.more(window * 4):
                 raise TraceUnreadable("JSONDecodeError: the document ends inside a top-level value")
@@ -285,7 +300,7 @@ class TraceReader:
             if scanner is not None:
                 text.more(size)
                 buf, pos = text.buf, text.pos
-                limit = min(len(buf), pos + size)
+                limit = min(text.end, pos + size)
                 status, end, columns = scanner.scan(buf, pos, limit)
                 del buf
                 if columns is not None:
@@ -302,9 +317,9 @@ class TraceReader:
                 if status == _scan.FULL or (status == _scan.MORE and end > pos):
                     continue
                 if status == _scan.MORE:   # an event longer than the window, or the end of the bytes so far
-                    if limit < len(text.buf):
+                    if limit < text.end:
                         size *= 2
-                    elif not text.more(len(text.buf) - pos + size):
+                    elif not text.more(text.end - pos + size):
                         raise TraceUnreadable("JSONDecodeError: the document ends inside traceEvents")
                     continue
                 # BAD or STRAY at `end`: a run from there the msgspec way (its error, or the general structs)
@@ -325,9 +340,9 @@ class TraceReader:
         while True:
             text.more(size)
             buf, pos = text.buf, text.pos
-            limit = min(len(buf), pos + size)
-            cut = _last_cut(buf, pos, limit)
-            if cut is None and limit < len(buf):   # an event bigger than a run: take more at once
+            limit = min(text.end, pos + size)
+            cut = _last_cut(buf, pos, limit, text.end)
+            if cut is None and limit < text.end:   # an event bigger than a run: take more at once
                 size *= 2
                 continue
             columns = None
@@ -337,9 +352,9 @@ class TraceReader:
                 except msgspec.DecodeError:
                     columns = None   # a `}` inside a string or a nested value: cut exactly
             if columns is None:
-                ends = _element_ends(buf, pos, len(buf))
+                ends = _element_ends(buf, pos, text.end)
                 if ends is None:
-                    if text.more(len(buf) - pos + size):
+                    if text.more(text.end - pos + size):
                         size *= 2
                         continue
                     raise TraceUnreadable("JSONDecodeError: the document ends inside traceEvents")
@@ -382,18 +397,18 @@ def _framed(buf, start: int, stop: int) -> bytes:
     return b"".join((b"[", memoryview(buf)[start:stop], b"]"))
 
 
-def _last_cut(buf, pos: int, limit: int) -> int | None:
+def _last_cut(buf, pos: int, limit: int, stop: int) -> int | None:
     """Position of the last `}` in buf[pos:limit] that whitespace then `,` or `]` follows (a likely
-    end of an event; the decode proves it), None when there is none."""
+    end of an event; the decode proves it), None when there is none. buf[:stop] is the text read."""
     end = limit
     for _ in range(8):
         cut = buf.rfind(b"}", pos, end)
         if cut < 0:
             return None
         after = cut + 1
-        while after < len(buf) and buf[after] in _WHITESPACE:
+        while after < stop and buf[after] in _WHITESPACE:
             after += 1
-        if after < len(buf) and buf[after] in b",]":
+        if after < stop and buf[after] in b",]":
             return cut
         end = cut
     return None
