@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gzip
 import itertools
-import pathlib
 
 import msgspec
 import numpy as np
