@@ -149,7 +149,8 @@ class EventColumns:
     flow_starts / flow_ends: ts of the fwdbwd flows (ph s / f); launch, gpu (kernels, copies,
     memsets), gpu_label, cpu (cpu ops and user annotations): the complete events of those categories.
     `names(group)`, `tids(group)`, `correlations(group)` read one field of a group's events (a
-    correlation column with `has` telling where one was given); `args_of(group, i)` the args of
+    correlation column with `has` telling where one was given; `name_ids`, `tid_ids` the names and
+    tids as ids into a table); `args_of(group, i)` the args of
     one as a dict; `category_of(group, i)` its cat."""
 
     __slots__ = ("n", "first_complete", "flow_starts", "flow_ends", "launch", "gpu", "gpu_label", "cpu", "_structs")
@@ -172,6 +173,17 @@ class EventColumns:
         if self._structs:
             return list(map(_TID, group.events))
         return [e.get("tid") for e in group.events]
+
+    def name_ids(self, group: Group) -> tuple[np.ndarray, list]:
+        """(ids, table): the names of a group's events as positions in `table`. Here the table is
+        the names themselves; the scanner's columns give ids into the file's names, each once."""
+        names = self.names(group)
+        return np.arange(len(names)), names
+
+    def tid_ids(self, group: Group) -> tuple[np.ndarray, list]:
+        """(ids, table) of the tids, as `name_ids`."""
+        tids = self.tids(group)
+        return np.arange(len(tids)), tids
 
     def correlations(self, group: Group) -> tuple[np.ndarray, np.ndarray]:
         """(correlation as int64, whether given) of a group's events."""

@@ -39,14 +39,14 @@ def _unlabeled_compute(ops: list, steps: list[tuple[float, float]], optimizer: l
     if not len(ops):
         return []
     if isinstance(ops, list):
-        names = [op[2] for op in ops]
+        classes = _classes_of([op[2] for op in ops])
         starts = np.fromiter((op[0] for op in ops), np.float64, len(ops))
         ends = np.fromiter((op[1] for op in ops), np.float64, len(ops))
-    else:   # columns (events.CpuOps)
-        names, starts, ends = ops.names, ops.start, ops.end
+    else:   # columns (events.CpuOps): each distinct name looked at once
+        classes, starts, ends = ops.per_name(_class_of, np.int64), ops.start, ops.end
     order = np.lexsort((-ends, starts))   # by start, the longer first (stable, as sorted() was)
     starts, ends = starts[order], ends[order]
-    classes = _classes_of(names)[order]
+    classes = classes[order]
     flows = autograd if autograd is not None and len(autograd) else None
     recorded = np.ones(len(starts), dtype=bool) if flows is None else \
         np.searchsorted(flows, starts, side="left") < np.searchsorted(flows, ends, side="right")

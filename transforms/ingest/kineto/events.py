@@ -117,16 +117,18 @@ class _EventPass:
         self.overlapped: list[tuple[float, float, str, str]] = []       # OVERLAP_F_B labels: start, end, actions, name
         self.nccl_ranges: list[tuple[float, float, str, Any]] = []      # `nccl:*` CPU ranges: start, end, name, tid
         # columns, one array (or list) per run
-        self._launch: list[tuple[np.ndarray, np.ndarray, list]] = []    # CUDA runtime / driver calls: start, correlation, tid
+        # names and tids as ids into the file's tables (`_Interned`): what is asked of a name, once per name
+        self._names, self._tids = _Interned(), _Interned()
+        self._nccl_name = _PerName(lambda name: name.startswith(_NCCL), bool)
+        self._special_name = _PerName(_name_class, bool)
+        self._launch: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []   # CUDA runtime / driver calls: start, correlation, tid id
         self._work: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # kernels, memcpy, memset (not NCCL): correlation, start, end
-        self._cpu: list[tuple[np.ndarray, np.ndarray, list, list]] = []  # every cpu_op / user_annotation: start, end, name, tid
-        self._annotations: list[tuple[np.ndarray, list]] = []           # user_annotation ranges: start, name
+        self._cpu: list[tuple[np.ndarray, ...]] = []   # every cpu_op / user_annotation: start, end, name id, tid id
+        self._annotations: list[tuple[np.ndarray, np.ndarray]] = []     # user_annotation ranges: start, name id
         self._flow_starts: list[np.ndarray] = []                        # fwdbwd flow starts: forward ops autograd recorded
         self._flow_ends: list[np.ndarray] = []                          # ... and their backward nodes
-        self._name_classes: dict[Any, int] = {}
         self._label_meanings: dict[str, tuple] = {}
         self._cpu_actions: dict[str, tuple[int, Any]] = {}
-        self._nccl_names: dict[Any, bool] = {}
 
     def add(self, columns: EventColumns) -> None:
         if self.origin is None:
@@ -142,10 +144,9 @@ class _EventPass:
         if len(launch):
             start = launch.ts - origin
             correlation, given = columns.correlations(launch)
-            tids = columns.tids(launch)
+            tids = self._tids.of(*columns.tid_ids(launch))
             if not given.all():
-                keep = np.flatnonzero(given)
-                start, correlation, tids = start[keep], correlation[keep], [tids[i] for i in keep.tolist()]
+                start, correlation, tids = start[given], correlation[given], tids[given]
             self._launch.append((start, correlation, tids))
 
         gpu = columns.gpu
@@ -153,8 +154,8 @@ class _EventPass:
             start = gpu.ts - origin
             end = start + gpu.dur
             self.kernels += int(np.count_nonzero(gpu.code == KERNEL))
-            names = columns.names(gpu)
-            nccl = _prefixed(names, _NCCL, self._nccl_names)
+            names = self._names.of(*columns.name_ids(gpu))
+            nccl = self._nccl_name.of(names, self._names.table)
             if nccl.any():
                 rare.append((np.flatnonzero(nccl), _GPU, gpu, names, None, start, end))
             correlation, given = columns.correlations(gpu)
@@ -165,24 +166,19 @@ class _EventPass:
         label = columns.gpu_label
         if len(label):
             start = label.ts - origin
-            rare.append((np.arange(len(label)), _GPU_LABEL, label, columns.names(label), None, start, start + label.dur))
+            rare.append((np.arange(len(label)), _GPU_LABEL, label, self._names.of(*columns.name_ids(label)), None, start,
+                         start + label.dur))
 
         cpu = columns.cpu
         if len(cpu):
             start = cpu.ts - origin
             end = start + cpu.dur
-            names, tids = columns.names(cpu), columns.tids(cpu)
+            names, tids = self._names.of(*columns.name_ids(cpu)), self._tids.of(*columns.tid_ids(cpu))
             self._cpu.append((start, end, names, tids))
             annotation = cpu.code == ANNOTATION
             if annotation.any():
-                self._annotations.append((start[annotation], [names[i] for i in np.flatnonzero(annotation).tolist()]))
-            known = self._name_classes
-            classes = list(map(known.get, names))
-            if None in classes:
-                for name in set(names).difference(known):
-                    known[name] = _name_class(name)
-                classes = list(map(known.__getitem__, names))
-            special = np.array(classes, dtype=bool) | annotation
+                self._annotations.append((start[annotation], names[annotation]))
+            special = self._special_name.of(names, self._names.table) | annotation
             if special.any():
                 rare.append((np.flatnonzero(special), _CPU, cpu, names, tids, start, end))
         if rare:
@@ -197,9 +193,10 @@ class _EventPass:
         """The events whose names or args matter (`rare`: per group, the positions of those events
         and the group's names, tids, starts, ends). Each group feeds lists of its own (NCCL kernels,
         GPU labels; the CPU ops everything else), so each is read in its own file order."""
+        name_of, tid_of = self._names.table.__getitem__, self._tids.table.__getitem__
         for at, kind, group, names, tids, starts, ends in rare:
             positions = at.tolist()
-            named = [names[i] for i in positions]
+            named = list(map(name_of, names[at].tolist()))
             spans = zip(named, starts[at].tolist(), ends[at].tolist())
             if kind == _GPU:   # NCCL: read once the rank and groups are known
                 self.nccl += [(name, args, ts, end) for (name, ts, end), args
@@ -209,7 +206,7 @@ class _EventPass:
                     if not name.startswith("ProfilerStep#"):
                         self.gpu_labels[name].append((ts, end))
             else:
-                self._cpu_events(columns, group, positions, named, spans, [tids[i] for i in positions],
+                self._cpu_events(columns, group, positions, named, spans, list(map(tid_of, tids[at].tolist())),
                                  (group.code[at] == ANNOTATION).tolist())
 
     def _cpu_events(self, columns: EventColumns, group: Group, positions: list[int], names: list[str], spans,
@@ -295,8 +292,8 @@ class _EventPass:
         correlations = _joined([r[1] for r in self._launch], np.int64)
         keep = np.flatnonzero(np.isin(correlations, np.array(wanted, dtype=np.int64)))
         starts = _joined([r[0] for r in self._launch])[keep].tolist()
-        threads = list(itertools.chain.from_iterable(r[2] for r in self._launch))
-        return dict(zip(correlations[keep].tolist(), zip(starts, (threads[i] for i in keep))))
+        threads = map(self._tids.table.__getitem__, _joined([r[2] for r in self._launch], np.int64)[keep].tolist())
+        return dict(zip(correlations[keep].tolist(), zip(starts, threads)))
 
     def work_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(correlation, start, end) of the GPU work other than NCCL kernels."""
@@ -304,23 +301,19 @@ class _EventPass:
 
     def cpu_ops(self) -> CpuOps:
         return CpuOps(_joined([r[0] for r in self._cpu]), _joined([r[1] for r in self._cpu]),
-                      list(itertools.chain.from_iterable(r[2] for r in self._cpu)),
-                      list(itertools.chain.from_iterable(r[3] for r in self._cpu)))
+                      _joined([r[2] for r in self._cpu], np.int64), _joined([r[3] for r in self._cpu], np.int64),
+                      self._names.table, self._tids.table)
 
     def threads(self, cpu_ops: CpuOps, step_tid) -> tuple[CpuOps, CpuOps]:
         """(the ops of the thread that ran the steps, the autograd backward ops of other threads),
         each in file order."""
-        tids = np.empty(len(cpu_ops), dtype=object)
-        tids[:] = cpu_ops.tids
-        main = tids == step_tid
-        if not isinstance(main, np.ndarray) or main.shape != tids.shape:   # a tid numpy cannot compare one by one
-            main = np.fromiter((tid == step_tid for tid in tids), bool, len(tids))
-        backward = ~main & _prefixed(cpu_ops.names, _BACKWARD_OP, {})
+        main = cpu_ops.per_tid(lambda tid: bool(tid == step_tid))
+        backward = ~main & cpu_ops.per_name(lambda name: name.startswith(_BACKWARD_OP))
         return cpu_ops.take(np.flatnonzero(main)), cpu_ops.take(np.flatnonzero(backward))
 
     def annotations(self) -> set[tuple[float, str]]:
-        return set(zip(_joined([r[0] for r in self._annotations]).tolist(),
-                       itertools.chain.from_iterable(r[1] for r in self._annotations)))
+        names = _joined([r[1] for r in self._annotations], np.int64).tolist()
+        return set(zip(_joined([r[0] for r in self._annotations]).tolist(), map(self._names.table.__getitem__, names)))
 
     def flows(self) -> tuple[np.ndarray, np.ndarray]:
         """Sorted fwdbwd flow starts and ends on the span columns' time axis."""
@@ -330,42 +323,69 @@ class _EventPass:
 
 
 class CpuOps:
-    """A rank's CPU ops and annotations as columns (start, end: µs on the span axis; names, tids:
-    lists), in file order. Iterating gives (start, end, name, tid) tuples, for the few readers that
-    go op by op; the hot paths read the columns."""
+    """A rank's CPU ops and annotations as columns, in file order: start, end (µs on the span axis),
+    and their names and tids as ids into tables (`name_table[name_ids[i]]` is op i's name), so that
+    what is asked of a name or tid is asked once per distinct one (`per_name`, `per_tid`). `names`
+    and `tids` list them; iterating gives (start, end, name, tid) tuples, for the few readers that
+    go op by op."""
 
-    __slots__ = ("start", "end", "names", "tids")
+    __slots__ = ("start", "end", "name_ids", "tid_ids", "name_table", "tid_table")
 
-    def __init__(self, start: np.ndarray, end: np.ndarray, names: list, tids: list):
-        self.start, self.end, self.names, self.tids = start, end, names, tids
+    def __init__(self, start: np.ndarray, end: np.ndarray, name_ids: np.ndarray, tid_ids: np.ndarray,
+                 name_table: list, tid_table: list):
+        self.start, self.end, self.name_ids, self.tid_ids = start, end, name_ids, tid_ids
+        self.name_table, self.tid_table = name_table, tid_table
 
     @classmethod
     def from_tuples(cls, ops) -> "CpuOps":
         ops = list(ops)
+        names, tids = _Interned(), _Interned()
         return cls(np.array([op[0] for op in ops], dtype=np.float64), np.array([op[1] for op in ops], dtype=np.float64),
-                   [op[2] for op in ops], [op[3] for op in ops])
+                   names.of(np.arange(len(ops)), [op[2] for op in ops]),
+                   tids.of(np.arange(len(ops)), [op[3] for op in ops]), names.table, tids.table)
+
+    @property
+    def names(self) -> list:
+        return list(map(self.name_table.__getitem__, self.name_ids.tolist()))
+
+    @property
+    def tids(self) -> list:
+        return list(map(self.tid_table.__getitem__, self.tid_ids.tolist()))
+
+    def per_name(self, function, dtype=bool) -> np.ndarray:
+        """function(name) of each op, computed once per distinct name."""
+        return np.fromiter(map(function, self.name_table), dtype, len(self.name_table))[self.name_ids]
+
+    def per_tid(self, function, dtype=bool) -> np.ndarray:
+        """function(tid) of each op, computed once per distinct tid."""
+        return np.fromiter(map(function, self.tid_table), dtype, len(self.tid_table))[self.tid_ids]
 
     def __len__(self) -> int:
-        return len(self.names)
+        return len(self.name_ids)
 
     def __iter__(self):
         return zip(self.start.tolist(), self.end.tolist(), self.names, self.tids)
 
     def take(self, rows: np.ndarray) -> "CpuOps":
         rows = np.asarray(rows, dtype=np.int64)
-        listed = rows.tolist()
-        return CpuOps(self.start[rows], self.end[rows], [self.names[i] for i in listed], [self.tids[i] for i in listed])
+        return CpuOps(self.start[rows], self.end[rows], self.name_ids[rows], self.tid_ids[rows], self.name_table,
+                      self.tid_table)
 
     def __add__(self, other: "CpuOps") -> "CpuOps":
+        if self.name_table is not other.name_table or self.tid_table is not other.tid_table:
+            return CpuOps.from_tuples(itertools.chain(self, other))
         return CpuOps(np.concatenate([self.start, other.start]), np.concatenate([self.end, other.end]),
-                      self.names + other.names, self.tids + other.tids)
+                      np.concatenate([self.name_ids, other.name_ids]), np.concatenate([self.tid_ids, other.tid_ids]),
+                      self.name_table, self.tid_table)
 
     def without(self, spans: set[tuple[float, str]], unless) -> "CpuOps":
         """These ops but those whose (start, name) is in `spans`, unless `unless(name)`."""
         if not spans or not len(self):
             return self
         candidates = np.flatnonzero(np.isin(self.start, np.fromiter((s for s, _ in spans), np.float64, len(spans))))
-        drop = [i for i in candidates.tolist() if (float(self.start[i]), self.names[i]) in spans and not unless(self.names[i])]
+        names = self.name_table
+        drop = [i for i, name_id in zip(candidates.tolist(), self.name_ids[candidates].tolist())
+                if (float(self.start[i]), names[name_id]) in spans and not unless(names[name_id])]
         if not drop:
             return self
         keep = np.ones(len(self), dtype=bool)
@@ -373,15 +393,52 @@ class CpuOps:
         return self.take(np.flatnonzero(keep))
 
 
-def _prefixed(names: list, prefix, known: dict) -> np.ndarray:
-    """Whether each name starts with `prefix` (a str or tuple), through `known` (name -> answer):
-    names repeat, so each is looked at once."""
-    answers = list(map(known.get, names))
-    if None in answers:
-        for name in set(names).difference(known):
-            known[name] = name.startswith(prefix)
-        answers = list(map(known.__getitem__, names))
-    return np.array(answers, dtype=bool).reshape(-1)
+class _Interned:
+    """A file's distinct names (or tids), each with an id (its position in `table`). `of(ids, table)`
+    turns ids into some other table (the scanner's, which only grows, or a run's own list of
+    values) into ids into this one, looking at each value of that table once."""
+
+    __slots__ = ("table", "_index", "_foreign", "_map")
+
+    def __init__(self):
+        self.table: list = []
+        self._index: dict = {}
+        self._foreign: list | None = None
+        self._map = np.zeros(0, dtype=np.int64)
+
+    def of(self, ids: np.ndarray, table: list) -> np.ndarray:
+        if table is not self._foreign:
+            self._foreign, self._map = table, np.zeros(0, dtype=np.int64)
+        if len(self._map) < len(table):
+            new = table[len(self._map):]
+            self._map = np.concatenate([self._map, np.fromiter(map(self._id, new), np.int64, len(new))])
+        return self._map[ids]
+
+    def _id(self, value) -> int:
+        try:
+            found = self._index.get(value)
+        except TypeError:   # an unhashable tid (a JSON array): an id of its own
+            self.table.append(value)
+            return len(self.table) - 1
+        if found is None:
+            found = self._index[value] = len(self.table)
+            self.table.append(value)
+        return found
+
+
+class _PerName:
+    """function(value) per id of a growing `_Interned` table, each value asked once."""
+
+    __slots__ = ("function", "dtype", "values")
+
+    def __init__(self, function, dtype):
+        self.function, self.dtype, self.values = function, dtype, np.zeros(0, dtype=dtype)
+
+    def of(self, ids: np.ndarray, table: list) -> np.ndarray:
+        if len(self.values) < len(table):
+            new = table[len(self.values):]
+            self.values = np.concatenate([self.values, np.fromiter(map(self.function, new), self.dtype, len(new))])
+        return self.values[ids]
 
 
 def _joined(parts: list[np.ndarray], dtype=np.float64) -> np.ndarray:

@@ -203,6 +203,13 @@ class ScannedColumns(EventColumns):
     def tids(self, group: Group) -> list:
         return _gather(self._scanner.tids, self._rows["tid"][group.index] + 1)
 
+    def name_ids(self, group: Group) -> tuple[np.ndarray, list]:
+        """Ids into the scanner's names, the file's (it only grows): each name is one str per file."""
+        return self._rows["name"][group.index] + 1, self._scanner.names
+
+    def tid_ids(self, group: Group) -> tuple[np.ndarray, list]:
+        return self._rows["tid"][group.index] + 1, self._scanner.tids
+
     def correlations(self, group: Group) -> tuple[np.ndarray, np.ndarray]:
         values = self._rows["correlation"][group.index]
         return values, values != _NO_CORRELATION
