@@ -562,6 +562,26 @@ static int skip_value(cur_t *c, int depth) {
 
 /* ------------------------------------------------------------------ events */
 
+/* past a non-negative integer of at most 300 digits that a ',', '}', ']' or whitespace ends (most of
+ * the args values: ids, counts, sizes), 1; else 0 and nothing moved (skip_value reads it). Such
+ * bytes are a whole JSON number: no fraction or exponent follows. */
+static inline int skip_plain_integer(cur_t *c) {
+    const uint8_t *p = c->p, *e = c->e;
+    if (*p == '0') {
+        p++;
+    } else if ((uint8_t)(*p - '1') < 9) {
+        p++;
+        while (p < e && (uint8_t)(*p - '0') < 10) p++;
+        if (p - c->p > 300) return 0;
+    } else {
+        return 0;
+    }
+    if (p >= e || !(*p == ',' || *p == '}' || *p == ']' || *p == ' ' || *p == '\n' || *p == '\r' || *p == '\t'))
+        return 0;
+    c->p = p;
+    return 1;
+}
+
 /* a value the columns do not take: skipped (its JSON still checked), then STRAY (or why it is bad) */
 static int stray_value(cur_t *c, int depth) {
     int status = skip_value(c, depth);
@@ -637,7 +657,7 @@ static int scan_args(cur_t *c, int64_t *correlation) {
             } else {
                 return stray_value(c, 2);
             }
-        } else if ((status = skip_value(c, 2)) != OK) {
+        } else if (!skip_plain_integer(c) && (status = skip_value(c, 2)) != OK) {
             return status;
         }
         if ((status = object_next(c)) != NEXT) return status == CLOSED ? OK : status;
