@@ -319,6 +319,18 @@ static inline const uint8_t *skip_digits(const uint8_t *p, const uint8_t *e) {
     return p;
 }
 
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+/* the value of the eight digits at p (checked by the caller): pairs, then fours, then the eight */
+static inline uint64_t eight_digits(const uint8_t *p) {
+    uint64_t word;
+    memcpy(&word, p, 8);
+    word -= ONES * '0';
+    word = word * 10 + (word >> 8);
+    return (((word & 0x000000FF000000FFULL) * (100 + (1000000ULL << 32)))
+            + (((word >> 16) & 0x000000FF000000FFULL) * (1 + (10000ULL << 32)))) >> 32;
+}
+#endif
+
 /* past the number at c->p, its grammar checked (a skipped value: nothing computed). One that may
  * be out of a double's range (over 300 digits, or an exponent over 300) is STRAY: msgspec refuses
  * "Number out of range" where it reads it, and says so. */
@@ -367,13 +379,7 @@ static int scan_number(cur_t *c, double *value, int *integral, int64_t *whole, i
     } else if (*p >= '1' && *p <= '9') {
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
         while (p + 8 <= e && mantissa < 1000000000ULL && skip_digits(p, p + 8) == p + 8) {
-            uint64_t word;   /* eight digits at once: pairs, then fours, then the eight */
-            memcpy(&word, p, 8);
-            word -= ONES * '0';
-            word = word * 10 + (word >> 8);
-            word = (((word & 0x000000FF000000FFULL) * (100 + (1000000ULL << 32)))
-                    + (((word >> 16) & 0x000000FF000000FFULL) * (1 + (10000ULL << 32)))) >> 32;
-            mantissa = mantissa * 100000000ULL + word;
+            mantissa = mantissa * 100000000ULL + eight_digits(p);
             p += 8;
         }
 #endif
@@ -562,9 +568,39 @@ static int skip_value(cur_t *c, int depth) {
 
 /* ------------------------------------------------------------------ events */
 
+/* whether the byte ends a number that is a whole JSON value (what may follow one in an object or array) */
+static inline int number_end(const uint8_t *p, const uint8_t *e) {
+    return p < e && (*p == ',' || *p == '}' || *p == ']' || *p == ' ' || *p == '\n' || *p == '\r' || *p == '\t');
+}
+
+/* a non-negative integer of at most 19 digits that a ',', '}', ']' or whitespace ends (ts, dur,
+ * tids, ids: such bytes are a whole JSON number, no fraction or exponent follows): its value in
+ * *whole and c->p past it, 1; else 0, c->p anywhere (the caller reads it again the long way) */
+static inline int plain_integer(cur_t *c, uint64_t *whole) {
+    const uint8_t *p = c->p, *e = c->e;
+    uint64_t value = 0;
+    if (*p == '0') {
+        p++;
+    } else if ((uint8_t)(*p - '1') < 9) {
+        const uint8_t *first = p;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        while (p + 8 <= e && p - first <= 8 && skip_digits(p, p + 8) == p + 8) {
+            value = value * 100000000ULL + eight_digits(p);
+            p += 8;
+        }
+#endif
+        while (p < e && (uint8_t)(*p - '0') < 10 && p - first < 19) value = value * 10 + (uint64_t)(*p++ - '0');
+    } else {
+        return 0;
+    }
+    if (!number_end(p, e)) return 0;
+    c->p = p;
+    *whole = value;
+    return 1;
+}
+
 /* past a non-negative integer of at most 300 digits that a ',', '}', ']' or whitespace ends (most of
- * the args values: ids, counts, sizes), 1; else 0 and nothing moved (skip_value reads it). Such
- * bytes are a whole JSON number: no fraction or exponent follows. */
+ * the args values: ids, counts, sizes), 1; else 0 and nothing moved (skip_value reads it). */
 static inline int skip_plain_integer(cur_t *c) {
     const uint8_t *p = c->p, *e = c->e;
     if (*p == '0') {
@@ -576,8 +612,7 @@ static inline int skip_plain_integer(cur_t *c) {
     } else {
         return 0;
     }
-    if (p >= e || !(*p == ',' || *p == '}' || *p == ']' || *p == ' ' || *p == '\n' || *p == '\r' || *p == '\t'))
-        return 0;
+    if (!number_end(p, e)) return 0;
     c->p = p;
     return 1;
 }
@@ -621,6 +656,13 @@ static int timed_value(cur_t *c, double *out) {
         return status;
     }
     if (ch == '-' || (ch >= '0' && ch <= '9')) {
+        const uint8_t *start = c->p;
+        uint64_t whole;
+        if (plain_integer(c, &whole) && whole < (1ULL << 53)) {   /* the usual µs count: exact as it is */
+            *out = (double)whole;
+            return OK;
+        }
+        c->p = start;
         int status = scan_number(c, out, NULL, NULL, NULL);
         return status == OK && isinf(*out) ? STRAY : status;   /* msgspec: "Number out of range" */
     }
@@ -697,8 +739,15 @@ static int scan_event(state_t *s, cur_t *c, const uint8_t *base, event_t *ev) {
                 }
                 if ((status = scan_string(c, &v, &v_end, &v_escaped)) != OK) return status;
                 if (v_escaped) return STRAY;
-                for (const uint8_t *b = v; b < v_end; b++)
-                    if (*b >= 0x80) return STRAY;   /* no category or phase: msgspec says whether it is UTF-8 */
+                uint64_t bytes = 0;   /* any byte over 0x7f: no category or phase; msgspec says whether it is UTF-8 */
+                const uint8_t *b = v;
+                for (; b + 8 <= v_end; b += 8) {
+                    uint64_t word;
+                    memcpy(&word, b, 8);
+                    bytes |= word;
+                }
+                while (b < v_end) bytes |= *b++;
+                if (bytes & HIGHS) return STRAY;
                 if (key_n == 2) {
                     ev->ph = (v_end - v == 1) ? (*v == 'X' ? 1 : *v == 's' ? 2 : *v == 'f' ? 3 : 0) : 0;
                 } else {
@@ -722,7 +771,7 @@ static int scan_event(state_t *s, cur_t *c, const uint8_t *base, event_t *ev) {
                     return stray_value(c, 1);
                 }
                 tid = c->p;
-                if ((status = skip_value(c, 1)) != OK) return status;
+                if (!skip_plain_integer(c) && (status = skip_value(c, 1)) != OK) return status;
                 tid_end = c->p;
             } else if (KEY("args")) {
                 if (ch == '{') {
@@ -737,7 +786,7 @@ static int scan_event(state_t *s, cur_t *c, const uint8_t *base, event_t *ev) {
                 } else {
                     return stray_value(c, 1);
                 }
-            } else if ((status = skip_value(c, 1)) != OK) {
+            } else if (!skip_plain_integer(c) && (status = skip_value(c, 1)) != OK) {
                 return status;
             }
             if ((status = object_next(c)) == CLOSED) break;
