@@ -56,6 +56,7 @@ typedef struct {
 } cur_t;
 
 static uint8_t string_special[256];   /* '"', '\\' and control characters */
+static uint8_t ends_value[256];       /* ',', '}', ']' and whitespace: what may follow a number */
 static int8_t hex_value[256];
 static int tables_ready;
 
@@ -64,6 +65,7 @@ __attribute__((constructor)) static void init_tables(void) {
     if (tables_ready) return;
     for (int i = 0; i < 256; i++) {
         string_special[i] = (i < 0x20 || i == '"' || i == '\\');
+        ends_value[i] = (i == ',' || i == '}' || i == ']' || i == ' ' || i == '\n' || i == '\r' || i == '\t');
         hex_value[i] = (i >= '0' && i <= '9') ? i - '0' : (i >= 'a' && i <= 'f') ? i - 'a' + 10
                      : (i >= 'A' && i <= 'F') ? i - 'A' + 10 : -1;
     }
@@ -214,31 +216,25 @@ static inline const uint8_t *string_run(const uint8_t *p, const uint8_t *e) {
 }
 
 /* past whitespace: every byte that is not whitespace exceeds ' ' but control characters, which
- * no JSON holds outside strings; torch.profiler indents its events, runs of spaces go 8 at a time */
+ * no JSON holds outside strings; torch.profiler indents its events: a newline and its indent are
+ * passed 16 bytes at a time */
 static inline void skip_ws(cur_t *c) {
     const uint8_t *p = c->p, *e = c->e;
     if (p < e && *p > ' ') return;                                   /* none: the most frequent */
     if (p + 1 < e && *p == ' ' && p[1] > ' ') { c->p = p + 1; return; }   /* the space after `,` or `:` */
-    while (p < e && *p <= ' ') {
-        if (*p == ' ') {
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-            while (p + 8 <= e) {
-                uint64_t word;
-                memcpy(&word, p, 8);
-                uint64_t other = word ^ 0x2020202020202020ULL;
-                if (other) { p += __builtin_ctzll(other) >> 3; break; }
-                p += 8;
-            }
-            if (p < e && *p == ' ') p++;
-#else
-            p++;
-#endif
-        } else if (*p == '\n' || *p == '\r' || *p == '\t') {
-            p++;
-        } else {
-            break;
-        }
+#ifdef __SSE2__
+    while (p + 16 <= e) {
+        __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+        __m128i space = _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(bytes, _mm_set1_epi8(' ')),
+                                                  _mm_cmpeq_epi8(bytes, _mm_set1_epi8('\n'))),
+                                     _mm_or_si128(_mm_cmpeq_epi8(bytes, _mm_set1_epi8('\r')),
+                                                  _mm_cmpeq_epi8(bytes, _mm_set1_epi8('\t'))));
+        unsigned other = ~(unsigned)_mm_movemask_epi8(space) & 0xFFFFu;
+        if (other) { c->p = p + __builtin_ctz(other); return; }
+        p += 16;
     }
+#endif
+    while (p < e && (*p == ' ' || *p == '\n' || *p == '\r' || *p == '\t')) p++;
     c->p = p;
 }
 
@@ -570,7 +566,7 @@ static int skip_value(cur_t *c, int depth) {
 
 /* whether the byte ends a number that is a whole JSON value (what may follow one in an object or array) */
 static inline int number_end(const uint8_t *p, const uint8_t *e) {
-    return p < e && (*p == ',' || *p == '}' || *p == ']' || *p == ' ' || *p == '\n' || *p == '\r' || *p == '\t');
+    return p < e && ends_value[*p];
 }
 
 /* a non-negative integer of at most 19 digits that a ',', '}', ']' or whitespace ends (ts, dur,
@@ -606,8 +602,7 @@ static inline int skip_plain_integer(cur_t *c) {
     if (*p == '0') {
         p++;
     } else if ((uint8_t)(*p - '1') < 9) {
-        p++;
-        while (p < e && (uint8_t)(*p - '0') < 10) p++;
+        p = skip_digits(p + 1, e);
         if (p - c->p > 300) return 0;
     } else {
         return 0;
@@ -621,6 +616,24 @@ static inline int skip_plain_integer(cur_t *c) {
 static int stray_value(cur_t *c, int depth) {
     int status = skip_value(c, depth);
     return status == OK ? STRAY : status;
+}
+
+/* whether a byte of [p, end) is over 0x7f; bytes up to e may be read */
+static inline int has_high_byte(const uint8_t *p, const uint8_t *end, const uint8_t *e) {
+#ifdef __SSE2__
+    if (end - p <= 16 && p + 16 <= e) {
+        unsigned mask = (unsigned)_mm_movemask_epi8(_mm_loadu_si128((const __m128i *)p));
+        return (mask & ((1u << (end - p)) - 1)) != 0;
+    }
+#endif
+    uint64_t bytes = 0;
+    for (; p + 8 <= end; p += 8) {
+        uint64_t word;
+        memcpy(&word, p, 8);
+        bytes |= word;
+    }
+    while (p < end) bytes |= *p++;
+    return (bytes & HIGHS) != 0;
 }
 
 /* category codes: the order of CATEGORY_CODES in scan.py */
@@ -739,15 +752,7 @@ static int scan_event(state_t *s, cur_t *c, const uint8_t *base, event_t *ev) {
                 }
                 if ((status = scan_string(c, &v, &v_end, &v_escaped)) != OK) return status;
                 if (v_escaped) return STRAY;
-                uint64_t bytes = 0;   /* any byte over 0x7f: no category or phase; msgspec says whether it is UTF-8 */
-                const uint8_t *b = v;
-                for (; b + 8 <= v_end; b += 8) {
-                    uint64_t word;
-                    memcpy(&word, b, 8);
-                    bytes |= word;
-                }
-                while (b < v_end) bytes |= *b++;
-                if (bytes & HIGHS) return STRAY;
+                if (has_high_byte(v, v_end, c->e)) return STRAY;   /* no category or phase: msgspec says whether it is UTF-8 */
                 if (key_n == 2) {
                     ev->ph = (v_end - v == 1) ? (*v == 'X' ? 1 : *v == 's' ? 2 : *v == 'f' ? 3 : 0) : 0;
                 } else {
