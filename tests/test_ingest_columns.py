@@ -188,3 +188,13 @@ def test_a_real_trace_streamed_in_gzip_runs_cut_anywhere():
     expected = reference(str(path), data)
     for chunk_bytes in (777, 1 << 16):
         assert_same(streamed(str(path), data, chunk_bytes=chunk_bytes), expected)
+
+
+def test_gunzip_without_isal_reads_the_same(monkeypatch):
+    monkeypatch.setattr(kineto_reader, "_IsalGzipReader", None)   # the standard library's gzip reader
+    monkeypatch.setattr(kineto_reader, "_BUFFER_BYTES", 1 << 16)
+    plain = np.random.default_rng(2).integers(32, 127, 1 << 20, dtype=np.uint8).tobytes()
+    two = gzip.compress(plain[:1 << 19]) + gzip.compress(plain[1 << 19:])
+    assert _consume(kineto_reader._Text(two), itertools.repeat(5000)) == plain
+    with pytest.raises(kineto_reader.TraceUnreadable, match="EOFError"):
+        _consume(kineto_reader._Text(two[:len(two) // 2]), itertools.repeat(5000))

@@ -116,7 +116,7 @@ class _EventPass:
         self.p2p_labels: list[tuple[float, float, int, int]] = []       # start, end, direction (+1 F, -1 B), stage
         self.overlapped: list[tuple[float, float, str, str]] = []       # OVERLAP_F_B labels: start, end, actions, name
         self.nccl_ranges: list[tuple[float, float, str, Any]] = []      # `nccl:*` CPU ranges: start, end, name, tid
-        # columns, one array (or list) per run
+        # columns, one array per run
         # names and tids as ids into the file's tables (`_Interned`): what is asked of a name, once per name
         self._names, self._tids = _Interned(), _Interned()
         self._nccl_name = _PerName(lambda name: name.startswith(_NCCL), bool)
@@ -191,7 +191,7 @@ class _EventPass:
 
     def _one_by_one(self, columns: EventColumns, rare: list) -> None:
         """The events whose names or args matter (`rare`: per group, the positions of those events
-        and the group's names, tids, starts, ends). Each group feeds lists of its own (NCCL kernels,
+        and the group's name ids, tid ids (None for GPU work), starts, ends). Each group feeds lists of its own (NCCL kernels,
         GPU labels; the CPU ops everything else), so each is read in its own file order."""
         name_of, tid_of = self._names.table.__getitem__, self._tids.table.__getitem__
         for at, kind, group, names, tids, starts, ends in rare:

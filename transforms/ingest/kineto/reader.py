@@ -60,7 +60,7 @@ def _gunzip(data: bytes):
     `data` in place and inflates into the buffer given), else the standard library's."""
     if _IsalGzipReader is not None:
         return _IsalGzipReader(data)
-    return gzip.GzipFile(fileobj=io.BytesIO(data))   # pragma: no cover
+    return gzip.GzipFile(fileobj=io.BytesIO(data))
 
 
 __all__ = ["TraceEvent", "EventArgs", "TraceReader", "read_trace", "TraceUnreadable", "NotStreamable",
