@@ -25,25 +25,37 @@ def _clock_offsets(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, c
     if len(clocks) < 2:
         return {rank: 0.0 for rank in ranks}
     index = {rank: clocks.index(clock_of[rank]) for rank in ranks}
+    # one row per op end: its instance's key (p2p 0 / dp 1, step or pair number, stage, op type, index
+    # within the step) as integer columns, the clock it was read on, the end
     keys, members, ends = [], [], []
+    dp_codes = np.array([_CODE["grads-reduce-scatter"], _CODE["params-all-gather"], _CODE["separate-grads-all-reduce"]])
     for rank in ranks:
         r = rows[rank]
         _, stage = layout.worker[rank]
         seq = _index_within(r["step"], r["optype"], r["start"])
-        for code in (_CODE["grads-reduce-scatter"], _CODE["params-all-gather"], _CODE["separate-grads-all-reduce"]):
-            hit = np.flatnonzero(r["optype"] == code)
-            keys += [("dp", int(s), stage, code, int(k)) for s, k in zip(r["step"][hit], seq[hit])]
-            members += [index[rank]] * len(hit)
-            ends += r["end"][hit].tolist()
-    for number, (send_rank, i, recv_rank, j) in enumerate(_p2p_pairs(rows, layout)):
-        keys += [("p2p", number)] * 2
-        members += [index[send_rank], index[recv_rank]]
-        ends += [float(rows[send_rank]["end"][i]), float(rows[recv_rank]["end"][j])]
-    if not keys:
+        hit = np.concatenate([np.flatnonzero(r["optype"] == code) for code in dp_codes])   # (the order sums go in)
+        keys.append(np.stack([np.ones(len(hit), dtype=np.int64), r["step"][hit].astype(np.int64),
+                              np.full(len(hit), stage, dtype=np.int64), r["optype"][hit].astype(np.int64),
+                              seq[hit].astype(np.int64)], axis=1))
+        members.append(np.full(len(hit), index[rank], dtype=np.int64))
+        ends.append(r["end"][hit].astype(np.float64))
+    pairs = _p2p_pairs(rows, layout)
+    if pairs:
+        numbers = np.repeat(np.arange(len(pairs), dtype=np.int64), 2)
+        keys.append(np.stack([np.zeros_like(numbers), numbers] + [np.zeros_like(numbers)] * 3, axis=1))
+        members.append(np.array([index[rank] for send, _, recv, _ in pairs for rank in (send, recv)], dtype=np.int64))
+        ends.append(np.array([float(rows[rank]["end"][at]) for send, i, recv, j in pairs
+                              for rank, at in ((send, i), (recv, j))], dtype=np.float64))
+    key = np.concatenate(keys) if keys else np.zeros((0, 5), dtype=np.int64)
+    if not len(key):
         return {rank: 0.0 for rank in ranks}
-    _, instance = np.unique(np.array([repr(k) for k in keys]), return_inverse=True)
-    member = np.array(members, dtype=np.int64)
-    end = np.array(ends, dtype=np.float64)
+    # instance number of each row: its key's rank among the distinct keys (rows sorted, runs numbered)
+    order = np.lexsort(key.T[::-1])
+    ordered = key[order]
+    instance = np.empty(len(key), dtype=np.int64)
+    instance[order] = np.concatenate([[0], np.cumsum(np.any(ordered[1:] != ordered[:-1], axis=1))])
+    member = np.concatenate(members)
+    end = np.concatenate(ends)
     # an instance within one clock says nothing about offsets
     spread = np.zeros(instance.max() + 1, dtype=bool)
     first_member = np.full(instance.max() + 1, -1)
@@ -80,11 +92,11 @@ def _clock_offsets(rows: Mapping[int, dict[str, np.ndarray]], layout: _Layout, c
         new_norm = residual @ residual
         direction = residual + (new_norm / norm) * direction
         norm = new_norm
-    # anchor each connected set of clocks at its first clock
-    first_member = {}
-    for inst, m in zip(instance.tolist(), member.tolist()):
-        first_member.setdefault(inst, m)
-    component = components(n, [(first_member[inst], m) for inst, m in zip(instance.tolist(), member.tolist())])
+    # anchor each connected set of clocks at its first clock: an instance links its first clock to the others
+    first_member = np.full(instance.max() + 1, -1)
+    first_member[instance[::-1]] = member[::-1]
+    linked = np.unique(first_member[instance] * n + member)
+    component = components(n, list(zip((linked // n).tolist(), (linked % n).tolist())))
     anchor = {}
     for i in range(n):
         anchor.setdefault(component[i], i)
