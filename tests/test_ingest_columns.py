@@ -40,6 +40,9 @@ def _columns_equal(got, expected) -> None:
             assert [_read(got.args_of(a, i)) for i in range(len(a))] == \
                 [_read(expected.args_of(b, i)) for i in range(len(b))], key
             assert [got.category_of(a, i) for i in range(len(a))] == [expected.category_of(b, i) for i in range(len(b))]
+            everyone = list(range(len(a)))
+            for held in ("Collective name", "Seq", "correlation"):
+                assert got.args_holding(a, everyone, held) == expected.args_holding(b, everyone, held), (key, held)
 
 
 _READ_KEYS = ("correlation", "Collective name", "Process Group Name", "Dst Rank", "Src Rank", "Concrete Inputs", "Seq",

@@ -22,7 +22,7 @@ from transforms.ingest.common import RawInputError
 from transforms.ingest.kineto import rank as kineto_rank
 from transforms.ingest.kineto import events as kineto_events
 from transforms.ingest.kineto import reader as kineto_reader
-from transforms.ingest.kineto.compute import _BACKWARD_OP, _RUN_BREAK, _RUN_NEUTRAL, _UNMAPPED_QUIET, _step_labels
+from transforms.ingest.kineto.compute import _BACKWARD_OP, _RUN_BREAK, _RUN_NEUTRAL, _UNMAPPED_QUIET, _inside, _step_labels
 from transforms.ingest.kineto.rank import parse_rank, parse_rank_bytes
 from transforms.ingest.kineto.spans import (BWD, DEFAULT_BACKWARD_LABELS, DEFAULT_FORWARD_LABELS,
                                             DEFAULT_OPTIMIZER_LABEL, FWD, WEIGHT_LABEL, WGT, _NCCL, _STEP)
@@ -433,3 +433,14 @@ def test_the_reader_reads_every_top_level_key():
         runs = list(reader.chunks())
         assert sum(len(r) for r in runs) == 1 and reader.events == 1
         assert reader.top == {k: v for k, v in document.items() if k != "traceEvents"}
+
+
+def test_inside_spans_equals_testing_each_span():
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        points = rng.integers(0, 50, rng.integers(0, 30)).astype(np.float64)
+        spans = [(float(a), float(a + rng.integers(0, 10))) for a in rng.integers(0, 50, rng.integers(0, 5))]
+        expected = np.zeros(len(points), dtype=bool)
+        for start, end in spans:   # overlapping, nested, empty spans alike
+            expected |= (start <= points) & (points < end)
+        assert (_inside(points, spans) == expected).all()

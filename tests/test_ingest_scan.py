@@ -109,6 +109,8 @@ def test_names_tids_and_args_of_every_shape():
         {"ph": "X", "cat": "kernel", "name": "ncclKernel_AllReduce", "ts": 3, "dur": 2, "tid": 7.0,
          "args": {"correlation": 12, "Collective name": "allreduce", "Seq": 3, "Process Group Ranks": [0, 1],
                   "nested": {"a": [1, {"b": None}], "c": "}]"}}},
+        {"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "ts": 3, "dur": 1, "tid": 7,   # the key nested,
+         "args": {"nested": {"Collective name": "x"}, "quoted": "\"Collective name\"", "Seq": 1}},   # or quoted: not held
         {"ph": "X", "cat": "kernel", "name": "k", "ts": 4, "dur": 2, "tid": None, "args": None},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 5, "dur": 1, "tid": 7,
          "args": {"correlation": None}},

@@ -210,6 +210,10 @@ class EventColumns:
         """`args_of` of several of a group's events."""
         return [self.args_of(group, i) for i in positions]
 
+    def args_holding(self, group: Group, positions, key: str) -> list[bool]:
+        """Whether the args of each of these events hold `key` (a key `args_of` gives)."""
+        return [key in self.args_of(group, i) for i in positions]
+
     def category_of(self, group: Group, i: int) -> str:
         event = group.events[i]
         if self._structs is _FAST:

@@ -51,15 +51,24 @@ def _unlabeled_compute(ops: list, steps: list[tuple[float, float]], optimizer: l
     recorded = np.ones(len(starts), dtype=bool) if flows is None else \
         np.searchsorted(flows, starts, side="left") < np.searchsorted(flows, ends, side="right")
     recorded |= (classes & _C_BACKWARD) != 0
-    in_optimizer = np.zeros(len(starts), dtype=bool)
-    for span_start, span_end in optimizer:
-        in_optimizer |= (span_start <= starts) & (starts < span_end)
+    in_optimizer = _inside(starts, optimizer)
     out = []
     for step_start, step_end in steps:
         lo, hi = np.searchsorted(starts, step_start, side="left"), np.searchsorted(starts, step_end, side="right")
         runs = _step_runs(starts[lo:hi], ends[lo:hi], classes[lo:hi], recorded[lo:hi], in_optimizer[lo:hi], step_start)
         out += _step_labels(runs, forward)
     return out
+
+
+def _inside(points: np.ndarray, spans: list[tuple[float, float]]) -> np.ndarray:
+    """Whether each point lies in some span [start, end): the spans sorted by start, a point is in one
+    exactly when the furthest end of those starting at or before it lies beyond it."""
+    if not spans:
+        return np.zeros(len(points), dtype=bool)
+    ordered = np.array(sorted(spans), dtype=np.float64).reshape(-1, 2)
+    reach = np.maximum.accumulate(ordered[:, 1])
+    last = np.searchsorted(ordered[:, 0], points, side="right") - 1
+    return (last >= 0) & (points < reach[np.maximum(last, 0)])
 
 
 # what the run-building reads of an op's name, one bit each

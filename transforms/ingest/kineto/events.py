@@ -215,8 +215,12 @@ class _EventPass:
         labels), in file order; what each is, asked once per name (`_cpu_action`)."""
         known = self._cpu_actions
         actions = [known.get(name) or known.setdefault(name, _cpu_action(name)) for name in names]
-        # the args read, decoded together: those of c10d's p2p calls and record_param_comms
-        wanted = [i for i, action in zip(positions, actions) if action[0] in (_P2P, _COMMS)]
+        # the args read, decoded together: those of c10d's p2p calls and of the record_param_comms that
+        # name their collective (older torch names none: their bytes say so, undecoded)
+        comms = [i for i, action in zip(positions, actions) if action[0] == _COMMS]
+        named = {i for i, holds in zip(comms, columns.args_holding(group, comms, "Collective name")) if holds} \
+            if comms else set()
+        wanted = [i for i, action in zip(positions, actions) if action[0] == _P2P or i in named]
         args = dict(zip(wanted, columns.args_many(group, wanted))) if wanted else {}
         labels = self.deferred is None
         for i, (name, ts, end), tid, is_annotation, (action, value) in zip(positions, spans, tids, annotation, actions):
@@ -230,7 +234,7 @@ class _EventPass:
                 peer = inputs[2] if len(inputs) > 2 and str(inputs[2]).lstrip("-").isdigit() else -1
                 self.c10d_p2p.append((value, ts, end, int(peer)))
             elif action == _COMMS:
-                if "Collective name" in args[i]:
+                if i in named:
                     self.comm_meta.append(dict(args[i], ts=ts, tid=tid))
             else:
                 if action == _NCCL_RANGE:   # c10d's range around a NCCL call: names the kernels it launched

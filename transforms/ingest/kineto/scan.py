@@ -229,6 +229,22 @@ class ScannedColumns(EventColumns):
                 del args["correlation"]
         return out
 
+    def args_holding(self, group: Group, positions, key: str) -> list[bool]:
+        """Whether the args of each of these events hold `key`, from their bytes, none decoded: a
+        key of the args is spelled without escapes in a scanned run (a run with one is msgspec's),
+        so the quoted key is absent from the bytes exactly when the args do not hold it, else
+        (it may stand in a nested object) the args are decoded to tell."""
+        needle = b'"' + key.encode() + b'"'
+        rows = group.index[np.asarray(positions, dtype=np.int64)]
+        lo, hi = self._rows["args_lo"][rows].tolist(), self._rows["args_hi"][rows].tolist()
+        raw = self._raw
+        maybe = [a >= 0 and needle in raw[a:b].tobytes() for a, b in zip(lo, hi)]
+        if any(maybe):
+            candidates = [i for i, found in zip(positions, maybe) if found]
+            held = {i for i, args in zip(candidates, self.args_many(group, candidates)) if key in args}
+            maybe = [i in held for i in positions]
+        return maybe
+
     def category_of(self, group: Group, i: int) -> str:
         return CATEGORY_CODES[int(self._fine[group.index[i]]) - 1]
 
