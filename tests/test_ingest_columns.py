@@ -201,3 +201,10 @@ def test_gunzip_without_isal_reads_the_same(monkeypatch):
     assert _consume(kineto_reader._Text(two), itertools.repeat(5000)) == plain
     with pytest.raises(kineto_reader.TraceUnreadable, match="EOFError"):
         _consume(kineto_reader._Text(two[:len(two) // 2]), itertools.repeat(5000))
+
+
+def test_a_small_gzip_file_gets_a_small_buffer():
+    text = kineto_reader._Text(gzip.compress(b'{"traceEvents": []}' * 5000))   # 95 KB of JSON
+    assert len(text.buf) == 95_001   # its size (gzip's trailer) and one byte: the end is found without growing
+    assert _consume(text, itertools.repeat(kineto_reader.CHUNK_BYTES)) == b'{"traceEvents": []}' * 5000
+    assert len(text.buf) == 95_001

@@ -124,12 +124,14 @@ class _Text:
     """The decompressed text in a buffer the reader owns: `buf[pos:end]` is read and not consumed
     yet (`buf` may be longer than `end`: read no further). Gzip is inflated straight into `buf`,
     whose unread rest moves to its front when it fills: no bytes object per inflated piece, no
-    copy of what was inflated (the buffer grows only for an event longer than it)."""
+    copy of what was inflated. The buffer holds two runs (a small file: its size, which gzip's
+    trailer tells) and grows only for more unread text than it holds (an event longer than it)."""
 
     def __init__(self, data: bytes):
         self.pos = 0
         if data[:2] == b"\x1f\x8b":
-            self.buf = bytearray(_BUFFER_BYTES)
+            size = int.from_bytes(data[-4:], "little")   # the (last) member's size, mod 2^32: a hint
+            self.buf = bytearray(min(_BUFFER_BYTES, max(_INFLATE_MIN, size + 1)))
             self.end = 0
             self._gunzip = _gunzip(data)
             self.eof = False
@@ -143,18 +145,18 @@ class _Text:
         Moves the unread bytes: views of the buffer must be let go of before."""
         if self.eof:
             return False
-        rest = self.end - self.pos
-        if self.pos + max(wanted, _INFLATE_MIN) > len(self.buf):   # no room behind the unread bytes
-            if max(wanted, _INFLATE_MIN) > len(self.buf):
-                buf = bytearray(max(2 * len(self.buf), wanted + _INFLATE_MIN))
-                buf[:rest] = memoryview(self.buf)[self.pos:self.end]
-                self.buf = buf
-            else:
-                view = memoryview(self.buf)
-                view[:rest] = view[self.pos:self.end]   # overlapping: memoryview moves like memmove
-                view.release()
+        if self.pos and self.pos + max(wanted, _INFLATE_MIN) > len(self.buf):   # room behind the unread bytes
+            rest = self.end - self.pos
+            view = memoryview(self.buf)
+            view[:rest] = view[self.pos:self.end]   # overlapping: memoryview moves like memmove
+            view.release()
             self.pos, self.end = 0, rest
         while self.end - self.pos < wanted:
+            if self.end == len(self.buf):   # full: a bigger buffer, the unread bytes moved into it
+                rest = self.end - self.pos
+                buf = bytearray(max(2 * len(self.buf), wanted + _INFLATE_MIN))
+                buf[:rest] = memoryview(self.buf)[self.pos:self.end]
+                self.buf, self.pos, self.end = buf, 0, rest
             view = memoryview(self.buf)[self.end:]
             try:
                 got = self._gunzip.readinto(view)
