@@ -11,7 +11,7 @@ the scanner stops, and the reader decodes the rest of the run the msgspec way, a
 (whose message is then msgspec's) and at events the columns do not take (see scan.c).
 
 Built like the replay kernel (transforms/native.py); without a C compiler the reader keeps the
-msgspec path (same results, ~3.5x slower to convert a trace) and one line on stderr says so, once
+msgspec path (same results, ~3x slower to convert a trace) and one line on stderr says so, once
 per process. `STRAG_SCAN=msgspec|c` forces one path (tests, benchmarks).
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _declare(library) -> None:
 
 HELPER = CompiledHelper(SOURCE, FLAGS, _declare, env=_ENV, off="msgspec", on="c",
                         fallback="strag: C trace scanner not used ({reason}); reading traces with msgspec (same "
-                                 "results, ~3.5x slower)")
+                                 "results, ~3x slower)")
 
 
 def _load() -> ctypes.CDLL:
