@@ -305,3 +305,25 @@ def test_groups_come_from_the_kernels_args_when_pg_config_is_absent(document, co
         (tmp_path / f"rank-{rank}.json.gz").write_bytes(gzip.compress(json.dumps(copy).encode()))
     job = convert_kineto(sorted(str(p) for p in tmp_path.iterdir()), "gpu-ddp", DATE)
     assert job.trace.equals(converted.trace)
+
+
+def test_unnamed_nccl_kernels_take_the_innermost_open_range_of_their_launch_thread():
+    from transforms.ingest.kineto.rank import _name_from_launch
+    from transforms.ingest.kineto.spans import COLL, SEND
+
+    def kernel(kind, collective):   # (kind, start, end, peer, collective, group, local peer, Seq)
+        return (kind, 0.0, 1.0, -1, collective, "0", -1, -1)
+
+    comm = [kernel(COLL, "sendrecv"), kernel(COLL, "sendrecv"), kernel(COLL, "sendrecv"), kernel(SEND, "send"),
+            kernel(COLL, "all_reduce"), kernel(COLL, "sendrecv")]
+    ranges = [(10.0, 100.0, "nccl:all_to_all", 7),   # an outer range ...
+              (20.0, 30.0, "nccl:all_reduce", 7),    # ... a nested one, ended by 40
+              (50.0, 60.0, "nccl:broadcast", 7), (0.0, 5.0, "nccl:all_gather", 8)]
+    launches = {1: (25.0, 7),    # inside the nested range: all_reduce
+                2: (40.0, 7),    # after the nested range ended: walked back to the outer one
+                3: (55.0, 7),    # broadcast
+                4: (55.0, 7),    # a send kernel keeps what it is
+                5: (26.0, 7),    # already all_reduce
+                6: (7.0, 8)}     # the range on its thread ended before it: unnamed
+    _name_from_launch(comm, [(i, i + 1) for i in range(len(comm))], launches, ranges)
+    assert [entry[4] for entry in comm] == ["all_reduce", "all_to_all", "broadcast", "send", "all_reduce", "sendrecv"]

@@ -1,7 +1,6 @@
 """Per-microbatch compute spans of one rank: schedule labels (their GPU span where present) or, without labels, runs of the main thread's top-level ops."""
 from __future__ import annotations
 
-import bisect
 import collections
 import re
 from collections.abc import Mapping
@@ -104,30 +103,33 @@ def _step_runs(starts: np.ndarray, ends: np.ndarray, classes: np.ndarray, record
     # them returns; a run does not go on over such a wait (the compute before it is done, what
     # follows is the next action's bookkeeping)
     waits = np.sort(ends[p2p])
-    wait_index = np.searchsorted(waits, starts, side="right").tolist()
-    waits = waits.tolist()
-    runs: list[list] = []
-    current = None
-    for i in np.flatnonzero(top | p2p).tolist():
-        cls = int(classes[i])
-        # gloo's p2p spans are asynchronous: they stay open until the schedule waits on them, over
-        # the compute issued meanwhile; only their start breaks a run
-        if cls & _C_GLOO or cls & _C_BREAK or in_optimizer[i]:
-            current = None
-            continue
-        if cls & _C_NEUTRAL:
-            continue
-        kind = BWD if cls & _C_BACKWARD else FWD
-        start, end = float(starts[i]), float(ends[i])
-        if current is not None and current[0] == kind and \
-                (not waits or bisect.bisect_right(waits, current[2]) == wait_index[i]):
-            current[2] = max(current[2], end)
-        else:
-            current = [kind, start, end, np.inf]
-            runs.append(current)
-        if recorded[i]:
-            current[3] = min(current[3], start)
-    return runs
+    # the ops in order: gloo's spans (asynchronous p2p spans stay open until the schedule waits on them,
+    # over the compute issued meanwhile: only their start breaks a run), breaks and the optimizer's ops
+    # end the run; neutral ops are passed over; any other top-level op goes on the run before it when
+    # the op before it was of that run and of its kind, and no wait ended between that op's end (the
+    # run's: top-level ops end in order) and its start; else it starts a run
+    seen = np.flatnonzero(top | p2p)
+    cls = classes[seen]
+    ends_run = ((cls & (_C_GLOO | _C_BREAK)) != 0) | in_optimizer[seen]
+    looked = ends_run | ((cls & _C_NEUTRAL) == 0)
+    seen, ends_run = seen[looked], ends_run[looked]
+    member = ~ends_run
+    kind = np.where((classes[seen] & _C_BACKWARD) != 0, BWD, FWD)
+    goes_on = member.copy()
+    goes_on[0:1] = False
+    goes_on[1:] &= member[:-1] & (kind[1:] == kind[:-1])
+    if len(waits):
+        waited = np.searchsorted(waits, ends[seen], side="right")
+        goes_on[1:] &= waited[:-1] == np.searchsorted(waits, starts[seen[1:]], side="right")
+    members = np.flatnonzero(member)
+    if not len(members):
+        return []
+    first = np.flatnonzero(~goes_on[members])   # where each run starts, among the members
+    ops = seen[members]
+    run_end = np.maximum.reduceat(ends[ops], first)
+    run_recorded = np.minimum.reduceat(np.where(recorded[ops], starts[ops], np.inf), first)
+    return [list(run) for run in zip(kind[members[first]].tolist(), starts[ops[first]].tolist(), run_end.tolist(),
+                                     run_recorded.tolist())]
 
 
 def _step_labels(runs: list, forward: bool) -> list:

@@ -256,21 +256,25 @@ def _name_from_launch(comm: list, unnamed: list[tuple[int, int]], launch_tid: Ma
     for tid, wanted in by_thread.items():
         ordered = sorted(ranges[tid])
         starts = np.array([r[0] for r in ordered])
-        ends = [r[1] for r in ordered]
+        ends = np.array([r[1] for r in ordered])
+        canonical = [_COLLECTIVES.get(name.lower()) for _, _, name in ordered]
         at = np.array([a for _, a in wanted])
         open_at = np.searchsorted(starts, at, side="right") - 1   # the last range started by the launch
-        for (index, launch), i in zip(wanted, open_at.tolist()):
-            while i >= 0 and ends[i] < launch:   # the innermost open range: nested ranges start later
+        # the innermost open range: nested ranges start later; one that ended before the launch: the
+        # ranges before it, walked back (rare)
+        for k in np.flatnonzero((open_at >= 0) & (ends[np.maximum(open_at, 0)] < at)).tolist():
+            i = open_at[k]
+            while i >= 0 and ends[i] < at[k]:
                 i -= 1
-            if i < 0:
+            open_at[k] = i
+        for (index, _), i in zip(wanted, open_at.tolist()):
+            name = canonical[i] if i >= 0 else None
+            if name is None:
                 continue
-            canonical = _COLLECTIVES.get(ordered[i][2].lower())
-            kind, start, end, peer, collective, group, local, seq = comm[index]
-            if canonical is None or canonical == collective:
-                continue
-            if canonical in ("send", "recv") or kind != COLL:
+            entry = comm[index]   # (kind, start, end, peer, collective, group, local peer, Seq)
+            if name == entry[4] or name in ("send", "recv") or entry[0] != COLL:
                 continue   # a p2p kernel keeps what it is; only collectives are renamed
-            comm[index] = (kind, start, end, peer, canonical, group, local, seq)
+            comm[index] = entry[:4] + (name,) + entry[5:]
 
 
 def _global_peer(local: int, group: str, groups: Mapping[str, Group], rank: int) -> int:
