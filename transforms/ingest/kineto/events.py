@@ -121,6 +121,7 @@ class _EventPass:
         self._names, self._tids = _Interned(), _Interned()
         self._nccl_name = _PerName(lambda name: name.startswith(_NCCL), bool)
         self._special_name = _PerName(_name_class, bool)
+        self._comms_name = _PerName(lambda name: name == "record_param_comms", bool)
         self._launch: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []   # CUDA runtime / driver calls: start, correlation, tid id
         self._work: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # kernels, memcpy, memset (not NCCL): correlation, start, end
         self._cpu: list[tuple[np.ndarray, ...]] = []   # every cpu_op / user_annotation: start, end, name id, tid id
@@ -179,6 +180,10 @@ class _EventPass:
             if annotation.any():
                 self._annotations.append((start[annotation], names[annotation]))
             special = self._special_name.of(names, self._names.table) | annotation
+            comms = np.flatnonzero(special & self._comms_name.of(names, self._names.table))
+            if len(comms):   # a record_param_comms that names no collective (older torch) is read for nothing:
+                # its args' bytes tell, undecoded
+                special[comms[~np.array(columns.args_holding(cpu, comms.tolist(), "Collective name"), dtype=bool)]] = False
             if special.any():
                 rare.append((np.flatnonzero(special), _CPU, cpu, names, tids, start, end))
         if rare:
@@ -215,12 +220,8 @@ class _EventPass:
         labels), in file order; what each is, asked once per name (`_cpu_action`)."""
         known = self._cpu_actions
         actions = [known.get(name) or known.setdefault(name, _cpu_action(name)) for name in names]
-        # the args read, decoded together: those of c10d's p2p calls and of the record_param_comms that
-        # name their collective (older torch names none: their bytes say so, undecoded)
-        comms = [i for i, action in zip(positions, actions) if action[0] == _COMMS]
-        named = {i for i, holds in zip(comms, columns.args_holding(group, comms, "Collective name")) if holds} \
-            if comms else set()
-        wanted = [i for i, action in zip(positions, actions) if action[0] == _P2P or i in named]
+        # the args read, decoded together: those of c10d's p2p calls and record_param_comms
+        wanted = [i for i, action in zip(positions, actions) if action[0] in (_P2P, _COMMS)]
         args = dict(zip(wanted, columns.args_many(group, wanted))) if wanted else {}
         labels = self.deferred is None
         for i, (name, ts, end), tid, is_annotation, (action, value) in zip(positions, spans, tids, annotation, actions):
@@ -234,7 +235,7 @@ class _EventPass:
                 peer = inputs[2] if len(inputs) > 2 and str(inputs[2]).lstrip("-").isdigit() else -1
                 self.c10d_p2p.append((value, ts, end, int(peer)))
             elif action == _COMMS:
-                if i in named:
+                if "Collective name" in args[i]:
                     self.comm_meta.append(dict(args[i], ts=ts, tid=tid))
             else:
                 if action == _NCCL_RANGE:   # c10d's range around a NCCL call: names the kernels it launched
