@@ -114,7 +114,7 @@ class Scanner:
             return status, end, None
         self._grow_tables()
         # the run's bytes, for the args read: a view (no copy), released once the run is read
-        return status, end, ScannedColumns(self, out.take(n), memoryview(buf)[pos:end])
+        return status, end, ScannedColumns(self, out.take(n), memoryview(buf)[pos:end], pos)
 
     def _grow_tables(self) -> None:
         for which, table, decode in ((0, self.names, _decode_name), (1, self.tids, _decode_tid)):
@@ -172,9 +172,9 @@ class ScannedColumns(EventColumns):
     """`EventColumns` of a scanned run: the groups hold the run's row numbers (`index`), the
     fields are gathered from the run's columns when asked."""
 
-    __slots__ = ("_scanner", "_rows", "_raw", "_fine")
+    __slots__ = ("_scanner", "_rows", "_raw", "_base", "_fine")
 
-    def __init__(self, scanner: Scanner, rows: dict[str, np.ndarray], raw: memoryview):
+    def __init__(self, scanner: Scanner, rows: dict[str, np.ndarray], raw: memoryview, base: int = 0):
         fine = rows["code"]
         code = _COARSE[fine]
         ts, dur, ph = rows["ts"], rows["dur"], rows["ph"]
@@ -190,7 +190,7 @@ class ScannedColumns(EventColumns):
             at = np.flatnonzero(member)
             groups[key] = Group(at, ts[at], dur[at], code[at], at)
         super().__init__(len(fine), first_complete, flow_starts, flow_ends, groups, _SCANNED)
-        self._scanner, self._rows, self._raw, self._fine = scanner, rows, raw, fine
+        self._scanner, self._rows, self._raw, self._base, self._fine = scanner, rows, raw, base, fine
 
     def release(self) -> None:
         """Let go of the run's bytes (the reader's buffer, which it then resizes): the args can no
@@ -236,9 +236,18 @@ class ScannedColumns(EventColumns):
         (it may stand in a nested object) the args are decoded to tell."""
         needle = b'"' + key.encode() + b'"'
         rows = group.index[np.asarray(positions, dtype=np.int64)]
-        lo, hi = self._rows["args_lo"][rows].tolist(), self._rows["args_hi"][rows].tolist()
-        raw = self._raw
-        maybe = [a >= 0 and needle in raw[a:b].tobytes() for a, b in zip(lo, hi)]
+        lo, hi = self._rows["args_lo"][rows], self._rows["args_hi"][rows]
+        given = lo >= 0
+        if not given.any():
+            return [False] * len(rows)
+        # where the quoted key stands in the run's bytes (found in place: `obj` is the reader's buffer)
+        buf, first, last = self._raw.obj, self._base + int(lo[given].min()), self._base + int(hi[given].max())
+        hits, at = [], buf.find(needle, first, last)
+        while at >= 0:
+            hits.append(at - self._base)
+            at = buf.find(needle, at + 1, last)
+        hits = np.array(hits, dtype=np.int64)
+        maybe = (given & (np.searchsorted(hits, lo) < np.searchsorted(hits, hi - len(needle) + 1))).tolist()
         if any(maybe):
             candidates = [i for i, found in zip(positions, maybe) if found]
             held = {i for i, args in zip(candidates, self.args_many(group, candidates)) if key in args}
