@@ -221,8 +221,9 @@ def _issued_collectives(comm: list, issued: list[float], groups: Mapping[str, Gr
     not described as tensor or context parallel (whose collectives are the worker's compute).
     `issued`: per comm span, the CPU time it was issued at (a NCCL kernel's launch, a CPU span's start)."""
     inside_worker = {name for name, group in (groups or {}).items() if group.dims() & {"tp", "cp"}}
-    return sorted((at, start, end) for (kind, start, end, _, coll, group, *_), at in zip(comm, issued)
-                  if kind == COLL and coll in (*IN_COMPUTE_COLLECTIVES, "all_gather") and group not in inside_worker)
+    held = {*IN_COMPUTE_COLLECTIVES, "all_gather"}
+    return sorted((at, span[1], span[2]) for span, at in zip(comm, issued)
+                  if span[0] == COLL and span[4] in held and span[5] not in inside_worker)
 
 
 def _pieces(start: float, end: float, held: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -406,10 +406,10 @@ def _issued_at(comm: list, correlations: list, launched: Mapping[int, tuple[floa
     """Per comm span, the CPU time it was issued at: a NCCL kernel's CUDA launch (`correlations`
     of the NCCL spans, which come first in `comm`; `launched`: correlation -> (launch start,
     thread)), else (gloo, or a launch the file lacks) its own start."""
-    out = []
-    for i, span in enumerate(comm):
-        correlation = correlations[i] if i < len(correlations) else None
-        out.append(launched[int(correlation)][0] if correlation is not None and int(correlation) in launched else span[1])
+    out = [span[1] for span in comm]
+    for i, correlation in zip(range(len(out)), correlations):
+        if correlation is not None and (launch := launched.get(int(correlation))) is not None:
+            out[i] = launch[0]
     return out
 
 
