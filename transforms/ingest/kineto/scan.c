@@ -507,18 +507,24 @@ static inline int object_key(cur_t *c, const uint8_t **key, int64_t *key_n, int 
     return key_colon(c, p);
 }
 
-/* after a member's value: NEXT (c->p at the next key) or CLOSED (past the object's '}') */
+/* after a member's or an element's value: NEXT (c->p at the next one) or CLOSED (past the `close`
+ * that ends the object or array) */
 enum { NEXT = 10, CLOSED = 11 };
-static inline int object_next(cur_t *c) {
-    const uint8_t *p = c->p;
-    if (p + 2 < c->e && *p == ',' && p[1] == ' ' && p[2] == '"') { c->p = p + 2; return NEXT; }   /* `, "` */
+static inline int next_item(cur_t *c, uint8_t close) {
     skip_ws(c);
     if (c->p >= c->e) return MORE;
-    if (*c->p == '}') { c->p++; return CLOSED; }
+    if (*c->p == close) { c->p++; return CLOSED; }
     if (*c->p != ',') return BAD;
     c->p++;
     skip_ws(c);
     return c->p < c->e ? NEXT : MORE;
+}
+
+/* after a member's value: next_item of an object, the usual `, "` taken at once */
+static inline int object_next(cur_t *c) {
+    const uint8_t *p = c->p;
+    if (p + 2 < c->e && *p == ',' && p[1] == ' ' && p[2] == '"') { c->p = p + 2; return NEXT; }
+    return next_item(c, '}');
 }
 
 static int skip_value(cur_t *c, int depth);
@@ -542,13 +548,7 @@ static int skip_container(cur_t *c, int depth) {
             continue;
         }
         if ((status = skip_value(c, depth + 1)) != OK) return status;
-        skip_ws(c);
-        if (c->p >= c->e) return MORE;
-        if (*c->p == ']') { c->p++; return OK; }
-        if (*c->p != ',') return BAD;
-        c->p++;
-        skip_ws(c);
-        if (c->p >= c->e) return MORE;
+        if ((status = next_item(c, ']')) != NEXT) return status == CLOSED ? OK : status;
     }
 }
 

@@ -174,7 +174,7 @@ class ScannedColumns(EventColumns):
 
     __slots__ = ("_scanner", "_rows", "_raw", "_base", "_fine")
 
-    def __init__(self, scanner: Scanner, rows: dict[str, np.ndarray], raw: memoryview, base: int = 0):
+    def __init__(self, scanner: Scanner, rows: dict[str, np.ndarray], raw: memoryview, base: int):
         fine = rows["code"]
         code = _COARSE[fine]
         ts, dur, ph = rows["ts"], rows["dur"], rows["ph"]
