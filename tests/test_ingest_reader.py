@@ -178,8 +178,8 @@ def _unlabeled_loop_one(ops: list, steps: list[tuple[float, float]], optimizer: 
         stack: list[float] = []          # ends of open ancestors below the step span
         current = None
         for start, end, name, _ in ops:
-            if start < step_start or start > step_end or (start == step_start and _STEP.match(name)):
-                continue
+            if start < step_start or start > step_end or _STEP.match(name):
+                continue                 # the steps bound the runs (one starting mid-iteration is no op)
             if name.startswith("gloo:"):
                 # gloo's p2p spans are asynchronous: they stay open until the schedule waits on
                 # them, over the compute issued meanwhile; only their start breaks a run
@@ -189,6 +189,10 @@ def _unlabeled_loop_one(ops: list, steps: list[tuple[float, float]], optimizer: 
             while stack and stack[-1] <= start:
                 stack.pop()
             depth = len(stack)
+            if name.startswith("Optimizer.step"):
+                # an optimizer step's range holds no op (a closure's forward and backward run in it)
+                current = None if not depth else current
+                continue
             stack.append(end)
             if depth:
                 continue                 # inside a top-level op of the step

@@ -514,7 +514,8 @@ def _infer_structure(template: "_Template", dp_size: int, meta: JobMeta) -> dict
     renumber = in_order[np.sort(first)]
     group_order = np.full(graph.n_groups, -1, dtype=np.int64)
     group_order[renumber] = np.arange(len(renumber))
-    op_group = np.where(group_t >= 0, group_order[np.maximum(group_t, 0)], -1)
+    op_group = np.full(len(group_t), -1, dtype=np.int64)   # a job without groups (one worker) has none
+    op_group[group_t >= 0] = group_order[group_t[group_t >= 0]]
     group_synced = np.zeros(len(renumber), dtype=bool)
     group_synced[group_order] = graph.group_synced
 

@@ -54,8 +54,47 @@ def _unlabeled_compute(ops: list, steps: list[tuple[float, float]], optimizer: l
     out = []
     for step_start, step_end in steps:
         lo, hi = np.searchsorted(starts, step_start, side="left"), np.searchsorted(starts, step_end, side="right")
-        runs = _step_runs(starts[lo:hi], ends[lo:hi], classes[lo:hi], recorded[lo:hi], in_optimizer[lo:hi], step_start)
+        runs = _step_runs(starts[lo:hi], ends[lo:hi], classes[lo:hi], recorded[lo:hi], in_optimizer[lo:hi])
         out += _step_labels(runs, forward)
+    return out
+
+
+# Ops that are the model's work when an optimizer step holds them (a closure's forward and backward,
+# the gradient synchronisation its backward issues): never the optimizer's own, which runs under no_grad
+# after the closure returned and issues no DDP reducer work.
+_CLOSURE_WORK = ("autograd::engine::evaluate_function:", "torch.distributed.ddp.", "DistributedDataParallel.")
+_CLOSURE_COMM = ("c10d::", "gloo:", "nccl:", "record_param_comms")
+
+
+def optimizer_work(optimizer: list[tuple[float, float]], ops, autograd: np.ndarray | None) -> list[tuple[float, float]]:
+    """The optimizer's own part of each `Optimizer.step` span: what follows the model's work a closure
+    ran inside it. `optimizer.step(closure)` (PyTorch Lightning's automatic optimization, LBFGS) calls the
+    closure first, so the span holds the microbatch's forward and backward and the gradient all-reduce its
+    backward issued; the optimizer's own ops (run under no_grad, so autograd records none) follow once the
+    closure returned. The closure's work is every op in the span that autograd recorded for a backward
+    (`autograd`: the sorted fwdbwd flow starts), the backward's own ops, DDP's hooks and reducer, and the
+    communication issued before the last of those ended; the span then starts where the last of them
+    ends. A span without a closure is unchanged. `ops`: every thread's CPU ops (CpuOps columns)."""
+    if not optimizer or not len(ops):
+        return list(optimizer)
+    starts, ends = ops.start, ops.end
+    model = ops.per_name(lambda name: name.startswith(_CLOSURE_WORK))
+    comm = ops.per_name(lambda name: name.startswith(_CLOSURE_COMM))
+    label = ops.per_name(lambda name: name.startswith(("Optimizer.", "ProfilerStep#")))
+    if autograd is not None and len(autograd):
+        model |= ~label & (np.searchsorted(autograd, starts, side="left") < np.searchsorted(autograd, ends, side="right"))
+    out = []
+    for start, end in optimizer:
+        inside = (starts >= start) & (starts < end) & ~label
+        closure = inside & model
+        if not closure.any():
+            out.append((start, end))
+            continue
+        done = float(ends[closure].max())
+        issued = inside & comm & (starts < done)
+        if issued.any():
+            done = max(done, float(ends[issued].max()))
+        out.append((min(done, end), end))
     return out
 
 
@@ -71,14 +110,15 @@ def _inside(points: np.ndarray, spans: list[tuple[float, float]]) -> np.ndarray:
 
 
 # what the run-building reads of an op's name, one bit each
-_C_GLOO, _C_GLOO_P2P, _C_BREAK, _C_NEUTRAL, _C_BACKWARD, _C_STEP = 1, 2, 4, 8, 16, 32
+_C_GLOO, _C_GLOO_P2P, _C_BREAK, _C_NEUTRAL, _C_BACKWARD, _C_STEP, _C_OPTIMIZER = 1, 2, 4, 8, 16, 32, 64
 
 
 def _class_of(name: str) -> int:
     step = bool(_STEP.match(name))
     return (_C_GLOO * name.startswith("gloo:") | _C_GLOO_P2P * name.startswith(("gloo:send", "gloo:recv"))
             | _C_BREAK * (name.startswith(_RUN_BREAK) or step) | _C_NEUTRAL * name.startswith(_RUN_NEUTRAL)
-            | _C_BACKWARD * name.startswith(_BACKWARD_OP) | _C_STEP * step)
+            | _C_BACKWARD * name.startswith(_BACKWARD_OP) | _C_STEP * step
+            | _C_OPTIMIZER * name.startswith("Optimizer.step"))
 
 
 def _classes_of(names: list[str]) -> np.ndarray:
@@ -88,16 +128,19 @@ def _classes_of(names: list[str]) -> np.ndarray:
 
 
 def _step_runs(starts: np.ndarray, ends: np.ndarray, classes: np.ndarray, recorded: np.ndarray,
-               in_optimizer: np.ndarray, step_start: float) -> list:
+               in_optimizer: np.ndarray) -> list:
     """The runs [kind, start, end, first recorded start] of one step's ops (sorted by start, the
     longer first). An op nested in an earlier op of the step is no run's: it is top-level exactly
     when every earlier op (gloo's spans aside) ended by its start."""
-    keep = ~((starts == step_start) & ((classes & _C_STEP) != 0))
+    keep = (classes & _C_STEP) == 0   # ProfilerSteps bound the steps (a mid-iteration one is no op of it)
     gloo = (classes & _C_GLOO) != 0
-    pushed = keep & ~gloo
+    # an optimizer step's range breaks the run it starts in, but holds no op: a closure's forward and
+    # backward inside it are top-level work (optimizer_work trimmed `in_optimizer` to its own ops)
+    label = keep & ((classes & _C_OPTIMIZER) != 0)
+    pushed = keep & ~gloo & ~label
     reach = np.maximum.accumulate(np.where(pushed, ends, -np.inf))
     before = np.concatenate([[-np.inf], reach[:-1]])
-    top = pushed & (before <= starts)
+    top = (pushed & (before <= starts)) | (label & (before <= starts))
     p2p = keep & ((classes & _C_GLOO_P2P) != 0)
     # where the thread waited on a p2p op: gloo's send / recv spans end when the schedule's wait on
     # them returns; a run does not go on over such a wait (the compute before it is done, what

@@ -12,7 +12,7 @@ import numpy as np
 from transforms.ingest.common import RawInputError, open_bytes
 from transforms.ingest.kineto.columns import BadEvent, general_columns
 from transforms.ingest.kineto.compute import (_BACKWARD_OP, _NOT_COMPUTE, _GpuWork, _compute_spans, _issued_collectives,
-                                             _unlabeled_compute)
+                                              _unlabeled_compute, optimizer_work)
 from transforms.ingest.kineto.events import (_OVERLAP_LABEL, _P2P_LABEL, _EventPass, _compile_labels,  # noqa: F401
                                              _label_family, _match)
 from transforms.ingest.kineto.reader import NotStreamable, TraceUnreadable, read_trace
@@ -147,9 +147,14 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
         comm.append(_nccl_span(name, args, ts, end, rank, groups))
     kernels, origin = events.kernels, events.origin
     cpu_ops = events.cpu_ops()
+    autograd, flow_ends = events.flows()   # on the span columns' time axis
+    optimizer = optimizer_work(optimizer, cpu_ops, autograd)
     inferred = not steps and bool(optimizer)
     if inferred:   # profiled without a schedule and without prof.step(): the optimizer's steps tell the steps
         steps, step_tid = _steps_from_optimizer(optimizer, events.optimizer_tids, cpu_ops)
+    elif steps and optimizer:
+        steps = _iterations(steps, optimizer, events.optimizer_tids, step_tid, autograd,
+                            cpu_ops.start[cpu_ops.per_name(_is_backward_op)])
     if not steps:
         raise RawInputError("raw_no_steps", "no ProfilerStep#N span (call prof.step() once per training step) and no "
                             "Optimizer.step span to tell the steps by", path=path)
@@ -175,14 +180,13 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     if events.overlapped:
         cpu_labels += _split_overlapped(events.overlapped, cpu_ops, path)
     kinds = {label[0] for label in cpu_labels} & {FWD, BWD}
-    autograd, flow_ends = events.flows()   # on the span columns' time axis
     if kinds != {FWD, BWD}:
         # no (or only forward) schedule labels: microbatches from the main thread's op runs
-        # with the backward on another thread, the main thread's record_function ranges (`## backward ##`)
-        # span work they do not hold: they are labels, not ops, and what they hold is
-        annotations = events.annotations() if len(backward_elsewhere) else set()
-        ops = main if not len(backward_elsewhere) else \
-            main.without(annotations, unless=_STEP.match) + backward_elsewhere
+        # the main thread's record_function ranges are labels, not ops, and what they hold is: a
+        # framework's profiling ranges (PyTorch Lightning's `[pl][profile]run_training_batch`, `## backward ##`)
+        # span the microbatches they wrap, and with the backward on another thread work they do not
+        # hold; the steps and the optimizer's ranges stay, they bound the runs
+        ops = main.without(events.annotations(), unless=_kept_range) + backward_elsewhere
         cpu_labels = [label for label in cpu_labels if label[0] in kinds] + _unlabeled_compute(
             ops, sorted(steps.values()), optimizer, forward=FWD not in kinds, autograd=autograd)
     on_gpu = _GpuWork(*events.launch_columns(), *events.work_columns()) if kernels else None
@@ -419,19 +423,82 @@ def _steps_from_optimizer(optimizer: list[tuple[float, float]], tids: list, cpu_
     the thread that ran most of them and starts where the one before ended (the first: at that
     thread's first op), so zero_grad, data loading and the microbatches fall in the step they begin."""
     thread = collections.Counter(tids).most_common(1)[0][0]
-    spans = sorted(span for span, tid in zip(optimizer, tids) if tid == thread)
-    merged: list[list[float]] = []
-    for start, end in spans:   # an optimizer step recorded in parts (nested ranges): one
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
+    merged = _merged([span for span, tid in zip(optimizer, tids) if tid == thread])
     first = min((op[0] for op in cpu_ops if op[3] == thread), default=merged[0][0])
     steps, begin = {}, min(first, merged[0][0])
     for number, (_, end) in enumerate(merged):
         steps[number] = (begin, end)
         begin = end
     return steps, thread
+
+
+def _kept_range(name: str) -> bool:
+    return bool(_STEP.match(name)) or name.startswith("Optimizer.")
+
+
+def _is_backward_op(name: str) -> bool:
+    return name.startswith(_BACKWARD_OP)
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[list[float]]:
+    """Sorted spans with overlapping ones merged (an optimizer step recorded in parts: one)."""
+    merged: list[list[float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _iterations(steps: dict[int, tuple[float, float]], optimizer: list[tuple[float, float]], tids: list, step_tid,
+                forward: np.ndarray, backward: np.ndarray) -> dict[int, tuple[float, float]]:
+    """The training iterations of a trace whose ProfilerSteps are not its iterations, else `steps`.
+
+    An iteration is what the framework means by one: the work between two optimizer steps. Most
+    loops call prof.step() once per iteration after the optimizer, and then each ProfilerStep holds
+    one optimizer step and the model's work before it; those steps are kept as they are. Others mark
+    other boundaries: PyTorch Lightning's PyTorchProfiler ends a ProfilerStep when training_step
+    returns (the iteration's backward and optimizer fall in the next one), and a callback stepping
+    the profiler per batch under gradient accumulation makes a ProfilerStep per microbatch, only
+    the last holding an optimizer step. There, iteration n runs from the end of the optimizer step
+    before it (the first: the first ProfilerStep's start) to the end of its own optimizer step, and
+    takes the number of the ProfilerStep its optimizer step ended in (its ordinal among the profiled
+    optimizer steps when one ProfilerStep holds several). Optimizer steps with no model work between
+    them (a dense and a sparse optimizer) end one iteration. `forward`, `backward`: the sorted times of
+    the model's work (forward ops autograd recorded, backward ops): work after a ProfilerStep's last
+    optimizer step means its iteration goes on past the step's end. The first iteration is kept only
+    when its work starts with a forward: a profile that began mid-iteration (Lightning's) holds the
+    rest of an iteration whose forward it missed."""
+    ends = np.array([end for _, end in _merged([span for span, tid in zip(optimizer, tids) if tid == step_tid])])
+    if not len(ends):
+        return steps
+    numbers = sorted(steps)
+    bounds = np.array([steps[n] for n in numbers])
+    held = np.searchsorted(ends, bounds[:, 1], side="right") - np.searchsorted(ends, bounds[:, 0], side="right")
+    work = np.sort(np.concatenate([forward, backward]))
+    last_end = np.array([ends[np.searchsorted(ends, e, side="right") - 1] if h else s
+                         for (s, e), h in zip(bounds.tolist(), held.tolist())])
+    after = np.searchsorted(work, bounds[:, 1], side="right") - np.searchsorted(work, last_end, side="right")
+    if (held >= 1).all() and not (after > 0).any():
+        return steps
+    # an iteration ends with its last optimizer step (several optimizers step one after another)
+    between = np.searchsorted(work, ends[1:], side="right") - np.searchsorted(work, ends[:-1], side="right")
+    ends = ends[np.append(between > 0, True)]
+    first, last = bounds[:, 0].min(), bounds[:, 1].max()
+    ends = ends[(ends > first) & (ends <= last)]
+    where = np.searchsorted(bounds[:, 0], ends, side="right") - 1   # the ProfilerStep each ends in
+    ids = [numbers[i] for i in where.tolist()]
+    if len(set(ids)) < len(ids):
+        ids = list(range(len(ids)))
+    starts = np.concatenate([[first], ends[:-1]])
+    iterations = {n: (float(s), float(e)) for n, s, e in zip(ids, starts.tolist(), ends.tolist())}
+    if len(ends):
+        first_forward = forward[np.searchsorted(forward, first):][:1]
+        first_backward = backward[np.searchsorted(backward, first):][:1]
+        if len(first_backward) and (not len(first_forward) or first_backward[0] < first_forward[0]):
+            iterations.pop(ids[0])
+    return iterations
 
 
 def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spans, comm, optimizer, unmapped,
