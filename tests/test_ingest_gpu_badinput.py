@@ -75,12 +75,15 @@ def test_a_gpu_rank_without_distributed_info_is_set_aside_and_named_as_the_cause
     assert lines[0].endswith("[raw_not_a_trace]") and lines[-1].startswith("  so: job gpu-no-info")
 
 
-def test_a_lone_gpu_trace_without_distributed_info_says_so(nccl_data, tmp_path):
+def test_a_lone_trace_without_distributed_info_is_a_job_of_one_process(nccl_data, tmp_path):
+    """A process that started no process group (one GPU, no torch.distributed) records no
+    distributedInfo: the window's only trace is then rank 0 of a world of one, not refused."""
     lost = {k: v for k, v in nccl_data.items() if k != "distributedInfo"}
-    error = _refused(tmp_path / "job", [lost], "gpu-alone")
-    assert error.reason_code == "raw_missing_rank" and "no readable rank trace" in str(error)
-    assert [e.reason_code for e in error.rejected] == ["raw_not_a_trace"]
-    assert "no distributedInfo" in str(error.rejected[0]) and "job gpu-alone" in str(error.rejected[0])
+    folder = tmp_path / "job"
+    converted = convert_kineto(_write(folder, [lost]), "gpu-alone", DATE)
+    assert converted.rejected == []
+    assert sorted(set(converted.trace.column("dp_rank").to_pylist())) == [0]
+    assert sorted(set(converted.trace.column("stage").to_pylist())) == [0]
 
 
 # --- 2. ranks of two jobs in one folder --------------------------------------------------------------

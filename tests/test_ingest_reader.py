@@ -212,7 +212,7 @@ def _unlabeled_loop_one(ops: list, steps: list[tuple[float, float]], optimizer: 
                 runs.append(current)
             if recorded:
                 current[3] = min(current[3], start)
-        out += _step_labels(runs, forward)   # runs -> labels: the part the vectorised version kept as it was
+        out += _step_labels(runs, forward, floor=flows is None)   # runs -> labels: the part the vectorised version kept
     return out
 
 

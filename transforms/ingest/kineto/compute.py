@@ -28,8 +28,8 @@ def _unlabeled_compute(ops: list, steps: list[tuple[float, float]], optimizer: l
     Schedule1F1B, plain DDP), from the main thread's top-level ops in each step: a run of
     `autograd::engine::evaluate_function:` ops is one microbatch's backward, a run of other ops
     between p2p calls is a forward when a backward run follows it in the step (trailing grad-sync
-    copies are not), and a run ends where the thread waited on a p2p op (a gloo span ended); runs shorter than a tenth of the step's median backward run are bookkeeping
-    between p2p calls, not compute, and of more forward runs than backward ones the longest are the
+    copies are not), and a run ends where the thread waited on a p2p op (a gloo span ended); without fwdbwd flows, runs shorter than a tenth of the step's median backward run
+    are bookkeeping between p2p calls, not compute, and of more forward runs than backward ones the longest are the
     forwards. With `autograd` (sorted starts of the forward ops autograd recorded for a backward:
     the trace's `fwdbwd` flows), a forward run is the span of its top-level ops that hold such an
     op: data loading, zeroing grad buffers, splitting inputs or targets and logging record none,
@@ -55,7 +55,7 @@ def _unlabeled_compute(ops: list, steps: list[tuple[float, float]], optimizer: l
     for step_start, step_end in steps:
         lo, hi = np.searchsorted(starts, step_start, side="left"), np.searchsorted(starts, step_end, side="right")
         runs = _step_runs(starts[lo:hi], ends[lo:hi], classes[lo:hi], recorded[lo:hi], in_optimizer[lo:hi])
-        out += _step_labels(runs, forward)
+        out += _step_labels(runs, forward, floor=flows is None)
     return out
 
 
@@ -175,16 +175,18 @@ def _step_runs(starts: np.ndarray, ends: np.ndarray, classes: np.ndarray, record
                                      run_recorded.tolist())]
 
 
-def _step_labels(runs: list, forward: bool) -> list:
-    """One step's compute labels from its runs (see `_unlabeled_compute`)."""
+def _step_labels(runs: list, forward: bool, floor: bool = True) -> list:
+    """One step's compute labels from its runs (see `_unlabeled_compute`). `floor`: the trace has no
+    fwdbwd flows to tell a forward by, so runs too short to be a microbatch's compute are dropped."""
     out = []
     # a forward run starts at its first op autograd recorded (none: not a forward); what
     # follows the last one (the stage detaching its output to send) is still its work
     runs = [[kind, s, e] for kind, s0, e, s in runs if s < np.inf]
     backward = [end - start for kind, start, end in runs if kind == BWD]
-    # bookkeeping between p2p calls (splitting inputs, allocating buffers) makes runs of
-    # microseconds; a microbatch's compute is a sizeable share of a backward
-    floor = 0.1 * float(np.median(backward)) if backward else 0.0
+    # without flows, bookkeeping between p2p calls (splitting inputs, allocating buffers) makes runs
+    # of microseconds; a microbatch's compute is a sizeable share of a backward. With flows a run that
+    # holds an op autograd recorded is a forward however short (a short forward beside a slow backward)
+    floor = 0.1 * float(np.median(backward)) if backward and floor else 0.0
     runs = [run for run in runs if run[2] - run[1] >= floor]
     last_backward = max((i for i, run in enumerate(runs) if run[0] == BWD), default=-1)
     forwards = [i for i, run in enumerate(runs) if run[0] == FWD and i < last_backward]

@@ -16,7 +16,7 @@ from transforms.ingest.kineto.ops import _ops_of_rank, _pipeline_end_noops
 from transforms.ingest.kineto.pairing import (_check_comm_pairs, _clip_p2p_waits, _collectives_after_compute,
                                               _overlapped_dp_marker, _recv_waits_after_compute, _seq_gaps,
                                               _serialise_chains)
-from transforms.ingest.kineto.rank import parse_rank_bytes
+from transforms.ingest.kineto.rank import _NO_INFO, parse_rank_bytes
 from transforms.ingest.kineto.spans import BWD, FWD, OPT, RankTrace, _KIND_NAMES
 
 
@@ -460,6 +460,12 @@ def convert_kineto(paths: Sequence[str], job_id: str, date: str, options: Mappin
     else:
         parsed = [_parse_path(path, options) for path in paths]
     ranks = [item for item in parsed if isinstance(item, RankTrace)]
+    lone = [i for i, item in enumerate(parsed) if isinstance(item, RawInputError) and _NO_INFO in item.message]
+    if not ranks and len(lone) == 1:
+        # the window's one trace, of a process that started no process group (one GPU, no
+        # torch.distributed): a job of one rank; among ranks that have it, a file without it is set aside
+        parsed[lone[0]] = _parse_path(paths[lone[0]], {**options, "one_process": True})
+        ranks = [item for item in parsed if isinstance(item, RankTrace)]
     rejected = [item.with_job(job_id) for item in parsed if not isinstance(item, RankTrace)]
     try:
         converted = assemble(ranks, job_id, date, options, files=len(paths))

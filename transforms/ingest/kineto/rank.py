@@ -11,8 +11,8 @@ import numpy as np
 
 from transforms.ingest.common import RawInputError, open_bytes
 from transforms.ingest.kineto.columns import BadEvent, general_columns
-from transforms.ingest.kineto.compute import (_BACKWARD_OP, _NOT_COMPUTE, _GpuWork, _compute_spans, _issued_collectives,
-                                              _unlabeled_compute, optimizer_work)
+from transforms.ingest.kineto.compute import (_BACKWARD_OP, _NOT_COMPUTE, _GpuWork, _compute_spans, _inside,
+                                              _issued_collectives, _unlabeled_compute, optimizer_work)
 from transforms.ingest.kineto.events import (_OVERLAP_LABEL, _P2P_LABEL, _EventPass, _compile_labels,  # noqa: F401
                                              _label_family, _match)
 from transforms.ingest.kineto.reader import NotStreamable, TraceUnreadable, read_trace
@@ -117,19 +117,25 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
 _DICTS_PER_RUN = 1 << 16
 
 
-def _check_info(path: str, top: Mapping[str, Any]) -> None:
+_NO_INFO = "no distributedInfo (rank, world_size)"
+_ONE_PROCESS = {"rank": 0, "world_size": 1}   # a lone process's trace: no process group, so no distributedInfo
+
+
+def _check_info(path: str, top: Mapping[str, Any], options: Mapping[str, Any] | None = None) -> None:
     info = top.get("distributedInfo")
+    if (options or {}).get("one_process") and info is None:
+        return
     if not isinstance(info, Mapping) or "rank" not in info or "world_size" not in info:
-        raise RawInputError("raw_not_a_trace", "no distributedInfo (rank, world_size): profile a torch.distributed "
+        raise RawInputError("raw_not_a_trace", f"{_NO_INFO}: profile a torch.distributed "
                             "job (the profiler records it once the process group is initialised)", path=path)
 
 
 def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Mapping[str, Any]) -> RankTrace:
     """The RankTrace of a rank whose events went through `events` and whose other top-level keys are `top`."""
-    _check_info(path, top)
+    _check_info(path, top, options)
     if events.deferred is not None:
         raise events.deferred
-    info = top["distributedInfo"]
+    info = top.get("distributedInfo") or _ONE_PROCESS
     rank, world = int(info["rank"]), int(info["world_size"])
     groups = _groups(info)
     unmapped = events.unmapped
@@ -177,6 +183,8 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     # the autograd engine runs a GPU job's backward on threads of its own: its top-level
     # `evaluate_function` ops are the backward work the main thread waits for meanwhile
     main, backward_elsewhere = events.threads(cpu_ops, step_tid)
+    if not kernels:
+        comm = _one_transfer_per_batch(comm, main, events.c10d_p2p, events.p2p_labels)
     if events.overlapped:
         cpu_labels += _split_overlapped(events.overlapped, cpu_ops, path)
     kinds = {label[0] for label in cpu_labels} & {FWD, BWD}
@@ -290,7 +298,7 @@ def _global_peer(local: int, group: str, groups: Mapping[str, Group], rank: int)
 
 
 def _gloo_spans(gloo: list, meta: list[dict], c10d: list, rank: int, groups: Mapping[str, Group],
-                unmapped: collections.Counter) -> list[tuple[int, float, float, int, str, str, int]]:
+                unmapped: collections.Counter) -> list[tuple[int, float, float, int, str, str, int, int]]:
     """gloo's own spans (`gloo:all_reduce` on a runloop thread, `gloo:send` / `gloo:recv` inside the
     c10d call that issued them), with the group and peer of that call: from `record_param_comms`
     where the trace has it, else (CPU traces) the c10d call's `Concrete Inputs` (the group-local
@@ -330,6 +338,45 @@ def _gloo_spans(gloo: list, meta: list[dict], c10d: list, rank: int, groups: Map
         else:
             out.append((COLL, start, end, -1, canonical, group, -1, -1))
     return out
+
+
+def _one_transfer_per_batch(comm: list, main, calls: list, labels: list) -> list:
+    """The p2p spans holding the tensors one batch sends to (or receives from) one peer, as one transfer.
+
+    A pipeline stage may pass several tensors across one boundary per microbatch: the tracer frontend
+    (`pipeline()` with SplitPoint) sends every value the next stage reads (a decoder layer's hidden
+    states, rotary cos and sin, the attention mask), each its own send, issued together in one
+    `batch_isend_irecv`. They are one transfer of one microbatch, spanning the first issue to the last
+    end. Spans of one kind, peer and group are one batch when the thread that issued them did nothing
+    between the issues but issue p2p ops (`main`: its ops; `calls`: the c10d p2p calls, whose own
+    allocations are theirs): a microbatch's transfer needs its compute first, and a schedule's
+    bookkeeping between two actions is an op too. Under a schedule's action labels (`labels`:
+    PP:sSEND_Fm ranges) each action is its own transfer."""
+    p2p = sorted((i for i, span in enumerate(comm) if span[0] in (SEND, RECV)), key=lambda i: comm[i][1])
+    if len(p2p) < 2:
+        return comm
+    busy = main.per_name(lambda name: not name.startswith(_NOT_COMPUTE))
+    in_call = _inside(main.start, [(start, end) for _, start, end, *_ in calls])
+    work = np.sort(main.start[busy & ~in_call])
+    label_starts = np.sort(np.array([start for start, *_ in labels], dtype=np.float64))
+    head: dict[tuple, int] = {}
+    merged: dict[int, tuple] = {}
+    for i in p2p:
+        span = comm[i]
+        key = (span[0], span[3], span[6], span[5])
+        at = head.get(key)
+        if at is not None:
+            first = merged[at]
+            between = slice(first[1], span[1])
+            if np.searchsorted(work, between.start, side="right") == np.searchsorted(work, between.stop, side="left") \
+                    and np.searchsorted(label_starts, between.start, side="right") == \
+                    np.searchsorted(label_starts, between.stop, side="right"):
+                merged[at] = (*first[:2], max(first[2], span[2]), *first[3:])
+                merged[i] = None
+                continue
+        head[key] = i
+        merged[i] = span
+    return [merged.get(i, span) for i, span in enumerate(comm) if merged.get(i, span) is not None]
 
 
 _SUB_ACTION = re.compile(r"^(?P<stage>\d+)(?P<op>F|B|I|W)(?P<mb>\d+)$")
