@@ -61,6 +61,19 @@ def _discrepancy_number(s) -> tuple[str, str, str]:
     return ("replay discrepancy", f"{100 * (replayed - 1):.1f}%", note)
 
 
+def _evidence_number(s) -> tuple[str, str, str]:
+    """What the result stands on: steps, microbatches, DP peers, and what the trace cannot show
+    (rows written before the columns: the steps alone)."""
+    microbatches, peers = getattr(s, "n_microbatches", None), getattr(s, "dp_peers", None)
+    if microbatches is None or microbatches != microbatches or peers is None or peers != peers:
+        return ("evidence", f"{s.n_steps} steps", "microbatches and peers not recorded (older row)")
+    limits = list(getattr(s, "evidence_limits", None) or [])
+    value = f"{s.n_steps} x {int(microbatches)} x {int(peers)}"
+    note = f"steps x microbatches per worker x DP peers per worker" + ("; cannot show: " + "; ".join(limits)
+                                                                      if limits else "")
+    return ("evidence", value, note)
+
+
 def _untraced_workers(s) -> list:
     """The workers whose untraced CPU time the window's T includes ([] when none, or in rows written
     before the column existed)."""
@@ -163,6 +176,7 @@ def build_job_page(data: ReportData, date: dt.date, job_id: str, out_dir: pathli
         _saved_number(fixes, cause),
         _discrepancy_number(s),
         ("parallelism", s.parallelism, f"{s.gpus} GPUs, {s.n_steps} sampled steps"),
+        _evidence_number(s),
         ("source", _source_format(s), _source_detail(s)),
     ])
     blocks: list = [numbers]

@@ -245,6 +245,8 @@ def summary(result, n_ops: int, seconds: float, top: int = 3, device: str | None
         f"job {result.job_id}: {len(result.steps)} step{'s' if len(result.steps) != 1 else ''}, dp {meta.dp_size} x pp {meta.pp_size} workers "
         f"(tp {meta.tp_size}, cp {meta.dsp_size}, vpp {meta.vpp_size}; {meta.world_size} {_unit(device)}s), {n_ops:,} ops, "
         f"analysed in {seconds:.2f} s",
+        *([] if result.evidence is None else
+          [f"evidence: {result.evidence.describe()}"] + [f"  cannot show: {limit}" for limit in result.evidence.limits]),
         f"S = {slowdown:.4f}: {waste}; "
         + ("straggling (S >= 1.1)" if result.straggling else "not straggling (S < 1.1)")
         + ("" if untraced is None else f" (with the untraced CPU time of {named}; over the traced ops alone S = "

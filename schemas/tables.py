@@ -98,6 +98,10 @@ JOB_SUMMARY_SCHEMA = _schema(
         pa.field("end_time", pa.timestamp("us", tz="UTC"), nullable=False),
         pa.field("n_steps", pa.int32(), nullable=False),           # sampled steps analysed
         pa.field("n_ops", pa.int64(), nullable=False),             # op records analysed
+        # what the result stands on (transforms/whatif/result.py Evidence); null in files written before
+        pa.field("n_microbatches", pa.int32(), nullable=True),     # microbatches per worker and step
+        pa.field("dp_peers", pa.int32(), nullable=True),           # other DP ranks of a worker's stage (0: none)
+        pa.field("evidence_limits", pa.list_(pa.string()), nullable=True),  # what the trace cannot show, and the fix
         pa.field("step_time_observed", pa.float64(), nullable=False),  # mean step_t_base, s
         # T: mean no-delay replay, s; with the untraced CPU time of untraced_workers given back when
         # the root-cause analysis named them (transforms/whatif/result.py UntracedWork)

@@ -108,6 +108,7 @@ def analyze_model(model: JobModel, *, timeline: bool = False, attribution: bool 
         step_t_replayed=batch.span("original"),
         ideal_durations=model.ideal_by_optype(ideal_ops),
         worker_rank=model.worker_rank.copy(),
+        evidence=model.evidence(),
     )
     result.ms = _decomposition(batch, "ms", nodelay_span, ideal_span, last_stage)
 

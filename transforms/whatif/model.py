@@ -43,7 +43,7 @@ from transforms.whatif.errors import (
     TraceValueError,
     UnknownOptypeError,
 )
-from transforms.whatif.result import JobMeta
+from transforms.whatif.result import Evidence, JobMeta
 
 __all__ = [
     "MIN_STEPS",
@@ -195,6 +195,13 @@ class JobModel:
     @property
     def n_lanes(self) -> int:
         return len(self.lane_step)
+
+    def evidence(self) -> Evidence:
+        """How much the job's result stands on (steps, microbatches per worker and step, DP peers, stages)."""
+        forward = (self.op_optype == FWD) & (self.op_stage == 0)
+        microbatches = len(np.unique(self.op_seq_id[forward])) if forward.any() else 0
+        return Evidence(steps=int(self.n_steps), microbatches=int(microbatches), dp_peers=int(self.dp_size) - 1,
+                        stages=int(self.pp_size))
 
     @property
     def n_steps(self) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["discrepancy_discards", "discrepancy_reason", "JobMeta", "Decomposition", "UntracedWork", "WhatIfResult", "DISCREPANCY_LIMIT", "ATTRIBUTION_THRESHOLD", "STRAGGLING_THRESHOLD"]
+__all__ = ["discrepancy_discards", "discrepancy_reason", "JobMeta", "Decomposition", "Evidence", "UntracedWork", "WhatIfResult", "DISCREPANCY_LIMIT", "ATTRIBUTION_THRESHOLD", "STRAGGLING_THRESHOLD"]
 
 DISCREPANCY_LIMIT = 1.05      # observed / replayed step time above this, or below its inverse: discard
 ATTRIBUTION_THRESHOLD = 1.03  # attributions computed only when S >= this
@@ -110,6 +110,48 @@ class Decomposition:
 
 
 @dataclasses.dataclass(frozen=True)
+class Evidence:
+    """How much a result stands on: the profiled steps analysed, the microbatches each worker ran per
+    step, the DP peers each worker has (the other DP ranks of its stage) and the pipeline stages.
+
+    The analysis compares a worker with its DP peers and with its own other steps, and a step with the
+    other steps: with one step, one worker per stage or one rank, some of those comparisons do not
+    exist, and `limits` says which (and what would settle them), for the verdicts to use."""
+
+    steps: int
+    microbatches: int
+    dp_peers: int
+    stages: int
+
+    @property
+    def limits(self) -> list[str]:
+        """What this trace cannot show, each with the setting that would let it."""
+        out = []
+        if self.dp_peers == 0 and self.stages == 1:
+            out.append("one rank: nothing waits for it and there are no peers, so no worker can straggle behind "
+                       "another; S measures only how its op durations spread around their means (profile every rank "
+                       "of a multi-rank job to find stragglers)")
+        elif self.dp_peers == 0:
+            out.append("no data-parallel peers: a worker is compared only with its own other steps and the other "
+                       "stages, never with a replica of its own work (run with DP >= 2 to compare replicas)")
+        if self.steps == 1:
+            out.append("one profiled step: a slow step cannot be told from a slow worker, nor a pause from a "
+                       "persistent slowdown (profile more active steps: the profiler schedule's `active`)")
+        return out
+
+    def to_json(self) -> dict:
+        return {"steps": self.steps, "microbatches": self.microbatches, "dp_peers": self.dp_peers,
+                "stages": self.stages, "limits": self.limits}
+
+    def describe(self) -> str:
+        """One line: what the result stands on."""
+        peers = f"{self.dp_peers} DP peer{'s' if self.dp_peers != 1 else ''} per worker"
+        return (f"{self.steps} profiled step{'s' if self.steps != 1 else ''} x {self.microbatches} "
+                f"microbatch{'es' if self.microbatches != 1 else ''} per worker, {peers}, "
+                f"{self.stages} pipeline stage{'s' if self.stages != 1 else ''}")
+
+
+@dataclasses.dataclass(frozen=True)
 class UntracedWork:
     """Named workers' untraced CPU time, modelled: the no-delay replay with only their launch delays
     given back (every other launch delay 0). METHOD.md section 3 replays without launch delays, so
@@ -169,6 +211,7 @@ class WhatIfResult:
     # Set by the root-cause analysis (causes.classify) when it names the workers whose untraced CPU
     # time makes what ran longer than the no-delay replay: their untraced time modelled.
     untraced: UntracedWork | None = None
+    evidence: Evidence | None = None                   # what the result stands on (steps, microbatches, peers)
 
     @property
     def model_step_t(self) -> np.ndarray:
@@ -302,6 +345,7 @@ class WhatIfResult:
             "step_t": dict(zip((str(int(s)) for s in self.steps), map(float, self.untraced.step_t))),
             "slowdown": self.model_slowdown,
         }
+        out["evidence"] = None if self.evidence is None else self.evidence.to_json()
         out["worker_slowdown"] = None if self.worker_slowdown is None else self.worker_slowdown.tolist()
         out["ideal_durations"] = self.ideal_durations
         return out

@@ -1,0 +1,155 @@
+"""How the training stacks people use nest their work, read from the spans torch.profiler records:
+an optimizer step that runs the model in its closure (PyTorch Lightning), ProfilerSteps that are
+not iterations (Lightning's PyTorchProfiler, a ProfilerStep per accumulated batch), several tensors
+crossing one pipeline boundary per microbatch (the tracer frontend), a job of one process, and the
+evidence every result states. The real runs of each stack are in tests/data/real_stacks (see
+test_real_stacks_* below and tools/real_stacks/README.md)."""
+from __future__ import annotations
+
+import gzip
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from transforms.ingest.kineto.compute import optimizer_work
+from transforms.ingest.kineto.events import CpuOps
+from transforms.ingest.kineto.rank import _iterations, _one_transfer_per_batch
+from transforms.ingest.kineto.spans import COLL, RECV, SEND
+
+from conftest import SHARED
+
+STACKS = pathlib.Path(__file__).parent / "data" / "real_stacks"
+WORLD1 = SHARED / "traces" / "hta" / "world1_rank0.json.gz"
+
+
+def _ops(*ops) -> CpuOps:
+    return CpuOps.from_tuples([(float(s), float(e), name, 1) for s, e, name in ops])
+
+
+# --- an optimizer step that runs the model in its closure -------------------------------------------
+
+def test_the_optimizer_starts_after_the_closure_it_ran():
+    """Lightning's automatic optimization: optimizer.step(closure) runs the forward, the backward
+    (whose DDP hook issues the all-reduce) and DDP's bucket copies, then the optimizer's own ops."""
+    ops = _ops((0, 100, "Optimizer.step#AdamW.step"),
+               (2, 20, "DistributedDataParallel.forward"), (3, 18, "aten::linear"),
+               (25, 50, "autograd::engine::evaluate_function: AddmmBackward0"),
+               (45, 47, "c10d::allreduce_"), (46, 70, "gloo:all_reduce"),
+               (71, 72, "torch.distributed.ddp.reducer::copy_bucket_to_grad"),
+               (75, 80, "aten::add_"), (81, 90, "aten::addcdiv_"))
+    flows = np.array([3.5])   # autograd recorded the forward's linear
+    assert optimizer_work([(0.0, 100.0)], ops, flows) == [(72.0, 100.0)]
+    # the all-reduce was issued before the backward ended: its wait is the closure's, not the optimizer's
+    assert optimizer_work([(0.0, 100.0)], ops, np.zeros(0)) == [(72.0, 100.0)]
+
+
+def test_an_optimizer_step_without_a_closure_is_unchanged():
+    ops = _ops((0, 10, "autograd::engine::evaluate_function: MmBackward0"), (20, 40, "Optimizer.step#SGD.step"),
+               (21, 30, "aten::add_"), (31, 39, "c10d::allreduce_"))   # a collective the optimizer itself issues
+    assert optimizer_work([(20.0, 40.0)], ops, np.array([1.0])) == [(20.0, 40.0)]
+
+
+# --- ProfilerSteps that are not iterations -----------------------------------------------------------
+
+def test_profiler_steps_that_are_iterations_stay():
+    steps = {2: (0.0, 10.0), 3: (10.0, 20.0)}
+    optimizer = [(8.0, 9.5), (18.0, 19.5)]
+    forward, backward = np.array([1.0, 11.0]), np.array([4.0, 14.0])
+    assert _iterations(steps, optimizer, ["t", "t"], "t", forward, backward) == steps
+
+
+def test_two_optimizers_per_iteration_keep_the_steps():
+    """A dense and a sparse optimizer step one after the other in each ProfilerStep."""
+    steps = {551: (0.0, 10.0), 552: (10.0, 20.0)}
+    optimizer = [(7.0, 8.0), (8.5, 9.5), (17.0, 18.0), (18.5, 19.5)]
+    assert _iterations(steps, optimizer, ["t"] * 4, "t", np.array([1.0, 11.0]), np.array([4.0, 14.0])) == steps
+
+
+def test_lightning_profiler_steps_end_mid_iteration():
+    """Lightning's PyTorchProfiler ends a ProfilerStep when training_step returns: the iteration's
+    backward and optimizer step fall in the next one. Iterations then run between optimizer steps,
+    and the first, whose forward came before the profile, is left out."""
+    steps = {2: (0.0, 10.0), 3: (10.0, 20.0), 4: (20.0, 30.0)}
+    # step 2 holds the backward of an iteration whose forward was before the trace, its optimizer
+    # step, then the next forward; and so on
+    forward = np.array([7.0, 17.0, 27.0])
+    backward = np.array([1.0, 11.0, 21.0])
+    optimizer = [(4.0, 5.0), (14.0, 15.0), (24.0, 25.0)]
+    got = _iterations(steps, optimizer, ["t"] * 3, "t", forward, backward)
+    assert got == {3: (5.0, 15.0), 4: (15.0, 25.0)}
+
+
+def test_a_profiler_step_per_accumulated_batch_makes_one_iteration_of_several():
+    """accumulate_grad_batches=2 with a callback stepping the profiler per batch: a ProfilerStep per
+    microbatch, only every other one holding an optimizer step."""
+    steps = {2: (0.0, 10.0), 3: (10.0, 20.0), 4: (20.0, 30.0), 5: (30.0, 40.0)}
+    forward = np.array([1.0, 11.0, 21.0, 31.0])
+    backward = np.array([5.0, 15.0, 25.0, 35.0])
+    optimizer = [(18.0, 19.0), (38.0, 39.0)]
+    got = _iterations(steps, optimizer, ["t"] * 2, "t", forward, backward)
+    assert got == {3: (0.0, 19.0), 5: (19.0, 39.0)}
+
+
+# --- several tensors across one pipeline boundary ----------------------------------------------------
+
+def _send(start, end, peer=1):
+    return (SEND, float(start), float(end), peer, "send", "pp", -1, -1)
+
+
+def test_the_tensors_one_batch_sends_to_a_peer_are_one_transfer():
+    """The tracer frontend sends hidden states, cos, sin and the mask of one microbatch apart, in one
+    batch; the next microbatch's sends come after its forward."""
+    comm = [_send(0, 30), _send(1, 31), _send(2, 29), _send(3, 33),          # microbatch 0
+            _send(50, 70), _send(51, 72),                                    # microbatch 1
+            (COLL, 80.0, 90.0, -1, "all_reduce", "dp", -1, -1)]
+    calls = [("send", float(s), float(s) + 0.5, 1) for s in (0, 1, 2, 3, 50, 51)]
+    main = _ops((0, 0.5, "c10d::send"), (0.1, 0.2, "aten::empty"), (1, 1.5, "c10d::send"), (2, 2.5, "c10d::send"),
+                (3, 3.5, "c10d::send"), (10, 45, "aten::linear"), (50, 50.5, "c10d::send"), (51, 51.5, "c10d::send"))
+    got = _one_transfer_per_batch(comm, main, calls, [])
+    assert [(k, s, e) for k, s, e, *_ in got] == [(SEND, 0.0, 33.0), (SEND, 50.0, 72.0), (COLL, 80.0, 90.0)]
+
+
+def test_sends_to_other_peers_or_under_other_actions_stay_apart():
+    comm = [_send(0, 30, peer=1), _send(1, 31, peer=3), (RECV, 2.0, 20.0, 1, "recv", "pp", -1, -1),
+            _send(3, 33, peer=1)]
+    calls = [("send", 0.0, 0.5, 1), ("send", 1.0, 1.5, 1), ("recv", 2.0, 2.5, 1), ("send", 3.0, 3.5, 1)]
+    main = _ops((0, 0.5, "c10d::send"), (1, 1.5, "c10d::send"), (2, 2.5, "c10d::recv_"), (3, 3.5, "c10d::send"))
+    # a schedule's action labels: the send at 3 belongs to another action (another stage or microbatch)
+    labels = [(0.0, 2.8, 1, 0), (2.9, 4.0, 1, 2)]
+    got = _one_transfer_per_batch(comm, main, calls, labels)
+    assert len(got) == 4
+    merged = _one_transfer_per_batch(comm, main, calls, [])
+    assert [(k, s, e, p) for k, s, e, p, *_ in merged] == [(SEND, 0.0, 33.0, 1), (SEND, 1.0, 31.0, 3), (RECV, 2.0, 20.0, 1)]
+
+
+# --- one process, and the evidence of every result ---------------------------------------------------
+
+def _analyze(folder: pathlib.Path, out: pathlib.Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipelines.cli", "analyze", str(folder), "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_trace_of_one_process_is_a_job_of_one_rank_and_says_what_that_cannot_show(tmp_path):
+    if not WORLD1.is_file():
+        pytest.skip(f"{WORLD1} not found: clone the project with ../shared beside it")
+    for name, document in (("with-info", None), ("no-process-group", "strip")):
+        folder = tmp_path / name
+        folder.mkdir()
+        if document is None:
+            shutil.copy(WORLD1, folder / "rank-0.json.gz")
+        else:   # the same GPU trace as a script without torch.distributed records it
+            doc = json.loads(gzip.decompress(WORLD1.read_bytes()))
+            doc.pop("distributedInfo")
+            (folder / "trace.json").write_text(json.dumps(doc))
+        done = _analyze(folder, tmp_path / f"{name}.json")
+        assert done.returncode == 0, done.stderr
+        assert "dp 1 x pp 1 workers" in done.stdout and "evidence: " in done.stdout
+        assert "cannot show: one rank" in done.stdout
+        evidence = json.loads((tmp_path / f"{name}.json").read_text())["evidence"]
+        assert evidence["dp_peers"] == 0 and evidence["stages"] == 1 and evidence["steps"] >= 1
+        assert evidence["microbatches"] >= 1 and evidence["limits"][0].startswith("one rank")
