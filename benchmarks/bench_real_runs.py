@@ -9,7 +9,8 @@ accepted primary causes). Default corpus: tests/data/real_runs (the committed su
 Every run is analysed as a user would: `strag analyze --format kineto DIR --json OUT` in a
 subprocess, on a folder that holds only the rank traces (truth.json is never in reach of the
 analyzer). Per run the table shows truth against strag (refused, S, replay discrepancy, verdict,
-ranks blamed), then the scores with the issue's targets:
+ranks blamed), a table per training stack (runs, refused, replay within 5% on the clean runs of 2
+processes, verdicts right), then the scores with the issue's targets:
 
 - runs refused (exit != 0 or no result)                            target 0
 - slowed ranks found exactly (blamed set == slowed set), runs
@@ -137,6 +138,36 @@ def met(name: str, hits: int, total: int) -> bool:
     return share <= bound + 1e-12 if op == "<=" else share >= bound - 1e-12
 
 
+def verdict_right(r: dict) -> bool:
+    """A clean run names no cause and blames no rank; a slowed one names an accepted cause and, when
+    slowed by >= 1.5x, blames exactly the slowed ranks."""
+    if r["refused"]:
+        return False
+    if not r["straggling"]:
+        return r["cause"] == "none" and not r["blamed"]
+    return r["cause"] in r["accepted"] and (r["blamed"] == r["slow_ranks"] or not r["severe"])
+
+
+def stack_of(r: dict) -> str:
+    """The training stack a run was made with (tools/real_stacks writes `stack`; tools/real_traces'
+    hand-written pipelining and DDP loops do not)."""
+    return r["truth"].get("stack") or "hand-written"
+
+
+def _stack_table(rows: list[dict]) -> str:
+    """Per stack: runs, refused, replay within 5% on the clean runs of 2 processes, verdicts right."""
+    head = f"{'stack':<14} {'runs':>4} {'refused':>7} {'clean 2-proc replay <=5%':>25} {'verdicts right':>15}"
+    lines = [head, "-" * len(head)]
+    for stack in sorted({stack_of(r) for r in rows}):
+        mine = [r for r in rows if stack_of(r) == stack]
+        clean = [r for r in mine if not r["refused"] and not r["straggling"] and r["truth"].get("world") == 2]
+        within = sum(abs(r["discrepancy"] - 1) <= 0.05 for r in clean)
+        right = sum(verdict_right(r) for r in mine)
+        lines.append(f"{stack:<14} {len(mine):>4} {sum(r['refused'] for r in mine):>7} "
+                     f"{f'{within} / {len(clean)}':>25} {f'{right} / {len(mine)}':>15}")
+    return "\n".join(lines)
+
+
 def _table(rows: list[dict]) -> str:
     head = f"{'run':<44} {'truth':<28} {'S':>6} {'disc':>6} {'verdict':<24} {'blamed':<10} ok"
     lines = [head, "-" * len(head)]
@@ -147,9 +178,7 @@ def _table(rows: list[dict]) -> str:
         if r["refused"]:
             lines.append(f"{r['run']:<44} {truth:<28} REFUSED: ...{r['reason'][-110:]}")
             continue
-        good = r["cause"] in r["accepted"] and (r["blamed"] == r["slow_ranks"] or not r["severe"])
-        if not r["straggling"]:
-            good = r["cause"] == "none" and not r["blamed"]
+        good = verdict_right(r)
         verdict = r["cause"] + (" (disc.)" if r["discarded"] else "")
         lines.append(f"{r['run']:<44} {truth:<28} {r['S']:>6.3f} {r['discrepancy']:>6.3f} {verdict:<24} "
                      f"{','.join(map(str, r['blamed'])) or '-':<10} {'yes' if good else 'NO'}")
@@ -169,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = [analyse_run(run) for run in runs]
     print(_table(rows))
+    print()
+    print(_stack_table(rows))
     scores = score(rows)
     print(f"\n{len(rows)} runs in {time.perf_counter() - t0:.1f} s "
           f"({sum(not r['straggling'] for r in rows)} clean, {sum(r['noise'] == 'sleep' for r in rows)} low-noise)")

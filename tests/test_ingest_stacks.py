@@ -153,3 +153,26 @@ def test_a_trace_of_one_process_is_a_job_of_one_rank_and_says_what_that_cannot_s
         evidence = json.loads((tmp_path / f"{name}.json").read_text())["evidence"]
         assert evidence["dp_peers"] == 0 and evidence["stages"] == 1 and evidence["steps"] >= 1
         assert evidence["microbatches"] >= 1 and evidence["limits"][0].startswith("one rank")
+
+
+def test_a_profile_without_an_optimizer_step_is_refused_with_the_setting_that_fixes_it(tmp_path):
+    """Every ProfilerStep is there, but no step holds the optimizer's range: the advice names the
+    optimizer step (or optimizer_label), not 'profile more steps'."""
+    from transforms.ingest.common import RawInputError
+    from transforms.ingest.kineto import convert_kineto
+
+    run = pathlib.Path(__file__).parent / "data" / "real_runs" / "dp4-ddp-sleep"
+    truth = json.loads((run / "truth.json").read_text())
+    paths = []
+    for name in truth["trace_files"]:
+        document = json.loads(gzip.decompress((run / name).read_bytes()))
+        document["traceEvents"] = [e for e in document["traceEvents"]
+                                   if not str(e.get("name", "")).startswith("Optimizer.step")]
+        paths.append(tmp_path / name.replace(".gz", ""))
+        paths[-1].write_text(json.dumps(document))
+    with pytest.raises(RawInputError) as error:
+        convert_kineto([str(p) for p in paths], "no-optimizer", "2026-11-27", {})
+    assert error.value.reason_code == "raw_no_steps"
+    assert "no profiled step holds an optimizer step" in str(error.value) and "optimizer_label" in str(error.value)
+    assert "profile more active steps" not in str(error.value)
+    assert "has no optimizer in it" in str(error.value)

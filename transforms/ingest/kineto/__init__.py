@@ -15,10 +15,14 @@ Two passes, both plain functions:
    layout, op types, seq ids, clock alignment, manifest.
 
 The mapping (ARCHITECTURE.md, "Kineto mapping"):
-- steps: `ProfilerStep#N` (without them: each ends with an `Optimizer.step` span); a step is kept
-  when every analysed rank has it complete (an optimizer span and every kind of compute), others
-  are listed in source.steps_dropped; a rank's files of other steps are profiler cycles (cycles.py);
-- rank and world: `distributedInfo`; process groups: `distributedInfo.pg_config`
+- steps: training iterations, `ProfilerStep#N` where those are iterations (without them: each ends
+  with an `Optimizer.step` span); where they are not (Lightning's PyTorchProfiler ends one when
+  training_step returns, a ProfilerStep per accumulated batch), the iterations run between optimizer
+  steps (rank._iterations); a step is kept when every analysed rank has it complete (an optimizer
+  span and every kind of compute), others are listed in source.steps_dropped; a rank's files of
+  other steps are profiler cycles (cycles.py);
+- rank and world: `distributedInfo` (a window's lone trace without it: a process that started no
+  process group, rank 0 of 1); process groups: `distributedInfo.pg_config`
   ({pg_name, pg_desc, ranks}); the pp / dp coordinates of a rank are its index in the
   group whose description names the dim (`mesh_pp`, `PIPELINE...`, `DATA_PARALLEL...`),
   else job.yaml sizes + layout, else inferred from what the ranks did (layout.py: first
@@ -30,14 +34,18 @@ The mapping (ARCHITECTURE.md, "Kineto mapping"):
 - p2p: gloo `gloo:send` / `gloo:recv` spans (CPU) or NCCL send/recv kernels (GPU); the
   direction from the peer's stage, else the label that issued it (`PP:sSEND_Fm`, `Forward k`),
   else the pipeline's ends, else the compute it serves (a send carries the compute before it, a
-  recv feeds the compute after it); interleaved: pairs wrap around, no-op p2p at the ends;
+  recv feeds the compute after it); interleaved: pairs wrap around, no-op p2p at the ends; the
+  tensors one batch passes to one peer (the tracer frontend's hidden states, rotary cos/sin, mask)
+  are one transfer (rank._one_transfer_per_batch);
 - DP collectives (all_reduce, reduce_scatter, all_gather over the data-parallel group):
   gloo spans on the runloop threads or NCCL kernels; all_reduce and reduce_scatter of
   gradients -> grads-reduce-scatter, all_gather -> params-all-gather, matched across
   ranks by their order in the group within the step (= NCCL's sequence number order); where
   the trace records `Seq` (recent NCCL), a step in which a member lacks a Seq the group's other
   members ran is dropped, the reason in source.steps_dropped_why;
-- optimizer: `Optimizer.step#...` (union of the step's optimizer spans);
+- optimizer: `Optimizer.step#...` (union of the step's optimizer spans), from where the closure it
+  ran ends (`optimizer.step(closure)`: Lightning's automatic optimization runs the forward, backward
+  and gradient all-reduce inside it; compute.optimizer_work);
 - collectives inside the compute (all_to_all, broadcast, barrier, FSDP's per-layer all_gather)
   over a group of several workers, without a pipeline: `all-to-all` / `group-collective` ops,
   the compute label that issued one cut there into pieces of its microbatch;

@@ -54,6 +54,7 @@ def _kept_steps(ranks: Sequence[RankTrace], job_id: str) -> tuple[np.ndarray, li
                                     + ("forward ops between p2p calls" if kind == FWD else "autograd backward ops"),
                                     job_id=job_id, path=trace.path)
     keep = np.ones(len(candidates), dtype=bool)
+    incomplete: dict[int, str] = {}   # step -> what it lacks on the first rank that lacks it
     for trace in ranks:
         structure = _step_structure(trace, candidates)
         counts = collections.Counter(structure.values())
@@ -62,15 +63,25 @@ def _kept_steps(ranks: Sequence[RankTrace], job_id: str) -> tuple[np.ndarray, li
             kinds = structure[step]
             if kinds != modal or not (kinds[FWD] and kinds[BWD] and kinds[OPT]):
                 keep[i] = False
+                missing = [_KIND_NAMES[k] for k in (FWD, BWD, OPT) if not kinds[k]]
+                incomplete.setdefault(step, f"rank {trace.rank} has no {' or '.join(missing)} in it" if missing else
+                                      f"rank {trace.rank} ran other work in it than in its other steps")
     why = _seq_gaps(ranks, candidates)
     keep &= ~np.isin(candidates, list(why))
     kept = candidates[keep]
     dropped = sorted(union - set(kept.tolist()))
     if len(kept) < MIN_STEPS:
-        lost = "".join(f"; step {step}: {reason}" for step, reason in sorted(why.items()))
+        lost = "".join(f"; step {step}: {reason}" for step, reason in sorted({**incomplete, **why}.items()))
+        no_optimizer = [step for step, reason in incomplete.items() if "optimizer" in reason]
+        if no_optimizer:   # a step is an iteration up to its optimizer step: the profile holds none
+            advice = ("no profiled step holds an optimizer step (`Optimizer.step#...`): profile at least one whole "
+                      "training iteration, up to and including its optimizer step, or set optimizer_label in job.yaml "
+                      "when the optimizer records another range")
+        else:
+            advice = "profile more active steps (the profiler schedule's `active`)"
         raise RawInputError("raw_no_steps", f"{len(kept)} profiled step(s) complete on every rank (common steps "
-                            f"{candidates.tolist()}){lost}; the analysis needs at least {MIN_STEPS}: profile more "
-                            "active steps", job_id=job_id)
+                            f"{candidates.tolist()}){lost}; the analysis needs at least {MIN_STEPS}: {advice}",
+                            job_id=job_id)
     return kept, dropped, why
 
 
