@@ -28,7 +28,8 @@ __all__ = ["parse", "run", "fleet_summary"]
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = ArgumentParser(prog="strag demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lake", default="demo-lake", help="lake folder to (re)generate (default ./demo-lake)")
+    parser.add_argument("--lake", default="demo-lake", help="lake folder to (re)generate (default ./demo-lake): a new or "
+                        "empty folder, or one the demo made; any other is refused, never deleted")
     parser.add_argument("--out", default="demo-out", help="folder for tables and reports (default ./demo-out)")
     parser.add_argument("--days", type=int, default=7, help="days of fleet (default 7)")
     parser.add_argument("--jobs-per-day", type=int, default=5, help="jobs starting each day (default 5)")
@@ -75,12 +76,21 @@ def _read(tables: str, name: str):
 
 def run(argv: list[str]) -> int:
     from pipelines import batch, generate, report
+    from pipelines.owned import NotOurs, claim
 
     args = parse(argv)
     configure_logs()   # Beam's worker start-up chatter would hide the demo's own output
     lake, out = pathlib.Path(args.lake).resolve(), pathlib.Path(args.out).resolve()
-    # The demo owns these folders: start from a clean lake so the generated fleet is the one described.
-    shutil.rmtree(lake, ignore_errors=True)
+    # The demo regenerates its lake from scratch so that the fleet is the one described, and writes its
+    # tables: only into folders it made (pipelines/owned.py), never a real lake or tables it did not make
+    try:
+        claim(str(lake), "demo")
+        claim(str(out), "demo")
+    except NotOurs as error:
+        print(f"strag demo: {error}", file=sys.stderr)
+        return 2
+    shutil.rmtree(lake)
+    claim(str(lake), "demo")
     start = args.start_date
     end = start + dt.timedelta(days=args.days - 1)
     steps = [

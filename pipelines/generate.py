@@ -57,7 +57,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def run(argv: list[str]) -> int:
     """Sample the fleet, generate and write it; print progress and a summary."""
     opts = parse(argv)
+    from pipelines.owned import NotOurs, claim
     from transforms.synth.fleet import sample_fleet, write_fleet
+
+    try:   # a synthetic fleet goes only into a lake of its own, never mixed into a real one
+        claim(opts.lake, "generate")
+    except NotOurs as error:
+        print(f"strag generate: {error}", file=sys.stderr)
+        return 2
 
     specs = sample_fleet(opts.days, opts.jobs_per_day, opts.seed, opts.start_date, max_records=opts.max_records)
     total_gpus = sum(s.world_size for s in specs)
