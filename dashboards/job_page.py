@@ -67,9 +67,10 @@ def _evidence_number(s) -> tuple[str, str, str]:
     microbatches, peers = getattr(s, "n_microbatches", None), getattr(s, "dp_peers", None)
     if microbatches is None or microbatches != microbatches or peers is None or peers != peers:
         return ("evidence", f"{s.n_steps} steps", "microbatches and peers not recorded (older row)")
-    limits = list(getattr(s, "evidence_limits", None) or [])
+    limits = getattr(s, "evidence_limits", None)
+    limits = [] if limits is None else list(limits)
     value = f"{s.n_steps} x {int(microbatches)} x {int(peers)}"
-    note = f"steps x microbatches per worker x DP peers per worker" + ("; cannot show: " + "; ".join(limits)
+    note = "steps x microbatches per worker x DP peers per worker" + ("; cannot show: " + "; ".join(limits)
                                                                       if limits else "")
     return ("evidence", value, note)
 

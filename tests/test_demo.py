@@ -26,3 +26,6 @@ def test_demo_generates_analyses_reports_and_summarises(tmp_path, capsys):
     assert len(list((out / "_timelines").rglob("*.json.gz"))) == straggling
     assert len(list((out / "_reports" / "timelines").glob("*.json.gz"))) == straggling
     assert f"timelines:    {straggling} of the {straggling} pages link a Perfetto timeline" in printed
+    # every job page says what its result stands on (steps x microbatches x DP peers)
+    page = next((out / "_reports" / "jobs").glob("*.html")).read_text()
+    assert "steps x microbatches per worker x DP peers per worker" in page
