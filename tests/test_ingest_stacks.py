@@ -18,7 +18,7 @@ import pytest
 
 from transforms.ingest.kineto.compute import optimizer_work
 from transforms.ingest.kineto.events import CpuOps
-from transforms.ingest.kineto.rank import _iterations, _one_transfer_per_batch
+from transforms.ingest.kineto.rank import _from_gradients_ready, _iterations, _one_transfer_per_batch
 from transforms.ingest.kineto.spans import COLL, RECV, SEND
 
 from conftest import SHARED
@@ -52,6 +52,27 @@ def test_an_optimizer_step_without_a_closure_is_unchanged():
     ops = _ops((0, 10, "autograd::engine::evaluate_function: MmBackward0"), (20, 40, "Optimizer.step#SGD.step"),
                (21, 30, "aten::add_"), (31, 39, "c10d::allreduce_"))   # a collective the optimizer itself issues
     assert optimizer_work([(20.0, 40.0)], ops, np.array([1.0])) == [(20.0, 40.0)]
+
+
+def test_the_optimizer_step_holds_the_update_s_preparation_after_the_gradients_are_ready():
+    """Hugging Face's Trainer copies DDP's buckets back, logs the loss and clips the gradients between
+    the backward and Optimizer.step: that prepares the update (Megatron's step clips too), so it is
+    the optimizer's; the wait for the gradient all-reduce before it is not."""
+    main = _ops((0, 10, "autograd::engine::evaluate_function: MmBackward0"),
+                (9, 9.5, "c10d::allreduce_"),
+                (16, 17, "torch.distributed.ddp.reducer::copy_bucket_to_grad"),
+                (18, 20, "aten::_foreach_norm"), (22, 30, "Optimizer.step#AdamW.step"), (23, 29, "aten::add_"))
+    spans = [(1, 0.0, 10.0, -1, -1, 0, 0.0)]                           # the backward compute
+    comm = [(COLL, 9.6, 15.0, -1, "all_reduce", "dp", -1, -1)]           # its all-reduce, waited until 15
+    assert _from_gradients_ready([(22.0, 30.0)], main, spans, comm) == [(16.0, 30.0)]
+    # nothing between the gradients and the step: unchanged; a second iteration reads only its own ends
+    bare = _ops((0, 10, "autograd::engine::evaluate_function: MmBackward0"), (12, 20, "Optimizer.step#SGD.step"))
+    assert _from_gradients_ready([(12.0, 20.0)], bare, spans, []) == [(12.0, 20.0)]
+    two = _ops((0, 10, "autograd::engine::evaluate_function: MmBackward0"), (12, 20, "Optimizer.step#SGD.step"),
+               (30, 40, "autograd::engine::evaluate_function: MmBackward0"), (41, 42, "aten::_foreach_norm"),
+               (43, 50, "Optimizer.step#SGD.step"))
+    spans2 = [(1, 0.0, 10.0, -1, -1, 0, 0.0), (1, 30.0, 40.0, -1, -1, 0, 30.0)]
+    assert _from_gradients_ready([(12.0, 20.0), (43.0, 50.0)], two, spans2, []) == [(12.0, 20.0), (41.0, 50.0)]
 
 
 # --- ProfilerSteps that are not iterations -----------------------------------------------------------
@@ -176,3 +197,32 @@ def test_a_profile_without_an_optimizer_step_is_refused_with_the_setting_that_fi
     assert "no profiled step holds an optimizer step" in str(error.value) and "optimizer_label" in str(error.value)
     assert "profile more active steps" not in str(error.value)
     assert "has no optimizer in it" in str(error.value)
+
+
+# --- the real runs of each stack (tools/real_stacks, committed subset) --------------------------------
+
+def _stack_runs() -> list[pathlib.Path]:
+    return sorted(p.parent for p in STACKS.glob("*/truth.json"))
+
+
+def test_the_committed_stack_runs_cover_every_stack():
+    stacks = {json.loads((run / "truth.json").read_text())["stack"] for run in _stack_runs()}
+    assert {"lightning", "hf-trainer", "accelerate", "pipe-tracer"} <= stacks, stacks
+
+
+@pytest.mark.parametrize("run", _stack_runs(), ids=lambda p: p.name)
+def test_every_stack_run_is_read_with_its_microbatches(run):
+    """No stack's run is refused; every kept step holds one optimizer op per rank and, on every rank,
+    forward and backward compute (FSDP2's in-compute all-gathers cut a microbatch's compute into
+    pieces, so the counts of forward and backward pieces may differ)."""
+    from transforms.ingest.kineto import convert_kineto
+
+    truth = json.loads((run / "truth.json").read_text())
+    converted = convert_kineto([str(run / name) for name in truth["trace_files"]], run.name, "2026-11-27", {})
+    table = converted.trace.to_pandas()
+    counts = table.groupby("step").optype.value_counts().unstack(fill_value=0)
+    assert len(counts) >= 1
+    assert (counts["optimizer"] == truth["world"]).all(), counts
+    per_rank = table.groupby(["step", "rank"]).optype.value_counts().unstack(fill_value=0)
+    assert len(per_rank) == len(counts) * truth["world"]
+    assert (per_rank["forward-compute"] > 0).all() and (per_rank["backward-compute"] > 0).all(), per_rank

@@ -193,6 +193,8 @@ def gzip_traces(run_dir: str) -> list[str]:
             raise RuntimeError("a rank wrote no trace")
         p = os.path.join(run_dir, name)
         if not name.endswith(".gz"):
+            if not os.path.exists(p):
+                raise RuntimeError(f"missing trace {name}")
             subprocess.run(["gzip", "-9", "-n", "-f", p], check=True)
             name += ".gz"
         if not os.path.exists(os.path.join(run_dir, name)):
@@ -286,8 +288,14 @@ def main() -> None:
     if not a.out:
         ap.error("--out is required")
     torchrun = os.path.join(os.environ.get("TORCHENV", "/work/torchvenv"), "bin", "torchrun")
-    os.makedirs(a.out, exist_ok=True)
-    fail_path = os.path.join(a.out, "_failures.json")
+    run_matrix(matrix, a.out, a.force, lambda run: run_one(run, a.out, torchrun, a.timeout))
+
+
+def run_matrix(matrix: list[dict], out: str, force: bool, run_one) -> None:
+    """Run each of the matrix's runs (one at a time) into OUT/<name>, skipping those already done
+    (truth.json) unless `force`; failures kept in OUT/_failures.json. `run_one(run)` -> (ok, info)."""
+    os.makedirs(out, exist_ok=True)
+    fail_path = os.path.join(out, "_failures.json")
     failures = {}
     if os.path.exists(fail_path):
         with open(fail_path) as f:
@@ -295,11 +303,11 @@ def main() -> None:
     n_ok = n_skip = 0
     t_all = time.time()
     for i, run in enumerate(matrix, 1):
-        if not a.force and os.path.exists(os.path.join(a.out, run["name"], "truth.json")):
+        if not force and os.path.exists(os.path.join(out, run["name"], "truth.json")):
             n_skip += 1
             failures.pop(run["name"], None)
             continue
-        ok, info = run_one(run, a.out, torchrun, a.timeout)
+        ok, info = run_one(run)
         status = "ok" if ok else ("TIMEOUT" if info["timed_out"] else f"FAILED rc={info['exit_code']}")
         print(f"[{i}/{len(matrix)}] {run['name']}: {status} in {info['seconds']} s", flush=True)
         if ok:
@@ -312,7 +320,6 @@ def main() -> None:
             f.write("\n")
     print(f"done in {time.time() - t_all:.0f} s: {n_ok} ran, {n_skip} skipped, {len(failures)} failed "
           f"(see {fail_path})", flush=True)
-
 
 if __name__ == "__main__":
     main()

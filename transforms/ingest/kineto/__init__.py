@@ -45,7 +45,9 @@ The mapping (ARCHITECTURE.md, "Kineto mapping"):
   members ran is dropped, the reason in source.steps_dropped_why;
 - optimizer: `Optimizer.step#...` (union of the step's optimizer spans), from where the closure it
   ran ends (`optimizer.step(closure)`: Lightning's automatic optimization runs the forward, backward
-  and gradient all-reduce inside it; compute.optimizer_work);
+  and gradient all-reduce inside it; compute.optimizer_work); on CPU ranks from when its gradients
+  are ready, with the update's preparation (DDP's bucket copy-back, gradient clipping) in it
+  (rank._from_gradients_ready);
 - collectives inside the compute (all_to_all, broadcast, barrier, FSDP's per-layer all_gather)
   over a group of several workers, without a pipeline: `all-to-all` / `group-collective` ops,
   the compute label that issued one cut there into pieces of its microbatch;

@@ -202,6 +202,8 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     issued = _issued_at(comm, correlations, launched)
     spans = _compute_spans(cpu_labels, events.gpu_labels if kernels else {}, comm, main, on_gpu,
                            _issued_collectives(comm, issued, groups))
+    if not kernels:
+        optimizer = _from_gradients_ready(optimizer, main, spans, comm)
     optimizer = [(s, e, s) for s, e in optimizer]
     if on_gpu is not None:   # the optimizer's time is its kernels' too: one clock for a step's ops
         optimizer = [(*(on_gpu.span(s, e) or (s, e)), s) for s, e, _ in optimizer]
@@ -477,6 +479,32 @@ def _steps_from_optimizer(optimizer: list[tuple[float, float]], tids: list, cpu_
         steps[number] = (begin, end)
         begin = end
     return steps, thread
+
+
+def _from_gradients_ready(optimizer: list[tuple[float, float]], main, spans: list, comm: list) -> list[tuple[float, float]]:
+    """Each optimizer step from when its gradients are ready (CPU ranks): the step's thread's work
+    between the last compute and gradient collective of the iteration and `Optimizer.step` prepares
+    the update (DDP copying the reduced buckets back, the gradient norm and clipping, unscaling), the
+    optimizer step's work as in Megatron's, whose step clips; without it that work would be untraced
+    time. It starts at the first op of the thread at or after the later of the iteration's last
+    compute end and its last collective end before the step, so no wait for a collective is in it."""
+    if not optimizer or not len(main):
+        return optimizer
+    ends = np.sort(np.array([span[2] for span in spans] + [span[2] for span in comm if span[0] == COLL],
+                            dtype=np.float64))
+    busy = main.per_name(lambda name: not name.startswith(_NOT_COMPUTE))
+    order = np.argsort(main.start[busy], kind="stable")
+    op_start = main.start[busy][order]
+    out, previous = [], -np.inf
+    for start, end in sorted(optimizer):
+        ready = ends[np.searchsorted(ends, previous, side="right"):np.searchsorted(ends, start, side="right")]
+        if len(ready):
+            first = op_start[np.searchsorted(op_start, ready.max(), side="left"):][:1]
+            if len(first) and first[0] < start:
+                start = float(first[0])
+        out.append((start, end))
+        previous = end
+    return out
 
 
 def _kept_range(name: str) -> bool:

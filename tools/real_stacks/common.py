@@ -1,0 +1,530 @@
+"""Shared pieces of the tools/real_stacks/ scripts (need torch; run from $TORCHENV).
+
+- command-line options every script has (--out, --name, --seed, --steps, profiler schedule, --slow)
+- slowdown parsing and the per-rank injections:
+    fwd:R:F   forward F times as long: every hooked block re-runs its forward on a shadow copy
+              (a deepcopy of the block taken before any DDP/FSDP wrapping) (F-1) times under no_grad,
+              inside the block's forward (extra aten ops nested in the forward)
+    bwd:R:F   backward F times as long: a hook on the block output's gradient re-runs the shadow's
+              forward 2(F-1) times (backward ~= 2x forward) when the gradient arrives: inside the backward
+    gc:R:N    rank R keeps a live cyclic heap of N*1000 dicts and calls gc.collect() once per optimizer
+              step, in the first forward of the step (a forward pre-hook on the model)
+    gcall:N   every rank keeps that heap; rank r collects on steps with step % world == r
+    data:R:MS rank R's Dataset.__getitem__ sleeps so that one batch fetch sleeps MS ms in total
+    seq       sequence-length imbalance: dynamic padding, each rank's batch length budget drawn per
+              step from [L, 4L]
+    split:uneven  (pipelines) stage 0 gets 3x the decoder layers of every other stage
+- rank 0 writes truth.json (the schema of tools/real_traces/gen_corpus.py + "stack", "stack_details")
+  after every rank has dropped its _info-rank{r}.json (no collective needed at the end, so it works
+  whatever state the library left the process group in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import platform
+import random
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(REPO, "tools", "real_traces"))
+from train import build_gc_heap, prefault_heap  # noqa: E402  (tools/real_traces/train.py)
+
+SLOW_KINDS = ("fwd", "bwd", "gc", "gcall", "data", "seq", "split")
+CAUSES = {
+    "fwd": ["individual-worker"],
+    "bwd": ["individual-worker"],
+    "gc": ["python-gc"],
+    "gcall": ["python-gc"],
+    "data": ["untraced-cpu", "individual-worker"],
+    "seq": ["sequence-imbalance"],
+    "split": ["stage-imbalance"],
+}
+
+
+def rank_world() -> tuple[int, int]:
+    """Global rank and world size from the torchrun environment (1 process without torchrun)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def add_common_args(ap: argparse.ArgumentParser, steps: int = 7) -> None:
+    ap.add_argument("--out", required=True, help="run folder: rank-{r}.json, truth.json, PROVENANCE.json")
+    ap.add_argument("--name", default="", help="run name (truth.json 'run'); default: the folder name")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=steps, help="optimizer steps")
+    ap.add_argument("--prof-wait", type=int, default=1)
+    ap.add_argument("--prof-warmup", type=int, default=1)
+    ap.add_argument("--prof-active", type=int, default=3)
+    ap.add_argument("--record-shapes", type=int, choices=[0, 1], default=1)
+    ap.add_argument("--with-stack", type=int, choices=[0, 1], default=0)
+    ap.add_argument("--prefault-mb", type=int, default=None,
+                    help="pre-touched heap per process (default 512 with record_shapes, else 128; 0: off)")
+    ap.add_argument("--slow", action="append", default=[], metavar="KIND:RANK:AMOUNT",
+                    help="fwd:R:F bwd:R:F gc:R:N gcall:N data:R:MS seq split:uneven (repeatable)")
+
+
+def parse_slow(specs: list[str], allowed: tuple[str, ...], world: int) -> list[dict]:
+    out = []
+    for s in specs:
+        parts = s.split(":")
+        kind = parts[0]
+        if kind not in SLOW_KINDS:
+            raise SystemExit(f"--slow {s}: kind must be one of {SLOW_KINDS}")
+        if kind not in allowed:
+            raise SystemExit(f"--slow {s}: {kind} is not supported by this script (supported: {allowed})")
+        if kind == "split":
+            if parts[1:] != ["uneven"]:
+                raise SystemExit(f"--slow {s}: only split:uneven")
+            out.append({"kind": "split", "rank": None, "amount": 3.0})
+        elif kind == "seq":
+            if len(parts) != 1:
+                raise SystemExit(f"--slow {s}: seq takes no argument")
+            out.append({"kind": "seq", "rank": None, "amount": 4.0})
+        elif kind == "gcall":
+            if len(parts) != 2:
+                raise SystemExit(f"--slow {s}: expected gcall:N")
+            out.append({"kind": "gcall", "rank": None, "amount": float(parts[1])})
+        else:
+            if len(parts) != 3:
+                raise SystemExit(f"--slow {s}: expected {kind}:RANK:AMOUNT")
+            r = int(parts[1])
+            if not 0 <= r < world:
+                raise SystemExit(f"--slow {s}: rank {r} outside world {world}")
+            out.append({"kind": kind, "rank": r, "amount": float(parts[2])})
+    return out
+
+
+class RankSlow:
+    """This rank's injections, from the parsed slowdowns."""
+
+    def __init__(self, slowdowns: list[dict], rank: int, world: int):
+        self.fwd = 1.0
+        self.bwd = 1.0
+        self.gc_thousands = 0
+        self.gc_mode = None          # "rank" (gc:R:N) or "all" (gcall:N)
+        self.data_ms = 0.0
+        self.seq = any(s["kind"] == "seq" for s in slowdowns)
+        self.split = any(s["kind"] == "split" for s in slowdowns)
+        for s in slowdowns:
+            if s["kind"] == "gcall":
+                self.gc_thousands, self.gc_mode = int(s["amount"]), "all"
+            if s.get("rank") != rank:
+                continue
+            if s["kind"] == "fwd":
+                self.fwd = s["amount"]
+            elif s["kind"] == "bwd":
+                self.bwd = s["amount"]
+            elif s["kind"] == "gc":
+                self.gc_thousands, self.gc_mode = int(s["amount"]), "rank"
+            elif s["kind"] == "data":
+                self.data_ms = s["amount"]
+
+
+def setup_process(args) -> None:
+    """One thread, glibc malloc kept from returning / mmapping, heap pre-faulted (see
+    tools/real_traces/README.md, 'The malloc work-around')."""
+    torch.set_num_threads(1)
+    if args.prefault_mb is None:
+        args.prefault_mb = 512 if args.record_shapes else 128
+    if args.prefault_mb > 0:
+        prefault_heap(args.prefault_mb)
+
+
+# ------------------------------------------------------------------------------------------------
+# slowdown injections
+
+
+def _spread(n_blocks: int, total: float) -> list[int]:
+    """Extra re-runs per block so that they add up to round(n_blocks * total): block i gets
+    floor((i+1)t) - floor(it) (fractional factors such as 1.5x spread over the blocks)."""
+    return [math.floor((i + 1) * total + 1e-9) - math.floor(i * total + 1e-9) for i in range(n_blocks)]
+
+
+class BlockSlowdown:
+    """fwd:R:F / bwd:R:F on a list of blocks (decoder layers, MLP blocks, pipeline stage modules).
+
+    The extra compute runs on a shadow copy of each block (deepcopy taken at install time, before
+    DDP / FSDP2 wrap the model; no hooks on it), so it needs no FSDP2 all-gather and never recurses,
+    and the training math is unchanged: only this rank's wall time grows, by real aten ops inside
+    the forward (fwd) or inside the backward (bwd)."""
+
+    def __init__(self, fwd: float = 1.0, bwd: float = 1.0):
+        self.fwd, self.bwd = fwd, bwd
+        self.handles = []
+        self.installed = []
+
+    def install(self, blocks, shadows=None) -> None:
+        blocks = list(blocks)
+        if self.fwd <= 1.0 and self.bwd <= 1.0:
+            return
+        if shadows is None:
+            shadows = [copy.deepcopy(b) for b in blocks]
+        for s in shadows:
+            s.requires_grad_(False)
+        nf = _spread(len(blocks), max(0.0, self.fwd - 1.0))
+        nb = _spread(len(blocks), max(0.0, 2.0 * (self.bwd - 1.0)))
+        for block, shadow, f, b in zip(blocks, shadows, nf, nb):
+            self.handles.append(block.register_forward_hook(self._hook(shadow, f, b), with_kwargs=True))
+            self.installed.append({"block": type(block).__name__, "fwd_reruns": f, "bwd_reruns": b})
+
+    @staticmethod
+    def _hook(shadow: nn.Module, n_fwd: int, n_bwd: int):
+        def hook(module, args, kwargs, output):
+            if n_fwd:
+                with torch.no_grad():
+                    for _ in range(n_fwd):
+                        shadow(*args, **kwargs)
+            if n_bwd and torch.is_grad_enabled():
+                y = output[0] if isinstance(output, (tuple, list)) else output
+                if hasattr(y, "logits"):
+                    y = y.logits
+                if isinstance(y, torch.Tensor) and y.requires_grad:
+                    saved = (tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), kwargs)
+
+                    def grad_hook(g):
+                        with torch.no_grad():
+                            for _ in range(n_bwd):
+                                shadow(*saved[0], **saved[1])
+                        return None
+
+                    y.register_hook(grad_hook)
+            return None
+
+        return hook
+
+
+class GcInjector:
+    """gc:R:N / gcall:N.  prepare() before any profiler is active (a throw-away profiler session
+    creates ~120k objects by lazy imports; those and torch's own go to the permanent generation
+    with gc.freeze(), so each collect's cost is set by N); build() right before training (freezes
+    again, then builds the live cyclic heap).  attach(model): a forward pre-hook that, on the first
+    grad-enabled forward of each optimizer step (forwards_per_step forwards per step), runs
+    gc.collect() when this rank is due (gc: every step; gcall: step % world == rank)."""
+
+    def __init__(self, slow: RankSlow, rank: int, world: int, forwards_per_step: int = 1):
+        self.n = slow.gc_thousands
+        self.mode = slow.gc_mode
+        self.rank, self.world = rank, world
+        self.fps = max(1, forwards_per_step)
+        self.forwards = 0
+        self.heap = None
+        self.collects = []   # (step, ms)
+
+    @property
+    def active(self) -> bool:
+        return self.n > 0
+
+    def prepare(self) -> None:
+        if not self.active:
+            return
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            pass
+        gc.collect()
+        gc.freeze()
+
+    def build(self) -> None:
+        if not self.active or self.heap is not None:
+            return
+        gc.collect()
+        gc.freeze()
+        self.heap = build_gc_heap(self.n)
+
+    def due(self, step: int) -> bool:
+        return self.mode == "rank" or step % self.world == self.rank
+
+    def on_forward(self) -> None:
+        if self.heap is None or not torch.is_grad_enabled():
+            return
+        i = self.forwards
+        self.forwards += 1
+        if i % self.fps:
+            return
+        step = i // self.fps
+        if self.due(step):
+            t0 = time.perf_counter()
+            gc.collect()
+            self.collects.append((step, round((time.perf_counter() - t0) * 1e3, 2)))
+
+    def attach(self, module: nn.Module) -> None:
+        if self.active:
+            module.register_forward_pre_hook(lambda m, a: self.on_forward())
+
+
+# ------------------------------------------------------------------------------------------------
+# data: random-token LM batches (padded / packed), MLP regression-free classification
+
+
+class LMDataset(torch.utils.data.Dataset):
+    """n random token sequences of max_len tokens (seeded per index: the same on every rank, the
+    distributed sampler picks each rank's share).  data:R:MS -> sleep_ms_per_item per __getitem__."""
+
+    def __init__(self, n: int, vocab: int, max_len: int, seed: int, sleep_ms_per_item: float = 0.0):
+        self.n, self.vocab, self.max_len, self.seed = n, vocab, max_len, seed
+        self.sleep_s = sleep_ms_per_item / 1000.0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        if self.sleep_s > 0:
+            time.sleep(self.sleep_s)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        return {"input_ids": torch.randint(4, self.vocab, (self.max_len,), generator=g)}
+
+
+class LMCollator:
+    """packed: fixed-length blocks of L tokens (no padding, no mask).  padded: dynamic padding, each
+    sequence cropped to a random length in [0.75T, T], the batch padded to its longest (labels -100
+    on pads, attention_mask 0); T = L, or with `seq` (sequence-length imbalance) T drawn per batch
+    from [L, 4L] by a per-rank generator.  lengths[] records each batch's padded length."""
+
+    def __init__(self, mode: str, L: int, seq: bool, rank: int, seed: int, pad_id: int = 0):
+        self.mode, self.L, self.seq, self.pad_id = mode, L, seq, pad_id
+        self.rng = random.Random(seed * 7919 + rank * 104729 + 17)
+        self.lengths: list[int] = []
+
+    def __call__(self, items: list[dict]) -> dict:
+        ids = [it["input_ids"] for it in items]
+        if self.mode == "packed":
+            x = torch.stack([t[: self.L] for t in ids])
+            self.lengths.append(self.L)
+            return {"input_ids": x, "labels": x.clone()}
+        T = self.rng.randint(self.L, 4 * self.L) if self.seq else self.L
+        lens = [self.rng.randint(max(1, int(0.75 * T)), T) for _ in ids]
+        width = max(lens)
+        x = torch.full((len(ids), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(ids), width), dtype=torch.long)
+        for j, (t, n) in enumerate(zip(ids, lens)):
+            x[j, :n] = t[:n]
+            mask[j, :n] = 1
+        labels = x.masked_fill(mask == 0, -100)
+        self.lengths.append(width)
+        return {"input_ids": x, "attention_mask": mask, "labels": labels}
+
+
+def tiny_hf_model(kind: str, seed: int, vocab: int = 1024, layers: int = 4, max_pos: int = 512):
+    """GPT2 / Llama causal LMs from small configs (no download)."""
+    torch.manual_seed(seed)
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(vocab_size=vocab, n_positions=max_pos, n_embd=128, n_layer=layers, n_head=4,
+                         use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = GPT2LMHeadModel(cfg)
+        return model, list(model.transformer.h), cfg
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=352, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                          use_cache=False, tie_word_embeddings=False)
+        model = LlamaForCausalLM(cfg)
+        return model, list(model.model.layers), cfg
+    raise SystemExit(f"unknown model {kind}")
+
+
+def cfg_dict(cfg) -> dict:
+    keep = ("model_type", "vocab_size", "hidden_size", "n_embd", "intermediate_size", "num_hidden_layers", "n_layer",
+            "num_attention_heads", "n_head", "num_key_value_heads", "max_position_embeddings", "n_positions")
+    d = cfg.to_dict()
+    return {k: d[k] for k in keep if k in d}
+
+
+def versions() -> dict:
+    out = {"torch": torch.__version__, "python": platform.python_version()}
+    for mod in ("lightning", "transformers", "accelerate"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+def make_profiler(args, on_trace_ready):
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    return profile(activities=[ProfilerActivity.CPU],
+                   schedule=schedule(wait=args.prof_wait, warmup=args.prof_warmup, active=args.prof_active,
+                                     repeat=1),
+                   record_shapes=bool(args.record_shapes), with_stack=bool(args.with_stack),
+                   on_trace_ready=on_trace_ready)
+
+
+def chrome_exporter(out: str, rank: int):
+    def on_ready(prof) -> None:
+        prof.export_chrome_trace(os.path.join(out, f"rank-{rank}.json"))
+
+    return on_ready
+
+
+# ------------------------------------------------------------------------------------------------
+# ground truth
+
+
+def write_rank_info(out: str, rank: int, info: dict) -> None:
+    tmp = os.path.join(out, f".info-rank{rank}.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, os.path.join(out, f"_info-rank{rank}.json"))
+
+
+def finish(args, *, stack: str, script: str, rank: int, world: int, coords: dict, trace_file: str | None,
+           slowdowns: list[dict], truth_fields: dict, stack_details: dict, rank_extra: dict | None = None,
+           wait_s: float = 180.0) -> None:
+    """Every rank: drop _info-rank{r}.json.  Rank 0: wait for all of them, write truth.json (and
+    PROVENANCE.json with every rank's extras), remove the _info files."""
+    write_rank_info(args.out, rank, {"coords": coords, "file": trace_file, "extra": rank_extra or {}})
+    if rank != 0:
+        return
+    deadline = time.time() + wait_s
+    paths = [os.path.join(args.out, f"_info-rank{r}.json") for r in range(world)]
+    while not all(os.path.exists(p) for p in paths):
+        if time.time() > deadline:
+            raise SystemExit("rank 0: not every rank wrote its _info file")
+        time.sleep(0.2)
+    infos = []
+    for p in paths:
+        with open(p) as f:
+            infos.append(json.load(f))
+    coords_all = [i["coords"] for i in infos]
+    truth_slow = []
+    for s in slowdowns:
+        c = coords_all[s["rank"]] if s.get("rank") is not None else None
+        truth_slow.append({"kind": s["kind"], "rank": s.get("rank"), "dp": c["dp"] if c else None,
+                           "pp": c["pp"] if c else None, "amount": s["amount"]})
+    slow_ranks = set()
+    for s in slowdowns:
+        if s.get("rank") is not None:
+            slow_ranks.add(s["rank"])
+        elif s["kind"] == "gcall":
+            slow_ranks.update(range(world))   # every rank is the straggler on 1/world of the steps
+    causes: list[str] = []
+    for s in slowdowns:
+        for c in CAUSES[s["kind"]]:
+            if c not in causes:
+                causes.append(c)
+    nproc = os.environ.get("LOCAL_WORLD_SIZE", str(world))
+    argv = " ".join(sys.argv[1:])
+    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
+        cmd = f"torchrun --standalone --nproc_per_node {nproc} tools/real_stacks/{script} {argv}"
+    else:
+        cmd = f"python tools/real_stacks/{script} {argv}"
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    truth = {"run": args.name or os.path.basename(os.path.normpath(args.out)), "world": world}
+    truth.update({k: truth_fields[k] for k in ("pp", "dp", "schedule") if k in truth_fields})
+    truth.update({
+        "schedule_class": truth_fields.get("schedule_class", "none"),
+        "virtual_stages_per_rank": truth_fields.get("virtual_stages_per_rank", 1),
+        "grad_sync": truth_fields["grad_sync"],
+        "model": truth_fields["model"],
+        "microbatches": truth_fields["microbatches"],
+        "noise": "cpu",
+        "seed": args.seed,
+        "data_in_step": True if truth_fields.get("data_in_step", True) else False,
+        "profiler": {"record_shapes": bool(args.record_shapes), "with_stack": bool(args.with_stack),
+                     "profile_memory": False, "with_modules": False, "with_flops": False,
+                     "wait": args.prof_wait, "warmup": args.prof_warmup, "active": args.prof_active,
+                     "repeat": 1, "schedule": True, "export": "chrome"},
+        "rank_coords": {str(r): c for r, c in enumerate(coords_all)},
+        "slowdowns": truth_slow,
+        "expected": {"straggling": bool(slowdowns), "slow_ranks": sorted(slow_ranks),
+                     "primary_causes": causes or ["none"]},
+        "trace_files": [i["file"] for i in infos],
+        "torch_version": torch.__version__,
+        "command": cmd,
+        "date_utc": date,
+        "stack": stack,
+        "stack_details": stack_details,
+    })
+    truth["stack_details"].setdefault("versions", versions())
+    with open(os.path.join(args.out, "truth.json"), "w") as f:
+        json.dump(truth, f, indent=2)
+        f.write("\n")
+    prov = {"run": truth["run"], "command": cmd, "stack": stack, "versions": versions(),
+            "platform": platform.platform(), "backend": "gloo", "device": "cpu",
+            "threads_per_process": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+            "malloc": (f"mallopt(M_MMAP_THRESHOLD=32MB, M_TRIM_THRESHOLD=2GB), {args.prefault_mb} MB pre-touched"
+                       if args.prefault_mb else "default"),
+            "ranks": {str(r): i["extra"] for r, i in enumerate(infos)}, "date_utc": date}
+    with open(os.path.join(args.out, "PROVENANCE.json"), "w") as f:
+        json.dump(prov, f, indent=2)
+        f.write("\n")
+    for p in paths:
+        os.remove(p)
+
+
+class StepTimer:
+    """Wall time between consecutive mark() calls (one per optimizer step)."""
+
+    def __init__(self):
+        self.t = None
+        self.ms: list[float] = []
+
+    def mark(self) -> None:
+        now = time.perf_counter()
+        if self.t is not None:
+            self.ms.append(round((now - self.t) * 1e3, 1))
+        self.t = now
+
+
+# ------------------------------------------------------------------------------------------------
+# a small MLP (the model of tools/real_traces/train.py, 4 blocks)
+
+D_IN, N_CLASSES = 64, 10
+
+
+class MLPBlock(nn.Module):
+    """Pre-LayerNorm MLP block with a residual connection."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, 4 * hidden)
+        self.fc2 = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int = 512, n_blocks: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(D_IN, hidden)
+        self.blocks = nn.ModuleList(MLPBlock(hidden) for _ in range(n_blocks))
+        self.head = nn.Linear(hidden, N_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+class MLPDataset(torch.utils.data.Dataset):
+    """Rows labelled by a fixed random teacher (seeded per index)."""
+
+    def __init__(self, n: int, seed: int, sleep_ms_per_item: float = 0.0):
+        self.n, self.seed, self.sleep_s = n, seed, sleep_ms_per_item / 1000.0
+        g = torch.Generator().manual_seed(seed + 1000)
+        self.teacher = torch.randn(D_IN, N_CLASSES, generator=g)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if self.sleep_s > 0:
+            time.sleep(self.sleep_s)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        x = torch.randn(D_IN, generator=g)
+        return x, (x @ self.teacher).argmax()
