@@ -226,3 +226,14 @@ def test_every_stack_run_is_read_with_its_microbatches(run):
     per_rank = table.groupby(["step", "rank"]).optype.value_counts().unstack(fill_value=0)
     assert len(per_rank) == len(counts) * truth["world"]
     assert (per_rank["forward-compute"] > 0).all() and (per_rank["backward-compute"] > 0).all(), per_rank
+
+
+def test_a_profile_begun_at_an_accumulated_batch_s_second_microbatch_drops_that_iteration():
+    """A ProfilerStep per batch, two batches per iteration, the profile beginning at a second batch:
+    its first iteration holds one ProfilerStep where the others hold two, and lacks a microbatch."""
+    steps = {3: (0.0, 10.0), 4: (10.0, 20.0), 5: (20.0, 30.0), 6: (30.0, 40.0), 7: (40.0, 50.0)}
+    forward = np.array([1.0, 11.0, 21.0, 31.0, 41.0])
+    backward = np.array([5.0, 15.0, 25.0, 35.0, 45.0])
+    optimizer = [(8.0, 9.0), (28.0, 29.0), (48.0, 49.0)]
+    got = _iterations(steps, optimizer, ["t"] * 3, "t", forward, backward)
+    assert got == {5: (9.0, 29.0), 7: (29.0, 49.0)}

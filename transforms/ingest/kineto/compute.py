@@ -79,10 +79,13 @@ def optimizer_work(optimizer: list[tuple[float, float]], ops, autograd: np.ndarr
     ends. A span without a closure is unchanged. `ops`: every thread's CPU ops (CpuOps columns)."""
     if not optimizer or not len(ops):
         return list(optimizer)
-    starts, ends = ops.start, ops.end
-    model = ops.per_name(lambda name: name.startswith(_CLOSURE_WORK))
-    comm = ops.per_name(lambda name: name.startswith(_CLOSURE_COMM))
-    label = ops.per_name(lambda name: name.startswith(("Optimizer.", "ProfilerStep#")))
+    held = np.flatnonzero(_inside(ops.start, list(optimizer)))   # only the ops some optimizer span holds
+    starts, ends, names = ops.start[held], ops.end[held], ops.name_ids[held]
+
+    def per_name(prefixes) -> np.ndarray:
+        return np.fromiter((name.startswith(prefixes) for name in ops.name_table), bool, len(ops.name_table))[names]
+
+    model, comm, label = per_name(_CLOSURE_WORK), per_name(_CLOSURE_COMM), per_name(("Optimizer.", "ProfilerStep#"))
     if autograd is not None and len(autograd):
         model |= ~label & (np.searchsorted(autograd, starts, side="left") < np.searchsorted(autograd, ends, side="right"))
     out = []

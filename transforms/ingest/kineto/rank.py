@@ -161,6 +161,11 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     elif steps and optimizer:
         steps = _iterations(steps, optimizer, events.optimizer_tids, step_tid, autograd,
                             cpu_ops.start[cpu_ops.per_name(_is_backward_op)])
+        if not steps:
+            raise RawInputError("raw_no_steps", "the ProfilerSteps hold no whole training iteration (from one "
+                                "optimizer step to the next): they end mid-iteration (PyTorch Lightning's profiler "
+                                "ends one when training_step returns) and the profile began mid-iteration; profile "
+                                "more active steps (the profiler schedule's `active`)", path=path)
     if not steps:
         raise RawInputError("raw_no_steps", "no ProfilerStep#N span (call prof.step() once per training step) and no "
                             "Optimizer.step span to tell the steps by", path=path)
@@ -487,11 +492,10 @@ def _from_gradients_ready(optimizer: list[tuple[float, float]], main, spans: lis
     the update (DDP copying the reduced buckets back, the gradient norm and clipping, unscaling), the
     optimizer step's work as in Megatron's, whose step clips; without it that work would be untraced
     time. It starts at the first op of the thread at or after the later of the iteration's last
-    compute end and its last collective end before the step, so no wait for a collective is in it."""
+    compute end and its last transfer or collective end before the step, so no wait is in it."""
     if not optimizer or not len(main):
         return optimizer
-    ends = np.sort(np.array([span[2] for span in spans] + [span[2] for span in comm if span[0] == COLL],
-                            dtype=np.float64))
+    ends = np.sort(np.array([span[2] for span in spans] + [span[2] for span in comm], dtype=np.float64))
     busy = main.per_name(lambda name: not name.startswith(_NOT_COMPUTE))
     order = np.argsort(main.start[busy], kind="stable")
     op_start = main.start[busy][order]
@@ -557,23 +561,47 @@ def _iterations(steps: dict[int, tuple[float, float]], optimizer: list[tuple[flo
     after = np.searchsorted(work, bounds[:, 1], side="right") - np.searchsorted(work, last_end, side="right")
     if (held >= 1).all() and not (after > 0).any():
         return steps
-    # an iteration ends with its last optimizer step (several optimizers step one after another)
-    between = np.searchsorted(work, ends[1:], side="right") - np.searchsorted(work, ends[:-1], side="right")
-    ends = ends[np.append(between > 0, True)]
+    # an iteration ends with its last optimizer step (several optimizers step one after another),
+    # within the profile (a step the profiler's stop cut is none)
     first, last = bounds[:, 0].min(), bounds[:, 1].max()
     ends = ends[(ends > first) & (ends <= last)]
+    between = np.searchsorted(work, ends[1:], side="right") - np.searchsorted(work, ends[:-1], side="right")
+    ends = ends[np.append(between > 0, True)] if len(ends) else ends
     where = np.searchsorted(bounds[:, 0], ends, side="right") - 1   # the ProfilerStep each ends in
     ids = [numbers[i] for i in where.tolist()]
     if len(set(ids)) < len(ids):
         ids = list(range(len(ids)))
     starts = np.concatenate([[first], ends[:-1]])
     iterations = {n: (float(s), float(e)) for n, s, e in zip(ids, starts.tolist(), ends.tolist())}
-    if len(ends):
-        first_forward = forward[np.searchsorted(forward, first):][:1]
-        first_backward = backward[np.searchsorted(backward, first):][:1]
-        if len(first_backward) and (not len(first_forward) or first_backward[0] < first_forward[0]):
-            iterations.pop(ids[0])
+    if len(ends) and not _starts_an_iteration(bounds, ends, forward, backward):
+        iterations.pop(ids[0])
     return iterations
+
+
+def _starts_an_iteration(bounds: np.ndarray, ends: np.ndarray, forward: np.ndarray, backward: np.ndarray) -> bool:
+    """Whether the profile's first ProfilerStep starts an iteration (else its first iteration lacks
+    the work done before the profile). A profiler that ends its steps between a forward and its
+    backward (Lightning's, when training_step returns: the last model work before a step's end, with
+    more after it, is a forward) starts them there too, mid-iteration. Else the first
+    iteration must hold as many ProfilerSteps as the others (a profile that began at an accumulated
+    batch's second microbatch holds fewer), and its work must start with a forward, not with the
+    backward of an iteration begun before the profile."""
+    work = np.concatenate([forward, backward])
+    is_forward = np.concatenate([np.ones(len(forward), bool), np.zeros(len(backward), bool)])
+    order = np.argsort(work, kind="stable")
+    work, is_forward = work[order], is_forward[order]
+    cut = np.searchsorted(work, bounds[:, 1], side="right")   # the first work after each step's end
+    inside = (cut > 0) & (cut < len(work))
+    if is_forward[cut[inside] - 1].any():
+        return False
+    opened = bounds[:, 0][bounds[:, 0] < ends[-1]]   # the ProfilerSteps that start in an iteration
+    per_iteration = np.bincount(np.searchsorted(ends, opened, side="left"), minlength=len(ends))
+    if len(per_iteration) > 1 and per_iteration[0] != np.bincount(per_iteration[1:]).argmax():
+        return False
+    first = bounds[:, 0].min()
+    first_forward = forward[np.searchsorted(forward, first):][:1]
+    first_backward = backward[np.searchsorted(backward, first):][:1]
+    return not (len(first_backward) and (not len(first_forward) or first_backward[0] < first_forward[0]))
 
 
 def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spans, comm, optimizer, unmapped,
