@@ -10,7 +10,8 @@ Every run is analysed as a user would: `strag analyze --format kineto DIR --json
 subprocess, on a folder that holds only the rank traces (truth.json is never in reach of the
 analyzer). Per run the table shows truth against strag (refused, S, replay discrepancy, verdict,
 ranks blamed), a table per training stack (runs, refused, replay within 5% on the clean runs of 2
-processes, verdicts right), then the scores with the issue's targets:
+processes, verdicts right), then the scores with the issue's targets (`--strict` adds one expected
+cause per injected kind, per-cause precision / recall and the confusion matrix):
 
 - runs refused (exit != 0 or no result)                            target 0
 - slowed ranks found exactly (blamed set == slowed set), runs
@@ -168,6 +169,57 @@ def _stack_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def expected_cause(r: dict) -> str:
+    """The one cause a run's injection should be named as (strict scoring): a clean run's is none, a
+    GC run's python-gc, a data-loader or send pause's untraced-cpu, a slowed forward or backward's
+    individual-worker (the first of truth.json's accepted causes)."""
+    return r["accepted"][0] if r["straggling"] else "none"
+
+
+def strict_scores(rows: list[dict]) -> dict:
+    """Strict scores: the verdict's one cause against the expected one (a clean run is right only
+    with no cause, no rank blamed and S < 1.1); per cause precision and recall; the confusion matrix
+    (expected -> named, refused runs as 'refused')."""
+    named = {r["run"]: ("refused" if r["refused"] else r["cause"]) for r in rows}
+    causes = sorted({expected_cause(r) for r in rows} | set(named.values()))
+    confusion = {e: {n: 0 for n in causes} for e in causes}
+    right = 0
+    for r in rows:
+        confusion[expected_cause(r)][named[r["run"]]] += 1
+        if r["refused"]:
+            continue
+        if not r["straggling"]:
+            right += r["cause"] == "none" and not r["blamed"] and r["S"] < 1.1
+        else:
+            right += r["cause"] == expected_cause(r) and (r["blamed"] == r["slow_ranks"] or not r["slow_ranks"])
+    per_cause = {}
+    for cause in causes:
+        if cause == "refused":
+            continue
+        tp = confusion.get(cause, {}).get(cause, 0)
+        said = sum(confusion[e][cause] for e in causes)
+        expected = sum(confusion.get(cause, {}).values())
+        per_cause[cause] = {"precision": (tp, said), "recall": (tp, expected)}
+    clean = [r for r in rows if not r["straggling"] and not r["refused"]]
+    return {"right": (right, len(rows)), "per_cause": per_cause, "confusion": confusion,
+            "clean_below_1.1": (sum(r["S"] < 1.1 for r in clean), len(clean))}
+
+
+def _strict_report(strict: dict) -> str:
+    lines = [f"strict: right cause (one per injected kind; clean: none, no rank, S < 1.1) "
+             f"{strict['right'][0]} / {strict['right'][1]}",
+             f"  clean runs with S < 1.1: {strict['clean_below_1.1'][0]} / {strict['clean_below_1.1'][1]}"]
+    for cause, score in strict["per_cause"].items():
+        (tp, said), (_, expected) = score["precision"], score["recall"]
+        lines.append(f"  {cause:<20} precision {tp} / {said:<3} recall {tp} / {expected}")
+    causes = list(strict["confusion"])
+    lines.append("  confusion (rows expected, columns named): " + " | ".join(causes))
+    for e in causes:
+        if sum(strict["confusion"][e].values()):
+            lines.append(f"    {e:<20} " + " ".join(f"{strict['confusion'][e][n]:>3}" for n in causes))
+    return "\n".join(lines)
+
+
 def _table(rows: list[dict]) -> str:
     head = f"{'run':<44} {'truth':<28} {'S':>6} {'disc':>6} {'verdict':<24} {'blamed':<10} ok"
     lines = [head, "-" * len(head)]
@@ -190,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("corpus", nargs="*", type=pathlib.Path, default=[DEFAULT_CORPUS])
     ap.add_argument("--json", type=pathlib.Path, help="write every row and the scores here")
     ap.add_argument("--only", help="runs whose name contains this")
+    ap.add_argument("--strict", action="store_true", help="also print strict scores: one expected cause per "
+                    "injected kind, per-cause precision and recall, the confusion matrix")
     args = ap.parse_args(argv)
     runs = [r for r in find_runs(args.corpus) if not args.only or args.only in r.name]
     if not runs:
@@ -219,9 +273,12 @@ def main(argv: list[str] | None = None) -> int:
         inside = sum(abs(r["launch"] - 1) <= 0.05 for r in low)
         print(f"  (METHOD.md's no-delay discrepancy within 5% on the low-noise runs: {inside} / {len(low)} "
               f"{inside / len(low):.1%})")
+    strict = strict_scores(rows)
+    if args.strict:
+        print(_strict_report(strict))
     if args.json:
         args.json.write_text(json.dumps({"rows": [{k: v for k, v in r.items() if k != 'truth'} for r in rows],
-                                         "scores": scores}, indent=1))
+                                         "scores": scores, "strict": strict}, indent=1))
     return 0
 
 

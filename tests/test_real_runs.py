@@ -116,6 +116,26 @@ def test_scores_count_what_the_issue_counts():
     assert bench.met("false_alarms", 0, 20) and not bench.met("false_alarms", 2, 20)
 
 
+def test_strict_scores_hold_each_run_to_its_one_expected_cause():
+    def row(name, accepted, cause, blamed=(), slow=(), s=1.3, refused=False):
+        straggling = accepted != ["none"]
+        return {"run": name, "refused": refused, "straggling": straggling, "cause": cause, "blamed": list(blamed),
+                "slow_ranks": list(slow), "accepted": accepted, "S": s}
+    gc = ["python-gc", "individual-worker", "untraced-cpu"]
+    rows = [row("gc-named-worker", gc, "individual-worker", [1], [1]),     # right by the loose score, not the strict
+            row("gc-right", gc, "python-gc", [1], [1]),
+            row("fwd", ["individual-worker"], "individual-worker", [0], [0]),
+            row("clean-quiet", ["none"], "none", s=1.04), row("clean-slow", ["none"], "none", s=1.2),
+            row("refused", ["individual-worker"], "none", refused=True)]
+    strict = bench.strict_scores(rows)
+    assert strict["right"] == (3, 6)   # gc-right, fwd, clean-quiet
+    assert strict["per_cause"]["python-gc"] == {"precision": (1, 1), "recall": (1, 2)}
+    assert strict["per_cause"]["individual-worker"] == {"precision": (1, 2), "recall": (1, 2)}
+    assert strict["confusion"]["python-gc"]["individual-worker"] == 1
+    assert strict["confusion"]["individual-worker"]["refused"] == 1
+    assert strict["clean_below_1.1"] == (1, 2)
+
+
 def _convert(name: str):
     run = RUNS / name
     return convert_kineto([str(run / f) for f in _truth(run)["trace_files"]], name, "2026-11-25", {})
