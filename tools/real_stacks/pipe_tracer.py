@@ -3,6 +3,7 @@ built from a LlamaConfig, on CPU / gloo.
 
     torchrun --standalone --nproc_per_node 2 tools/real_stacks/pipe_tracer.py --out /tmp/pp \
         [--schedule gpipe|1f1b|interleaved] [--layout pp2|pp2dp2] [--dp-sync fsdp2|ddp] [--slow ...]
+        [--fsdp-per-layer 0|1] [--fsdp-reshard-after-forward 0|1]
 
 Model (PipeLlama): embed_tokens -> rotary (cos, sin) and a causal additive mask computed ONCE ->
 every transformers LlamaDecoderLayer(h, attention_mask=mask, position_embeddings=(cos, sin),
@@ -16,12 +17,19 @@ next-token targets, schedules' default scale_grads=True.  4 micro-batches of 2 x
 
 pp2dp2 (4 ranks): init_device_mesh("cpu", (2, 2), ("pp", "dp")) (rank = pp * 2 + dp); each stage
 module is then data-parallel over its dp group: --dp-sync fsdp2: fully_shard(stage.submod,
-mesh=mesh["dp"], reshard_after_forward=False), or --dp-sync ddp with --frontend manual:
+mesh=mesh["dp"], reshard_after_forward=False) (one FSDP unit per stage), or with --fsdp-per-layer 1
+(torchtitan's layout) fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=R) for each decoder
+layer of the stage, then fully_shard(stage.submod, ...) for the stage root (embeddings / rotary on
+the first stage, norm + lm_head on the last); R = --fsdp-reshard-after-forward (default 1 = FSDP2's
+default, so every layer is re-gathered in each micro-batch's backward; torchtitan passes False under
+PP).  The tracer's stage GraphModule keeps each decoder layer as an outlined submodule
+(InterpreterModule `layers.K`, called by call_module), so fully_shard and its hooks work on it; the
+manual frontend's stages hold the transformers layers themselves.  Or --dp-sync ddp with --frontend manual:
 stage.submod = DistributedDataParallel(stage.submod, process_group=dp group) after the PipelineStage
 is built (1f1b only; the tracer's stage reads submod.graph, which a DDP wrapper hides: see README).
 
-Slowdowns: fwd:R:F / bwd:R:F re-run a shadow copy of each local stage module (the decoder layers are
-inlined into the traced stage graph, so per-layer hooks would never fire); gc:R:N (first forward of
+Slowdowns: fwd:R:F / bwd:R:F re-run a shadow copy of each local stage module (hooks on the original
+transformers layers never fire: the traced stage re-creates them as InterpreterModules); gc:R:N (first forward of
 each step on the rank's first local stage); gcall:N; data:R:MS (every rank fetches each step's
 batch through a DataLoader inside the step); split:uneven (stage 0 gets 3x the decoder layers of
 every other stage: 6+2 layers for 2 stages, 6+2+2+2 for 4).
@@ -124,6 +132,13 @@ def main() -> None:
     ap.add_argument("--frontend", choices=["tracer", "manual"], default=None,
                     help="tracer (pipeline() + SplitPoint; default for gpipe/1f1b) or manual (PipelineStage over "
                          "hand-split stage modules; default for interleaved, where the tracer fails, see README)")
+    ap.add_argument("--fsdp-per-layer", type=int, choices=[0, 1], default=0,
+                    help="pp2dp2 + fsdp2: fully_shard each decoder layer of a stage, then the stage root "
+                         "(torchtitan's layout; per-layer all-gathers / reduce-scatters), instead of one unit "
+                         "per stage")
+    ap.add_argument("--fsdp-reshard-after-forward", type=int, choices=[0, 1], default=None,
+                    help="reshard_after_forward of every FSDP unit (default: 1 with --fsdp-per-layer 1, "
+                         "0 with one unit per stage)")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--mb-size", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=64)
@@ -143,6 +158,10 @@ def main() -> None:
         raise SystemExit("--dp-sync ddp needs --frontend manual (the tracer's stage reads submod.graph)")
     if dp > 1 and args.dp_sync == "ddp" and args.schedule != "1f1b":
         raise SystemExit("--dp-sync ddp only with --schedule 1f1b (DDP's reducer asserts with GPipe / interleaved)")
+    fsdp = dp > 1 and args.dp_sync == "fsdp2"
+    if (args.fsdp_per_layer or args.fsdp_reshard_after_forward is not None) and not fsdp:
+        raise SystemExit("--fsdp-per-layer / --fsdp-reshard-after-forward need --layout pp2dp2 --dp-sync fsdp2")
+    reshard = bool(args.fsdp_per_layer if args.fsdp_reshard_after_forward is None else args.fsdp_reshard_after_forward)
     C.setup_process(args)
     os.makedirs(args.out, exist_ok=True)
     M = args.microbatches
@@ -175,6 +194,7 @@ def main() -> None:
         acc += c
         bounds.append(acc)
     split_spec = {f"layers.{b}": SplitPoint.BEGINNING for b in bounds}
+    edges = [0] + bounds + [n_layers]
     stage_ids = [pp_rank + v * pp for v in range(n_virtual)]
     crossing = {}
     if args.frontend == "tracer":
@@ -189,7 +209,6 @@ def main() -> None:
     else:
         from torch.distributed.pipelining import PipelineStage
 
-        edges = [0] + bounds + [n_layers]
         stages = []
         for s in stage_ids:
             mod = ManualStage(hf, s == 0, s == n_stages - 1, edges[s], edges[s + 1])
@@ -206,7 +225,12 @@ def main() -> None:
             from torch.distributed.fsdp import fully_shard
 
             for st in stages:
-                fully_shard(st.submod, mesh=mesh["dp"], reshard_after_forward=False)
+                if args.fsdp_per_layer:
+                    # tracer: st.submod.layers is an InterpreterModule whose children "K" are the outlined
+                    # decoder layers (called via call_module); manual: the nn.ModuleList of LlamaDecoderLayers
+                    for layer in st.submod.layers.children():
+                        fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
+                fully_shard(st.submod, mesh=mesh["dp"], reshard_after_forward=reshard)
         else:
             for st in stages:
                 st.submod = nn.parallel.DistributedDataParallel(st.submod, process_group=dp_group)
@@ -226,6 +250,7 @@ def main() -> None:
     dl = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False, num_workers=0)
     it = iter(dl)
     timer = C.StepTimer()
+    step_losses: list = []
     gcinj.build()
     with C.make_profiler(args, C.chrome_exporter(args.out, rank)) as prof:
         timer.mark()
@@ -245,10 +270,19 @@ def main() -> None:
             prof.step()
             timer.mark()
             if losses:
+                step_losses.append(round(sum(l.item() for l in losses) / len(losses), 5))
                 print(f"rank {rank} step {step} loss {sum(l.item() for l in losses) / len(losses):.4f} "
                       f"{timer.ms[-1]:.0f} ms", flush=True)
     print(f"rank {rank}: step ms {timer.ms}", flush=True)
     coords = {"dp": dp_rank, "pp": pp_rank, "stages": stage_ids}
+    dp_sync_desc = None
+    if fsdp and args.fsdp_per_layer:
+        dp_sync_desc = (f"fully_shard(layer, mesh=mesh['dp'], reshard_after_forward={reshard}) for each decoder layer "
+                        f"of the stage, then fully_shard(stage.submod, mesh=mesh['dp'], reshard_after_forward={reshard})")
+    elif fsdp:
+        dp_sync_desc = f"fully_shard(stage.submod, mesh=mesh['dp'], reshard_after_forward={reshard})"
+    elif dp > 1:
+        dp_sync_desc = "DistributedDataParallel(stage.submod, process_group=dp)"
     details = {
         "frontend": ("torch.distributed.pipelining.pipeline() tracer (torch.export) + SplitPoint.BEGINNING, "
                      "pipe.build_stage()" if args.frontend == "tracer" else
@@ -260,9 +294,11 @@ def main() -> None:
         "tensors_crossing_each_split": {str(s): len(crossing[str(s)]) for s in range(1, n_stages)},
         "schedule_class": sched_name, "stages_per_rank": n_virtual, "placement": "stage s on pp rank s % pp",
         "microbatches": M, "microbatch": [args.mb_size, args.seq_len],
-        "dp_sync": (("fully_shard(stage.submod, mesh=mesh['dp'], reshard_after_forward=False)"
-                     if args.dp_sync == "fsdp2" else "DistributedDataParallel(stage.submod, process_group=dp)")
-                    if dp > 1 else None),
+        "dp_sync": dp_sync_desc,
+        **({"fsdp_per_layer": bool(args.fsdp_per_layer), "reshard_after_forward": reshard,
+            "fsdp_units_per_stage": {str(s): ([f"layers.{i}" for i in range(edges[s], edges[s + 1])]
+                                              if args.fsdp_per_layer else []) + ["stage root"]
+                                     for s in range(n_stages)}} if fsdp else {}),
         "mesh": f"init_device_mesh('cpu', {(pp, dp) if dp > 1 else (pp,)}, mesh_dim_names="
                 f"{('pp', 'dp') if dp > 1 else ('pp',)})",
         "optimizer": "torch.optim.AdamW(lr=1e-3)", "loss": "cross_entropy, scale_grads=True (default)",
@@ -278,7 +314,8 @@ def main() -> None:
                            "grad_sync": (args.dp_sync if dp > 1 else "none"), "model": "llama",
                            "microbatches": M},
              stack_details=details,
-             rank_extra={"step_ms": timer.ms, "gc_collects": gcinj.collects, "stages": stage_ids})
+             rank_extra={"step_ms": timer.ms, "gc_collects": gcinj.collects, "stages": stage_ids,
+                         **({"losses": step_losses} if step_losses else {})})
     dist.barrier()
     dist.destroy_process_group()
 
