@@ -226,6 +226,13 @@ def test_every_stack_run_is_read_with_its_microbatches(run):
     per_rank = table.groupby(["step", "rank"]).optype.value_counts().unstack(fill_value=0)
     assert len(per_rank) == len(counts) * truth["world"]
     assert (per_rank["forward-compute"] > 0).all() and (per_rank["backward-compute"] > 0).all(), per_rank
+    # the evidence counts microbatches, not the pieces FSDP2's all-gathers cut them into
+    from transforms.whatif import analyze_job
+
+    evidence = analyze_job(converted.trace, converted.job_meta(), run.name).evidence
+    assert evidence.steps == len(counts) and evidence.dp_peers == truth["dp"] - 1 and evidence.stages == truth["pp"]
+    if truth.get("microbatches") and truth.get("pp", 1) == 1:
+        assert evidence.microbatches == truth["microbatches"], evidence
 
 
 def test_a_profile_begun_at_an_accumulated_batch_s_second_microbatch_drops_that_iteration():

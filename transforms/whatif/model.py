@@ -199,7 +199,10 @@ class JobModel:
     def evidence(self) -> Evidence:
         """How much the job's result stands on (steps, microbatches per worker and step, DP peers, stages)."""
         forward = (self.op_optype == FWD) & (self.op_stage == 0)
-        microbatches = len(np.unique(self.op_seq_id[forward])) if forward.any() else 0
+        # a microbatch's compute cut into pieces (collectives inside it) keeps its microbatch id
+        ids = self.mb_id[forward, 0] if self.mb_id is not None and len(self.mb_id) else np.zeros(0)
+        ids = ids if len(ids) and (ids >= 0).all() else self.op_seq_id[forward]
+        microbatches = len(np.unique(ids)) if forward.any() else 0
         return Evidence(steps=int(self.n_steps), microbatches=int(microbatches), dp_peers=int(self.dp_size) - 1,
                         stages=int(self.pp_size))
 
