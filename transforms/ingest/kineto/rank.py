@@ -492,17 +492,23 @@ def _from_gradients_ready(optimizer: list[tuple[float, float]], main, spans: lis
     the update (DDP copying the reduced buckets back, the gradient norm and clipping, unscaling), the
     optimizer step's work as in Megatron's, whose step clips; without it that work would be untraced
     time. It starts at the first op of the thread at or after the later of the iteration's last
-    compute end and its last transfer or collective end before the step, so no wait is in it."""
+    compute end and the end of every transfer or collective issued before the step (one that a
+    recorded end puts after the step's start leaves the step as it is), so no wait is in it."""
     if not optimizer or not len(main):
         return optimizer
-    ends = np.sort(np.array([span[2] for span in spans] + [span[2] for span in comm], dtype=np.float64))
+    ends = np.sort(np.array([span[2] for span in spans], dtype=np.float64))
+    comm_spans = np.array([(span[1], span[2]) for span in comm], dtype=np.float64).reshape(-1, 2)
+    comm_spans = comm_spans[np.argsort(comm_spans[:, 0], kind="stable")]
     busy = main.per_name(lambda name: not name.startswith(_NOT_COMPUTE))
     order = np.argsort(main.start[busy], kind="stable")
     op_start = main.start[busy][order]
     out, previous = [], -np.inf
     for start, end in sorted(optimizer):
-        ready = ends[np.searchsorted(ends, previous, side="right"):np.searchsorted(ends, start, side="right")]
-        if len(ready):
+        issued = comm_spans[np.searchsorted(comm_spans[:, 0], previous, side="right"):
+                            np.searchsorted(comm_spans[:, 0], start, side="left"), 1]
+        ready = np.concatenate([ends[np.searchsorted(ends, previous, side="right"):np.searchsorted(ends, start, side="right")],
+                                issued])
+        if len(ready) and ready.max() < start:
             first = op_start[np.searchsorted(op_start, ready.max(), side="left"):][:1]
             if len(first) and first[0] < start:
                 start = float(first[0])
