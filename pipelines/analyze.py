@@ -67,6 +67,8 @@ class AnalyzeOptions:
             raise ValueError("give TRACE.parquet --meta META.yaml, a folder of raw traces DIR [--format kineto|ndtimeline], "
                              "or --lake URL --job-id ID")
         if self.trace is not None:
+            if not self.trace.exists():
+                raise ValueError(f"no such file or folder: {self.trace}")
             if self.meta is None:
                 raise ValueError("a trace file needs --meta META.yaml (dp_size, pp_size, ...)")
             for path in (self.trace, self.meta):

@@ -278,7 +278,12 @@ def make_server(options: ServeOptions) -> http.server.ThreadingHTTPServer:
 def run(argv: list[str]) -> int:
     """`strag serve`: serve until interrupted."""
     options = parse(argv)
-    server = make_server(options)
+    try:
+        server = make_server(options)
+    except OSError as error:   # the port is taken (another `strag serve`?) or the host is not this machine's
+        print(f"strag serve: cannot listen on {options.host}:{options.port}: {error.strerror or error}; "
+              "give another --port (or stop what listens there)", file=sys.stderr)
+        return 2
     host, port = server.server_address[:2]
     print(f"strag serve: live pages from {options.tables} at http://{host}:{port}/ (Ctrl-C to stop)", flush=True)
     try:

@@ -38,6 +38,7 @@ def _cases(tmp: pathlib.Path) -> list[tuple[list[str], str]]:
         (["analyze", "--lake", str(lake), "--job-id", "../../x"], "--job-id: job id '../../x': use"),
         (["analyze", "--lake", str(lake), "--job-id", "x", "--date", "2024-13-01"], "--date: '2024-13-01' is not a date"),
         (["analyze"], "a folder of raw traces DIR [--format kineto|ndtimeline]"),
+        (["analyze", "/no/such/dir"], "no such file or folder: /no/such/dir"),
         (["analyze", str(tmp / "empty")], "give --format kineto|ndtimeline"),
         (["analyze", str(lake)], "is a lake: give --lake"),
         (["batch", "--lake", str(lake), "--from", "2024-01-01", "--to", "2024-01-02", "--out", out, "--wokers", "2"], "did you mean --workers"),
@@ -80,7 +81,7 @@ def test_bad_arguments_give_one_line_and_exit_2(index, tmp_path, capsys):
 
 def test_cases_cover_every_subcommand(tmp_path):
     assert {argv[0] for argv, _ in _cases(tmp_path) if argv} >= set(cli.COMMANDS)
-    assert len(_cases(tmp_path)) == 34
+    assert len(_cases(tmp_path)) == 35
 
 
 def test_the_strag_script_shows_no_library_log_lines(tmp_path):
@@ -246,3 +247,17 @@ def test_the_readme_glossary_and_its_s3_endpoint_example(tmp_path):
     (tmp_path / "s3.json").write_text('{"s3": {"endpoint_url": "http://ceph.internal:7480"}}')
     filed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=env)
     assert filed.stdout.strip() == "http://ceph.internal:7480", filed.stderr
+
+
+def test_serve_on_a_busy_port_says_so_in_one_line(tmp_path, capsys):
+    import socket
+
+    (tmp_path / "tables").mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = cli.main(["serve", "--tables", str(tmp_path / "tables"), "--port", str(port)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith(f"strag serve: cannot listen on 127.0.0.1:{port}: ") and "--port" in err[0]
