@@ -129,6 +129,35 @@ def live_files(traces: list[pathlib.Path]) -> dict[int, tuple[pathlib.Path, int]
     return dict(sorted(ranks.items()))
 
 
+def _check_whole(path: pathlib.Path) -> None:
+    """ValueError naming the file when a trace is cut short (a copy interrupted, a profiler killed while
+    writing): a gzip stream that ends early or is damaged, a JSON document that does not end with `}`."""
+    import zlib
+
+    if path.name.lower().endswith(".gz"):
+        try:
+            from isal import igzip as gz
+        except ImportError:   # pragma: no cover - isal is a declared dependency
+            import gzip as gz
+        try:
+            with gz.open(path, "rb") as stream:
+                tail = b""
+                while chunk := stream.read(1 << 22):
+                    tail = chunk[-64:]
+        except (EOFError, OSError, zlib.error) as error:
+            if isinstance(error, OSError) and error.errno is not None:
+                raise
+            raise ValueError(f"{path} is cut short or damaged ({type(error).__name__}: {error}): its rank would be "
+                             "missing from the window; copy the file again, nothing was landed") from None
+    else:
+        with open(path, "rb") as stream:
+            stream.seek(max(0, path.stat().st_size - 64))
+            tail = stream.read()
+    if not tail.rstrip().endswith(b"}"):
+        raise ValueError(f"{path} is cut short (its JSON does not end with '}}'): its rank would be missing from the "
+                         "window; copy the file again, nothing was landed")
+
+
 def land(options: LandOptions) -> tuple[str, list[str], list[str]]:
     """Write the folder's traces (and job.yaml) into the raw window; returns (window URL, URLs written,
     names left out). ValueError / RawInputError on bad input, OSError when storage fails after retries."""
@@ -139,6 +168,8 @@ def land(options: LandOptions) -> tuple[str, list[str], list[str]]:
     traces, job_yaml, left_out = trace_files(options.folder)
     if job_yaml is not None:
         read_job_yaml(job_yaml.read_bytes(), job_id=options.job_id, path=str(job_yaml))
+    for path in traces:   # a window missing a rank is no window: nothing lands unless every trace is whole
+        _check_whole(path)
     window = raw_dir(options.lake, "kineto", options.date.isoformat(), options.job_id)
     policy = RetryPolicy.from_env()
     plan: list[tuple[pathlib.Path, str]] = []   # (local file, URL), in landing order

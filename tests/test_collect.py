@@ -363,6 +363,23 @@ def test_land_usage_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert not (tmp_path / "lake").exists()
 
 
+def test_land_refuses_a_truncated_trace_and_lands_nothing(tmp_path, capsys):
+    """A rank file cut short (gzip or plain JSON) would make an incomplete window: nothing lands."""
+    lake = tmp_path / "lake"
+    for name, cut in (("rank-1.json.gz", lambda b: b[: len(b) // 2]),
+                      ("rank-1.json", lambda b: gzip.decompress(b)[:-5000])):
+        folder = tmp_path / name
+        folder.mkdir()
+        for rank, trace in _rank_traces("dp4-ddp-sleep").items():
+            data = trace.read_bytes()
+            (folder / f"rank-{rank}.json.gz").write_bytes(data)
+        (folder / "rank-1.json.gz").unlink()
+        (folder / name).write_bytes(cut((RUNS / "dp4-ddp-sleep" / "rank-1.json.gz").read_bytes()))
+        err = _land_error([str(folder), "--lake", str(lake), "--job-id", "cut", "--date", DATE], capsys)
+        assert name in err and "cut short" in err and "nothing was landed" in err
+    assert not lake.exists()
+
+
 def test_land_on_failing_storage_exits_1_naming_the_file(tmp_path, monkeypatch, capsys):
     BlockedStore.release.set()
     monkeypatch.setenv("STRAG_IO_ATTEMPTS", "2")
