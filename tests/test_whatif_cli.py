@@ -117,7 +117,8 @@ def test_bad_trace_exits_1_with_the_typed_error(reference_dir, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     ([], "give TRACE.parquet --meta META.yaml, a folder of raw traces DIR [--format kineto|ndtimeline], or --lake"),
-    (["x.parquet"], "needs --meta"),
+    ([__file__], "needs --meta"),                        # a file, not a folder of raw traces
+    (["x.parquet"], "no such file or folder: x.parquet"),
     (["--lake", "/tmp/nowhere"], "--lake needs --job-id"),
 ])
 def test_usage_errors(argv, message, capsys):
