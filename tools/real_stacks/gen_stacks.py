@@ -26,66 +26,25 @@ import argparse
 import json
 import os
 import shlex
-import shutil
-import signal
-import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 DEFAULT_MATRIX = os.path.join(HERE, "stacks-matrix.json")
 sys.path.insert(0, os.path.join(REPO, "tools", "real_traces"))
-from gen_corpus import gzip_traces, run_matrix  # noqa: E402  (the same driver loop as the hand-written corpus)
+from gen_corpus import launch, run_matrix  # noqa: E402  (the same driver loop as the hand-written corpus)
 
 
 def run_one(run: dict, out: str, torchenv: str, timeout: float) -> tuple[bool, dict]:
     name = run["name"]
     args = run["args"] if isinstance(run["args"], list) else shlex.split(run["args"])
-    run_dir = os.path.join(out, name)
-    shutil.rmtree(run_dir, ignore_errors=True)
-    os.makedirs(run_dir)
-    logs = os.path.join(out, "_logs")
-    os.makedirs(logs, exist_ok=True)
-    log_path = os.path.join(logs, name + ".log")
     script = os.path.join("tools", "real_stacks", run["script"])
     cmd = [os.path.join(torchenv, "bin", "torchrun"), "--standalone", "--nproc_per_node", str(run.get("nproc", 2)),
-           script, *args, "--name", name, "--out", run_dir]
+           script, *args, "--name", name, "--out", os.path.join(out, name)]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    t0 = time.time()
-    with open(log_path, "w") as log:
-        log.write("$ " + shlex.join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            rc = None
-    secs = round(time.time() - t0, 1)
-    info = {"name": name, "script": run["script"], "nproc": run.get("nproc", 2), "args": args, "seconds": secs,
-            "exit_code": rc, "timed_out": timed_out}
-    ok = rc == 0 and os.path.exists(os.path.join(run_dir, "truth.json"))
-    if ok:
-        try:
-            info["trace_files"] = gzip_traces(run_dir)
-        except Exception as exc:  # noqa: BLE001
-            ok = False
-            info["error"] = str(exc)
-    if not ok:
-        with open(log_path, errors="replace") as f:
-            lines = [ln for ln in f.read().splitlines() if not ln.startswith("USDT:")]
-        info["log_tail"] = "\n".join(lines[-40:])
-        shutil.rmtree(run_dir, ignore_errors=True)  # no half-written run: a rerun retries it
-    return ok, info
+    ok, info = launch(name, cmd, out, timeout, env)
+    return ok, {"name": name, "script": run["script"], "nproc": run.get("nproc", 2), "args": args, **info}
 
 
 def main() -> None:

@@ -214,21 +214,31 @@ def _processes(args: list[str]) -> int:
 
 
 def run_one(run: dict, out: str, torchrun: str, timeout: float) -> tuple[bool, dict]:
-    name = run["name"]
     args = run["args"] if isinstance(run["args"], list) else shlex.split(run["args"])
+    run_dir = os.path.join(out, run["name"])
+    cmd = [torchrun, "--standalone", "--nproc_per_node", str(_processes(args)), os.path.join(HERE, "train.py"), *args,
+           "--name", run["name"], "--out", run_dir]
+    ok, info = launch(run["name"], cmd, out, timeout)
+    if "log_tail" in info:
+        info["stderr_tail"] = info.pop("log_tail")
+    return ok, {"name": run["name"], "args": args, **info}
+
+
+def launch(name: str, cmd: list[str], out: str, timeout: float, env: dict | None = None) -> tuple[bool, dict]:
+    """Run one training `cmd` (writing OUT/<name>, its log in OUT/_logs/<name>.log) in a process group
+    killed after `timeout` s; gzip its traces. (ok, {seconds, exit_code, timed_out, trace_files | error,
+    log_tail}); a failed run's folder is removed, so a rerun retries it."""
     run_dir = os.path.join(out, name)
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
     logs = os.path.join(out, "_logs")
     os.makedirs(logs, exist_ok=True)
     log_path = os.path.join(logs, name + ".log")
-    cmd = [torchrun, "--standalone", "--nproc_per_node", str(_processes(args)), os.path.join(HERE, "train.py"), *args,
-           "--name", name, "--out", run_dir]
     t0 = time.time()
     with open(log_path, "w") as log:
         log.write("$ " + shlex.join(cmd) + "\n")
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
             timed_out = False
@@ -241,8 +251,7 @@ def run_one(run: dict, out: str, torchrun: str, timeout: float) -> tuple[bool, d
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             rc = None
-    secs = round(time.time() - t0, 1)
-    info = {"name": name, "args": args, "seconds": secs, "exit_code": rc, "timed_out": timed_out}
+    info = {"seconds": round(time.time() - t0, 1), "exit_code": rc, "timed_out": timed_out}
     ok = rc == 0 and os.path.exists(os.path.join(run_dir, "truth.json"))
     if ok:
         try:
@@ -253,7 +262,7 @@ def run_one(run: dict, out: str, torchrun: str, timeout: float) -> tuple[bool, d
     if not ok:
         with open(log_path, errors="replace") as f:
             lines = [ln for ln in f.read().splitlines() if not ln.startswith("USDT:")]
-        info["stderr_tail"] = "\n".join(lines[-40:])
+        info["log_tail"] = "\n".join(lines[-40:])
         shutil.rmtree(run_dir, ignore_errors=True)  # no half-written run: a rerun retries it
     return ok, info
 

@@ -30,9 +30,9 @@ def _unlabeled_compute(ops: list, steps: list[tuple[float, float]], optimizer: l
     Schedule1F1B, plain DDP), from the main thread's top-level ops in each step: a run of
     `autograd::engine::evaluate_function:` ops is one microbatch's backward, a run of other ops
     between p2p calls is a forward when a backward run follows it in the step (trailing grad-sync
-    copies are not), and a run ends where the thread waited on a p2p op (a gloo span ended); without fwdbwd flows, runs shorter than a tenth of the step's median backward run
-    are bookkeeping between p2p calls, not compute, and of more forward runs than backward ones the longest are the
-    forwards. With `autograd` (sorted starts of the forward ops autograd recorded for a backward:
+    copies are not), and a run ends where the thread waited on a p2p op (a gloo span ended); without
+    fwdbwd flows, runs shorter than a tenth of the step's median backward run are bookkeeping between
+    p2p calls, not compute, and of more forward runs than backward ones the longest are the forwards. With `autograd` (sorted starts of the forward ops autograd recorded for a backward:
     the trace's `fwdbwd` flows), a forward run is the span of its top-level ops that hold such an
     op: data loading, zeroing grad buffers, splitting inputs or targets and logging record none,
     so they are neither a microbatch nor part of one (their time stays untraced, as launch delay).
@@ -145,7 +145,7 @@ def _step_runs(starts: np.ndarray, ends: np.ndarray, classes: np.ndarray, record
     pushed = keep & ~gloo & ~label
     reach = np.maximum.accumulate(np.where(pushed, ends, -np.inf))
     before = np.concatenate([[-np.inf], reach[:-1]])
-    top = (pushed & (before <= starts)) | (label & (before <= starts))
+    top = (pushed | label) & (before <= starts)
     p2p = keep & ((classes & _C_GLOO_P2P) != 0)
     # where the thread waited on a p2p op: gloo's send / recv spans end when the schedule's wait on
     # them returns; a run does not go on over such a wait (the compute before it is done, what
@@ -191,8 +191,8 @@ def _step_labels(runs: list, forward: bool, floor: bool = True) -> list:
     # without flows, bookkeeping between p2p calls (splitting inputs, allocating buffers) makes runs
     # of microseconds; a microbatch's compute is a sizeable share of a backward. With flows a run that
     # holds an op autograd recorded is a forward however short (a short forward beside a slow backward)
-    floor = 0.1 * float(np.median(backward)) if backward and floor else 0.0
-    runs = [run for run in runs if run[2] - run[1] >= floor]
+    shortest = 0.1 * float(np.median(backward)) if backward and floor else 0.0
+    runs = [run for run in runs if run[2] - run[1] >= shortest]
     last_backward = max((i for i, run in enumerate(runs) if run[0] == BWD), default=-1)
     forwards = [i for i, run in enumerate(runs) if run[0] == FWD and i < last_backward]
     if len(forwards) > len(backward):

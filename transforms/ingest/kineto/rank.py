@@ -374,10 +374,9 @@ def _one_transfer_per_batch(comm: list, main, calls: list, labels: list) -> list
         at = head.get(key)
         if at is not None:
             first = merged[at]
-            between = slice(first[1], span[1])
-            if np.searchsorted(work, between.start, side="right") == np.searchsorted(work, between.stop, side="left") \
-                    and np.searchsorted(label_starts, between.start, side="right") == \
-                    np.searchsorted(label_starts, between.stop, side="right"):
+            issued, now = first[1], span[1]   # nothing but p2p issues between them, under one action label
+            if np.searchsorted(work, issued, side="right") == np.searchsorted(work, now, side="left") and \
+                    np.searchsorted(label_starts, issued, side="right") == np.searchsorted(label_starts, now, side="right"):
                 merged[at] = (*first[:2], max(first[2], span[2]), *first[3:])
                 merged[i] = None
                 continue
@@ -499,9 +498,7 @@ def _from_gradients_ready(optimizer: list[tuple[float, float]], main, spans: lis
     ends = np.sort(np.array([span[2] for span in spans], dtype=np.float64))
     comm_spans = np.array([(span[1], span[2]) for span in comm], dtype=np.float64).reshape(-1, 2)
     comm_spans = comm_spans[np.argsort(comm_spans[:, 0], kind="stable")]
-    busy = main.per_name(lambda name: not name.startswith(_NOT_COMPUTE))
-    order = np.argsort(main.start[busy], kind="stable")
-    op_start = main.start[busy][order]
+    op_start = np.sort(main.start[main.per_name(lambda name: not name.startswith(_NOT_COMPUTE))])
     out, previous = [], -np.inf
     for start, end in sorted(optimizer):
         issued = comm_spans[np.searchsorted(comm_spans[:, 0], previous, side="right"):
@@ -553,8 +550,8 @@ def _iterations(steps: dict[int, tuple[float, float]], optimizer: list[tuple[flo
     them (a dense and a sparse optimizer) end one iteration. `forward`, `backward`: the sorted times of
     the model's work (forward ops autograd recorded, backward ops): work after a ProfilerStep's last
     optimizer step means its iteration goes on past the step's end. The first iteration is kept only
-    when its work starts with a forward: a profile that began mid-iteration (Lightning's) holds the
-    rest of an iteration whose forward it missed."""
+    when the profile began where an iteration does (`_starts_an_iteration`): one that began
+    mid-iteration (Lightning's) holds the rest of an iteration whose forward it missed."""
     ends = np.array([end for _, end in _merged([span for span, tid in zip(optimizer, tids) if tid == step_tid])])
     if not len(ends):
         return steps
