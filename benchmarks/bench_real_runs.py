@@ -42,6 +42,7 @@ DEFAULT_CORPUS = ROOT / "tests" / "data" / "real_runs"
 STRAG = [sys.executable, "-m", "pipelines.cli"]
 SEVERE = 1.5      # "runs slowed by >= 1.5x"
 PAUSE_KINDS = {"send", "allreduce", "gc", "data"}   # sized by the generator to >= 1.5x the rank's compute
+INSUFFICIENT = "insufficient-evidence"
 
 __all__ = ["find_runs", "analyse_run", "score", "main"]
 
@@ -101,7 +102,7 @@ def analyse_run(run: pathlib.Path) -> dict:
     row.update(refused=False, reason="", S=untraced.get("slowdown", result["blocking_slowdown"]),
                discrepancy=result.get("replay_discrepancy", result["launch_slowdown"]), launch=result["launch_slowdown"],
                discarded=bool(result.get("discarded")), cause=verdict.get("cause") or "none",
-               causes=list(verdict.get("causes") or []), blamed=blamed)
+               causes=list(verdict.get("causes") or []), blamed=blamed, confidence=verdict.get("confidence"))
     return row
 
 
@@ -112,7 +113,10 @@ def score(rows: list[dict]) -> dict:
     slowed = [r for r in ok if r["straggling"]]
     severe = [r for r in slowed if r["severe"] and r["slow_ranks"]]
     quiet = [r for r in ok if r["noise"] == "sleep"]
-    alarm = [r for r in clean if r["cause"] != "none" or r["blamed"] or [c for c in r["causes"] if c != "none"]]
+    # a false alarm blames: a cause or a rank named on a clean run ("insufficient evidence" names
+    # neither and says what would decide; counted apart, see undecided())
+    alarm = [r for r in clean if r["cause"] not in ("none", INSUFFICIENT) or r["blamed"]
+             or [c for c in r["causes"] if c not in ("none", INSUFFICIENT)]]
     return {
         "refused": (sum(r["refused"] for r in rows), len(rows)),
         "workers_exact": (sum(r["blamed"] == r["slow_ranks"] for r in severe), len(severe)),
@@ -176,6 +180,41 @@ def expected_cause(r: dict) -> str:
     return r["accepted"][0] if r["straggling"] else "none"
 
 
+RELIABILITY_BINS = (0.0, 0.5, 0.8, 0.9, 0.99, 1.0 + 1e-9)
+
+
+def undecided(rows: list[dict]) -> tuple[int, int, int]:
+    """(clean runs, slowed runs, all analysed runs) whose verdict is insufficient evidence."""
+    ok = [r for r in rows if not r["refused"]]
+    return (sum(r["cause"] == INSUFFICIENT for r in ok if not r["straggling"]),
+            sum(r["cause"] == INSUFFICIENT for r in ok if r["straggling"]), len(ok))
+
+
+def reliability(rows: list[dict]) -> list[tuple[float, float, int, int, float]]:
+    """Calibration of the verdicts' confidence: per confidence bin [lo, hi), (lo, hi, verdicts, right
+    by the strict rule, mean confidence), over analysed runs whose verdict names a cause (not none
+    nor insufficient evidence: those claim nothing to be right about)."""
+    named = [r for r in rows if not r["refused"] and r["cause"] not in ("none", INSUFFICIENT)
+             and r.get("confidence") is not None]
+    out = []
+    for lo, hi in zip(RELIABILITY_BINS[:-1], RELIABILITY_BINS[1:]):
+        inside = [r for r in named if lo <= float(r["confidence"]) < hi]
+        if inside:
+            right = sum(strict_right(r) for r in inside)
+            out.append((lo, min(hi, 1.0), len(inside), right, sum(float(r["confidence"]) for r in inside) / len(inside)))
+    return out
+
+
+def strict_right(r: dict) -> bool:
+    """The strict rule for one run: clean: none, no rank blamed, S < 1.1; slowed: the expected cause
+    and (when ranks were slowed) exactly those ranks."""
+    if r["refused"]:
+        return False
+    if not r["straggling"]:
+        return r["cause"] == "none" and not r["blamed"] and r["S"] < 1.1
+    return r["cause"] == expected_cause(r) and (r["blamed"] == r["slow_ranks"] or not r["slow_ranks"])
+
+
 def strict_scores(rows: list[dict]) -> dict:
     """Strict scores: the verdict's one cause against the expected one (a clean run is right only
     with no cause, no rank blamed and S < 1.1); per cause precision and recall; the confusion matrix
@@ -186,12 +225,7 @@ def strict_scores(rows: list[dict]) -> dict:
     right = 0
     for r in rows:
         confusion[expected_cause(r)][named[r["run"]]] += 1
-        if r["refused"]:
-            continue
-        if not r["straggling"]:
-            right += r["cause"] == "none" and not r["blamed"] and r["S"] < 1.1
-        else:
-            right += r["cause"] == expected_cause(r) and (r["blamed"] == r["slow_ranks"] or not r["slow_ranks"])
+        right += strict_right(r)
     per_cause = {}
     for cause in causes:
         if cause == "refused":
@@ -273,12 +307,22 @@ def main(argv: list[str] | None = None) -> int:
         inside = sum(abs(r["launch"] - 1) <= 0.05 for r in low)
         print(f"  (METHOD.md's no-delay discrepancy within 5% on the low-noise runs: {inside} / {len(low)} "
               f"{inside / len(low):.1%})")
+    clean_undecided, slowed_undecided, analysed = undecided(rows)
+    print(f"  insufficient evidence (no blame; the verdict says what would decide): {clean_undecided} clean, "
+          f"{slowed_undecided} slowed, of {analysed} analysed runs")
     strict = strict_scores(rows)
     if args.strict:
         print(_strict_report(strict))
+        table = reliability(rows)
+        if table:
+            print("  reliability (verdicts naming a cause, by confidence; right by the strict rule):")
+            for lo, hi, n, right, mean in table:
+                print(f"    [{lo:.2f}, {hi:.2f}{']' if hi >= 1.0 else ')'}  {n:>3} verdicts, mean confidence {mean:.2f}, "
+                      f"right {right} / {n} = {right / n:.0%}")
     if args.json:
         args.json.write_text(json.dumps({"rows": [{k: v for k, v in r.items() if k != 'truth'} for r in rows],
-                                         "scores": scores, "strict": strict}, indent=1))
+                                         "scores": scores, "strict": strict, "reliability": reliability(rows),
+                                         "undecided": undecided(rows)}, indent=1))
     return 0
 
 

@@ -16,6 +16,7 @@ from dashboards import charts
 from dashboards.data import ReportData
 from dashboards.html import BUNDLE_PATH, Chart, HtmlTable, Numbers, Text, fmt, job_title, render_page
 from schemas.causes import CAUSE_TITLES, evidence_label
+from transforms.whatif.causes.explain import when_slow
 
 __all__ = ["build_job_page", "job_page_path", "JOBS_DIR"]
 
@@ -108,7 +109,7 @@ def _worker_evidence(w: dict) -> str:
     """One worker's entry of a per-worker evidence list, in words."""
     head = f"dp {w.get('dp_rank')} / stage {w.get('stage')}"
     if "ratio" in w:    # measured against its DP peers
-        return f"{head}: {w['ratio']:.2f}x in {w['slow_steps']} of {w['steps']} steps"
+        return f"{head}: {w['ratio']:.2f}x {when_slow(w)}"
     if "hidden_slowdown" in w:    # untraced CPU time
         replayed = w.get("launch_slowdown")
         return (f"{head}: untraced time {100 * (w['hidden_slowdown'] - 1):.0f}% of the step"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import math
 import os
 import pathlib
 import sys
@@ -341,12 +342,14 @@ def verdict_lines(verdict, result, gpu_hours: float | None = None, device: str |
         blamed = ", ".join(f"dp {d} / stage {p}" + (f" (rank {int(ranks[d, p])})" if ranks is not None else "")
                            for d, p in verdict.implicated_workers)
         lines.append(f"  workers blamed: {blamed}")
-    floor = verdict.evidence.get("peer_noise_floor")
-    if floor is not None:
-        from transforms.whatif.causes import CauseRules
-
-        lines.append(f"  noise floor: this job's own spread lets a worker's compute reach {floor:.2f}x its DP peers'; "
-                     f"a worker is blamed above {max(floor, CauseRules().peer_ratio):.2f}x in most steps")
+    test = verdict.evidence.get("worker_test")
+    if test and test.get("tests"):
+        lines.append(f"  worker test: this job's own jitter is {100 * (math.exp(test['sigma']) - 1):.0f}% per {test['unit']} "
+                     f"({test['df']} degrees of freedom); a worker is blamed at a {100 * test['alpha']:g}% false-alarm rate "
+                     f"per job, when at least {test['ratio_floor']:.2f}x its DP peers")
+        for w in test.get("undecided", []):
+            lines.append(f"  undecided: dp {w['dp_rank']} / stage {w['stage']} {w['kind']} {w['ratio']:.2f}x its peers over "
+                         f"{w['samples']} {test['unit']}s, within this job's jitter; about {w['samples_needed']} would settle it")
     return "\n".join(lines)
 
 
@@ -355,7 +358,7 @@ def _fix_line(fix, slowdown: float, gpu_hours: float | None, device: str | None 
     saved = f"{100 * max(fix.savings_fraction, 0.0):.1f}% of the {unit}-hours"
     if gpu_hours is not None:
         saved += f" ({_hours(gpu_hours * max(fix.savings_fraction, 0.0), unit)} of {_hours(gpu_hours, unit)})"
-    if fix.cause == "untraced-cpu":   # measured against what ran, not against the ideal
+    if fix.measured:   # measured against what ran, not against the ideal
         return f"fix: {fix.description}: saves {saved} (measured against what ran, not replayed against the ideal)"
     below = " (S < 1 after it: what stays runs faster than the ideal means)" if fix.fixed_slowdown < 1.0 else ""
     return (f"fix: {fix.description}: S {slowdown:.3f} -> {fix.fixed_slowdown:.3f}, "

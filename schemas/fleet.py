@@ -63,12 +63,13 @@ FLEET_SCHEMA_VERSION = "2"   # 2: fleet_coverage by source_format
 
 # Root-cause vocabulary (METHOD.md section 5). "none": the job does not straggle (S < 1.1).
 CAUSES: tuple[str, ...] = (
-    "individual-worker",   # a worker >= 1.2x slower than its DP peers (one DP rank: M_W > 0.5)
+    "individual-worker",   # a worker slower than its DP peers beyond the job's jitter (one DP rank: M_W > 0.5)
     "stage-imbalance",     # one model chunk carries more compute (M_S >= 0.5 when it is the last stage)
     "sequence-imbalance",  # forward/backward durations of a microbatch move together (r >= 0.9)
     "python-gc",           # sporadic forward-only stalls on a rotating worker
     "communication",       # comm op types dominate the per-optype attribution
     "untraced-cpu",        # one worker's untraced CPU time makes the replay discrepancy (discarded windows)
+    "insufficient-evidence",  # straggling, yet the trace cannot decide (too few steps or peers for the job's noise)
     "unexplained",         # straggling, none of the above
     "none",
 )

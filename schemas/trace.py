@@ -79,6 +79,10 @@ TRACE_SCHEMA = pa.schema(
         # traces: `fwdbwd` flows), when the converter counts them: a chunk's amount of work,
         # apart from how fast its machine runs it.
         pa.field("n_ops", pa.int32(), nullable=True),
+        # Optional: seconds of the idle time before this op (since the worker's previous op
+        # ended) that its thread spent fetching a batch from a DataLoader (torch traces: the
+        # `enumerate(DataLoader)` spans): untraced time that is data loading, not GC or Python.
+        pa.field("data_wait", pa.float64(), nullable=True),
     ],
     metadata={"strag.schema_version": SCHEMA_VERSION, "strag.table": "trace"},
 )

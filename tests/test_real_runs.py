@@ -136,6 +136,22 @@ def test_strict_scores_hold_each_run_to_its_one_expected_cause():
     assert strict["clean_below_1.1"] == (1, 2)
 
 
+def test_reliability_bins_verdicts_by_confidence_and_counts_the_right_ones():
+    """Of the verdicts naming a cause, per confidence bin: how many, how many right (strict), the mean
+    confidence; none and insufficient evidence claim nothing and are left out, and are no false alarm."""
+    def row(name, accepted, cause, confidence, blamed=(), slow=()):
+        return {"run": name, "refused": False, "straggling": accepted != ["none"], "cause": cause, "causes": [cause],
+                "blamed": list(blamed), "slow_ranks": list(slow), "accepted": accepted, "S": 1.3,
+                "confidence": confidence, "noise": "cpu", "discrepancy": 1.0, "severe": True}
+    worker = ["individual-worker"]
+    rows = [row("a", worker, "individual-worker", 0.995, [1], [1]), row("b", worker, "individual-worker", 0.999, [0], [1]),
+            row("c", worker, "individual-worker", 0.85, [1], [1]), row("d", ["none"], "none", 1.0),
+            row("e", ["none"], "insufficient-evidence", 1.0)]
+    assert bench.reliability(rows) == [(0.8, 0.9, 1, 1, 0.85), (0.99, 1.0, 2, 1, pytest.approx(0.997))]
+    assert bench.undecided(rows) == (1, 0, 5)
+    assert bench.score(rows)["false_alarms"] == (0, 2)
+
+
 def _convert(name: str):
     run = RUNS / name
     return convert_kineto([str(run / f) for f in _truth(run)["trace_files"]], name, "2026-11-25", {})

@@ -157,9 +157,10 @@ def seq_ids(step: np.ndarray, worker: np.ndarray, optype: np.ndarray, start: np.
 
 
 def build_trace(job_id: str, *, dp_rank, stage, rank, step, optype, start_ts, duration, mb_id, mc, gmc,
-                host=None, n_ops=None) -> pa.Table:
+                host=None, n_ops=None, data_wait=None) -> pa.Table:
     """A TRACE_SCHEMA table from per-row numpy columns (optype as OPTYPES codes; seq_id derived),
-    sorted by (step, dp_rank, stage, start_ts); n_ops: per row, < 0 for none."""
+    sorted by (step, dp_rank, stage, start_ts); n_ops: per row, < 0 for none; data_wait: per
+    row seconds (None: the trace records no data loading)."""
     dp_rank, stage, step, optype = (np.asarray(a, dtype=np.int64) for a in (dp_rank, stage, step, optype))
     start_ts, duration = np.asarray(start_ts, dtype=np.float64), np.asarray(duration, dtype=np.float64)
     worker = dp_rank * (int(stage.max()) + 1 if len(stage) else 1) + stage
@@ -184,6 +185,8 @@ def build_trace(job_id: str, *, dp_rank, stage, rank, step, optype, start_ts, du
         "seq_lens": pa.nulls(n, pa.list_(pa.int32())),
         "n_ops": (pa.nulls(n, pa.int32()) if n_ops is None else
                   pa.array(np.asarray(n_ops, dtype=np.int64)[order], pa.int32(), mask=np.asarray(n_ops)[order] < 0)),
+        "data_wait": (pa.nulls(n, pa.float64()) if data_wait is None else
+                      pa.array(np.asarray(data_wait, dtype=np.float64)[order], pa.float64())),
     }
     return pa.table(columns, schema=TRACE_SCHEMA)
 

@@ -114,6 +114,8 @@ class TraceColumns:
     # float32 as the reference analyzer does, which keeps its outputs reproducible to
     # ~1e-9 instead of ~1e-5 on the ratio fields that subtract near-equal step times.
     float32: bool = False
+    # optional: seconds of each op's idle gap spent fetching a batch from a DataLoader (None: not recorded)
+    data_wait: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.step)
@@ -187,6 +189,7 @@ class JobModel:
     launch_delay: np.ndarray
     mb_id: np.ndarray                  # [op, lane] int32 microbatch id (-1 when none)
     recorded_float32: bool = False     # see TraceColumns.float32
+    data_wait: np.ndarray | None = None  # [op, lane] seconds of the gap before the op spent in DataLoader fetches
 
     @property
     def n_ops(self) -> int:
@@ -345,6 +348,8 @@ def read_trace_columns(trace: pa.Table, job_id: str = "") -> TraceColumns:
         start=floats("start_ts"), duration=floats("duration"), seq_id=ints("seq_id"),
         mc=ints("mc"), mb_id=ints("mb_id"), gmc=ints("gmc"),
     )
+    if "data_wait" in trace.column_names and trace.column("data_wait").null_count < trace.num_rows:
+        columns.data_wait = np.nan_to_num(trace.column("data_wait").to_numpy(zero_copy_only=False).astype(np.float64))
     columns.float32 = all(
         pa.types.is_float32(trace.schema.field(name).type)
         or bool((values.astype(np.float32).astype(np.float64) == values).all())
@@ -497,6 +502,7 @@ def _compile(columns: TraceColumns, meta: JobMeta, job_id: str, structure_from: 
         observed_start=observed_start, observed_end=observed_end, duration=duration,
         original_cost=duration, launch_delay=np.zeros(0),
         mb_id=layout(columns.mb_id, np.int32), recorded_float32=columns.float32,
+        data_wait=None if columns.data_wait is None else layout(columns.data_wait),
     )
     model.original_cost = _original_cost(model)
     model.launch_delay = _launch_delays(model)

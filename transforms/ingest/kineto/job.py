@@ -370,6 +370,14 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
         columns["mc"].append(r["mc"])
         columns["gmc"].append(r["gmc"])
         columns["n_ops"].append(r["n_ops"])
+        loading = by_rank[rank].data_loading
+        if loading is not None:
+            shift = (by_rank[rank].origin_ns - first_origin) / 1000.0
+            columns["data_wait"].append(_data_waits(r["start"], r["end"], loading + shift) * 1e-6)
+        else:
+            columns["data_wait"].append(np.zeros(n))
+    if not any(t.data_loading is not None for t in analysed):
+        del columns["data_wait"]
     hosts = options.get("hosts")
     if isinstance(hosts, list) and len(hosts) >= world:
         host_of = {rank: str(hosts[rank]) for rank in rows}
@@ -487,6 +495,31 @@ def convert_kineto(paths: Sequence[str], job_id: str, date: str, options: Mappin
     if rejected:
         converted.source["files_rejected"] = {error.path: error.reason_code for error in rejected}
     return converted
+
+
+def _data_waits(start: np.ndarray, end: np.ndarray, loading: np.ndarray) -> np.ndarray:
+    """Per op (one rank's rows, µs), the DataLoader fetch time inside the idle gap before it: from the
+    latest end of the ops that started before it to its start (`loading`: [k, 2] fetch spans)."""
+    order = np.argsort(start, kind="stable")
+    before = np.concatenate([[-np.inf], np.maximum.accumulate(end[order])[:-1]])
+    gap_start, gap_end = np.minimum(before, start[order]), start[order]
+    spans = loading[np.argsort(loading[:, 0], kind="stable")]
+    # disjoint union of the fetch spans (a fetch may nest another's record_function)
+    top = np.maximum.accumulate(spans[:, 1])
+    new = np.r_[True, spans[1:, 0] > top[:-1]]
+    runs = np.flatnonzero(new)
+    lo, hi = spans[runs, 0], np.append(top[runs[1:] - 1], top[-1])
+    # time of [lo, hi) before instant t, cumulated over the runs: covered(a, b) = F(b) - F(a)
+    cumulative = np.concatenate([[0.0], np.cumsum(hi - lo)])
+
+    def before_instant(t: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(lo, t, side="right")          # runs starting at or before t
+        inside = np.clip(t - lo[np.maximum(k - 1, 0)], 0.0, (hi - lo)[np.maximum(k - 1, 0)])
+        return cumulative[np.maximum(k - 1, 0)] + np.where(k > 0, inside, 0.0)
+
+    out = np.empty(len(start))
+    out[order] = np.maximum(before_instant(gap_end) - before_instant(np.maximum(gap_start, -1e300)), 0.0)
+    return out
 
 
 def _parse_path(path: str, options: Mapping[str, Any]) -> RankTrace | RawInputError:

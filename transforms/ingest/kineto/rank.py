@@ -115,6 +115,7 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
 
 
 _DICTS_PER_RUN = 1 << 16
+_DATA_LOADING = "enumerate(DataLoader)"   # torch.utils.data's record_function around each batch fetch
 
 
 _NO_INFO = "no distributedInfo (rank, world_size)"
@@ -218,6 +219,8 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
                         issued)
     host = top.get("host_name") or info.get("host_name")
     trace.host = str(host) if host else None
+    loading = cpu_ops.per_name(lambda name: name.startswith(_DATA_LOADING))
+    trace.data_loading = np.stack([cpu_ops.start[loading], cpu_ops.end[loading]], axis=1) if loading.any() else None
     trace.steps_inferred = inferred
     # Kineto's ts are µs after baseTimeNanoseconds: the recorded instant of time 0 of this rank, in ns
     base = top.get("baseTimeNanoseconds")

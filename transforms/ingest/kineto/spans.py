@@ -133,6 +133,7 @@ class RankTrace:
     origin_ns: int = 0           # recorded instant of time 0 of the span columns (baseTimeNanoseconds + first ts)
     gpu_work: int = 0            # GPU work items (kernels, copies, memsets; not NCCL) in the file
     gpu_work_unlinked: int = 0   # ... of which no CUDA launch (cuda_runtime / cuda_driver correlation) is in the file
+    data_loading: np.ndarray | None = None   # [k, 2] start, end (µs) of each `enumerate(DataLoader)` fetch; None: none
 
     def groups_of_rank(self) -> list[Group]:
         return [g for g in self.groups.values() if self.rank in g.ranks]

@@ -29,10 +29,13 @@ from transforms.whatif.causes.signals import (
     within_group_normalised,
 )
 from transforms.whatif.causes.verdict import CauseError, CauseRules, Fix, Verdict
+from transforms.whatif.causes.pauses import (find_pauses, p2p_partner, pause_confidence, pause_fix, recurring, rotating,
+                                            untraced_gaps, untraced_time)
+from transforms.whatif.causes.workers import WorkerTests, worker_tests
 from transforms.whatif.metrics import analyze_model, worker_set_mask
 from transforms.whatif.model import JobModel, compile_job, distinct
 from transforms.whatif.replay import Mix, Scenario, replay, replay_thread_count
-from transforms.whatif.result import DISCREPANCY_LIMIT, JobMeta, UntracedWork, WhatIfResult, discrepancy_discards
+from transforms.whatif.result import DISCREPANCY_LIMIT, STRAGGLING_THRESHOLD, JobMeta, UntracedWork, WhatIfResult, discrepancy_discards
 from schemas.causes import FIX_NAMES
 from schemas.trace import COMPUTE_OPTYPES, DP_COMM_OPTYPES, OPTYPES
 
@@ -57,6 +60,7 @@ class _Signals:
     gc: GcStalls | None
     peers: PeerComparison | None
     chunks: ChunkBalance | None
+    workers: WorkerTests
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +89,7 @@ class PairSignals:
     peers: PeerComparison | None
     chunks: ChunkBalance | None
     evidence: dict
+    workers: WorkerTests
 
 
 def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSignals:
@@ -92,6 +97,7 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSigna
     evidence: dict[str, object] = {}
     forward, backward = pairs(model)
     r_norm, gc, peers, chunks = math.nan, None, None, None
+    workers = worker_tests(model, forward, backward, rules.false_alarm, rules.straggling, rules.peer_offset)
     if len(forward):
         f, b = take(model.original_cost, forward), take(model.original_cost, backward)
         gc = gc_stalls(model, forward, backward, rules)
@@ -100,21 +106,29 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSigna
         if forward.shape[0] > model.pp_size * max(model.vpp_size, 1):
             r_norm = pearson(within_group_normalised(f, chunk)[keep], within_group_normalised(b, chunk)[keep])
         evidence.update(forward_backward_r=pearson(f, b), forward_backward_r_normalised=r_norm)
-        peers = peer_comparison(model, forward, backward, rules)
+        peers = peer_comparison(model, forward, backward)
         chunks = chunk_balance(model, forward, backward)
         _gc_evidence(model, forward, gc, evidence)
     else:
         evidence["gc_pauses"] = 0
+    evidence.update(workers.evidence())
     if peers is not None:
-        blamed = peers.blamed(rules)
         evidence["peer_ratio_max"] = float(np.nanmax(peers.ratio))
-        evidence["peer_noise_floor"] = float(peers.noise_floor)
         evidence["peer_workers"] = [{"dp_rank": d, "stage": p, "ratio": float(peers.ratio[d, p]),
                                      "forward": float(peers.forward[d, p]), "backward": float(peers.backward[d, p]),
-                                     "slow_steps": int(peers.slow_steps[d, p]), "steps": peers.n_steps} for d, p in blamed]
+                                     "slow_steps": len(_slow_steps(workers, (d, p))), "steps": peers.n_steps,
+                                     "step_indices": _slow_steps(workers, (d, p)),
+                                     "persistent": any(f.persistent for f in workers.of((d, p))),
+                                     "confidence": max(f.confidence for f in workers.of((d, p)))}
+                                    for d, p in workers.workers()]
     if chunks is not None:
         evidence.update(chunk_ratio=chunks.ratio, heaviest_chunk=[chunks.heaviest_chunk, chunks.heaviest_stage])
-    return PairSignals(forward, backward, r_norm, gc, peers, chunks, evidence)
+    return PairSignals(forward, backward, r_norm, gc, peers, chunks, evidence, workers)
+
+
+def _slow_steps(workers: WorkerTests, worker: tuple[int, int]) -> list[int]:
+    """The profiled steps (indices) where the worker's decided findings are slow."""
+    return sorted({s for f in workers.of(worker) for s in f.steps})
 
 
 def _signals(model: JobModel, result: WhatIfResult, rules: CauseRules, evidence: dict,
@@ -132,7 +146,7 @@ def _signals(model: JobModel, result: WhatIfResult, rules: CauseRules, evidence:
     paired = pair_signals(model, rules) if paired is None else paired
     evidence.update(paired.evidence)
     return _Signals(mw, ms, evidence["comm_share"], comm_excess, paired.forward, paired.backward, paired.r_norm,
-                    uniformity, paired.gc, paired.peers, paired.chunks)
+                    uniformity, paired.gc, paired.peers, paired.chunks, paired.workers)
 
 
 def _gc_evidence(model: JobModel, forward: np.ndarray, gc: GcStalls, evidence: dict) -> None:
@@ -171,7 +185,7 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
         "stage": rebalanced_stages(model),
         "communication": typical_transfers(model),
     }
-    blamed = signals.peers.blamed(rules) if signals.peers is not None else []
+    blamed = signals.workers.workers() if signals.peers is not None else []
     if blamed:
         gc_paused = None
         if signals.gc is not None and len(signals.forward):   # GC pauses are python-gc's to remove
@@ -259,13 +273,12 @@ def _candidates(model: JobModel, result: WhatIfResult, signals: _Signals, share,
     persists(scenario): whether its fix saves time in more than one step (a slow or flapping link
     recurs; one transfer held up once, a preempted rank, is the job's own variation)."""
     out: list[_Candidate] = []
-    blamed = signals.peers.blamed(rules) if signals.peers is not None else []
+    blamed = signals.workers.workers() if signals.peers is not None else []
     located_comm = signals.mw > rules.worker_mw and share("worker-comm") > share("worker-compute") \
         and persists("worker-comm")
     if blamed:
-        ratio = float(signals.peers.ratio[blamed[0]])
-        out.append(_Candidate("individual-worker", "worker-peer", margin(ratio, rules.peer_ratio, 1.5), rules.min_explained, 0.5,
-                              tuple(blamed)))
+        confidence = max(f.confidence for f in signals.workers.of(blamed[0]))
+        out.append(_Candidate("individual-worker", "worker-peer", confidence, rules.min_explained, 0.5, tuple(blamed)))
     elif model.dp_size == 1 and signals.mw > rules.worker_mw and not located_comm:
         out.append(_Candidate("individual-worker", "worker-compute", margin(signals.mw, rules.worker_mw, 0.9),
                               rules.min_explained, 0.6, _hot_half(result)))
@@ -425,11 +438,10 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         joint_fix = make_fix("all", "all", t=joint)
         evidence["joint_fix_explained"] = joint_fix.explained
     by_cause = {c.cause: c for c in candidates}
-    measured_worker = "individual-worker" in listed and by_cause["individual-worker"].scenario == "worker-peer" \
-        and _worst_direction(signals.peers, by_cause["individual-worker"].implicated[0]) >= rules.worker_alarm_ratio
+    # a worker the test decides is slower than its peers (at the job's false-alarm rate) is named
+    # even below S 1.1: the pipeline hides it for now, the machine is still bad
+    measured_worker = "individual-worker" in listed and by_cause["individual-worker"].scenario == "worker-peer"
     if not straggling and measured_worker:
-        # below the straggling threshold, yet one machine is clearly slower than its peers in most
-        # steps (beyond the job's noise floor): the pipeline hides it for now, the machine is still bad
         primary, ranked, confidence = "individual-worker", ["individual-worker"], listed["individual-worker"]
     elif not straggling:
         primary, ranked, confidence = "none", [], 1.0
@@ -449,6 +461,10 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     else:
         primary = "unexplained"
         confidence = float(np.clip(1.0 - max((f.explained for f in fixes.values()), default=0.0), 0.0, 1.0))
+    if straggling and not ranked and _undecided(signals.workers):
+        # straggling, nothing listed, and a worker measures slower than its peers that the job's
+        # own jitter cannot confirm: say so and what would settle it, never a confident "none"
+        primary, confidence = "insufficient-evidence", 1.0
     implicated = list(dict.fromkeys(w for c in ranked for w in by_cause[c].implicated))
     # untraced CPU work the replay leaves out (it is within 5% here) can still be one worker's,
     # large beside its peers' and hidden behind a slower worker: a cause of its own once it
@@ -460,15 +476,38 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         _, workers = _untraced_cause(result, untraced, evidence, fixes)
         listed["untraced-cpu"] = 1.0
         ranked = [*ranked, "untraced-cpu"] if ranked else ["untraced-cpu"]
-        if primary in ("unexplained", "none"):
+        if primary in ("unexplained", "none", "insufficient-evidence"):
             primary, confidence = "untraced-cpu", 1.0
             evidence.pop("localised", None)
         implicated = list(dict.fromkeys([*implicated, *workers]))
+    paused = _pause_cause(model, result, rules, evidence, fixes, untraced)
+    if paused is not None and (straggling or ranked):
+        clear, workers = paused
+        listed["python-gc"] = clear
+        if "untraced-cpu" in ranked and evidence.get("untraced_is_pauses"):
+            ranked.remove("untraced-cpu")
+            if primary == "untraced-cpu":
+                primary = "none"
+        if "python-gc" not in ranked:
+            ranked.append("python-gc")
+        if primary in ("unexplained", "none", "insufficient-evidence") or \
+                fixes["python-gc"].savings_fraction > fixes[primary].savings_fraction:
+            ranked.remove("python-gc")
+            ranked.insert(0, "python-gc")
+            primary, confidence = "python-gc", clear
+            evidence.pop("localised", None)
+            evidence.pop("transient", None)
+        implicated = list(dict.fromkeys([*implicated, *workers]))
     evidence = {k: (float(v) if isinstance(v, (np.floating, float)) else v) for k, v in evidence.items()}
     explanations = {c: explain.cause_sentence(c, evidence, fixes[c], by_cause[c].implicated, model.pp_size)
-                    for c in ranked if c != "untraced-cpu"}
+                    for c in ranked if c in by_cause}
     if untraced and "untraced-cpu" in ranked:
-        explanations["untraced-cpu"] = explain.untraced_sentence(untraced, float(result.launch_slowdown), fixes["untraced-cpu"])
+        explanations["untraced-cpu"] = explain.untraced_sentence(untraced, float(result.launch_slowdown), fixes["untraced-cpu"],
+                                                                 _data_loading(model, untraced, evidence, fixes))
+    if "python-gc" in ranked and "python-gc" not in by_cause:
+        explanations["python-gc"] = explain.pause_sentence(evidence, fixes["python-gc"], model.worker_rank)
+    if primary == "insufficient-evidence":
+        explanations[primary] = explain.insufficient_sentence(slowdown, evidence.get("worker_test", {}))
     if primary in ("none", "unexplained"):
         best = max(fixes.values(), key=lambda f: f.explained, default=None)
         explanations[primary] = explain.verdict_sentence(primary, slowdown, rules.straggling, best,
@@ -516,10 +555,10 @@ def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, 
     untraced = _untraced_workers(model, result) if untraced is None else untraced
     if untraced:
         measured["untraced-cpu"], implicated["untraced-cpu"] = _untraced_cause(result, untraced, evidence, fixes)
-    blamed = paired.peers.blamed(rules) if paired.peers is not None else []
-    if blamed and _worst_direction(paired.peers, blamed[0]) >= rules.worker_alarm_ratio:
-        measured["individual-worker"] = _worst_direction(paired.peers, blamed[0])
-        implicated["individual-worker"] = [w for w in blamed if _worst_direction(paired.peers, w) >= rules.worker_alarm_ratio]
+    blamed = paired.workers.workers() if paired.peers is not None else []
+    if blamed:
+        measured["individual-worker"] = max(f.ratio for f in paired.workers.of(blamed[0]))
+        implicated["individual-worker"] = blamed
     if paired.chunks is not None and paired.chunks.ratio >= rules.stage_alarm_ratio:
         slow = _slow_stages(model, work, MORE_WORK, SLOWER_PACE) if work is not None and model.dp_size == 1 else []
         if slow:   # one DP rank: the heavy chunk runs the usual work, slowly: its machine
@@ -534,6 +573,12 @@ def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, 
             pace = max(work.of(distinct(model.op_gmc[(model.op_stage == p) & np.isin(model.op_optype, (FORWARD, BACKWARD))])
                                .tolist())[1] for p in slow)
             measured["individual-worker"], implicated["individual-worker"] = pace, [(0, p) for p in slow]
+    paused = _pause_cause(model, result, rules, evidence, fixes, untraced)
+    if paused is not None:
+        measured["python-gc"] = 1.0 + fixes["python-gc"].savings_fraction + 1e-9   # before untraced-cpu of the same time
+        implicated["python-gc"] = paused[1]
+        if evidence.get("untraced_is_pauses"):
+            measured.pop("untraced-cpu", None)
     ranked = sorted(measured, key=lambda c: (-measured[c], c))
     if {"untraced-cpu", "individual-worker"} <= set(ranked) and \
             set(implicated["untraced-cpu"]) <= set(implicated["individual-worker"]):
@@ -541,15 +586,86 @@ def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, 
         # machine, whose compute is the clearer measurement
         ranked.remove("individual-worker")
         ranked.insert(0, "individual-worker")
-    primary = ranked[0] if ranked else "none"
+    # a discarded window's S comes from the replay that does not match: it shows no straggling to
+    # be undecided about; a kept one (untraced time modelled) does
+    primary = ranked[0] if ranked else "insufficient-evidence" if not result.discarded and \
+        slowdown >= rules.straggling and _undecided(paired.workers) else "none"
     workers = list(dict.fromkeys(w for c in ranked for w in implicated[c]))
     evidence = {k: (float(v) if isinstance(v, (np.floating, float)) else v) for k, v in evidence.items()}
     explanations = {c: explain.discarded_sentence(c, evidence, implicated.get(c, []), launch, modelled=not result.discarded)
-                    for c in (ranked or [primary])}
-    if untraced:
-        explanations["untraced-cpu"] = explain.untraced_sentence(untraced, launch, fixes["untraced-cpu"])
-    return Verdict(model.job_id, slowdown, primary, ranked, 1.0, {c: 1.0 for c in ranked}, evidence, workers, fixes,
-                   explanations)
+                    for c in (ranked or [primary]) if c != "insufficient-evidence"}
+    if primary == "insufficient-evidence":
+        explanations[primary] = explain.insufficient_sentence(slowdown, evidence.get("worker_test", {}))
+    if untraced and "untraced-cpu" in ranked:
+        explanations["untraced-cpu"] = explain.untraced_sentence(untraced, launch, fixes["untraced-cpu"],
+                                                                 _data_loading(model, untraced, evidence, fixes))
+    if paused is not None:
+        explanations["python-gc"] = explain.pause_sentence(evidence, fixes["python-gc"], model.worker_rank)
+    confidences = {c: (paused[0] if c == "python-gc" else 1.0) for c in ranked}
+    return Verdict(model.job_id, slowdown, primary, ranked, confidences.get(primary, 1.0), confidences, evidence, workers,
+                   fixes, explanations)
+
+
+def _pause_cause(model: JobModel, result: WhatIfResult, rules: CauseRules, evidence: dict, fixes: dict,
+                 untraced: list | None) -> tuple[float, list] | None:
+    """python-gc from untraced pauses on CPU ranks (pauses.py): single gaps outside data loading,
+    far beyond the job's usual largest gap, that strike in different steps (`rotating`). Records its
+    evidence and fix (the pauses taken out of the steps as they ran, planned GC paid back:
+    pauses.pause_fix) when the fix saves rules.min_savings of the step; `untraced_is_pauses` when the untraced-cpu
+    workers are the paused ones and their pauses make at least half their untraced time. Returns
+    (confidence, paused workers) or None. A pause on one worker in every step is that worker's
+    untraced-cpu: its fix then takes out the pauses alone, its ordinary time between ops kept."""
+    if not model.meta.host_compute:
+        return None
+    pauses = find_pauses(model, rules.false_alarm, rules.straggling)
+    if not recurring(pauses):
+        return None
+    ran, fixed, planned, share = pause_fix(model, pauses, result.step_t_nodelay)
+    saved = 1.0 - fixed / ran if ran > 0 else 0.0
+    workers = pauses.workers()
+    named = {w for w, *_ in untraced or []}
+    slowdown = float(evidence.get("slowdown", result.slowdown))
+    evidence.update(pauses.evidence(model.steps), pause_fix_saves=saved)
+    if not rotating(pauses):
+        if named and "untraced-cpu" in fixes and set(workers) <= named:
+            unplanned = 1.0 - (fixed - planned) / ran if ran > 0 else 0.0
+            fixes["untraced-cpu"] = Fix("untraced-cpu", fixed - planned, slowdown, share, unplanned, FIX_NAMES["pauses"],
+                                        measured=True)
+        return None
+    if saved < rules.min_savings:
+        return None
+    evidence["planned_gc_seconds"] = planned
+    fixes["python-gc"] = Fix("python-gc", fixed, slowdown, share, saved, FIX_NAMES["gc-pauses"], measured=True)
+    if named and named <= set(workers):
+        untraced_seconds = sum(float(pauses.untraced[p, :, d].sum() + pauses.data[p, :, d].sum()) for d, p in named)
+        paused_seconds = sum(float(pauses.excess_of(w).sum()) for w in named)
+        evidence["untraced_is_pauses"] = paused_seconds >= 0.5 * untraced_seconds
+    return pause_confidence(pauses, rules.false_alarm), workers
+
+
+def _data_loading(model: JobModel, untraced: list, evidence: dict, fixes: dict) -> float | None:
+    """The share of the first untraced-cpu worker's untraced time spent inside DataLoader fetches
+    (None when the trace records no fetches); recorded per worker in evidence["untraced_workers"],
+    and at half or more the fix is the data loader's."""
+    if model.data_wait is None:
+        return None
+    partner = p2p_partner(model)
+    shares = {}
+    for (d, p), *_ in untraced:
+        _, gaps, data = untraced_gaps(model, d, p, partner)
+        shares[(d, p)] = float(data.sum() / gaps.sum()) if gaps.sum() > 0 else 0.0
+    for entry in evidence.get("untraced_workers", []):
+        entry["data_loading_share"] = shares.get((entry["dp_rank"], entry["stage"]))
+    first = shares[untraced[0][0]]
+    if first >= 0.5 and "untraced-cpu" in fixes and fixes["untraced-cpu"].description == FIX_NAMES["untraced"]:
+        fixes["untraced-cpu"] = dataclasses.replace(fixes["untraced-cpu"], description=FIX_NAMES["data"])
+    return first
+
+
+def _undecided(workers: WorkerTests) -> bool:
+    """Whether the worker test could not decide: an effect above the threshold within the job's
+    jitter, or no test possible where peers exist but samples do not (one step, one microbatch)."""
+    return not workers.decided
 
 
 def _stands_out(values, factor: float = 2.0) -> bool:
@@ -589,17 +705,12 @@ def _localised(result: WhatIfResult, evidence: dict, factor: float = 2.0) -> boo
     return found
 
 
-def _worst_direction(peers, worker: tuple[int, int]) -> float:
-    """A blamed worker's largest ratio to its peers: whole compute, forward or backward."""
-    return float(np.nanmax([peers.ratio[worker], peers.forward[worker], peers.backward[worker]]))
-
-
 def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5, factor: float = 2.0,
                       each: float = 0.35) -> list[tuple[tuple[int, int], float, float]]:
     """The workers whose untraced CPU time (launch delays: METHOD.md section 3) makes the replay
     discrepancy, as [(worker, excess or None where the replay attributes no launch delays, hidden
     excess)] (largest first) or []. A measurement and a replay must agree:
-    - measured (`_untraced_time`): the worker's untraced time per step is at least `factor` times
+    - measured (pauses.untraced_time): the worker's untraced time per step is at least `factor` times
       its DP peers' median in most steps, and in its median step (persistent, not one preempted
       step; not cleared by one noisy step of a peer), and as much beyond the job's other workers'
       (a few ms that stand out only against peers with even fewer are the job's noise). Without
@@ -620,8 +731,8 @@ def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5,
         # look like gaps too), or where the recvs start when the thread begins to wait
         # (host_compute), is a worker's gap before its ops surely its own time
         return []
-    partner = _p2p_partner(model)
-    per_step = {w: _untraced_time(model, *w, partner=partner) for w in workers}
+    partner = p2p_partner(model)
+    per_step = {w: untraced_time(model, *w, partner=partner) for w in workers}
 
     def persistent(worker, others, times: float = factor, steps: float | None = None) -> bool:
         """`times` the others' median in `steps` of the steps (default: more than half of them,
@@ -633,11 +744,29 @@ def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5,
                 return bool(share >= steps)
             return bool(share > 0.5 and np.median(per_step[worker]) >= times * np.median(baseline))
 
+    step_time = float(result.step_t_nodelay.mean())
+
+    def measured(worker, others) -> float:
+        """Its median untraced time beyond the others' median, as a share of the step."""
+        baseline = np.median(np.stack([per_step[w] for w in others]), axis=0)
+        return float(np.median(per_step[worker] - baseline)) / step_time
+
+    # the size a worker's untraced time must have (twice a few ms is no cause): in a window kept and
+    # straggling, the share of a step a listed cause needs (half the straggling threshold's); else
+    # the threshold's whole share (METHOD.md: time that alone makes a job straggle), since neither
+    # a discarded window's S nor one below the threshold shows straggling for it to explain
+    kept_straggling = not result.discarded and float(result.slowdown) >= STRAGGLING_THRESHOLD
+    least = (0.5 if kept_straggling else 1.0) * (STRAGGLING_THRESHOLD - 1.0)
+
+    def sizeable(worker, others) -> bool:
+        return measured(worker, others) >= least
+
     if model.dp_size > 1:
         peer_set = {w: [(d, w[1]) for d in range(model.dp_size) if d != w[0]] for w in workers}
         # beyond its DP peers, and beyond the job's own untraced time: a worker whose few ms between
         # ops stand out only against peers with even fewer is the job's noise, not a paused worker
-        named = [w for w in workers if persistent(w, peer_set[w]) and persistent(w, [o for o in workers if o != w])]
+        named = [w for w in workers if persistent(w, peer_set[w]) and persistent(w, [o for o in workers if o != w])
+                 and sizeable(w, peer_set[w])]
     else:
         ranked = sorted(workers, key=lambda w: (-float(np.median(per_step[w])), w))
         top = ranked[0]
@@ -645,13 +774,16 @@ def _untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5,
         ahead = float(np.median(per_step[top])) >= factor * float(np.median(per_step[ranked[1]]))
         named = [top] if ahead and persistent(top, ranked[1:]) else []
     total = max(float(result.launch_slowdown) - 1.0, 0.0)
-    excess = {(d, p): min(float(result.launch_by_dp_rank.get(d, 1.0)), float(result.launch_by_stage.get(p, 1.0))) - 1.0
+    # what the replay attributes to its launch delays, at most its untraced time beyond its peers'
+    # (a launch delay also holds time the worker was busy or blocked; removing its untraced time
+    # cannot save more than that time)
+    excess = {(d, p): min(float(result.launch_by_dp_rank.get(d, 1.0)), float(result.launch_by_stage.get(p, 1.0)),
+                          1.0 + max(measured((d, p), peer_set[(d, p)]), 0.0)) - 1.0
               if attributed else None for d, p in named}
     # a worker whose untraced time is beyond its peers' in every step is named even when the replay
     # cannot see its cost now (a slower worker elsewhere sets the step, or collectives that wait for
     # it are what the replay stretches): its size is what it measures per step (without DP peers
     # the other stages are no like-for-like baseline, so there it takes 2 x `factor`)
-    step_time = float(result.step_t_nodelay.mean())
     hidden = {w: float(np.median(per_step[w])) / step_time
               if persistent(w, peer_set[w], factor * (2.0 if alone else 1.0), 1.0) else 0.0 for w in named}
     counted = {w: max(excess[w] or 0.0, hidden[w]) for w in named}
@@ -678,67 +810,8 @@ def _untraced_cause(result: WhatIfResult, untraced: list, evidence: dict, fixes:
     evidence["untraced_workers"] = [{"dp_rank": d, "stage": p, "launch_slowdown": None if e is None else 1.0 + e,
                                      "hidden_slowdown": 1.0 + f} for (d, p), e, f in untraced]
     fixes["untraced-cpu"] = Fix("untraced-cpu", float(result.step_t_base.mean()) * (1.0 - saved), slowdown,
-                                explained, saved, FIX_NAMES["untraced"])
+                                explained, saved, FIX_NAMES["untraced"], measured=True)
     return 1.0 + max(saved, free / launch), [w for w, *_ in untraced]
-
-
-def _p2p_partner(model: JobModel) -> np.ndarray:
-    """Per op, the other op of its comm group when the group is a pair (a p2p send/recv), else -1."""
-    partner = np.full(len(model.op_group), -1)
-    members = np.flatnonzero(model.op_group >= 0)
-    order = members[np.argsort(model.op_group[members], kind="stable")]
-    _, first, size = np.unique(model.op_group[order], return_index=True, return_counts=True)
-    pairs = first[size == 2]
-    partner[order[pairs]], partner[order[pairs + 1]] = order[pairs + 1], order[pairs]
-    return partner
-
-
-def _untraced_time(model: JobModel, dp: int, stage: int, partner: np.ndarray | None = None) -> np.ndarray:
-    """Seconds per step worker (dp, stage) spends in launch delays while running none of its traced
-    compute: a launch delay (start - end of the op's dependencies) is the worker's own untraced
-    time only where no compute op of the worker ran meanwhile. A recv the schedule posts after
-    the computes in between, which the model starts after the previous compute of its direction,
-    is the model's structure, not the worker's time; and a recv that starts with its peer's send
-    (it was posted earlier and waited: the converter starts it there) is the peer's delay. A recv
-    posted after its peer's send started was the worker's own lateness, from that send's start on
-    (before it, the worker waited for the data)."""
-    partner = _p2p_partner(model) if partner is None else partner
-    ops = np.flatnonzero(model.op_stage == stage)
-    recv = np.isin(model.op_optype[ops], [OPTYPES.index("forward-recv"), OPTYPES.index("backward-recv")])
-    # busy: computing, or blocked in a recv or a DP collective (waiting on a peer is no untraced work)
-    busy = ops[np.isin(model.op_optype[ops], [OPTYPES.index(name) for name in (*COMPUTE_OPTYPES, *DP_COMM_OPTYPES)]) | recv]
-    peer = np.where(recv, partner[ops], -1)
-    # where the compute ran on the thread that waits on the recvs (host_compute: CPU jobs), a recv
-    # after a compute starts when that thread begins to wait (the converter moves it past the
-    # computes and send issues in between): the gap before it is the thread's own time
-    own_wait = recv & bool(model.meta.host_compute) & (model.pred_index[model.pred_ptr[ops]] < model.n_ops)
-    out = []
-    for lane in np.flatnonzero(model.lane_dp == dp).tolist():
-        delay = np.maximum(model.launch_delay[ops, lane], 0.0)
-        late = np.where(peer >= 0, model.observed_start[ops, lane] > model.observed_start[np.maximum(peer, 0), lane] + 1e-6, True)
-        late |= own_wait
-        waiting = (delay > 0) & (~recv | late)
-        gap_end = model.observed_start[ops[waiting], lane]
-        gap_start = gap_end - delay[waiting]
-        # before a recv, the time until its peer's send began is waiting for the data, not lateness
-        sent = np.where(peer[waiting] >= 0, model.observed_start[np.maximum(peer[waiting], 0), lane], -np.inf)
-        gap_start = np.minimum(np.maximum(gap_start, sent), gap_end)
-        covered = _covered(gap_start, gap_end, model.observed_start[busy, lane], model.observed_end[busy, lane])
-        out.append(float(np.maximum(gap_end - gap_start - covered, 0.0).sum()))
-    return np.array(out)
-
-
-def _covered(gap_start: np.ndarray, gap_end: np.ndarray, busy_start: np.ndarray, busy_end: np.ndarray) -> np.ndarray:
-    """Per gap, the time inside it covered by the union of the busy spans (which may overlap)."""
-    order = np.argsort(busy_start, kind="stable")
-    start, end = busy_start[order], np.maximum.accumulate(busy_end[order]) if len(order) else busy_end
-    # merge into disjoint spans: a span starts a new run where it begins after every earlier end
-    new = np.ones(len(start), dtype=bool)
-    new[1:] = start[1:] > end[:-1]
-    runs = np.flatnonzero(new)
-    merged_start = start[runs]
-    merged_end = np.append(end[runs[1:] - 1], end[-1:]) if len(runs) else end[:0]
-    return np.clip(np.minimum.outer(gap_end, merged_end) - np.maximum.outer(gap_start, merged_start), 0.0, None).sum(axis=1)
 
 
 def _record_shares(evidence: dict, share) -> None:

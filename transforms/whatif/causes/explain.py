@@ -9,9 +9,11 @@ step faster than the ideal: what stays runs faster than its op type's mean), bel
 """
 from __future__ import annotations
 
+import math
+
 from transforms.whatif.causes.verdict import Fix
 
-__all__ = ["CAUSE_ORDER", "cause_sentence", "verdict_sentence", "discarded_sentence", "untraced_sentence", "share_words",
+__all__ = ["CAUSE_ORDER", "cause_sentence", "verdict_sentence", "insufficient_sentence", "when_slow", "discarded_sentence", "untraced_sentence", "share_words",
            "times_words"]
 
 CAUSE_ORDER = ("individual-worker", "stage-imbalance", "sequence-imbalance", "python-gc", "communication")
@@ -60,6 +62,17 @@ def _two_speeds(forward: float, backward: float) -> str:
     return f"{times_words(forward, 'forward')} and {times_words(backward, 'backward')}"
 
 
+def when_slow(w: dict) -> str:
+    """When a worker the detector decided is slow was slow: "in 3 of 3 steps" (persistent), or
+    "in steps 1 and 3 of 5 (intermittent)"; with its confidence."""
+    confidence = f", confidence {w['confidence']:.2f}" if w.get("confidence") is not None else ""
+    if w.get("persistent", True):
+        return f"in {w['slow_steps']} of {w['steps']} steps{confidence}"
+    steps = [str(s) for s in w.get("step_indices", [])]
+    named = steps[0] if len(steps) == 1 else ", ".join(steps[:-1]) + " and " + steps[-1]
+    return f"in step{'s' if len(steps) > 1 else ''} {named} of {w['steps']} (intermittent{confidence})"
+
+
 def _worker(evidence: dict, fix: Fix, implicated) -> str:
     peers = {(w["dp_rank"], w["stage"]): w for w in evidence.get("peer_workers", [])}
     if implicated and all(w in peers for w in implicated):
@@ -69,7 +82,7 @@ def _worker(evidence: dict, fix: Fix, implicated) -> str:
             speed = (times_words(w["ratio"], "forward and backward compute") if abs(w["forward"] - w["backward"]) < 0.1
                      else _two_speeds(w["forward"], w["backward"]))
             parts.append(f"worker dp {d} / stage {p} runs {speed} than the other DP ranks of stage {p} "
-                         f"in {w['slow_steps']} of {w['steps']} steps")
+                         f"{when_slow(w)}")
         return "; ".join(parts) + f"; at peer speed {_faster(fix)}{_masked(fix)}."
     workers = ", ".join(f"dp {d} / stage {p}" for d, p in implicated) or "a few workers"
     return (f"worker {workers} explains {share_words(evidence['m_w'])} of the straggling time (M_W, no DP peers to compare with); "
@@ -135,6 +148,44 @@ def cause_sentence(cause: str, evidence: dict, fix: Fix, implicated, pp_size: in
     return text[0].upper() + text[1:]
 
 
+def pause_sentence(evidence: dict, fix: Fix, worker_rank=None) -> str:
+    """The sentence of python-gc read from untraced pauses (CPU ranks): who pauses, in which steps,
+    how long against the job's usual largest gap, and what planned GC saves."""
+    pauses = evidence.get("pauses") or []
+    by_worker: dict[tuple[int, int], list[dict]] = {}
+    for p in pauses:
+        by_worker.setdefault((p["dp_rank"], p["stage"]), []).append(p)
+    steps = sorted({p["step"] for p in pauses})
+    parts = []
+    for (d, s), hits in by_worker.items():
+        rank = f" (rank {int(worker_rank[d, s])})" if worker_rank is not None else ""
+        longest = max(h["seconds"] for h in hits)
+        parts.append(f"dp {d} / stage {s}{rank} in step{'s' if len(hits) > 1 else ''} "
+                     f"{', '.join(str(h['step']) for h in hits)} (up to {1e3 * longest:.0f} ms)")
+    rotating = len(by_worker) > 1
+    return (f"Untraced pauses, each a single gap between ops outside data loading, far beyond this job's usual largest "
+            f"gap ({1e3 * evidence.get('typical_largest_gap', 0.0):.0f} ms): {'; '.join(parts)}"
+            f"{', a different worker in different steps' if rotating else ''}. Python's garbage collector stops a "
+            f"process like this (so does the OS preempting it; a GC record from the collector tells them apart). "
+            f"{fix.description[0].upper() + fix.description[1:]} would save {_pct(max(fix.savings_fraction, 0.0))} of "
+            f"the step (replayed with every other gap between ops kept; {len(pauses)} pauses in {len(steps)} steps).")
+
+
+def insufficient_sentence(slowdown: float, test: dict) -> str:
+    """Why the job cannot support a decision, and what would settle it ("insufficient-evidence")."""
+    head = f"S = {slowdown:.3f}, but the trace cannot decide who or what is slow"
+    undecided = test.get("undecided") or []
+    if undecided:
+        w = undecided[0]
+        jitter = 100 * (math.exp(test["sigma"]) - 1)
+        return (f"{head}: worker dp {w['dp_rank']} / stage {w['stage']}'s {w['kind']} measures {w['ratio']:.2f}x its DP "
+                f"peers' over {w['samples']} {test['unit']}s, within this job's own jitter ({jitter:.0f}% per "
+                f"{test['unit']}) at a {100 * test['alpha']:g}% false-alarm rate; about {w['samples_needed']} profiled "
+                f"{test['unit']}s would settle it (a longer active window of the profiler's schedule).")
+    limits = "; ".join(test.get("limits") or []) or "no measurement stands out"
+    return f"{head}: {limits}; profile at least 3 steps on more than one DP rank to decide."
+
+
 def verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix | None, spread: bool = False,
                      transient: bool = False) -> str:
     """The sentence of a verdict without a listed cause: "none" or "unexplained"."""
@@ -168,8 +219,8 @@ def discarded_sentence(cause: str, evidence: dict, implicated, launch_slowdown: 
     if cause == "individual-worker":
         peers = {(w["dp_rank"], w["stage"]): w for w in evidence.get("peer_workers", [])}
         facts = [f"worker dp {d} / stage {p}'s forward takes {peers[(d, p)]['forward']:.1f}x and its backward "
-                 f"{peers[(d, p)]['backward']:.1f}x its DP peers' in {peers[(d, p)]['slow_steps']} of "
-                 f"{peers[(d, p)]['steps']} steps" for d, p in implicated if (d, p) in peers]
+                 f"{peers[(d, p)]['backward']:.1f}x its DP peers' {when_slow(peers[(d, p)])}"
+                 for d, p in implicated if (d, p) in peers]
         facts += [f"stage {p} (its only DP rank) runs the usual number of recorded operations per microbatch more "
                   "slowly than the other stages" for d, p in implicated if (d, p) not in peers]
         return f"{head}; measured: {'; '.join(facts)}."
@@ -177,15 +228,22 @@ def discarded_sentence(cause: str, evidence: dict, implicated, launch_slowdown: 
         chunk, stage = evidence["heaviest_chunk"]
         return (f"{head}; measured: model chunk {chunk} (stage {stage}) does {evidence['chunk_ratio']:.2f}x the compute "
                 "per microbatch of the median chunk, on its fastest DP rank.")
-    return f"{head}; no worker measures slower than its DP peers beyond the job's noise floor."
+    return f"{head}; no worker measures slower than its DP peers beyond the job's own jitter."
 
 
-def untraced_sentence(untraced, launch_slowdown: float, fix: Fix) -> str:
-    """The sentence of the untraced-cpu cause: whose untraced CPU time stalls the job, by how much."""
+def untraced_sentence(untraced, launch_slowdown: float, fix: Fix, data_share: float | None = None) -> str:
+    """The sentence of the untraced-cpu cause: whose untraced CPU time stalls the job, by how much;
+    data_share: the share of the worker's untraced time inside DataLoader fetches (None: unknown)."""
     (d, p), excess, free = untraced[0]
     others = f" (also {', '.join(f'dp {w[0]} / stage {w[1]}' for w, *_ in untraced[1:])})" if len(untraced) > 1 else ""
-    head = (f"Worker dp {d} / stage {p}{others} spends CPU time the trace does not record (pauses, data loading, "
-            "host syncs between its ops)")
+    if data_share is not None and data_share >= 0.5:
+        what = f"mostly data loading: {100 * data_share:.0f}% of it inside its DataLoader fetches"
+    elif data_share is not None:
+        what = (f"outside data loading ({100 * (1 - data_share):.0f}% of it not in DataLoader fetches): pauses, "
+                "host syncs, Python between its ops")
+    else:
+        what = "pauses, data loading, host syncs between its ops"
+    head = f"Worker dp {d} / stage {p}{others} spends CPU time the trace does not record ({what})"
     if excess is None:
         return (f"{head}: its untraced time is {100 * free:.0f}% of the step and beyond its peers' in every step; "
                 "they wait for it in their collectives, which the replay (within 5% of what ran) cannot tell from "

@@ -124,45 +124,23 @@ def nanmedian(values: np.ndarray, axis: int) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class PeerComparison:
-    """Each worker's compute against the other DP ranks of its stage ([dp_size, pp_size] arrays).
+    """Each worker's compute against the other DP ranks of its stage ([dp_size, pp_size] arrays):
+    the pace its fix restores (fixes.at_peer_speed). Whether a worker is slow is the worker
+    detector's question (workers.py), not this one's.
 
-    A step ratio is the median, over the worker's microbatches and chunks of that step, of
-    its compute (forward + backward) over the leave-one-out median of the other DP ranks' same
-    microbatch: a
-    GC pause (one microbatch) or a heavy stage (all DP ranks alike) does not move it.
-    ratio / forward / backward: median step ratio over steps (compute, forwards, backwards);
-    slow_steps: steps whose ratio is >= `threshold`; n_steps: sampled steps; noise_floor: the
-    ratio the job's own noise reaches (_noise_floor); direction_steps: steps whose forward or
-    backward ratio reaches the worker alarm ratio (and the noise floor).
+    A step ratio is the median, over the worker's microbatches and chunks of that step, of its
+    compute over the leave-one-out median of the other DP ranks' same microbatch: a GC pause
+    (one microbatch) or a heavy stage (all DP ranks alike) does not move it.
+    ratio / forward / backward: median step ratio over steps (compute, forwards, backwards).
     """
 
     ratio: np.ndarray
     forward: np.ndarray
     backward: np.ndarray
-    slow_steps: np.ndarray
     n_steps: int
-    noise_floor: float = 1.0     # the ratio the job's own noise reaches (see peer_comparison)
-    direction_steps: np.ndarray | None = None   # steps whose forward or backward ratio reaches the alarm ratio
-
-    def threshold(self, rules: CauseRules) -> float:
-        """The ratio a worker must exceed: the rule's, or the job's noise floor when that is higher."""
-        return max(rules.peer_ratio, self.noise_floor)
-
-    def blamed(self, rules: CauseRules) -> list[tuple[int, int]]:
-        """Workers above `threshold` (rules.peer_ratio or the noise floor) their peers, in more than
-        rules.peer_steps of the steps (most: 2 of 2, 2 of 3, 3 of 4), slowest first."""
-        slow = (self.ratio >= self.threshold(rules)) & (self.slow_steps > rules.peer_steps * self.n_steps)
-        if self.direction_steps is not None:
-            # one direction far slower (a 2x forward that a faster backward dilutes in the whole
-            # compute): the alarm ratio, beyond the noise floor, in three steps of four at least
-            # (a peer that the CPU freed by another's pause speeds up reads like it in fewer)
-            alarm = max(rules.worker_alarm_ratio, self.noise_floor)
-            slow |= (np.fmax(self.forward, self.backward) >= alarm) & (self.direction_steps >= np.ceil(0.75 * self.n_steps))
-        cells = [(int(d), int(p)) for d, p in zip(*np.nonzero(slow))]
-        return sorted(cells, key=lambda w: (-self.ratio[w], w))
 
 
-def peer_comparison(model: JobModel, forward: np.ndarray, backward: np.ndarray, rules: CauseRules) -> PeerComparison | None:
+def peer_comparison(model: JobModel, forward: np.ndarray, backward: np.ndarray) -> PeerComparison | None:
     """PeerComparison of every worker; None without DP peers or forward/backward pairs."""
     if model.dp_size < 2 or not len(forward):
         return None
@@ -171,9 +149,6 @@ def peer_comparison(model: JobModel, forward: np.ndarray, backward: np.ndarray, 
     b = take(model.original_cost, backward).reshape(shape)
     with np.errstate(divide="ignore", invalid="ignore"):
         f_ratio, b_ratio = f / peer_median(f), b / peer_median(b)
-        # a microbatch's whole compute (forward + backward) against its peers': a worker slowed in
-        # one direction only (a forward pause, a slow backward kernel) shows in it, and a dp = 2
-        # peer's mirror image of that direction (0.3x forward) does not make it look slow
         t_ratio = (f + b) / peer_median(f + b)
     stage_of_row = model.op_stage[forward[:, 0]]
     step_ratio = np.full((model.pp_size, model.n_steps, model.dp_size), np.nan)
@@ -188,38 +163,7 @@ def peer_comparison(model: JobModel, forward: np.ndarray, backward: np.ndarray, 
         step_forward[p] = nanmedian(f_ratio[rows], axis=0)
         step_backward[p] = nanmedian(b_ratio[rows], axis=0)
     by_worker = lambda a: nanmedian(a, axis=1).T                # [pp, S, dp] -> [dp, pp]
-    floor = _noise_floor(t_ratio, stage_of_row, model.pp_size)
-    threshold = max(rules.peer_ratio, floor)
-    alarm = max(rules.worker_alarm_ratio, floor)
-    return PeerComparison(by_worker(step_ratio), by_worker(step_forward), by_worker(step_backward),
-                          (step_ratio >= threshold).sum(axis=1).T, model.n_steps, floor,
-                          (np.fmax(step_forward, step_backward) >= alarm).sum(axis=1).T)
-
-
-def _noise_floor(ratio: np.ndarray, stage_of_row: np.ndarray, pp: int) -> float:
-    """The peer ratio the job's own noise reaches: exp(3 standard errors of a worker's median ratio),
-    from sigma, the median over workers of the robust spread (1.4826 MAD) of a worker's
-    per-microbatch log ratios to its peers (`ratio`: [rows, steps, dp]) over its microbatches and
-    steps.
-    A slow machine shifts all its ratios (its spread stays small); noise spreads them around 1. On
-    a quiet machine the floor is near 1 and the rule's ratio decides; 4 processes on 2 cores give
-    floors of 1.3-2x, where one slow microbatch or step must not blame a worker."""
-    with np.errstate(invalid="ignore", divide="ignore"):
-        logs = np.log(ratio)
-    spreads = []
-    for p in range(pp):
-        rows = logs[stage_of_row == p]
-        for d in range(rows.shape[2]):
-            values = rows[:, :, d]
-            values = values[np.isfinite(values)]
-            if len(values) >= 4:
-                spreads.append(1.4826 * float(np.median(np.abs(values - np.median(values)))))
-    if not spreads:
-        return 1.0
-    # a worker's ratio is a median over its samples: its noise shrinks with their number (1.25: the
-    # efficiency of a median); three standard errors
-    samples = max(1, int(ratio.shape[0] * ratio.shape[1]))
-    return float(np.exp(3.0 * 1.25 * float(np.median(spreads)) / np.sqrt(samples)))
+    return PeerComparison(by_worker(step_ratio), by_worker(step_forward), by_worker(step_backward), model.n_steps)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,11 +27,13 @@ class CauseRules:
     """
 
     straggling: float = STRAGGLING_THRESHOLD
+    false_alarm: float = 0.01            # the worker detector's false-alarm rate per job (workers.py)
+    peer_offset: float = 0.085           # persistent log offset (RMS) healthy DP peers keep beyond their step-to-step
+                                         # jitter: measured on the 22 clean 2-rank runs of the real-stack corpus
+                                         # (tools/real_stacks, CPU, 2 processes on 2 cores); the worker test's null
     worker_mw: float = 0.5               # M_W rule (one DP rank: no peers to compare with)
-    peer_ratio: float = 1.2              # a worker's compute over its DP peers' median
-    peer_steps: float = 0.5              # ... in more than this share of the sampled steps (most)
     stage_alarm_ratio: float = 1.3      # a chunk this much heavier is named in a discarded window (measured)
-    worker_alarm_ratio: float = 1.5      # a blamed worker this much slower (compute, forward or backward) is named even below S 1.1
+    worker_alarm_ratio: float = 1.5      # one DP rank: a stage running its usual work this much slower is a slow machine
     stage_ms: float = 0.5
     stage_chunk_ratio: float = 1.1       # heaviest chunk's compute per microbatch over the median chunk's
     sequence_r: float = 0.9
@@ -64,7 +66,9 @@ class Fix:
     the share of the job's GPU-hours it would save; description: the fix in words;
     explained_given_others: once every other candidate cause is fixed, the share of what
     remains of the straggling time that this fix removes (None with no other candidate, or
-    when what remains is below S 1.05).
+    when what remains is below S 1.05); measured: the saving is measured against what ran
+    (untraced time taken out of the steps as they ran), not replayed against the ideal, and
+    fixed_slowdown is S as is.
     """
 
     cause: str
@@ -74,6 +78,7 @@ class Fix:
     savings_fraction: float
     description: str = ""
     explained_given_others: float | None = None
+    measured: bool = False
 
 
 @dataclasses.dataclass
@@ -123,7 +128,7 @@ def fix_fields(verdict: Verdict, fix: Fix, gpu_hours: float | None) -> dict:
     savings_gpu_hours is None when the window's GPU-hours are unknown."""
     fields = {"fixed_slowdown": fix.fixed_slowdown, "explained": fix.explained, "savings_fraction": fix.savings_fraction,
               "savings_gpu_hours": None if gpu_hours is None else gpu_hours * max(fix.savings_fraction, 0.0),
-              "fix": fix.description, "explained_given_others": fix.explained_given_others}
+              "fix": fix.description, "explained_given_others": fix.explained_given_others, "measured": fix.measured}
     if fix.cause in verdict.confidences:
         fields.update(confidence=verdict.confidences[fix.cause], explanation=verdict.explanations.get(fix.cause, ""))
     return fields

@@ -1,0 +1,115 @@
+"""The worker detector (transforms/whatif/causes/workers.py): a test per worker and kind of work
+against its DP peers, with the job's own jitter as the null, at a stated false-alarm rate."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from transforms.synth import JobSpec, generate_job
+from transforms.whatif import compile_job
+from transforms.whatif.causes.signals import BACKWARD, FORWARD, pairs
+from transforms.whatif.causes.workers import t_sf, worker_tests
+
+
+@pytest.fixture(scope="module")
+def base():
+    """A clean DDP job (4 DP ranks, one stage, 2 microbatches per step, 8 steps) compiled once."""
+    job = generate_job(JobSpec(job_id="wt", dp=4, pp=1, microbatches=2, steps=8, sessions=1, seed=11))
+    model = compile_job(job.trace, job.meta, "wt")
+    return model, *pairs(model)
+
+
+def _jittered(model, rng, sigma: float):
+    """A copy of the model whose every compute op is its median over lanes times exp(N(0, sigma)):
+    identical work on every DP rank, independent jitter of known size."""
+    out = type(model).__new__(type(model))
+    out.__dict__.update(model.__dict__)
+    typical = np.median(model.original_cost, axis=1, keepdims=True)
+    out.original_cost = typical * np.exp(rng.normal(0.0, sigma, model.original_cost.shape))
+    return out
+
+
+def _slow(model, worker_dp: int, code: int, factor: float, steps=None):
+    cost = model.original_cost.copy()
+    lanes = np.flatnonzero(model.lane_dp == worker_dp)
+    if steps is not None:
+        lanes = lanes[list(steps)]
+    ops = np.flatnonzero(model.op_optype == code)
+    cost[np.ix_(ops, lanes)] *= factor
+    model.original_cost = cost
+    return model
+
+
+def test_t_tail_matches_the_closed_forms():
+    assert t_sf(1.0, 1) == pytest.approx(0.25)                       # Cauchy
+    assert t_sf(0.0, 7) == pytest.approx(0.5)
+    assert t_sf(2.228138851986274, 10) == pytest.approx(0.025, rel=1e-9)   # t_{0.975, 10}
+    assert t_sf(-2.0, 2) == pytest.approx(1.0 - t_sf(2.0, 2))
+    assert t_sf(2.0, 2) == pytest.approx(0.5 * (1.0 - 2.0 / math.sqrt(6.0)))  # df 2: (1 - t / sqrt(2 + t^2)) / 2
+
+
+def test_clean_jobs_raise_at_most_the_stated_false_alarm_rate(base):
+    """300 clean jobs (jitter 10% per op, no slow worker): a job with any finding is a false alarm;
+    at alpha = 1% the count stays near 3 (at most 9: P(X >= 10 | 300, 1%) < 0.1%)."""
+    model, forward, backward = base
+    rng = np.random.default_rng(5)
+    alarms = sum(bool(worker_tests(_jittered(model, rng, 0.10), forward, backward, alpha=0.01).slow) for _ in range(300))
+    assert alarms <= 9
+
+
+def test_a_persistently_slow_worker_is_found_with_its_ratio(base):
+    model, forward, backward = base
+    rng = np.random.default_rng(1)
+    slowed = _slow(_jittered(model, rng, 0.03), 2, FORWARD, 1.3)
+    tests = worker_tests(slowed, forward, backward)
+    assert tests.workers() == [(2, 0)]
+    finding = tests.of((2, 0))[0]
+    assert finding.persistent and finding.kind == "forward"
+    assert finding.ratio == pytest.approx(1.3, rel=0.05)
+    assert finding.steps == tuple(range(model.n_steps))
+    assert finding.confidence >= 0.99
+
+
+def test_a_worker_slow_in_two_steps_is_named_with_those_steps(base):
+    """Slow 2x in steps 2 and 5 of 8: not averaged away, not persistent, named with its steps."""
+    model, forward, backward = base
+    rng = np.random.default_rng(2)
+    slowed = _slow(_jittered(model, rng, 0.03), 1, BACKWARD, 2.0, steps=(2, 5))
+    tests = worker_tests(slowed, forward, backward)
+    assert tests.workers() == [(1, 0)]
+    finding = tests.of((1, 0))[0]
+    assert not finding.persistent and finding.steps == (2, 5) and finding.kind == "backward"
+
+
+def test_noise_above_the_effect_is_undecided_and_says_how_many_steps_would_decide(base):
+    """1.2x in forward with 35% jitter per op over 8 steps: the job cannot confirm it; the finding
+    is undecided with a number of steps larger than profiled."""
+    model, forward, backward = base
+    rng = np.random.default_rng(4)
+    slowed = _slow(_jittered(model, rng, 0.35), 3, FORWARD, 1.2)
+    tests = worker_tests(slowed, forward, backward)
+    assert not tests.slow and not tests.decided
+    undecided = [f for f in tests.undecided if f.worker == (3, 0)]
+    assert undecided and (undecided[0].samples_needed is None or undecided[0].samples_needed > model.n_steps)
+
+
+def test_a_worker_that_finishes_its_compute_first_is_not_blamed(base):
+    """Backward 1.2x its peers' but forward 0.4x: its whole compute ends before theirs, so it holds
+    no one up at the all-reduce (interference from a slowed peer, not a straggler)."""
+    model, forward, backward = base
+    rng = np.random.default_rng(4)
+    slowed = _slow(_slow(_jittered(model, rng, 0.02), 0, BACKWARD, 1.2), 0, FORWARD, 0.4)
+    assert (0, 0) not in worker_tests(slowed, forward, backward).workers()
+
+
+def test_without_peers_or_samples_the_detector_says_why():
+    job = generate_job(JobSpec(job_id="pp", dp=1, pp=2, microbatches=4, steps=4, sessions=1, seed=1))
+    model = compile_job(job.trace, job.meta, "pp")
+    tests = worker_tests(model, *pairs(model))
+    assert not tests.peers and tests.decided and "one DP rank" in tests.limits[0]
+    job = generate_job(JobSpec(job_id="one", dp=2, pp=1, microbatches=1, steps=1, sessions=1, seed=1))
+    model = compile_job(job.trace, job.meta, "one")
+    tests = worker_tests(model, *pairs(model))
+    assert tests.peers and not tests.decided and "one profiled step" in tests.limits[0]

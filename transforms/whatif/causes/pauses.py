@@ -1,0 +1,233 @@
+"""Untraced time between a worker's ops, and the pauses in it (CPU ranks).
+
+On a CPU rank the thread that runs the model also runs Python between its ops: the interpreter's
+own work, a DataLoader fetch, a garbage collection. None of it is a traced op; it is the gap
+between ops while the worker neither computes nor waits in a recv or DP collective
+(`untraced_gaps`). Its parts tell causes apart by physics, not by size:
+- data loading: gap time inside `enumerate(DataLoader)` fetches (the trace's `data_wait`);
+- a pause: one gap far beyond the job's usual largest gap per worker and step. Python's garbage
+  collector stops the world in one piece, where interpreter overhead spreads over every gap;
+- the rest: ordinary time between ops.
+`find_pauses` tests each worker-step's largest non-data gap against the job's usual one (median
+and robust spread over the worker-steps whose largest gap is below the straggling threshold's
+share of a step, so a worker pausing in every step does not set the usual), Bonferroni over the
+cells at the job's false-alarm rate; a pause is also worth that share of a step on its own (a
+smaller one cannot make the job straggle).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+
+import numpy as np
+
+from transforms.whatif.model import JobModel
+from schemas.trace import COMPUTE_OPTYPES, DP_COMM_OPTYPES, IN_COMPUTE_OPTYPES, OPTYPES
+
+__all__ = ["p2p_partner", "untraced_gaps", "untraced_time", "covered", "Pauses", "find_pauses", "recurring", "rotating",
+           "pause_fix", "pause_confidence"]
+
+_RECV = [OPTYPES.index("forward-recv"), OPTYPES.index("backward-recv")]
+# busy: computing, or blocked in a collective (DP, or one inside the step: a barrier, a broadcast, FSDP's
+# gathers) waiting for its peers, which is no untraced work of the worker's own
+_BUSY = [OPTYPES.index(name) for name in (*COMPUTE_OPTYPES, *DP_COMM_OPTYPES, *IN_COMPUTE_OPTYPES)]
+
+
+def p2p_partner(model: JobModel) -> np.ndarray:
+    """Per op, the other op of its comm group when the group is a pair (a p2p send/recv), else -1."""
+    partner = np.full(len(model.op_group), -1)
+    members = np.flatnonzero(model.op_group >= 0)
+    order = members[np.argsort(model.op_group[members], kind="stable")]
+    _, first, size = np.unique(model.op_group[order], return_index=True, return_counts=True)
+    pairs = first[size == 2]
+    partner[order[pairs]], partner[order[pairs + 1]] = order[pairs + 1], order[pairs]
+    return partner
+
+
+def untraced_gaps(model: JobModel, dp: int, stage: int, partner: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ops of the stage, [len(ops), n_steps] seconds of each op's launch gap that worker (dp, stage)
+    spent running none of its traced compute (overlapping gaps count once), and of that the seconds
+    inside DataLoader fetches: the trace's `data_wait` of an op is a fetch that ended by its start,
+    laid out as [start - data_wait, start] on the worker's timeline). A launch delay (start - end of the op's dependencies)
+    is the worker's own untraced time only where no compute op of the worker ran meanwhile. A recv
+    the schedule posts after the computes in between, which the model starts after the previous
+    compute of its direction, is the model's structure, not the worker's time; and a recv that
+    starts with its peer's send (it was posted earlier and waited: the converter starts it there)
+    is the peer's delay. A recv posted after its peer's send started was the worker's own lateness,
+    from that send's start on (before it, the worker waited for the data)."""
+    partner = p2p_partner(model) if partner is None else partner
+    ops = np.flatnonzero(model.op_stage == stage)
+    recv = np.isin(model.op_optype[ops], _RECV)
+    busy = ops[np.isin(model.op_optype[ops], _BUSY) | recv]
+    peer = np.where(recv, partner[ops], -1)
+    # where the compute ran on the thread that waits on the recvs (host_compute: CPU jobs), a recv
+    # after a compute starts when that thread begins to wait (the converter moves it past the
+    # computes and send issues in between): the gap before it is the thread's own time
+    own_wait = recv & bool(model.meta.host_compute) & (model.pred_index[model.pred_ptr[ops]] < model.n_ops)
+    lanes = np.flatnonzero(model.lane_dp == dp)
+    out = np.zeros((len(ops), len(lanes)))
+    data = np.zeros_like(out)
+    for column, lane in enumerate(lanes.tolist()):
+        delay = np.maximum(model.launch_delay[ops, lane], 0.0)
+        late = np.where(peer >= 0, model.observed_start[ops, lane] > model.observed_start[np.maximum(peer, 0), lane] + 1e-6, True)
+        late |= own_wait
+        waiting = (delay > 0) & (~recv | late)
+        gap_end = model.observed_start[ops[waiting], lane]
+        gap_start = gap_end - delay[waiting]
+        # before a recv, the time until its peer's send began is waiting for the data, not lateness
+        sent = np.where(peer[waiting] >= 0, model.observed_start[np.maximum(peer[waiting], 0), lane], -np.inf)
+        gap_start = np.minimum(np.maximum(gap_start, sent), gap_end)
+        # gaps of ops that wait from the same moment (two ops free at the step's start) overlap:
+        # each counts only the time no earlier-ending gap already counted
+        order = np.argsort(gap_end, kind="stable")
+        counted = np.concatenate([[-np.inf], np.maximum.accumulate(gap_end[order])[:-1]])
+        gap_start[order] = np.minimum(np.maximum(gap_start[order], counted), gap_end[order])
+        busy_time = covered(gap_start, gap_end, model.observed_start[busy, lane], model.observed_end[busy, lane])
+        out[waiting, column] = np.maximum(gap_end - gap_start - busy_time, 0.0)
+        if model.data_wait is not None:
+            fetched = ops[model.data_wait[ops, lane] > 0]
+            fetch_end = model.observed_start[fetched, lane]
+            fetch = covered(gap_start, gap_end, fetch_end - model.data_wait[fetched, lane], fetch_end)
+            data[waiting, column] = np.minimum(fetch, out[waiting, column])
+    return ops, out, data
+
+
+def untraced_time(model: JobModel, dp: int, stage: int, partner: np.ndarray | None = None) -> np.ndarray:
+    """Seconds per step worker (dp, stage) spends in untraced time (`untraced_gaps`, data loading included)."""
+    return untraced_gaps(model, dp, stage, partner)[1].sum(axis=0)
+
+
+def covered(gap_start: np.ndarray, gap_end: np.ndarray, busy_start: np.ndarray, busy_end: np.ndarray) -> np.ndarray:
+    """Per gap, the time inside it covered by the union of the busy spans (which may overlap)."""
+    order = np.argsort(busy_start, kind="stable")
+    start, end = busy_start[order], np.maximum.accumulate(busy_end[order]) if len(order) else busy_end
+    # merge into disjoint spans: a span starts a new run where it begins after every earlier end
+    new = np.ones(len(start), dtype=bool)
+    new[1:] = start[1:] > end[:-1]
+    runs = np.flatnonzero(new)
+    merged_start = start[runs]
+    merged_end = np.append(end[runs[1:] - 1], end[-1:]) if len(runs) else end[:0]
+    return np.clip(np.minimum.outer(gap_end, merged_end) - np.maximum.outer(gap_start, merged_start), 0.0, None).sum(axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pauses:
+    """Untraced time per worker and step ([pp, n_steps, dp] seconds): `untraced` outside data
+    loading, `data` inside DataLoader fetches, `largest` the largest single non-data gap; `cells`:
+    the (dp, stage, step index) pauses with their excess over the job's usual largest gap
+    (`typical`), `limit` the size a pause must exceed; `where`: per pause its (op, lane)."""
+
+    untraced: np.ndarray
+    data: np.ndarray
+    largest: np.ndarray
+    typical: float
+    limit: float
+    cells: tuple[tuple[int, int, int, float], ...]
+    where: tuple[tuple[int, int], ...]
+
+    def workers(self) -> list[tuple[int, int]]:
+        """Workers with a pause, most paused first."""
+        total: dict[tuple[int, int], float] = {}
+        for d, p, _, excess in self.cells:
+            total[(d, p)] = total.get((d, p), 0.0) + excess
+        return sorted(total, key=lambda w: (-total[w], w))
+
+    def excess_of(self, worker: tuple[int, int]) -> np.ndarray:
+        """[n_steps] seconds of pause beyond the usual largest gap, per step, of one worker."""
+        out = np.zeros(self.untraced.shape[1])
+        for d, p, s, excess in self.cells:
+            if (d, p) == worker:
+                out[s] += excess
+        return out
+
+    def evidence(self, steps: np.ndarray) -> dict:
+        return {"pauses": [{"dp_rank": d, "stage": p, "step": int(steps[s]), "seconds": e + self.typical,
+                            "excess": e} for d, p, s, e in self.cells],
+                "pause_limit": self.limit, "typical_largest_gap": self.typical,
+                "data_loading_share": float(self.data.sum() / max(self.data.sum() + self.untraced.sum(), 1e-12))}
+
+
+def find_pauses(model: JobModel, alpha: float = 0.01, straggling: float = 1.1,
+                partner: np.ndarray | None = None) -> Pauses:
+    """Pauses of every worker (module docstring). A pause is a worker-step's largest non-data gap
+    beyond the job's median largest gap by both a robust z at Bonferroni-corrected `alpha` and
+    (straggling - 1) of the median step time (a pause smaller than that cannot make a job straggle
+    on its own)."""
+    partner = p2p_partner(model) if partner is None else partner
+    shape = (model.pp_size, model.n_steps, model.dp_size)
+    untraced, data, largest = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+    at = np.zeros(shape, dtype=np.int64)
+    for p in range(model.pp_size):
+        for d in range(model.dp_size):
+            ops, gaps, loading = untraced_gaps(model, d, p, partner)
+            lanes = np.flatnonzero(model.lane_dp == d)
+            own = gaps - loading
+            untraced[p, :, d], data[p, :, d] = own.sum(axis=0), loading.sum(axis=0)
+            if len(ops):
+                top = own.argmax(axis=0)
+                largest[p, :, d], at[p, :, d] = own[top, np.arange(len(lanes))], ops[top]
+    # the job's usual largest gap, from the worker-steps whose largest gap could not be a pause
+    # (below the straggling share of a step): a worker pausing every step is half the cells of a
+    # two-rank job, and must not set the usual
+    floor = (straggling - 1.0) * float(np.median(model.observed_end.max(axis=0) - model.observed_start.min(axis=0)))
+    values = largest.ravel()
+    usual = values[values < floor]
+    typical = float(np.median(usual)) if len(usual) else 0.0
+    spread = 1.4826 * float(np.median(np.abs(usual - typical))) if len(usual) else 0.0
+    z = statistics.NormalDist().inv_cdf(1.0 - alpha / max(len(values), 1))
+    limit = typical + max(z * spread, floor)
+    cells, where = [], []
+    for p, s, d in zip(*np.nonzero(largest > limit)):
+        cells.append((int(d), int(p), int(s), float(largest[p, s, d] - typical)))
+        where.append((int(at[p, s, d]), int(s * model.dp_size + d)))
+    return Pauses(untraced, data, largest, typical, limit, tuple(cells), tuple(where))
+
+
+def recurring(pauses: Pauses) -> bool:
+    """Pauses that recur (two or more): a collector runs again and again; one pause once is the
+    job's own variation (a preempted moment)."""
+    return len(pauses.cells) >= 2
+
+
+def rotating(pauses: Pauses) -> bool:
+    """Recurring pauses that strike in different steps: on several workers, or on one worker in some
+    of its steps and not others. Python's collector runs when each process's allocations reach its
+    thresholds, so its pauses come and go by worker and step; a pause on the same worker in every
+    profiled step is that worker's own per-step work (a hook, an explicit gc.collect() every step:
+    only a GC record from the trainer can say which)."""
+    if not recurring(pauses):
+        return False
+    workers = pauses.workers()
+    return len(workers) > 1 or int((pauses.excess_of(workers[0]) > 0).sum()) < pauses.untraced.shape[1]
+
+
+def pause_fix(model: JobModel, pauses: Pauses, traced_step: np.ndarray) -> tuple[float, float, float, float]:
+    """(mean step time as it ran, without the pauses with planned GC paid back, planned GC seconds
+    per step, share of the untraced time beyond the traced replay (`traced_step`, per step) that the
+    pauses make). Measured, not replayed: the job waits for its slowest worker, so a step without
+    its pauses is shorter by its largest pause beyond the usual gap (a recorded launch delay is
+    pinned to the time its dependencies ended as they ran, so a replay with the others' delays
+    keeps the pause's echo). Planned GC: the same collections, every worker at once: the mean pause
+    per worker and step."""
+    ran = model.observed_end.max(axis=0).reshape(model.n_steps, model.dp_size).max(axis=1)
+    saving = np.zeros(model.n_steps)
+    for _, _, s, excess in pauses.cells:
+        saving[s] = max(saving[s], excess)
+    saving = np.minimum(saving, ran)
+    planned = sum(excess for *_, excess in pauses.cells) / (model.dp_size * model.pp_size * model.n_steps)
+    untraced = float(np.maximum(ran - np.asarray(traced_step, dtype=np.float64), 0.0).sum())
+    share = float(saving.sum()) / untraced if untraced > 0 else 0.0
+    return float(ran.mean()), float((ran - saving).mean()) + planned, planned, float(min(max(share, 0.0), 1.0))
+
+
+def pause_confidence(pauses: Pauses, alpha: float) -> float:
+    """1 - the Bonferroni-adjusted p-value of the least clear pause (its z against the usual largest
+    gap's spread), at least 1 - alpha: every pause passed the test at alpha."""
+    spread = 1.4826 * float(np.median(np.abs(pauses.largest.ravel() - pauses.typical)))
+    if spread <= 0:
+        return 1.0
+    least = min(excess for *_, excess in pauses.cells)
+    tail = statistics.NormalDist().cdf(-least / spread) * pauses.largest.size
+    return float(max(1.0 - min(tail, 1.0), 1.0 - alpha))

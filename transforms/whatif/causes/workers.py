@@ -1,0 +1,291 @@
+"""The worker detector: is a worker slower than its DP peers beyond the job's own noise?
+
+One statistical test in place of ratio thresholds. Per worker (dp rank, stage), kind of work
+(forward, backward) and sample (a profiled step; the step's microbatches when fewer than three
+steps were profiled) the effect is
+
+    e = log(the worker's work in the sample) - log(median of its DP peers' same work)
+
+(DP ranks of one stage run the same layers on the same shapes: a heavy stage or a long batch
+moves them alike, a slow machine moves one). The null comes from the job itself: the spread of
+every comparison's effects around their own mean over the samples (pooled over workers, stages
+and both kinds; with two DP ranks the two workers' effects mirror each other and count once) is
+the job's jitter, sigma, with its degrees of freedom. Student's t turns each test into a p-value;
+Bonferroni over every test of the job holds the false-alarm rate per job at `alpha`.
+
+- persistent: the worker's mean effect over its samples is significant and its median (most
+  samples) at least the straggling threshold's ratio (METHOD.md: 1.1; a worker that alone would make a job straggle);
+- intermittent: single samples significant against both its peers and its own other samples,
+  tested against the jitter of the job's other comparisons (a worker slow in k of n steps, named
+  with those steps, never averaged away), when it is not persistent;
+A worker is blamed only where its whole compute (forward + backward) exceeds its peers': DP ranks
+wait for each other at the gradient all-reduce, so one that finishes its compute first delays no
+one (its slower backward beside a far faster forward is the peer's interference, not a straggler).
+
+- undecided: a median effect above the threshold that the job's noise cannot confirm; the
+  finding says how many samples would (`samples_needed`): the job gives "insufficient evidence".
+
+Confidence of a finding: 1 - its Bonferroni-adjusted p-value. Without DP peers there is nothing
+to test against: `limits` says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from transforms.whatif.causes.signals import peer_median
+from transforms.whatif.model import JobModel, distinct
+
+__all__ = ["KINDS", "WorkerFinding", "WorkerTests", "worker_tests", "t_sf"]
+
+KINDS = ("forward", "backward")
+_LARGE_DF = 200          # beyond it t_sf takes the normal approximation (the closed form sums df / 2 terms)
+
+
+def t_sf(t: float, df: int) -> float:
+    """P(T > t) for Student's t with integer df >= 1 (closed form, Abramowitz & Stegun 26.7.3-4)."""
+    if math.isnan(t):
+        return 1.0
+    if math.isinf(t):
+        return 0.0 if t > 0 else 1.0
+    df = max(int(df), 1)
+    if df > _LARGE_DF:   # A&S 26.7.8: t -> normal, error far below the p-values that matter here
+        z = t * (1.0 - 1.0 / (4.0 * df)) / math.sqrt(1.0 + t * t / (2.0 * df))
+        return 0.5 * math.erfc(z / math.sqrt(2.0))
+    theta = math.atan(abs(t) / math.sqrt(df))
+    s, c2 = math.sin(theta), math.cos(theta) ** 2
+    if df % 2:                       # A = 2/pi (theta + sin cos (1 + 2/3 cos^2 + 2.4/3.5 cos^4 ...))
+        term = series = math.cos(theta) if df > 1 else 0.0
+        for j in range(1, (df - 1) // 2):
+            term *= c2 * (2 * j) / (2 * j + 1)
+            series += term
+        inside = 2.0 / math.pi * (theta + s * series)
+    else:                            # A = sin (1 + 1/2 cos^2 + 1.3/2.4 cos^4 ...)
+        term = series = 1.0
+        for j in range(1, df // 2):
+            term *= c2 * (2 * j - 1) / (2 * j)
+            series += term
+        inside = s * series
+    inside = min(max(inside, 0.0), 1.0)
+    return (1.0 - inside) / 2.0 if t >= 0 else (1.0 + inside) / 2.0
+
+
+def _median_variance(n: int) -> float:
+    """Variance of the median of n unit-normal samples (1/n for n <= 2; pi / 2n beyond)."""
+    return 1.0 / max(n, 1) if n <= 2 else math.pi / (2.0 * n)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerFinding:
+    """One worker's test in one kind of work. ratio: its work over its peers' (persistent:
+    the median over samples; intermittent: the median over the slow steps); steps: the profiled
+    steps (indices) where it is slow; p_value: Bonferroni-adjusted; samples_needed (undecided):
+    samples at which the measured effect would be significant at the job's noise."""
+
+    worker: tuple[int, int]
+    kind: str
+    ratio: float
+    steps: tuple[int, ...]
+    persistent: bool
+    p_value: float
+    samples: int
+    samples_needed: int | None = None
+
+    @property
+    def confidence(self) -> float:
+        return 1.0 - self.p_value
+
+    def as_json(self) -> dict:
+        return {"dp_rank": self.worker[0], "stage": self.worker[1], "kind": self.kind, "ratio": self.ratio,
+                "steps": list(self.steps), "persistent": self.persistent, "p_value": self.p_value,
+                "confidence": self.confidence, "samples": self.samples, "samples_needed": self.samples_needed}
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerTests:
+    """Every test of one job. sigma: the job's jitter of a sample's log effect; df: degrees of
+    freedom of that estimate; n_tests: the tests Bonferroni divides alpha among; unit: "step" or
+    "microbatch"; slow: decided findings (persistent first, by ratio); undecided: effects above
+    the threshold the noise cannot confirm; limits: why the job cannot test at all."""
+
+    alpha: float
+    floor: float
+    sigma: float
+    df: int
+    n_tests: int
+    unit: str
+    slow: tuple[WorkerFinding, ...]
+    undecided: tuple[WorkerFinding, ...]
+    limits: tuple[str, ...] = ()
+    peers: bool = True                   # whether the job has DP peers to test against
+    tau: float = 0.0                     # persistent offset (log, RMS) of healthy peers in the null
+
+    @property
+    def decided(self) -> bool:
+        """Whether every worker with peers could be decided (no effect left within the jitter)."""
+        return not self.undecided and (not self.limits or not self.peers)
+
+    def workers(self) -> list[tuple[int, int]]:
+        """Workers with a decided finding, the strongest first (persistent before intermittent)."""
+        return list(dict.fromkeys(f.worker for f in self.slow))
+
+    def of(self, worker: tuple[int, int]) -> list[WorkerFinding]:
+        return [f for f in self.slow if f.worker == worker]
+
+    def evidence(self) -> dict:
+        return {"worker_test": {"alpha": self.alpha, "ratio_floor": self.floor, "sigma": self.sigma, "df": self.df,
+                                "tau": self.tau,
+                                "tests": self.n_tests, "unit": self.unit, "limits": list(self.limits),
+                                "slow": [f.as_json() for f in self.slow],
+                                "undecided": [f.as_json() for f in self.undecided]}}
+
+
+def _empty(alpha: float, floor: float, limit: str, peers: bool = True) -> WorkerTests:
+    return WorkerTests(alpha, floor, math.nan, 0, 0, "step", (), (), (limit,), peers)
+
+
+def _samples(model: JobModel, forward: np.ndarray, backward: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
+    """[kind, stage, sample, dp] work per sample and each sample's step index. Samples are steps
+    (per-step sums over the worker's microbatches and chunks) when three or more were profiled,
+    else (step, microbatch) pairs."""
+    shape = (len(forward), model.n_steps, model.dp_size)                 # lanes are step-major, dp minor
+    work = np.stack([np.take_along_axis(model.original_cost, ops, axis=0).reshape(shape) for ops in (forward, backward)])
+    stage_of_row = model.op_stage[forward[:, 0]]
+    stages = distinct(stage_of_row)
+    if model.n_steps >= 3:
+        out = np.stack([work[:, stage_of_row == p].sum(axis=1) for p in stages], axis=1)
+        return out, np.arange(model.n_steps), "step"
+    rows = min(int((stage_of_row == p).sum()) for p in stages)
+    out = np.stack([work[:, stage_of_row == p][:, :rows].transpose(0, 2, 1, 3).reshape(2, -1, model.dp_size)
+                    for p in stages], axis=1)                           # [kind, stage, step * rows, dp]
+    return out, np.repeat(np.arange(model.n_steps), rows), "microbatch"
+
+
+def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alpha: float = 0.01,
+                 floor: float = 1.1, offset: float = 0.0) -> WorkerTests:
+    """Test every worker of a compiled job against its DP peers (module docstring).
+
+    forward/backward: signals.pairs(model); alpha: false-alarm rate per job; floor: the least
+    ratio a finding may have (the straggling threshold); offset: the persistent log offset healthy
+    DP peers show (RMS), the least `tau` of the null (CauseRules.peer_offset)."""
+    if model.dp_size < 2:
+        return _empty(alpha, floor, "one DP rank per stage: no peers doing the same work to compare a worker with", False)
+    if not len(forward):
+        return _empty(alpha, floor, "no forward/backward pairs to compare", False)
+    work, step_of, unit = _samples(model, forward, backward)
+    n = work.shape[2]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logs = np.log(work)
+        effect = logs - peer_median(logs)                                # [kind, stage, sample, dp]
+        total = np.log(work.sum(axis=0))
+        ahead = np.nanmean(total - peer_median(total), axis=1) > 0      # [stage, dp]: its compute exceeds its peers'
+    effect[~np.isfinite(effect)] = np.nan
+    count = np.isfinite(effect).sum(axis=2)                             # [kind, stage, dp]
+    level = np.nanmean(np.where(count[:, :, None] > 0, effect, 0.0), axis=2)
+    squares = np.nansum((effect - level[:, :, None, :]) ** 2, axis=2)   # [kind, stage, dp]
+    # dp = 2: the two workers' effects mirror each other; each comparison counts once
+    families = 1 if model.dp_size == 2 else model.dp_size
+    ss, dfs = squares[..., :families], np.maximum(count[..., :families] - 1, 0)
+    df = int(dfs.sum())
+    if n < 2 or df < 1:
+        return _empty(alpha, floor, "one profiled step with one microbatch: no spread to tell noise from a slow worker")
+    sigma = math.sqrt(float(ss.sum()) / df)
+    tau = _healthy_offset(level, count, sigma, offset) if model.dp_size >= 3 else offset
+    stage_ids = distinct(model.op_stage[forward[:, 0]])
+    n_tests = len(KINDS) * work.shape[1] * model.dp_size
+    limit = math.log(floor)
+    slow, undecided = [], []
+    for k, kind in enumerate(KINDS):
+        for p in range(work.shape[1]):
+            for d in range(model.dp_size):
+                e, m = effect[k, p, :, d], int(count[k, p, d])
+                ok = np.isfinite(e)
+                if m < 2 or not ahead[p, d]:
+                    continue
+                # t on the mean; "persistent" also needs the median above the threshold (most
+                # samples: a worker slow in two steps of eight is intermittent)
+                worker, mean, middle = (d, int(stage_ids[p])), float(level[k, p, d]), float(np.median(e[ok]))
+                # the mean's null: the jitter over m samples plus the offset healthy peers keep
+                # (Welch-Satterthwaite degrees of freedom: the offset is known, the jitter estimated)
+                jitter = sigma * sigma / m
+                se = math.sqrt(jitter + tau * tau)
+                df_mean = max(1, int(df * ((jitter + tau * tau) / jitter) ** 2)) if jitter > 0 else 10 ** 6
+                p_level = min(1.0, n_tests * t_sf(mean / se, df_mean)) if se > 0 else float(mean <= 0)
+                if middle >= limit and p_level <= alpha:
+                    slow.append(WorkerFinding(worker, kind, math.exp(middle), tuple(sorted(set(step_of[ok & (e >= limit)].tolist()))),
+                                              True, p_level, m))
+                    continue
+                found = _intermittent(effect, ss, dfs, (k, p, d), families, n_tests, alpha, limit)
+                if found is not None:
+                    hit, p_cells = found
+                    slow.append(WorkerFinding(worker, kind, math.exp(float(np.median(e[hit]))),
+                                              tuple(sorted(set(step_of[hit].tolist()))), False, p_cells, m))
+                elif middle >= limit:
+                    undecided.append(WorkerFinding(worker, kind, math.exp(middle), (), True, p_level, m,
+                                                   _samples_needed(max(mean, limit), sigma, tau, df, alpha / n_tests, m)))
+    slow.sort(key=lambda f: (not f.persistent, -f.ratio, f.worker, f.kind))
+    undecided.sort(key=lambda f: (-f.ratio, f.worker, f.kind))
+    return WorkerTests(alpha, floor, sigma, df, n_tests, unit, tuple(slow), tuple(undecided), tau=tau)
+
+
+def _healthy_offset(level: np.ndarray, count: np.ndarray, sigma: float, offset: float) -> float:
+    """tau: the persistent offset (log, RMS) between healthy DP peers, beyond the jitter of their
+    means, read from a job of three or more DP ranks (robust: the median squared mean over every
+    worker, kind and stage, so a slow worker among three or more does not set it, less the
+    jitter's share); never below `offset`, the prior healthy peers show. Two DP ranks give one
+    comparison per stage, which a slow worker is: the caller takes the prior then."""
+    means = level[count >= 2]
+    if means.size >= 3:
+        n = float(np.median(count[count >= 2]))
+        read = float(np.median(means * means)) / 0.4549 - sigma * sigma / n   # median of chi2(1) = 0.4549
+        return max(math.sqrt(max(read, 0.0)), offset)
+    return offset
+
+
+def _samples_needed(effect: float, sigma: float, tau: float, df: int, tail: float, m: int) -> int | None:
+    """Samples at which an effect of this size would be significant; None when no number would: the
+    healthy peers' persistent offset alone hides it (more peers, not more steps, decide then)."""
+    target = effect / max(_t_for(tail, max(df, 30)), 1e-12)       # the standard error that would do
+    room = target * target - tau * tau
+    if room <= 0:
+        return None
+    return max(math.ceil(sigma * sigma / room), m + 1)
+
+
+def _intermittent(effect: np.ndarray, ss: np.ndarray, dfs: np.ndarray, cell: tuple[int, int, int], families: int,
+                  n_tests: int, alpha: float, limit: float) -> tuple[np.ndarray, float] | None:
+    """The samples where one worker's effect stands out against its peers and its own other samples,
+    tested against the noise of every *other* comparison of the job (its own swings do not widen
+    the null it is tested against): (mask of slow samples, adjusted p) or None."""
+    k, p, d = cell
+    own = (k, p, min(d, families - 1))
+    rest_df = int(dfs.sum() - dfs[own])
+    if rest_df < 1:
+        return None
+    sigma = math.sqrt(float(ss.sum() - ss[own]) / rest_df)
+    e = effect[k, p, :, d]
+    ok = np.isfinite(e)
+    m = int(ok.sum())
+    if sigma <= 0 or m < 2:
+        return None
+    others = np.array([np.median(np.delete(e[ok], i)) for i in range(m)])
+    value = np.full(len(e), -np.inf)
+    value[ok] = np.fmin(e[ok], e[ok] - others)          # beyond its peers and beyond its own usual
+    spread = sigma * math.sqrt(1.0 + _median_variance(m - 1))
+    p_cells = np.array([min(1.0, n_tests * len(e) * t_sf(v / spread, rest_df)) if np.isfinite(v) else 1.0 for v in value])
+    hit = (value >= limit) & (p_cells <= alpha)
+    return (hit, float(p_cells[hit].max())) if hit.any() else None
+
+
+def _t_for(tail: float, df: int) -> float:
+    """The t value whose upper tail is `tail` (bisection on t_sf)."""
+    lo, hi = 0.0, 1e6
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if t_sf(mid, df) > tail:
+            lo = mid
+        else:
+            hi = mid
+    return hi
