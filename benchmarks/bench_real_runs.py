@@ -97,6 +97,7 @@ def analyse_run(run: pathlib.Path) -> dict:
         result = json.loads(out.read_text())
     coords = {(c["dp"], c["pp"]): int(r) for r, c in truth["rank_coords"].items()}
     verdict = result.get("verdict") or {}
+    row["counterfactual"] = gc_counterfactual(run, truth, verdict)
     blamed = sorted({coords.get((int(d), int(s)), -1) for d, s in verdict.get("implicated_workers") or []})
     untraced = result.get("untraced_work") or {}
     row.update(refused=False, reason="", S=untraced.get("slowdown", result["blocking_slowdown"]),
@@ -104,6 +105,37 @@ def analyse_run(run: pathlib.Path) -> dict:
                discarded=bool(result.get("discarded")), cause=verdict.get("cause") or "none",
                causes=list(verdict.get("causes") or []), blamed=blamed, confidence=verdict.get("confidence"))
     return row
+
+
+def gc_counterfactual(run: pathlib.Path, truth: dict, verdict: dict) -> dict | None:
+    """The GC pauses' fix against the run's own record of its collections (PROVENANCE.json of
+    tools/real_stacks: per rank, the ms of each step and of each gc.collect()). Measured: over the
+    profiled steps (the schedule's active ones), the longest collection of each step over the
+    median step's time (the job waits for the slowest rank); predicted: the fix's saving with the pauses
+    taken out and no planned GC paid back (what dropping the collections measures). None without
+    a record or a pause fix."""
+    path = run / "PROVENANCE.json"
+    fix = next((f for c, f in (verdict.get("fixes") or {}).items() if c in ("python-gc", "untraced-cpu")
+                and f.get("measured") and "pauses" in str(f.get("fix"))), None)
+    if fix is None or not path.is_file():
+        return None
+    ranks = json.loads(path.read_text()).get("ranks") or {}
+    if not any(r.get("gc_collects") for r in ranks.values()):
+        return None
+    profiler = truth.get("profiler") or {}
+    first = int(profiler.get("wait", 0)) + int(profiler.get("warmup", 0))
+    steps = range(first, first + int(profiler.get("active", 0)))
+    step_ms = {s: max(r["step_ms"][s] for r in ranks.values() if s < len(r["step_ms"])) for s in steps}
+    collect = {s: max([ms for r in ranks.values() for step, ms in r.get("gc_collects") or [] if step == s], default=0.0)
+               for s in steps}
+    # the median step: the step that ends the profiler's active window also holds the trace's export
+    # (on_trace_ready runs inside the trainer's timed step), seconds the training never spent
+    typical = sorted(step_ms.values())[len(step_ms) // 2]
+    measured = sum(collect.values()) / (len(step_ms) * typical)
+    saved, step_time = float(fix["savings_fraction"]), float(fix["step_time"])
+    ran = step_time / (1.0 - saved) if saved < 1.0 else float("nan")
+    planned = float((verdict.get("evidence") or {}).get("planned_gc_seconds") or 0.0) if "planned" in str(fix["fix"]) else 0.0
+    return {"predicted": 1.0 - (step_time - planned) / ran, "measured": measured}
 
 
 def score(rows: list[dict]) -> dict:
@@ -307,6 +339,14 @@ def main(argv: list[str] | None = None) -> int:
         inside = sum(abs(r["launch"] - 1) <= 0.05 for r in low)
         print(f"  (METHOD.md's no-delay discrepancy within 5% on the low-noise runs: {inside} / {len(low)} "
               f"{inside / len(low):.1%})")
+    twins = [(r["run"], r["counterfactual"]) for r in rows if r.get("counterfactual")]
+    if twins:
+        print("  GC pauses' fix against the runs' own record of their collections (saving of the profiled steps):")
+        for name, c in twins:
+            print(f"    {name:<44} predicted {c['predicted']:6.1%}  measured {c['measured']:6.1%}  "
+                  f"error {c['predicted'] - c['measured']:+6.1%}")
+        errors = sorted(abs(c["predicted"] - c["measured"]) for _, c in twins)
+        print(f"    median |error| {errors[len(errors) // 2]:.1%} over {len(errors)} runs (target <= 5%)")
     clean_undecided, slowed_undecided, analysed = undecided(rows)
     print(f"  insufficient evidence (no blame; the verdict says what would decide): {clean_undecided} clean, "
           f"{slowed_undecided} slowed, of {analysed} analysed runs")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import pathlib
 import urllib.parse
 
@@ -100,9 +101,28 @@ def _evidence_value(value) -> str:
         return "none"
     if isinstance(value, list) and isinstance(value[0], dict):     # per worker: peer workers, untraced workers
         return "; ".join(_worker_evidence(w) for w in value)
+    if isinstance(value, dict) and "sigma" in value and "tests" in value:     # the worker test
+        return _worker_test_words(value)
     if isinstance(value, dict):
         return ", ".join(f"{k}: {fmt(x, 3)}" for k, x in value.items())
     return json.dumps(value)
+
+
+def _worker_test_words(test: dict) -> str:
+    """The worker test in words: the null it used, then what it decided and what it could not."""
+    if not test.get("tests"):
+        return "not run: " + "; ".join(test.get("limits") or ["no peers"])
+    head = (f"{test['tests']} tests at a {100 * test['alpha']:g}% false-alarm rate per job; jitter "
+            f"{100 * (math.exp(test['sigma']) - 1):.0f}% per {test['unit']} ({test['df']} df), healthy peers' offset "
+            f"{100 * (math.exp(test.get('tau') or 0.0) - 1):.0f}%")
+    slow = [f"dp {w['dp_rank']} / stage {w['stage']} {w['kind']} {w['ratio']:.2f}x "
+            + ("persistent" if w["persistent"] else f"in steps {', '.join(map(str, w['steps']))}")
+            + f" (confidence {w['confidence']:.2f})" for w in test.get("slow", [])]
+    undecided = [f"dp {w['dp_rank']} / stage {w['stage']} {w['kind']} {w['ratio']:.2f}x"
+                 + (f" (about {w['samples_needed']} {test['unit']}s would decide)" if w.get("samples_needed")
+                    else " (more DP peers would decide)") for w in test.get("undecided", [])]
+    return "; ".join([head, *(["slow: " + ", ".join(slow)] if slow else []),
+                      *(["undecided: " + ", ".join(undecided)] if undecided else [])])
 
 
 def _worker_evidence(w: dict) -> str:

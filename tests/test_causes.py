@@ -338,16 +338,16 @@ def test_untraced_time_must_stand_out_of_the_job_not_only_of_its_dp_peers(monkey
 
     import numpy as np
 
-    from transforms.whatif.causes import detect
+    from transforms.whatif.causes import untraced
 
     def names(per_step_ms):
         model = types.SimpleNamespace(dp_size=2, pp_size=2, meta=types.SimpleNamespace(host_compute=True))
         result = types.SimpleNamespace(launch_by_dp_rank={0: 1.007, 1: 1.047}, launch_by_stage={0: 1.035, 1: 1.016},
                                        launch_slowdown=1.0508, step_t_nodelay=np.array([0.47, 0.47, 0.47]),
                                        discarded=False, slowdown=1.2)
-        monkeypatch.setattr(detect, "p2p_partner", lambda model: None)
-        monkeypatch.setattr(detect, "untraced_time", lambda model, d, p, partner=None: np.array(per_step_ms[(d, p)]) / 1e3)
-        return [w for w, *_ in detect._untraced_workers(model, result)]
+        monkeypatch.setattr(untraced, "p2p_partner", lambda model: None)
+        monkeypatch.setattr(untraced, "untraced_time", lambda model, d, p, partner=None: np.array(per_step_ms[(d, p)]) / 1e3)
+        return [w for w, *_ in untraced.untraced_workers(model, result)]
 
     clean = {(0, 0): [3.9, 3.4, 4.4], (0, 1): [25.1, 10.4, 17.9], (1, 0): [14.1, 5.7, 60.1], (1, 1): [34.4, 21.3, 12.2]}
     assert names(clean) == []

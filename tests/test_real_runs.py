@@ -136,6 +136,21 @@ def test_strict_scores_hold_each_run_to_its_one_expected_cause():
     assert strict["clean_below_1.1"] == (1, 2)
 
 
+def test_the_gc_counterfactual_compares_the_pause_fix_with_the_run_s_record_of_its_collections(tmp_path):
+    """Measured: the longest collect of each profiled step over the median profiled step (the last
+    active step also holds the trace's export); predicted: the fix's saving without planned GC."""
+    (tmp_path / "PROVENANCE.json").write_text(json.dumps({"ranks": {
+        "0": {"step_ms": [900, 400, 400, 400, 1200], "gc_collects": [[2, 100.0], [4, 80.0]]},
+        "1": {"step_ms": [900, 410, 390, 400, 1100], "gc_collects": [[3, 120.0]]}}}))
+    truth = {"profiler": {"wait": 1, "warmup": 1, "active": 3}}
+    fix = {"savings_fraction": 0.2, "step_time": 0.32, "measured": True, "fix": "planned GC: the pauses taken out, ..."}
+    verdict = {"fixes": {"python-gc": fix}, "evidence": {"planned_gc_seconds": 0.05}}
+    got = bench.gc_counterfactual(tmp_path, truth, verdict)
+    assert got["measured"] == pytest.approx((100 + 120 + 80) / (3 * 400))        # steps 2, 3, 4; median step 400 ms
+    assert got["predicted"] == pytest.approx(1 - (0.32 - 0.05) / 0.4)            # ran = 0.32 / (1 - 0.2)
+    assert bench.gc_counterfactual(tmp_path, truth, {"fixes": {"individual-worker": fix}}) is None
+
+
 def test_reliability_bins_verdicts_by_confidence_and_counts_the_right_ones():
     """Of the verdicts naming a cause, per confidence bin: how many, how many right (strict), the mean
     confidence; none and insufficient evidence claim nothing and are left out, and are no false alarm."""

@@ -34,7 +34,8 @@ Thresholds live once, in `CauseRules` (verdict.py), each with where it comes fro
 straggling threshold and the 5% discrepancy (METHOD.md), the false-alarm rate (a stated choice),
 the healthy peers' offset (measured on clean real runs), the remaining stage, sequence and
 communication signatures and listing shares (the paper's analysis). Modules: workers (the worker
-test), pauses (untraced time), signals (pairs, peer pace, chunk balance, GPU GC stalls),
+test), pauses (untraced time: gaps, data loading, pauses), untraced (untraced-cpu and python-gc
+from pauses), signals (pairs, peer pace, chunk balance, GPU GC stalls),
 sequences, fixes, detect (classify: signals -> one batched replay -> candidates -> listing ->
 verdict), explain (sentences), verdict (dataclasses, the job_cause row). Words: schemas/causes.py.
 """

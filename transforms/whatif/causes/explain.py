@@ -178,10 +178,13 @@ def insufficient_sentence(slowdown: float, test: dict) -> str:
     if undecided:
         w = undecided[0]
         jitter = 100 * (math.exp(test["sigma"]) - 1)
+        settle = (f"about {w['samples_needed']} profiled {test['unit']}s would settle it (a longer active window of the "
+                  "profiler's schedule)" if w.get("samples_needed") else
+                  "healthy DP peers differ persistently by about this much, so more steps would not settle it: more DP "
+                  "peers would, or a record of what the worker ran")
         return (f"{head}: worker dp {w['dp_rank']} / stage {w['stage']}'s {w['kind']} measures {w['ratio']:.2f}x its DP "
                 f"peers' over {w['samples']} {test['unit']}s, within this job's own jitter ({jitter:.0f}% per "
-                f"{test['unit']}) at a {100 * test['alpha']:g}% false-alarm rate; about {w['samples_needed']} profiled "
-                f"{test['unit']}s would settle it (a longer active window of the profiler's schedule).")
+                f"{test['unit']}) at a {100 * test['alpha']:g}% false-alarm rate; {settle}.")
     limits = "; ".join(test.get("limits") or []) or "no measurement stands out"
     return f"{head}: {limits}; profile at least 3 steps on more than one DP rank to decide."
 

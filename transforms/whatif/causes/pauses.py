@@ -17,7 +17,6 @@ smaller one cannot make the job straggle).
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 
 import numpy as np
@@ -204,22 +203,35 @@ def rotating(pauses: Pauses) -> bool:
 
 
 def pause_fix(model: JobModel, pauses: Pauses, traced_step: np.ndarray) -> tuple[float, float, float, float]:
-    """(mean step time as it ran, without the pauses with planned GC paid back, planned GC seconds
-    per step, share of the untraced time beyond the traced replay (`traced_step`, per step) that the
-    pauses make). Measured, not replayed: the job waits for its slowest worker, so a step without
+    """(mean wall-clock step time as it ran, without the pauses with planned GC paid back, planned
+    GC seconds per step, share of the untraced time beyond the traced replay (`traced_step`, per
+    step) that the pauses make). Measured, not replayed: the job waits for its slowest worker, so a step without
     its pauses is shorter by its largest pause beyond the usual gap (a recorded launch delay is
     pinned to the time its dependencies ended as they ran, so a replay with the others' delays
     keeps the pause's echo). Planned GC: the same collections, every worker at once: the mean pause
     per worker and step."""
-    ran = model.observed_end.max(axis=0).reshape(model.n_steps, model.dp_size).max(axis=1)
+    ran = _wall_steps(model)
     saving = np.zeros(model.n_steps)
     for _, _, s, excess in pauses.cells:
         saving[s] = max(saving[s], excess)
     saving = np.minimum(saving, ran)
     planned = sum(excess for *_, excess in pauses.cells) / (model.dp_size * model.pp_size * model.n_steps)
-    untraced = float(np.maximum(ran - np.asarray(traced_step, dtype=np.float64), 0.0).sum())
+    span = model.observed_end.max(axis=0).reshape(model.n_steps, model.dp_size).max(axis=1)
+    untraced = float(np.maximum(span - np.asarray(traced_step, dtype=np.float64), 0.0).sum())
     share = float(saving.sum()) / untraced if untraced > 0 else 0.0
     return float(ran.mean()), float((ran - saving).mean()) + planned, planned, float(min(max(share, 0.0), 1.0))
+
+
+def _wall_steps(model: JobModel) -> np.ndarray:
+    """Seconds each step took on the wall clock: from its start to the next step's (what GPU-hours
+    pay, the time between one step's last op and the next one's first included), the last step
+    its op span plus the median of that time between steps (its own span alone without others)."""
+    span = model.observed_end.max(axis=0).reshape(model.n_steps, model.dp_size).max(axis=1)
+    period = np.diff(np.asarray(model.step_start, dtype=np.float64))
+    if not len(period) or not np.all(period > 0):
+        return span
+    between = float(np.median(np.maximum(period - span[:-1], 0.0)))
+    return np.append(np.maximum(period, span[:-1]), span[-1] + between)
 
 
 def pause_confidence(pauses: Pauses, alpha: float) -> float:

@@ -128,7 +128,8 @@ def fix_fields(verdict: Verdict, fix: Fix, gpu_hours: float | None) -> dict:
     savings_gpu_hours is None when the window's GPU-hours are unknown."""
     fields = {"fixed_slowdown": fix.fixed_slowdown, "explained": fix.explained, "savings_fraction": fix.savings_fraction,
               "savings_gpu_hours": None if gpu_hours is None else gpu_hours * max(fix.savings_fraction, 0.0),
-              "fix": fix.description, "explained_given_others": fix.explained_given_others, "measured": fix.measured}
+              "fix": fix.description, "explained_given_others": fix.explained_given_others, "measured": fix.measured,
+              "step_time": fix.step_time}
     if fix.cause in verdict.confidences:
         fields.update(confidence=verdict.confidences[fix.cause], explanation=verdict.explanations.get(fix.cause, ""))
     return fields

@@ -197,34 +197,35 @@ def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alp
     n_tests = len(KINDS) * work.shape[1] * model.dp_size
     limit = math.log(floor)
     slow, undecided = [], []
-    for k, kind in enumerate(KINDS):
-        for p in range(work.shape[1]):
-            for d in range(model.dp_size):
-                e, m = effect[k, p, :, d], int(count[k, p, d])
-                ok = np.isfinite(e)
-                if m < 2 or not ahead[p, d]:
-                    continue
-                # t on the mean; "persistent" also needs the median above the threshold (most
-                # samples: a worker slow in two steps of eight is intermittent)
-                worker, mean, middle = (d, int(stage_ids[p])), float(level[k, p, d]), float(np.median(e[ok]))
-                # the mean's null: the jitter over m samples plus the offset healthy peers keep
-                # (Welch-Satterthwaite degrees of freedom: the offset is known, the jitter estimated)
-                jitter = sigma * sigma / m
-                se = math.sqrt(jitter + tau * tau)
-                df_mean = max(1, int(df * ((jitter + tau * tau) / jitter) ** 2)) if jitter > 0 else 10 ** 6
-                p_level = min(1.0, n_tests * t_sf(mean / se, df_mean)) if se > 0 else float(mean <= 0)
-                if middle >= limit and p_level <= alpha:
-                    slow.append(WorkerFinding(worker, kind, math.exp(middle), tuple(sorted(set(step_of[ok & (e >= limit)].tolist()))),
-                                              True, p_level, m))
-                    continue
-                found = _intermittent(effect, ss, dfs, (k, p, d), families, n_tests, alpha, limit)
-                if found is not None:
-                    hit, p_cells = found
-                    slow.append(WorkerFinding(worker, kind, math.exp(float(np.median(e[hit]))),
-                                              tuple(sorted(set(step_of[hit].tolist()))), False, p_cells, m))
-                elif middle >= limit:
-                    undecided.append(WorkerFinding(worker, kind, math.exp(middle), (), True, p_level, m,
-                                                   _samples_needed(max(mean, limit), sigma, tau, df, alpha / n_tests, m)))
+    # only a comparison with a sample at the threshold can give a finding (persistent, intermittent
+    # or undecided): the others are decided healthy without a test each
+    with np.errstate(invalid="ignore"):
+        reach = np.where(np.isfinite(effect), effect, -np.inf).max(axis=2) >= limit
+    candidates = reach & (count >= 2) & ahead[None, :, :]
+    for k, p, d in zip(*np.nonzero(candidates)):
+        kind, e, m = KINDS[k], effect[k, p, :, d], int(count[k, p, d])
+        ok = np.isfinite(e)
+        # t on the mean; "persistent" also needs the median above the threshold (most samples: a
+        # worker slow in two steps of eight is intermittent)
+        worker, mean, middle = (int(d), int(stage_ids[p])), float(level[k, p, d]), float(np.median(e[ok]))
+        # the mean's null: the jitter over m samples plus the offset healthy peers keep
+        # (Welch-Satterthwaite degrees of freedom: the offset is known, the jitter estimated)
+        jitter = sigma * sigma / m
+        se = math.sqrt(jitter + tau * tau)
+        df_mean = max(1, int(df * ((jitter + tau * tau) / jitter) ** 2)) if jitter > 0 else 10 ** 6
+        p_level = min(1.0, n_tests * t_sf(mean / se, df_mean)) if se > 0 else float(mean <= 0)
+        if middle >= limit and p_level <= alpha:
+            slow.append(WorkerFinding(worker, kind, math.exp(middle), tuple(sorted(set(step_of[ok & (e >= limit)].tolist()))),
+                                      True, p_level, m))
+            continue
+        found = _intermittent(effect, ss, dfs, (int(k), int(p), int(d)), families, n_tests, alpha, limit)
+        if found is not None:
+            hit, p_cells = found
+            slow.append(WorkerFinding(worker, kind, math.exp(float(np.median(e[hit]))),
+                                      tuple(sorted(set(step_of[hit].tolist()))), False, p_cells, m))
+        elif middle >= limit:
+            undecided.append(WorkerFinding(worker, kind, math.exp(middle), (), True, p_level, m,
+                                           _samples_needed(max(mean, limit), sigma, tau, df, alpha / n_tests, m)))
     slow.sort(key=lambda f: (not f.persistent, -f.ratio, f.worker, f.kind))
     undecided.sort(key=lambda f: (-f.ratio, f.worker, f.kind))
     return WorkerTests(alpha, floor, sigma, df, n_tests, unit, tuple(slow), tuple(undecided), tau=tau)
