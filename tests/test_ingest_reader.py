@@ -53,6 +53,7 @@ class _ReferencePass:
         self._launch_tid = {}
         self.kernels, self.origin = 0, None
         self._flow_starts, self._flow_ends = [], []
+        self.embeddings = []
         for event in events:
             if event.get("ph") != "X":
                 if event.get("cat") == "fwdbwd" and event.get("ts") is not None:
@@ -108,6 +109,11 @@ class _ReferencePass:
                 args = event.get("args") or {}
                 if "Collective name" in args:
                     self.comm_meta.append(dict(args, ts=ts, tid=event.get("tid")))
+                continue
+            if name == "aten::embedding":
+                shapes = (event.get("args") or {}).get("Input Dims") or []
+                if len(shapes) >= 2 and shapes[0] and shapes[1] and all(isinstance(v, int) for v in [*shapes[0], *shapes[1]]):
+                    self.embeddings.append((ts, event.get("tid"), int(shapes[0][0]), tuple(shapes[1])))
                 continue
             if cat == "user_annotation":
                 if optimizer_label.match(name):

@@ -94,3 +94,39 @@ def test_clean_runs_have_no_pauses():
 
     _, model, _ = _job("pipe-clean-1f1b-pp2-s0")
     assert find_pauses(model).cells == ()
+
+
+def test_record_shapes_give_each_forward_its_batch_lengths():
+    """HF Trainer with dynamic padding, the batch length drawn per step and rank: the token embedding's
+    index shape [B, T] (record_shapes) becomes the forward's seq_lens, [T] * B, different per rank."""
+    converted, _, _ = _job("hf-seq-gpt2-padded")
+    table = converted.trace.to_pandas()
+    forward = table[table.optype == "forward-compute"]
+    lengths = forward.seq_lens.tolist()
+    assert all(v is not None and len(v) == 4 and len(set(v)) == 1 for v in lengths)
+    per_step = forward.groupby("step").seq_lens.apply(lambda s: len({v[0] for v in s}))
+    assert (per_step == 2).all()                                      # the two ranks ran different lengths
+    assert table[table.optype != "forward-compute"].seq_lens.isna().all()
+
+
+def test_compute_that_follows_the_recorded_lengths_is_the_sequence_signature():
+    """One microbatch per rank and step: forward against backward cannot be correlated, compute
+    against the recorded workload can. Compute made proportional to the workload reads r = 1; the
+    same compute given to the other rank of each step (against its data) reads no correlation."""
+    from transforms.whatif import analyze_model
+    from transforms.whatif.causes import sequence_workload
+    from transforms.whatif.causes.detect import _signals, _workload_r
+    from transforms.whatif.causes.signals import take
+    from transforms.whatif.causes.verdict import CauseRules
+
+    converted, model, _ = _job("hf-seq-gpt2-padded")
+    workload = sequence_workload(converted.trace, model)
+    signals = _signals(model, analyze_model(model), CauseRules(), {}, None)
+    load = take(workload.op_workload, signals.forward)
+    for ops in (signals.forward, signals.backward):
+        np.put_along_axis(model.original_cost, ops, 1e-7 * load, axis=0)
+    assert _workload_r(model, signals, workload) == pytest.approx(1.0)
+    swapped = load.reshape(len(load), model.n_steps, model.dp_size)[:, :, ::-1].reshape(load.shape)
+    for ops in (signals.forward, signals.backward):
+        np.put_along_axis(model.original_cost, ops, 1e-7 * swapped, axis=0)
+    assert _workload_r(model, signals, workload) < 0.5

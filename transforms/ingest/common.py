@@ -157,10 +157,11 @@ def seq_ids(step: np.ndarray, worker: np.ndarray, optype: np.ndarray, start: np.
 
 
 def build_trace(job_id: str, *, dp_rank, stage, rank, step, optype, start_ts, duration, mb_id, mc, gmc,
-                host=None, n_ops=None, data_wait=None) -> pa.Table:
+                host=None, n_ops=None, data_wait=None, seq_lens=None) -> pa.Table:
     """A TRACE_SCHEMA table from per-row numpy columns (optype as OPTYPES codes; seq_id derived),
     sorted by (step, dp_rank, stage, start_ts); n_ops: per row, < 0 for none; data_wait: per
-    row seconds (None: the trace records no data loading)."""
+    row seconds (None: the trace records no data loading); seq_lens: per row a list of sequence
+    lengths or None."""
     dp_rank, stage, step, optype = (np.asarray(a, dtype=np.int64) for a in (dp_rank, stage, step, optype))
     start_ts, duration = np.asarray(start_ts, dtype=np.float64), np.asarray(duration, dtype=np.float64)
     worker = dp_rank * (int(stage.max()) + 1 if len(stage) else 1) + stage
@@ -182,7 +183,8 @@ def build_trace(job_id: str, *, dp_rank, stage, rank, step, optype, start_ts, du
         "gmc": pa.array(np.asarray(gmc, dtype=np.int64)[order], pa.int16()),
         "host": pa.array(None if host is None else np.asarray(host, dtype=object)[order], pa.string())
         if host is not None else pa.nulls(n, pa.string()),
-        "seq_lens": pa.nulls(n, pa.list_(pa.int32())),
+        "seq_lens": (pa.nulls(n, pa.list_(pa.int32())) if seq_lens is None else
+                     pa.array(np.asarray(seq_lens, dtype=object)[order].tolist(), pa.list_(pa.int32()))),
         "n_ops": (pa.nulls(n, pa.int32()) if n_ops is None else
                   pa.array(np.asarray(n_ops, dtype=np.int64)[order], pa.int32(), mask=np.asarray(n_ops)[order] < 0)),
         "data_wait": (pa.nulls(n, pa.float64()) if data_wait is None else

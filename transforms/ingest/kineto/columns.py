@@ -62,6 +62,9 @@ class ArgsKeys(msgspec.Struct, frozen=True, gc=False):
     seq: Any = msgspec.field(default=_UNSET, name="Seq")
     group_desc: Any = msgspec.field(default=_UNSET, name="Process Group Description")
     group_ranks: Any = msgspec.field(default=_UNSET, name="Process Group Ranks")
+    # record_shapes' input shapes of every op: kept as raw bytes (no decoding cost per op), decoded
+    # for the few ops whose args are read (aten::embedding: the tokens of a batch)
+    dims: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Input Dims")
 
     def _keyed(self, out: dict[str, Any]) -> dict[str, Any]:
         """`out` with the keys the file had, as they were spelled."""
@@ -71,6 +74,8 @@ class ArgsKeys(msgspec.Struct, frozen=True, gc=False):
                            ("Process Group Ranks", self.group_ranks)):
             if value is not _UNSET:
                 out[key] = value
+        if len(self.dims):
+            out["Input Dims"] = msgspec.json.decode(self.dims)
         return out
 
 

@@ -56,14 +56,15 @@ def _name_class(name: str) -> int:
     c10d p2p call or record_param_comms, which the event-by-event part reads. (A name that is no
     string never gets here: columns.BadEvent.)"""
     return int(bool(_STEP.match(name)) or name.startswith(("gloo:", "c10d::send", "c10d::recv", "nccl:"))
-               or name == "record_param_comms")
+               or name in ("record_param_comms", _EMBEDDING_OP))
 
 
 
 _GPU, _GPU_LABEL, _CPU = range(3)   # the groups of rare events
 
 
-_STEP_SPAN, _GLOO, _P2P, _COMMS, _NCCL_RANGE, _OTHER = range(6)   # what a CPU op whose name matters is
+_STEP_SPAN, _GLOO, _P2P, _COMMS, _NCCL_RANGE, _EMBEDDING, _OTHER = range(7)   # what a CPU op whose name matters is
+_EMBEDDING_OP = "aten::embedding"   # its input shapes (record_shapes) say how many tokens a forward ran
 
 
 def _cpu_action(name: str) -> tuple[int, Any]:
@@ -81,6 +82,8 @@ def _cpu_action(name: str) -> tuple[int, Any]:
         return _COMMS, None
     if name.startswith("nccl:"):
         return _NCCL_RANGE, None
+    if name == _EMBEDDING_OP:
+        return _EMBEDDING, None
     return _OTHER, None
 
 
@@ -116,6 +119,7 @@ class _EventPass:
         self.p2p_labels: list[tuple[float, float, int, int]] = []       # start, end, direction (+1 F, -1 B), stage
         self.overlapped: list[tuple[float, float, str, str]] = []       # OVERLAP_F_B labels: start, end, actions, name
         self.nccl_ranges: list[tuple[float, float, str, Any]] = []      # `nccl:*` CPU ranges: start, end, name, tid
+        self.embeddings: list[tuple[float, Any, int, tuple]] = []       # aten::embedding: start, tid, table rows, index shape
         # columns, one array per run
         # names and tids as ids into the file's tables (`_Interned`): what is asked of a name, once per name
         self._names, self._tids = _Interned(), _Interned()
@@ -221,7 +225,7 @@ class _EventPass:
         known = self._cpu_actions
         actions = [known.get(name) or known.setdefault(name, _cpu_action(name)) for name in names]
         # the args read, decoded together: those of c10d's p2p calls and record_param_comms
-        wanted = [i for i, action in zip(positions, actions) if action[0] in (_P2P, _COMMS)]
+        wanted = [i for i, action in zip(positions, actions) if action[0] in (_P2P, _COMMS, _EMBEDDING)]
         args = dict(zip(wanted, columns.args_many(group, wanted))) if wanted else {}
         labels = self.deferred is None
         for i, (name, ts, end), tid, is_annotation, (action, value) in zip(positions, spans, tids, annotation, actions):
@@ -237,6 +241,10 @@ class _EventPass:
             elif action == _COMMS:
                 if "Collective name" in args[i]:
                     self.comm_meta.append(dict(args[i], ts=ts, tid=tid))
+            elif action == _EMBEDDING:
+                shapes = args[i].get("Input Dims") or []
+                if len(shapes) >= 2 and shapes[0] and shapes[1] and all(isinstance(v, int) for v in [*shapes[0], *shapes[1]]):
+                    self.embeddings.append((ts, tid, int(shapes[0][0]), tuple(shapes[1])))
             else:
                 if action == _NCCL_RANGE:   # c10d's range around a NCCL call: names the kernels it launched
                     self.nccl_ranges.append((ts, end, name, tid))

@@ -370,6 +370,7 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
         columns["mc"].append(r["mc"])
         columns["gmc"].append(r["gmc"])
         columns["n_ops"].append(r["n_ops"])
+        columns["seq_lens"].append(r["seq_lens"])
         loading = by_rank[rank].data_loading
         if loading is not None:
             shift = (by_rank[rank].origin_ns - first_origin) / 1000.0
@@ -378,6 +379,8 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
             columns["data_wait"].append(np.zeros(n))
     if not any(t.data_loading is not None for t in analysed):
         del columns["data_wait"]
+    if not any(t.seq_lens is not None for t in analysed):
+        del columns["seq_lens"]
     hosts = options.get("hosts")
     if isinstance(hosts, list) and len(hosts) >= world:
         host_of = {rank: str(hosts[rank]) for rank in rows}

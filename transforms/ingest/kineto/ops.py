@@ -24,6 +24,7 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
     kind, start, end, step = trace.kind[in_steps], trace.start[in_steps], trace.end[in_steps], trace.step[in_steps]
     mb, chunk, peer, coll, group = (a[in_steps] for a in (trace.mb, trace.chunk, trace.peer, trace.coll, trace.group))
     n_ops = trace.n_ops[in_steps]
+    lengths = trace.seq_lens[in_steps] if trace.seq_lens is not None else np.full(len(kind), None, dtype=object)
     optype = np.full(len(kind), -1, dtype=np.int64)
     optype[kind == FWD] = _CODE["forward-compute"]
     optype[kind == BWD] = _CODE["backward-compute"]
@@ -133,6 +134,7 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
         "mc": np.concatenate([np.where(is_p2p_row[rows], -1, mc[rows]), np.zeros(len(opt_steps), dtype=np.int64)]),
         "gmc": np.concatenate([np.where(is_p2p_row[rows], -1, gmc[rows]), np.full(len(opt_steps), stage)]),
         "n_ops": np.concatenate([np.where(compute[rows], n_ops[rows], -1), np.full(len(opt_steps), -1)]),
+        "seq_lens": np.concatenate([lengths[rows], np.full(len(opt_steps), None, dtype=object)]),
         "peer_stage": np.concatenate([np.where(is_p2p_row[rows], pair_stage[rows], -1), np.full(len(opt_steps), -1)]),
     }
     return out
@@ -152,7 +154,7 @@ def _whole_labels(trace: RankTrace) -> RankTrace:
     columns = {f.name: getattr(trace, f.name) for f in dataclasses.fields(trace)}
     columns.update(end=end, n_ops=n_ops, piece=None)
     for name in ("kind", "start", "end", "step", "mb", "chunk", "peer", "coll", "group", "peer_local", "direction", "n_ops",
-                 "seq"):
+                 "seq", "seq_lens"):
         if columns[name] is not None:
             columns[name] = columns[name][~later]
     return RankTrace(**columns)
@@ -218,7 +220,7 @@ def _pipeline_end_noops(rows: dict[str, np.ndarray], stage: int, placement: np.n
     _after_chain(rows, step, optype, at)
     extra = {"step": step, "optype": optype, "start": at, "end": at, "mb_id": np.full(len(at), -1),
              "mc": np.full(len(at), -1), "gmc": np.full(len(at), -1), "n_ops": np.full(len(at), -1),
-             "peer_stage": np.full(len(at), -1)}
+             "peer_stage": np.full(len(at), -1), "seq_lens": np.full(len(at), None, dtype=object)}
     return {name: np.concatenate([rows[name], extra[name].astype(rows[name].dtype)]) for name in rows}
 
 

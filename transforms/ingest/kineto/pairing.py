@@ -265,7 +265,7 @@ def _overlapped_dp_marker(rows: Mapping[int, dict[str, np.ndarray]]) -> int:
         extra = {"step": steps, "optype": np.full(len(steps), separate), "start": at, "end": at.copy(),
                  "mb_id": np.full(len(steps), -1), "mc": np.zeros(len(steps), dtype=np.int64),
                  "gmc": np.full(len(steps), stage_gmc), "n_ops": np.full(len(steps), -1),
-                 "peer_stage": np.full(len(steps), -1)}
+                 "peer_stage": np.full(len(steps), -1), "seq_lens": np.full(len(steps), None, dtype=object)}
         for name in r:
             r[name] = np.concatenate([r[name], extra[name].astype(r[name].dtype)])
         added += len(steps)

@@ -216,7 +216,7 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     work = _recorded_ops(spans, autograd, flow_ends) if not kernels else [-1] * len(spans)
     trace = _rank_trace(path, rank, world, str(info.get("backend") or ""), groups, device, versions, steps, spans,
                         comm, optimizer, unmapped, _p2p_directions(comm, cpu_labels, events.p2p_labels), work,
-                        issued)
+                        issued, _batch_lengths(spans, events.embeddings, step_tid))
     host = top.get("host_name") or info.get("host_name")
     trace.host = str(host) if host else None
     loading = cpu_ops.per_name(lambda name: name.startswith(_DATA_LOADING))
@@ -610,8 +610,35 @@ def _starts_an_iteration(bounds: np.ndarray, ends: np.ndarray, forward: np.ndarr
     return not (len(first_backward) and (not len(first_forward) or first_backward[0] < first_forward[0]))
 
 
+def _batch_lengths(spans: list, embeddings: list, step_tid) -> list:
+    """Per compute span, the sequence lengths of the batch its forward embedded ([T] * B: B
+    sequences of T tokens, padding included, as the model computes them), or None. The token
+    embedding is the largest table an `aten::embedding` inside the forward looked up (position
+    tables are smaller); its index shape (record_shapes' Input Dims) is [B, T] or [T]. Compute
+    follows these lengths: the sequence-imbalance detector reads them where the trainer recorded
+    none (trace column seq_lens)."""
+    if not embeddings:
+        return [None] * len(spans)
+    main = sorted((ts, rows, shape) for ts, tid, rows, shape in embeddings if tid == step_tid) or sorted(
+        (ts, rows, shape) for ts, _, rows, shape in embeddings)
+    starts = np.array([ts for ts, *_ in main])
+    out = []
+    for kind, start, end, *_ in spans:
+        if kind != FWD:
+            out.append(None)
+            continue
+        inside = main[np.searchsorted(starts, start, side="left"):np.searchsorted(starts, end, side="right")]
+        if not inside:
+            out.append(None)
+            continue
+        _, _, shape = max(inside, key=lambda item: item[1])
+        batch, length = (1, shape[0]) if len(shape) == 1 else (int(np.prod(shape[:-1])), shape[-1])
+        out.append([int(length)] * int(batch) if length > 0 and batch > 0 else None)
+    return out
+
+
 def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spans, comm, optimizer, unmapped,
-                directions, work, issued) -> RankTrace:
+                directions, work, issued, lengths=None) -> RankTrace:
     step_ids = np.array(sorted(steps), dtype=np.int64)
     step_start = np.array([steps[s][0] for s in step_ids])
     step_end = np.array([steps[s][1] for s in step_ids])
@@ -619,6 +646,7 @@ def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spa
     rows += [(k, s, e, -1, stage, peer, coll, group, local, direction, -1, 0, seq, at)
              for (k, s, e, peer, coll, group, local, seq), (direction, stage), at in zip(comm, directions, issued)]
     rows += [(OPT, s, e, -1, -1, -1, "", "", -1, 0, -1, 0, -1, at) for s, e, at in optimizer]
+    lengths = list(lengths or [None] * len(spans)) + [None] * (len(rows) - len(spans))
     kind = np.array([r[0] for r in rows], dtype=np.int8)
     start = np.array([r[1] for r in rows], dtype=np.float64)
     end = np.array([r[2] for r in rows], dtype=np.float64)
@@ -642,4 +670,5 @@ def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spa
         direction=np.array([r[9] for r in rows], dtype=np.int8), n_ops=np.array([r[10] for r in rows], dtype=np.int64),
         piece=np.array([r[11] for r in rows], dtype=np.int8) if any(r[11] for r in rows) else None,
         seq=np.array([r[12] for r in rows], dtype=np.int64) if any(r[12] >= 0 for r in rows) else None,
+        seq_lens=np.array(lengths + [None], dtype=object)[:-1] if any(v is not None for v in lengths) else None,
     )

@@ -223,11 +223,7 @@ class ScannedColumns(EventColumns):
         lo, hi = self._rows["args_lo"][rows].tolist(), self._rows["args_hi"][rows].tolist()
         raw = self._raw
         array = b"[" + b",".join([raw[a:b] if a >= 0 else b"{}" for a, b in zip(lo, hi)]) + b"]"
-        out = msgspec.to_builtins(_args_decoder().decode(array))
-        for args in out:
-            if args["correlation"] is None:
-                del args["correlation"]
-        return out
+        return [args.as_dict() for args in _args_decoder().decode(array)]
 
     def args_holding(self, group: Group, positions, key: str) -> list[bool]:
         """Whether the args of each of these events hold `key`, from their bytes, none decoded: a

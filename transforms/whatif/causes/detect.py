@@ -61,6 +61,13 @@ class _Signals:
     peers: PeerComparison | None
     chunks: ChunkBalance | None
     workers: WorkerTests
+    workload_r: float = math.nan     # compute against the recorded workload of its microbatch (_workload_r)
+
+    @property
+    def follows_data(self) -> float:
+        """How strongly compute follows the data (the sequence signature's r): forward against
+        backward of the same microbatch, or compute against the tokens the batch recorded."""
+        return float(np.fmax(self.r_norm, self.workload_r))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,13 +203,36 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
     if len(signals.forward):
         costs["sequence"] = even_sequences(model)
         costs["gc"] = without_pauses(model, signals.forward, signals.gc, rules.gc_min_stall)
-        if workload is not None and signals.r_norm >= rules.sequence_r:    # only the sequence cause's fix needs it
+        if workload is not None and signals.follows_data >= rules.sequence_r:    # only the sequence cause's fix needs it
             started = time.perf_counter()
             costs["sequence-repacked"], sequence_evidence = repacked_sequences(model, workload)
             timings["sequence"] = time.perf_counter() - started
             evidence.update(sequence_evidence)
             evidence["workload_forward_r"] = pearson(take(workload.op_workload, signals.forward), take(original, signals.forward))
     return costs
+
+
+def _workload_r(model: JobModel, signals: _Signals, workload: SequenceWorkload | None) -> float:
+    """Pearson r between each microbatch's compute (forward + backward) and the workload its
+    recorded sequences carry, both over the (stage, chunk)'s mean across every step and DP rank
+    (stage and chunk sizes cancel, steps and ranks stay: the data moves between them); GC pauses
+    left out. The sequence signature where a worker runs one microbatch per step
+    (forward against backward needs several): compute that follows the batch's tokens, moving
+    between ranks and steps. NaN without recorded lengths or pairs."""
+    if workload is None or not len(signals.forward):
+        return math.nan
+    compute = take(model.original_cost, signals.forward) + take(model.original_cost, signals.backward)
+    load = take(workload.op_workload, signals.forward)
+    chunk = model.op_stage[signals.forward] * (int(model.op_gmc.max()) + 2) + model.op_gmc[signals.forward]
+    keep = np.isfinite(load) & (load > 0)
+    if signals.gc is not None:
+        keep &= ~signals.gc.pauses
+    if keep.sum() < 3:
+        return math.nan
+    compute, load = compute[keep], load[keep]
+    _, group = np.unique(chunk[keep], return_inverse=True)
+    mean = lambda values: (np.bincount(group, weights=values) / np.bincount(group))[group]
+    return pearson(compute / mean(compute), load / mean(load))
 
 
 def _hot_half(result: WhatIfResult) -> tuple[tuple[int, int], ...]:
@@ -296,8 +326,8 @@ def _candidates(model: JobModel, result: WhatIfResult, signals: _Signals, share,
             if signals.chunks is not None and signals.chunks.ratio >= rules.stage_chunk_ratio else 0.0
         if by_ms or by_chunk:
             out.append(_Candidate("stage-imbalance", "stage", max(by_ms, by_chunk), rules.stage_min_explained, 0.4))
-    if len(signals.forward) and signals.r_norm >= rules.sequence_r:
-        out.append(_Candidate("sequence-imbalance", "sequence", margin(signals.r_norm, rules.sequence_r, 0.97),
+    if len(signals.forward) and signals.follows_data >= rules.sequence_r:
+        out.append(_Candidate("sequence-imbalance", "sequence", margin(signals.follows_data, rules.sequence_r, 0.97),
                               rules.sequence_min_explained, 0.5))
     if signals.gc is not None and _gc_signature(evidence, rules):
         out.append(_Candidate("python-gc", "gc", margin(float(evidence["gc_workers"]), 2, 4), rules.gc_min_explained, 0.4))
@@ -388,6 +418,9 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
 
     timings: dict[str, float] = {}
     signals = _signals(model, result, rules, evidence, paired)
+    signals.workload_r = _workload_r(model, signals, workload)
+    if math.isfinite(signals.workload_r):
+        evidence["workload_compute_r"] = signals.workload_r
     costs = _fix_costs(model, result, signals, workload, rules, evidence, timings)
     fixed = replay(model, [Scenario(name, cost) for name, cost in costs.items()])
     step_time = {name: float(fixed.span(name).mean()) for name in fixed.names}
