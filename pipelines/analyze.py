@@ -327,7 +327,10 @@ def verdict_lines(verdict, result, gpu_hours: float | None = None, device: str |
     the workers blamed (global ranks)."""
     from schemas.causes import CAUSE_TITLES
 
-    lines = [f"verdict: {verdict.cause} ({CAUSE_TITLES[verdict.cause]}), confidence {verdict.confidence:.2f}"]
+    # a confidence is a cause's: "none", "unexplained" and "insufficient-evidence" name none
+    named = verdict.cause not in ("none", "unexplained", "insufficient-evidence")
+    lines = [f"verdict: {verdict.cause} ({CAUSE_TITLES[verdict.cause]})"
+             + (f", confidence {verdict.confidence:.2f}" if named else "")]
     if not verdict.causes:
         lines.append(f"  {verdict.explanation}")
     for rank, cause in enumerate(verdict.causes, 1):

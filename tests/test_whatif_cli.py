@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -173,3 +174,19 @@ def test_a_meta_that_is_no_mapping_is_a_usage_error_naming_the_file(reference_di
     meta.write_bytes(content)
     assert main(["analyze", str(reference_dir / "trace-AR.parquet"), "--meta", str(meta)]) == 2
     assert f"--meta {meta}: {message}; give the job's meta yaml" in capsys.readouterr().err
+
+
+def test_a_job_the_trace_cannot_decide_says_so_and_what_would(tmp_path):
+    """A real HF run with sequence-length imbalance over 3 steps of 2 ranks: straggling (S >= 1.1),
+    a worker 1.2-1.3x its peer within the job's own jitter and the offset healthy peers keep. The
+    verdict is insufficient evidence, names no rank, states no confidence, and says what would decide."""
+    run = pathlib.Path(__file__).parent / "data" / "real_stacks" / "hf-seq-gpt2-padded"
+    out = tmp_path / "job.json"
+    done = strag(run, "--format", "kineto", "--json", out)
+    assert done.returncode == 0, done.stderr
+    verdict_line = next(line for line in done.stdout.splitlines() if line.startswith("verdict:"))
+    assert verdict_line == "verdict: insufficient-evidence (insufficient evidence)"
+    assert "more DP peers" in done.stdout and "undecided: dp" in done.stdout
+    verdict = json.loads(out.read_text())["verdict"]
+    assert verdict["cause"] == "insufficient-evidence" and verdict["implicated_workers"] == []
+    assert verdict["evidence"]["worker_test"]["undecided"]
