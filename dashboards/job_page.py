@@ -17,7 +17,7 @@ from dashboards import charts
 from dashboards.data import ReportData
 from dashboards.html import BUNDLE_PATH, Chart, HtmlTable, Numbers, Text, fmt, job_title, render_page
 from schemas.causes import CAUSE_TITLES, evidence_label
-from transforms.whatif.causes.explain import when_slow
+from transforms.whatif.causes.explain import what_would_decide, when_slow
 
 __all__ = ["build_job_page", "job_page_path", "JOBS_DIR"]
 
@@ -118,9 +118,8 @@ def _worker_test_words(test: dict) -> str:
     slow = [f"dp {w['dp_rank']} / stage {w['stage']} {w['kind']} {w['ratio']:.2f}x "
             + ("persistent" if w["persistent"] else f"in steps {', '.join(map(str, w['steps']))}")
             + f" (confidence {w['confidence']:.2f})" for w in test.get("slow", [])]
-    undecided = [f"dp {w['dp_rank']} / stage {w['stage']} {w['kind']} {w['ratio']:.2f}x"
-                 + (f" (about {w['samples_needed']} {test['unit']}s would decide)" if w.get("samples_needed")
-                    else " (more DP peers would decide)") for w in test.get("undecided", [])]
+    undecided = [f"dp {w['dp_rank']} / stage {w['stage']} {w['kind']} {w['ratio']:.2f}x ({what_would_decide(w, test['unit'])})"
+                 for w in test.get("undecided", [])]
     return "; ".join([head, *(["slow: " + ", ".join(slow)] if slow else []),
                       *(["undecided: " + ", ".join(undecided)] if undecided else [])])
 

@@ -350,11 +350,11 @@ def verdict_lines(verdict, result, gpu_hours: float | None = None, device: str |
         lines.append(f"  worker test: this job's own jitter is {100 * (math.exp(test['sigma']) - 1):.0f}% per {test['unit']} "
                      f"({test['df']} degrees of freedom); a worker is blamed at a {100 * test['alpha']:g}% false-alarm rate "
                      f"per job, when at least {test['ratio_floor']:.2f}x its DP peers")
+        from transforms.whatif.causes.explain import what_would_decide
+
         for w in test.get("undecided", []):
-            settle = (f"about {w['samples_needed']} would settle it" if w.get("samples_needed")
-                      else "healthy peers differ this much: more DP peers, not steps, would settle it")
             lines.append(f"  undecided: dp {w['dp_rank']} / stage {w['stage']} {w['kind']} {w['ratio']:.2f}x its peers over "
-                         f"{w['samples']} {test['unit']}s, within this job's jitter; {settle}")
+                         f"{w['samples']} {test['unit']}s, within this job's jitter; {what_would_decide(w, test['unit'])}")
     return "\n".join(lines)
 
 

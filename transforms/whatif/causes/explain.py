@@ -13,7 +13,7 @@ import math
 
 from transforms.whatif.causes.verdict import Fix
 
-__all__ = ["CAUSE_ORDER", "cause_sentence", "verdict_sentence", "insufficient_sentence", "when_slow", "discarded_sentence", "untraced_sentence", "share_words",
+__all__ = ["CAUSE_ORDER", "cause_sentence", "verdict_sentence", "insufficient_sentence", "what_would_decide", "when_slow", "discarded_sentence", "untraced_sentence", "share_words",
            "times_words"]
 
 CAUSE_ORDER = ("individual-worker", "stage-imbalance", "sequence-imbalance", "python-gc", "communication")
@@ -171,6 +171,15 @@ def pause_sentence(evidence: dict, fix: Fix, worker_rank=None) -> str:
             f"the step (replayed with every other gap between ops kept; {len(pauses)} pauses in {len(steps)} steps).")
 
 
+def what_would_decide(finding: dict, unit: str) -> str:
+    """What would decide an undecided worker finding (workers.WorkerFinding.as_json): more samples
+    (`samples_needed` of the test's `unit`), or, where the offset healthy peers keep hides the
+    effect whatever the steps, more DP peers."""
+    if finding.get("samples_needed"):
+        return f"about {finding['samples_needed']} profiled {unit}s would decide"
+    return "more DP peers, not more steps, would decide"
+
+
 def insufficient_sentence(slowdown: float, test: dict) -> str:
     """Why the job cannot support a decision, and what would settle it ("insufficient-evidence")."""
     head = f"S = {slowdown:.3f}, but the trace cannot decide who or what is slow"
@@ -178,13 +187,12 @@ def insufficient_sentence(slowdown: float, test: dict) -> str:
     if undecided:
         w = undecided[0]
         jitter = 100 * (math.exp(test["sigma"]) - 1)
-        settle = (f"about {w['samples_needed']} profiled {test['unit']}s would settle it (a longer active window of the "
-                  "profiler's schedule)" if w.get("samples_needed") else
-                  "healthy DP peers differ persistently by about this much, so more steps would not settle it: more DP "
-                  "peers would, or a record of what the worker ran")
+        how = ("a longer active window of the profiler's schedule" if w.get("samples_needed") else
+               "healthy DP peers differ persistently by about this much; or a record of what the worker ran")
         return (f"{head}: worker dp {w['dp_rank']} / stage {w['stage']}'s {w['kind']} measures {w['ratio']:.2f}x its DP "
                 f"peers' over {w['samples']} {test['unit']}s, within this job's own jitter ({jitter:.0f}% per "
-                f"{test['unit']}) at a {100 * test['alpha']:g}% false-alarm rate; {settle}.")
+                f"{test['unit']}) at a {100 * test['alpha']:g}% false-alarm rate; {what_would_decide(w, test['unit'])} "
+                f"({how}).")
     limits = "; ".join(test.get("limits") or []) or "no measurement stands out"
     return f"{head}: {limits}; profile at least 3 steps on more than one DP rank to decide."
 

@@ -210,23 +210,28 @@ def pause_fix(model: JobModel, pauses: Pauses, traced_step: np.ndarray) -> tuple
     pinned to the time its dependencies ended as they ran, so a replay with the others' delays
     keeps the pause's echo). Planned GC: the same collections, every worker at once: the mean pause
     per worker and step."""
-    ran = _wall_steps(model)
+    span = _step_spans(model)
+    ran = _wall_steps(model, span)
     saving = np.zeros(model.n_steps)
     for _, _, s, excess in pauses.cells:
         saving[s] = max(saving[s], excess)
     saving = np.minimum(saving, ran)
     planned = sum(excess for *_, excess in pauses.cells) / (model.dp_size * model.pp_size * model.n_steps)
-    span = model.observed_end.max(axis=0).reshape(model.n_steps, model.dp_size).max(axis=1)
     untraced = float(np.maximum(span - np.asarray(traced_step, dtype=np.float64), 0.0).sum())
     share = float(saving.sum()) / untraced if untraced > 0 else 0.0
     return float(ran.mean()), float((ran - saving).mean()) + planned, planned, float(min(max(share, 0.0), 1.0))
 
 
-def _wall_steps(model: JobModel) -> np.ndarray:
+def _step_spans(model: JobModel) -> np.ndarray:
+    """[n_steps] seconds from a step's start to its last op's end, over every DP rank."""
+    return model.observed_end.max(axis=0).reshape(model.n_steps, model.dp_size).max(axis=1)
+
+
+def _wall_steps(model: JobModel, span: np.ndarray) -> np.ndarray:
     """Seconds each step took on the wall clock: from its start to the next step's (what GPU-hours
     pay, the time between one step's last op and the next one's first included), the last step
-    its op span plus the median of that time between steps (its own span alone without others)."""
-    span = model.observed_end.max(axis=0).reshape(model.n_steps, model.dp_size).max(axis=1)
+    its op span (`span`: _step_spans) plus the median of that time between steps (its own span
+    alone without others)."""
     period = np.diff(np.asarray(model.step_start, dtype=np.float64))
     if not len(period) or not np.all(period > 0):
         return span

@@ -146,21 +146,22 @@ def _empty(alpha: float, floor: float, limit: str, peers: bool = True) -> Worker
     return WorkerTests(alpha, floor, math.nan, 0, 0, "step", (), (), (limit,), peers)
 
 
-def _samples(model: JobModel, forward: np.ndarray, backward: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
-    """[kind, stage, sample, dp] work per sample and each sample's step index. Samples are steps
-    (per-step sums over the worker's microbatches and chunks) when three or more were profiled,
-    else (step, microbatch) pairs."""
+def _samples(model: JobModel, forward: np.ndarray, backward: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, str, np.ndarray]:
+    """[kind, stage, sample, dp] work per sample, each sample's step index, the unit, and the stage
+    of each row of the stage axis. Samples are steps (per-step sums over the worker's microbatches
+    and chunks) when three or more were profiled, else (step, microbatch) pairs."""
     shape = (len(forward), model.n_steps, model.dp_size)                 # lanes are step-major, dp minor
     work = np.stack([np.take_along_axis(model.original_cost, ops, axis=0).reshape(shape) for ops in (forward, backward)])
     stage_of_row = model.op_stage[forward[:, 0]]
     stages = distinct(stage_of_row)
     if model.n_steps >= 3:
         out = np.stack([work[:, stage_of_row == p].sum(axis=1) for p in stages], axis=1)
-        return out, np.arange(model.n_steps), "step"
+        return out, np.arange(model.n_steps), "step", stages
     rows = min(int((stage_of_row == p).sum()) for p in stages)
     out = np.stack([work[:, stage_of_row == p][:, :rows].transpose(0, 2, 1, 3).reshape(2, -1, model.dp_size)
                     for p in stages], axis=1)                           # [kind, stage, step * rows, dp]
-    return out, np.repeat(np.arange(model.n_steps), rows), "microbatch"
+    return out, np.repeat(np.arange(model.n_steps), rows), "microbatch", stages
 
 
 def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alpha: float = 0.01,
@@ -174,7 +175,7 @@ def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alp
         return _empty(alpha, floor, "one DP rank per stage: no peers doing the same work to compare a worker with", False)
     if not len(forward):
         return _empty(alpha, floor, "no forward/backward pairs to compare", False)
-    work, step_of, unit = _samples(model, forward, backward)
+    work, step_of, unit, stage_ids = _samples(model, forward, backward)
     n = work.shape[2]
     with np.errstate(divide="ignore", invalid="ignore"):
         logs = np.log(work)
@@ -193,7 +194,6 @@ def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alp
         return _empty(alpha, floor, "one profiled step with one microbatch: no spread to tell noise from a slow worker")
     sigma = math.sqrt(float(ss.sum()) / df)
     tau = _healthy_offset(level, count, sigma, offset) if model.dp_size >= 3 else offset
-    stage_ids = distinct(model.op_stage[forward[:, 0]])
     n_tests = len(KINDS) * work.shape[1] * model.dp_size
     limit = math.log(floor)
     slow, undecided = [], []
