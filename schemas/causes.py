@@ -53,7 +53,7 @@ EVIDENCE_LABELS: dict[str, tuple[str, str]] = {
     "top_comm_optype": ("slowest communication type", "the communication op type with the largest S_t"),
     "forward_backward_r": ("forward/backward correlation (raw)", "Pearson r of a microbatch's forward and backward times"),
     "forward_backward_r_normalised": ("forward/backward correlation", "the same r within each worker and chunk, so slow workers and stages cancel"),
-    "peer_workers": ("workers slower than their DP peers", "dp rank, stage, ratio to the peers' median and steps where >= the threshold"),
+    "peer_workers": ("workers slower than their DP peers", "the workers the worker test decided slow: dp rank, stage, compute ratio to the peers' median, the steps where slow (persistent or named), confidence"),
     "peer_ratio_max": ("largest worker/peer ratio", "compute time of the slowest worker over the median of its stage's other DP ranks"),
     "workload_compute_r": ("compute follows the data (r)", "Pearson r between each microbatch's compute and the workload of the sequences it recorded (trainer's seq_lens, or record_shapes' token embedding: batch x length), over each stage and chunk's mean across steps and DP ranks; the sequence signature with one microbatch per worker and step"),
     "pauses": ("untraced pauses", "single gaps between a worker's ops, outside data loading, beyond this job's usual largest gap by its own spread (at the false-alarm rate) and by the straggling threshold's share of a step: dp rank, stage, step, seconds, excess"),
