@@ -112,22 +112,28 @@ def live_job_page(job_id: str, results: pa.Table, alerts: pa.Table, *, threshold
             "</body>", _refresh_script(version_href, version, refresh_seconds) + "\n</body>")
     latest = current.sort_values(["first_arrival", "session"]).iloc[-1].to_dict()
     missing = _listed(latest["missing_workers"])
+    alert_list = sorted(alerts.to_pylist(), key=lambda a: a["alert_time"], reverse=True)
+    open_now = _open_alerts(alert_list)
     numbers = Numbers([
-        ("slowdown S", fmt(latest["slowdown"]), f"session {latest['session']} r{latest['revision']} ({latest['reason']})"),
+        ("slowdown S", fmt(latest["slowdown"]) + (" (discarded)" if latest["status"] == "discarded" else ""),
+         f"session {latest['session']} r{latest['revision']} ({latest['reason']})"
+         + ("; the replay is off by more than 5%: S is not trustworthy" if latest["status"] == "discarded" else "")),
         ("waste", "n/a" if latest["waste"] is None or latest["waste"] != latest["waste"] else f"{100 * latest['waste']:.1f}%",
          "1 - 1/S"),
         ("verdict", _text(latest["verdict"]), f"confidence {fmt(latest['verdict_confidence'], 2)}"),
-        ("status", latest["status"], _text(latest["error"], f"{latest['dp_ranks_analysed']} DP rank(s) analysed")),
+        ("status", latest["status"], _text(latest["error"], f"{latest['dp_ranks_analysed']} DP rank(s) analysed")
+         if latest["status"] != "failed" else f"failed: {_text(latest['error'], 'no reason recorded')}"),
         ("workers", f"{latest['workers_present']} / {latest['workers_expected']}",
          f"missing {[(w['dp_rank'], w['stage']) for w in missing][:6]}" if len(missing) else "all arrived"),
-        ("alerts", str(alerts.num_rows), f"threshold {threshold:g}"),
+        ("alerts open", str(len(open_now)), "; ".join(f"{a['cause']} rank(s) {', '.join(map(str, a['ranks'] or [])) or '-'}"
+                                                   for a in open_now) or f"fired {sum(a['kind'] == 'firing' for a in alert_list)}"),
     ])
     table_rows = [[r["session"], r["revision"], r["reason"], r["status"], fmt(r["slowdown"]), _text(r["verdict"]),
                    f"{r['workers_present']}/{r['workers_expected']}", r["duplicate_deliveries"],
                    pd.Timestamp(r["analysed"]).strftime("%Y-%m-%d %H:%M:%S")]
                   for r in current.sort_values(["first_arrival", "session"], ascending=False).to_dict("records")]
-    alert_rows = [[pd.Timestamp(a["alert_time"]).strftime("%Y-%m-%d %H:%M:%S"), a["kind"], a["message"]]
-                  for a in sorted(alerts.to_pylist(), key=lambda a: a["alert_time"], reverse=True)]
+    alert_rows = [[pd.Timestamp(a["alert_time"]).strftime("%Y-%m-%d %H:%M:%S"), a["kind"], _text(a["cause"]),
+                   ", ".join(map(str, a["ranks"] or [])) or "-", a["message"]] for a in alert_list]
     explanation = latest.get("verdict_explanation")
     blocks = [
         numbers,
@@ -139,11 +145,19 @@ def live_job_page(job_id: str, results: pa.Table, alerts: pa.Table, *, threshold
         HtmlTable("Sessions (current revision of each)", ["session", "revision", "reason", "status", "S", "verdict",
                                                           "workers", "duplicates", "analysed (UTC)"], table_rows,
                   "A late file re-analyses its session; the higher revision supersedes the earlier one."),
-        HtmlTable("Alerts", ["time (UTC)", "kind", "message"], alert_rows or [["", "", "none yet"]]),
+        HtmlTable("Alerts", ["time (UTC)", "kind", "cause", "ranks", "message"], alert_rows or [["", "", "", "", "none yet"]],
+                  "One alert per (cause, blamed ranks): it fires once, and resolves when a later session is healthy or "
+                  "the job stops landing sessions."),
     ]
     page = render_page(f"Live: {job_title(job_id, 'job')}", f"strag watch · {len(current)} session(s) · refreshes when the live table changes",
                        blocks, inline_js=False, bundle_href=bundle_href)
     return page.replace("</body>", _refresh_script(version_href, version, refresh_seconds) + "\n</body>")
+
+
+def _open_alerts(alerts: list[dict]) -> list[dict]:
+    """The firing rows of the alerts not resolved (alert rows: one per firing or resolved event)."""
+    resolved = {(a["fingerprint"], a["session"], a["revision"]) for a in alerts if a["kind"] == "resolved"}
+    return [a for a in alerts if a["kind"] == "firing" and (a["fingerprint"], a["session"], a["revision"]) not in resolved]
 
 
 def live_index_page(results: pa.Table, alerts: pa.Table, job_href) -> str:
@@ -152,11 +166,11 @@ def live_index_page(results: pa.Table, alerts: pa.Table, job_href) -> str:
     rows = []
     for job_id, group in current.groupby("job_id", sort=True):
         latest = group.sort_values(["first_arrival", "session"]).iloc[-1]
-        count = sum(1 for a in alerts["job_id"].to_pylist() if a == job_id)
+        count = len(_open_alerts([a for a in alerts.to_pylist() if a["job_id"] == job_id]))
         rows.append([(job_id, job_href(job_id)), str(latest["session"]), len(group), fmt(latest["slowdown"]),
                      _text(latest["verdict"]), latest["status"], count,
                      pd.Timestamp(latest["analysed"]).strftime("%Y-%m-%d %H:%M:%S")])
-    table = HtmlTable("Jobs", ["job", "latest session", "sessions", "S", "verdict", "status", "alerts", "analysed (UTC)"],
+    table = HtmlTable("Jobs", ["job", "latest session", "sessions", "S", "verdict", "status", "alerts open", "analysed (UTC)"],
                       rows or [["no session analysed yet", "", "", "", "", "", "", ""]],
                       "S and verdict of each job's latest session (its current revision). Click a job for its live page.")
     subtitle = f"strag watch · {len(rows)} job(s) · reloads every 5 s"

@@ -171,8 +171,9 @@ class _LiveCollector:
         now = time.time()
         current = current_results(read_live_table(self.tables, LIVE_RESULTS)).to_pylist()
         alerts = read_live_table(self.tables, ALERTS)
-        slowdown = GaugeMetricFamily("strag_job_slowdown", "S of the job's latest analysed session (1.0 = no loss)",
-                                     labels=["job_id"])
+        slowdown = GaugeMetricFamily("strag_job_slowdown", "S of the job's latest session with an S (1.0 = no loss); "
+                                     "status discarded: the replay is off by more than 5%, S is not trustworthy",
+                                     labels=["job_id", "status"])
         waste = GaugeMetricFamily("strag_job_waste", "Waste 1 - 1/S of the job's latest analysed session", labels=["job_id"])
         straggling = GaugeMetricFamily("strag_job_straggling", "1 when the latest analysed session's S is at or above "
                                        f"the threshold ({self.threshold:g})", labels=["job_id"])
@@ -180,22 +181,27 @@ class _LiveCollector:
                                  "When the job's latest session began landing (its first file)", labels=["job_id"])
         sessions = GaugeMetricFamily("strag_job_sessions", "Sessions in the live table, by the status of their current "
                                      "revision (analysed, discarded, failed)", labels=["job_id", "status"])
-        raised = CounterMetricFamily("strag_job_alerts", "Alerts in the live table", labels=["job_id", "kind"])
+        verdicts = GaugeMetricFamily("strag_job_verdict", "1 for the verdict of the job's latest session (none, a cause, "
+                                     "insufficient-evidence: the trace cannot decide) and its status", labels=["job_id", "verdict", "status"])
+        raised = CounterMetricFamily("strag_job_alerts", "Alert events in the live table (firing: a page; resolved)",
+                                     labels=["job_id", "kind"])
         latest: dict[str, dict] = {}            # job -> its latest session's current row
         latest_analysed: dict[str, dict] = {}   # job -> its latest session analysed with an S
         counts: dict[tuple[str, str], int] = {}
         for row in current:   # sorted by job, then first arrival: the last row of a job is its latest
             counts[row["job_id"], row["status"]] = counts.get((row["job_id"], row["status"]), 0) + 1
             latest[row["job_id"]] = row
-            if row["status"] == "analysed" and row["slowdown"] is not None:
+            if row["status"] in ("analysed", "discarded") and row["slowdown"] is not None:
                 latest_analysed[row["job_id"]] = row
         for job in sorted(latest):
             last.add_metric([job], latest[job]["first_arrival"].timestamp())
+            verdicts.add_metric([job, latest[job]["verdict"] or "no-verdict", latest[job]["status"]], 1.0)
             analysed = latest_analysed.get(job)
             if analysed is not None:
-                slowdown.add_metric([job], analysed["slowdown"])
-                waste.add_metric([job], analysed["waste"] if analysed["waste"] is not None else 1 - 1 / analysed["slowdown"])
-                straggling.add_metric([job], float(analysed["slowdown"] >= self.threshold))
+                slowdown.add_metric([job, analysed["status"]], analysed["slowdown"])
+                if analysed["status"] == "analysed":
+                    waste.add_metric([job], analysed["waste"] if analysed["waste"] is not None else 1 - 1 / analysed["slowdown"])
+                    straggling.add_metric([job], float(analysed["slowdown"] >= self.threshold))
         for (job, status), count in sorted(counts.items()):
             sessions.add_metric([job, status], count)
         alert_counts: dict[tuple[str, str], int] = {}
@@ -203,7 +209,7 @@ class _LiveCollector:
             alert_counts[job, kind] = alert_counts.get((job, kind), 0) + 1
         for (job, kind), count in sorted(alert_counts.items()):
             raised.add_metric([job, kind], count)
-        yield from (slowdown, waste, straggling, last, sessions, raised)
+        yield from (slowdown, waste, straggling, last, sessions, verdicts, raised)
         yield from _watcher_metrics(read_status(self.tables), now)
 
 
@@ -240,13 +246,21 @@ def _watcher_metrics(status: dict | None, now: float):
     yield counter("strag_watcher_polls", "Polls of the landing area in the watcher's current run", status.get("polls"))
     yield counter("strag_watcher_sessions_analysed", "Live result rows (session revisions) the watcher wrote in its "
                   "current run", status.get("results"))
-    yield counter("strag_watcher_alerts", "Alerts the watcher raised in its current run", status.get("alerts"))
-    deliveries = CounterMetricFamily("strag_watcher_alert_deliveries", "Alert notices by outcome: sent, failed (given up "
-                                     "after retries), dropped (queue full or left at the stop), retried (attempts "
-                                     "after a failure), deduplicated (not sent again)", labels=["outcome"])
+    yield counter("strag_watcher_alerts", "Alerts the watcher fired in its current run (pages; resolutions and "
+                  "keep-alives not counted)", status.get("alerts"))
+    deliveries = CounterMetricFamily("strag_watcher_alert_deliveries", "Alert events (firing, resolved) by outcome, "
+                                     "summed over receivers: sent, failed (given up after retries), dropped (queue "
+                                     "full or left at the stop), retried (attempts after a failure), deduplicated "
+                                     "(not sent again)", labels=["outcome"])
     for outcome, count in sorted((status.get("deliveries") or {}).items()):
         deliveries.add_metric([outcome], float(count))
     yield deliveries
+    per_receiver = CounterMetricFamily("strag_watcher_receiver_posts", "Posts per receiver (URL without its path), kind "
+                                       "(alert: a firing or resolved event; keepalive: Alertmanager's resend of open "
+                                       "alerts) and outcome", labels=["receiver", "kind", "outcome"])
+    for item in status.get("receivers_deliveries") or ():
+        per_receiver.add_metric([item["receiver"], item["kind"], item["outcome"]], float(item["count"]))
+    yield per_receiver
 
 
 def metrics_text(tables: str, threshold: float = DEFAULT_THRESHOLD) -> bytes:

@@ -3,6 +3,7 @@
     strag watch --lake URL --out URL [--threshold 1.1] [--session-timeout S] [--retain S]
                 [--poll-interval S] [--status-interval S] [--max-runtime S] [--stop-after-sessions N]
                 [--alert-webhook [FORMAT=]URL ...] [--alert-format json|alertmanager|slack] [--alert-link URL]
+                [--resolve-after S]
 
 Wiring only (each step is one composite from transforms/):
 
@@ -39,11 +40,13 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipelines.usage import ArgumentParser
 from schemas.lake import LANDING
-from transforms.alerting import FORMATS, AlertDelivery, DeliverAlerts, NoteResults, close_deliverers, parse_receiver, pending_notices
+from transforms.alerting import (FORMATS, AlertDelivery, DeliverAlerts, NoteResults, close_deliverers, get_deliverer,
+                                 parse_receiver, pending_notices)
 from transforms.analyze_sessions import AnalyzeSessions
 from transforms.landing import STOP_REQUESTED, WatchConfig, WatchLanding
 from transforms.lake import LAKE_PARTS, LakeError, check_lake
-from transforms.live import DEFAULT_THRESHOLD, AlertConfig, EmitLiveResults, WriteLiveQuarantine, count_live_sessions
+from transforms.live import (DEFAULT_THRESHOLD, AlertConfig, EmitLiveResults, WriteLiveQuarantine, count_live_sessions,
+                             record_alert)
 from transforms.sessions import AssembleSessions, AssemblyConfig
 from transforms.watch_status import HEALTH, StatusWriter
 
@@ -67,9 +70,14 @@ class WatchOptions:
     stop_after_sessions: int | None = None
     alert_webhooks: tuple = ()        # transforms.alerting.Receiver per --alert-webhook
     alert_link: str | None = None     # base URL of `strag serve`, linked from the alerts
+    resolve_after: float | None = None  # None: derived from each job's profiling cadence (transforms/paging.py)
 
     def alert_delivery(self) -> AlertDelivery:
-        return AlertDelivery(receivers=tuple(self.alert_webhooks), threshold=self.threshold, link=self.alert_link)
+        return AlertDelivery(receivers=tuple(self.alert_webhooks), link=self.alert_link, out=self.out)
+
+    def alert_config(self) -> AlertConfig:
+        return AlertConfig(out=self.out, threshold=self.threshold, resolve_after=self.resolve_after,
+                           archived_after=self.retain + self.session_timeout)
 
     def watch_config(self, start_time: float) -> WatchConfig:
         return _HealthWatchConfig(
@@ -98,13 +106,20 @@ class _HealthWatchConfig(WatchConfig):
 def _parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="strag watch",
-        description="Streaming monitor: assemble profiling sessions as they land, analyse each, "
-                    "append results to the live table and alert when S crosses the threshold or the verdict changes.",
+        description="Streaming monitor: assemble profiling sessions as they land in {lake}/landing/ (the lake "
+                    "must have that folder: `strag land` and the collector write there), analyse each, append results "
+                    "to the live table and page when a verdict names slow workers or a cause to fix; the alert "
+                    "resolves when the job turns healthy or stops landing sessions.",
     )
-    parser.add_argument("--lake", required=True, help="lake URL (local folder, file://, s3://); watches {lake}/landing/")
+    parser.add_argument("--lake", required=True, help="lake URL (local folder, file://, s3://); watches {lake}/landing/, "
+                        "which must exist (mkdir LAKE/landing for a new lake)")
     parser.add_argument("--out", required=True, help="output URL: live_results/, alerts/, live_quarantine/ go under it")
     parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
-                        help=f"alert when a job's S crosses this slowdown (default {DEFAULT_THRESHOLD})")
+                        help=f"page only when a kept window's S is at least this slowdown, besides a verdict naming a "
+                             f"cause (default {DEFAULT_THRESHOLD})")
+    parser.add_argument("--resolve-after", type=float, default=None, metavar="S",
+                        help="resolve a job's open alerts when it has landed no session for this many seconds (default: "
+                             "3 of the job's profiling intervals, and not before its sessions are archived: --retain)")
     parser.add_argument("--session-timeout", type=float, default=30.0, metavar="S",
                         help="analyse a session this many seconds after its first file even if workers are missing (default 30)")
     parser.add_argument("--retain", type=float, default=600.0, metavar="S",
@@ -136,6 +151,8 @@ def parse(argv: list[str]) -> WatchOptions:
     for name in ("session_timeout", "retain", "poll_interval", "status_interval"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0 seconds")
+    if args.resolve_after is not None and not args.resolve_after > 0:
+        parser.error("--resolve-after must be > 0 seconds")
     if args.max_runtime is not None and not args.max_runtime > 0:
         parser.error("--max-runtime must be > 0 seconds")
     if args.stop_after_sessions is not None and args.stop_after_sessions < 1:
@@ -156,7 +173,7 @@ def parse(argv: list[str]) -> WatchOptions:
                         session_timeout=args.session_timeout, retain=args.retain, poll_interval=args.poll_interval,
                         status_interval=args.status_interval,
                         max_runtime=args.max_runtime, stop_after_sessions=args.stop_after_sessions,
-                        alert_webhooks=tuple(receivers), alert_link=args.alert_link)
+                        alert_webhooks=tuple(receivers), alert_link=args.alert_link, resolve_after=args.resolve_after)
 
 
 def build(pipeline: beam.Pipeline, options: WatchOptions, start_time: float | None = None) -> None:
@@ -164,7 +181,7 @@ def build(pipeline: beam.Pipeline, options: WatchOptions, start_time: float | No
     watched = pipeline | "WatchLanding" >> WatchLanding(options.watch_config(time.time() if start_time is None else start_time))
     assembled = watched["sessions"] | "AssembleSessions" >> AssembleSessions(options.assembly_config())
     analysed = assembled["assemblies"] | "AnalyzeSessions" >> AnalyzeSessions()
-    alerts = analysed["results"] | "EmitLiveResults" >> EmitLiveResults(AlertConfig(out=options.out, threshold=options.threshold))
+    alerts = analysed["results"] | "EmitLiveResults" >> EmitLiveResults(options.alert_config())
     alerts | "DeliverAlerts" >> DeliverAlerts(options.alert_delivery())   # queues only: a receiver never holds a bundle
     analysed["results"] | "NoteResults" >> NoteResults()                  # the watcher health's result count
     # One writer per input rather than a Flatten: on the FnApiRunner a Flatten in an
@@ -224,6 +241,39 @@ def stop_on_signals():
             signal.signal(number, before)
 
 
+class AlertClock:
+    """Resolves the alerts of jobs gone silent (transforms/paging.py AlertBook.expire), every
+    `every` seconds while the watcher runs: the pipeline only acts when a session lands."""
+
+    def __init__(self, options: WatchOptions, every: float = 10.0):
+        self._config, self._delivery, self._every = options.alert_config(), options.alert_delivery(), every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="strag-alert-clock", daemon=True)
+
+    def start(self) -> "AlertClock":
+        self._thread.start()
+        return self
+
+    def tick(self) -> list[dict]:
+        events = self._config.book().expire(time.time())
+        for alert in events:
+            list(record_alert(self._config.out, alert))
+            if self._delivery.receivers:
+                get_deliverer(self._delivery).submit(alert)
+        return events
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._every):
+            try:
+                self.tick()
+            except OSError as error:   # storage trouble: the next tick tries again; the pipeline fails loud on its own
+                _LOG.warning("alert expiry: %s", error)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+
 def run(argv: list[str]) -> int:
     """`strag watch`: runs the monitor; returns 0 when it stops normally (bounded run, Ctrl-C, SIGTERM)."""
     options = parse(argv)
@@ -241,10 +291,12 @@ def run(argv: list[str]) -> int:
     HEALTH.reset()
     status = StatusWriter(options.out, extra=lambda: {"pending_deliveries": pending_notices(),
                                                       "receivers": [r.format for r in options.alert_webhooks]}).start()
+    clock = AlertClock(options).start()
     try:
         with stop_on_signals():
             pipeline.run().wait_until_finish()
     finally:
+        clock.stop()
         undelivered = close_deliverers(timeout=10.0)
         status.stop()
     deliveries = HEALTH.snapshot()["deliveries"]

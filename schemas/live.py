@@ -1,7 +1,8 @@
 """Arrow schemas and layout of the streaming monitor's tables (`strag watch`).
 
     {out}/live_results/date=YYYY-MM-DD/{job}--{session}--r{revision:04d}.parquet   one row
-    {out}/alerts/date=YYYY-MM-DD/{job}--{session}--r{revision:04d}--{kind}.parquet   one row
+    {out}/alerts/date=YYYY-MM-DD/{job}--{fingerprint}--{kind}--{time}.parquet        one row
+    {out}/alert_state/{job}.json                                                     open alerts (transforms/paging.py)
     {out}/live_quarantine/date=YYYY-MM-DD/{name}.parquet                               QUARANTINE_SCHEMA rows
 
 {job}, {session}, {kind}: the ids percent-encoded, "-" and "." included (transforms.live.name_part),
@@ -27,6 +28,7 @@ __all__ = [
     "LIVE_STATUSES",
     "ALERT_KINDS",
     "MISSING_WORKER",
+    "BLAMED_WORKER",
     "LIVE_RESULT_SCHEMA",
     "ALERT_SCHEMA",
 ]
@@ -40,9 +42,20 @@ LIVE_QUARANTINE = "live_quarantine"
 # discrepancy exceeds 5% (S is not trustworthy); failed: no result, `error` says why
 # (no manifest, no complete DP rank, a trace the engine rejects).
 LIVE_STATUSES = ("analysed", "discarded", "failed")
-ALERT_KINDS = ("slowdown-above-threshold", "slowdown-below-threshold", "verdict-changed")
+# firing: a session's verdict names something to fix (transforms/paging.py); resolved: a later
+# session is healthy, names other workers or another cause, or the job went silent
+ALERT_KINDS = ("firing", "resolved")
 
 _TIME = pa.timestamp("us", tz="UTC")
+# A worker the verdict blames: its global rank, place, machine, its slower kind of work (forward,
+# backward) over its DP peers' (null where the cause is not measured against peers) and the
+# steps it was slow in.
+BLAMED_WORKER = pa.struct([
+    pa.field("rank", pa.int32(), nullable=True), pa.field("dp_rank", pa.int16(), nullable=False),
+    pa.field("stage", pa.int16(), nullable=False), pa.field("host", pa.string(), nullable=True),
+    pa.field("ratio", pa.float64(), nullable=True), pa.field("work", pa.string(), nullable=True),
+    pa.field("steps", pa.list_(pa.int64()), nullable=True),
+])
 MISSING_WORKER = pa.struct([pa.field("dp_rank", pa.int16(), nullable=False), pa.field("stage", pa.int16(), nullable=False)])
 
 
@@ -81,6 +94,8 @@ LIVE_RESULT_SCHEMA = _schema(
         pa.field("verdict", pa.string(), nullable=True),             # root cause (transforms/whatif/causes.py)
         pa.field("verdict_confidence", pa.float64(), nullable=True),
         pa.field("verdict_explanation", pa.string(), nullable=True),  # one sentence per listed cause, for people
+        pa.field("blamed", pa.list_(BLAMED_WORKER), nullable=True),  # the verdict's workers (pages name them)
+        pa.field("verdict_saving", pa.float64(), nullable=True),     # share of the step the primary fix saves
         pa.field("steps", pa.list_(pa.int64()), nullable=True),
         pa.field("step_slowdown", pa.list_(pa.float64()), nullable=True),   # S_s, aligned with steps
         # Worker heatmap: S_w row-major [dp_rank][stage], dp_size x pp_size values; null for
@@ -96,15 +111,25 @@ ALERT_SCHEMA = _schema(
     ALERTS,
     [
         pa.field("job_id", pa.string(), nullable=False),
-        pa.field("session", pa.string(), nullable=False),
+        pa.field("session", pa.string(), nullable=False),            # the session that fired the alert
         pa.field("revision", pa.int32(), nullable=False),
         pa.field("kind", pa.string(), nullable=False),               # ALERT_KINDS
+        pa.field("fingerprint", pa.string(), nullable=True),         # digest of (job, cause, ranks): the alert's id
+        pa.field("cause", pa.string(), nullable=True),
+        pa.field("workers", pa.list_(BLAMED_WORKER), nullable=True),
+        pa.field("ranks", pa.list_(pa.int32()), nullable=True),      # global ranks blamed
         pa.field("slowdown", pa.float64(), nullable=True),
-        pa.field("previous_slowdown", pa.float64(), nullable=True),  # the job's previous result (any session)
+        pa.field("discarded", pa.bool_(), nullable=True),            # the replay was off by > 5% (S not trustworthy)
+        pa.field("confidence", pa.float64(), nullable=True),
+        pa.field("saving", pa.float64(), nullable=True),             # share of the step the fix saves
         pa.field("threshold", pa.float64(), nullable=False),
         pa.field("verdict", pa.string(), nullable=True),
-        pa.field("previous_verdict", pa.string(), nullable=True),
+        pa.field("explanation", pa.string(), nullable=True),
         pa.field("message", pa.string(), nullable=False),
-        pa.field("alert_time", _TIME, nullable=False),
+        pa.field("alert_time", _TIME, nullable=False),               # when this row was written
+        pa.field("starts_at", _TIME, nullable=True),                 # when the alert fired
+        pa.field("ends_at", _TIME, nullable=True),                   # when it resolved
+        pa.field("resolved_reason", pa.string(), nullable=True),
+        pa.field("resolved_by_session", pa.string(), nullable=True),
     ],
 )

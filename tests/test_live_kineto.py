@@ -350,7 +350,8 @@ def _watch_collected_runs(lake: str, out: str, label: str) -> None:
     assert [(r["session"], r["revision"], r["reason"], r["status"], r["complete"], r["source_format"]) for r in slowed] == [
         ("w0", 1, "complete", "analysed", True, "kineto")]
     assert slowed[0]["slowdown"] >= 1.1 and slowed[0]["verdict"] == "individual-worker"
-    assert (alert["kind"], alert["session"], alert["revision"]) == ("slowdown-above-threshold", "w0", 1)
+    assert (alert["kind"], alert["session"], alert["revision"]) == ("firing", "w0", 1)
+    assert alert["ranks"] == [w["rank"] for w in slowed[0]["blamed"]] and alert["ranks"]
     assert clean["status"] == "analysed" and clean["complete"] and clean["slowdown"] < 1.1 and clean["verdict"] == "none"
     assert _rows(out, "alerts", "clean") == []
     assert read_live_table(out, "live_quarantine").num_rows == 0

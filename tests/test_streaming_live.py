@@ -9,37 +9,9 @@ from apache_beam.runners.direct.direct_runner import BundleBasedDirectRunner
 from apache_beam.testing import test_stream
 
 from live_rows import live_row as result
-from transforms.live import AlertConfig, AlertState, EmitLiveResults
+from live_rows import slow_rank
+from transforms.live import AlertConfig, EmitLiveResults
 from transforms.live_tables import count_live_sessions, current_results, read_live_table
-
-
-def kinds(state, rows, threshold=1.1):
-    return [[alert["kind"] for alert in state.apply(row, threshold, 0.0)] for row in rows]
-
-
-def test_threshold_crossings_and_verdict_changes_raise_alerts():
-    rows = [result("j", "s1", 1, 1.02, "clean"), result("j", "s2", 1, 1.30, "worker"),
-            result("j", "s3", 1, 1.25, "worker"), result("j", "s4", 1, 1.26, "stage"), result("j", "s5", 1, 1.05, "stage")]
-    assert kinds(AlertState(), rows) == [[], ["slowdown-above-threshold", "verdict-changed"], [], ["verdict-changed"],
-                                        ["slowdown-below-threshold"]]
-
-
-def test_first_result_above_threshold_alerts_and_below_does_not():
-    assert kinds(AlertState(), [result("j", "s", 1, 1.1)]) == [["slowdown-above-threshold"]]
-    assert kinds(AlertState(), [result("j", "s", 1, 1.0999)]) == [[]]
-
-
-def test_repeats_and_superseded_revisions_never_alert_twice():
-    state = AlertState()
-    rows = [result("j", "s", 1, 1.3), result("j", "s", 1, 1.3), result("j", "s", 2, 1.0), result("j", "s", 1, 1.3),
-            result("j", "s", 2, 1.0)]
-    assert kinds(state, rows) == [["slowdown-above-threshold"], [], ["slowdown-below-threshold"], [], []]
-
-
-def test_failed_and_discarded_results_leave_the_state_alone():
-    state = AlertState()
-    assert kinds(state, [result("j", "s1", 1, 1.3), result("j", "s2", 1, 2.0, status="discarded"),
-                         result("j", "s3", 1, 1.05)]) == [["slowdown-above-threshold"], [], ["slowdown-below-threshold"]]
 
 
 def test_alert_config_checks_itself():
@@ -50,17 +22,19 @@ def test_alert_config_checks_itself():
 
 
 def test_emit_live_results_under_test_stream(tmp_path):
-    """A duplicate result and a superseding revision: one file per (job, session, revision),
-    one alert per crossing, the current result is the highest revision."""
+    """A duplicate result and a superseding revision: one file per (job, session, revision), one
+    alert per (job, cause, ranks) however often it is repeated, resolved by a healthy session; the
+    current result is the highest revision."""
     out = str(tmp_path / "out")
+    slow = ("individual-worker", "analysed", 1_700_000_000.0, [slow_rank()])
     stream = (
         test_stream.TestStream()
         .advance_watermark_to(0)
-        .add_elements([result("a", "s1", 1, 1.02), result("b", "s1", 1, 1.4)])
+        .add_elements([result("a", "s1", 1, 1.02, "none"), result("b", "s1", 1, 1.4, *slow)])
         .advance_watermark_to(10)
-        .add_elements([result("b", "s1", 1, 1.4), result("a", "s1", 2, 1.2)])  # a repeat; a late correction
+        .add_elements([result("b", "s1", 1, 1.4, *slow), result("a", "s1", 2, 1.2, *slow)])  # a repeat; a late correction
         .advance_watermark_to(20)
-        .add_elements([result("b", "s2", 1, 1.03)])
+        .add_elements([result("b", "s2", 1, 1.03, "none")])
         .advance_watermark_to_infinity()
     )
     with beam.Pipeline(runner=BundleBasedDirectRunner(), options=PipelineOptions(flags=[], streaming=True)) as pipeline:
@@ -71,9 +45,8 @@ def test_emit_live_results_under_test_stream(tmp_path):
     current = current_results(everything)
     assert list(zip(current["job_id"].to_pylist(), current["revision"].to_pylist(), current["slowdown"].to_pylist())) == [
         ("a", 2, 1.2), ("b", 1, 1.4), ("b", 1, 1.03)]
-    alerts = sorted((a["job_id"], a["session"], a["kind"]) for a in read_live_table(out, "alerts").to_pylist())
-    assert alerts == [("a", "s1", "slowdown-above-threshold"), ("b", "s1", "slowdown-above-threshold"),
-                      ("b", "s2", "slowdown-below-threshold")]
+    alerts = sorted((a["job_id"], a["session"], a["kind"], a["ranks"]) for a in read_live_table(out, "alerts").to_pylist())
+    assert alerts == [("a", "s1", "firing", [3]), ("b", "s1", "firing", [3]), ("b", "s1", "resolved", [3])]
     assert count_live_sessions(out) == 3
 
 

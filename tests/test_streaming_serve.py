@@ -11,11 +11,8 @@ import urllib.request
 import pytest
 
 from dashboards import browser
-from live_rows import land_row, live_row
+from live_rows import fire_alert, land_row, live_row, slow_rank
 from pipelines.serve import ServeOptions, parse, serve_in_thread
-from schemas.live import ALERT_SCHEMA
-from transforms.lake import write_parquet
-from transforms.live import alert_path, rows_table
 
 pytestmark = pytest.mark.slow
 
@@ -24,12 +21,10 @@ pytestmark = pytest.mark.slow
 def served(tmp_path):
     out = str(tmp_path / "out")
     land_row(out, live_row("job-a", "s1", 1, 1.04, first=1_700_000_000.0))
-    hot = live_row("job-a", "s2", 1, 1.32, first=1_700_000_100.0)
+    hot = live_row("job-a", "s2", 1, 1.32, first=1_700_000_100.0, verdict="individual-worker", blamed=[slow_rank()],
+                   confidence=0.99, saving=0.2)
     land_row(out, hot)
-    alert = {"job_id": "job-a", "session": "s2", "revision": 1, "kind": "slowdown-above-threshold", "slowdown": 1.32,
-             "previous_slowdown": 1.04, "threshold": 1.1, "verdict": None, "previous_verdict": None,
-             "message": "job job-a session s2 r1: S 1.320 >= threshold 1.1 (was 1.040)", "alert_time": 1_700_000_103.0}
-    write_parquet(alert_path(out, alert, hot["first_arrival"]), rows_table([alert], ALERT_SCHEMA))
+    assert [a["kind"] for a in fire_alert(out, hot)] == ["firing"]
     server, thread = serve_in_thread(ServeOptions(tables=out, port=0))
     yield out, f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
@@ -60,7 +55,7 @@ def test_a_remote_host_needs_allow_remote_and_warns(capsys, tmp_path):
 def test_page_and_version_follow_the_live_table(served):
     out, base = served
     status, page = get(f"{base}/job/job-a")
-    assert status == 200 and "<title>Live: job-a</title>" in page and "1.320" in page and "slowdown-above-threshold" in page
+    assert status == 200 and "<title>Live: job-a</title>" in page and "1.320" in page and "firing" in page and "rank 3 (dp 1 / stage 1, host node-b)" in page
     _, before = get(f"{base}/api/job/job-a/version")
     land_row(out, live_row("job-a", "s2", 2, 1.05, first=1_700_000_100.0))  # a late file corrected s2
     _, after = get(f"{base}/api/job/job-a/version")

@@ -101,7 +101,8 @@ def test_watch_assembles_corrects_and_alerts_while_files_land(tmp_path, jobs):
     assert slow_row["slowdown"] >= 1.1 and slow_row["verdict"] == "individual-worker"
     assert first["verdict"] == "none"
     alerts = read_live_table(out, "alerts").to_pylist()
-    assert [(a["job_id"], a["kind"]) for a in alerts] == [("slow", "slowdown-above-threshold")]
+    assert [(a["job_id"], a["kind"], a["cause"]) for a in alerts] == [("slow", "firing", "individual-worker")]
+    assert alerts[0]["ranks"] == [w["rank"] for w in slow_row["blamed"]] and alerts[0]["ranks"]
     assert read_live_table(out, "live_quarantine").num_rows == 0
 
 

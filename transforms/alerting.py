@@ -1,36 +1,33 @@
 """Deliver `strag watch`'s alerts to webhooks: JSON, Prometheus Alertmanager, Slack.
 
-The alerts table (transforms/live.py) records events: a job's S crossing the threshold
-upwards or back, a verdict changing. Receivers want what an on-call engineer is paged for,
-so the rows become notices (`AlertRouter`):
+What pages, and when an alert resolves, is decided upstream (transforms/paging.py): the alerts
+table receives one row per event, firing or resolved, each naming the alert's fingerprint
+(job, cause, blamed ranks), its workers (global rank, dp / stage, host, slower work over DP
+peers', slow steps), S, confidence and the fix's saving. Here each row becomes one post per
+receiver.
 
-- firing: S crossed above the threshold (`slowdown-above-threshold`), or the verdict changed
-  while S is above it; one alert per (job, session, cause), cause = the verdict;
-- resolved: a later result of the job is below the threshold (`slowdown-below-threshold`:
-  a later session, or a corrected revision of the same one), which resolves every open alert
-  of the job; a verdict change while above resolves the job's alerts of the other causes.
-
-A verdict change below the threshold is only recorded in the table: nothing to page for. Nor
-is S above the threshold with the verdict "none" (the job's own variation, spread over every
-rank and step, or noise: nobody to fix): it fires nothing and resolves what the job has open.
-Deduplication: each (job, session, cause) fires at most once per watcher run and resolves at
-most once, so a bundle the runner retries or a repeated row posts nothing twice.
-
-Payloads (`payload`), one per notice:
-- json: {"version", "source", "status": firing|resolved, "job_id", "session", "cause", "revision",
-  "kind", "slowdown", "threshold", "verdict", "message", "starts_at", "ends_at", "resolved_by", "link"};
+Payloads (`payload`), one per event:
+- json: {"version": "2", "source", "status": firing|resolved, "fingerprint", "job_id", "cause",
+  "ranks", "workers", "hosts", "slowdown", "discarded", "confidence", "saving", "threshold",
+  "session", "revision", "summary", "explanation", "starts_at", "ends_at", "resolved_reason", "link"};
 - alertmanager: the `POST /api/v2/alerts` body, a list of {labels, annotations, startsAt, endsAt,
-  generatorURL}; labels {alertname: StragglerSlowdown, job_id, session, cause, severity, source};
-  firing alerts are posted again every `resend_seconds` with endsAt 4 resends ahead (as Prometheus
-  does, so Alertmanager keeps them firing and lets them lapse if the watcher dies); resolved: endsAt
-  = the time of the result that resolved it;
-- slack: an incoming-webhook body {"text": ...}.
+  generatorURL}; labels {alertname: StragglerSlowdown, job_id, cause, ranks, fingerprint,
+  severity, source} (one alert per fingerprint: the job's later sessions naming the same workers
+  continue it); firing alerts are posted again every `resend_seconds` with endsAt 4 resends
+  ahead (as Prometheus does, so Alertmanager keeps them firing and lets them lapse if the
+  watcher dies), from the open alerts recorded in the output folder (so a restarted watcher
+  goes on), and no longer once resolved;
+- slack: an incoming-webhook body: {"text": the one-line summary (the notification), "blocks":
+  the summary, then the fields (ranks, hosts, S, confidence, saving, steps) and the link}.
 
 Delivery never holds the pipeline: the DoFn only enqueues (`Deliverer.submit`). Each receiver has
-its own thread and bounded queue; a post is retried with exponential backoff and full jitter on
-connection errors, timeouts, 408, 429 and 5xx (`attempts` tries), then given up, logged and
-counted; a full queue drops the notice (counted). Counts go to transforms/watch_status.py HEALTH
-(hence `strag serve` /metrics). HTTP: the standard library (urllib).
+its own thread and bounded queue; a post is retried with exponential backoff (capped) and full
+jitter on connection errors, timeouts, 408, 429 and 5xx for `retry_seconds` (default 300 s: a
+receiver restarting for a minute or two gets the page), then given up, logged and counted; a
+full queue drops the notice (counted). An event delivered once is not posted again by the same
+watcher (a bundle the runner retries). Counts, per receiver and for alerts apart from
+Alertmanager keep-alives, go to transforms/watch_status.py HEALTH (hence `strag serve` /metrics).
+HTTP: the standard library (urllib).
 """
 from __future__ import annotations
 
@@ -51,7 +48,7 @@ import apache_beam as beam
 
 from transforms.watch_status import HEALTH
 
-__all__ = ["FORMATS", "Receiver", "parse_receiver", "AlertDelivery", "Notice", "AlertRouter", "payload",
+__all__ = ["FORMATS", "Receiver", "parse_receiver", "AlertDelivery", "payload", "summary", "alertmanager_alert",
            "Deliverer", "get_deliverer", "close_deliverers", "pending_notices", "DeliverAlerts", "NoteResults"]
 
 FORMATS = ("json", "alertmanager", "slack")
@@ -88,36 +85,18 @@ def parse_receiver(text: str, default_format: str = "json") -> Receiver:
 
 @dataclasses.dataclass(frozen=True)
 class AlertDelivery:
-    """Where and how alerts are posted. link: base URL of `strag serve` (the job page is {link}/job/{job})."""
+    """Where and how alerts are posted. link: base URL of `strag serve` (the job page is {link}/job/{job});
+    out: the watcher's output folder (its open alerts, resent to Alertmanager)."""
 
     receivers: tuple[Receiver, ...] = ()
-    threshold: float = 1.1
     link: str | None = None
-    attempts: int = 5
+    out: str | None = None
+    retry_seconds: float = 300.0      # a post is retried this long, then given up
     backoff_seconds: float = 0.5      # first retry after up to this, doubling, capped at max_backoff_seconds
-    max_backoff_seconds: float = 30.0
+    max_backoff_seconds: float = 15.0
     timeout_seconds: float = 5.0      # per HTTP request
     queue_size: int = 1000            # notices waiting per receiver; beyond it they are dropped (counted)
     resend_seconds: float = 60.0      # Alertmanager: firing alerts posted again this often
-
-
-@dataclasses.dataclass(frozen=True)
-class Notice:
-    """One firing or resolved alert for (job, session, cause). alert: the alert row that raised it;
-    resolved_by: the alert row whose result resolved it."""
-
-    status: str
-    job_id: str
-    session: str
-    cause: str
-    alert: dict
-    starts_at: float
-    ends_at: float | None = None
-    resolved_by: dict | None = None
-
-    @property
-    def key(self) -> tuple[str, str, str]:
-        return self.job_id, self.session, self.cause
 
 
 def _epoch(value) -> float:
@@ -126,65 +105,8 @@ def _epoch(value) -> float:
     return float(value) if value is not None else time.time()
 
 
-def _iso(epoch: float) -> str:
-    return dt.datetime.fromtimestamp(epoch, dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-class AlertRouter:
-    """Alert rows -> notices, with the open alerts per job and the deduplication (thread-safe)."""
-
-    def __init__(self, remember: int = 100_000):
-        self._lock = threading.Lock()
-        self._open: dict[str, dict[tuple, Notice]] = {}
-        self._seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()  # keys fired or resolved
-        self._remember = remember
-
-    def notices(self, alert: dict) -> list[Notice]:
-        kind, job = alert["kind"], alert["job_id"]
-        slowdown, threshold = alert.get("slowdown"), alert.get("threshold")
-        above = slowdown is not None and threshold is not None and slowdown >= threshold
-        cause = alert.get("verdict") or "unknown"
-        with self._lock:
-            if cause == "none" and above and kind in ("slowdown-above-threshold", "verdict-changed"):
-                return self._resolve(job, alert)   # straggling by S, yet nothing to fix: nobody to page
-            if kind == "slowdown-above-threshold":
-                return self._fire(alert, cause)
-            if kind == "verdict-changed" and above:
-                return self._resolve(job, alert, keep=cause) + self._fire(alert, cause)
-            if kind == "slowdown-below-threshold":
-                return self._resolve(job, alert)
-            return []
-
-    def _fire(self, alert: dict, cause: str) -> list[Notice]:
-        notice = Notice("firing", alert["job_id"], alert["session"], cause, alert, _epoch(alert.get("alert_time")))
-        if ("firing", *notice.key) in self._seen:
-            HEALTH.note_delivery("deduplicated")
-            return []
-        self._remember_key(("firing", *notice.key))
-        self._open.setdefault(notice.job_id, {})[notice.key] = notice
-        return [notice]
-
-    def _resolve(self, job: str, alert: dict, keep: str | None = None) -> list[Notice]:
-        resolved = []
-        for key, notice in list(self._open.get(job, {}).items()):
-            if keep is not None and notice.cause == keep:
-                continue
-            del self._open[job][key]
-            self._remember_key(("resolved", *key))
-            resolved.append(dataclasses.replace(notice, status="resolved", ends_at=_epoch(alert.get("alert_time")),
-                                                resolved_by=alert))
-        if job in self._open and not self._open[job]:
-            del self._open[job]
-        return resolved
-
-    def _remember_key(self, key: tuple) -> None:
-        self._seen[key] = None
-        while len(self._seen) > self._remember:
-            self._seen.popitem(last=False)
-
-    def open_alerts(self) -> list[Notice]:
-        with self._lock:
-            return [notice for job in self._open.values() for notice in job.values()]
+def _iso(epoch) -> str:
+    return dt.datetime.fromtimestamp(_epoch(epoch), dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _number(value, digits: int = 3) -> str:
@@ -195,60 +117,84 @@ def _job_link(delivery: AlertDelivery, job_id: str) -> str | None:
     return None if not delivery.link else f"{delivery.link.rstrip('/')}/job/{urllib.parse.quote(job_id, safe='')}"
 
 
-def _summary(notice: Notice) -> str:
-    alert = notice.alert
-    if notice.status == "firing":
-        return (f"job {notice.job_id} straggles: session {notice.session} S {_number(alert.get('slowdown'))} >= "
-                f"threshold {alert.get('threshold'):g}, cause {notice.cause}")
-    by = notice.resolved_by or {}
-    why = (f"session {by.get('session')} r{by.get('revision')} S {_number(by.get('slowdown'))} < threshold "
-           f"{by.get('threshold'):g}" if by.get("kind") == "slowdown-below-threshold"
-           else f"the cause is now {by.get('verdict')} (session {by.get('session')})")
-    return f"resolved: job {notice.job_id} session {notice.session} cause {notice.cause}: {why}"
+def _ranks(alert: dict) -> str:
+    return ",".join(str(r) for r in alert.get("ranks") or ()) or "-"
 
 
-def payload(notice: Notice, fmt: str, delivery: AlertDelivery, now: float | None = None) -> object:
-    """The body posted for one notice in format `fmt` (a JSON-serialisable object)."""
-    alert, link = notice.alert, _job_link(delivery, notice.job_id)
+def _hosts(alert: dict) -> list[str]:
+    return sorted({w["host"] for w in alert.get("workers") or () if w.get("host")})
+
+
+def summary(alert: dict) -> str:
+    """One line an on-call engineer reads first: status, job, what is wrong and where."""
+    if alert["kind"] == "resolved":
+        return f"resolved: {alert['message'].removeprefix('resolved: ')}"
+    return alert["message"]
+
+
+def _event_key(alert: dict) -> tuple:
+    return alert.get("fingerprint"), alert.get("session"), alert.get("revision"), alert.get("kind")
+
+
+def payload(alert: dict, fmt: str, delivery: AlertDelivery, now: float | None = None) -> object:
+    """The body posted for one alert event (an ALERT_SCHEMA row) in format `fmt` (JSON-serialisable)."""
+    link = _job_link(delivery, alert["job_id"])
     if fmt == "json":
-        by = notice.resolved_by
-        return {"version": "1", "source": "strag watch", "status": notice.status, "job_id": notice.job_id,
-                "session": notice.session, "cause": notice.cause, "revision": alert.get("revision"),
-                "kind": alert.get("kind"), "slowdown": alert.get("slowdown"), "threshold": alert.get("threshold"),
-                "verdict": alert.get("verdict"), "message": alert.get("message"), "summary": _summary(notice),
-                "starts_at": _iso(notice.starts_at), "ends_at": None if notice.ends_at is None else _iso(notice.ends_at),
-                "resolved_by": None if by is None else {name: by.get(name) for name in
-                                                        ("session", "revision", "kind", "slowdown", "verdict", "message")},
-                "link": link}
+        return {"version": "2", "source": "strag watch", "status": alert["kind"], "fingerprint": alert.get("fingerprint"),
+                "job_id": alert["job_id"], "cause": alert.get("cause"), "ranks": list(alert.get("ranks") or ()),
+                "workers": [dict(w) for w in alert.get("workers") or ()], "hosts": _hosts(alert),
+                "slowdown": alert.get("slowdown"), "discarded": alert.get("discarded"),
+                "confidence": alert.get("confidence"), "saving": alert.get("saving"), "threshold": alert.get("threshold"),
+                "session": alert.get("session"), "revision": alert.get("revision"), "summary": summary(alert),
+                "explanation": alert.get("explanation"), "starts_at": _iso(alert.get("starts_at")),
+                "ends_at": None if alert.get("ends_at") is None else _iso(alert["ends_at"]),
+                "resolved_reason": alert.get("resolved_reason"), "link": link}
     if fmt == "alertmanager":
-        return [alertmanager_alert(notice, delivery, now)]
+        return [alertmanager_alert(alert, delivery, now)]
     if fmt == "slack":
-        icon = ":rotating_light:" if notice.status == "firing" else ":white_check_mark:"
-        text = f"{icon} strag: {_summary(notice)}"
-        if notice.status == "firing" and alert.get("message"):
-            text += f"\n{alert['message']}"
-        if link:
-            text += f"\n<{link}|live page of job {notice.job_id}>"
-        return {"text": text}
+        return _slack(alert, link)
     raise ValueError(f"unknown alert format {fmt!r}")
 
 
-def alertmanager_alert(notice: Notice, delivery: AlertDelivery, now: float | None = None) -> dict:
+def _slack(alert: dict, link: str | None) -> dict:
+    firing = alert["kind"] == "firing"
+    line = f"{':rotating_light:' if firing else ':white_check_mark:'} strag: {summary(alert)}"
+    blocks = [{"type": "section", "text": {"type": "mrkdwn", "text": line}}]
+    if firing:
+        steps = sorted({s for w in alert.get("workers") or () for s in w.get("steps") or ()})
+        fields = [("Ranks", _ranks(alert)), ("Hosts", ", ".join(_hosts(alert)) or "-"),
+                  ("S", _number(alert.get("slowdown")) + (" (replay off: not trustworthy)" if alert.get("discarded") else "")),
+                  ("Confidence", _number(alert.get("confidence"), 2)),
+                  ("Fix saves", "-" if alert.get("saving") is None else f"{100 * alert['saving']:.0f}% of the step"),
+                  ("Slow steps", ", ".join(map(str, steps)) or "-")]
+        blocks.append({"type": "section", "fields": [{"type": "mrkdwn", "text": f"*{name}*\n{value}"} for name, value in fields]})
+        if alert.get("explanation"):
+            blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": alert["explanation"]}]})
+    if link:
+        blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": f"<{link}|job page of {alert['job_id']}>"}]})
+    return {"text": line, "blocks": blocks}
+
+
+def alertmanager_alert(alert: dict, delivery: AlertDelivery, now: float | None = None) -> dict:
     """One element of an Alertmanager /api/v2/alerts body. A firing alert lapses 4 resends ahead
-    unless posted again; a resolved one ends when the result that resolved it was seen."""
+    unless posted again; a resolved one ends when it was resolved."""
     now = time.time() if now is None else now
-    alert = notice.alert
-    ends = notice.ends_at if notice.status == "resolved" else now + 4 * delivery.resend_seconds
+    ends = _epoch(alert["ends_at"]) if alert["kind"] == "resolved" else now + 4 * delivery.resend_seconds
+    steps = sorted({s for w in alert.get("workers") or () for s in w.get("steps") or ()})
     body = {
-        "labels": {"alertname": ALERT_NAME, "job_id": notice.job_id, "session": notice.session, "cause": notice.cause,
-                   "severity": "warning", "source": "strag"},
-        "annotations": {"summary": _summary(notice), "description": str(alert.get("message") or ""),
-                        "slowdown": _number(alert.get("slowdown")), "threshold": f"{alert.get('threshold'):g}",
-                        "revision": str(alert.get("revision"))},
-        "startsAt": _iso(notice.starts_at),
+        "labels": {"alertname": ALERT_NAME, "job_id": alert["job_id"], "cause": str(alert.get("cause")),
+                   "ranks": _ranks(alert), "fingerprint": str(alert.get("fingerprint")), "severity": "warning",
+                   "source": "strag"},
+        "annotations": {"summary": summary(alert), "description": str(alert.get("explanation") or ""),
+                        "hosts": ", ".join(_hosts(alert)), "slow_steps": ", ".join(map(str, steps)),
+                        "slowdown": _number(alert.get("slowdown")), "discarded": str(bool(alert.get("discarded"))).lower(),
+                        "confidence": _number(alert.get("confidence"), 2),
+                        "saving": "" if alert.get("saving") is None else f"{alert['saving']:.3f}",
+                        "session": str(alert.get("session")), "revision": str(alert.get("revision"))},
+        "startsAt": _iso(alert.get("starts_at")),
         "endsAt": _iso(ends),
     }
-    link = _job_link(delivery, notice.job_id)
+    link = _job_link(delivery, alert["job_id"])
     if link:
         body["generatorURL"] = link
     return body
@@ -259,24 +205,30 @@ class _Worker:
 
     _STOP = object()
 
-    def __init__(self, receiver: Receiver, delivery: AlertDelivery, router: AlertRouter):
-        self.receiver, self._delivery, self._router = receiver, delivery, router
+    def __init__(self, receiver: Receiver, delivery: AlertDelivery, position: int = 1):
+        self.receiver, self._delivery = receiver, delivery
+        # the metrics' name of the receiver: its place among the --alert-webhook URLs, format and URL
+        # without the path (a Slack path is its secret; two receivers may differ only by path)
+        self.label = f"#{position} {receiver.format} {receiver.shown}"
         self.queue: queue.Queue = queue.Queue(maxsize=delivery.queue_size)
         self._deadline: float | None = None   # set by close(): retries end then
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"strag-alerts-{receiver.shown}", daemon=True)
         self._thread.start()
 
-    def offer(self, notice: Notice) -> None:
+    def _note(self, outcome: str, count: int = 1, kind: str = "alert") -> None:
+        HEALTH.note_delivery(outcome, count, receiver=self.label, kind=kind)
+
+    def offer(self, alert: dict) -> None:
         try:
-            self.queue.put_nowait(notice)
+            self.queue.put_nowait(alert)
         except queue.Full:
-            HEALTH.note_delivery("dropped")
+            self._note("dropped")
             _LOG.warning("ALERT DELIVERY %s: queue full (%d waiting), dropped %s for job %s", self.receiver.shown,
-                         self.queue.qsize(), notice.status, notice.job_id)
+                         self.queue.qsize(), alert["kind"], alert["job_id"])
 
     def _loop(self) -> None:
-        resend = self._delivery.resend_seconds if self.receiver.format == "alertmanager" else None
+        resend = self._delivery.resend_seconds if self.receiver.format == "alertmanager" and self._delivery.out else None
         next_resend = time.monotonic() + (resend or 0)
         while True:
             wait = 0.5 if resend is None else max(0.0, min(0.5, next_resend - time.monotonic()))
@@ -287,36 +239,51 @@ class _Worker:
             if item is self._STOP:
                 return
             if item is not None:
-                self._post(payload(item, self.receiver.format, self._delivery), 1, what=f"{item.status} {item.job_id}")
+                self._post(payload(item, self.receiver.format, self._delivery), 1, what=f"{item['kind']} {item['job_id']}")
             if resend is not None and time.monotonic() >= next_resend and self._deadline is None:
                 next_resend = time.monotonic() + resend
-                firing = self._router.open_alerts()
-                if firing:
-                    now = time.time()
-                    self._post([alertmanager_alert(n, self._delivery, now) for n in firing], len(firing),
-                               what=f"{len(firing)} firing alert(s) again")
+                self._resend()
 
-    def _post(self, body: object, count: int, what: str) -> None:
+    def _resend(self) -> None:
+        """Post every open alert again (Alertmanager keep-alive), from the state in the output folder."""
+        from transforms.paging import AlertBook
+
+        try:
+            firing = AlertBook(self._delivery.out, 1.0).open_alerts()
+        except (OSError, ValueError) as error:
+            _LOG.warning("ALERT DELIVERY %s: cannot read the open alerts (%s); no keep-alive this time",
+                         self.receiver.shown, error)
+            return
+        if firing:
+            now = time.time()
+            self._post([alertmanager_alert(alert, self._delivery, now) for alert in firing], len(firing),
+                       what=f"{len(firing)} firing alert(s) again", kind="keepalive")
+
+    def _post(self, body: object, count: int, what: str, kind: str = "alert") -> None:
         data = json.dumps(body).encode()
         delivery = self._delivery
-        error, made = "not tried", 0
-        for attempt in range(1, delivery.attempts + 1):
-            if attempt > 1:
-                pause = random.uniform(0, min(delivery.max_backoff_seconds, delivery.backoff_seconds * 2 ** (attempt - 2)))
+        error, made, started = "not tried", 0, time.monotonic()
+        while True:
+            if made:
+                pause = random.uniform(0, min(delivery.max_backoff_seconds, delivery.backoff_seconds * 2 ** (made - 1)))
+                pause = min(pause, max(0.0, started + delivery.retry_seconds - time.monotonic()))
                 if self._deadline is not None:   # the watcher is stopping: retry only until its deadline
                     pause = min(pause, max(0.0, self._deadline - time.monotonic()))
                 self._wake.wait(pause)
                 if self._deadline is not None and time.monotonic() >= self._deadline:
                     error += "; given up at the watcher's stop"
                     break
-                HEALTH.note_delivery("retried")
-            made = attempt
+                if time.monotonic() - started >= delivery.retry_seconds:
+                    error += f"; given up after {delivery.retry_seconds:g} s of retries"
+                    break
+                self._note("retried", kind=kind)
+            made += 1
             request = urllib.request.Request(self.receiver.url, data=data, method="POST",
                                              headers={"Content-Type": "application/json", "User-Agent": "strag-watch"})
             try:
                 with urllib.request.urlopen(request, timeout=delivery.timeout_seconds) as reply:
                     reply.read()
-                HEALTH.note_delivery("sent", count)
+                self._note("sent", count, kind=kind)
                 return
             except urllib.error.HTTPError as failure:
                 error = f"HTTP {failure.code}"
@@ -326,7 +293,7 @@ class _Worker:
             except (urllib.error.URLError, OSError, ValueError) as failure:
                 reason = getattr(failure, "reason", failure)
                 error = f"{type(reason).__name__}: {reason}"
-        HEALTH.note_delivery("failed", count)
+        self._note("failed", count, kind=kind)
         _LOG.warning("ALERT DELIVERY %s failed (%s): %s after %d attempt(s); the watcher goes on", self.receiver.shown,
                      what, error, made)
 
@@ -350,27 +317,35 @@ class _Worker:
             self.queue.put_nowait(self._STOP)
             self._thread.join(timeout=0.2)
         if left:
-            HEALTH.note_delivery("dropped", left)
+            self._note("dropped", left)
             _LOG.warning("ALERT DELIVERY %s: %d notice(s) not delivered by the watcher's stop", self.receiver.shown, left)
         return left
 
 
 class Deliverer:
-    """The receivers of one watcher: routes alert rows to notices and hands them to each receiver's worker."""
+    """The receivers of one watcher: hands each alert event once to each receiver's worker."""
 
-    def __init__(self, delivery: AlertDelivery):
+    def __init__(self, delivery: AlertDelivery, remember: int = 100_000):
         self.delivery = delivery
-        self.router = AlertRouter()
-        self._workers = [_Worker(receiver, delivery, self.router) for receiver in delivery.receivers]
+        self._workers = [_Worker(receiver, delivery, i) for i, receiver in enumerate(delivery.receivers, 1)]
+        self._lock = threading.Lock()
+        self._seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
+        self._remember = remember
         self.closed = False
 
-    def submit(self, alert: dict) -> list[Notice]:
-        """Never blocks: notices are queued for the receivers' threads."""
-        notices = self.router.notices(alert)
-        for notice in notices:
-            for worker in self._workers:
-                worker.offer(notice)
-        return notices
+    def submit(self, alert: dict) -> bool:
+        """Never blocks: the event is queued for the receivers' threads (False: already submitted)."""
+        key = _event_key(alert)
+        with self._lock:
+            if key in self._seen:
+                HEALTH.note_delivery("deduplicated")
+                return False
+            self._seen[key] = None
+            while len(self._seen) > self._remember:
+                self._seen.popitem(last=False)
+        for worker in self._workers:
+            worker.offer(alert)
+        return True
 
     def pending(self) -> int:
         return sum(worker.queue.qsize() for worker in self._workers)
@@ -416,7 +391,8 @@ class _DeliverFn(beam.DoFn):
         self._deliverer = get_deliverer(self._delivery) if self._delivery.receivers else None
 
     def process(self, alert: dict):
-        HEALTH.note_alert()
+        if alert["kind"] == "firing":
+            HEALTH.note_alert()
         if self._deliverer is not None:
             self._deliverer.submit(alert)
         return ()

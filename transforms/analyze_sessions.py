@@ -307,7 +307,46 @@ def _analyse(item: _Opened, report, engine) -> tuple[dict[str, Any], pa.Table]:
     if verdict is not None:
         row["verdict"], row["verdict_confidence"] = verdict.cause, float(verdict.confidence)
         row["verdict_explanation"] = verdict.explanation
+        row["blamed"] = blamed_workers(verdict, result, trace, kept)
+        fix = verdict.primary_fix
+        row["verdict_saving"] = None if fix is None else float(max(fix.savings_fraction, 0.0))
     return row, quarantine
+
+
+def blamed_workers(verdict, result: WhatIfResult, trace: pa.Table, kept: list[int]) -> list[dict]:
+    """The verdict's workers as the pages name them: global rank, DP rank (the job's numbering, not
+    the analysed ranks'), stage, host, its slower kind of work (forward, backward) over its DP peers' and the steps it was
+    slow in (the worker
+    test's findings), then any other implicated worker (no ratio: not measured against peers)."""
+    dp = trace.column("dp_rank").to_numpy()
+    stage = trace.column("stage").to_numpy()
+    key = dp.astype(np.int64) * 65536 + stage
+    _, first = np.unique(key, return_index=True)
+    ranks = trace.column("rank").take(pa.array(first)).to_pylist()
+    hosts = (trace.column("host").take(pa.array(first)).to_pylist() if "host" in trace.column_names
+             else [None] * len(first))
+    where = {(int(dp[i]), int(stage[i])): (rank, host) for i, rank, host in zip(first, ranks, hosts)}
+    steps = np.asarray(result.steps).tolist()
+    implicated = [(int(d), int(p)) for d, p in verdict.implicated_workers]
+    out, seen = [], set()
+    for finding in verdict.evidence.get("peer_workers") or ():
+        worker = (int(finding["dp_rank"]), int(finding["stage"]))
+        if worker not in implicated or worker in seen:
+            continue
+        rank, host = where.get(worker, (None, None))
+        kinds = {kind: float(finding[kind]) for kind in ("forward", "backward") if finding.get(kind) is not None}
+        work = max(kinds, key=kinds.get) if kinds else None
+        out.append({"rank": rank, "dp_rank": kept[worker[0]], "stage": worker[1], "host": host,
+                    "ratio": kinds[work] if work else float(finding["ratio"]), "work": work,
+                    "steps": [steps[i] for i in finding.get("step_indices") or () if i < len(steps)]})
+        seen.add(worker)
+    for worker in implicated:
+        if worker not in seen:
+            seen.add(worker)
+            rank, host = where.get(worker, (None, None))
+            out.append({"rank": rank, "dp_rank": kept[worker[0]], "stage": worker[1], "host": host, "ratio": None, "work": None,
+                        "steps": None})
+    return out
 
 
 class _AnalyzeSessionFn(beam.DoFn):

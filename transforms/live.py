@@ -2,12 +2,14 @@
 
 `EmitLiveResults` takes live result rows (dicts shaped like LIVE_RESULT_SCHEMA; times
 as epoch seconds), appends each to the live table as its own file, then, keyed by job,
-compares it with the job's previous result and appends an alert (and logs one line)
-when S crosses the threshold or the verdict changes. Layout and schemas: schemas/live.py.
+decides what it pages for (transforms/paging.py: an alert fires when a verdict names workers or a
+cause to fix, and resolves when the job turns healthy or goes silent), appending each alert event
+to the alerts table (and a log line). Layout and schemas: schemas/live.py.
 
 Duplicates never double-count: a result file is named by (job, session, revision), so
-a retried write replaces it; the alert state remembers the highest revision seen per
-session, so a repeated or superseded result raises nothing. A late file produces a
+a retried write replaces it; the alert state (in the output folder) remembers the highest
+revision seen per session, so a repeated or superseded result, or a restarted watcher's second
+look at a session, raises nothing. A late file produces a
 higher revision, which readers take as the session's current result
 (`transforms.live_tables.current_results`).
 """
@@ -17,24 +19,22 @@ import dataclasses
 import datetime as dt
 import logging
 import math
-import urllib.parse
 
 import apache_beam as beam
 import pyarrow as pa
-from apache_beam.coders import PickleCoder
 from apache_beam.metrics import Metrics
-from apache_beam.transforms.userstate import ReadModifyWriteStateSpec
 
 from schemas.lake import LANDING
 from schemas.live import ALERT_SCHEMA, ALERTS, LIVE_QUARANTINE, LIVE_RESULT_SCHEMA, LIVE_RESULTS
 from schemas.tables import QUARANTINE_SCHEMA
 from transforms.lake import write_parquet
-from transforms.live_tables import DEFAULT_THRESHOLD, count_live_sessions  # noqa: F401 (the watcher imports them from here)
+from transforms.paging import AlertBook
+from transforms.live_tables import DEFAULT_THRESHOLD, count_live_sessions, name_part  # noqa: F401 (the watcher imports them from here)
 
 __all__ = [
     "DEFAULT_THRESHOLD",
     "AlertConfig",
-    "AlertState",
+    "record_alert",
     "EmitLiveResults",
     "result_path",
     "alert_path",
@@ -50,23 +50,18 @@ def _date_of(epoch_seconds: float) -> str:
     return dt.datetime.fromtimestamp(epoch_seconds, dt.timezone.utc).date().isoformat()
 
 
-def name_part(value) -> str:
-    """An id as one part of a file name, injectively: percent-encoded, '-' included, so the '--'
-    that joins the parts never occurs inside one ('a--b' + 'c' and 'a' + 'b--c' stay apart)."""
-    return urllib.parse.quote(str(value), safe="").replace("-", "%2D").replace(".", "%2E")
-
-
 def result_path(out: str, row: dict) -> str:
     """File of one (job, session, revision) result under the output URL."""
     return (f"{out.rstrip('/')}/{LIVE_RESULTS}/date={_date_of(row['first_arrival'])}/"
             f"{name_part(row['job_id'])}--{name_part(row['session'])}--r{int(row['revision']):04d}.parquet")
 
 
-def alert_path(out: str, alert: dict, first_arrival: float) -> str:
-    """File of one alert (per result revision and kind) under the output URL."""
-    return (f"{out.rstrip('/')}/{ALERTS}/date={_date_of(first_arrival)}/"
-            f"{name_part(alert['job_id'])}--{name_part(alert['session'])}--r{int(alert['revision']):04d}--"
-            f"{name_part(alert['kind'])}.parquet")
+def alert_path(out: str, alert: dict) -> str:
+    """File of one alert event under the output URL: named by the alert (job, fingerprint, the session
+    and revision that fired it) and the event (firing, resolved), so a retried write replaces it."""
+    return (f"{out.rstrip('/')}/{ALERTS}/date={_date_of(alert['starts_at'])}/"
+            f"{name_part(alert['job_id'])}--{alert['fingerprint']}--{name_part(alert['session'])}--"
+            f"r{int(alert['revision']):04d}--{name_part(alert['kind'])}.parquet")
 
 
 def rows_table(rows: list[dict], schema: pa.Schema) -> pa.Table:
@@ -98,10 +93,15 @@ def quarantine_path(out: str, records: list[dict]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class AlertConfig:
-    """out: output URL of the tables; threshold: S at and above which a job straggles."""
+    """out: output URL of the tables; threshold: S at and above which a kept window straggles;
+    resolve_after: seconds without a new session after which a job's alerts resolve (None:
+    derived from its profiling cadence); archived_after: seconds after which the watcher archives
+    a done session (alerts never resolve by silence before that). See transforms/paging.py."""
 
     out: str
     threshold: float = DEFAULT_THRESHOLD
+    resolve_after: float | None = None
+    archived_after: float = 0.0
 
     def __post_init__(self):
         if not self.out:
@@ -109,47 +109,8 @@ class AlertConfig:
         if not (math.isfinite(self.threshold) and self.threshold >= 1.0):
             raise ValueError(f"AlertConfig.threshold must be a finite slowdown >= 1.0, got {self.threshold!r}")
 
-
-@dataclasses.dataclass
-class AlertState:
-    """A job's last published result, between results (kept in Beam state per job)."""
-
-    slowdown: float | None = None
-    verdict: str | None = None
-    revisions: dict = dataclasses.field(default_factory=dict)  # session -> highest revision seen
-
-    def apply(self, row: dict, threshold: float, now: float) -> list[dict]:
-        """Alerts (ALERT_SCHEMA dicts, alert_time epoch seconds) raised by one result row."""
-        session, revision = row["session"], int(row["revision"])
-        if revision <= self.revisions.get(session, 0):
-            return []  # a repeat or an already superseded revision
-        self.revisions[session] = revision
-        if row["status"] != "analysed" or row.get("slowdown") is None:
-            return []  # failed or discarded: no trustworthy S to compare
-        slowdown, verdict = float(row["slowdown"]), row.get("verdict")
-        alerts = []
-        above = slowdown >= threshold
-        was_above = None if self.slowdown is None else self.slowdown >= threshold
-        if above != was_above and (above or was_above is not None):
-            kind = "slowdown-above-threshold" if above else "slowdown-below-threshold"
-            alerts.append(self._alert(row, kind, threshold, now,
-                                      f"S {slowdown:.3f} {'>=' if above else '<'} threshold {threshold:g}"
-                                      + ("" if self.slowdown is None else f" (was {self.slowdown:.3f})")))
-        if verdict is not None and self.verdict is not None and verdict != self.verdict:
-            alerts.append(self._alert(row, "verdict-changed", threshold, now,
-                                      f"verdict {self.verdict} -> {verdict} (S {slowdown:.3f})"))
-        self.slowdown = slowdown
-        if verdict is not None:
-            self.verdict = verdict
-        return alerts
-
-    def _alert(self, row: dict, kind: str, threshold: float, now: float, detail: str) -> dict:
-        message = f"job {row['job_id']} session {row['session']} r{row['revision']}: {detail}"
-        return {
-            "job_id": row["job_id"], "session": row["session"], "revision": int(row["revision"]), "kind": kind,
-            "slowdown": row.get("slowdown"), "previous_slowdown": self.slowdown, "threshold": threshold,
-            "verdict": row.get("verdict"), "previous_verdict": self.verdict, "message": message, "alert_time": now,
-        }
+    def book(self) -> AlertBook:
+        return AlertBook(self.out, self.threshold, self.resolve_after, self.archived_after)
 
 
 class _WriteLiveResultFn(beam.DoFn):
@@ -164,25 +125,33 @@ class _WriteLiveResultFn(beam.DoFn):
 
 
 class _DetectAlertsFn(beam.DoFn):
-    STATE = ReadModifyWriteStateSpec("alert_state", PickleCoder())
+    """Keyed by job, so one job's results are decided one at a time (transforms/paging.py)."""
 
     def __init__(self, config: AlertConfig):
         self._config = config
         self._raised = Metrics.counter("live", "alerts_raised")
 
-    def process(self, element, state=beam.DoFn.StateParam(STATE)):
+    def setup(self):
+        self._book = self._config.book()
+
+    def process(self, element):
         import time
 
         _, row = element
-        job_state = state.read() or AlertState()
-        alerts = job_state.apply(row, self._config.threshold, time.time())
-        state.write(job_state)
-        for alert in alerts:
-            self._raised.inc()
-            path = alert_path(self._config.out, alert, row["first_arrival"])
-            write_parquet(path, rows_table([alert], ALERT_SCHEMA))
-            _LOG.warning("ALERT %s", alert["message"])
-            yield alert
+        for alert in self._book.apply(row, time.time()):
+            yield from record_alert(self._config.out, alert, self._raised)
+
+
+def record_alert(out: str, alert: dict, counter=None):
+    """Write one alert event to the alerts table and log it; yields it (for delivery)."""
+    write_parquet(alert_path(out, alert), rows_table([alert], ALERT_SCHEMA))
+    if alert["kind"] == "firing":
+        if counter is not None:
+            counter.inc()
+        _LOG.warning("ALERT %s", alert["message"])
+    else:
+        _LOG.info("RESOLVED %s", alert["message"])
+    yield alert
 
 
 class EmitLiveResults(beam.PTransform):

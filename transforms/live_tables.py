@@ -5,6 +5,8 @@ Beam (transforms/live.py, the writers, does). Layout in schemas/live.py.
 """
 from __future__ import annotations
 
+import urllib.parse
+
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,9 +14,15 @@ import pyarrow.parquet as pq
 from schemas.live import ALERT_SCHEMA, ALERTS, LIVE_QUARANTINE, LIVE_RESULT_SCHEMA, LIVE_RESULTS
 from schemas.tables import QUARANTINE_SCHEMA
 
-__all__ = ["DEFAULT_THRESHOLD", "read_live_table", "current_results", "count_live_sessions"]
+__all__ = ["DEFAULT_THRESHOLD", "name_part", "read_live_table", "current_results", "count_live_sessions"]
 
 DEFAULT_THRESHOLD = 1.1  # METHOD.md: a job straggles when S >= 1.1
+
+
+def name_part(value) -> str:
+    """An id as one part of a file name, injectively: percent-encoded, '-' included, so the '--'
+    that joins the parts never occurs inside one ('a--b' + 'c' and 'a' + 'b--c' stay apart)."""
+    return urllib.parse.quote(str(value), safe="").replace("-", "%2D").replace(".", "%2E")
 
 
 def _listing(url: str) -> dict[str, dict]:

@@ -1,8 +1,8 @@
 """The watcher's health, as `strag serve`'s /metrics reads it: `{out}/_watcher.json`.
 
 `strag watch` keeps a few process-wide counters (`HEALTH`: polls and the last poll's time,
-result rows and alerts written, alert deliveries sent, failed, dropped, retried,
-deduplicated) and a thread rewrites them, atomically, to `{out}/_watcher.json` every
+result rows and alerts fired, alert deliveries sent, failed, dropped, retried,
+deduplicated; per receiver, alert events apart from Alertmanager keep-alives) and a thread rewrites them, atomically, to `{out}/_watcher.json` every
 STATUS_EVERY seconds and once more when it stops. The file is small and replaced whole; the
 leading '_' keeps it out of every live table's listing. Readers (no Beam here) compute ages
 from its times: a watcher that hangs stops moving `last_poll`, one that died stops moving
@@ -50,7 +50,8 @@ class WatcherHealth:
             self.polls = 0
             self.results = 0
             self.alerts = 0
-            self.deliveries = dict.fromkeys(DELIVERY_OUTCOMES, 0)
+            self.deliveries = dict.fromkeys(DELIVERY_OUTCOMES, 0)   # alert events (keep-alives apart)
+            self.by_receiver: dict[tuple[str, str, str], int] = {}    # (receiver, alert|keepalive, outcome) -> count
 
     def note_poll(self, now: float) -> None:
         with self._lock:
@@ -65,14 +66,22 @@ class WatcherHealth:
         with self._lock:
             self.alerts += 1
 
-    def note_delivery(self, outcome: str, count: int = 1) -> None:
+    def note_delivery(self, outcome: str, count: int = 1, receiver: str | None = None, kind: str = "alert") -> None:
+        """Count `count` posts of `kind` (alert: a firing or resolved event; keepalive: Alertmanager's
+        resend of open alerts) with `outcome` at `receiver` (None: before any receiver, e.g. deduplicated)."""
         with self._lock:
-            self.deliveries[outcome] += count
+            if kind == "alert":
+                self.deliveries[outcome] += count
+            if receiver is not None:
+                key = (receiver, kind, outcome)
+                self.by_receiver[key] = self.by_receiver.get(key, 0) + count
 
     def snapshot(self) -> dict:
         with self._lock:
             return {"started": self.started, "last_poll": self.last_poll, "polls": self.polls,
-                    "results": self.results, "alerts": self.alerts, "deliveries": dict(self.deliveries)}
+                    "results": self.results, "alerts": self.alerts, "deliveries": dict(self.deliveries),
+                    "receivers_deliveries": [{"receiver": r, "kind": k, "outcome": o, "count": n}
+                                             for (r, k, o), n in sorted(self.by_receiver.items())]}
 
 
 HEALTH = WatcherHealth()

@@ -1,0 +1,99 @@
+"""What pages and when it resolves (transforms/paging.py): decisions of the alert book on live rows,
+its state in the output folder across watcher restarts, and resolution by a job's silence."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from live_rows import live_row, slow_rank
+from transforms.paging import AlertBook, fingerprint, page_of
+
+T0 = 1_700_000_000.0
+
+
+def row(session, slowdown=1.4, verdict="individual-worker", blamed=None, status="analysed", revision=1, first=None,
+        job="j"):
+    blamed = [slow_rank()] if blamed is None and verdict == "individual-worker" else blamed
+    return live_row(job, session, revision, slowdown, verdict, status=status, blamed=blamed, confidence=0.99, saving=0.25,
+                    first=T0 + 600 * int(session.lstrip("s")) if first is None else first)
+
+
+def kinds(book, rows, now=T0):
+    return [[(a["kind"], a["ranks"]) for a in book.apply(r, now)] for r in rows]
+
+
+def test_what_pages():
+    assert page_of(row("s1"), 1.1).ranks == [3]
+    assert page_of(row("s1"), 1.1).fingerprint == fingerprint("j", "individual-worker", [3])
+    # nothing to fix, nobody to blame, or the trace cannot decide: never a page, whatever S
+    for verdict in ("none", "unexplained", "insufficient-evidence"):
+        assert page_of(row("s1", 1.9, verdict, blamed=[]), 1.1) is None
+    # a kept window below the watcher's threshold does not page; a failed session never does
+    assert page_of(row("s1", 1.15), 1.2) is None and page_of(row("s1", status="failed"), 1.1) is None
+    # a discarded window (S not trustworthy) pages only workers measured slower than their DP peers
+    assert page_of(row("s1", 1.01, status="discarded"), 1.1).ranks == [3]
+    unmeasured = dict(slow_rank(), ratio=None, steps=None)
+    assert page_of(row("s1", 2.0, "untraced-cpu", blamed=[unmeasured], status="discarded"), 1.1) is None
+    assert page_of(row("s1", 1.3, "untraced-cpu", blamed=[unmeasured]), 1.1).ranks == [3]
+    assert page_of(row("s1", 1.3, "stage-imbalance", blamed=[]), 1.1).ranks == []
+
+
+def test_one_alert_per_job_cause_and_ranks_until_a_healthy_session(tmp_path):
+    book = AlertBook(str(tmp_path), 1.1)
+    two = [slow_rank(), slow_rank(rank=1, dp_rank=0, stage=1)]
+    assert kinds(book, [row("s1"), row("s1"), row("s2"), row("s3", 1.5, "insufficient-evidence", blamed=[]),
+                        row("s4", blamed=two), row("s5", 1.04, "none")]) == [
+        [("firing", [3])],
+        [],                                           # the same session again (a retried bundle)
+        [],                                           # a later session naming the same rank continues the alert
+        [],                                           # undecided: neither pages nor resolves
+        [("resolved", [3]), ("firing", [1, 3])],      # another worker set: a new alert
+        [("resolved", [1, 3])],                       # healthy
+    ]
+    assert book.open_alerts() == []
+    # a later revision of a session counts; an earlier one is superseded
+    assert kinds(book, [row("s6", revision=2), row("s6", revision=1, verdict="none")]) == [[("firing", [3])], []]
+
+
+def test_a_restarted_watcher_pages_nothing_twice_and_keeps_its_open_alerts(tmp_path):
+    first = AlertBook(str(tmp_path), 1.1)
+    [fired] = first.apply(row("s1"), T0)
+    again = AlertBook(str(tmp_path), 1.1)        # a new process: only the output folder is shared
+    assert again.apply(row("s1"), T0 + 5) == [] and again.apply(row("s2"), T0 + 5) == []
+    [open_now] = again.open_alerts()
+    assert open_now["fingerprint"] == fired["fingerprint"] and open_now["last_session"] == "s2"
+    state = json.loads((tmp_path / "alert_state" / "j.json").read_text())
+    assert set(state["revisions"]) == {"s1", "s2"}
+    [resolved] = again.apply(row("s3", 1.02, "none"), T0 + 9)
+    assert resolved["resolved_reason"].startswith("session s3 is healthy") and resolved["resolved_by_session"] == "s3"
+    assert resolved["starts_at"] == fired["starts_at"] and resolved["ends_at"] == T0 + 9
+
+
+def test_a_silent_job_resolves_after_three_profiling_intervals_and_not_before_archiving(tmp_path):
+    book = AlertBook(str(tmp_path), 1.1, archived_after=630.0)
+    for index in (1, 2, 3):                      # a session every 600 s
+        book.apply(row(f"s{index}"), T0 + 600 * index)
+    last = T0 + 1800
+    assert book.silence([T0 + 600, T0 + 1200, last]) == 1800.0
+    assert book.expire(last + 1799) == []
+    [resolved] = book.expire(last + 1801)
+    assert resolved["kind"] == "resolved" and "no session of the job landed for 1801 s" in resolved["resolved_reason"]
+    assert book.open_alerts() == [] and book.expire(last + 5000) == []
+    # one session only: no cadence yet, so the alert lasts until the session is archived
+    lone = AlertBook(str(tmp_path / "lone"), 1.1, archived_after=630.0)
+    lone.apply(row("s1", first=T0), T0)
+    assert lone.expire(T0 + 600) == [] and len(lone.expire(T0 + 631)) == 1
+    # --resolve-after overrides the cadence
+    fixed = AlertBook(str(tmp_path / "fixed"), 1.1, resolve_after=60.0, archived_after=630.0)
+    fixed.apply(row("s1", first=T0), T0)
+    assert fixed.expire(T0 + 59) == [] and len(fixed.expire(T0 + 61)) == 1
+
+
+@pytest.mark.parametrize("verdict", ["none", "insufficient-evidence", "unexplained"])
+def test_undecided_and_clean_sessions_write_no_alert_row(tmp_path, verdict):
+    from live_rows import fire_alert
+    from transforms.live_tables import read_live_table
+
+    assert fire_alert(str(tmp_path), row("s1", 1.6, verdict, blamed=[])) == []
+    assert read_live_table(str(tmp_path), "alerts").num_rows == 0

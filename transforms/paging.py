@@ -1,0 +1,236 @@
+"""What pages on-call, and the alerts' state: which sessions page, one alert per (job, cause, workers).
+
+A session pages when its verdict names something to fix (`page_of`):
+- a cause other than none, unexplained and insufficient-evidence: the verdict already decided at
+  the worker test's stated false-alarm rate (transforms/whatif/causes), so jitter does not page;
+- in a window kept (replay within 5%): S at or above the watcher's threshold;
+- in a discarded window (the replay is off, so S and the what-if savings are not trustworthy):
+  only workers the trace measured slower than their DP peers (the worker test needs no replay).
+
+An alert is identified by its fingerprint: a digest of (job, cause, blamed global ranks). The
+sessions of a job that keep naming the same workers continue one alert (a job profiled every
+few minutes pages once, not per window); a different cause or worker set resolves the old
+alert and fires a new one. An alert resolves when a later session of the job is healthy (kept
+and nothing to page, or discarded with no worker measured slow), or when the job has landed
+nothing for `resolve_after` seconds (`AlertBook.expire`: by default three of the job's
+profiling intervals, and never before its sessions are archived).
+
+State (`AlertBook`): one small JSON file per job under `{out}/alert_state/`, written atomically
+after every change and read before every decision. So a watcher that restarts, and re-analyses
+the sessions still in the landing area, pages nothing twice (the sessions' revisions are
+recorded), keeps its open alerts firing (Alertmanager resends) and still resolves them.
+Decisions for one job are serialised by the keyed step that calls `apply` (and a lock here).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import statistics
+import threading
+
+import fsspec
+
+from transforms.lake import filesystem, write_file_atomic
+from transforms.live_tables import name_part
+
+__all__ = ["NOT_PAGED", "ALERT_STATE", "Page", "page_of", "fingerprint", "AlertBook", "workers_text"]
+
+NOT_PAGED = ("none", "unexplained", "insufficient-evidence")   # nothing to fix, nobody to blame, or undecided
+ALERT_STATE = "alert_state"
+INTERVALS = 3            # a job silent for this many of its profiling intervals has stopped (or been fixed)
+REMEMBERED_ARRIVALS = 8  # recent sessions' arrival times kept per job (its profiling cadence)
+
+
+@dataclasses.dataclass(frozen=True)
+class Page:
+    """What one session pages for: its cause, the workers it blames (dicts: rank, dp_rank, stage,
+    host, ratio, steps) and the alert's fingerprint."""
+
+    cause: str
+    workers: tuple[dict, ...]
+    fingerprint: str
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({int(w["rank"]) for w in self.workers if w.get("rank") is not None})
+
+
+def fingerprint(job_id: str, cause: str, ranks: list[int]) -> str:
+    """Stable id of an alert: the same job, cause and blamed ranks give the same 16 hex digits."""
+    key = json.dumps([job_id, cause, sorted(ranks)])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def page_of(row: dict, threshold: float) -> Page | None:
+    """The page a live result row calls for, or None (see the module docstring)."""
+    cause = row.get("verdict")
+    if row.get("status") not in ("analysed", "discarded") or cause is None or cause in NOT_PAGED:
+        return None
+    workers = tuple(row.get("blamed") or ())
+    if row["status"] == "discarded":
+        workers = tuple(w for w in workers if w.get("ratio") is not None)   # measured against peers
+        if not workers:
+            return None
+    elif row.get("slowdown") is None or float(row["slowdown"]) < threshold:
+        return None
+    page = Page(cause, workers, "")
+    return dataclasses.replace(page, fingerprint=fingerprint(row["job_id"], cause, page.ranks))
+
+
+def healthy(row: dict, threshold: float) -> bool:
+    """A result that resolves the job's open alerts: kept with nothing to page, or discarded with
+    a verdict that found nothing (the worker test cleared every worker)."""
+    if page_of(row, threshold) is not None:
+        return False
+    if row.get("status") == "analysed":
+        return row.get("verdict") != "insufficient-evidence" or float(row.get("slowdown") or 0.0) < threshold
+    return row.get("status") == "discarded" and row.get("verdict") == "none"
+
+
+def workers_text(workers) -> str:
+    """'rank 1 (dp 1 / stage 0, host a): forward 1.69x its DP peers', steps 3, 4' per blamed worker."""
+    parts = []
+    for w in workers:
+        where = f"dp {w.get('dp_rank')} / stage {w.get('stage')}" + (f", host {w['host']}" if w.get("host") else "")
+        text = f"rank {w.get('rank')} ({where})"
+        if w.get("ratio") is not None:
+            text += f": {w.get('work') or 'work'} {float(w['ratio']):.2f}x its DP peers'"
+        if w.get("steps"):
+            text += f", step{'s' if len(w['steps']) > 1 else ''} {', '.join(str(s) for s in w['steps'])}"
+        parts.append(text)
+    return "; ".join(parts)
+
+
+class AlertBook:
+    """The alerts of the jobs watched into one output folder (see the module docstring)."""
+
+    _LOCKS: dict[str, threading.Lock] = {}
+
+    def __init__(self, out: str, threshold: float, resolve_after: float | None = None, archived_after: float = 0.0):
+        self.out, self.threshold = out.rstrip("/"), threshold
+        self.resolve_after, self.archived_after = resolve_after, archived_after
+        self._lock = self._LOCKS.setdefault(self.out, threading.Lock())
+
+    # ------------------------------------------------------------------ state files
+
+    def _path(self, job_id: str) -> str:
+        return f"{self.out}/{ALERT_STATE}/{name_part(job_id)}.json"
+
+    def _load(self, job_id: str) -> dict:
+        fs, path = filesystem(self._path(job_id))
+        if not fs.exists(path):
+            return {"job_id": job_id, "revisions": {}, "open": {}, "arrivals": []}
+        with fs.open(path, "rb") as handle:
+            return json.loads(handle.read())
+
+    def _save(self, state: dict) -> None:
+        write_file_atomic(*filesystem(self._path(state["job_id"])), json.dumps(state, sort_keys=True).encode())
+
+    def states(self) -> list[dict]:
+        """Every job's state (for resends and expiry)."""
+        fs, root = fsspec.core.url_to_fs(f"{self.out}/{ALERT_STATE}")
+        fs.invalidate_cache()
+        if not fs.exists(root):
+            return []
+        out = []
+        for path in sorted(fs.find(root)):
+            if path.endswith(".json") and not path.rsplit("/", 1)[-1].startswith("."):
+                with fs.open(path, "rb") as handle:
+                    out.append(json.loads(handle.read()))
+        return out
+
+    def open_alerts(self) -> list[dict]:
+        """The alert rows (kind 'firing') of every alert open now."""
+        return [alert for state in self.states() for alert in state["open"].values()]
+
+    # ------------------------------------------------------------------ decisions
+
+    def apply(self, row: dict, now: float) -> list[dict]:
+        """Alert rows (ALERT_SCHEMA dicts, times epoch seconds) one live result row raises; the job's
+        state is saved before they are returned."""
+        with self._lock:
+            state = self._load(row["job_id"])
+            session, revision = str(row["session"]), int(row["revision"])
+            if revision <= state["revisions"].get(session, 0):
+                return []   # a repeat (retry, watcher restart) or an already superseded revision
+            state["revisions"][session] = revision
+            arrival = float(row.get("first_arrival") or now)
+            if arrival not in state["arrivals"]:
+                state["arrivals"] = sorted([*state["arrivals"], arrival])[-REMEMBERED_ARRIVALS:]
+            events = []
+            page = page_of(row, self.threshold)
+            if page is not None:
+                stale = [fp for fp in state["open"] if fp != page.fingerprint]
+                events += [self._resolved(state, fp, now, f"session {session} names {page.cause} "
+                                          f"{workers_text(page.workers) or ''}".rstrip(), row) for fp in stale]
+                if page.fingerprint in state["open"]:
+                    state["open"][page.fingerprint].update(last_session=session, last_revision=revision)
+                else:
+                    alert = _alert_row(row, page, "firing", now, self.threshold)
+                    state["open"][page.fingerprint] = alert
+                    events.append(alert)
+            elif healthy(row, self.threshold):
+                why = (f"session {session} is healthy (S {_s(row.get('slowdown'))}, verdict {row.get('verdict')}"
+                       f"{', replay discarded' if row.get('status') == 'discarded' else ''})")
+                events += [self._resolved(state, fp, now, why, row) for fp in list(state["open"])]
+            self._save(state)
+            return events
+
+    def expire(self, now: float) -> list[dict]:
+        """Resolve the open alerts of jobs that landed nothing for their `silence` (see `silence`)."""
+        events = []
+        with self._lock:
+            for state in self.states():
+                if not state["open"] or not state["arrivals"]:
+                    continue
+                waited = now - max(state["arrivals"])
+                limit = self.silence(state["arrivals"])
+                if waited < limit:
+                    continue
+                why = f"no session of the job landed for {waited:.0f} s (limit {limit:.0f} s)"
+                events += [self._resolved(state, fp, now, why, None) for fp in list(state["open"])]
+                self._save(state)
+        return events
+
+    def silence(self, arrivals: list[float]) -> float:
+        """Seconds without a new session after which a job's alerts resolve: `resolve_after` when
+        set; else INTERVALS times its median profiling interval, and never before its sessions are
+        archived (`archived_after`)."""
+        if self.resolve_after is not None:
+            return self.resolve_after
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > a]
+        return max(self.archived_after, INTERVALS * statistics.median(gaps) if gaps else 0.0)
+
+    def _resolved(self, state: dict, fp: str, now: float, why: str, row: dict | None) -> dict:
+        alert = dict(state["open"].pop(fp))
+        alert.update(kind="resolved", alert_time=now, ends_at=now, resolved_reason=why,
+                     message=f"resolved: {alert['message']}: {why}")
+        if row is not None:
+            alert.update(resolved_by_session=str(row["session"]), resolved_by_revision=int(row["revision"]))
+        return alert
+
+
+def _s(value) -> str:
+    return "n/a" if value is None else f"{float(value):.3f}"
+
+
+def _alert_row(row: dict, page: Page, kind: str, now: float, threshold: float) -> dict:
+    """A firing alert's row (ALERT_SCHEMA fields)."""
+    discarded = row.get("status") == "discarded"
+    who = workers_text(page.workers)
+    saving = row.get("verdict_saving")
+    message = (f"job {row['job_id']}: {page.cause}" + (f": {who}" if who else "")
+               + f"; S {_s(row.get('slowdown'))}" + (" (replay off by more than 5%: S not trustworthy)" if discarded else "")
+               + (f", confidence {float(row['verdict_confidence']):.2f}" if row.get("verdict_confidence") is not None else "")
+               + (f", the fix saves {100 * float(saving):.0f}% of the step" if saving is not None and not discarded else ""))
+    return {
+        "job_id": row["job_id"], "session": str(row["session"]), "revision": int(row["revision"]), "kind": kind,
+        "fingerprint": page.fingerprint, "cause": page.cause, "workers": [dict(w) for w in page.workers],
+        "ranks": page.ranks, "slowdown": row.get("slowdown"), "discarded": discarded,
+        "confidence": row.get("verdict_confidence"), "saving": None if discarded else saving,
+        "threshold": threshold, "verdict": row.get("verdict"), "explanation": row.get("verdict_explanation"),
+        "message": message, "alert_time": now, "starts_at": now, "ends_at": None, "resolved_reason": None,
+        "last_session": str(row["session"]), "last_revision": int(row["revision"]),
+        "resolved_by_session": None, "resolved_by_revision": None,
+    }
