@@ -1,6 +1,19 @@
-"""From a session's last file landing to its alert at a webhook: `strag watch --alert-webhook` latency.
+"""What `strag watch --alert-webhook` pages, and how fast: pages on real runs, then latency at scale.
 
+    .venv/bin/python benchmarks/bench_live.py --corpus DIR [--corpus DIR ...]   # the pages
     .venv/bin/python benchmarks/bench_live.py [--sizes 8:50,64:20,1024:6] [--poll-interval 1.0]
+
+Pages (--corpus): every run of the folders (real torch.profiler runs with truth.json, e.g.
+tests/data/real_runs, tests/data/real_stacks, a corpus of tools/real_stacks/gen_stacks.py) lands,
+one after the other, as a live session of a job of its own (`strag land --live`), while one real
+`strag watch` process posts JSON alerts to a local HTTP receiver. Printed: recall on the sessions
+with a measurable slow worker (an injected forward or backward slowdown of at least 1.3x: right
+when the job's pages name every slowed rank, and no rank without an injection), false pages on the clean sessions (any
+page), what paged for the other injections (GC, data loading, stage split), the latency from the
+session's last file to its page (p50/p90), and duplicates over a restart: a second watcher on the
+same lake and output re-analyses every session still in landing/ and must page nothing.
+
+Latency at scale (no --corpus):
 
 For each size (workers:sessions) a real `strag watch` process (the CLI, FnApiRunner) watches a
 fresh local lake and posts JSON alerts to a local HTTP receiver (http.server in this process).
@@ -57,7 +70,7 @@ class Inbox:
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 now = time.time()
-                session = body["session"] if body["status"] == "firing" else body["resolved_by"]["session"]
+                session = body["session"] if body["status"] == "firing" else body["resolved_by_session"]
                 with inbox.event:
                     inbox.arrived.setdefault(session, now)
                     inbox.event.notify_all()
@@ -162,11 +175,161 @@ def land_pieces(lake: str, session: str, per_worker: dict, manifest, workers: li
         write_parquet(landing_worker_path(lake, "bench", session, *worker), per_worker[worker])
 
 
+MEASURABLE = 1.3   # an injected forward/backward slowdown at least this large is a measurable slow worker
+
+
+class PageInbox:
+    """The local webhook of the pages bench: every JSON body with its arrival time."""
+
+    def __init__(self):
+        self.bodies: list[tuple[float, dict]] = []
+        self.lock = threading.Lock()
+        inbox = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with inbox.lock:
+                    inbox.bodies.append((time.time(), body))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
+
+    def firing(self, job: str | None = None) -> list[tuple[float, dict]]:
+        with self.lock:
+            return [(t, b) for t, b in self.bodies if b["status"] == "firing" and (job is None or b["job_id"] == job)]
+
+
+def _watcher(lake: str, out: str, url: str, poll: float) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipelines.cli", "watch", "--lake", lake, "--out", out, "--poll-interval", str(poll),
+         "--session-timeout", "120", "--retain", "100000", "--status-interval", "3600", "--alert-webhook", url],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _stop(watcher: subprocess.Popen) -> None:
+    watcher.send_signal(signal.SIGINT)
+    try:
+        watcher.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        watcher.kill()
+
+
+def _truth(run: pathlib.Path) -> dict:
+    truth = json.loads((run / "truth.json").read_text())
+    slowdowns = truth.get("slowdowns") or []
+    measurable = sorted({s["rank"] for s in slowdowns if s.get("kind") in ("fwd", "bwd") and s.get("amount", 0) >= MEASURABLE})
+    injected = sorted({s["rank"] for s in slowdowns if s.get("rank") is not None and s.get("rank", -1) >= 0})
+    kinds = sorted({s.get("kind") for s in slowdowns})
+    return {"measurable": measurable, "injected": injected, "kinds": kinds, "clean": not slowdowns}
+
+
+def run_pages(corpora: list[pathlib.Path], poll: float) -> int:
+    """The pages bench (see the module docstring)."""
+    import datetime as dt
+
+    from pipelines.land import LandOptions, land
+    from transforms.live_tables import read_live_table
+    from transforms.watch_status import read_status
+
+    runs = sorted((run for corpus in corpora for run in corpus.iterdir() if (run / "truth.json").exists()),
+                  key=lambda run: run.name)
+    inbox = PageInbox()
+    rows, latencies = [], []
+    with tempfile.TemporaryDirectory() as folder:
+        lake, out = f"{folder}/lake", f"{folder}/out"
+        os.makedirs(f"{lake}/landing")
+        watcher = _watcher(lake, out, inbox.url, poll)
+        try:
+            for run in runs:
+                job = run.name
+                try:
+                    land(LandOptions(folder=run, lake=lake, job_id=job, date=dt.date.today(), session="w0"))
+                except ValueError as error:   # e.g. several profiling cycles per rank: not one live session
+                    print(f"  {job:44s} not landed as a live session: {error}", flush=True)
+                    continue
+                landed = time.time()
+                deadline = landed + 600
+                row = None
+                while row is None and time.time() < deadline:
+                    time.sleep(0.1)
+                    table = read_live_table(out)
+                    mine = [r for r in table.to_pylist() if r["job_id"] == job]
+                    row = mine[-1] if mine else None
+                if row is None:
+                    raise TimeoutError(f"no result for {job}")
+                time.sleep(1.0)   # the page is posted right after the row: give the receiver a moment
+                pages = inbox.firing(job)
+                if pages:
+                    latencies.append(pages[0][0] - landed)
+                truth = _truth(run)
+                named = sorted({r for _, body in pages for r in body["ranks"]})
+                rows.append({"run": job, **truth, "named": named, "causes": sorted({b["cause"] for _, b in pages}),
+                             "status": row["status"], "verdict": row["verdict"], "S": row["slowdown"]})
+                print(f"  {job:44s} {row['status']:9s} {str(row['verdict']):22s} pages {len(pages)} ranks {named} "
+                      f"(injected {truth['injected'] or '-'} {','.join(truth['kinds']) or 'clean'})", flush=True)
+        finally:
+            _stop(watcher)
+        before = len(inbox.firing())
+        restarted = _watcher(lake, out, inbox.url, poll)   # the same lake and output: every session again
+        try:
+            deadline = time.time() + 1200
+            while time.time() < deadline:
+                status = read_status(out) or {}
+                if status.get("running") and status.get("results", 0) >= len(rows):
+                    break
+                time.sleep(0.5)
+            time.sleep(2.0)
+        finally:
+            _stop(restarted)
+        duplicates = len(inbox.firing()) - before
+    inbox.server.shutdown()
+    _report_pages(rows, latencies, duplicates)
+    return 0
+
+
+def _report_pages(rows: list[dict], latencies: list[float], duplicates: int) -> None:
+    slowed = [r for r in rows if r["measurable"]]
+    right = [r for r in slowed if set(r["measurable"]) <= set(r["named"]) <= set(r["injected"])]
+    found = [r for r in slowed if set(r["measurable"]) <= set(r["named"])]
+    clean = [r for r in rows if r["clean"]]
+    false = [r for r in clean if r["named"] or r["causes"]]
+    other = [r for r in rows if not r["clean"] and not r["measurable"]]
+    print(f"\n{len(rows)} sessions: {len(slowed)} with a measurable slow worker (forward/backward >= {MEASURABLE}x), "
+          f"{len(clean)} clean, {len(other)} other injections")
+    print(f"  slowed sessions paged naming every slowed rank and no rank without an injection {len(right)} / {len(slowed)}"
+          f" ({100 * len(right) / max(1, len(slowed)):.0f}%; naming them among others {len(found)}), target >= 95%")
+    for r in slowed:
+        if r not in right:
+            print(f"    missed or off: {r['run']}: slowed {r['measurable']}, paged {r['named'] or 'nothing'} "
+                  f"({r['status']}, {r['verdict']}, S {r['S'] if r['S'] is None else round(r['S'], 3)})")
+    print(f"  clean sessions paged {len(false)} / {len(clean)} ({100 * len(false) / max(1, len(clean)):.0f}%), target <= 5%"
+          + "".join(f"\n    false page: {r['run']}: {r['causes']} ranks {r['named']}" for r in false))
+    for r in other:
+        print(f"  other injection {r['run']}: injected {r['injected']} ({','.join(r['kinds'])}), paged "
+              f"{r['causes'] or 'nothing'} ranks {r['named']}")
+    print(f"  duplicate pages over a watcher restart: {duplicates} (target 0)")
+    if latencies:
+        print(f"  last file landed -> page: p50 {statistics.median(latencies):.2f} s, p90 {_percentile(latencies, 0.9):.2f} s "
+              f"over {len(latencies)} pages (target p90 <= 5 s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--corpus", action="append", default=[], type=pathlib.Path,
+                        help="folder of real runs (each with truth.json): measure the pages (repeatable)")
     parser.add_argument("--sizes", default="8:50,64:20,1024:6", help="workers:sessions,... (workers: 8, 64, 1024)")
     parser.add_argument("--poll-interval", type=float, default=1.0)
     args = parser.parse_args(argv)
+    if args.corpus:
+        return run_pages(args.corpus, args.poll_interval)
     sizes = [tuple(int(x) for x in item.split(":")) for item in args.sizes.split(",")]
     rows = []
     for workers, sessions in sizes:

@@ -60,16 +60,25 @@ def _session_chart(sessions: pd.DataFrame, threshold: float) -> alt.Chart:
     rows = rows.sort_values(["first_arrival", "session"]).reset_index(drop=True)
     rows = rows.assign(order=range(1, len(rows) + 1),
                        landed=[pd.Timestamp(t).strftime("%Y-%m-%d %H:%M:%S") for t in rows["first_arrival"]])
-    line = alt.Chart(rows).mark_line(point=True).encode(
+    base = alt.Chart(rows).encode(
         x=alt.X("order:Q", title="session, in landing order",
                 axis=alt.Axis(format="d", tickMinStep=1, labelOverlap="greedy"),
                 scale=alt.Scale(domain=[0.5, len(rows) + 0.5], nice=False)),
         y=alt.Y("slowdown:Q", title="slowdown S", scale=alt.Scale(zero=False, padding=8)),
-        tooltip=["session", alt.Tooltip("landed:N", title="first file landed (UTC)"), "revision", "reason",
+    )
+    line = base.mark_line(color="#4c78a8")
+    points = base.mark_point(filled=True, size=60).encode(
+        color=alt.Color("status:N", title="session", scale=alt.Scale(domain=["analysed", "discarded"],
+                                                                      range=["#4c78a8", "#f58518"])),
+        shape=alt.Shape("status:N", scale=alt.Scale(domain=["analysed", "discarded"], range=["circle", "triangle"])),
+        tooltip=["session", alt.Tooltip("landed:N", title="first file landed (UTC)"), "revision", "reason", "status",
                  alt.Tooltip("slowdown:Q", format=".3f"), "verdict"],
     )
     rule = alt.Chart(pd.DataFrame({"slowdown": [threshold]})).mark_rule(strokeDash=[4, 3], color="#e45756").encode(y="slowdown:Q")
-    return alt.layer(line, rule).properties(title="S per session (dashed: alert threshold)", width=560, height=200)
+    return alt.layer(line, points, rule).properties(
+        title=alt.TitleParams("S per session (dashed: the threshold for job-wide causes)",
+                              subtitle=["discarded: the replay is off by more than 5%, S is not trustworthy"]),
+        width=560, height=200)
 
 
 def _text(value, default: str = "n/a") -> str:

@@ -115,8 +115,8 @@ def _parser() -> argparse.ArgumentParser:
                         "which must exist (mkdir LAKE/landing for a new lake)")
     parser.add_argument("--out", required=True, help="output URL: live_results/, alerts/, live_quarantine/ go under it")
     parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
-                        help=f"page only when a kept window's S is at least this slowdown, besides a verdict naming a "
-                             f"cause (default {DEFAULT_THRESHOLD})")
+                        help=f"page for a job-wide cause (stage, sequence, communication) only when the kept window's "
+                             f"S is at least this slowdown; workers measured slow page whatever S (default {DEFAULT_THRESHOLD})")
     parser.add_argument("--resolve-after", type=float, default=None, metavar="S",
                         help="resolve a job's open alerts when it has landed no session for this many seconds (default: "
                              "3 of the job's profiling intervals, and not before its sessions are archived: --retain)")

@@ -29,13 +29,17 @@ def test_what_pages():
     # nothing to fix, nobody to blame, or the trace cannot decide: never a page, whatever S
     for verdict in ("none", "unexplained", "insufficient-evidence"):
         assert page_of(row("s1", 1.9, verdict, blamed=[]), 1.1) is None
-    # a kept window below the watcher's threshold does not page; a failed session never does
-    assert page_of(row("s1", 1.15), 1.2) is None and page_of(row("s1", status="failed"), 1.1) is None
-    # a discarded window (S not trustworthy) pages only workers measured slower than their DP peers
+    # a job-wide cause below the watcher's threshold does not page, a worker measured slow does; a
+    # failed session never pages
+    assert page_of(row("s1", 1.15, "stage-imbalance", blamed=[]), 1.2) is None
+    assert page_of(row("s1", 1.05), 1.2).ranks == [3] and page_of(row("s1", status="failed"), 1.1) is None
+    # a discarded window (S not trustworthy) pages only workers named from measurements, whatever S
     assert page_of(row("s1", 1.01, status="discarded"), 1.1).ranks == [3]
-    unmeasured = dict(slow_rank(), ratio=None, steps=None)
-    assert page_of(row("s1", 2.0, "untraced-cpu", blamed=[unmeasured], status="discarded"), 1.1) is None
-    assert page_of(row("s1", 1.3, "untraced-cpu", blamed=[unmeasured]), 1.1).ranks == [3]
+    paused = dict(slow_rank(), ratio=None, steps=None)
+    assert page_of(row("s1", 2.0, "python-gc", blamed=[paused], status="discarded"), 1.1).ranks == [3]
+    assert page_of(row("s1", 2.0, "stage-imbalance", blamed=[], status="discarded"), 1.1) is None   # a replay's finding
+    assert page_of(row("s1", 2.0, "individual-worker", blamed=[], status="discarded"), 1.1) is None
+    assert page_of(row("s1", 1.3, "untraced-cpu", blamed=[paused]), 1.1).ranks == [3]
     assert page_of(row("s1", 1.3, "stage-imbalance", blamed=[]), 1.1).ranks == []
 
 

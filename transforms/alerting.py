@@ -9,7 +9,8 @@ receiver.
 Payloads (`payload`), one per event:
 - json: {"version": "2", "source", "status": firing|resolved, "fingerprint", "job_id", "cause",
   "ranks", "workers", "hosts", "slowdown", "discarded", "confidence", "saving", "threshold",
-  "session", "revision", "summary", "explanation", "starts_at", "ends_at", "resolved_reason", "link"};
+  "session", "revision", "summary", "explanation", "starts_at", "ends_at", "resolved_reason",
+  "resolved_by_session", "link"};
 - alertmanager: the `POST /api/v2/alerts` body, a list of {labels, annotations, startsAt, endsAt,
   generatorURL}; labels {alertname: StragglerSlowdown, job_id, cause, ranks, fingerprint,
   severity, source} (one alert per fingerprint: the job's later sessions naming the same workers
@@ -148,7 +149,8 @@ def payload(alert: dict, fmt: str, delivery: AlertDelivery, now: float | None = 
                 "session": alert.get("session"), "revision": alert.get("revision"), "summary": summary(alert),
                 "explanation": alert.get("explanation"), "starts_at": _iso(alert.get("starts_at")),
                 "ends_at": None if alert.get("ends_at") is None else _iso(alert["ends_at"]),
-                "resolved_reason": alert.get("resolved_reason"), "link": link}
+                "resolved_reason": alert.get("resolved_reason"), "resolved_by_session": alert.get("resolved_by_session"),
+                "link": link}
     if fmt == "alertmanager":
         return [alertmanager_alert(alert, delivery, now)]
     if fmt == "slack":

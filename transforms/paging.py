@@ -1,11 +1,15 @@
 """What pages on-call, and the alerts' state: which sessions page, one alert per (job, cause, workers).
 
-A session pages when its verdict names something to fix (`page_of`):
-- a cause other than none, unexplained and insufficient-evidence: the verdict already decided at
-  the worker test's stated false-alarm rate (transforms/whatif/causes), so jitter does not page;
-- in a window kept (replay within 5%): S at or above the watcher's threshold;
-- in a discarded window (the replay is off, so S and the what-if savings are not trustworthy):
-  only workers the trace measured slower than their DP peers (the worker test needs no replay).
+A session pages when its verdict names something to fix (`page_of`): a cause other than none,
+unexplained and insufficient-evidence (the verdict already decided at the worker test's stated
+false-alarm rate, transforms/whatif/causes, so jitter does not page), and
+- workers named from measurements that need no replay: a worker slower than its DP peers or than
+  the other stages at the same recorded work (individual-worker), pauses (python-gc), a worker's
+  untraced time beyond its peers' (untraced-cpu). These page whatever S, and in a window whose
+  replay is off by more than 5% (discarded) too: a worker measured 1.5x its peers is slow even
+  where the job hides it or the replay cannot say what it costs;
+- or any other cause (stage, sequence, communication: read from the replay) in a window kept, with
+  S at or above the watcher's threshold.
 
 An alert is identified by its fingerprint: a digest of (job, cause, blamed global ranks). The
 sessions of a job that keep naming the same workers continue one alert (a job profiled every
@@ -34,9 +38,10 @@ import fsspec
 from transforms.lake import filesystem, write_file_atomic
 from transforms.live_tables import name_part
 
-__all__ = ["NOT_PAGED", "ALERT_STATE", "Page", "page_of", "fingerprint", "AlertBook", "workers_text"]
+__all__ = ["NOT_PAGED", "MEASURED", "ALERT_STATE", "Page", "page_of", "fingerprint", "AlertBook", "workers_text"]
 
 NOT_PAGED = ("none", "unexplained", "insufficient-evidence")   # nothing to fix, nobody to blame, or undecided
+MEASURED = ("individual-worker", "python-gc", "untraced-cpu")     # named from measurements, not from the replay
 ALERT_STATE = "alert_state"
 INTERVALS = 3            # a job silent for this many of its profiling intervals has stopped (or been fixed)
 REMEMBERED_ARRIVALS = 8  # recent sessions' arrival times kept per job (its profiling cadence)
@@ -68,11 +73,8 @@ def page_of(row: dict, threshold: float) -> Page | None:
     if row.get("status") not in ("analysed", "discarded") or cause is None or cause in NOT_PAGED:
         return None
     workers = tuple(row.get("blamed") or ())
-    if row["status"] == "discarded":
-        workers = tuple(w for w in workers if w.get("ratio") is not None)   # measured against peers
-        if not workers:
-            return None
-    elif row.get("slowdown") is None or float(row["slowdown"]) < threshold:
+    measured = cause in MEASURED and bool(workers)
+    if not measured and (row["status"] != "analysed" or row.get("slowdown") is None or float(row["slowdown"]) < threshold):
         return None
     page = Page(cause, workers, "")
     return dataclasses.replace(page, fingerprint=fingerprint(row["job_id"], cause, page.ranks))
