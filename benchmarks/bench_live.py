@@ -7,8 +7,9 @@ Pages (--corpus): every run of the folders (real torch.profiler runs with truth.
 tests/data/real_runs, tests/data/real_stacks, a corpus of tools/real_stacks/gen_stacks.py) lands,
 one after the other, as a live session of a job of its own (`strag land --live`), while one real
 `strag watch` process posts JSON alerts to a local HTTP receiver. Printed: recall on the sessions
-with a measurable slow worker (an injected forward or backward slowdown of at least 1.3x: right
-when the job's pages name every slowed rank, and no rank without an injection), false pages on the clean sessions (any
+with a measurable slow worker (a rank slowed in forward or backward whose slowed work the trace shows
+at least 1.3x the other ranks' in its median step: right when the job's pages name every such rank,
+and no rank without an injection), false pages on the clean sessions (any
 page), what paged for the other injections (GC, data loading, stage split), the latency from the
 session's last file to its page (p50/p90), and duplicates over a restart: a second watcher on the
 same lake and output re-analyses every session still in landing/ and must page nothing.
@@ -175,7 +176,7 @@ def land_pieces(lake: str, session: str, per_worker: dict, manifest, workers: li
         write_parquet(landing_worker_path(lake, "bench", session, *worker), per_worker[worker])
 
 
-MEASURABLE = 1.3   # an injected forward/backward slowdown at least this large is a measurable slow worker
+MEASURABLE = 1.3   # a slowed rank whose slowed work is at least this many times the other ranks' is measurably slow
 
 
 class PageInbox:
@@ -223,12 +224,42 @@ def _stop(watcher: subprocess.Popen) -> None:
 
 
 def _truth(run: pathlib.Path) -> dict:
+    """What was injected, and which slowed ranks the trace shows as measurably slow: the injected kind of
+    work (forward, backward) of the rank, summed per profiled step, at least MEASURABLE x the median of
+    the other ranks' in most steps (the injection slows some blocks; what it does to the rank's whole
+    forward or backward depends on the model, so the trace decides)."""
     truth = json.loads((run / "truth.json").read_text())
     slowdowns = truth.get("slowdowns") or []
-    measurable = sorted({s["rank"] for s in slowdowns if s.get("kind") in ("fwd", "bwd") and s.get("amount", 0) >= MEASURABLE})
+    slowed = {(s["rank"], s["kind"]) for s in slowdowns if s.get("kind") in ("fwd", "bwd") and s.get("amount", 0) > 1.0}
+    ratios = _measured_ratios(run, slowed) if slowed else {}
+    measurable = sorted({rank for (rank, _), ratio in ratios.items() if ratio >= MEASURABLE})
     injected = sorted({s["rank"] for s in slowdowns if s.get("rank") is not None and s.get("rank", -1) >= 0})
     kinds = sorted({s.get("kind") for s in slowdowns})
-    return {"measurable": measurable, "injected": injected, "kinds": kinds, "clean": not slowdowns}
+    return {"measurable": measurable, "injected": injected, "kinds": kinds, "clean": not slowdowns,
+            "ratios": {f"{rank}:{kind}": round(ratio, 2) for (rank, kind), ratio in ratios.items()}}
+
+
+def _measured_ratios(run: pathlib.Path, slowed: set) -> dict:
+    """(rank, kind) -> the rank's per-step work of that kind over the other ranks' median, in its median step."""
+    import numpy as np
+
+    from transforms.ingest import convert_window
+
+    trace = convert_window("kineto", sorted(str(p) for p in run.glob("rank-*.json*")), run.name, "2026-01-01").trace
+    rank = trace.column("rank").to_numpy()
+    step = trace.column("step").to_numpy()
+    optype = np.asarray(trace.column("optype").cast("string").to_pylist())
+    duration = trace.column("duration").to_numpy()
+    out = {}
+    for victim, kind in slowed:
+        mask = optype == ("forward-compute" if kind == "fwd" else "backward-compute")
+        steps, ranks = np.unique(step[mask]), np.unique(rank[mask])
+        if victim not in ranks or len(ranks) < 2:
+            continue
+        per = {(s, r): duration[mask & (step == s) & (rank == r)].sum() for s in steps for r in ranks}
+        ratio = [per[s, victim] / np.median([per[s, r] for r in ranks if r != victim]) for s in steps]
+        out[victim, kind] = float(np.median(ratio))
+    return out
 
 
 def run_pages(corpora: list[pathlib.Path], poll: float) -> int:
@@ -274,7 +305,8 @@ def run_pages(corpora: list[pathlib.Path], poll: float) -> int:
                 rows.append({"run": job, **truth, "named": named, "causes": sorted({b["cause"] for _, b in pages}),
                              "status": row["status"], "verdict": row["verdict"], "S": row["slowdown"]})
                 print(f"  {job:44s} {row['status']:9s} {str(row['verdict']):22s} pages {len(pages)} ranks {named} "
-                      f"(injected {truth['injected'] or '-'} {','.join(truth['kinds']) or 'clean'})", flush=True)
+                      f"(injected {truth['injected'] or '-'} {','.join(truth['kinds']) or 'clean'}"
+                      f"{'; measured ' + str(truth['ratios']) if truth['ratios'] else ''})", flush=True)
         finally:
             _stop(watcher)
         before = len(inbox.firing())
@@ -301,8 +333,8 @@ def _report_pages(rows: list[dict], latencies: list[float], duplicates: int) -> 
     found = [r for r in slowed if set(r["measurable"]) <= set(r["named"])]
     clean = [r for r in rows if r["clean"]]
     false = [r for r in clean if r["named"] or r["causes"]]
-    other = [r for r in rows if not r["clean"] and not r["measurable"]]
-    print(f"\n{len(rows)} sessions: {len(slowed)} with a measurable slow worker (forward/backward >= {MEASURABLE}x), "
+    other = [r for r in rows if not r["clean"] and not r["measurable"]]   # incl. slowed work the trace shows < 1.3x
+    print(f"\n{len(rows)} sessions: {len(slowed)} with a measurable slow worker (slowed work >= {MEASURABLE}x the other ranks'), "
           f"{len(clean)} clean, {len(other)} other injections")
     print(f"  slowed sessions paged naming every slowed rank and no rank without an injection {len(right)} / {len(slowed)}"
           f" ({100 * len(right) / max(1, len(slowed)):.0f}%; naming them among others {len(found)}), target >= 95%")
@@ -313,8 +345,8 @@ def _report_pages(rows: list[dict], latencies: list[float], duplicates: int) -> 
     print(f"  clean sessions paged {len(false)} / {len(clean)} ({100 * len(false) / max(1, len(clean)):.0f}%), target <= 5%"
           + "".join(f"\n    false page: {r['run']}: {r['causes']} ranks {r['named']}" for r in false))
     for r in other:
-        print(f"  other injection {r['run']}: injected {r['injected']} ({','.join(r['kinds'])}), paged "
-              f"{r['causes'] or 'nothing'} ranks {r['named']}")
+        print(f"  other injection {r['run']}: injected {r['injected']} ({','.join(r['kinds'])}"
+              f"{'; measured ' + str(r['ratios']) if r['ratios'] else ''}), paged {r['causes'] or 'nothing'} ranks {r['named']}")
     print(f"  duplicate pages over a watcher restart: {duplicates} (target 0)")
     if latencies:
         print(f"  last file landed -> page: p50 {statistics.median(latencies):.2f} s, p90 {_percentile(latencies, 0.9):.2f} s "

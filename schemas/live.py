@@ -96,6 +96,7 @@ LIVE_RESULT_SCHEMA = _schema(
         pa.field("verdict_explanation", pa.string(), nullable=True),  # one sentence per listed cause, for people
         pa.field("blamed", pa.list_(BLAMED_WORKER), nullable=True),  # the verdict's workers (pages name them)
         pa.field("verdict_saving", pa.float64(), nullable=True),     # share of the step the primary fix saves
+        pa.field("undecided_workers", pa.int32(), nullable=True),   # workers the worker test could not decide on
         pa.field("steps", pa.list_(pa.int64()), nullable=True),
         pa.field("step_slowdown", pa.list_(pa.float64()), nullable=True),   # S_s, aligned with steps
         # Worker heatmap: S_w row-major [dp_rank][stage], dp_size x pp_size values; null for

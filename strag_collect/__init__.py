@@ -10,8 +10,8 @@ pyarrow, numpy, yaml; torch is never imported, only the objects passed in are us
 of strag reads what it writes (schemas/raw.py); `kineto.py` says where, how and what happens
 when storage fails.
 """
-from strag_collect.kineto import (CollectorWarning, KinetoHandler, kineto_handler, land_file, live_dir, live_session,
-                                  live_trace_name, window_dir)
+from strag_collect.kineto import (DEFAULT_EVERY, CollectorWarning, KinetoHandler, cadence, check_lake, kineto_handler,
+                                  land_file, live_dir, live_session, live_trace_name, run_id, window_dir)
 
-__all__ = ["kineto_handler", "KinetoHandler", "CollectorWarning", "land_file", "window_dir", "live_dir", "live_session",
-           "live_trace_name"]
+__all__ = ["kineto_handler", "KinetoHandler", "CollectorWarning", "cadence", "check_lake", "run_id", "DEFAULT_EVERY",
+           "land_file", "window_dir", "live_dir", "live_session", "live_trace_name"]

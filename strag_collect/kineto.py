@@ -57,7 +57,8 @@ from typing import IO, Any
 import fsspec
 
 __all__ = ["kineto_handler", "KinetoHandler", "CollectorWarning", "land_file", "window_dir", "job_yaml_fields",
-           "live_dir", "live_trace_name", "live_session", "JOB_YAML", "DIM_TOKENS", "LANDING"]
+           "live_dir", "live_trace_name", "live_session", "check_lake", "cadence", "run_id", "JOB_YAML", "DIM_TOKENS",
+           "LANDING", "DEFAULT_EVERY"]
 
 # Copies of the lake contract, here because importing `schemas` loads pyarrow (tests/test_collect.py
 # checks they equal schemas.lake._JOB_ID, schemas.raw.raw_dir and the converter's dim names).
@@ -75,6 +76,63 @@ DIM_TOKENS = {
 _LAYOUT_DIMS = ("tp", "cp", "dp", "pp")   # schemas.raw.LAYOUT_DIMS
 MAX_PENDING_WINDOWS = 2
 _CHUNK = 1 << 20
+# The live default: a window of 3 profiled steps every 200 steps. A few seconds of steps of a large job
+# every few minutes: the profiler's cost (a window's steps run ~5-10% slower, the export takes about as
+# long as the window) is well under 1% of the run, and a straggler is paged minutes after it starts.
+DEFAULT_EVERY = 200
+
+
+def cadence(every: int = DEFAULT_EVERY, active: int = 3, warmup: int = 1) -> dict[str, int]:
+    """torch.profiler.schedule's arguments for live monitoring: `active` profiled steps (after `warmup`)
+    in every `every` steps, for the whole run (repeat=0), each window a session of the same job:
+
+        torch.profiler.schedule(**cadence(every=200))
+
+    Three steps are what the worker test needs at the least to tell a slow worker from jitter."""
+    if not (active >= 1 and warmup >= 0 and every >= active + warmup + 1):
+        raise ValueError(f"cadence(every={every}, active={active}, warmup={warmup}): every must exceed active + warmup "
+                         "(one step at least between windows), active >= 1")
+    return {"wait": every - active - warmup, "warmup": warmup, "active": active, "repeat": 0}
+
+
+def run_id() -> str:
+    """The run's id, the same on every rank of one run and different for the next run of the job: torchrun's
+    TORCHELASTIC_RUN_ID (`-restart{k}` after an elastic restart), else the rendezvous address and port the
+    launcher chose (MASTER_ADDR, MASTER_PORT: Lightning and mp.spawn launchers pick a free port per run),
+    else '' (give run_id= to kineto_handler)."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    run = "" if run.lower() in ("", "none") else run
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if run and restart.isdigit() and int(restart) > 0:
+        run = f"{run}-restart{int(restart)}"
+    if not run and os.environ.get("MASTER_PORT", "").isdigit():
+        run = f"{os.environ.get('MASTER_ADDR', 'localhost')}-{os.environ['MASTER_PORT']}"
+    return re.sub(r"[^A-Za-z0-9._+@:-]+", "-", run).strip("-.")[:100]
+
+
+def check_lake(lake_url: str) -> None:
+    """Raise one clear error now, before training starts, when the lake cannot take the traces: an
+    unknown URL scheme, a filesystem whose package is not installed (s3:// needs s3fs), or a lake
+    the process cannot write (a probe file is written and removed). ValueError for the URL, OSError
+    for the storage."""
+    protocol = fsspec.core.split_protocol(lake_url)[0] or "file"
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        raise ValueError(f"lake {lake_url}: unknown URL scheme {protocol!r} (fsspec knows "
+                         f"{', '.join(sorted(p for p in fsspec.available_protocols() if len(p) <= 6)[:12])}, ...)") from None
+    except ImportError as error:
+        raise ValueError(f"lake {lake_url}: the {protocol}:// filesystem's package is not installed ({error}); "
+                         f"install it in the training environment (s3:// needs s3fs, gs:// gcsfs, abfs:// adlfs)") from None
+    probe = f"{lake_url.rstrip('/')}/.strag-probe-{uuid.uuid4().hex}"   # hidden: readers skip it if it stays
+    try:
+        land_file(b"", probe, compress=False, retries=1, backoff=0.2)
+        fs, path = fsspec.core.url_to_fs(probe)
+        fs.rm(path)
+    except Exception as error:
+        raise OSError(f"lake {lake_url}: cannot write there ({type(error).__name__}: {error}); check the URL, "
+                      "credentials and permissions before training") from error
+
 
 
 class CollectorWarning(RuntimeWarning):
@@ -108,15 +166,9 @@ def live_trace_name(rank: int, world: int, compress: bool = True) -> str:
 
 def live_session(window: int, prefix: str | None = None) -> str:
     """The live session name of profiling window `window`: `{prefix}-w{window}`, or `w{window}` without a
-    prefix. prefix None: the run's torchrun id (TORCHELASTIC_RUN_ID, `-restart{k}` added after an elastic
-    restart), the same on every rank of the run; no prefix outside torchrun."""
+    prefix. prefix None: the run's id (`run_id`), the same on every rank of the run."""
     if prefix is None:
-        run = os.environ.get("TORCHELASTIC_RUN_ID", "")
-        run = "" if run.lower() in ("", "none") else run
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        if run and restart.isdigit() and int(restart) > 0:
-            run = f"{run}-restart{int(restart)}"
-        prefix = re.sub(r"[^A-Za-z0-9._+@:-]+", "-", run).strip("-.")[:100]
+        prefix = run_id()
     return _safe_job_id(f"{prefix}-w{int(window)}" if prefix else f"w{int(window)}")
 
 
@@ -279,7 +331,7 @@ class KinetoHandler:
     def __init__(self, lake_url: str, job_id: str, *, date: str | dt.date | None = None, rank: int | None = None,
                  world: int | None = None, mesh: Any = None, schedule: Any = None, microbatches: int | None = None,
                  compress: bool = True, max_bytes: int = 1 << 30, retries: int = 3, backoff: float = 0.5,
-                 live: bool = False, session_prefix: str | None = None):
+                 live: bool = False, session_prefix: str | None = None, check: bool = True):
         if not lake_url:
             raise ValueError("lake_url: give the lake's URL (a folder, s3://bucket/lake, ...)")
         if date is not None:
@@ -294,6 +346,8 @@ class KinetoHandler:
         self.live, self.session_prefix = bool(live), session_prefix
         if live:
             live_session(0, session_prefix)   # a bad prefix fails here, at set-up
+        if check:   # last: every argument is right before anything is written
+            check_lake(lake_url)
         self.landed: list[str] = []
         self._windows = 0
         self._uploads: list[threading.Thread] = []
@@ -409,7 +463,8 @@ def _gzip_file(source: str, target: str) -> None:
 def kineto_handler(lake_url: str, *, job_id: str, date: str | dt.date | None = None, rank: int | None = None,
                    world: int | None = None, mesh: Any = None, schedule: Any = None, microbatches: int | None = None,
                    compress: bool = True, max_bytes: int = 1 << 30, retries: int = 3,
-                   backoff: float = 0.5, live: bool = False, session_prefix: str | None = None) -> KinetoHandler:
+                   backoff: float = 0.5, live: bool = False, session_prefix: str | None = None,
+                   check: bool = True) -> KinetoHandler:
     """An `on_trace_ready` callback for torch.profiler.profile that lands each window in the lake.
 
     lake_url: any fsspec URL (credentials from the environment, as for the rest of strag);
@@ -421,8 +476,10 @@ def kineto_handler(lake_url: str, *, job_id: str, date: str | dt.date | None = N
     exported trace (uncompressed bytes) to land; retries, backoff (seconds, doubling): per file;
     live: also land each window, first, as a live session `strag watch` analyses at once
     ({lake}/landing/{job_id}/{session}/, see the module docstring); session_prefix: the sessions'
-    name before `-w{n}` (default: torchrun's run id, none outside torchrun).
-    Raises ValueError here, at set-up, for a bad job id, date, limit or prefix; never once training runs."""
+    name before `-w{n}` (default: the run's id, `run_id`: a rerun of the job id lands in sessions of
+    its own); check: write a probe to the lake now (`check_lake`).
+    Raises here, at set-up, never once training runs: ValueError for a bad job id, date, limit, prefix
+    or lake URL (unknown scheme, its filesystem package missing), OSError when the lake cannot be written."""
     return KinetoHandler(lake_url, job_id, date=date, rank=rank, world=world, mesh=mesh, schedule=schedule,
                          microbatches=microbatches, compress=compress, max_bytes=max_bytes, retries=retries,
-                         backoff=backoff, live=live, session_prefix=session_prefix)
+                         backoff=backoff, live=live, session_prefix=session_prefix, check=check)

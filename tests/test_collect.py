@@ -187,7 +187,8 @@ def test_a_stalled_then_failing_store_never_reaches_the_training_loop(tmp_path, 
     with errors, bounded retries, then one warning per file naming it and the error, no exception."""
     BlockedStore.release.clear()
     BlockedStore.attempts = 0
-    handler = kineto_handler("strag-blocked://lake", job_id="j", date=DATE, rank=0, world=4, retries=2, backoff=0.01)
+    handler = kineto_handler("strag-blocked://lake", job_id="j", date=DATE, rank=0, world=4, retries=2, backoff=0.01,
+                             check=False)   # the store fails once training runs (check_lake would refuse it at set-up)
     with pytest.warns(CollectorWarning) as caught:
         handler(FakeProfiler(_rank_traces("dp4-ddp-sleep")[0]))   # returns although the store does not answer
         assert not handler.flush(timeout=0)
@@ -218,20 +219,68 @@ def test_an_export_that_fails_is_a_warning(tmp_path):
     handler = kineto_handler(str(tmp_path / "lake"), job_id="j", date=DATE, rank=0, world=1)
     with pytest.warns(CollectorWarning, match="window 0 of job j not landed .RuntimeError: kineto: no trace collected"):
         handler(Broken())
-    assert handler.flush(timeout=5) and not (tmp_path / "lake").exists()
+    assert handler.flush(timeout=5) and not list((tmp_path / "lake").rglob("*"))   # the set-up probe left nothing
 
 
 def test_a_trace_above_the_size_cap_is_skipped_with_a_warning(tmp_path, local_temp):
     handler = kineto_handler(str(tmp_path / "lake"), job_id="j", date=DATE, rank=0, world=4, max_bytes=1000)
     with pytest.warns(CollectorWarning, match=r"rank-0\.0\.json\.gz skipped: the trace is [\d,]+ bytes, above max_bytes=1,000"):
         handler(FakeProfiler(_rank_traces("dp4-ddp-sleep")[0]))
-    assert handler.flush(timeout=5) and not (tmp_path / "lake").exists() and not list(local_temp.iterdir())
+    assert handler.flush(timeout=5) and not list((tmp_path / "lake").rglob("*")) and not list(local_temp.iterdir())
 
 
 def test_set_up_mistakes_fail_at_once():
     for bad in ({"job_id": "../x"}, {"job_id": "j", "date": "25/11/2026"}, {"job_id": "j", "max_bytes": 0}):
         with pytest.raises(ValueError):
             kineto_handler("lake", **bad)
+
+
+def test_the_lake_is_checked_before_training_with_one_clear_error(tmp_path):
+    """An unknown scheme, a filesystem whose package is missing and a store that refuses writes are
+    found when the handler is made, before the first step, each with one line saying what to do."""
+    from strag_collect import check_lake
+
+    with pytest.raises(ValueError, match=r"lake foo://x: unknown URL scheme 'foo'"):
+        kineto_handler("foo://x", job_id="j")
+    from fsspec.registry import known_implementations
+
+    missing = next(p for p, spec in known_implementations.items()
+                   if p in ("gs", "gcs", "abfs", "az", "hdfs", "sftp", "smb") and not _importable(spec["class"]))
+    with pytest.raises(ValueError, match=rf"lake {missing}://b/lake: the {missing}:// filesystem's package is not installed"):
+        kineto_handler(f"{missing}://b/lake", job_id="j")
+    was_released = BlockedStore.release.is_set()
+    BlockedStore.release.set()   # refuse at once, not after a stall
+    try:
+        with pytest.raises(OSError, match=r"lake strag-blocked://lake: cannot write there \(PermissionError"):
+            check_lake("strag-blocked://lake")
+    finally:
+        if not was_released:
+            BlockedStore.release.clear()
+    check_lake(str(tmp_path / "new-lake"))   # a folder that does not exist yet is made; nothing is left in it
+    assert list((tmp_path / "new-lake").iterdir()) == []
+
+
+def _importable(class_path: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(class_path.split(".")[0]) is not None
+
+
+def test_cadence_and_run_id(monkeypatch):
+    from strag_collect import cadence, run_id
+
+    assert cadence() == {"wait": 196, "warmup": 1, "active": 3, "repeat": 0}
+    assert sum(cadence(every=50).values()) - cadence(every=50)["repeat"] == 50
+    with pytest.raises(ValueError, match="every must exceed"):
+        cadence(every=4)
+    for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert run_id() == ""
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
+    monkeypatch.setenv("MASTER_PORT", "41235")     # a Lightning or mp.spawn launcher's port of this run
+    assert run_id() == "10.0.0.7-41235"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "a1b2")
+    assert run_id() == "a1b2"
 
 
 def test_importing_the_collector_loads_no_heavy_library():
@@ -388,3 +437,30 @@ def test_land_on_failing_storage_exits_1_naming_the_file(tmp_path, monkeypatch, 
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1
     assert "storage failed" in err[0] and "job_id=x/rank-0.json.gz" in err[0] and "PermissionError" in err[0]
+
+
+@pytest.mark.slow
+def test_the_collector_installs_alone_in_a_fresh_venv(tmp_path):
+    """`pip install ./collector` (the README's one command) in a fresh venv: strag_collect imports and
+    checks a lake; none of the analysis side comes with it (no pyarrow, numpy, Beam, no `strag` command,
+    no schemas / transforms / pipelines packages). Built from a copy, so the checkout stays clean."""
+    import venv
+
+    copy = tmp_path / "checkout"
+    shutil.copytree(ROOT / "collector", copy / "collector", ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    shutil.copytree(ROOT / "strag_collect", copy / "strag_collect", ignore=shutil.ignore_patterns("__pycache__"))
+    env_dir = tmp_path / "trainer-env"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    python = env_dir / "bin" / "python"
+    installed = subprocess.run([str(python), "-m", "pip", "install", "-q", str(copy / "collector")], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=600)
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    probe = ("import importlib.util as u, strag_collect; strag_collect.check_lake(%r); "
+             "print(sorted(m for m in ('pyarrow', 'numpy', 'apache_beam', 'pandas', 'schemas', 'transforms', 'pipelines', "
+             "'dashboards', 'orchestration') if u.find_spec(m)))" % str(tmp_path / "lake"))
+    shown = subprocess.run([str(python), "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and shown.stdout.strip() == "[]", shown.stderr[-2000:]
+    assert not (env_dir / "bin" / "strag").exists()
+    names = subprocess.run([str(python), "-m", "pip", "list", "--format", "freeze"], capture_output=True, text=True,
+                           timeout=120).stdout.lower()
+    assert "strag-collect==" in names and "strag==" not in names and "pyarrow" not in names

@@ -86,6 +86,7 @@ def test_the_collector_names_what_the_watcher_parses():
 def test_session_names_follow_the_run_so_a_rerun_is_a_new_session(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
     assert live_session(0) == "w0" and live_session(2, "nightly") == "nightly-w2"
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "8f0c/x y")
     assert live_session(1) == "8f0c-x-y-w1"
@@ -97,6 +98,7 @@ def test_session_names_follow_the_run_so_a_rerun_is_a_new_session(monkeypatch):
 
 def test_live_handler_lands_the_session_and_the_raw_window(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
     lake = str(tmp_path / "lake")
     landed = _collect(CLEAN, lake, "gpipe-live", mesh={"pp": 4})
     session = pathlib.Path(landing_dir(lake, "gpipe-live", "w0"))

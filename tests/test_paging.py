@@ -60,6 +60,15 @@ def test_one_alert_per_job_cause_and_ranks_until_a_healthy_session(tmp_path):
     assert kinds(book, [row("s6", revision=2), row("s6", revision=1, verdict="none")]) == [[("firing", [3])], []]
 
 
+def test_a_discarded_session_resolves_only_when_its_worker_test_cleared_every_worker(tmp_path):
+    book = AlertBook(str(tmp_path), 1.1)
+    book.apply(row("s1"), T0)
+    undecided = dict(row("s2", 1.3, "none", blamed=[], status="discarded"), undecided_workers=1)
+    assert book.apply(undecided, T0) == [] and len(book.open_alerts()) == 1
+    cleared = dict(row("s3", 1.3, "none", blamed=[], status="discarded"), undecided_workers=0)
+    assert [a["kind"] for a in book.apply(cleared, T0)] == ["resolved"]
+
+
 def test_a_restarted_watcher_pages_nothing_twice_and_keeps_its_open_alerts(tmp_path):
     first = AlertBook(str(tmp_path), 1.1)
     [fired] = first.apply(row("s1"), T0)

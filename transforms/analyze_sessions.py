@@ -310,6 +310,7 @@ def _analyse(item: _Opened, report, engine) -> tuple[dict[str, Any], pa.Table]:
         row["blamed"] = blamed_workers(verdict, result, trace, kept)
         fix = verdict.primary_fix
         row["verdict_saving"] = None if fix is None else float(max(fix.savings_fraction, 0.0))
+        row["undecided_workers"] = len((verdict.evidence.get("worker_test") or {}).get("undecided") or ())
     return row, quarantine
 
 

@@ -15,7 +15,7 @@ An alert is identified by its fingerprint: a digest of (job, cause, blamed globa
 sessions of a job that keep naming the same workers continue one alert (a job profiled every
 few minutes pages once, not per window); a different cause or worker set resolves the old
 alert and fires a new one. An alert resolves when a later session of the job is healthy (kept
-and nothing to page, or discarded with no worker measured slow), or when the job has landed
+and nothing to page, or discarded with every worker cleared by the worker test), or when the job has landed
 nothing for `resolve_after` seconds (`AlertBook.expire`: by default three of the job's
 profiling intervals, and never before its sessions are archived).
 
@@ -81,13 +81,14 @@ def page_of(row: dict, threshold: float) -> Page | None:
 
 
 def healthy(row: dict, threshold: float) -> bool:
-    """A result that resolves the job's open alerts: kept with nothing to page, or discarded with
-    a verdict that found nothing (the worker test cleared every worker)."""
+    """A result that resolves the job's open alerts: kept with nothing to page (and not undecided
+    above the threshold), or discarded with the worker test clearing every worker (verdict none and
+    no worker left undecided: a discarded window's S says nothing, its measurements do)."""
     if page_of(row, threshold) is not None:
         return False
     if row.get("status") == "analysed":
         return row.get("verdict") != "insufficient-evidence" or float(row.get("slowdown") or 0.0) < threshold
-    return row.get("status") == "discarded" and row.get("verdict") == "none"
+    return row.get("status") == "discarded" and row.get("verdict") == "none" and row.get("undecided_workers") == 0
 
 
 def workers_text(workers) -> str:

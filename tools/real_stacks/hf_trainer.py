@@ -31,6 +31,10 @@ def main() -> None:
     ap.add_argument("--batches", choices=["padded", "packed"], default="padded")
     ap.add_argument("--batch", type=int, default=4, help="sequences per device and micro-batch")
     ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--strag-lake", default=None,
+                    help="profile with strag_collect.huggingface.StragTrainerCallback into this lake (live sessions)")
+    ap.add_argument("--strag-job-id", default=None, help="with --strag-lake: the job id (default: --name)")
+    ap.add_argument("--strag-every", type=int, default=6, help="with --strag-lake: a window every N optimizer steps")
     args = ap.parse_args()
     rank, world = C.rank_world()
     slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "gcall", "data", "seq"), world)
@@ -77,9 +81,27 @@ def main() -> None:
         logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True,
         dataloader_num_workers=0, dataloader_drop_last=True, remove_unused_columns=False, seed=args.seed,
         data_seed=args.seed)
-    trainer = Trainer(model=model, args=targs, train_dataset=ds, data_collator=collate,
-                      callbacks=[ProfilerCallback()])
+    if args.strag_lake:   # the one line a Hugging Face user adds
+        from strag_collect.huggingface import StragTrainerCallback
+
+        class TimerCallback(TrainerCallback):
+            def on_train_begin(self, targs, state, control, **kw):
+                gcinj.build()
+                timer.mark()
+
+            def on_step_end(self, targs, state, control, **kw):
+                timer.mark()
+
+        strag = StragTrainerCallback(args.strag_lake, args.strag_job_id or args.name, every=args.strag_every,
+                                     active=args.prof_active, record_shapes=bool(args.record_shapes))
+        callbacks = [strag, TimerCallback()]
+    else:
+        callbacks = [ProfilerCallback()]
+    trainer = Trainer(model=model, args=targs, train_dataset=ds, data_collator=collate, callbacks=callbacks)
     trainer.train()
+    if args.strag_lake:   # the traces went to the lake: no run folder to finish
+        print(f"rank {rank}: step ms {timer.ms}; landed {len(strag.profiler.handler.landed)} file(s)", flush=True)
+        return
     assert trainer.args.process_index == rank, (trainer.args.process_index, rank)
     print(f"rank {rank}: step ms {timer.ms}", flush=True)
     try:

@@ -112,7 +112,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     C.add_common_args(ap)
     ap.add_argument("--model", choices=["mlp", "gpt2"], default="mlp")
-    ap.add_argument("--profiler", choices=["lightning", "callback"], default="callback")
+    ap.add_argument("--profiler", choices=["lightning", "callback", "strag"], default="callback",
+                    help="strag: strag_collect.lightning.StragProfiler lands live sessions in --strag-lake")
+    ap.add_argument("--strag-lake", default=None, help="--profiler strag: the lake URL")
+    ap.add_argument("--strag-job-id", default=None, help="--profiler strag: the job id (default: --name)")
+    ap.add_argument("--strag-every", type=int, default=6, help="--profiler strag: a window every N optimizer steps")
     ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--manual-opt", type=int, choices=[0, 1], default=0)
     ap.add_argument("--batch", type=int, default=None, help="per-rank micro-batch: rows (mlp, 64) or sequences (gpt2, 4)")
@@ -154,6 +158,13 @@ def main() -> None:
                                                                     active=args.prof_active),
                                    record_shapes=bool(args.record_shapes), with_stack=bool(args.with_stack))
         callbacks = [GcAndTimerCallback(gcinj, timer)]
+    elif args.profiler == "strag":   # the one line a Lightning user adds
+        from strag_collect.lightning import StragProfiler
+
+        profiler = None
+        callbacks = [StragProfiler(args.strag_lake, args.strag_job_id or args.name, every=args.strag_every,
+                                   active=args.prof_active, record_shapes=bool(args.record_shapes)),
+                     GcAndTimerCallback(gcinj, timer)]
     else:
         profiler = None
         callbacks = [TorchProfilerCallback(args, rank, gcinj, timer)]
@@ -165,6 +176,9 @@ def main() -> None:
     trainer.fit(module, train_dataloaders=dl)
     torch_rank = trainer.global_rank
     assert torch_rank == rank, (torch_rank, rank)
+    if args.profiler == "strag":   # the traces went to the lake: no run folder to finish
+        print(f"rank {rank}: step ms {timer.ms}; landed {len(callbacks[0].profiler.handler.landed)} file(s)", flush=True)
+        return
 
     original = None
     if args.profiler == "lightning":
