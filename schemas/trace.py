@@ -83,6 +83,10 @@ TRACE_SCHEMA = pa.schema(
         # ended) that its thread spent fetching a batch from a DataLoader (torch traces: the
         # `enumerate(DataLoader)` spans): untraced time that is data loading, not GC or Python.
         pa.field("data_wait", pa.float64(), nullable=True),
+        # Optional: seconds of the idle time before this op that Python's garbage collector ran, as
+        # the trainer recorded it (strag_collect's gc.callbacks record; the column is present, with
+        # 0 where no collection ran, only when every rank recorded): GC, known rather than inferred.
+        pa.field("gc_wait", pa.float64(), nullable=True),
     ],
     metadata={"strag.schema_version": SCHEMA_VERSION, "strag.table": "trace"},
 )

@@ -56,6 +56,8 @@ from typing import IO, Any
 
 import fsspec
 
+from strag_collect.gcrecord import GC_KEY, GcRecorder, append_top_level
+
 __all__ = ["kineto_handler", "KinetoHandler", "CollectorWarning", "land_file", "window_dir", "job_yaml_fields",
            "live_dir", "live_trace_name", "live_session", "check_lake", "cadence", "run_id", "JOB_YAML", "DIM_TOKENS",
            "LANDING", "DEFAULT_EVERY"]
@@ -331,7 +333,7 @@ class KinetoHandler:
     def __init__(self, lake_url: str, job_id: str, *, date: str | dt.date | None = None, rank: int | None = None,
                  world: int | None = None, mesh: Any = None, schedule: Any = None, microbatches: int | None = None,
                  compress: bool = True, max_bytes: int = 1 << 30, retries: int = 3, backoff: float = 0.5,
-                 live: bool = False, session_prefix: str | None = None, check: bool = True):
+                 live: bool = False, session_prefix: str | None = None, check: bool = True, record_gc: bool = True):
         if not lake_url:
             raise ValueError("lake_url: give the lake's URL (a folder, s3://bucket/lake, ...)")
         if date is not None:
@@ -349,6 +351,8 @@ class KinetoHandler:
         if check:   # last: every argument is right before anything is written
             check_lake(lake_url)
         self.landed: list[str] = []
+        # Python's collections, recorded from now on and written into each window's trace (gcrecord.py)
+        self.gc = GcRecorder().start() if record_gc else None
         self._windows = 0
         self._uploads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -375,6 +379,11 @@ class KinetoHandler:
         os.close(handle)
         try:
             prof.export_chrome_trace(local)
+            if self.gc is not None:
+                try:
+                    append_top_level(local, GC_KEY, {"clock": "unix_ns", "pauses": self.gc.take()})
+                except (OSError, ValueError) as error:   # the trace lands without the record
+                    _warn(f"{target}: Python GC record not added ({error})")
             size = os.path.getsize(local)
             if size > self.max_bytes:
                 _warn(f"{target} skipped: the trace is {size:,} bytes, above max_bytes={self.max_bytes:,} "
@@ -443,6 +452,12 @@ class KinetoHandler:
                 with contextlib.suppress(OSError):
                     os.remove(name)
 
+    def close(self, timeout: float | None = None) -> bool:
+        """At the end of profiling: stop recording Python's collections, then `flush`."""
+        if self.gc is not None:
+            self.gc.stop()
+        return self.flush(timeout)
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the uploads in flight (at most `timeout` seconds in all); True when none is left."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -464,7 +479,7 @@ def kineto_handler(lake_url: str, *, job_id: str, date: str | dt.date | None = N
                    world: int | None = None, mesh: Any = None, schedule: Any = None, microbatches: int | None = None,
                    compress: bool = True, max_bytes: int = 1 << 30, retries: int = 3,
                    backoff: float = 0.5, live: bool = False, session_prefix: str | None = None,
-                   check: bool = True) -> KinetoHandler:
+                   check: bool = True, record_gc: bool = True) -> KinetoHandler:
     """An `on_trace_ready` callback for torch.profiler.profile that lands each window in the lake.
 
     lake_url: any fsspec URL (credentials from the environment, as for the rest of strag);
@@ -477,9 +492,10 @@ def kineto_handler(lake_url: str, *, job_id: str, date: str | dt.date | None = N
     live: also land each window, first, as a live session `strag watch` analyses at once
     ({lake}/landing/{job_id}/{session}/, see the module docstring); session_prefix: the sessions'
     name before `-w{n}` (default: the run's id, `run_id`: a rerun of the job id lands in sessions of
-    its own); check: write a probe to the lake now (`check_lake`).
+    its own); check: write a probe to the lake now (`check_lake`); record_gc: record Python's garbage
+    collections (gc.callbacks) and add them to each window's trace (`strag_collect.gcrecord`).
     Raises here, at set-up, never once training runs: ValueError for a bad job id, date, limit, prefix
     or lake URL (unknown scheme, its filesystem package missing), OSError when the lake cannot be written."""
     return KinetoHandler(lake_url, job_id, date=date, rank=rank, world=world, mesh=mesh, schedule=schedule,
                          microbatches=microbatches, compress=compress, max_bytes=max_bytes, retries=retries,
-                         backoff=backoff, live=live, session_prefix=session_prefix, check=check)
+                         backoff=backoff, live=live, session_prefix=session_prefix, check=check, record_gc=record_gc)

@@ -50,4 +50,4 @@ class TrainingProfiler:
         if self.prof is not None:
             prof, self.prof = self.prof, None
             prof.stop()
-        return self.handler.flush(timeout)
+        return self.handler.close(timeout)

@@ -75,6 +75,7 @@ def local_temp(tmp_path, monkeypatch) -> pathlib.Path:
 def _land_run(run: str, lake: str, job_id: str, **options) -> list[str]:
     """Every rank of a committed run through its own handler, as each rank of the job would; the URLs landed."""
     landed = []
+    options.setdefault("record_gc", False)   # committed traces of another process: this one's collections are not theirs
     for rank, trace in sorted(_rank_traces(run).items()):
         handler = kineto_handler(lake, job_id=job_id, date=DATE, rank=rank, world=4, **options)
         handler(FakeProfiler(trace))
@@ -464,3 +465,43 @@ def test_the_collector_installs_alone_in_a_fresh_venv(tmp_path):
     names = subprocess.run([str(python), "-m", "pip", "list", "--format", "freeze"], capture_output=True, text=True,
                            timeout=120).stdout.lower()
     assert "strag-collect==" in names and "strag==" not in names and "pyarrow" not in names
+
+
+def test_each_window_carries_the_python_collections_of_its_time(tmp_path):
+    """The handler records gc.callbacks from its set-up on, and each exported window gets the
+    collections since the previous one (wall-clock ns, the clock Kineto's baseTimeNanoseconds counts)."""
+    import gc as python_gc
+    import time as clock
+
+    handler = kineto_handler(str(tmp_path / "lake"), job_id="j", date=DATE, rank=0, world=1)
+    before = clock.time_ns()
+    python_gc.collect()
+    python_gc.collect(0)
+    handler(FakeProfiler(_rank_traces("dp4-ddp-sleep")[0]))
+    assert handler.flush(timeout=30)
+    [landed] = [url for url in handler.landed if url.endswith(".json.gz")]
+    record = json.loads(gzip.decompress(pathlib.Path(landed).read_bytes()))["strag_gc"]
+    assert record["clock"] == "unix_ns" and len(record["pauses"]) >= 2
+    assert all(before <= start <= stop <= clock.time_ns() for start, stop, _ in record["pauses"])
+    assert {generation for *_, generation in record["pauses"]} >= {0, 2}
+    handler(FakeProfiler(_rank_traces("dp4-ddp-sleep")[0]))   # the next window: only what ran since
+    assert handler.flush(timeout=30)
+    second = [url for url in handler.landed if url.endswith("rank-0.1.json.gz")][0]
+    later = json.loads(gzip.decompress(pathlib.Path(second).read_bytes()))["strag_gc"]["pauses"]
+    assert all(start > record["pauses"][-1][1] for start, _, _ in later)
+    assert handler.close(timeout=30)   # the recorder leaves gc.callbacks
+    assert all(getattr(callback, "__self__", None) is not handler.gc for callback in python_gc.callbacks)
+
+
+def test_append_top_level_writes_before_the_closing_brace(tmp_path):
+    from strag_collect.gcrecord import append_top_level
+
+    path = tmp_path / "t.json"
+    path.write_text('{"traceEvents": [{"ph": "X"}],\n "traceName": "x"\n}\n\n')
+    append_top_level(str(path), "strag_gc", {"clock": "unix_ns", "pauses": [[1, 2, 0]]})
+    assert json.loads(path.read_text()) == {"traceEvents": [{"ph": "X"}], "traceName": "x",
+                                            "strag_gc": {"clock": "unix_ns", "pauses": [[1, 2, 0]]}}
+    for bad in ("[1, 2]", "{}", "{\"a\": 1"):
+        path.write_text(bad)
+        with pytest.raises(ValueError):
+            append_top_level(str(path), "k", 1)

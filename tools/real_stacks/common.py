@@ -361,9 +361,23 @@ def make_profiler(args, on_trace_ready):
                    on_trace_ready=on_trace_ready)
 
 
-def chrome_exporter(out: str, rank: int):
+def chrome_exporter(out: str, rank: int, gc_record: bool = True):
+    """on_trace_ready: the rank's Chrome trace, with the Python GC record strag_collect's handler adds
+    (strag_collect.gcrecord, from this checkout: the collections since the exporter was made)."""
+    recorder = None
+    if gc_record:
+        sys.path.insert(0, REPO)
+        from strag_collect.gcrecord import GcRecorder
+
+        recorder = GcRecorder().start()
+
     def on_ready(prof) -> None:
-        prof.export_chrome_trace(os.path.join(out, f"rank-{rank}.json"))
+        path = os.path.join(out, f"rank-{rank}.json")
+        prof.export_chrome_trace(path)
+        if recorder is not None:
+            from strag_collect.gcrecord import GC_KEY, append_top_level
+
+            append_top_level(path, GC_KEY, {"clock": "unix_ns", "pauses": recorder.take()})
 
     return on_ready
 

@@ -307,6 +307,7 @@ def emit_trace(
         "seq_lens": seq_col,
         "n_ops": pa.nulls(len(rec_idx), pa.int32()),
         "data_wait": pa.nulls(len(rec_idx), pa.float64()),
+        "gc_wait": pa.nulls(len(rec_idx), pa.float64()),
     }
     table = pa.Table.from_arrays([columns[f.name] for f in TRACE_SCHEMA], schema=TRACE_SCHEMA)
     return table, parts

@@ -116,6 +116,7 @@ class TraceColumns:
     float32: bool = False
     # optional: seconds of each op's idle gap spent fetching a batch from a DataLoader (None: not recorded)
     data_wait: np.ndarray | None = None
+    gc_wait: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.step)
@@ -190,6 +191,7 @@ class JobModel:
     mb_id: np.ndarray                  # [op, lane] int32 microbatch id (-1 when none)
     recorded_float32: bool = False     # see TraceColumns.float32
     data_wait: np.ndarray | None = None  # [op, lane] seconds of the gap before the op spent in DataLoader fetches
+    gc_wait: np.ndarray | None = None    # [op, lane] seconds of it Python's collector ran (recorded; None: no record)
 
     @property
     def n_ops(self) -> int:
@@ -350,6 +352,8 @@ def read_trace_columns(trace: pa.Table, job_id: str = "") -> TraceColumns:
     )
     if "data_wait" in trace.column_names and trace.column("data_wait").null_count < trace.num_rows:
         columns.data_wait = np.nan_to_num(trace.column("data_wait").to_numpy(zero_copy_only=False).astype(np.float64))
+    if "gc_wait" in trace.column_names and trace.column("gc_wait").null_count == 0 and trace.num_rows:
+        columns.gc_wait = trace.column("gc_wait").to_numpy(zero_copy_only=False).astype(np.float64)
     columns.float32 = all(
         pa.types.is_float32(trace.schema.field(name).type)
         or bool((values.astype(np.float32).astype(np.float64) == values).all())
@@ -503,6 +507,7 @@ def _compile(columns: TraceColumns, meta: JobMeta, job_id: str, structure_from: 
         original_cost=duration, launch_delay=np.zeros(0),
         mb_id=layout(columns.mb_id, np.int32), recorded_float32=columns.float32,
         data_wait=None if columns.data_wait is None else layout(columns.data_wait),
+        gc_wait=None if columns.gc_wait is None else layout(columns.gc_wait),
     )
     model.original_cost = _original_cost(model)
     model.launch_delay = _launch_delays(model)

@@ -232,5 +232,6 @@ def simulated_trace(model, starts: np.ndarray, ends: np.ndarray, job_id: str | N
         "seq_lens": pa.nulls(len(op), pa.list_(pa.int32())),
         "n_ops": pa.nulls(len(op), pa.int32()),
         "data_wait": pa.nulls(len(op), pa.float64()),
+        "gc_wait": pa.nulls(len(op), pa.float64()),
     }
     return pa.Table.from_pydict(columns, schema=TRACE_SCHEMA)

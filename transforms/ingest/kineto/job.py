@@ -377,8 +377,16 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
             columns["data_wait"].append(_data_waits(r["start"], r["end"], loading + shift) * 1e-6)
         else:
             columns["data_wait"].append(np.zeros(n))
+        collected = by_rank[rank].gc_pauses
+        if collected is not None and len(collected):
+            shift = (by_rank[rank].origin_ns - first_origin) / 1000.0
+            columns["gc_wait"].append(_data_waits(r["start"], r["end"], collected + shift) * 1e-6)
+        else:
+            columns["gc_wait"].append(np.zeros(n))
     if not any(t.data_loading is not None for t in analysed):
         del columns["data_wait"]
+    if not all(by_rank[rank].gc_pauses is not None for rank in rows):   # the record says "none ran" only where kept
+        del columns["gc_wait"]
     if not any(t.seq_lens is not None for t in analysed):
         del columns["seq_lens"]
     hosts = options.get("hosts")
@@ -501,8 +509,9 @@ def convert_kineto(paths: Sequence[str], job_id: str, date: str, options: Mappin
 
 
 def _data_waits(start: np.ndarray, end: np.ndarray, loading: np.ndarray) -> np.ndarray:
-    """Per op (one rank's rows, µs), the DataLoader fetch time inside the idle gap before it: from the
-    latest end of the ops that started before it to its start (`loading`: [k, 2] fetch spans)."""
+    """Per op (one rank's rows, µs), the time of `loading`'s spans ([k, 2]: DataLoader fetches, or the
+    collector's recorded garbage collections) inside the idle gap before it: from the latest end of
+    the ops that started before it to its start."""
     order = np.argsort(start, kind="stable")
     before = np.concatenate([[-np.inf], np.maximum.accumulate(end[order])[:-1]])
     gap_start, gap_end = np.minimum(before, start[order]), start[order]

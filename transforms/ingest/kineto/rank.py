@@ -225,6 +225,7 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     # Kineto's ts are µs after baseTimeNanoseconds: the recorded instant of time 0 of this rank, in ns
     base = top.get("baseTimeNanoseconds")
     trace.origin_ns = (int(base) if isinstance(base, (int, float)) else 0) + round((origin or 0.0) * 1000)
+    trace.gc_pauses = _gc_pauses(top.get("strag_gc"), trace.origin_ns)
     # one clock per host; without a host name every rank counts as its own clock
     trace.clock = f"host:{host}" if host else f"rank:{rank}"
     trace.gpu_work, trace.gpu_work_unlinked = (on_gpu.work, on_gpu.unlinked) if on_gpu is not None else (0, 0)
@@ -672,3 +673,18 @@ def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spa
         seq=np.array([r[12] for r in rows], dtype=np.int64) if any(r[12] >= 0 for r in rows) else None,
         seq_lens=np.array(lengths + [None], dtype=object)[:-1] if any(v is not None for v in lengths) else None,
     )
+
+
+def _gc_pauses(record: Any, origin_ns: int) -> np.ndarray | None:
+    """The collector's record of Python's garbage collections (strag_collect.gcrecord: {"clock": "unix_ns",
+    "pauses": [[start_ns, stop_ns, generation], ...]}) as [k, 2] µs on this rank's span clock; None
+    when the trace holds no record, or one in a form this reader does not know (then it is as if none
+    was recorded: the verdict falls back on the gaps' sizes)."""
+    if not isinstance(record, dict) or record.get("clock") != "unix_ns" or not isinstance(record.get("pauses"), list):
+        return None
+    try:
+        pauses = np.asarray([(int(p[0]), int(p[1])) for p in record["pauses"]], dtype=np.int64).reshape(-1, 2)
+    except (TypeError, ValueError, IndexError):
+        return None
+    pauses = pauses[pauses[:, 1] >= pauses[:, 0]]
+    return (pauses - origin_ns) / 1000.0

@@ -134,6 +134,9 @@ class RankTrace:
     gpu_work: int = 0            # GPU work items (kernels, copies, memsets; not NCCL) in the file
     gpu_work_unlinked: int = 0   # ... of which no CUDA launch (cuda_runtime / cuda_driver correlation) is in the file
     data_loading: np.ndarray | None = None   # [k, 2] start, end (µs) of each `enumerate(DataLoader)` fetch; None: none
+    # [k, 2] start, end (µs) of each Python garbage collection the collector recorded (strag_collect's
+    # "strag_gc" key); None: no record (a trace not landed by strag_collect), empty: recorded, none ran
+    gc_pauses: np.ndarray | None = None
     seq_lens: np.ndarray | None = None   # object, per span: a forward's batch lengths ([T] * B, record_shapes), else None
 
     def groups_of_rank(self) -> list[Group]:

@@ -163,6 +163,11 @@ def pause_sentence(evidence: dict, fix: Fix, worker_rank=None) -> str:
         parts.append(f"dp {d} / stage {s}{rank} in step{'s' if len(hits) > 1 else ''} "
                      f"{', '.join(str(h['step']) for h in hits)} (up to {1e3 * longest:.0f} ms)")
     rotating = len(by_worker) > 1
+    if evidence.get("gc_recorded"):
+        return (f"Python's garbage collector, as the trainer recorded it, stopped {'; '.join(parts)} for at least the "
+                f"straggling threshold's share of a step. "
+                f"{fix.description[0].upper() + fix.description[1:]} would save {_pct(max(fix.savings_fraction, 0.0))} of "
+                f"the step (measured on the steps as they ran; {len(pauses)} collections in {len(steps)} steps).")
     return (f"Untraced pauses, each a single gap between ops outside data loading, far beyond this job's usual largest "
             f"gap ({1e3 * evidence.get('typical_largest_gap', 0.0):.0f} ms): {'; '.join(parts)}"
             f"{', a different worker in different steps' if rotating else ''}. Python's garbage collector stops a "

@@ -8,7 +8,9 @@ between ops while the worker neither computes nor waits in a recv or DP collecti
 - a pause: one gap far beyond the job's usual largest gap per worker and step. Python's garbage
   collector stops the world in one piece, where interpreter overhead spreads over every gap;
 - the rest: ordinary time between ops.
-`find_pauses` tests each worker-step's largest non-data gap against the job's usual one (median
+Where the trainer recorded its garbage collections (strag_collect's gc.callbacks record, the trace's
+`gc_wait`), the pauses are the recorded collections themselves, whatever their pattern.
+Otherwise `find_pauses` tests each worker-step's largest non-data gap against the job's usual one (median
 and robust spread over the worker-steps whose largest gap is below the straggling threshold's
 share of a step, so a worker pausing in every step does not set the usual), Bonferroni over the
 cells at the job's false-alarm rate; a pause is also worth that share of a step on its own (a
@@ -45,11 +47,13 @@ def p2p_partner(model: JobModel) -> np.ndarray:
 
 
 def untraced_gaps(model: JobModel, dp: int, stage: int, partner: np.ndarray | None = None
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """(ops of the stage, [len(ops), n_steps] seconds of each op's launch gap that worker (dp, stage)
-    spent running none of its traced compute (overlapping gaps count once), and of that the seconds
-    inside DataLoader fetches: the trace's `data_wait` of an op is a fetch that ended by its start,
-    laid out as [start - data_wait, start] on the worker's timeline). A launch delay (start - end of the op's dependencies)
+    spent running none of its traced compute (overlapping gaps count once), of that the seconds
+    inside DataLoader fetches (the trace's `data_wait` of an op is a fetch that ended by its start,
+    laid out as [start - data_wait, start] on the worker's timeline), and the seconds Python's
+    collector ran in it as the trainer recorded it (`gc_wait`, laid out the same way; None when the
+    trace holds no record)). A launch delay (start - end of the op's dependencies)
     is the worker's own untraced time only where no compute op of the worker ran meanwhile. A recv
     the schedule posts after the computes in between, which the model starts after the previous
     compute of its direction, is the model's structure, not the worker's time; and a recv that
@@ -68,6 +72,7 @@ def untraced_gaps(model: JobModel, dp: int, stage: int, partner: np.ndarray | No
     lanes = np.flatnonzero(model.lane_dp == dp)
     out = np.zeros((len(ops), len(lanes)))
     data = np.zeros_like(out)
+    collected = None if model.gc_wait is None else np.zeros_like(out)
     for column, lane in enumerate(lanes.tolist()):
         delay = np.maximum(model.launch_delay[ops, lane], 0.0)
         late = np.where(peer >= 0, model.observed_start[ops, lane] > model.observed_start[np.maximum(peer, 0), lane] + 1e-6, True)
@@ -90,7 +95,12 @@ def untraced_gaps(model: JobModel, dp: int, stage: int, partner: np.ndarray | No
             fetch_end = model.observed_start[fetched, lane]
             fetch = covered(gap_start, gap_end, fetch_end - model.data_wait[fetched, lane], fetch_end)
             data[waiting, column] = np.minimum(fetch, out[waiting, column])
-    return ops, out, data
+        if collected is not None:
+            paused = ops[model.gc_wait[ops, lane] > 0]
+            pause_end = model.observed_start[paused, lane]
+            ran = covered(gap_start, gap_end, pause_end - model.gc_wait[paused, lane], pause_end)
+            collected[waiting, column] = np.minimum(ran, out[waiting, column] - data[waiting, column])
+    return ops, out, data, collected
 
 
 def untraced_time(model: JobModel, dp: int, stage: int, partner: np.ndarray | None = None) -> np.ndarray:
@@ -116,7 +126,10 @@ class Pauses:
     """Untraced time per worker and step ([pp, n_steps, dp] seconds): `untraced` outside data
     loading, `data` inside DataLoader fetches, `largest` the largest single non-data gap; `cells`:
     the (dp, stage, step index) pauses with their excess over the job's usual largest gap
-    (`typical`), `limit` the size a pause must exceed; `where`: per pause its (op, lane)."""
+    (`typical`), `limit` the size a pause must exceed; `where`: per pause its (op, lane).
+    recorded: the trainer recorded its garbage collections (`gc_wait`): the cells are then the
+    worker-steps whose recorded collections reach `limit` (the straggling share of a step), their
+    excess the collections' seconds: GC known, not inferred from a gap's size."""
 
     untraced: np.ndarray
     data: np.ndarray
@@ -125,6 +138,7 @@ class Pauses:
     limit: float
     cells: tuple[tuple[int, int, int, float], ...]
     where: tuple[tuple[int, int], ...]
+    recorded: bool = False
 
     def workers(self) -> list[tuple[int, int]]:
         """Workers with a pause, most paused first."""
@@ -144,7 +158,7 @@ class Pauses:
     def evidence(self, steps: np.ndarray) -> dict:
         return {"pauses": [{"dp_rank": d, "stage": p, "step": int(steps[s]), "seconds": e + self.typical,
                             "excess": e} for d, p, s, e in self.cells],
-                "pause_limit": self.limit, "typical_largest_gap": self.typical,
+                "pause_limit": self.limit, "typical_largest_gap": self.typical, "gc_recorded": self.recorded,
                 "data_loading_share": float(self.data.sum() / max(self.data.sum() + self.untraced.sum(), 1e-12))}
 
 
@@ -157,16 +171,19 @@ def find_pauses(model: JobModel, alpha: float = 0.01, straggling: float = 1.1,
     partner = p2p_partner(model) if partner is None else partner
     shape = (model.pp_size, model.n_steps, model.dp_size)
     untraced, data, largest = np.zeros(shape), np.zeros(shape), np.zeros(shape)
-    at = np.zeros(shape, dtype=np.int64)
+    collected = np.zeros(shape) if model.gc_wait is not None else None
+    at, gc_at = np.zeros(shape, dtype=np.int64), np.zeros(shape, dtype=np.int64)
     for p in range(model.pp_size):
         for d in range(model.dp_size):
-            ops, gaps, loading = untraced_gaps(model, d, p, partner)
+            ops, gaps, loading, ran = untraced_gaps(model, d, p, partner)
             lanes = np.flatnonzero(model.lane_dp == d)
             own = gaps - loading
             untraced[p, :, d], data[p, :, d] = own.sum(axis=0), loading.sum(axis=0)
             if len(ops):
                 top = own.argmax(axis=0)
                 largest[p, :, d], at[p, :, d] = own[top, np.arange(len(lanes))], ops[top]
+                if collected is not None:
+                    collected[p, :, d], gc_at[p, :, d] = ran.sum(axis=0), ops[ran.argmax(axis=0)]
     # the job's usual largest gap, from the worker-steps whose largest gap could not be a pause
     # (below the straggling share of a step): a worker pausing every step is half the cells of a
     # two-rank job, and must not set the usual
@@ -175,9 +192,14 @@ def find_pauses(model: JobModel, alpha: float = 0.01, straggling: float = 1.1,
     usual = values[values < floor]
     typical = float(np.median(usual)) if len(usual) else 0.0
     spread = 1.4826 * float(np.median(np.abs(usual - typical))) if len(usual) else 0.0
+    cells, where = [], []
+    if collected is not None:   # recorded: the collections themselves, worth the straggling share of a step
+        for p, s, d in zip(*np.nonzero(collected >= floor)):
+            cells.append((int(d), int(p), int(s), float(collected[p, s, d])))
+            where.append((int(gc_at[p, s, d]), int(s * model.dp_size + d)))
+        return Pauses(untraced, data, largest, typical, floor, tuple(cells), tuple(where), recorded=True)
     z = statistics.NormalDist().inv_cdf(1.0 - alpha / max(len(values), 1))
     limit = typical + max(z * spread, floor)
-    cells, where = [], []
     for p, s, d in zip(*np.nonzero(largest > limit)):
         cells.append((int(d), int(p), int(s), float(largest[p, s, d] - typical)))
         where.append((int(at[p, s, d]), int(s * model.dp_size + d)))
@@ -186,8 +208,9 @@ def find_pauses(model: JobModel, alpha: float = 0.01, straggling: float = 1.1,
 
 def recurring(pauses: Pauses) -> bool:
     """Pauses that recur (two or more): a collector runs again and again; one pause once is the
-    job's own variation (a preempted moment)."""
-    return len(pauses.cells) >= 2
+    job's own variation (a preempted moment). Recorded collections need no recurrence: one that
+    takes the straggling share of a step is GC for sure."""
+    return len(pauses.cells) >= (1 if pauses.recorded else 2)
 
 
 def rotating(pauses: Pauses) -> bool:
@@ -198,6 +221,8 @@ def rotating(pauses: Pauses) -> bool:
     only a GC record from the trainer can say which)."""
     if not recurring(pauses):
         return False
+    if pauses.recorded:   # the record says what they are, whichever steps and workers they strike
+        return True
     workers = pauses.workers()
     return len(workers) > 1 or int((pauses.excess_of(workers[0]) > 0).sum()) < pauses.untraced.shape[1]
 
@@ -241,7 +266,10 @@ def _wall_steps(model: JobModel, span: np.ndarray) -> np.ndarray:
 
 def pause_confidence(pauses: Pauses, alpha: float) -> float:
     """1 - the Bonferroni-adjusted p-value of the least clear pause (its z against the usual largest
-    gap's spread), at least 1 - alpha: every pause passed the test at alpha."""
+    gap's spread), at least 1 - alpha: every pause passed the test at alpha. Recorded collections:
+    1 - alpha (what they are is known; that they cost the straggling share is measured)."""
+    if pauses.recorded:
+        return 1.0 - alpha
     spread = 1.4826 * float(np.median(np.abs(pauses.largest.ravel() - pauses.typical)))
     if spread <= 0:
         return 1.0

@@ -194,7 +194,7 @@ def data_loading(model: JobModel, untraced: list, evidence: dict, fixes: dict) -
     partner = p2p_partner(model)
     shares = {}
     for (d, p), *_ in untraced:
-        _, gaps, data = untraced_gaps(model, d, p, partner)
+        _, gaps, data, _ = untraced_gaps(model, d, p, partner)
         shares[(d, p)] = float(data.sum() / gaps.sum()) if gaps.sum() > 0 else 0.0
     for entry in evidence.get("untraced_workers", []):
         entry["data_loading_share"] = shares.get((entry["dp_rank"], entry["stage"]))
