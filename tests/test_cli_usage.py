@@ -290,3 +290,10 @@ def test_the_live_demo_finds_torch_where_this_machine_has_it(tmp_path, monkeypat
     assert live_demo._default_torch_python() == sys.executable
     monkeypatch.setenv("TORCHENV", "/opt/torch")
     assert live_demo._default_torch_python() == "/opt/torch/bin/python"
+
+
+def test_the_readme_command_table_names_every_command():
+    text = pathlib.Path(README).read_text()
+    table = text[text.index("## Commands"):text.index("### One job")]
+    named = set(re.findall(r"^\| `strag ([a-z-]+)", table, flags=re.M))
+    assert named == set(cli.COMMANDS), set(cli.COMMANDS) ^ named
