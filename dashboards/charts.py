@@ -87,18 +87,18 @@ def _cdf_encoding(x_title: str, y_title: str, percent: bool) -> dict:
 
 
 def cdf_chart(distribution: pd.DataFrame, metric: str, title: str, x_title: str, *, y_title: str = "share of job windows (CDF)",
-              percent: bool = False, threshold: tuple[float, str] | None = None) -> alt.Chart:
+              percent: bool = False, threshold: tuple[float, str] | None = None, hours: str = "GPU-hours") -> alt.Chart:
     """Step CDF of one fleet_distribution metric, one line per weighting (legend: what each counts).
 
     distribution: fleet_distribution rows (one period). The x value of a point is the bin's
     upper edge, its y the cumulative share of weight below it. threshold: (x, label) of a
-    dashed rule.
+    dashed rule. hours: what the fleet's hours are (CPU rank-hours for CPU ranks), naming that weighting.
     """
     rows = distribution[distribution["metric"] == metric]
     if rows.empty:
         return _empty(title)
     frame = _cdf_points(rows, "weighting")
-    frame["series"] = frame["series"].map(WEIGHTING_LABELS).fillna(frame["series"])
+    frame["series"] = frame["series"].map({**WEIGHTING_LABELS, "gpu_hours": f"by {hours}"}).fillna(frame["series"])
     several = frame["series"].nunique() > 1
     line = alt.Chart(frame).mark_line(interpolate="step-after").encode(
         **_cdf_encoding(x_title, y_title, percent),
@@ -179,8 +179,10 @@ def category_slowdown_chart(categories: pd.DataFrame, title: str) -> alt.Chart:
         width=_WIDTH, height=46 * len(order))
 
 
-def optype_waste_chart(optype: pd.DataFrame, title: str) -> alt.Chart:
-    """Bars of GPU-hours wasted per op-type category (fleet_optype category rows)."""
+def optype_waste_chart(optype: pd.DataFrame, title: str, unit: str = "GPU-hours") -> alt.Chart:
+    """Bars of GPU-hours (unit) wasted per op-type category (fleet_optype category rows). The axis
+    labels are as short as the figures allow (a fleet of short profiled windows wastes thousandths
+    of an hour: "0.0010" per tick would run into its neighbours) and never overlap."""
     rows = optype[optype["optype"].isna()]
     if rows.empty:
         return _empty(title)
@@ -189,7 +191,7 @@ def optype_waste_chart(optype: pd.DataFrame, title: str) -> alt.Chart:
         .mark_bar()
         .encode(
             y=alt.Y("category:N", sort=_CATEGORY_ORDER, title=None),
-            x=alt.X("wasted_gpu_hours:Q", title="GPU-hours wasted (attributed)"),
+            x=alt.X("wasted_gpu_hours:Q", title=f"{unit} wasted (attributed)", axis=_axis(format=",~g", tickCount=5)),
             color=alt.Color("category:N", sort=_CATEGORY_ORDER, legend=None),
             tooltip=["category", "jobs", alt.Tooltip("slowdown_mean:Q", format=".3f"), alt.Tooltip("wasted_gpu_hours:Q", format=",.1f"),
                      alt.Tooltip("share_of_attributed_waste:Q", format=".1%")],
@@ -197,13 +199,24 @@ def optype_waste_chart(optype: pd.DataFrame, title: str) -> alt.Chart:
     )
 
 
-def size_chart(jobs: pd.DataFrame, size: pd.DataFrame, pearson: float | None, title: str) -> alt.Chart:
-    """S of every analysed job against its GPU count (log scale), with the per-bucket mean."""
+def _powers_of_two(values) -> list[int]:
+    """Every power of two from the one at or below the smallest value to the one at or above the largest."""
+    low, high = max(int(min(values)), 1), max(int(max(values)), 1)
+    return [1 << k for k in range(low.bit_length() - 1, (high - 1).bit_length() + 1)]
+
+
+def size_chart(jobs: pd.DataFrame, size: pd.DataFrame, pearson: float | None, title: str, devices: str = "GPUs") -> alt.Chart:
+    """S of every analysed job against its GPU count (log scale), with the per-bucket mean. A GPU count
+    is whole: the axis ticks are the powers of two the buckets start at (no 2.5 GPUs), and a bucket's
+    mean is a segment across its bucket [lower, upper), not a point at a size no job has."""
     if jobs.empty:
         return _empty(title)
-    subtitle = f"Pearson r(log2 GPUs, S) = {pearson:.2f}" if pearson is not None and np.isfinite(pearson) else "too few jobs for a correlation"
+    subtitle = (f"Pearson r(log2 {devices}, S) = {pearson:.2f}" if pearson is not None and np.isfinite(pearson)
+                else "too few jobs for a correlation")
     jobs = jobs.assign(straggling=jobs["straggling"].map(_STRAGGLING_LABELS))
-    x = alt.X("gpus:Q", title="GPUs (log scale)", scale=alt.Scale(type="log", base=2, padding=12), axis=_axis())
+    ticks = _powers_of_two([*jobs["gpus"], *size.get("gpus_lower", []), *size.get("gpus_upper", [])])
+    x = alt.X("gpus:Q", title=f"{devices} (log scale)", scale=alt.Scale(type="log", base=2, padding=12),
+              axis=_axis(values=ticks, format=",d"))
     y = alt.Y("slowdown:Q", title="slowdown S", scale=alt.Scale(zero=False, padding=8))
     points = (
         alt.Chart(jobs)
@@ -216,9 +229,10 @@ def size_chart(jobs: pd.DataFrame, size: pd.DataFrame, pearson: float | None, ti
     )
     layers = [points]
     if not size.empty:
-        buckets = size.assign(gpus=np.sqrt(size["gpus_lower"] * size["gpus_upper"]), slowdown=size["slowdown_mean"])
-        layers.append(alt.Chart(buckets).mark_line(point=True, color="#333").encode(x=x, y=y,
-                      tooltip=["gpus_lower", "gpus_upper", "jobs", alt.Tooltip("slowdown_mean:Q", format=".3f")]))
+        buckets = size.assign(gpus=size["gpus_lower"], slowdown=size["slowdown_mean"])
+        layers.append(alt.Chart(buckets).mark_rule(color="#333", strokeWidth=2).encode(
+            x=x, x2="gpus_upper:Q", y=y,
+            tooltip=["gpus_lower", "gpus_upper", "jobs", alt.Tooltip("slowdown_mean:Q", format=".3f")]))
     return alt.layer(*layers).properties(title=alt.TitleParams(title, subtitle=subtitle), width=_WIDTH, height=_HEIGHT)
 
 
@@ -238,20 +252,20 @@ def cause_chart(cause: pd.DataFrame, title: str) -> alt.Chart:
     return alt.layer(bars, text).properties(title=title, width=_WIDTH - 80, height=24 * len(order))
 
 
-def _long_measures(frame: pd.DataFrame) -> pd.DataFrame:
+def _long_measures(frame: pd.DataFrame, hours: str = "GPU-hours") -> pd.DataFrame:
     """fleet_summary rows as (period_start, measure, value) rows of the trend measures."""
     long = frame.melt(id_vars=["period_start"], value_vars=list(_TREND_MEASURES), var_name="measure", value_name="value")
-    long["measure"] = long["measure"].map(_TREND_MEASURES)
+    long["measure"] = long["measure"].map({**_TREND_MEASURES, "waste_gpu_weighted": f"share of {hours} wasted"})
     long["period_start"] = pd.to_datetime(long["period_start"])
     return long.dropna(subset=["value"])
 
 
-def trend_chart(daily: pd.DataFrame, weekly: pd.DataFrame, title: str) -> alt.Chart:
+def trend_chart(daily: pd.DataFrame, weekly: pd.DataFrame, title: str, hours: str = "GPU-hours") -> alt.Chart:
     """Straggling share and GPU-hour-weighted waste: a point per day (joined by a thin line) and a
     wide translucent bar across each ISO week at that week's value."""
     if daily.empty and weekly.empty:
         return _empty(title)
-    days, weeks = _long_measures(daily), _long_measures(weekly)
+    days, weeks = _long_measures(daily, hours), _long_measures(weekly, hours)
     first = min(f["period_start"].min() for f in (days, weeks) if not f.empty)
     last = max(f["period_start"].max() for f in (days, weeks) if not f.empty)
     step = max(1, -(-((last - first).days + 1) // 12))    # about a dozen date ticks, whole days apart
@@ -355,8 +369,12 @@ def step_slowdown_chart(steps: pd.DataFrame, slowdown: float, title: str) -> alt
         return _empty(title)
     steps = steps.sort_values("step")
     steps = steps.assign(run=_sampled_runs(steps["step"].to_numpy()))
+    # a step number is whole: a few sampled steps are the ticks themselves (tickMinStep alone still
+    # let Vega put a tick at 2.5 between steps 2 and 3, labelled "3" beside the real 3)
+    sampled = sorted({int(x) for x in steps["step"]})
+    ticks = dict(values=sampled) if len(sampled) <= 12 else dict(tickMinStep=1)
     line = alt.Chart(steps).mark_line(point=True).encode(
-        x=alt.X("step:Q", title="step", axis=_axis(tickMinStep=1, format="d")),
+        x=alt.X("step:Q", title="step", axis=_axis(format="d", **ticks)),
         y=alt.Y("slowdown:Q", title="per-step slowdown S_s", scale=alt.Scale(zero=False, padding=6)),
         detail="run:N",
         tooltip=["step", alt.Tooltip("slowdown:Q", format=".3f"), alt.Tooltip("step_time:Q", format=".3f"), alt.Tooltip("step_time_ideal:Q", format=".3f")],

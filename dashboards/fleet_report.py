@@ -31,7 +31,24 @@ def _num(value, digits: int = 3) -> str:
 
 
 def _hours(value) -> str:
-    return "n/a" if value is None or value != value else f"{value:,.0f}"
+    """Hours: whole above 10; below, two significant digits (a fleet of short profiled windows holds
+    thousandths of an hour, which "0" would hide)."""
+    if value is None or value != value:
+        return "n/a"
+    return f"{value:,.0f}" if abs(value) >= 10 or value == 0 else f"{value:.2g}"
+
+
+def _units(data: ReportData) -> tuple[str, str]:
+    """(hours, ranks) as the fleet's windows ran: ("GPU-hours", "GPUs"); for windows whose ranks ran on
+    CPUs (job_summary.device "cpu": torch.profiler said so), their `gpus` count CPU ranks and their
+    GPU-hours are CPU rank-hours, and a fleet holding both says both."""
+    summary = data.jobs["job_summary"]
+    cpu = summary["device"].eq("cpu") if "device" in summary and not summary.empty else pd.Series([], dtype=bool)
+    if not cpu.any():
+        return "GPU-hours", "GPUs"
+    if cpu.all():
+        return "CPU rank-hours", "CPU ranks"
+    return "GPU-hours and CPU rank-hours", "GPUs or CPU ranks"
 
 
 def fleet_charts(data: ReportData) -> list[Chart]:
@@ -43,30 +60,33 @@ def fleet_charts(data: ReportData) -> list[Chart]:
     jobs = _analysed_jobs(data)
     categories = distribution[distribution["metric"].str.startswith("optype_slowdown:")].copy()
     categories["category"] = categories["metric"].str.split(":").str[1]
+    hours, ranks = _units(data)
     return [
         Chart("slowdown_cdf", "CDF of job slowdown S",
               charts.cdf_chart(distribution, "slowdown", "Job slowdown S", "slowdown S",
-                               threshold=(STRAGGLING_THRESHOLD, f"straggling: S >= {STRAGGLING_THRESHOLD}")),
+                               threshold=(STRAGGLING_THRESHOLD, f"straggling: S >= {STRAGGLING_THRESHOLD}"), hours=hours),
               f"S = T / T_ideal per job window: how much longer than straggler-free a step took. Dashed: the straggling "
-              f"threshold {STRAGGLING_THRESHOLD}. Two counts: each job window once, or each by its GPU-hours."),
-        Chart("waste_cdf", "CDF of wasted GPU time", charts.cdf_chart(distribution, "waste", "Waste 1 - 1/S", "share of the job's GPU-hours wasted", percent=True),
-              "Job-weighted (each window counts once) and GPU-hour-weighted (each window counts by its GPU-hours)."),
+              f"threshold {STRAGGLING_THRESHOLD}. Two counts: each job window once, or each by its {hours}."),
+        Chart("waste_cdf", "CDF of wasted time", charts.cdf_chart(distribution, "waste", "Waste 1 - 1/S", f"share of the job's {hours} wasted", percent=True,
+                                                          hours=hours),
+              f"Job-weighted (each window counts once) and weighted by {hours} (each window counts by its {hours})."),
         Chart("optype_cdf", "Slowdown by op-type category", charts.category_slowdown_chart(categories, f"S_t per category (job windows with S >= {ATTRIBUTION_THRESHOLD})"),
               f"S_t: the job's slowdown when only that category's ops keep their real durations; compute vs pipeline (pp) vs "
               f"data-parallel (dp) communication. Only job windows with S >= {ATTRIBUTION_THRESHOLD} have S_t: the method (and the "
               f"authors' analyzer) attributes slowdown only from S {ATTRIBUTION_THRESHOLD} up, so this is not the same set of jobs as "
               f"the straggling ones (S >= {STRAGGLING_THRESHOLD})."),
-        Chart("optype_waste", "GPU-hours wasted by op-type category", charts.optype_waste_chart(data.fleet_period("fleet_optype"), "Attributed waste by category")),
+        Chart("optype_waste", f"{hours} wasted by op-type category",
+              charts.optype_waste_chart(data.fleet_period("fleet_optype"), "Attributed waste by category", hours)),
         Chart("step_normalised_cdf", "Per-step slowdown normalised by job S",
               charts.cdf_chart(distribution, "step_slowdown_normalised", "S_s / S over all (job, step) pairs", "S_s / S",
                                y_title="share of (job, step) pairs (CDF)"),
               "Close to 1 everywhere means slowdown persists across steps: a few sampled steps characterise a job."),
-        Chart("size", "Slowdown against job size", charts.size_chart(jobs, data.fleet_period("fleet_size"), pearson, "S vs GPUs"),
-              "Each dot a job window; the line is the mean S per power-of-two GPU bucket."),
+        Chart("size", "Slowdown against job size", charts.size_chart(jobs, data.fleet_period("fleet_size"), pearson, f"S vs {ranks}", ranks),
+              f"Each dot a job window; each bar the mean S of the jobs in a power-of-two bucket of {ranks}, across it."),
         Chart("causes", "Root causes of straggling jobs", charts.cause_chart(data.fleet_period("fleet_cause"), "Share of straggling jobs per cause"),
               "A job may show several causes; the label is the mean S of the jobs where the cause is primary."),
-        Chart("trends", "Trends", charts.trend_chart(data.daily_summary, weekly, "Straggling share and waste per day and per week"),
-              "Share of job windows that straggle, and share of all GPU-hours lost to stragglers."),
+        Chart("trends", "Trends", charts.trend_chart(data.daily_summary, weekly, "Straggling share and waste per day and per week", hours),
+              f"Share of job windows that straggle, and share of all {hours} lost to stragglers."),
         Chart("hosts", "Repeat-offender hosts", charts.host_chart(data.fleet_period("fleet_host"), "Hosts blamed in the most distinct jobs"),
               "A host is blamed in a job when the verdict is individual-worker and one of its workers is implicated; "
               "red = blamed in two or more jobs (listed under the charts). Hosts never blamed are not shown."),
@@ -97,6 +117,7 @@ def _worst_jobs(data: ReportData, job_href: Callable[[object, str], str | None],
     else:
         rows = rows.assign(cause=None, confidence=None, savings_gpu_hours=None)
     rows = rows.sort_values(["wasted_gpu_hours", "job_id"], ascending=[False, True]).reset_index(drop=True)
+    hours, ranks = _units(data)
     # the top wasters, and every job that has a page, so each page is reachable from here
     has_page = [job_href(d, j) is not None for d, j in zip(rows["date"], rows["job_id"])]
     rows = rows[(rows.index < limit) | pd.Series(has_page, dtype=bool)]
@@ -109,8 +130,8 @@ def _worst_jobs(data: ReportData, job_href: Callable[[object, str], str | None],
             _hours(row.savings_gpu_hours),
         ])
     return HtmlTable(
-        "Jobs that wasted the most GPU-hours, and every job with a page",
-        ["date", "job", "GPUs", "S", "waste", "GPU-hours wasted", "primary cause", "confidence", "GPU-hours saved by the fix"],
+        f"Jobs that wasted the most {hours}, and every job with a page",
+        ["date", "job", ranks, "S", "waste", f"{hours} wasted", "primary cause", "confidence", f"{hours} saved by the fix"],
         body,
         "Click a job for its monitor page. Savings: what-if replay of the fix of the primary cause.",
     )
@@ -135,14 +156,15 @@ def _headline(data: ReportData) -> Numbers:
     if summary.empty:
         return Numbers([("job windows", "0", "no dates published")])
     s = summary.iloc[0]
+    hours, _ = _units(data)
     return Numbers([
         ("job windows", f"{s.jobs:,}", f"{s.jobs_analysed:,} analysed, {s.jobs_discarded} discarded, {s.jobs_quarantined} quarantined"),
         ("straggling (S >= 1.1)", _pct(s.straggling_share), "paper: 42.5%"),
-        ("GPU-hours wasted", _pct(s.waste_gpu_weighted), f"{_hours(s.wasted_gpu_hours)} of {_hours(s.gpu_hours)} GPU-hours; paper: 10.4%"),
+        (f"{hours} wasted", _pct(s.waste_gpu_weighted), f"{_hours(s.wasted_gpu_hours)} of {_hours(s.gpu_hours)} {hours}; paper: 10.4%"),
         ("waste, p90 job", _pct(s.waste_p90), "paper: >10% of jobs waste >= 21.3%"),
         ("S_s / S p50 / p90", f"{_num(s.step_normalised_p50, 2)} / {_num(s.step_normalised_p90, 2)}", "paper: 1.0 / 1.06"),
         ("r(size, S)", _num(s.size_slowdown_pearson, 2), "paper: no correlation"),
-        ("savings by fixes", _hours(s.savings_gpu_hours), "GPU-hours, what-if replay of each primary fix"),
+        ("savings by fixes", _hours(s.savings_gpu_hours), f"{hours}, what-if replay of each primary fix"),
     ])
 
 

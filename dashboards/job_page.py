@@ -17,11 +17,13 @@ from dashboards import charts
 from dashboards.data import ReportData
 from dashboards.html import BUNDLE_PATH, Chart, HtmlTable, Numbers, Text, fmt, job_title, render_page
 from schemas.causes import CAUSE_TITLES, evidence_label
+from schemas.trace import OPTYPES, optype_words
 from transforms.whatif.causes.explain import what_would_decide, when_slow
 
 __all__ = ["build_job_page", "job_page_path", "JOBS_DIR"]
 
 JOBS_DIR = "jobs"
+FLEET_HREF = "../index.html"   # the fleet report, written beside jobs/ by `strag report`
 
 
 def job_page_path(date: dt.date, job_id: str) -> str:
@@ -77,6 +79,24 @@ def _evidence_number(s) -> tuple[str, str, str]:
     return ("evidence", value, note)
 
 
+def _on_cpu(s) -> bool:
+    """Whether the window's ranks ran on CPUs (the source recorded it): its `gpus` are then CPU
+    ranks and its GPU-hours their rank-hours, and the page says so."""
+    return getattr(s, "device", None) == "cpu"
+
+
+def _hours(value: float, unit: str) -> str:
+    """Hours with a unit; small figures (a profiled window of a few seconds) keep two significant
+    digits instead of rounding to "0"."""
+    if value is None or value != value:
+        return "n/a"
+    return (f"{value:,.0f} {unit}" if abs(value) >= 10 or value == 0 else f"{value:.2g} {unit}").rstrip()
+
+
+def _unit(s) -> str:
+    return "CPU rank-hours" if _on_cpu(s) else "GPU-hours"
+
+
 def _untraced_workers(s) -> list:
     """The workers whose untraced CPU time the window's T includes ([] when none, or in rows written
     before the column existed)."""
@@ -84,21 +104,26 @@ def _untraced_workers(s) -> list:
     return [] if workers is None else list(workers)
 
 
-def _saved_number(fixes: dict, cause: str) -> tuple[str, str, str]:
-    """Headline: GPU-hours the primary cause's fix saves, naming the fix (all fixes when several causes)."""
+def _saved_number(fixes: dict, cause: str, unit: str) -> tuple[str, str, str]:
+    """Headline: GPU-hours (CPU rank-hours) the primary cause's fix saves, naming the fix (all fixes when
+    several causes)."""
     fix = fixes.get("all") or fixes.get(cause)
     if cause in ("none", "unexplained", "n/a") or fix is None or fix.get("savings_gpu_hours") is None:
         return ("saved by the fix", "n/a", "no listed cause to fix")
     label = "saved by fixing every cause" if "all" in fixes else f"saved by fixing the {CAUSE_TITLES.get(cause, cause)}"
-    return (label, f"{fix['savings_gpu_hours']:,.0f} GPU-h",
+    return (label, _hours(fix["savings_gpu_hours"], unit),
             f"{fix.get('fix', 'its fix')}: S after {fmt(fix['fixed_slowdown'])}, {_share(fix.get('explained'))} of the straggling time")
 
 
-def _evidence_value(value) -> str:
+def _evidence_value(value, grads_collective: str | None = None) -> str:
     if isinstance(value, float):
         return fmt(value, 3)
     if isinstance(value, list) and not value:
         return "none"
+    if isinstance(value, list) and all(_is_worker(w) for w in value):     # (dp rank, stage) pairs: M_W's set
+        return "; ".join(f"dp {w[0]} / stage {w[1]}" for w in value)
+    if isinstance(value, str):     # a name: an op type read as people know it (DDP's all-reduce by its name)
+        return optype_words(value, grads_collective) if value in OPTYPES else value
     if isinstance(value, list) and isinstance(value[0], dict):     # per worker: peer workers, untraced workers
         return "; ".join(_worker_evidence(w) for w in value)
     if isinstance(value, dict) and "sigma" in value and "tests" in value:     # the worker test
@@ -106,6 +131,11 @@ def _evidence_value(value) -> str:
     if isinstance(value, dict):
         return ", ".join(f"{k}: {fmt(x, 3)}" for k, x in value.items())
     return json.dumps(value)
+
+
+def _is_worker(value) -> bool:
+    """A (dp rank, stage) pair, as the evidence lists workers (JSON: [1, 0])."""
+    return isinstance(value, list) and len(value) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
 
 
 def _worker_test_words(test: dict) -> str:
@@ -137,7 +167,7 @@ def _worker_evidence(w: dict) -> str:
                                    if k not in ("dp_rank", "stage"))
 
 
-def _verdict_blocks(v, fixes: dict, slowdown: float) -> list:
+def _verdict_blocks(v, fixes: dict, slowdown: float, unit: str, grads_collective: str | None = None) -> list:
     """Why: the sentence of each listed cause, the fixes with what each saves, the evidence with labels."""
     sentences = [f"{i}. {CAUSE_TITLES.get(c, c)}: {fixes[c]['explanation']}" for i, c in enumerate(v["causes"], 1)
                  if fixes.get(c, {}).get("explanation")]
@@ -150,21 +180,44 @@ def _verdict_blocks(v, fixes: dict, slowdown: float) -> list:
     def row(title: str, fix: dict) -> list:
         saved = fix.get("savings_gpu_hours")
         return [title, fmt(fix.get("confidence"), 2) if "confidence" in fix else "", fix.get("fix", "n/a"), f"{slowdown:.3f} -> {fix['fixed_slowdown']:.3f}",
-                _share(fix.get("explained")), _share(fix.get("explained_given_others")), "n/a" if saved is None else f"{saved:,.0f}"]
+                _share(fix.get("explained")), _share(fix.get("explained_given_others")), _hours(saved, "")]
 
     rows = [row(CAUSE_TITLES.get(c, c), fixes[c]) for c in v["causes"] if c in fixes]
     if "all" in fixes:
         rows.append(row("all of them", fixes["all"]))
     if rows:
         blocks.append(HtmlTable("Causes and their fixes", ["cause", "confidence", "fix (what-if replay)", "S", "straggling time removed",
-                                                           "... of what remains after the other fixes", "GPU-h saved"], rows,
+                                                           "... of what remains after the other fixes", f"{unit} saved"], rows,
                                 "Each fix is replayed on the trace; the straggling time is the step time above the ideal "
-                                "(every op at its type's typical duration). Causes are ordered by the GPU-hours their fix saves alone."))
+                                f"(every op at its type's typical duration). Causes are ordered by the {unit} their fix saves alone."))
+        beyond = [fix for fix in [*(fixes[c] for c in v["causes"] if c in fixes), fixes.get("all")]
+                  if fix is not None and fix.get("fixed_slowdown") is not None and fix["fixed_slowdown"] < 1.0]
+        if beyond:
+            blocks.append(Text(_BEYOND_ALL))
     evidence = json.loads(v["evidence_json"])
-    labelled = [(*evidence_label(k), _evidence_value(x)) for k, x in evidence.items()]
+    labelled = [(*evidence_label(k), _evidence_value(x, grads_collective)) for k, x in evidence.items()]
     blocks.append(HtmlTable("Evidence", ["measure", "value", "what it means"], [[label, value, meaning] for label, meaning, value in labelled],
                             "The measurements behind the verdict. Shares are of the straggling time."))
     return blocks
+
+
+# Why a fix can remove more than all of the straggling time (S after it below 1, "all (N%)")
+_BEYOND_ALL = ("A fix with S below 1 after it (\"all (N%)\" above 100%) makes the step faster than the ideal replay, "
+               "so it removes all of the straggling time and more. The ideal gives every op its type's typical "
+               "duration, the mean for compute, and the slow ops themselves raise that mean: with them at their "
+               "peers' speed, the step beats it. Its hours saved (1 - T_fix / T of the hours) therefore exceed the "
+               "wasted hours (1 - T_ideal / T).")
+
+
+_GRADS_ALL_REDUCE = ("grads-all-reduce: DDP's gradient all-reduce (op type grads-reduce-scatter in the tables, "
+                     "the reference analyzer's name for the DP gradient collective)")
+
+
+def _optype_words(optypes, grads_collective: str | None):
+    """The op type rows with their names as people read them (optype_words)."""
+    if optypes.empty:
+        return optypes
+    return optypes.assign(optype=[optype_words(t, grads_collective) for t in optypes["optype"]])
 
 
 def build_job_page(data: ReportData, date: dt.date, job_id: str, out_dir: pathlib.Path, timeline_href: str | None = None) -> pathlib.Path:
@@ -187,22 +240,25 @@ def build_job_page(data: ReportData, date: dt.date, job_id: str, out_dir: pathli
 
     cause = v["cause"] if v is not None else "n/a"
     fixes = json.loads(v["savings_json"]) if v is not None else {}
+    unit = _unit(s)
+    grads = getattr(s, "grads_collective", None)
+    grads = grads if isinstance(grads, str) else None
     numbers = Numbers([
         ("slowdown S", fmt(s.slowdown), "S >= 1.1: straggling" if s.straggling else "below the 1.1 straggling threshold"),
-        ("waste", f"{100 * s.waste:.1f}%", f"{s.wasted_gpu_hours:,.0f} of {s.gpu_hours:,.0f} GPU-hours") if s.waste >= 0 else
+        ("waste", f"{100 * s.waste:.1f}%", f"{_hours(s.wasted_gpu_hours, '')} of {_hours(s.gpu_hours, unit)}") if s.waste >= 0 else
         ("waste", "none", "S < 1: the ideal replay is slower than the replay, within its noise"),
         ("verdict", CAUSE_TITLES.get(cause, cause), f"{cause}, confidence {v['confidence']:.2f}" if v is not None else "no verdict (discarded window)"),
         ("M_W / M_S", f"{fmt(s.m_w, 2)} / {fmt(s.m_s, 2)}", "share of the straggling time the top 3% workers / the last stage explain")
         if s.straggling else ("M_W / M_S", "n/a", "not straggling: too little straggling time to share out"),
-        _saved_number(fixes, cause),
+        _saved_number(fixes, cause, unit),
         _discrepancy_number(s),
-        ("parallelism", s.parallelism, f"{s.gpus} GPUs, {s.n_steps} sampled steps"),
+        ("parallelism", s.parallelism, f"{s.gpus} {'CPU ranks' if _on_cpu(s) else 'GPUs'}, {s.n_steps} sampled steps"),
         _evidence_number(s),
         ("source", _source_format(s), _source_detail(s)),
     ])
-    blocks: list = [numbers]
+    blocks: list = [Text("One job window of the fleet report.", ("back to the fleet report", FLEET_HREF)), numbers]
     if v is not None:
-        blocks += _verdict_blocks(v, fixes, float(s.slowdown))
+        blocks += _verdict_blocks(v, fixes, float(s.slowdown), unit, grads)
     if timeline_href:
         blocks.append(Text("Timeline (original and simulated ideal side by side, Chrome-trace JSON): open it in Perfetto (ui.perfetto.dev, Open trace file).",
                            ("download the timeline", timeline_href)))
@@ -217,7 +273,8 @@ def build_job_page(data: ReportData, date: dt.date, job_id: str, out_dir: pathli
          Chart("workers", "Worker heatmap", charts.worker_heatmap(workers, "S_w = min(S_dp, S_stage)", empty))],
         [Chart("stage_steps", "Per-step heatmap by stage", charts.step_heatmap(stages, "stage", "S_stage per step", empty)),
          Chart("dp_steps", "Per-step heatmap by DP rank", charts.step_heatmap(dp_ranks, "dp_rank", "S_dp per step", empty))],
-        [Chart("optypes", "Slowdown by op type", charts.attribution_bars(optypes, "optype", "S_t - 1 per op type", empty)),
+        [Chart("optypes", "Slowdown by op type", charts.attribution_bars(_optype_words(optypes, grads), "optype", "S_t - 1 per op type", empty),
+               *([_GRADS_ALL_REDUCE] if grads == "all_reduce" else [])),
          Chart("stages", "Slowdown by stage", charts.attribution_bars(stages, "stage", "S_stage - 1 per stage", empty))],
     ]
     page = render_page(

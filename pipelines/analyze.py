@@ -177,9 +177,10 @@ def _read_meta(path: pathlib.Path) -> dict:
 
 
 def load_job(opts: AnalyzeOptions):
-    """(trace table, JobMeta, job id, source description, ConvertedJob or None, GPU-hours or None, device)
+    """(trace table, JobMeta, job id, source description, ConvertedJob or None, GPU-hours or None, recorded)
     for the options' job; GPU-hours (GPUs x manifest end - start, as the batch counts them) need a lake
-    manifest; device: 'cpu' or 'cuda' as raw traces record it (converted or imported), else None."""
+    manifest; recorded: the source record of raw traces (converted or imported; {} else), whose device
+    ('cpu' or the GPU's name) and grads_collective the lines for people read."""
     import pyarrow.parquet as pq
 
     from transforms.whatif.result import JobMeta
@@ -193,7 +194,7 @@ def load_job(opts: AnalyzeOptions):
                                    dt.datetime.now(dt.timezone.utc).date().isoformat(),
                                    job_yaml=_options(str(opts.job_yaml) if opts.job_yaml else None))
         return (converted.trace, converted.job_meta(), job_id,
-                f"{opts.trace} ({describe_source(converted.source)})", converted, None, converted.source.get("device"))
+                f"{opts.trace} ({describe_source(converted.source)})", converted, None, converted.source)
     if opts.trace is not None:
         fields = _read_meta(opts.meta)
         missing = [name for name in ("dp_size", "pp_size") if name not in fields]
@@ -202,7 +203,7 @@ def load_job(opts: AnalyzeOptions):
         meta = JobMeta.from_mapping(fields)
         job_id = opts.job_id or str(fields.get("trial_name") or opts.trace.stem)
         # ParquetFile, not pq.read_table: the latter imports pyarrow.dataset and pandas (~0.5 s)
-        return pq.ParquetFile(opts.trace, memory_map=True).read(), meta, job_id, str(opts.trace), None, None, None
+        return pq.ParquetFile(opts.trace, memory_map=True).read(), meta, job_id, str(opts.trace), None, None, {}
     from schemas.raw import SOURCE_KEY
     from transforms.lake import find_job, read_manifest_table, read_trace_files
 
@@ -217,7 +218,7 @@ def load_job(opts: AnalyzeOptions):
     meta = JobMeta.from_mapping(manifest)
     hours = int(manifest["gpus"]) * (manifest["end_time"] - manifest["start_time"]).total_seconds() / 3600.0
     return (read_trace_files(job.trace_files), meta, job.job_id, f"{opts.lake} (date {job.date}, {len(job.trace_files)} files)",
-            None, hours, (manifest.get("source") or {}).get("device"))
+            None, hours, manifest.get("source") or {})
 
 
 def _lake_errors(opts: AnalyzeOptions) -> tuple[type[Exception], ...]:
@@ -230,12 +231,15 @@ def _lake_errors(opts: AnalyzeOptions) -> tuple[type[Exception], ...]:
     return (LakeError,)
 
 
-def summary(result, n_ops: int, seconds: float, top: int = 3, device: str | None = None) -> str:
+def summary(result, n_ops: int, seconds: float, top: int = 3, device: str | None = None,
+            grads_collective: str | None = None) -> str:
     """A few lines for a person: S, waste, verdicts, rankings, M_W, M_S. device: 'cpu' when the
-    ranks ran on CPUs (torch.profiler traces say so), else they are called GPUs.
+    ranks ran on CPUs (torch.profiler traces say so), else they are called GPUs; grads_collective:
+    "all_reduce" names DDP's gradient all-reduce so (schemas.trace.optype_words).
 
     M_W and M_S are shares of the straggling time (T - T_ideal): shown only for a straggling job
     (S >= 1.1), where that time is big enough to share out."""
+    from schemas.trace import optype_words
     from transforms.whatif.result import ATTRIBUTION_THRESHOLD, DISCREPANCY_LIMIT
 
     meta = result.meta
@@ -274,7 +278,7 @@ def summary(result, n_ops: int, seconds: float, top: int = 3, device: str | None
 
         lines.append("top stages:   " + ranking(result.by_stage, lambda k: f"stage {k}"))
         lines.append("top DP ranks: " + ranking(result.by_dp_rank, lambda k: f"dp {k}"))
-        lines.append("top op types: " + ranking(result.by_optype, str))
+        lines.append("top op types: " + ranking(result.by_optype, lambda k: optype_words(k, grads_collective)))
     if not result.straggling:
         if result.mw is not None or result.ms is not None:
             lines.append("M_W, M_S: not shown: they share out the straggling time, and S < 1.1 leaves too little of it "
@@ -378,7 +382,8 @@ def run(argv: list[str]) -> int:
     from transforms.whatif.replay import replay_threads
 
     try:
-        trace, meta, job_id, source, converted, gpu_hours, device = load_job(opts)
+        trace, meta, job_id, source, converted, gpu_hours, recorded = load_job(opts)
+        device = recorded.get("device")
     except (OSError, ValueError, *_lake_errors(opts)) as error:
         # a RawInputError (raw traces) says the cause first: the file set aside, then what that left
         lines = error.lines() if hasattr(error, "lines") else [str(error)]
@@ -394,7 +399,7 @@ def run(argv: list[str]) -> int:
     seconds = time.perf_counter() - started
     if converted is not None:
         print(f"source: {source}")
-    print(summary(result, trace.num_rows, seconds, opts.top, device))
+    print(summary(result, trace.num_rows, seconds, opts.top, device, recorded.get("grads_collective")))
     print(verdict_lines(verdict, result, gpu_hours, device))
     if opts.json_out is not None:
         opts.json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -71,7 +71,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipelines.usage import ArgumentParser, Progress, configure_logs, worker_output
 from schemas.fleet import FLEET_TABLE_SPECS
-from schemas.expectations import REASONS
+from schemas.expectations import BAD_PARTITION, REASONS
 from schemas.tables import BATCH_TABLES, QUARANTINE_SCHEMA, RUNS_DIR, STAGING_DIR, TIMELINES_DIR
 from transforms.analyze import AnalyzeJobs
 from transforms.commit import CommitConfig, CommitTables, commit_pending, complete_pending
@@ -363,11 +363,16 @@ def build(p: beam.Pipeline, opts: BatchOptions, jobs=None, strays=None):
 
 
 def stray_quarantine(strays, dates) -> list[TableFragment]:
-    """Quarantine rows of the stray entries, one fragment per date of `dates` that has some."""
+    """Quarantine rows of the stray entries, one fragment per date of `dates` that has some.
+
+    A stray without a date (a partition folder whose name is no date, e.g. `date=2026-13-45`) belongs
+    to no partition of the quarantine table, yet it hides its files from every date: it is quarantined
+    in every date of the run, so whichever date a reader looks at says so, and the partitions a run
+    publishes do not depend on how a backfill cut its range into runs."""
     by_date: dict[str, list] = {}
     for entry in strays:
-        if entry.date in dates:
-            by_date.setdefault(entry.date, []).append(entry)
+        for date in (dates if entry.date is None else [entry.date] if entry.date in dates else []):
+            by_date.setdefault(date, []).append(entry)
     out = []
     for date, entries in sorted(by_date.items()):
         rows = pa.Table.from_pylist(
@@ -554,7 +559,8 @@ def run(argv: list[str]) -> int:
         opts = for_run(opts, len(jobs))
         undated = [entry for entry in strays if entry.date is None]
         if undated:   # no date partition to quarantine them in: said here, every run
-            print(f"strag batch: {len(undated)} folder(s) of the lake are not date partitions and are not read: "
+            print(f"strag batch: {len(undated)} folder(s) of the lake are not date partitions and are not read "
+                  f"(quarantined as {BAD_PARTITION} in each date of the run): "
                   + "; ".join(entry.detail for entry in undated[:5]) + (" ..." if len(undated) > 5 else ""),
                   file=sys.stderr)
         if not jobs:   # a range the lake has nothing for: say what it has (every run, --quiet too)

@@ -75,22 +75,32 @@ def _read(tables: str, name: str):
 
 
 def run(argv: list[str]) -> int:
-    from pipelines import batch, generate, report
-    from pipelines.owned import NotOurs, claim
+    from pipelines.owned import NotOurs, claim, record
 
     args = parse(argv)
     configure_logs()   # Beam's worker start-up chatter would hide the demo's own output
     lake, out = pathlib.Path(args.lake).resolve(), pathlib.Path(args.out).resolve()
     # The demo regenerates its lake from scratch so that the fleet is the one described, and writes its
-    # tables: only into folders it made (pipelines/owned.py), never a real lake or tables it did not make
+    # tables: only into folders it made (pipelines/owned.py), never a real lake or tables it did not make;
+    # the lake it deletes only while it holds nothing but what the demo wrote (no job imported into it since)
     try:
-        claim(str(lake), "demo")
+        claim(str(lake), "demo", exclusive=True)
         claim(str(out), "demo")
     except NotOurs as error:
         print(f"strag demo: {error}", file=sys.stderr)
         return 2
     shutil.rmtree(lake)
     claim(str(lake), "demo")
+    try:
+        return _steps(args, lake, out)
+    finally:   # whatever the steps left in the lake is the demo's, even when one failed
+        record(str(lake), "demo")
+
+
+def _steps(args: argparse.Namespace, lake: pathlib.Path, out: pathlib.Path) -> int:
+    """generate, batch, report, then the summary; the exit code of the first step that fails."""
+    from pipelines import batch, generate, report
+
     start = args.start_date
     end = start + dt.timedelta(days=args.days - 1)
     steps = [

@@ -57,14 +57,21 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def run(argv: list[str]) -> int:
     """Sample the fleet, generate and write it; print progress and a summary."""
     opts = parse(argv)
-    from pipelines.owned import NotOurs, claim
-    from transforms.synth.fleet import sample_fleet, write_fleet
+    from pipelines.owned import NotOurs, claim, record
 
     try:   # a synthetic fleet goes only into a lake of its own, never mixed into a real one
-        claim(opts.lake, "generate")
+        claim(opts.lake, "generate", exclusive=True)
     except NotOurs as error:
         print(f"strag generate: {error}", file=sys.stderr)
         return 2
+    try:
+        return _generate(opts)
+    finally:   # what it wrote, even when it failed part-way, is generate's: a rerun may write there again
+        record(opts.lake, "generate")
+
+
+def _generate(opts: argparse.Namespace) -> int:
+    from transforms.synth.fleet import sample_fleet, write_fleet
 
     specs = sample_fleet(opts.days, opts.jobs_per_day, opts.seed, opts.start_date, max_records=opts.max_records)
     total_gpus = sum(s.world_size for s in specs)

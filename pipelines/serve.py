@@ -47,7 +47,8 @@ def parse(argv: list[str]) -> ServeOptions:
     parser.add_argument("--tables", required=True, help="the `strag watch --out` URL (live_results/, alerts/ under it)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 = any free port)")
-    parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="alert threshold drawn on the S chart")
+    parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help=f"S drawn as the alert threshold on the S chart and counted as straggling in /metrics "
+                        f"(default {DEFAULT_THRESHOLD:g}; give the `strag watch --threshold` the watcher alerts at)")
     parser.add_argument("--allow-remote", action="store_true",
                         help="allow a --host other than loopback: the pages have no authentication")
     args = parser.parse_args(argv)

@@ -135,6 +135,12 @@ JOB_SUMMARY_SCHEMA = _schema(
         # profiler output, a line for people: profiler and version, ranks, device, what was left out.
         pa.field("source_format", pa.string(), nullable=False),
         pa.field("source", pa.string(), nullable=True),
+        # what converted profiler output recorded (null: not recorded, e.g. lake parquet, taken as GPUs):
+        # "cpu" when the ranks ran on CPUs (gpus then counts CPU ranks, gpu_hours their rank-hours)
+        pa.field("device", pa.string(), nullable=True),
+        # the DP gradient collective: "all_reduce" (DDP) or "reduce_scatter"; op type grads-reduce-scatter
+        # either way (the reference's name); people are told which (schemas.trace.optype_words)
+        pa.field("grads_collective", pa.string(), nullable=True),
     ],
 )
 

@@ -15,6 +15,7 @@ __all__ = [
     "P2P_OPTYPES",
     "DP_COMM_OPTYPES",
     "IN_COMPUTE_OPTYPES",
+    "optype_words",
     "TRACE_SCHEMA",
     "TRACE_REQUIRED",
     "MANIFEST_SCHEMA",
@@ -54,6 +55,16 @@ COMPUTE_OPTYPES = ("forward-compute", "backward-compute", "backward-weight-compu
 P2P_OPTYPES = ("forward-send", "forward-recv", "backward-send", "backward-recv")
 DP_COMM_OPTYPES = ("params-all-gather", "grads-reduce-scatter", "separate-grads-all-reduce")
 IN_COMPUTE_OPTYPES = ("all-to-all", "group-collective")
+
+
+def optype_words(optype: str, grads_collective: str | None = None) -> str:
+    """An op type as people should read it. The names above are the reference analyzer's and stay
+    in every table; but its grads-reduce-scatter is also DDP's gradient all-reduce, which a DDP user
+    would not recognise under that name. grads_collective: the collective the job's trace shows for
+    it ("all_reduce", "reduce_scatter"; None when unknown: the name as it is)."""
+    if optype == "grads-reduce-scatter" and grads_collective == "all_reduce":
+        return "grads-all-reduce"
+    return optype
 
 # One row per op occurrence. Timestamps and durations are seconds (float64 in the
 # lake: a lossless superset of the published float32 traces).

@@ -261,3 +261,39 @@ def test_serve_on_a_busy_port_says_so_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert err[0].startswith(f"strag serve: cannot listen on 127.0.0.1:{port}: ") and "--port" in err[0]
+
+
+def test_serve_help_states_the_threshold_default(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["serve", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"--threshold THRESHOLD S drawn as the alert threshold .*\(default 1\.1;", text), text
+
+
+def test_the_live_demo_finds_torch_where_this_machine_has_it(tmp_path, monkeypatch):
+    """Its --torch-python defaults to $TORCHENV's python, else this one (no path of one machine); a python
+    without torchrun beside it is one line and exit 2, before anything runs."""
+    script = pathlib.Path(__file__).parents[1] / "tools" / "real_traces" / "live_demo.py"
+    env = {**os.environ, "TORCHENV": str(tmp_path / "torchvenv")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 2 and not (tmp_path / "torchvenv").exists()
+    assert done.stderr.splitlines()[-1] == (f"live_demo.py: error: --torch-python {tmp_path}/torchvenv/bin/python: no "
+                                            "torchrun beside it; give the python of a venv with torch (--torch-python or "
+                                            "TORCHENV, see tools/real_traces/README.md)")
+    sys.path.insert(0, str(script.parent))
+    try:
+        import live_demo
+    finally:
+        sys.path.remove(str(script.parent))
+    monkeypatch.delenv("TORCHENV", raising=False)
+    assert live_demo._default_torch_python() == sys.executable
+    monkeypatch.setenv("TORCHENV", "/opt/torch")
+    assert live_demo._default_torch_python() == "/opt/torch/bin/python"
+
+
+def test_the_readme_command_table_names_every_command():
+    text = pathlib.Path(README).read_text()
+    table = text[text.index("## Commands"):text.index("### One job")]
+    named = set(re.findall(r"^\| `strag ([a-z-]+)", table, flags=re.M))
+    assert named == set(cli.COMMANDS), set(cli.COMMANDS) ^ named

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import html
 import json
 import re
 
@@ -158,6 +159,54 @@ def test_host_chart_shows_only_blamed_hosts_on_a_whole_number_axis():
     assert "no host was blamed" in json.dumps(never)
 
 
+def _x_labels(chart) -> list[tuple[float, str]]:
+    """(x, text) of the visible labels of the chart's horizontal axis, as Vega renders them (SVG)."""
+    import vl_convert
+
+    svg = vl_convert.vegalite_to_svg(chart.to_json())
+    labels = []
+    for group in re.findall(r'<g class="mark-text role-axis-label"[^>]*>(.*?)</g>', svg, re.S):
+        texts = re.findall(r'<text[^>]*transform="translate\(([-\d.]+),([-\d.]+)\)"[^>]*opacity="([\d.]+)"[^>]*>([^<]*)</text>', group)
+        visible = [(float(x), float(y), text) for x, y, opacity, text in texts if float(opacity) > 0]
+        if len({y for _, y, _ in visible}) == 1 and len(visible) > 1:   # one row of labels: the x axis
+            labels = [(x, text) for x, _, text in visible]
+    return labels
+
+
+def test_size_chart_ticks_are_whole_gpu_counts_and_bucket_means_span_their_bucket():
+    """CPU jobs of 2 to 4 ranks: the axis said 2, 2.5, 3, 3.5 GPUs and the one bucket's mean was a lone
+    dot at 2.8 GPUs (the bucket's geometric middle)."""
+    jobs = pd.DataFrame({"job_id": ["a", "b", "c"], "gpus": [2, 3, 2], "slowdown": [1.2, 1.4, 1.05], "straggling": [True, True, False]})
+    size = pd.DataFrame({"gpus_lower": [2], "gpus_upper": [4], "jobs": [3], "slowdown_mean": [1.22]})
+    chart = charts.size_chart(jobs, size, None, "S vs CPU ranks", "CPU ranks")
+    assert [text for _, text in _x_labels(chart)] == ["2", "4"]
+    spec = chart.to_dict()
+    mean = next(layer for layer in spec["layer"] if layer["mark"]["type"] == "rule")
+    assert mean["encoding"]["x"]["field"] == "gpus" and mean["encoding"]["x2"]["field"] == "gpus_upper"
+    assert spec["layer"][0]["encoding"]["x"]["title"] == "CPU ranks (log scale)"
+    assert {r["gpus"] for r in _chart_rows(chart)} <= {2, 3}   # every x a job's size or a bucket's edge
+
+
+def test_waste_axis_labels_are_short_and_never_touch():
+    """A fleet of short profiled windows wastes thousandths of an hour: the labels carry no padding
+    zeros ("0.0010") and keep apart."""
+    optype = pd.DataFrame({"optype": [None] * 4, "category": ["compute", "pp-comm", "dp-comm", "other"], "jobs": 3,
+                           "slowdown_mean": 1.1, "wasted_gpu_hours": [0.0061, 0.0011, 0.0007, 0.0002],
+                           "share_of_attributed_waste": [0.7, 0.15, 0.1, 0.05]})
+    chart = charts.optype_waste_chart(optype, "waste", "CPU rank-hours")
+    labels = _x_labels(chart)
+    assert labels and all(not text.endswith("0") or text == "0" for _, text in labels), labels
+    for (x0, a), (x1, b) in zip(labels, labels[1:]):   # ~6 px per character at the axis' 10 px font
+        assert x1 - x0 >= 3 * (len(a) + len(b)) + 6, labels
+    assert chart.to_dict()["encoding"]["x"]["title"] == "CPU rank-hours wasted (attributed)"
+
+
+def test_step_axis_ticks_are_the_sampled_steps():
+    """Two sampled steps (2 and 3): the axis read 2, 3, 3 (a tick at 2.5 formatted as a whole number)."""
+    steps = pd.DataFrame({"step": [2, 3], "slowdown": [1.5, 1.33], "step_time": 1.0, "step_time_ideal": 0.7})
+    assert [text for _, text in _x_labels(charts.step_slowdown_chart(steps, 1.41, "steps"))] == ["2", "3"]
+
+
 def test_step_line_is_broken_where_steps_were_not_sampled():
     steps = pd.DataFrame({"step": [35, 37, 38, 40, 48, 49, 111, 113, 114], "slowdown": 1.1, "step_time": 1.0, "step_time_ideal": 0.9})
     runs = {r["step"]: r["run"] for r in _chart_rows(charts.step_slowdown_chart(steps, 1.1, "steps")) if "step" in r}
@@ -266,6 +315,14 @@ def test_job_page_explains_the_verdict_in_words(data, tmp_path):
     assert "layers repartitioned so every model chunk does the same compute" in text
     assert "M_W: share explained by the top 3% workers" in text and "forward_backward_r_normalised" not in text
     assert "transforms/whatif/causes" not in text
+    # workers in words, never a raw [[1, 1]]; the way back to the fleet report
+    assert "top 3% workers dp 1 / stage 1 (dp rank, stage)" in text and "[[" not in text
+    assert '<a href="../index.html">back to the fleet report</a>' in page
+    # fixing every cause gives S 0.995 < 1 (the slow worker raised its op types' means): said why in words
+    plain = html.unescape(text)
+    assert re.search(r"\d\.\d{3} -> 0\.995 all \(\d+%\)", plain), plain[plain.index("all of them"):][:300]
+    assert "A fix with S below 1 after it" in plain and "the slow ops themselves raise that mean" in plain
+    assert "exceed the wasted hours" in plain
 
 
 def test_cells_and_titles_say_nothing_meaningless():

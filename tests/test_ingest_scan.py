@@ -25,7 +25,7 @@ from transforms.ingest.kineto.columns import general_columns
 from transforms.ingest.kineto.rank import parse_rank_bytes
 
 from test_ingest_columns import _columns_equal
-from test_ingest_reader import HTA, REAL_RUNS, assert_same, reference, streamed
+from test_ingest_reader import HTA, REAL_RUNS, assert_same, hta_path, reference, streamed
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -168,7 +168,7 @@ def test_malformed_json_is_bad_and_the_reader_says_so_as_before(body):
 
 
 def test_runs_stop_where_the_bytes_do_and_go_on_from_there():
-    events = orjson.loads(gzip.decompress(HTA[0].read_bytes()))["traceEvents"][:3000]
+    events = orjson.loads(gzip.decompress(hta_path().read_bytes()))["traceEvents"][:3000]
     text = orjson.dumps(events, option=orjson.OPT_INDENT_2)
     scanner = scan.Scanner(capacity=97)   # runs end at FULL too
     buffer = bytearray(text)
@@ -224,7 +224,7 @@ def test_a_category_that_is_no_utf8_is_unreadable(mode, monkeypatch):
 
 
 def test_a_trace_with_stray_events_parses_as_the_reference_does():
-    document = orjson.loads(gzip.decompress((ROOT.parent / "shared" / "traces" / "hta" / "nccl_data.json.gz").read_bytes()))
+    document = orjson.loads(gzip.decompress(hta_path("nccl_data.json.gz").read_bytes()))
     events = document["traceEvents"]
     for i in range(0, len(events), 997):   # string correlations and float tids here and there
         event = events[i]
@@ -245,7 +245,7 @@ def test_without_a_compiler_the_msgspec_path_reads_and_one_line_says_so(monkeypa
     monkeypatch.setenv("STRAG_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("STRAG_SCAN", "auto")
-    path = HTA[0]
+    path = hta_path()
     data = path.read_bytes()
     assert scan.scanner() is None and scan.scanner() is None
     lines = [line for line in capsys.readouterr().err.splitlines() if "C trace scanner" in line]
@@ -262,7 +262,7 @@ def test_without_a_compiler_the_msgspec_path_reads_and_one_line_says_so(monkeypa
 def test_mutated_bytes_read_the_same_by_both_paths_and_never_crash(monkeypatch):
     """Random damage to a real trace (bytes replaced, dropped, doubled; cuts): the scanner must not
     crash and must reach what the msgspec path reaches, a RankTrace or the same reason code."""
-    document = orjson.loads(gzip.decompress(HTA[0].read_bytes()))
+    document = orjson.loads(gzip.decompress(hta_path().read_bytes()))
     steps = [e for e in document["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")][:2]
     events = [e for e in document["traceEvents"] if steps[0]["ts"] <= e.get("ts", 0) <= steps[-1]["ts"] + steps[-1]["dur"]]
     kept = events[:1500] + [e for e in events[1500:] if str(e.get("name", "")).startswith("ProfilerStep#")]

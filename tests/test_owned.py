@@ -2,10 +2,15 @@
 pointed at a real lake deleted it)."""
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
-from pipelines import demo, generate
-from pipelines.owned import MARKER, NotOurs, claim
+from pipelines import cli, demo, generate
+from pipelines.owned import MARKER, NotOurs, claim, record
+
+RUN = pathlib.Path(__file__).parent / "data" / "real_runs" / "allreduce-r1-dp4-ddp-mlp-cpu"
+TINY = ["--days", "1", "--jobs-per-day", "2", "--seed", "3", "--max-records", "20000"]
 
 
 def _real_lake(tmp_path):
@@ -58,3 +63,54 @@ def test_a_folder_is_claimed_when_absent_empty_or_marked_and_only_then(tmp_path)
         other.mkdir()
         (other / "part-0.parquet").write_text("")
         claim(str(other), "generate")
+
+
+def _files(folder: pathlib.Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _marked(folder: pathlib.Path) -> list[str]:
+    """The files the folder's marker says a strag command wrote."""
+    return (folder / MARKER).read_text().splitlines()[1:]
+
+
+def test_demo_into_a_new_folder_then_again_then_refused_once_a_real_job_is_imported(tmp_path, capsys):
+    """The demo's own lake is regenerated on every run; once a real job is imported into it (as a user
+    would: `strag import ... --lake demo-lake`), the next demo refuses and deletes nothing."""
+    lake, out = tmp_path / "demo-lake", tmp_path / "demo-out"
+    argv = ["demo", "--lake", str(lake), "--out", str(out), *TINY]
+    assert cli.main(argv) == 0
+    first = _files(lake)
+    assert (lake / "_lake.json").is_file() and any(name.startswith("traces/") for name in first)
+    assert sorted(first) == sorted([*_marked(lake), MARKER])   # the marker lists every file it wrote
+    (lake / "traces" / "stale.parquet").write_bytes(b"x")   # as if an older demo had left it: recorded, then deleted
+    record(str(lake), "demo")
+    assert cli.main(argv) == 0   # rerun into its own folder: regenerated, the same fleet
+    assert _files(lake) == first and (out / "_reports" / "index.html").is_file()
+    capsys.readouterr()
+
+    assert cli.main(["import", "--format", "kineto", str(RUN), "--lake", str(lake), "--job-id", "my-job",
+                     "--date", "2024-03-04"]) == 0
+    imported = _files(lake)
+    mine = sorted(set(imported) - set(first))
+    assert mine and all("my-job" in name for name in mine)
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"strag demo: {lake} holds {len(mine)} file(s) no `strag demo` or "
+                                               f"`strag generate` wrote (e.g. {mine[0]};")
+    assert _files(lake) == imported   # every file kept, the imported job's too
+    assert cli.main(["generate", "--lake", str(lake), *TINY]) == 2   # nor mixed with a synthetic fleet
+    assert "strag generate: " in capsys.readouterr().err and _files(lake) == imported
+
+
+def test_generate_into_a_new_folder_then_again_into_its_own(tmp_path, capsys):
+    lake = tmp_path / "synthetic"
+    assert cli.main(["generate", "--lake", str(lake), *TINY]) == 0
+    first = _files(lake)
+    assert sorted(first) == sorted([*_marked(lake), MARKER]) and "_truth/truth.parquet" in first
+    assert cli.main(["generate", "--lake", str(lake), *TINY]) == 0   # the same seed: the same lake, byte for byte
+    assert _files(lake) == first
+    (lake / "notes.txt").write_text("mine")
+    assert cli.main(["generate", "--lake", str(lake), *TINY]) == 2
+    assert "(e.g. notes.txt;" in capsys.readouterr().err and _files(lake) == {**first, "notes.txt": b"mine"}

@@ -4,6 +4,7 @@ analysis's own ideal replay), reruns replace them, and `strag report` links them
 from __future__ import annotations
 
 import gzip
+import html
 import json
 import re
 import shutil
@@ -133,3 +134,40 @@ def test_report_links_each_straggling_job_page_to_its_perfetto_timeline(tables, 
         steps = steps_table.filter(pc.equal(steps_table["job_id"], job_id)).to_pylist()
         assert ideal and {row["step"]: row["step_time_ideal"] for row in steps if row["step"] in ideal} == pytest.approx(ideal, rel=1e-12)
     assert linked == {job_id for _, job_id in straggling}
+
+
+def test_a_cpu_ddp_fleet_is_reported_in_rank_hours_with_ddps_all_reduce_by_its_name(tmp_path, capsys):
+    """Real torch.profiler runs on CPU ranks (gloo), landed and analysed as a user would: the report
+    counted their ranks as GPUs ("0 of 0 GPU-hours") and called DDP's all-reduce grads-reduce-scatter.
+    The tables keep the reference analyzer's op type and record what the trace showed."""
+    import pathlib
+
+    from pipelines import cli
+
+    runs = pathlib.Path(__file__).parent / "data" / "real_runs"
+    lake, out, pages = tmp_path / "lake", tmp_path / "tables", tmp_path / "report"
+    for job in ("allreduce-r1-dp4-ddp-mlp-cpu", "split-gpipe-pp4-mlp-sleep"):
+        assert cli.main(["land", str(runs / job), "--lake", str(lake), "--job-id", job, "--date", "2026-11-20"]) == 0
+    assert cli.main(["batch", "--lake", str(lake), "--from", "2026-11-20", "--to", "2026-11-20", "--out", str(out),
+                     "--quiet"]) == 0
+    assert cli.main(["report", "--tables", str(out), "--out", str(pages), "--images", "none"]) == 0
+    capsys.readouterr()
+    rows = {r["job_id"]: r for r in read_table(str(out), "job_summary").to_pylist()}
+    assert {job: (r["device"], r["grads_collective"]) for job, r in rows.items()} == {
+        "allreduce-r1-dp4-ddp-mlp-cpu": ("cpu", "all_reduce"), "split-gpipe-pp4-mlp-sleep": ("cpu", None)}
+    optypes = read_table(str(out), "optype_attribution").to_pylist()
+    assert any(r["optype"] == "grads-reduce-scatter" for r in optypes if r["job_id"].startswith("allreduce"))
+
+    def text(path) -> str:
+        return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", path.read_text()))
+
+    fleet = text(pages / "index.html")
+    assert "CPU rank-hours wasted" in fleet and "GPU-hours" not in fleet and " 0 of 0 " not in fleet
+    assert re.search(r"0\.\d+ of 0\.\d+ CPU rank-hours", fleet)
+    ddp = pages / "jobs" / "2026-11-20_allreduce-r1-dp4-ddp-mlp-cpu.html"
+    page = ddp.read_text()
+    assert "4 CPU ranks" in text(ddp) and "GPU-h" not in text(ddp)
+    specs = json.loads(re.search(r"const stragSpecs = (\{.*?\});\n", page, re.S).group(1).replace("<\\/", "</"))
+    names = {row.get("optype") for spec in specs.values() for rows in spec.get("datasets", {}).values() for row in rows}
+    assert "grads-all-reduce" in names and "grads-reduce-scatter" not in names
+    assert "grads-all-reduce: DDP's gradient all-reduce (op type grads-reduce-scatter in the tables" in html.unescape(page)

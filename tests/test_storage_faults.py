@@ -155,19 +155,28 @@ def test_files_the_listing_cannot_place_are_quarantined(lake, tmp_path, capsys):
     shutil.copy(next((day / "job_id=clean-a").glob("*.parquet")), hidden / "part-0.parquet")
     (messy / "manifests" / f"date={DATES[0]}" / "notes.txt").write_text("hello")
     (messy / "traces" / "date=2024-3-1").mkdir()
+    (messy / "raw" / "kineto" / "date=2026-13-45" / "job_id=real").mkdir(parents=True)   # no such date
+    (messy / "raw" / "kineto" / "date=2026-13-45" / "job_id=real" / "rank-0.json").write_text("{}")
     strays = []
     listed = {job.job_id for job in list_jobs(str(messy), DATES[0], DATES[-1], strays=strays)}
     assert "_hidden" not in listed and "clean-a" in listed
     found = {(entry.reason, entry.path.rsplit("/", 1)[-1]) for entry in strays}
     assert found == {("misplaced_file", "stray.parquet"), ("unsafe_job_id", "part-0.parquet"),
-                     ("misplaced_file", "notes.txt"), ("bad_partition", "date=2024-3-1")}
+                     ("misplaced_file", "notes.txt"), ("bad_partition", "date=2024-3-1"),
+                     ("bad_partition", "date=2026-13-45")}
     out = tmp_path / "tables"
     with faults({}):
         assert _run(str(messy), out) == 0
-    assert "date=2024-3-1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "date=2024-3-1" in err and "raw/kineto/date=2026-13-45" in err and "quarantined as bad_partition" in err
     quarantine = [r for r in read_table(str(out), "quarantine").to_pylist() if r["job_id"] is None]
     assert {(r["reason_code"], r["source_path"].rsplit("/", 1)[-1]) for r in quarantine} == {
-        ("misplaced_file", "stray.parquet"), ("unsafe_job_id", "part-0.parquet"), ("misplaced_file", "notes.txt")}
+        ("misplaced_file", "stray.parquet"), ("unsafe_job_id", "part-0.parquet"), ("misplaced_file", "notes.txt"),
+        ("bad_partition", "date=2024-3-1"), ("bad_partition", "date=2026-13-45")}
+    # a folder that is no date hides its files from every date: each date of the run says so, once
+    undated = [r for r in read_table(str(out), "quarantine").to_pylist() if r["reason_code"] == "bad_partition"]
+    assert sorted(str(r["date"]) for r in undated) == sorted([*DATES, *DATES])
+    assert all("not a date=YYYY-MM-DD partition" in r["detail"] for r in undated)
 
 
 # --------------------------------------------------------------------------- S3 through a faulty proxy

@@ -190,3 +190,14 @@ def test_a_job_the_trace_cannot_decide_says_so_and_what_would(tmp_path):
     verdict = json.loads(out.read_text())["verdict"]
     assert verdict["cause"] == "insufficient-evidence" and verdict["implicated_workers"] == []
     assert verdict["evidence"]["worker_test"]["undecided"]
+
+
+def test_ddp_all_reduce_is_named_so_for_people_and_kept_in_the_json(tmp_path):
+    """A real DDP run (gloo all-reduce of the gradients): the lines say grads-all-reduce; the JSON keeps
+    the reference analyzer's op type grads-reduce-scatter, which tooling built on it reads."""
+    runs = pathlib.Path(__file__).parent / "data" / "real_runs"
+    done = strag(runs / "allreduce-r1-dp4-ddp-mlp-cpu", "--json", tmp_path / "ddp.json")
+    assert done.returncode == 0, done.stderr
+    top = next(line for line in done.stdout.splitlines() if line.startswith("top op types: "))
+    assert "grads-all-reduce 1.0" in top and "grads-reduce-scatter" not in done.stdout
+    assert "grads-reduce-scatter" in json.loads((tmp_path / "ddp.json").read_text())["blocking_decompose_by_optype"]

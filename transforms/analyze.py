@@ -110,6 +110,13 @@ def _attribution(schema: pa.Schema, group: str, job_id: str, steps: np.ndarray,
                     schema=schema)
 
 
+def _recorded_setup(source) -> dict:
+    """job_summary's device and grads_collective, as converted profiler output recorded them (None
+    elsewhere): what the pages need to say rank-hours of CPU ranks, and DDP's all-reduce by its name."""
+    source = source if isinstance(source, dict) else {}
+    return {"device": source.get("device"), "grads_collective": source.get("grads_collective")}
+
+
 def result_tables(validated: ValidatedJob, result: WhatIfResult, verdict=None) -> dict[str, pa.Table]:
     """The per-window rows of every per-job table from one engine result (schemas/tables.py).
 
@@ -158,6 +165,7 @@ def result_tables(validated: ValidatedJob, result: WhatIfResult, verdict=None) -
         "cause": None, "causes": None, "cause_confidence": None, "savings_gpu_hours": None,
         "source_format": source_format(job, manifest),
         "source": describe_source(manifest["source"]) if isinstance(manifest.get("source"), dict) else None,
+        **_recorded_setup(manifest.get("source")),
     }
     if verdict is not None and not result.discarded:
         summary.update(cause=verdict.cause, causes=list(verdict.causes), cause_confidence=float(verdict.confidence),

@@ -1,6 +1,6 @@
 """Live demo: a real torchrun job lands its profiler windows with strag_collect while `strag watch` runs.
 
-    .venv/bin/python tools/real_traces/live_demo.py [--lake URL] [--torch-python /work/torchvenv/bin/python]
+    .venv/bin/python tools/real_traces/live_demo.py [--lake URL] [--torch-python PYTHON]
 
 Two real training runs (train.py: GPipe over 4 pipeline ranks, an MLP, CPU/gloo, torch from its
 own venv; torch is never a dependency of strag) each add the two lines a user adds:
@@ -82,6 +82,13 @@ def _wait_quiet(limit_s: float) -> None:
         time.sleep(10)
 
 
+def _default_torch_python() -> str:
+    """The python of the venv with torch: $TORCHENV's (as gen_corpus.py takes it), else this one
+    (torch installed beside strag)."""
+    torchenv = os.environ.get("TORCHENV")
+    return str(pathlib.Path(torchenv) / "bin" / "python") if torchenv else sys.executable
+
+
 def _train(torch_python: str, lake: str, job_id: str, extra: list[str], scratch: pathlib.Path) -> float:
     """One torchrun job landing its window live; returns when it ended (epoch seconds)."""
     torchrun = str(pathlib.Path(torch_python).with_name("torchrun"))
@@ -115,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lake", default=None, help="lake URL (default: a new temporary folder)")
     parser.add_argument("--out", default=None, help="live tables URL (default: {lake}-out)")
-    parser.add_argument("--torch-python", default="/work/torchvenv/bin/python", help="python of a venv with torch")
+    parser.add_argument("--torch-python", default=_default_torch_python(),
+                        help="python of a venv with torch and torchrun (default: $TORCHENV/bin/python, else this python)")
     parser.add_argument("--deadline", type=float, default=900.0, help="seconds before the demo gives up")
     parser.add_argument("--quiet-wait", type=float, default=300.0,
                         help="before each run, wait at most this many seconds for the machine to be < 25%% busy")
@@ -123,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the watcher's --threshold (default 1.1; on a loaded 2-core machine a clean run's own "
                              "noise can reach it: its verdict then says `none`)")
     args = parser.parse_args(argv)
-    if not pathlib.Path(args.torch_python).exists():
-        parser.error(f"--torch-python {args.torch_python}: not found (a venv with torch, see tools/real_traces/README.md)")
+    if not pathlib.Path(args.torch_python).with_name("torchrun").exists():   # _train runs the torchrun beside it
+        parser.error(f"--torch-python {args.torch_python}: no torchrun beside it; give the python of a venv with torch "
+                     "(--torch-python or TORCHENV, see tools/real_traces/README.md)")
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="strag-live-demo-"))
     lake = args.lake or str(scratch / "lake")
     out = args.out or f"{lake.rstrip('/')}-out"

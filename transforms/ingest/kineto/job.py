@@ -17,7 +17,7 @@ from transforms.ingest.kineto.pairing import (_check_comm_pairs, _clip_p2p_waits
                                               _overlapped_dp_marker, _recv_waits_after_compute, _seq_gaps,
                                               _serialise_chains)
 from transforms.ingest.kineto.rank import _NO_INFO, parse_rank_bytes
-from transforms.ingest.kineto.spans import BWD, FWD, OPT, RankTrace, _KIND_NAMES
+from transforms.ingest.kineto.spans import BWD, COLL, FWD, OPT, RankTrace, _KIND_NAMES
 
 
 def _step_structure(trace: RankTrace, steps: np.ndarray) -> dict[int, tuple]:
@@ -434,6 +434,7 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
         "p2p_waits_clipped": p2p_clipped,
         "chain_waits_cut": chains_serialised,
         "collectives_issued_during_compute": dp_overlapped,
+        "grads_collective": _grads_collective(analysed, layout, described),
         "overlapped_dp_markers": overlap_markers,
         "p2p_recvs_posted_early": p2p_posted_early,
         "unmapped": dict(sorted(unmapped.items())),
@@ -441,6 +442,18 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
     if unlinked:   # rank -> its kernels, copies and memsets left out of compute (no CUDA launch in its file)
         source["gpu_work_unlinked"] = unlinked
     return ConvertedJob(job_id, trace, manifest, source)
+
+
+def _grads_collective(ranks: Sequence[RankTrace], layout, described: bool) -> str | None:
+    """How the gradients were synced over the DP group, for people: "reduce_scatter" (ZeRO / FSDP)
+    when a rank reduce-scatters them, else "all_reduce" (DDP) when they were all-reduced, None without
+    either. Its op type is grads-reduce-scatter both ways (the reference analyzer's name, ops.py): the
+    words shown beside it must say which (schemas.trace.optype_words)."""
+    names: set[str] = set()
+    for trace in ranks:
+        groups = _dp_groups(trace, layout, described)
+        names.update(trace.coll[(trace.kind == COLL) & np.isin(trace.group, list(groups))].tolist())
+    return "reduce_scatter" if "reduce_scatter" in names else "all_reduce" if "all_reduce" in names else None
 
 
 def _recorded_start(origin_ns: int, offset_us: float):
