@@ -93,8 +93,28 @@ def fleet_charts(data: ReportData) -> list[Chart]:
         Chart("positions", "Slowdown by (DP rank, PP rank) position", charts.position_chart(data.fleet_period("fleet_position"), "Mean S_w per position across jobs"),
               "A hot bottom row is the last stage carrying the loss layer across the fleet."),
         Chart("coverage", "Coverage", charts.coverage_chart(data.fleet_period("fleet_coverage"), "Job windows by outcome"),
-              "Discarded: the replay off by more than 5% either way, kept out of every statistic above. Quarantined: bad input or failed analysis."),
+              "Discarded: the replay off by more than 5% either way, kept out of every statistic above. Quarantined: bad input or failed analysis."
+              + _method_sentence(data.fleet_period("fleet_coverage"))),
     ]
+
+
+def _method_sentence(coverage: pd.DataFrame) -> str:
+    """Where the model and METHOD.md differ: the analysed windows only the untraced-time model keeps,
+    and both mean S (empty when every kept window is METHOD's too, or the table predates the columns)."""
+    if coverage.empty or "kept_by_model" not in coverage:
+        return ""
+    analysed = coverage[coverage["status"] == "analysed"]
+    kept = int(analysed["kept_by_model"].fillna(0).sum())
+    jobs = int(analysed["jobs"].sum())
+    if not kept or not jobs:
+        return ""
+    model = float((analysed["slowdown_mean"] * analysed["jobs"]).sum() / jobs)
+    method = analysed["slowdown_method_mean"].dropna()
+    method_text = (f", METHOD.md's {float((method * analysed.loc[method.index, 'jobs']).sum() / analysed.loc[method.index, 'jobs'].sum()):.3f}"
+                   if len(method) else "")
+    return (f" {kept} of the {jobs} analysed windows are kept by the untraced-time model (named workers' untraced CPU "
+            f"time given back); METHOD.md section 3 would discard them. Mean S of the analysed windows: the model's "
+            f"{model:.3f}{method_text}.")
 
 
 def _analysed_jobs(data: ReportData) -> pd.DataFrame:

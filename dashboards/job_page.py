@@ -65,6 +65,18 @@ def _discrepancy_number(s) -> tuple[str, str, str]:
     return ("replay discrepancy", f"{100 * (replayed - 1):.1f}%", note)
 
 
+def _method_note(s) -> str:
+    """METHOD.md's own S beside the model's, where they differ (the model gave named workers' untraced
+    CPU time back, so METHOD's no-delay replay would discard this window); '' where they agree or the
+    row predates the columns."""
+    method = getattr(s, "slowdown_method", None)
+    if method is None or method != method or abs(float(method) - float(s.slowdown)) < 5e-4:
+        return ""
+    kept = getattr(s, "kept_by", None)
+    why = "; METHOD.md would discard this window: the model keeps it" if kept == "untraced-model" else ""
+    return f"; METHOD.md's S (no untraced time modelled) {fmt(method)}{why}"
+
+
 def _evidence_number(s) -> tuple[str, str, str]:
     """What the result stands on: steps, microbatches, DP peers, and what the trace cannot show
     (rows written before the columns: the steps alone)."""
@@ -244,7 +256,8 @@ def build_job_page(data: ReportData, date: dt.date, job_id: str, out_dir: pathli
     grads = getattr(s, "grads_collective", None)
     grads = grads if isinstance(grads, str) else None
     numbers = Numbers([
-        ("slowdown S", fmt(s.slowdown), "S >= 1.1: straggling" if s.straggling else "below the 1.1 straggling threshold"),
+        ("slowdown S", fmt(s.slowdown), ("S >= 1.1: straggling" if s.straggling else "below the 1.1 straggling threshold")
+         + _method_note(s)),
         ("waste", f"{100 * s.waste:.1f}%", f"{_hours(s.wasted_gpu_hours, '')} of {_hours(s.gpu_hours, unit)}") if s.waste >= 0 else
         ("waste", "none", "S < 1: the ideal replay is slower than the replay, within its noise"),
         ("verdict", CAUSE_TITLES.get(cause, cause), f"{cause}, confidence {v['confidence']:.2f}" if v is not None else "no verdict (discarded window)"),

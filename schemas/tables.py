@@ -54,6 +54,7 @@ __all__ = [
     "STAGE_ATTRIBUTION_SCHEMA",
     "OPTYPE_ATTRIBUTION_SCHEMA",
     "COVERAGE_SCHEMA",
+    "KEPT_BY",
     "QUARANTINE_SCHEMA",
     "BATCH_TABLES",
     "partition_path",
@@ -70,6 +71,9 @@ TIMELINES_DIR = "_timelines"
 
 # What happened to a job window (coverage.status); same words as schemas/fleet.py.
 JOB_STATUSES = ("analysed", "discarded", "quarantined")
+# Which rule kept an analysed window (job_summary.kept_by, coverage.kept_by): METHOD.md's replay, or
+# the replay with the named workers' untraced time (transforms/whatif/result.py UntracedWork).
+KEPT_BY = ("method", "untraced-model")
 # What a quarantine row covers: one row of a file, a whole file, or a whole job window.
 QUARANTINE_LEVELS = ("row", "file", "job")
 
@@ -119,6 +123,14 @@ JOB_SUMMARY_SCHEMA = _schema(
                  nullable=True),                                   # whose untraced CPU time T includes; null: none
         pa.field("discarded", pa.bool_(), nullable=False),         # replay_discrepancy off by > 5% either way: not in fleet statistics
         pa.field("discard_reason", pa.string(), nullable=True),    # human reason when discarded
+        # METHOD.md section 3 beside the model: S of the no-delay replay (no untraced time modelled), and
+        # whether METHOD's rule (launch_slowdown off by > 5%) discards the window; kept_by: which rule kept
+        # it ("method": within 5% as METHOD replays it; "untraced-model": METHOD would discard it, the
+        # named workers' untraced time brings the model within 5%); null when discarded, or in files
+        # written before the columns existed
+        pa.field("slowdown_method", pa.float64(), nullable=True),
+        pa.field("discarded_method", pa.bool_(), nullable=True),
+        pa.field("kept_by", pa.string(), nullable=True),
         pa.field("straggling", pa.bool_(), nullable=False),        # S >= 1.1
         pa.field("attributed", pa.bool_(), nullable=False),        # S >= 1.03: attribution tables have rows
         pa.field("m_w", pa.float64(), nullable=True),              # M_W (rem form); null when not attributed
@@ -210,6 +222,7 @@ COVERAGE_SCHEMA = _schema(
         pa.field("gpu_hours", pa.float64(), nullable=True),
         pa.field("launch_slowdown", pa.float64(), nullable=True),  # when the engine got that far
         pa.field("source_format", pa.string(), nullable=False),    # schemas/raw.py SOURCE_FORMATS
+        pa.field("kept_by", pa.string(), nullable=True),           # job_summary.kept_by: which rule kept an analysed window
     ],
 )
 

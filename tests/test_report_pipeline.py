@@ -171,3 +171,38 @@ def test_a_cpu_ddp_fleet_is_reported_in_rank_hours_with_ddps_all_reduce_by_its_n
     names = {row.get("optype") for spec in specs.values() for rows in spec.get("datasets", {}).values() for row in rows}
     assert "grads-all-reduce" in names and "grads-reduce-scatter" not in names
     assert "grads-all-reduce: DDP's gradient all-reduce (op type grads-reduce-scatter in the tables" in html.unescape(page)
+
+
+def test_methods_figures_stand_beside_the_models(tmp_path, capsys):
+    """A real Accelerate run whose rank 1 waits ~300 ms per batch on its DataLoader: METHOD.md section 3
+    replays it without that untraced time and would discard it (its no-delay replay is far off); the
+    model gives rank 1's untraced time back and keeps it. The tables carry both S and which rule kept
+    the window; the fleet coverage counts it; the report and the job page show both figures."""
+    import pathlib
+
+    from pipelines import cli
+    from transforms.whatif.result import discrepancy_discards
+
+    run = pathlib.Path(__file__).parent / "data" / "real_stacks" / "accelerate-data-r1-gpt2-padded"
+    lake, out, pages = tmp_path / "lake", tmp_path / "tables", tmp_path / "report"
+    assert cli.main(["land", str(run), "--lake", str(lake), "--job-id", "data-wait", "--date", "2026-11-20"]) == 0
+    assert cli.main(["batch", "--lake", str(lake), "--from", "2026-11-20", "--to", "2026-11-20", "--out", str(out),
+                     "--quiet"]) == 0
+    assert cli.main(["report", "--tables", str(out), "--out", str(pages), "--images", "none"]) == 0
+    capsys.readouterr()
+    [row] = read_table(str(out), "job_summary").to_pylist()
+    assert discrepancy_discards(row["launch_slowdown"]) and not row["discarded"]
+    assert (row["discarded_method"], row["kept_by"]) == (True, "untraced-model")
+    assert row["slowdown_method"] != pytest.approx(row["slowdown"], rel=1e-3)
+    [coverage] = read_table(str(out), "coverage").to_pylist()
+    assert (coverage["status"], coverage["kept_by"]) == ("analysed", "untraced-model")
+    fleet = [r for r in read_table(str(out), "fleet_coverage").to_pylist() if r["status"] == "analysed"]
+    assert sum(r["kept_by_model"] for r in fleet) == 1
+    assert fleet[0]["slowdown_mean"] == pytest.approx(row["slowdown"], rel=1e-6)
+    assert fleet[0]["slowdown_method_mean"] == pytest.approx(row["slowdown_method"], rel=1e-6)
+    index = html.unescape((pages / "index.html").read_text())
+    assert "1 of the 1 analysed windows are kept by the untraced-time model" in index
+    assert f"METHOD.md's {row['slowdown_method']:.3f}" in index
+    job = html.unescape((pages / "jobs" / "2026-11-20_data-wait.html").read_text())
+    assert f"METHOD.md's S (no untraced time modelled) {row['slowdown_method']:.3f}" in job
+    assert "METHOD.md would discard this window" in job

@@ -25,6 +25,7 @@ worker_attribution, dp/stage/optype_attribution, job_cause, coverage and quarant
 """
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -58,6 +59,7 @@ from transforms.outcomes import (
     unexpected_error_outcome,
 )
 from transforms.validate import count_quarantine, validate_job_window, validate_job_windows, worker_validator
+from transforms.whatif.causes import analyze_and_classify, job_cause_table   # the batch's one way into the engine
 from transforms.whatif.errors import WhatIfError
 from transforms.whatif.result import JobMeta, WhatIfResult, discrepancy_reason
 
@@ -156,6 +158,9 @@ def result_tables(validated: ValidatedJob, result: WhatIfResult, verdict=None) -
             {"dp_rank": int(d), "stage": int(p)} for d, p in result.untraced.workers],
         "discarded": result.discarded,
         "discard_reason": _discard_reason(result),
+        "slowdown_method": float(result.slowdown),
+        "discarded_method": result.discarded_method,
+        "kept_by": result.kept_by,
         "straggling": result.straggling,
         "attributed": attributed,
         "m_w": _optional(result.mw.rem) if result.mw else None,
@@ -208,7 +213,8 @@ def result_tables(validated: ValidatedJob, result: WhatIfResult, verdict=None) -
     }
     status = "discarded" if result.discarded else "analysed"
     tables["coverage"] = coverage_row(job, status, stats, reason_code=DISCREPANCY_REASON_CODE if result.discarded else None,
-                                      reason=summary["discard_reason"], manifest=manifest, launch_slowdown=summary["launch_slowdown"])
+                                      reason=summary["discard_reason"], manifest=manifest, launch_slowdown=summary["launch_slowdown"],
+                                      kept_by=result.kept_by)
     return tables
 
 
@@ -251,7 +257,6 @@ def analyze_window(validated: ValidatedJob, engine, timelines: str | None = None
     stats.seconds["analyze"] = analysed - started
     tables = result_tables(validated, result, verdict)
     if verdict is not None and not result.discarded:
-        from transforms.whatif.causes import job_cause_table
 
         tables["job_cause"] = job_cause_table(verdict, gpu_hours(validated.manifest), validated.manifest["workers"])
     stats.status = "discarded" if result.discarded else "analysed"
@@ -337,12 +342,8 @@ class _AnalyzeJobFn(beam.DoFn):
 
     def setup(self):
         # the what-if analysis plus the root-cause verdict (job_cause table), one compile per job
-        import functools
-
-        from transforms.whatif.causes import analyze_and_classify
-
         self._validator = worker_validator()
-        self._engine = functools.partial(analyze_and_classify, timeline=self._timelines is not None)
+        self._engine = functools.partial(analyze_and_classify, timeline=self._timelines is not None)  # THE ENGINE
 
     def process(self, group: WindowGroup) -> Iterator[JobOutcome]:
         yield from quarantine_on_error(group, self._outcomes(group))

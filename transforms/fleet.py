@@ -43,7 +43,7 @@ from schemas.fleet import (
     OPTYPE_CATEGORIES,
     rollup_table,
 )
-from transforms.whatif.result import STRAGGLING_THRESHOLD
+from transforms.whatif.result import STRAGGLING_THRESHOLD, discrepancy_discards
 
 __all__ = [
     "JobFacts",
@@ -80,7 +80,8 @@ class JobFacts:
 
     status: "analysed" (kept for statistics), "discarded" (replay off by more than 5% either way) or
     "quarantined" (bad input, failed analysis); `reason` says why for the latter two.
-    gpu_hours: GPUs x wall-clock hours of the window. slowdown: S (NaN unless analysed).
+    gpu_hours: GPUs x wall-clock hours of the window. slowdown: S (NaN unless analysed);
+    slowdown_method, kept_by: METHOD.md's S beside it, and which rule kept the window.
     step_slowdown: S_s per sampled step. optype_slowdown: S_t per attributed optype (empty
     when S < 1.03). Worker arrays are aligned, one entry per (dp_rank, stage) worker;
     worker_slowdown is S_w (NaN when not attributed). cause/causes/implicated_hosts come
@@ -106,6 +107,8 @@ class JobFacts:
     implicated_hosts: tuple[str, ...] = ()
     savings_gpu_hours: float = 0.0
     source_format: str = "lake"     # schemas/raw.py SOURCE_FORMATS
+    slowdown_method: float = math.nan   # METHOD.md's S (no untraced time modelled); NaN: not recorded
+    kept_by: str = ""                   # analysed: schemas.tables.KEPT_BY, which rule kept the window
 
     def __post_init__(self):
         if self.status not in STATUSES:
@@ -656,19 +659,28 @@ class PositionFn(_TableFn):
 
 
 class CoverageFn(_TableFn):
-    """fleet_coverage: job windows (and their GPU-hours) by status and reason."""
+    """fleet_coverage: job windows (and their GPU-hours) by status and reason; for the analysed ones, how
+    many only the untraced-time model keeps (METHOD.md would discard them) and the mean S of the model
+    and of METHOD.md."""
 
     table = "fleet_coverage"
 
     def _add(self, tally: _Tally, facts: JobFacts) -> None:
-        tally.add((facts.status, facts.reason if not facts.analysed else "", facts.source_format), jobs=1,
-                  gpu_hours=_gpu_hours_fixed(facts))
+        key = (facts.status, facts.reason if not facts.analysed else "", facts.source_format)
+        tally.add(key, jobs=1, gpu_hours=_gpu_hours_fixed(facts))
+        if facts.analysed:   # the model's S and METHOD.md's beside it, and how many METHOD alone would discard
+            tally.add(key, kept_by_model=int(facts.kept_by == "untraced-model"), slowdown=_fixed(facts.slowdown, _RATIO_SCALE))
+            if math.isfinite(facts.slowdown_method):
+                tally.add(key, method_windows=1, slowdown_method=_fixed(facts.slowdown_method, _RATIO_SCALE))
 
     def _rows(self, tally: _Tally) -> list[dict]:
         order = {status: i for i, status in enumerate(STATUSES)}
         return [
             {"status": status, "reason": reason, "source_format": source, "jobs": sums["jobs"],
-             "gpu_hours": sums["gpu_hours"] / _HOURS_SCALE}
+             "gpu_hours": sums["gpu_hours"] / _HOURS_SCALE,
+             "kept_by_model": sums["kept_by_model"] if status == "analysed" else None,
+             "slowdown_mean": _mean(sums["slowdown"], sums["jobs"], _RATIO_SCALE) if status == "analysed" else None,
+             "slowdown_method_mean": _mean(sums["slowdown_method"], sums["method_windows"], _RATIO_SCALE)}
             for (status, reason, source), sums in sorted(tally.sums.items(),
                                                          key=lambda item: (order[item[0][0]], item[0][1], item[0][2]))
         ]
@@ -846,6 +858,11 @@ def window_facts(tables: Mapping[str, pa.Table], date: str) -> JobFacts | None:
         facts.update(gpus=int(head["gpus"]), gpu_hours=float(head["gpu_hours"]), pp_size=int(head["pp_size"]))
         if facts["status"] == "analysed":
             facts["slowdown"] = float(head["slowdown"])
+            if head.get("slowdown_method") is not None:
+                facts["slowdown_method"] = float(head["slowdown_method"])
+            # files written before kept_by existed: METHOD's own rule on the recorded discrepancy
+            facts["kept_by"] = head.get("kept_by") or ("untraced-model" if discrepancy_discards(float(head["launch_slowdown"]))
+                                                       else "method")
     if facts["status"] == "analysed":
         steps = rows("step_slowdown")
         if steps is not None:

@@ -56,7 +56,8 @@ def source_format(job: LakeJob, manifest: dict[str, Any] | None = None) -> str:
 
 
 def coverage_row(job: LakeJob, status: str, stats: JobStats, *, reason_code: str | None = None, reason: str | None = None,
-                 manifest: dict[str, Any] | None = None, launch_slowdown: float | None = None) -> pa.Table:
+                 manifest: dict[str, Any] | None = None, launch_slowdown: float | None = None,
+                 kept_by: str | None = None) -> pa.Table:
     """The window's coverage row (COVERAGE_SCHEMA)."""
     gpus = int(manifest["gpus"]) if manifest is not None else None
     return pa.Table.from_pylist(
@@ -73,6 +74,7 @@ def coverage_row(job: LakeJob, status: str, stats: JobStats, *, reason_code: str
             "gpu_hours": gpu_hours(manifest) if manifest is not None else None,
             "launch_slowdown": launch_slowdown,
             "source_format": source_format(job, manifest),
+            "kept_by": kept_by,
         }],
         schema=COVERAGE_SCHEMA,
     )

@@ -258,6 +258,18 @@ class WhatIfResult:
         return discrepancy_discards(self.replay_discrepancy)
 
     @property
+    def discarded_method(self) -> bool:
+        """METHOD.md section 3's rule alone: the no-delay replay is off by more than 5% (launch_slowdown)."""
+        return discrepancy_discards(float(self.launch_slowdown))
+
+    @property
+    def kept_by(self) -> str | None:
+        """Which rule keeps the window (schemas.tables.KEPT_BY), None when it is discarded."""
+        if self.discarded:
+            return None
+        return "untraced-model" if self.discarded_method else "method"
+
+    @property
     def straggling(self) -> bool:
         """S of the model at least the straggling threshold."""
         return bool(self.model_slowdown >= STRAGGLING_THRESHOLD)
@@ -340,6 +352,9 @@ class WhatIfResult:
             discrepancy_reason(self.replay_discrepancy) if self.discarded else None
         )
         out["replay_discrepancy"] = self.replay_discrepancy
+        # METHOD.md's own figures beside the model's: blocking_slowdown is METHOD's S (reference key)
+        out["discarded_method"] = self.discarded_method
+        out["kept_by"] = self.kept_by
         out["untraced_work"] = None if self.untraced is None else {
             "workers": [list(w) for w in self.untraced.workers],
             "step_t": dict(zip((str(int(s)) for s in self.steps), map(float, self.untraced.step_t))),
