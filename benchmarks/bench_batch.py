@@ -33,7 +33,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from pipelines import batch  # noqa: E402
-from transforms.lake import list_jobs  # noqa: E402
+from transforms.io.lake import list_jobs  # noqa: E402
 
 
 def _generate(lake: pathlib.Path, days: int, jobs_per_day: int, seed: int, bad_fraction: float, workers: int) -> None:

@@ -330,7 +330,7 @@ if mode == "old":
 # (fsspec) and pyarrow's first array, which imports pandas
 setup_cpu = time.process_time()
 import pyarrow
-import transforms.storage
+import transforms.io.storage
 pyarrow.array([0])
 setup_cpu = time.process_time() - setup_cpu
 baseline = peak_rss()

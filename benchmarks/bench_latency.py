@@ -26,8 +26,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipelines import streaming  # noqa: E402
-from transforms.landing import land_generated_session  # noqa: E402
-from transforms.live import alert_path, result_path  # noqa: E402
+from transforms.live.landing import land_generated_session  # noqa: E402
+from transforms.live.results import alert_path, result_path  # noqa: E402
 from transforms.synth.faults import Cause  # noqa: E402
 from transforms.synth.job import JobSpec, generate_job  # noqa: E402
 

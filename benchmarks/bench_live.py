@@ -47,7 +47,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from transforms.landing import session_trace, split_workers  # noqa: E402
+from transforms.live.landing import session_trace, split_workers  # noqa: E402
 from transforms.synth.faults import Cause  # noqa: E402
 from transforms.synth.job import JobSpec, generate_job  # noqa: E402
 
@@ -167,8 +167,8 @@ def run_size(workers: int, sessions: int, poll: float) -> dict:
 
 def land_pieces(lake: str, session: str, per_worker: dict, manifest, workers: list, with_manifest: bool) -> None:
     """land_session for files already split per worker (the split is the bench's cost, not the watcher's)."""
-    from transforms.landing import landing_manifest_path, landing_worker_path
-    from transforms.lake import manifest_table, write_parquet
+    from transforms.live.landing import landing_manifest_path, landing_worker_path
+    from transforms.io.lake import manifest_table, write_parquet
 
     if with_manifest:
         write_parquet(landing_manifest_path(lake, "bench", session), manifest_table(manifest))
@@ -267,8 +267,8 @@ def run_pages(corpora: list[pathlib.Path], poll: float) -> int:
     import datetime as dt
 
     from pipelines.land import LandOptions, land
-    from transforms.live_tables import read_live_table
-    from transforms.watch_status import read_status
+    from transforms.live.tables import read_live_table
+    from transforms.live.status import read_status
 
     runs = sorted((run for corpus in corpora for run in corpus.iterdir() if (run / "truth.json").exists()),
                   key=lambda run: run.name)

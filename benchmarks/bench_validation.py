@@ -17,7 +17,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from schemas.expectations import JobFiles  # noqa: E402
 from transforms.validation import Validator  # noqa: E402
 from tests.lake_samples import sample_job  # noqa: E402
-from transforms.lake import list_jobs, read_validated_job, write_job  # noqa: E402
+from transforms.io.lake import list_jobs, read_validated_job, write_job  # noqa: E402
 
 
 def _best(function, repeat: int = 3) -> float:

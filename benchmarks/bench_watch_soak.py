@@ -39,8 +39,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from transforms.landing import land_session, session_trace  # noqa: E402
-from transforms.live import count_live_sessions  # noqa: E402
+from transforms.live.landing import land_session, session_trace  # noqa: E402
+from transforms.live.results import count_live_sessions  # noqa: E402
 from transforms.synth.job import JobSpec, generate_job  # noqa: E402
 
 STATUS = re.compile(r"poll (\d+): (\d+) session\(s\) in play, (\d+) file\(s\) listed in ([\d.]+) ms, RSS (\d+) MiB")

@@ -15,7 +15,7 @@ import pandas as pd
 
 from schemas.fleet import FLEET_TABLES, JOB_CAUSE_TABLE, rollup_table
 from schemas.tables import BATCH_TABLES, read_table, table_exists
-from transforms.lake import LAKE_PARTS
+from transforms.io.lake import LAKE_PARTS
 
 __all__ = ["ReportData", "ReportDataError", "load_report_data"]
 

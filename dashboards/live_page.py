@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from dashboards import charts
 from dashboards.html import Chart, HtmlTable, Numbers, Text, fmt, job_title, render_page
-from transforms.live_tables import current_results
+from transforms.live.tables import current_results
 
 __all__ = ["live_job_page", "live_index_page", "live_unknown_job_page", "live_version", "REFRESH_SECONDS"]
 

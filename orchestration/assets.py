@@ -7,7 +7,7 @@ backfill policy batches up to `MAX_DAYS_PER_RUN` consecutive days into one Beam 
 so a 5-month backfill is 5 Beam runs, not 150).
 
 Never partial output: the batch pipeline stages every partition and publishes each
-(table, date) file with one atomic replace at its end (transforms/commit.py); a
+(table, date) file with one atomic replace at its end (transforms/batch/commit.py); a
 failed attempt publishes nothing of what it had not finished, the retry policy reruns
 the whole range, and a rerun replaces exactly those partitions with byte-identical
 files. An asset is reported materialised only after the run has returned success and

@@ -167,8 +167,8 @@ def parse(argv: list[str]) -> AnalyzeOptions:
 
 
 def _read_meta(path: pathlib.Path) -> dict:
-    """The fields of a meta yaml (transforms/meta_yaml.py); ValueError naming the file when it is not a YAML mapping."""
-    from transforms.meta_yaml import MetaYamlError, read_meta_yaml
+    """The fields of a meta yaml (transforms/io/meta_yaml.py); ValueError naming the file when it is not a YAML mapping."""
+    from transforms.io.meta_yaml import MetaYamlError, read_meta_yaml
 
     try:
         return read_meta_yaml(path.read_bytes())
@@ -205,7 +205,7 @@ def load_job(opts: AnalyzeOptions):
         # ParquetFile, not pq.read_table: the latter imports pyarrow.dataset and pandas (~0.5 s)
         return pq.ParquetFile(opts.trace, memory_map=True).read(), meta, job_id, str(opts.trace), None, None, {}
     from schemas.raw import SOURCE_KEY
-    from transforms.lake import find_job, read_manifest_table, read_trace_files
+    from transforms.io.lake import find_job, read_manifest_table, read_trace_files
 
     job = find_job(opts.lake, opts.job_id, opts.date)
     if job.manifest_path is None:
@@ -226,7 +226,7 @@ def _lake_errors(opts: AnalyzeOptions) -> tuple[type[Exception], ...]:
     raises it, and importing it costs fsspec on the one-job path."""
     if opts.lake is None and opts.fmt is None:
         return ()
-    from transforms.lake import LakeError
+    from transforms.io.lake import LakeError
 
     return (LakeError,)
 

@@ -73,13 +73,13 @@ from pipelines.usage import ArgumentParser, Progress, configure_logs, worker_out
 from schemas.fleet import FLEET_TABLE_SPECS
 from schemas.expectations import BAD_PARTITION, REASONS
 from schemas.tables import BATCH_TABLES, QUARANTINE_SCHEMA, RUNS_DIR, STAGING_DIR, TIMELINES_DIR
-from transforms.analyze import AnalyzeJobs
-from transforms.commit import CommitConfig, CommitTables, commit_pending, complete_pending
-from transforms.convert import DEFAULT_FANOUT_RANKS, ConvertRawRanks, fan_out
-from transforms.elements import TableFragment
-from transforms.fleet import AggregateFleet, fleet_rollup_tables
-from transforms.lake import LakeError, check_lake, list_jobs
-from transforms.match import MatchJobs, date_range
+from transforms.batch.analyze_jobs import AnalyzeJobs
+from transforms.batch.commit import CommitConfig, CommitTables, commit_pending, complete_pending
+from transforms.batch.convert_raw import DEFAULT_FANOUT_RANKS, ConvertRawRanks, fan_out
+from transforms.batch.elements import TableFragment
+from transforms.batch.fleet_stats import AggregateFleet, fleet_rollup_tables
+from transforms.io.lake import LakeError, check_lake, list_jobs
+from transforms.batch.match import MatchJobs, date_range
 
 __all__ = ["BatchOptions", "BatchUsageError", "parse", "pipeline_options", "dask_chunk", "window_groups", "MAX_GROUP",
            "SMALL_RUN", "for_run", "make_pipeline", "list_lake", "build", "execute", "run", "quiet_logs",
@@ -550,7 +550,7 @@ def run(argv: list[str]) -> int:
         try:   # a publish an earlier run left unfinished is completed before anything else
             completed = complete_pending(opts.out, by=opts.run_id)
             jobs, strays = list_lake(opts)
-        except OSError as error:   # storage failed for good (transforms/storage.py): this run published nothing
+        except OSError as error:   # storage failed for good (transforms/io/storage.py): this run published nothing
             return _report_failure(opts, error)
         for run_id in completed:
             print(f"strag batch: completed the publish of run {run_id}, interrupted earlier "
@@ -588,7 +588,7 @@ def run(argv: list[str]) -> int:
 
 def _dates_held(lake: str) -> str:
     """What dates the lake holds, in a few words (for a range that found no job windows)."""
-    from transforms.lake import lake_dates
+    from transforms.io.lake import lake_dates
 
     dates = lake_dates(lake)
     if not dates:
@@ -644,7 +644,7 @@ def record_failure(opts: BatchOptions, error: BaseException) -> dict:
     """Write `{out}/_runs/{run_id}.failed.json` (what failed and why), drop the run's staging folder
     unless the run recorded its commit (then `publish` is "recorded": the staging is what the next run
     or --resume-publish completes the publish from), and return the record. A storage error
-    (transforms/storage.py) is named by its file."""
+    (transforms/io/storage.py) is named by its file."""
     text = "".join(traceback.format_exception(error))
     storage = [match.group(0).rstrip(" ;") for match in _STORAGE_ERROR.finditer(text)]
     reason = storage[0] if storage else f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"

@@ -22,6 +22,7 @@ import pyarrow.dataset as ds
 
 from pipelines.cli import date_argument
 from pipelines.usage import ArgumentParser, configure_logs
+from transforms.whatif.result import STRAGGLING_THRESHOLD
 
 __all__ = ["parse", "run", "fleet_summary"]
 
@@ -55,11 +56,11 @@ def fleet_summary(tables: str) -> list[str]:
         f"jobs found: {coverage.num_rows}; "
         + ", ".join(f"{row['status']}: {row['count']}" for row in coverage.group_by("status").aggregate([("job_id", "count")])
                     .rename_columns(["status", "count"]).to_pylist()),
-        f"straggling (S >= 1.1): {straggling} of {kept.num_rows} analysed jobs",
+        f"straggling (S >= {STRAGGLING_THRESHOLD:g}): {straggling} of {kept.num_rows} analysed jobs",
         f"GPU-hours: {gpu_hours:,.0f}, wasted to stragglers: {wasted:,.0f} ({wasted / gpu_hours:.1%})" if gpu_hours else "",
     ]
     verdicts = _read(tables, "job_cause")
-    straggling_verdicts = verdicts.filter(pc.greater_equal(verdicts["slowdown"], 1.1))
+    straggling_verdicts = verdicts.filter(pc.greater_equal(verdicts["slowdown"], STRAGGLING_THRESHOLD))
     causes = straggling_verdicts.group_by("cause").aggregate([("job_id", "count"), ("slowdown", "mean")])
     for row in sorted(causes.to_pylist(), key=lambda r: -r["job_id_count"]):
         lines.append(f"  root cause {row['cause']:<26} {row['job_id_count']:>3} jobs, mean S {row['slowdown_mean']:.2f}")

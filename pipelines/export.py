@@ -71,7 +71,7 @@ def export_job(options: ExportOptions) -> ExportSummary:
     unknown), LakeReadError naming a file that breaks the contract.
     """
     from transforms.ingest.ndtimeline import write_ndtimeline
-    from transforms.lake import LakeError, find_job, read_manifest_table, read_trace_files
+    from transforms.io.lake import LakeError, find_job, read_manifest_table, read_trace_files
 
     job = find_job(options.lake, options.job_id, options.date)
     if job.manifest_path is None:
@@ -104,7 +104,7 @@ def parse(argv: list[str]) -> ExportOptions:
 
 def run(argv: list[str]) -> int:
     """`strag export`: returns the exit code (2 on bad input, with the reason on stderr)."""
-    from transforms.lake import LakeError
+    from transforms.io.lake import LakeError
 
     options = parse(argv)
     try:

@@ -70,7 +70,7 @@ def _options(job_yaml: str | None) -> dict:
 def import_raw(options: ImportOptions):
     """Convert and write the job; returns (LakeJob, ConvertedJob). Raises RawInputError / ValueError."""
     from transforms.ingest import SOURCE_KEY, convert_window
-    from transforms.lake import write_job
+    from transforms.io.lake import write_job
 
     files = raw_files(options.paths, options.fmt)
     converted = convert_window(options.fmt, files, options.job_id, options.date.isoformat(),
@@ -109,7 +109,7 @@ def parse(argv: list[str]) -> ImportOptions:
 def run(argv: list[str]) -> int:
     options = parse(argv)
     from transforms.ingest import RawInputError, describe_source
-    from transforms.lake import LakeError
+    from transforms.io.lake import LakeError
 
     try:
         job, converted = import_raw(options)

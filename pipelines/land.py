@@ -11,7 +11,7 @@ notes, truth.json) and hidden names are left out and listed. `strag batch` then 
 the window, or `strag import` makes it a native lake job.
 
 `--live` also lands the traces, first, as a live session of `strag watch`
-(`{lake}/landing/ID/SESSION/rank-R-of-W.json.gz` and job.yaml, transforms/landing.py), as
+(`{lake}/landing/ID/SESSION/rank-R-of-W.json.gz` and job.yaml, transforms/live/landing.py), as
 `kineto_handler(..., live=True)` does; each trace's rank and world size come from its own
 `distributedInfo`. SESSION defaults to `landed-{UTC time}`, so landing again is a new session.
 
@@ -167,7 +167,7 @@ def land(options: LandOptions) -> tuple[str, list[str], list[str]]:
     names left out). ValueError / RawInputError on bad input, OSError when storage fails after retries."""
     from strag_collect import land_file
     from transforms.ingest.common import read_job_yaml
-    from transforms.storage import RetryPolicy
+    from transforms.io.storage import RetryPolicy
 
     traces, job_yaml, left_out = trace_files(options.folder)
     if job_yaml is not None:
@@ -179,7 +179,7 @@ def land(options: LandOptions) -> tuple[str, list[str], list[str]]:
     plan: list[tuple[pathlib.Path, str]] = []   # (local file, URL), in landing order
     if options.session is not None:   # the live session first (job.yaml before the traces): the watcher starts sooner
         from schemas.lake import landing_dir
-        from strag_collect import live_trace_name   # the collector's names: transforms/landing.py reads them
+        from strag_collect import live_trace_name   # the collector's names: transforms/live/landing.py reads them
 
         session = landing_dir(options.lake, options.job_id, options.session)
         plan += [(job_yaml, f"{session}/{JOB_YAML}")] if job_yaml else []

@@ -45,7 +45,7 @@ import yaml
 from pipelines.cli import date_argument
 from pipelines.usage import ArgumentParser
 from schemas.trace import PUBLISHED_COLUMNS
-from transforms.lake import LakeJob, filesystem, find_job, read_manifest_table, read_trace_files, write_job
+from transforms.io.lake import LakeJob, filesystem, find_job, read_manifest_table, read_trace_files, write_job
 
 __all__ = [
     "META_FIELDS",
@@ -81,7 +81,7 @@ class ReferenceFormatError(ValueError):
 
 
 def _read_meta(path: str) -> dict[str, Any]:
-    from transforms.meta_yaml import MetaYamlError, read_meta_yaml
+    from transforms.io.meta_yaml import MetaYamlError, read_meta_yaml
 
     fs, inner = filesystem(path)
     try:
@@ -288,7 +288,7 @@ def parse_export(argv: list[str]) -> ExportOptions:
 
 def run_import_reference(argv: list[str]) -> int:
     """`strag import-reference`: returns the exit code (2 on bad input, with the reason on stderr)."""
-    from transforms.lake import LakeError
+    from transforms.io.lake import LakeError
 
     options = parse_import(argv)
     try:
@@ -303,7 +303,7 @@ def run_import_reference(argv: list[str]) -> int:
 
 def run_export_reference(argv: list[str]) -> int:
     """`strag export-reference`: returns the exit code (2 on bad input, with the reason on stderr)."""
-    from transforms.lake import LakeError
+    from transforms.io.lake import LakeError
 
     options = parse_export(argv)
     try:

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 
 from pipelines.usage import ArgumentParser
 from schemas.live import ALERTS, LIVE_RESULTS
-from transforms.live_tables import DEFAULT_THRESHOLD, read_live_table
+from transforms.live.tables import DEFAULT_THRESHOLD, read_live_table
 
 __all__ = ["ServeOptions", "parse", "make_server", "serve_in_thread", "run"]
 
@@ -166,8 +166,8 @@ class _LiveCollector:
 
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        from transforms.live_tables import current_results
-        from transforms.watch_status import read_status
+        from transforms.live.tables import current_results
+        from transforms.live.status import read_status
 
         now = time.time()
         current = current_results(read_live_table(self.tables, LIVE_RESULTS)).to_pylist()

@@ -22,7 +22,7 @@ Runner: Beam's FnApiRunner in-process, named explicitly. In this Beam version th
 DirectRunner resolves to it for this pipeline anyway (after failing to download a
 Prism binary offline); the legacy streaming DirectRunner cannot run the
 self-deferring poll source. The monitor therefore keeps its own clock (poll ticks)
-instead of relying on timers, see transforms/landing.py.
+instead of relying on timers, see transforms/live/landing.py.
 """
 from __future__ import annotations
 
@@ -40,15 +40,15 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipelines.usage import ArgumentParser
 from schemas.lake import LANDING
-from transforms.alerting import (FORMATS, AlertDelivery, DeliverAlerts, NoteResults, close_deliverers, get_deliverer,
+from transforms.live.alerting import (FORMATS, AlertDelivery, DeliverAlerts, NoteResults, close_deliverers, get_deliverer,
                                  parse_receiver, pending_notices)
-from transforms.analyze_sessions import AnalyzeSessions
-from transforms.landing import STOP_REQUESTED, WatchConfig, WatchLanding
-from transforms.lake import LAKE_PARTS, LakeError, check_lake
-from transforms.live import (DEFAULT_THRESHOLD, AlertConfig, EmitLiveResults, WriteLiveQuarantine, count_live_sessions,
+from transforms.live.analyze_sessions import AnalyzeSessions
+from transforms.live.landing import STOP_REQUESTED, WatchConfig, WatchLanding
+from transforms.io.lake import LAKE_PARTS, LakeError, check_lake
+from transforms.live.results import (DEFAULT_THRESHOLD, AlertConfig, EmitLiveResults, WriteLiveQuarantine, count_live_sessions,
                              record_alert)
-from transforms.sessions import AssembleSessions, AssemblyConfig
-from transforms.watch_status import HEALTH, StatusWriter
+from transforms.live.sessions import AssembleSessions, AssemblyConfig
+from transforms.live.status import HEALTH, StatusWriter
 
 __all__ = ["WatchOptions", "parse", "build", "run"]
 
@@ -68,9 +68,9 @@ class WatchOptions:
     status_interval: float = 60.0
     max_runtime: float | None = None
     stop_after_sessions: int | None = None
-    alert_webhooks: tuple = ()        # transforms.alerting.Receiver per --alert-webhook
+    alert_webhooks: tuple = ()        # transforms.live.alerting.Receiver per --alert-webhook
     alert_link: str | None = None     # base URL of `strag serve`, linked from the alerts
-    resolve_after: float | None = None  # None: derived from each job's profiling cadence (transforms/paging.py)
+    resolve_after: float | None = None  # None: derived from each job's profiling cadence (transforms/live/paging.py)
 
     def alert_delivery(self) -> AlertDelivery:
         return AlertDelivery(receivers=tuple(self.alert_webhooks), link=self.alert_link, out=self.out)
@@ -242,7 +242,7 @@ def stop_on_signals():
 
 
 class AlertClock:
-    """Resolves the alerts of jobs gone silent (transforms/paging.py AlertBook.expire), every
+    """Resolves the alerts of jobs gone silent (transforms/live/paging.py AlertBook.expire), every
     `every` seconds while the watcher runs: the pipeline only acts when a session lands."""
 
     def __init__(self, options: WatchOptions, every: float = 10.0):

@@ -104,12 +104,12 @@ def dask_setup(worker=None) -> None:
 _CHILD_LOG_LINE = re.compile(rb"^(DEBUG|INFO|WARNING|ERROR|CRITICAL):[\w.<>]+:")
 
 
-# transforms.analyze.progress_line: "  2024-03-04 job-1: analysed, S 1.023, 347,616 ops, 2.3 s"
+# transforms.batch.analyze_jobs.progress_line: "  2024-03-04 job-1: analysed, S 1.023, 347,616 ops, 2.3 s"
 _WINDOW_LINE = re.compile(rb"^  \d{4}-\d{2}-\d{2} \S+: ")
 
 
 class Progress:
-    """Numbers the per-window lines the workers print (transforms.analyze.progress_line) as they
+    """Numbers the per-window lines the workers print (transforms.batch.analyze_jobs.progress_line) as they
     reach this process: `  [k/N, ETA 3 min 20 s] 2024-03-04 job-1: analysed, ...`. The ETA is the
     windows left at the mean pace so far (wall time since `start`, per window done)."""
 

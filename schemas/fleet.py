@@ -11,7 +11,7 @@ Unit of counting: one *job window* = one job's sampled steps of one date (one ma
 row). A job traced on three dates counts three times; with one window per job (the
 generator's fleets, the paper's) a window is a job.
 
-How the tables are made (transforms/fleet.py): every daily table is the output of a
+How the tables are made (transforms/batch/fleet_stats.py): every daily table is the output of a
 CombineFn over that date's job windows. The accumulators are exact (integer fixed-point
 sums, sparse integer histograms, sets), so merging is associative and commutative to
 the last bit. The batch pipeline writes, per date, the tables and the serialised
@@ -330,8 +330,8 @@ _SORT_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 # Everything this module's tables need to be published by the batch commit step
-# (transforms/commit.py): daily partitions, their states, the per-job verdicts, and the
-# unpartitioned rollups (rebuilt by a commit finalizer, transforms.fleet.fleet_rollup_tables).
+# (transforms/batch/commit.py): daily partitions, their states, the per-job verdicts, and the
+# unpartitioned rollups (rebuilt by a commit finalizer, transforms.batch.fleet_stats.fleet_rollup_tables).
 FLEET_TABLE_SPECS: dict[str, TableSpec] = {
     spec.name: spec
     for spec in (

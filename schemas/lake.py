@@ -3,7 +3,7 @@
     {lake}/traces/date=YYYY-MM-DD/job_id={job_id}/{name}.parquet   op records (TRACE_SCHEMA)
     {lake}/manifests/date=YYYY-MM-DD/{job_id}.parquet              one row (MANIFEST_SCHEMA)
     {lake}/landing/{job_id}/{session}/worker-{dp}-{stage}.parquet  streaming arrivals (or rank-{r}-of-{w}.json.gz:
-                                                                   torch.profiler traces, transforms/landing.py)
+                                                                   torch.profiler traces, transforms/live/landing.py)
     {lake}/landing_archive/{job_id}/{session}/...                  sessions the watcher is done with
     {lake}/_lake.json                                              {"schema_version": ...}
 

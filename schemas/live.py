@@ -2,17 +2,17 @@
 
     {out}/live_results/date=YYYY-MM-DD/{job}--{session}--r{revision:04d}.parquet   one row
     {out}/alerts/date=YYYY-MM-DD/{job}--{fingerprint}--{kind}--{time}.parquet        one row
-    {out}/alert_state/{job}.json                                                     open alerts (transforms/paging.py)
+    {out}/alert_state/{job}.json                                                     open alerts (transforms/live/paging.py)
     {out}/live_quarantine/date=YYYY-MM-DD/{name}.parquet                               QUARANTINE_SCHEMA rows
 
-{job}, {session}, {kind}: the ids percent-encoded, "-" and "." included (transforms.live.name_part),
+{job}, {session}, {kind}: the ids percent-encoded, "-" and "." included (transforms.live.results.name_part),
 so the "--" joining them never occurs inside one and no two (job, session) pairs share a file.
 
 Append-only: every (job, session, revision) is its own file, written atomically and
 named by its key, so a retried write replaces the same file and a duplicate can never
 be counted twice. `date` (Hive key, in the path) is the UTC day of the session's first
 file. A session's current result is its highest revision (`current_results` in
-transforms/live.py); lower revisions stay for the record, superseded.
+transforms/live/results.py); lower revisions stay for the record, superseded.
 
 Times are UTC timestamps; slowdowns are ratios (1.0 = no loss).
 """
@@ -42,7 +42,7 @@ LIVE_QUARANTINE = "live_quarantine"
 # discrepancy exceeds 5% (S is not trustworthy); failed: no result, `error` says why
 # (no manifest, no complete DP rank, a trace the engine rejects).
 LIVE_STATUSES = ("analysed", "discarded", "failed")
-# firing: a session's verdict names something to fix (transforms/paging.py); resolved: a later
+# firing: a session's verdict names something to fix (transforms/live/paging.py); resolved: a later
 # session is healthy, names other workers or another cause, or the job went silent
 ALERT_KINDS = ("firing", "resolved")
 

@@ -310,7 +310,7 @@ def read_table(out: str, table: str, *, storage_options: dict | None = None) -> 
 
     fs, root = fsspec.core.url_to_fs(table_path(out, table), **(storage_options or {}))
     spec = _published_spec(table)
-    from transforms.storage import find   # a folder that fails to list raises (see _present)
+    from transforms.io.storage import find   # a folder that fails to list raises (see _present)
 
     files = sorted(p for p in find(fs, root) if p.endswith(".parquet") and "/." not in p[len(root):]) if _present(fs, root) else []
     if not files:

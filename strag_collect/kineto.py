@@ -15,7 +15,7 @@ its windows the same way (the profiler's schedule), so they agree on the folder 
 talking to each other. D is the UTC date when the window closed (or the `date` given).
 
 With `live=True` each window also lands, first, as a live session that `strag watch` analyses
-as soon as every rank is in (transforms/landing.py reads this layout)::
+as soon as every rank is in (transforms/live/landing.py reads this layout)::
 
     {lake}/landing/J/{session}/job.yaml                    rank 0, before its trace
     {lake}/landing/J/{session}/rank-{rank}-of-{world}.json.gz
@@ -160,7 +160,7 @@ def live_dir(lake: str, job_id: str, session: str) -> str:
 
 
 def live_trace_name(rank: int, world: int, compress: bool = True) -> str:
-    """One rank's trace in a live session (transforms.landing.kineto_trace_name): rank-{rank}-of-{world}.json[.gz]."""
+    """One rank's trace in a live session (transforms.live.landing.kineto_trace_name): rank-{rank}-of-{world}.json[.gz]."""
     if not 0 <= int(rank) < int(world):
         raise ValueError(f"rank {rank} of world {world}: a rank is 0..world-1")
     return f"rank-{int(rank)}-of-{int(world)}.json" + (".gz" if compress else "")

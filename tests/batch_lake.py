@@ -13,7 +13,7 @@ import datetime as dt
 import numpy as np
 import pyarrow as pa
 
-from transforms.lake import list_jobs, write_job
+from transforms.io.lake import list_jobs, write_job
 from transforms.synth import badinput
 from transforms.synth.faults import Cause
 from transforms.synth.job import JobSpec, generate_job

@@ -19,8 +19,8 @@ def live_row(job, session, revision, slowdown, verdict=None, status="analysed", 
 def land_row(out: str, row: dict) -> str:
     """Write one live result row where `strag watch` would; returns the file's URL."""
     from schemas.live import LIVE_RESULT_SCHEMA
-    from transforms.lake import write_parquet
-    from transforms.live import result_path, rows_table
+    from transforms.io.lake import write_parquet
+    from transforms.live.results import result_path, rows_table
 
     path = result_path(out, row)
     write_parquet(path, rows_table([row], LIVE_RESULT_SCHEMA))
@@ -34,8 +34,8 @@ def slow_rank(rank=3, dp_rank=1, stage=1, ratio=1.6, steps=(1, 2, 3), host="node
 
 
 def fire_alert(out: str, row: dict, now: float | None = None) -> list[dict]:
-    """Decide `row` as the watcher does (transforms/paging.py) and write the alert events it raises."""
-    from transforms.live import AlertConfig, record_alert
+    """Decide `row` as the watcher does (transforms/live/paging.py) and write the alert events it raises."""
+    from transforms.live.results import AlertConfig, record_alert
 
     events = AlertConfig(out=out).book().apply(row, row["first_arrival"] + 3 if now is None else now)
     for alert in events:

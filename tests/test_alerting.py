@@ -1,4 +1,4 @@
-"""Alert delivery (transforms/alerting.py): notices from alert rows, payload shapes, retries, and
+"""Alert delivery (transforms/live/alerting.py): notices from alert rows, payload shapes, retries, and
 `strag watch --alert-webhook` end to end against a local HTTP receiver.
 
 The receiver is a real http.server on this machine: it records every POST, answers 500 on
@@ -17,15 +17,15 @@ import time
 import pytest
 
 from live_rows import live_row, slow_rank
-from transforms.alerting import AlertDelivery, Deliverer, Receiver, parse_receiver, payload
-from transforms.paging import AlertBook
-from transforms.watch_status import HEALTH, read_status
+from transforms.live.alerting import AlertDelivery, Deliverer, Receiver, parse_receiver, payload
+from transforms.live.paging import AlertBook
+from transforms.live.status import HEALTH, read_status
 
 DEADLINE_SECONDS = 120
 
 
 def alert_row(tmp_path, job="job-a", session="s0", when=1_700_000_000.0, ranks=(3,)):
-    """A firing alert event as the watcher raises it (transforms/paging.py) for a session of `job`
+    """A firing alert event as the watcher raises it (transforms/live/paging.py) for a session of `job`
     whose verdict blames `ranks`."""
     blamed = [slow_rank(rank=r, dp_rank=r % 2, stage=r // 2) for r in ranks]
     row = live_row(job, session, 1, 1.4321, "individual-worker", blamed=blamed, confidence=0.99, saving=0.3, first=when)
@@ -305,8 +305,8 @@ def test_watch_posts_the_alert_of_a_slowed_session_and_resolves_it(tmp_path, rec
     from pipelines import streaming
     from pipelines.serve import metrics_text
     from prometheus_client.parser import text_string_to_metric_families
-    from transforms.landing import land_generated_session
-    from transforms.live_tables import read_live_table
+    from transforms.live.landing import land_generated_session
+    from transforms.live.tables import read_live_table
 
     slowed, healed, clean = jobs
     lake, out = str(tmp_path / "lake"), str(tmp_path / "out")

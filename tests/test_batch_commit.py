@@ -14,8 +14,8 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from schemas.tables import BATCH_TABLES, PART_FILE, TableSpec, read_table
 from transforms import commit
-from transforms.commit import CommitConfig, CommitError, CommitTables, conform_rows, parquet_bytes, publish_run, stage_partition, summarize_run
-from transforms.elements import JobOutcome, JobStats
+from transforms.batch.commit import CommitConfig, CommitError, CommitTables, conform_rows, parquet_bytes, publish_run, stage_partition, summarize_run
+from transforms.batch.elements import JobOutcome, JobStats
 
 DATES = ("2024-03-01", "2024-03-02", "2024-03-03")
 SPEC = BATCH_TABLES["step_slowdown"]

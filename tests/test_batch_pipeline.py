@@ -24,9 +24,9 @@ from fixtures_s3 import moto_s3  # noqa: F401  (fixture)
 from pipelines import batch
 from schemas.fleet import FLEET_TABLE_SPECS
 from schemas.tables import BATCH_TABLES, PART_FILE, TIMELINES_DIR, read_table
-from transforms.analyze import job_meta
-from transforms.commit import CRASH_ENV, parquet_bytes
-from transforms.lake import list_jobs, read_manifest, read_trace_files
+from transforms.batch.analyze_jobs import job_meta
+from transforms.batch.commit import CRASH_ENV, parquet_bytes
+from transforms.io.lake import list_jobs, read_manifest, read_trace_files
 from transforms.whatif import analyze_job
 
 pytestmark = pytest.mark.slow

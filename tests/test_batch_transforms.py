@@ -14,15 +14,15 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from schemas.expectations import Problem
 from schemas.tables import BATCH_TABLES
-from transforms.analyze import AnalyzeJobs, analyze_group, analyze_matched_window, analyze_window
-from transforms.commit import conform_rows
-from transforms.elements import ArrowElementCoder, JobOutcome, JobStats, MatchedJob, ValidatedJob, WindowGroup
-from transforms.lake import LakeJob, list_jobs, write_job
-from transforms.match import MatchJobs, balanced_order, date_range, group_windows, match_windows
+from transforms.batch.analyze_jobs import AnalyzeJobs, analyze_group, analyze_matched_window, analyze_window
+from transforms.batch.commit import conform_rows
+from transforms.batch.elements import ArrowElementCoder, JobOutcome, JobStats, MatchedJob, ValidatedJob, WindowGroup
+from transforms.io.lake import LakeJob, list_jobs, write_job
+from transforms.batch.match import MatchJobs, balanced_order, date_range, group_windows, match_windows
 from transforms.synth.faults import Cause
 from transforms.synth.job import JobSpec, generate_job
-from transforms.outcomes import UNEXPECTED_ERROR, dead_letters, quarantine_on_error
-from transforms.validate import quarantine_rows, validate_job_window
+from transforms.batch.outcomes import UNEXPECTED_ERROR, dead_letters, quarantine_on_error
+from transforms.batch.read_windows import quarantine_rows, validate_job_window
 from transforms.validation import Validator
 from transforms.whatif import TraceStructureError, analyze_job
 
@@ -216,7 +216,7 @@ def test_an_error_escaping_a_group_quarantines_its_windows_in_the_one_analysis_s
     with pytest.raises(ConnectionResetError):
         quarantine_on_error(group, unreachable())
     # in the pipeline: AnalyzeJobs is one step (no dead-letter branch to flatten back in) that quarantines the group
-    monkeypatch.setattr("transforms.analyze.analyze_group", half_done)
+    monkeypatch.setattr("transforms.batch.analyze_jobs.analyze_group", half_done)
     with beam.Pipeline(options=PipelineOptions(runner="FnApiRunner")) as p:
         analysed = p | beam.Create([group]) | AnalyzeJobs()
         assert_that(analysed | beam.Map(lambda o: (o.job_id, o.stats.reason_code)),
@@ -266,7 +266,7 @@ def test_a_window_that_lost_a_file_is_not_analysed_on_the_rest(tmp_path, validat
     (incomplete_window), as `strag analyze --lake` refuses it."""
     from pipelines import analyze as analyze_cli
     from schemas.expectations import INCOMPLETE_WINDOW
-    from transforms.lake import list_jobs, write_job
+    from transforms.io.lake import list_jobs, write_job
     from transforms.synth.job import JobSpec, generate_job
 
     lake = str(tmp_path / "lake")

@@ -238,7 +238,7 @@ def test_the_readme_glossary_and_its_s3_endpoint_example(tmp_path):
                  "Below 0:", "Above 100%:"):
         assert term in glossary, term
     assert "Not yet supported:" in text[text.index("### Training setups"):]
-    probe = "from transforms.lake import filesystem; print(filesystem('s3://lake/traces')[0].endpoint_url)"
+    probe = "from transforms.io.lake import filesystem; print(filesystem('s3://lake/traces')[0].endpoint_url)"
     env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1]), "FSSPEC_CONFIG_DIR": str(tmp_path)}
     told = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
                           env={**env, "FSSPEC_S3_ENDPOINT_URL": "http://minio.internal:9000"})

@@ -29,7 +29,7 @@ from schemas.raw import JOB_YAML_KEYS, LAYOUT_DIMS, raw_dir
 from strag_collect import CollectorWarning, kineto, kineto_handler, window_dir
 from transforms.ingest import convert_window
 from transforms.ingest.common import read_job_yaml
-from transforms.lake import list_raw_jobs
+from transforms.io.lake import list_raw_jobs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUNS = ROOT / "tests" / "data" / "real_runs"

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from schemas.fleet import CAUSES, FLEET_TABLES, HISTOGRAM_BIN_WIDTH
-from transforms.fleet import (
+from transforms.batch.fleet_stats import (
     CauseFn,
     CoverageFn,
     FleetStatsFn,
@@ -230,7 +230,7 @@ def test_aggregate_fleet_in_a_pipeline_gives_the_daily_tables(fleet):
     from apache_beam.testing.test_pipeline import TestPipeline
     from apache_beam.testing.util import assert_that
 
-    from transforms.fleet import AggregateFleet
+    from transforms.batch.fleet_stats import AggregateFleet
 
     small = [f for f in fleet if f.date < START + dt.timedelta(days=2)]
     fn = FleetStatsFn()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from dashboards.job_page import job_page_path
 from schemas.lake import manifest_path, safe_job_id, trace_dir
 from schemas.raw import raw_dir
-from transforms.live import name_part, result_path
+from transforms.live.results import name_part, result_path
 
 ids = st.text(min_size=0, max_size=24)
 
@@ -72,7 +72,7 @@ def test_job_pages_never_collide(first, second):
 def corruptible(tmp_path_factory):
     """One generated job written as parquet (one file per stage), its clean S, and a validator."""
     from transforms.validation import Validator
-    from transforms.lake import write_job
+    from transforms.io.lake import write_job
     from transforms.synth.job import JobSpec, generate_job
     from transforms.whatif import analyze_job
 
@@ -90,9 +90,9 @@ def test_random_byte_corruption_is_quarantined_or_harmless(corruptible, data):
     did not matter) analysed to exactly the clean S. Never a crash, never a different S."""
     import pathlib
 
-    from transforms.analyze import analyze_group
-    from transforms.elements import WindowGroup
-    from transforms.match import match_windows
+    from transforms.batch.analyze_jobs import analyze_group
+    from transforms.batch.elements import WindowGroup
+    from transforms.batch.match import match_windows
     from transforms.whatif import analyze_job
 
     written, clean, validator = corruptible

@@ -20,7 +20,7 @@ from schemas.raw import raw_dir
 from schemas.tables import read_table
 from transforms.ingest import convert_window
 from transforms.ingest.ndtimeline import write_ndtimeline
-from transforms.lake import list_jobs
+from transforms.io.lake import list_jobs
 from transforms.whatif.causes import analyze_and_classify
 
 pytestmark = pytest.mark.slow
@@ -187,7 +187,7 @@ def test_ndtimeline_window_in_the_batch_equals_the_published_result(raw_run, ref
 
 def test_big_windows_parsed_rank_by_rank_give_the_same_tables(raw_run, raw_lake, tmp_path):
     """--fanout-ranks 4: every kineto window's ranks are parsed as elements of their own on any
-    worker, grouped by window and assembled (transforms/convert.py); the tables must not change."""
+    worker, grouped by window and assembled (transforms/batch/convert_raw.py); the tables must not change."""
     out, _ = raw_run
     fanned = str(tmp_path / "fanned")
     summary, _ = batch.execute(batch.parse(["--lake", raw_lake, "--from", DATE, "--to", DATE, "--out", fanned,

@@ -204,9 +204,9 @@ def test_a_few_kernels_without_their_launch_are_counted_in_the_source(nccl_data,
 
 def test_the_refusal_is_quarantined_with_its_reason(nccl_data, tmp_path):
     """The batch pipeline's reading step quarantines the window with the converter's reason and message."""
-    from transforms.elements import MatchedJob
-    from transforms.lake import LakeJob
-    from transforms.validate import validate_job_window
+    from transforms.batch.elements import MatchedJob
+    from transforms.io.lake import LakeJob
+    from transforms.batch.read_windows import validate_job_window
 
     class NoScreen:   # nothing converted, so nothing to validate
         def validate_jobs(self, jobs):

@@ -21,7 +21,7 @@ from pipelines.reference import ImportOptions, import_reference
 from transforms.ingest import RawInputError, convert_window
 from transforms.ingest.common import read_job_yaml
 from transforms.ingest.ndtimeline import METRIC_OPTYPES, convert_ndtimeline, export_ndtimeline, write_ndtimeline
-from transforms.lake import find_job, read_manifest, read_trace_files
+from transforms.io.lake import find_job, read_manifest, read_trace_files
 from transforms.whatif.parity import reference_mismatches
 from transforms.synth.job import JobSpec, generate_job
 from transforms.whatif import analyze_job

@@ -224,7 +224,7 @@ def test_import_writes_a_lake_job_that_analyses_the_same(tmp_path, capsys):
     """`strag import` then `strag analyze --lake`: the same S as the folder itself, and the lake
     job remembers where it came from (manifest metadata -> source_format in the batch tables)."""
     from pipelines import ingest
-    from transforms.lake import find_job, read_manifests
+    from transforms.io.lake import find_job, read_manifests
     from transforms.validation import Validator
 
     lake = str(tmp_path / "lake")

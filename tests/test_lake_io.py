@@ -1,4 +1,4 @@
-"""transforms.lake: fsspec IO of the trace lake on a local folder, file:// and memory://."""
+"""transforms.io.lake: fsspec IO of the trace lake on a local folder, file:// and memory://."""
 from __future__ import annotations
 
 import datetime as dt
@@ -10,12 +10,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from transforms.storage import StorageError
+from transforms.io.storage import StorageError
 
 from lake_samples import sample_job
 from schemas.lake import manifest_path, trace_dir
 from schemas.trace import MANIFEST_SCHEMA, SCHEMA_VERSION, TRACE_SCHEMA
-from transforms import lake as lk
+from transforms.io import lake as lk
 
 
 @pytest.fixture(params=["local", "file-url", "memory"])

@@ -26,11 +26,11 @@ from fixtures_s3 import moto_s3  # noqa: F401 - a fixture
 from pipelines import cli
 from schemas.lake import landing_dir
 from strag_collect import kineto_handler, live_dir, live_session, live_trace_name
-from transforms.analyze_sessions import analyze_session
-from transforms.landing import (LandingEvent, LandingPathError, kineto_trace_name, parse_landing_name,
+from transforms.live.analyze_sessions import analyze_session
+from transforms.live.landing import (LandingEvent, LandingPathError, kineto_trace_name, parse_landing_name,
                                 parse_landing_path)
-from transforms.live_tables import read_live_table
-from transforms.sessions import FORMAT_KINETO, AssemblyConfig, SessionState
+from transforms.live.tables import read_live_table
+from transforms.live.sessions import FORMAT_KINETO, AssemblyConfig, SessionState
 from transforms.validation import Validator
 from transforms.whatif.causes import analyze_and_classify
 

@@ -13,11 +13,11 @@ import pathlib
 import orjson
 import pytest
 
-from transforms.analyze_sessions import analyze_session
+from transforms.live.analyze_sessions import analyze_session
 from transforms.ingest import convert_window
 from transforms.ingest.ndtimeline import export_ndtimeline
-from transforms.landing import LandingEvent, parse_landing_name
-from transforms.sessions import FORMAT_NDTIMELINE, AssemblyConfig, SessionState
+from transforms.live.landing import LandingEvent, parse_landing_name
+from transforms.live.sessions import FORMAT_NDTIMELINE, AssemblyConfig, SessionState
 from transforms.synth import Cause, JobSpec, generate_job
 from transforms.validation import Validator
 from transforms.whatif.causes import analyze_and_classify

@@ -81,7 +81,7 @@ def test_three_day_backfill_is_one_batch_run_over_the_range(lake, tmp_path):
 def test_failed_partition_retries_and_never_shows_partial_output(lake, tmp_path, monkeypatch):
     """The first attempt dies inside the batch run before its publish step: nothing of the
     partition is visible after it; the retry publishes exactly what a clean run does."""
-    import transforms.commit as commit
+    import transforms.batch.commit as commit
 
     out = tmp_path / "tables"
     original, seen = commit.publish_run, []

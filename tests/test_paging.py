@@ -1,4 +1,4 @@
-"""What pages and when it resolves (transforms/paging.py): decisions of the alert book on live rows,
+"""What pages and when it resolves (transforms/live/paging.py): decisions of the alert book on live rows,
 its state in the output folder across watcher restarts, and resolution by a job's silence."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from live_rows import live_row, slow_rank
-from transforms.paging import AlertBook, fingerprint, page_of
+from transforms.live.paging import AlertBook, fingerprint, page_of
 
 T0 = 1_700_000_000.0
 
@@ -106,7 +106,7 @@ def test_a_silent_job_resolves_after_three_profiling_intervals_and_not_before_ar
 @pytest.mark.parametrize("verdict", ["none", "insufficient-evidence", "unexplained"])
 def test_undecided_and_clean_sessions_write_no_alert_row(tmp_path, verdict):
     from live_rows import fire_alert
-    from transforms.live_tables import read_live_table
+    from transforms.live.tables import read_live_table
 
     assert fire_alert(str(tmp_path), row("s1", 1.6, verdict, blamed=[])) == []
     assert read_live_table(str(tmp_path), "alerts").num_rows == 0

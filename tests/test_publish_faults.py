@@ -1,4 +1,4 @@
-"""Listing and publishing through failing storage (ARCHITECTURE.md "Errors", transforms/commit.py).
+"""Listing and publishing through failing storage (ARCHITECTURE.md "Errors", transforms/batch/commit.py).
 
 Every storage call of a publish (and of a lake listing) is failed in turn, on a local folder behind
 `faulty://` (tests/faulty_storage.py) and on S3 (moto) behind FaultProxy (tests/fault_proxy.py):
@@ -22,10 +22,10 @@ import pytest
 
 from faulty_storage import OPS, Fault, calls, faults
 from schemas.tables import BATCH_TABLES, TableSpec, read_table
-from transforms.commit import COMMITS_DIR, CommitConfig, commit_pending, publish_run, stage_partition
-from transforms.elements import JobStats
-from transforms.lake import list_jobs
-from transforms.storage import StorageError
+from transforms.batch.commit import COMMITS_DIR, CommitConfig, commit_pending, publish_run, stage_partition
+from transforms.batch.elements import JobStats
+from transforms.io.lake import list_jobs
+from transforms.io.storage import StorageError
 
 DATES = ("2024-03-01", "2024-03-02", "2024-03-03")
 SPEC = BATCH_TABLES["step_slowdown"]

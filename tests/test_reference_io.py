@@ -17,7 +17,7 @@ from lake_samples import sample_job
 from pipelines import reference as ref
 from pipelines.cli import main as strag
 from schemas.trace import PUBLISHED_COLUMNS, TRACE_SCHEMA
-from transforms import lake as lk
+from transforms.io import lake as lk
 
 TRIALS = ("AR", "ST")
 

@@ -79,7 +79,7 @@ def test_fleet_rollups_agree_with_the_per_job_tables(tables):
 
 
 def test_timelines_are_the_straggling_windows_ideal_replay(tables):
-    from transforms.lake import find_job, read_manifest, read_validated_job
+    from transforms.io.lake import find_job, read_manifest, read_validated_job
     from transforms.validation import Validator
     from transforms.whatif import JobMeta, compile_job
     from transforms.whatif.timeline import chrome_trace_bytes, first_steps, ideal_timeline

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from live_rows import fire_alert, land_row, live_row, slow_rank
 from pipelines.serve import ServeOptions, metrics_text, serve_in_thread
-from transforms.watch_status import HEALTH, StatusWriter, read_status
+from transforms.live.status import HEALTH, StatusWriter, read_status
 
 
 def samples(text: bytes) -> dict[str, float]:

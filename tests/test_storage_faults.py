@@ -1,4 +1,4 @@
-"""Failing storage is not bad data (transforms/storage.py, ARCHITECTURE.md "Errors").
+"""Failing storage is not bad data (transforms/io/storage.py, ARCHITECTURE.md "Errors").
 
 The lake is read through `faulty://` (tests/faulty_storage.py), which raises connection resets,
 timeouts, throttling and permission errors, or drops a connection halfway, on a schedule:
@@ -20,7 +20,7 @@ from faulty_storage import PARTIAL_READ, Fault, faults, injected
 from pipelines import batch
 from schemas.raw import raw_dir
 from schemas.tables import read_table
-from transforms.storage import RetryPolicy, StorageError, read_bytes
+from transforms.io.storage import RetryPolicy, StorageError, read_bytes
 
 pytestmark = pytest.mark.slow
 DATA = pathlib.Path(__file__).parent / "data" / "real_traces"
@@ -144,7 +144,7 @@ def test_files_the_listing_cannot_place_are_quarantined(lake, tmp_path, capsys):
     partition that is not a date: none of them silently skipped."""
     import shutil
 
-    from transforms.lake import list_jobs
+    from transforms.io.lake import list_jobs
 
     messy = tmp_path / "lake"
     shutil.copytree(lake, messy)

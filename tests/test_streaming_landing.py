@@ -4,9 +4,9 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from transforms.landing import (LandingPathError, WatchConfig, expected_workers, land_generated_session,
+from transforms.live.landing import (LandingPathError, WatchConfig, expected_workers, land_generated_session,
                                 parse_landing_path, session_trace, split_workers)
-from transforms.lake import read_manifest, read_trace_file
+from transforms.io.lake import read_manifest, read_trace_file
 from transforms.synth.job import JobSpec, generate_job
 
 

@@ -10,8 +10,8 @@ from apache_beam.testing import test_stream
 
 from live_rows import live_row as result
 from live_rows import slow_rank
-from transforms.live import AlertConfig, EmitLiveResults
-from transforms.live_tables import count_live_sessions, current_results, read_live_table
+from transforms.live.results import AlertConfig, EmitLiveResults
+from transforms.live.tables import count_live_sessions, current_results, read_live_table
 
 
 def test_alert_config_checks_itself():
@@ -56,7 +56,7 @@ def test_quarantine_is_written_per_session_not_per_row(tmp_path, caplog):
     import logging
     import pathlib
 
-    from transforms.live import WriteLiveQuarantine
+    from transforms.live.results import WriteLiveQuarantine
 
     out = str(tmp_path / "out")
     rows = [{"job_id": "job-a", "session": "s1", "source_path": f"landing/job-a/s1/worker-0-{i % 4}.parquet",
@@ -65,7 +65,7 @@ def test_quarantine_is_written_per_session_not_per_row(tmp_path, caplog):
     rows += [{"job_id": "job-b", "session": "s9", "source_path": "landing/job-b/s9/x.parquet", "level": "file",
               "reason_code": "unreadable_file", "reason": "truncated", "detail": "x", "rows": None,
               "seen_time": 1_700_000_000.0}]
-    with caplog.at_level(logging.WARNING, logger="transforms.live"):
+    with caplog.at_level(logging.WARNING, logger="transforms.live.results"):
         with beam.Pipeline(options=PipelineOptions(["--runner=FnApiRunner"])) as p:
             _ = p | beam.Create(rows, reshuffle=False) | WriteLiveQuarantine(out)
     files = sorted(pathlib.Path(out).rglob("*.parquet"))
@@ -80,7 +80,7 @@ def test_live_table_reads_each_file_once(tmp_path, monkeypatch):
     new and rewritten ones are."""
     import fsspec
 
-    import transforms.live_tables as live
+    import transforms.live.tables as live
     from live_rows import land_row
 
     out = str(tmp_path / "out")

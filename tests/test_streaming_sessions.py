@@ -9,9 +9,9 @@ from apache_beam.runners.direct.direct_runner import BundleBasedDirectRunner
 from apache_beam.testing import test_stream
 from apache_beam.testing.util import assert_that, equal_to
 
-from transforms.lake import manifest_table, write_parquet
-from transforms.landing import LandingEvent, SessionListing, landing_manifest_path
-from transforms.sessions import AssembleSessions, AssemblyConfig, SessionState
+from transforms.io.lake import manifest_table, write_parquet
+from transforms.live.landing import LandingEvent, SessionListing, landing_manifest_path
+from transforms.live.sessions import AssembleSessions, AssemblyConfig, SessionState
 
 WORKERS = ((0, 0), (0, 1), (1, 0), (1, 1))
 
@@ -189,7 +189,7 @@ def test_observe_and_retirable():
 def test_list_landing_groups_sessions_and_passes_strays_on(tmp_path):
     """One poll: files grouped per session folder; temporaries skipped; files outside a session
     folder or in folders whose names cannot be ids go to 'strays'."""
-    from transforms.landing import _ListLandingFn
+    from transforms.live.landing import _ListLandingFn
 
     landing = tmp_path / "lake" / "landing"
     for relative in ["j1/s1/worker-0-0.parquet", "j1/s1/.worker-0-1.parquet.tmp", "j1/s2/manifest.parquet",
@@ -213,7 +213,7 @@ def test_strays_are_quarantined_once_and_moved_out_under_test_stream(tmp_path):
     state is kept for it); one landing again under the same name is a new file: quarantined again."""
     from apache_beam.transforms.userstate import get_dofn_specs
 
-    from transforms.landing import _QuarantineStrayFn
+    from transforms.live.landing import _QuarantineStrayFn
 
     lake = tmp_path / "lake"
     loose, hidden = lake / "landing" / "loose.parquet", lake / "landing" / "_j" / "s" / "worker-0-0.parquet"
@@ -269,8 +269,8 @@ def test_runner_metrics_merge_is_materialised():
 
 
 def _assembly(lake, job, session):
-    from transforms.landing import land_generated_session
-    from transforms.sessions import Assembly
+    from transforms.live.landing import land_generated_session
+    from transforms.live.sessions import Assembly
 
     paths = land_generated_session(lake, job, 0, session)
     workers = {(int(p.rsplit("-", 2)[1]), int(p.rsplit("-", 1)[1].split(".")[0])): p for p in paths[1:]}
@@ -281,7 +281,7 @@ def test_analysis_per_bundle_isolates_a_bug_and_stops_on_storage_failure(tmp_pat
     """Sessions of one bundle are validated together; an unexpected error in one session's analysis
     becomes that session's 'unexpected' row while the other is analysed; a storage failure
     (OSError) is not bad data: it propagates and stops the watcher."""
-    from transforms import analyze_sessions as module
+    from transforms.live import analyze_sessions as module
 
     from transforms.synth.job import JobSpec, generate_job
 
@@ -323,7 +323,7 @@ def test_analysis_per_bundle_isolates_a_bug_and_stops_on_storage_failure(tmp_pat
 def test_strays_arriving_every_poll_keep_the_listing_bounded(tmp_path):
     """Ten polls, two strays landing before each: every poll lists only the strays that arrived since
     the last (the earlier ones left the landing area), each is quarantined once, nothing stays."""
-    from transforms.landing import _ListLandingFn, _QuarantineStrayFn
+    from transforms.live.landing import _ListLandingFn, _QuarantineStrayFn
 
     lake = tmp_path / "lake"
     landing = lake / "landing"

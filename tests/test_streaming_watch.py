@@ -16,8 +16,8 @@ import pyarrow.compute as pc
 import pytest
 
 from pipelines import streaming
-from transforms.landing import land_generated_session, session_trace
-from transforms.live_tables import current_results, read_live_table
+from transforms.live.landing import land_generated_session, session_trace
+from transforms.live.tables import current_results, read_live_table
 from transforms.synth.faults import Cause
 from transforms.synth.job import JobSpec, generate_job
 from transforms.whatif import analyze_job

@@ -14,7 +14,7 @@ import yaml
 from hypothesis import given, settings, strategies as st
 
 from pipelines.analyze import parse
-from transforms.meta_yaml import flat_yaml
+from transforms.io.meta_yaml import flat_yaml
 
 # Runs the CLI in a fresh interpreter, then reports whether Apache Beam and PyYAML got imported.
 _DRIVER = textwrap.dedent("""
@@ -60,7 +60,7 @@ def test_file_form_writes_json_and_timeline_without_beam(reference_dir, tmp_path
 
 
 def test_lake_form(tmp_path):
-    from transforms.lake import write_job
+    from transforms.io.lake import write_job
     from transforms.synth.faults import Cause
     from transforms.synth.job import JobSpec, generate_job
 

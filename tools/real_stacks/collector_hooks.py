@@ -70,7 +70,7 @@ def install_collector(torchenv: str, scratch: pathlib.Path) -> None:
 
 def _live_results(out: pathlib.Path) -> list[dict]:
     """The live table's rows, read with the checkout's .venv (this tool needs only the standard library)."""
-    code = ("import json, sys; from transforms.live_tables import read_live_table; "
+    code = ("import json, sys; from transforms.live.tables import read_live_table; "
             "print(json.dumps(read_live_table(sys.argv[1]).to_pylist(), default=str))")
     shown = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-c", code, str(out)], cwd=REPO, check=True,
                            capture_output=True, text=True)

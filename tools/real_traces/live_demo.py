@@ -107,7 +107,7 @@ def _last_landing(lake: str, job_id: str, session: str) -> float:
     """Modification time of the session's last file: in the landing area, or the archive if already moved."""
     import fsspec
 
-    from transforms.landing import _modification_time
+    from transforms.live.landing import _modification_time
 
     fs, root = fsspec.core.url_to_fs(lake)
     fs.invalidate_cache()
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         watcher.kill()
         raise SystemExit("the watcher did not analyse both sessions in time:\n" + "".join(lines[-40:]))
 
-    from transforms.live_tables import read_live_table
+    from transforms.live.tables import read_live_table
 
     results = read_live_table(out).to_pylist()
     alerts = read_live_table(out, "alerts").to_pylist()

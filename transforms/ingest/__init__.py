@@ -25,7 +25,7 @@ __all__ = ["convert_window", "read_raw_file", "describe_source", "ConvertedJob",
 def read_raw_file(path: str) -> bytes:
     """The bytes of one raw file by URL, read with retries; StorageError (an OSError: infrastructure)
     when storage does not deliver them."""
-    from transforms.storage import read_bytes
+    from transforms.io.storage import read_bytes
 
     return read_bytes(path)
 

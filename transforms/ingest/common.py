@@ -118,7 +118,7 @@ def read_job_yaml(data: bytes | str | None, *, job_id: str | None = None, path: 
     """job.yaml as a dict of the documented keys (schemas/raw.py JOB_YAML_KEYS); {} when absent."""
     if data is None:
         return {}
-    from transforms.meta_yaml import MetaYamlError, read_yaml_mapping
+    from transforms.io.meta_yaml import MetaYamlError, read_yaml_mapping
 
     try:
         content = read_yaml_mapping(data, "a YAML mapping", detail=True)

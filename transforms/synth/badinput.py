@@ -5,7 +5,7 @@ The generator (`write_fleet`) writes a clean job, then calls
 the returned sentence is recorded in the truth table. `EXPECTED_REASON[kind]` is the
 reason code (schemas.expectations.REASONS) the validator must report for that kind.
 
-Every rewrite is atomic (transforms.lake.write_parquet / one put), so a reader never
+Every rewrite is atomic (transforms.io.lake.write_parquet / one put), so a reader never
 sees a half-corrupted file other than the intended corruption.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from schemas import expectations as reasons
-from transforms.lake import read_parquet, write_parquet
+from transforms.io.lake import read_parquet, write_parquet
 
 __all__ = ["BAD_KINDS", "EXPECTED_REASON", "BadInputError", "corrupt_job"]
 
@@ -57,7 +57,7 @@ class BadInputError(ValueError):
 
 
 def _url(fs: fsspec.AbstractFileSystem, path: str) -> str:
-    """A URL for `path` that transforms.lake can open (paths from a lake listing already are)."""
+    """A URL for `path` that transforms.io.lake can open (paths from a lake listing already are)."""
     if "://" in path:
         return path
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
@@ -91,7 +91,7 @@ def corrupt_job(fs: fsspec.AbstractFileSystem | None, kind: str, trace_files: Se
     """Corrupt one written lake job in place; return a sentence saying what was done.
 
     fs: the lake's filesystem (None: inferred from the paths); trace_files: the job's
-    trace file URLs (as transforms.lake lists them); manifest_path: its manifest URL;
+    trace file URLs (as transforms.io.lake lists them); manifest_path: its manifest URL;
     rng: the generator's random state (the choice of file, rows and bytes).
     Raises BadInputError when the job cannot carry that kind of corruption.
     """

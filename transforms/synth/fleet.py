@@ -16,7 +16,7 @@ the pool (BAD_HOSTS), so the same host shows up across jobs.
 
 :func:`write_fleet` generates the jobs (in parallel processes, except for memory://
 lakes whose filesystem lives in one process), writes each through
-:func:`transforms.lake.write_job` (one file per (profiling session, stage) holding all DP
+:func:`transforms.io.lake.write_job` (one file per (profiling session, stage) holding all DP
 ranks of that stage, plus the manifest), corrupts a ``bad_fraction`` of the jobs with
 :mod:`transforms.synth.badinput`, and writes the truth table (TRUTH_SCHEMA) to
 ``{lake}/_truth/truth.parquet``. Analysis code never reads the truth table; it is the
@@ -170,7 +170,7 @@ def sample_fleet(days: int, jobs_per_day: int, seed: int, start_date: dt.date | 
 
 def write_job_files(lake: str, job) -> list[str]:
     """Write a GeneratedJob to the lake (trace files + manifest); return the trace file URLs."""
-    from transforms.lake import write_job
+    from transforms.io.lake import write_job
 
     written = write_job(lake, job.spec.date, job.spec.job_id, dict(job.files()), job.manifest)
     return list(written.trace_files)
@@ -227,7 +227,7 @@ def write_fleet(lake_url: str, specs: Sequence[JobSpec], *, bad_fraction: float 
     lakes always run in this process). ``progress(done, total, truth_row, seconds)`` is
     called after each job. The result is byte-identical for the same inputs.
     """
-    from transforms.lake import write_lake_marker, write_parquet
+    from transforms.io.lake import write_lake_marker, write_parquet
 
     if not 0.0 <= bad_fraction <= 1.0:
         raise ValueError(f"bad_fraction must be within [0, 1], got {bad_fraction}")

@@ -139,10 +139,6 @@ class Program:
     def n_records(self) -> int:
         return len(self.record_unit)
 
-    def stage_records(self, stage: int) -> np.ndarray:
-        """Record indices of one stage, in program order."""
-        return np.flatnonzero(self.unit_stage[self.record_unit] == stage)
-
 
 class _Stage:
     """Collects one stage's units and records, stream by stream, in program order."""

@@ -32,7 +32,7 @@ from typing import Iterator, Sequence, Union
 
 import numpy as np
 
-from transforms.whatif import kernel
+import transforms.whatif.kernel as kernel
 from transforms.whatif.model import JobModel
 
 __all__ = ["Mix", "Scenario", "ReplayResult", "replay", "replay_threads", "replay_thread_count", "DEFAULT_MEMORY_LIMIT"]

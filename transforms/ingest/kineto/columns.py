@@ -23,7 +23,7 @@ from typing import Annotated, Any, Union
 import msgspec
 import numpy as np
 
-__all__ = ["EventColumns", "Group", "ArgsKeys", "columns_of", "general_columns", "CATEGORIES", "BadEvent"]
+__all__ = ["EventColumns", "Group", "ArgsKeys", "EventArgs", "columns_of", "general_columns", "CATEGORIES", "BadEvent"]
 
 
 class BadEvent(ValueError):
@@ -322,3 +322,13 @@ def general_columns(events: list, structs: bool) -> EventColumns:
                     raise BadEvent(f"a {event.get('cat')!r} event at ts {event.get('ts')} has the name "
                                    f"{event.get('name')!r}, not a string")
     return EventColumns(n, first_complete, flow_starts, flow_ends, groups, structs)
+
+
+class EventArgs(ArgsKeys, frozen=True, gc=False):
+    """The `args` of an event, only the keys the converter reads (UNSET: absent; correlation None)."""
+
+    correlation: Any = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The keys the file had, as they were spelled."""
+        return self._keyed({} if self.correlation is None else {"correlation": self.correlation})

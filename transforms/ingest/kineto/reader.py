@@ -42,8 +42,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from transforms.ingest.kineto import scan as _scan
-from transforms.ingest.kineto.columns import ArgsKeys, EventColumns, columns_of, general_columns
+import transforms.ingest.kineto.scan as _scan
+from transforms.ingest.kineto.columns import EventArgs, EventColumns, columns_of, general_columns
 
 try:   # ISA-L's inflate (the same stream at about 3x zlib's speed), straight into the reader's buffer
     from isal.isal_zlib import IsalError as _IsalError, _GzipReader as _IsalGzipReader
@@ -84,16 +84,6 @@ class TraceUnreadable(ValueError):
 
 class NotStreamable(ValueError):
     """A document the streaming reader does not take: decode it whole (same results, more memory)."""
-
-
-class EventArgs(ArgsKeys, frozen=True, gc=False):
-    """The `args` of an event, only the keys the converter reads (UNSET: absent; correlation None)."""
-
-    correlation: Any = None
-
-    def as_dict(self) -> dict[str, Any]:
-        """The keys the file had, as they were spelled."""
-        return self._keyed({} if self.correlation is None else {"correlation": self.correlation})
 
 
 _NO_ARGS = EventArgs()   # shared by the events without args: every struct's args has the attributes

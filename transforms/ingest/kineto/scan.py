@@ -23,7 +23,7 @@ import pathlib
 import msgspec
 import numpy as np
 
-from transforms.ingest.kineto.columns import (ANNOTATION, COPY, CPU_OP, FLOW, GPU_LABEL, KERNEL, LAUNCH, EventColumns,
+from transforms.ingest.kineto.columns import (ANNOTATION, EventArgs, COPY, CPU_OP, FLOW, GPU_LABEL, KERNEL, LAUNCH, EventColumns,
                                               Group, _GROUPS)
 from transforms.native import CompiledHelper, LibraryBuildError
 
@@ -162,7 +162,6 @@ _DECODE_ARGS = None
 def _args_decoder():
     global _DECODE_ARGS
     if _DECODE_ARGS is None:
-        from transforms.ingest.kineto.reader import EventArgs
 
         _DECODE_ARGS = msgspec.json.Decoder(list[EventArgs])
     return _DECODE_ARGS

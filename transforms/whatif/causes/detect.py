@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from transforms.whatif.causes import explain
+import transforms.whatif.causes.explain as explain
 from transforms.whatif.causes.fixes import (at_peer_speed, compose, planned_gc_seconds, rebalanced_stages, typical_transfers,
                                            without_pauses)
 from transforms.whatif.causes.sequences import BACKWARD, FORWARD, SequenceWorkload, even_sequences, repacked_sequences, sequence_workload

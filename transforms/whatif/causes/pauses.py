@@ -24,6 +24,7 @@ import statistics
 import numpy as np
 
 from transforms.whatif.model import JobModel
+from transforms.whatif.result import STRAGGLING_THRESHOLD
 from schemas.trace import COMPUTE_OPTYPES, DP_COMM_OPTYPES, IN_COMPUTE_OPTYPES, OPTYPES
 
 __all__ = ["p2p_partner", "untraced_gaps", "untraced_time", "covered", "Pauses", "find_pauses", "recurring", "rotating",
@@ -162,7 +163,7 @@ class Pauses:
                 "data_loading_share": float(self.data.sum() / max(self.data.sum() + self.untraced.sum(), 1e-12))}
 
 
-def find_pauses(model: JobModel, alpha: float = 0.01, straggling: float = 1.1,
+def find_pauses(model: JobModel, alpha: float = 0.01, straggling: float = STRAGGLING_THRESHOLD,
                 partner: np.ndarray | None = None) -> Pauses:
     """Pauses of every worker (module docstring). A pause is a worker-step's largest non-data gap
     beyond the job's median largest gap by both a robust z at Bonferroni-corrected `alpha` and

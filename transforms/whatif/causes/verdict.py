@@ -105,10 +105,6 @@ class Verdict:
     timings: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)  # seconds per part of classify
 
     @property
-    def straggling(self) -> bool:
-        return self.cause != "none"
-
-    @property
     def primary_fix(self) -> Fix | None:
         return self.fixes.get(self.cause)
 

@@ -37,6 +37,7 @@ import numpy as np
 
 from transforms.whatif.causes.signals import peer_median
 from transforms.whatif.model import JobModel, distinct
+from transforms.whatif.result import STRAGGLING_THRESHOLD
 
 __all__ = ["KINDS", "WorkerFinding", "WorkerTests", "worker_tests", "t_sf"]
 
@@ -165,7 +166,7 @@ def _samples(model: JobModel, forward: np.ndarray, backward: np.ndarray
 
 
 def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alpha: float = 0.01,
-                 floor: float = 1.1, offset: float = 0.0) -> WorkerTests:
+                 floor: float = STRAGGLING_THRESHOLD, offset: float = 0.0) -> WorkerTests:
     """Test every worker of a compiled job against its DP peers (module docstring).
 
     forward/backward: signals.pairs(model); alpha: false-alarm rate per job; floor: the least

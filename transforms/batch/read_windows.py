@@ -17,7 +17,7 @@ Rules (reason codes live in schemas/expectations.py):
   op in two files), is quarantined whole; coverage names the most basic reason (a file
   missing a column before the workers it then lacks);
 - an unexpected error (a bug meeting odd data: QUARANTINED_ERRORS) is caught (per window, or
-  per group in the DoFn by `quarantine_on_error`; transforms/outcomes.py builds those outcomes) and
+  per group in the DoFn by `quarantine_on_error`; transforms/batch/outcomes.py builds those outcomes) and
   quarantines that window with reason `unexpected_error`; a storage failure (OSError, StorageError
   after retries) is not bad data and fails the run.
 Every quarantine row bumps the Beam counter `strag.quarantine/<reason_code>`.
@@ -35,8 +35,8 @@ import pyarrow as pa
 from schemas.expectations import INCOMPLETE_WINDOW, REASONS, JobFiles, Problem, ValidationReport
 from schemas.lake import trace_dir
 from schemas.tables import QUARANTINE_SCHEMA
-from transforms.elements import JobProblem, JobStats, MatchedJob, ValidatedJob
-from transforms.lake import LakeJob, read_job_files
+from transforms.batch.elements import JobProblem, JobStats, MatchedJob, ValidatedJob
+from transforms.io.lake import LakeJob, read_job_files
 from transforms.validation import Validator
 
 __all__ = [

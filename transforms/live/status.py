@@ -8,7 +8,7 @@ leading '_' keeps it out of every live table's listing. Readers (no Beam here) c
 from its times: a watcher that hangs stops moving `last_poll`, one that died stops moving
 `updated`.
 
-The counters are process-wide, like the stop flag (transforms/landing.py STOP_REQUESTED): the
+The counters are process-wide, like the stop flag (transforms/live/landing.py STOP_REQUESTED): the
 watcher runs its pipeline on the embedded runner, in this process.
 """
 from __future__ import annotations
@@ -111,7 +111,7 @@ class StatusWriter:
             self.write(running=True)
 
     def write(self, running: bool) -> None:
-        from transforms.lake import filesystem, write_file_atomic
+        from transforms.io.lake import filesystem, write_file_atomic
 
         status = {"version": 1, "pid": os.getpid(), "host": socket.gethostname(), "running": running,
                   "updated": time.time(), "status_every": self._every, **HEALTH.snapshot(), **self._extra()}

@@ -688,7 +688,7 @@ class CoverageFn(_TableFn):
 
 _TABLE_FNS: tuple[_TableFn, ...] = (SummaryFn(), DistributionFn(), OptypeFn(), SizeFn(), CauseFn(), HostFn(), PositionFn(), CoverageFn())
 if tuple(fn.table for fn in _TABLE_FNS) != tuple(FLEET_TABLES):
-    raise RuntimeError("transforms/fleet.py needs one CombineFn per table of schemas/fleet.py FLEET_TABLES, in that order")
+    raise RuntimeError("transforms/batch/fleet_stats.py needs one CombineFn per table of schemas/fleet.py FLEET_TABLES, in that order")
 
 
 class FleetStatsFn(beam.CombineFn):

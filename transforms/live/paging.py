@@ -35,8 +35,8 @@ import threading
 
 import fsspec
 
-from transforms.lake import filesystem, write_file_atomic
-from transforms.live_tables import name_part
+from transforms.io.lake import filesystem, write_file_atomic
+from transforms.live.tables import name_part
 
 __all__ = ["NOT_PAGED", "MEASURED", "ALERT_STATE", "Page", "page_of", "fingerprint", "AlertBook", "workers_text"]
 

@@ -1,6 +1,6 @@
 """AnalyzeSessions: the what-if engine on each assembled profiling session.
 
-In: `Assembly` (transforms/sessions.py). Out: one live result row per assembly (a dict
+In: `Assembly` (transforms/live/sessions.py). Out: one live result row per assembly (a dict
 shaped like schemas.live.LIVE_RESULT_SCHEMA, times as epoch seconds), and on the
 'quarantine' output QUARANTINE_SCHEMA rows (plus `seen_time`) for everything rejected.
 
@@ -38,8 +38,8 @@ import pyarrow as pa
 from schemas.expectations import MISSING_MANIFEST, MISSING_WORKERS, JobFiles, Problem
 from schemas.lake import LANDING
 from schemas.tables import QUARANTINE_SCHEMA
-from transforms.lake import LakeJob, LakeReadError, read_job_files, read_manifest
-from transforms.sessions import RAW_FORMATS, Assembly
+from transforms.io.lake import LakeJob, LakeReadError, read_job_files, read_manifest
+from transforms.live.sessions import RAW_FORMATS, Assembly
 from transforms.whatif.causes import CauseError, analyze_and_classify
 from transforms.whatif.errors import WhatIfError
 from transforms.whatif.result import JobMeta, WhatIfResult
@@ -91,7 +91,7 @@ def _base_row(assembly: Assembly) -> dict[str, Any]:
 
 
 def _quarantine(job: LakeJob, problems: list[Problem], invalid: pa.Table | None = None) -> pa.Table:
-    from transforms.validate import quarantine_rows
+    from transforms.batch.read_windows import quarantine_rows
 
     return quarantine_rows(job, problems, invalid)
 

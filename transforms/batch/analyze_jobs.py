@@ -6,14 +6,14 @@ worker_attribution, dp/stage/optype_attribution, job_cause, coverage and quarant
 (schemas/tables.py and schemas/fleet.py, without the `date` partition key).
 
 - The job window is the unit of parallelism: the worker that gets a window reads its
-  trace files itself, validates them (transforms/validate.py: GX suites + structural
+  trace files itself, validates them (transforms/batch/read_windows.py: GX suites + structural
   checks) and runs the engine; only the small result tables are shuffled afterwards.
 - Validation problems quarantine rows, files or the whole window (see validate.py).
 - A typed engine error (transforms/whatif/errors.py: bad structure, missing peer, cycle,
   too few steps, ...) quarantines that window with the error's reason code; an unexpected
   exception (a bug meeting odd data) quarantines it as `unexpected_error` (caught per window,
   and per group in the DoFn: `quarantine_on_error`). Neither stops the run. A storage failure
-  (OSError after the IO layer's retries, transforms/storage.py) does: it is not bad data, and
+  (OSError after the IO layer's retries, transforms/io/storage.py) does: it is not bad data, and
   nothing is published.
 - A window whose replay discrepancy (launch_slowdown) is off by more than 5% either way is `discarded`: its rows
   are written (flagged in job_summary) and coverage records the reason, but fleet
@@ -46,8 +46,8 @@ from schemas.tables import (
     timeline_path,
 )
 from transforms.ingest.common import describe_source
-from transforms.elements import JobOutcome, JobProblem, MatchedJob, ValidatedJob, WindowGroup
-from transforms.outcomes import (
+from transforms.batch.elements import JobOutcome, JobProblem, MatchedJob, ValidatedJob, WindowGroup
+from transforms.batch.outcomes import (
     QUARANTINED_ERRORS,
     count_quarantine_error,
     coverage_row,
@@ -58,7 +58,7 @@ from transforms.outcomes import (
     source_format,
     unexpected_error_outcome,
 )
-from transforms.validate import count_quarantine, validate_job_window, validate_job_windows, worker_validator
+from transforms.batch.read_windows import count_quarantine, validate_job_window, validate_job_windows, worker_validator
 from transforms.whatif.causes import analyze_and_classify, job_cause_table   # the batch's one way into the engine
 from transforms.whatif.errors import WhatIfError
 from transforms.whatif.result import JobMeta, WhatIfResult, discrepancy_reason
@@ -275,7 +275,7 @@ def _write_timeline(folder: str, date: str, job_id: str, result: WhatIfResult) -
     an OSError: it fails the run, as any other write of its outputs)."""
     import fsspec
 
-    from transforms.lake import write_file_atomic
+    from transforms.io.lake import write_file_atomic
     from transforms.whatif.timeline import chrome_trace_bytes, first_steps
 
     if result.timeline is None:
@@ -292,7 +292,7 @@ def analyze_matched_window(matched: MatchedJob, validator, engine, timelines: st
 
 def analyze_group(group: WindowGroup, validator, engine, timelines: str | None = None) -> Iterator[JobOutcome]:
     """A group of windows from files to outcomes on this worker: read and validate them all
-    (transforms/validate.py: one GX screen run for the group), then run the engine on each
+    (transforms/batch/read_windows.py: one GX screen run for the group), then run the engine on each
     window validation did not quarantine whole. Yields one JobOutcome per window, in order.
     timelines: as analyze_window's.
 

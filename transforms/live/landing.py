@@ -26,7 +26,7 @@ session's date is the UTC day of its first file).
 `WatchLanding` turns each poll of the landing area into one `SessionListing` per
 session folder, keyed by ``"{job_id}/{session}"``: the folder's files with their
 modification times and the poll time. The listings are the clock of the session
-timeout downstream (transforms/sessions.py), which makes the timeout independent of
+timeout downstream (transforms/live/sessions.py), which makes the timeout independent of
 the runner's timer and watermark support (see ARCHITECTURE.md, streaming). Files that
 are not in a session folder (strays) are quarantined (`landing_layout`) and moved out of
 the landing area at once, to ``{lake}/landing_archive/_strays/{modification ms}/{path}``:
@@ -64,7 +64,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.utils.timestamp import Timestamp
 
 from schemas.lake import LANDING, LANDING_ARCHIVE, landing_dir, safe_job_id
-from transforms.lake import manifest_table, write_parquet
+from transforms.io.lake import manifest_table, write_parquet
 
 __all__ = [
     "LANDING_MANIFEST",
@@ -80,7 +80,6 @@ __all__ = [
     "parse_landing_name",
     "landing_worker_path",
     "landing_manifest_path",
-    "landing_kineto_path",
     "kineto_trace_name",
     "LANDING_JOB_YAML",
     "expected_workers",
@@ -111,7 +110,7 @@ class LandingPathError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class LandingEvent:
     """One thing that happened to a session, as seen by one poll (the input of
-    transforms.sessions.SessionState, derived from the poll's SessionListing).
+    transforms.live.sessions.SessionState, derived from the poll's SessionListing).
 
     kind: ``worker`` (a worker file, first sighting), ``manifest`` (the session
     manifest, with `workers` = the (dp_rank, stage) pairs it expects), ``kineto`` (a
@@ -174,11 +173,6 @@ def kineto_trace_name(rank: int, world: int, compress: bool = True) -> str:
     if not 0 <= int(rank) < int(world):
         raise ValueError(f"rank {rank} of world {world}: a rank is 0..world-1")
     return f"rank-{int(rank)}-of-{int(world)}.json" + (".gz" if compress else "")
-
-
-def landing_kineto_path(lake: str, job_id: str, session: str | int, rank: int, world: int, compress: bool = True) -> str:
-    """Where rank `rank` (of `world`) of a live Kineto session lands."""
-    return f"{landing_dir(lake, job_id, session)}/{kineto_trace_name(rank, world, compress)}"
 
 
 def parse_landing_path(path: str) -> tuple[str, str, str, int, int]:
@@ -267,7 +261,7 @@ def land_session(
 
     trace: TRACE_SCHEMA rows of the job (e.g. a generated job); manifest: its
     MANIFEST_SCHEMA row (one-row table or dict). Files are written atomically
-    (transforms.lake.write_parquet). `workers` restricts (and orders) which worker files are
+    (transforms.io.lake.write_parquet). `workers` restricts (and orders) which worker files are
     written now, so tests can land a session in pieces. Returns the paths written.
     """
     written = []
@@ -347,8 +341,8 @@ class WatchConfig:
         if self.stop_time is not None and now >= self.stop_time:
             return True
         if self.stop_after_sessions is not None:
-            # Imported here: transforms.live imports this module.
-            from transforms.live import count_live_sessions
+            # Imported here: transforms.live.results imports this module.
+            from transforms.live.results import count_live_sessions
 
             return count_live_sessions(self.out) >= self.stop_after_sessions
         return False
@@ -510,7 +504,7 @@ class _QuarantineStrayFn(beam.DoFn):
         self._failed = Metrics.counter("landing", "stray_move_failures")
 
     def process(self, element):
-        from transforms.storage import retry
+        from transforms.io.storage import retry
 
         path, (modified, poll_time) = element
         try:
@@ -604,7 +598,7 @@ class LandingArchive:
         relative = source[len(self._landing):].lstrip("/")
         stamp = int(modified * 1000) if math.isfinite(modified) else 0
         target = f"{self._archive}/{STRAYS_FOLDER}/{stamp}/{relative}"
-        from transforms.storage import exists
+        from transforms.io.storage import exists
 
         if not exists(fs, source) and exists(fs, target):
             return target

@@ -19,7 +19,7 @@ same on every runner and under TestStream.
 
 State is bounded: a session that was analysed and has not changed for
 `retain_seconds` of poll time is retired: its files move to the landing archive
-(transforms.landing.LandingArchive) and its state is cleared, so neither the state
+(transforms.live.landing.LandingArchive) and its state is cleared, so neither the state
 nor the next listing grows with the watcher's history.
 """
 from __future__ import annotations
@@ -32,8 +32,8 @@ from apache_beam.coders import PickleCoder
 from apache_beam.metrics import Metrics
 from apache_beam.transforms.userstate import ReadModifyWriteStateSpec
 
-from transforms.lake import LakeReadError, read_manifest
-from transforms.landing import (LANDING_LAYOUT, SESSION_CLOSED, LandingArchive, LandingEvent, LandingPathError,
+from transforms.io.lake import LakeReadError, read_manifest
+from transforms.live.landing import (LANDING_LAYOUT, SESSION_CLOSED, LandingArchive, LandingEvent, LandingPathError,
                                 SessionListing, expected_workers, parse_landing_name, quarantine_row)
 
 __all__ = [

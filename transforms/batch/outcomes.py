@@ -1,10 +1,10 @@
-"""What a job window comes to (transforms/elements.py JobOutcome): its coverage row, and the
-outcome of a window quarantined whole, by a validation problem (transforms/validate.py finds it)
-or by an unexpected error (a dead letter). transforms/analyze.py builds the analysed outcomes
+"""What a job window comes to (transforms/batch/elements.py JobOutcome): its coverage row, and the
+outcome of a window quarantined whole, by a validation problem (transforms/batch/read_windows.py finds it)
+or by an unexpected error (a dead letter). transforms/batch/analyze_jobs.py builds the analysed outcomes
 from these; validation only reports problems.
 
 An unexpected error (a bug meeting odd data: QUARANTINED_ERRORS) quarantines its window with
-reason `unexpected_error`; anything else, above all OSError (storage: transforms/storage.py),
+reason `unexpected_error`; anything else, above all OSError (storage: transforms/io/storage.py),
 fails the run: failing infrastructure is not bad data.
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ import apache_beam as beam
 import pyarrow as pa
 
 from schemas.tables import COVERAGE_SCHEMA, QUARANTINE_SCHEMA
-from transforms.elements import JobOutcome, JobProblem, JobStats, MatchedJob, ValidatedJob, WindowGroup
-from transforms.lake import LakeJob
-from transforms.validate import window_path
+from transforms.batch.elements import JobOutcome, JobProblem, JobStats, MatchedJob, ValidatedJob, WindowGroup
+from transforms.io.lake import LakeJob
+from transforms.batch.read_windows import window_path
 
 __all__ = [
     "UNEXPECTED_ERROR",
@@ -37,7 +37,7 @@ __all__ = [
 
 UNEXPECTED_ERROR = "unexpected_error"
 # Unexpected errors that quarantine their window (a bug meets odd data). Everything else, above all
-# OSError (storage: transforms/storage.py), fails the run: failing infrastructure is not bad data.
+# OSError (storage: transforms/io/storage.py), fails the run: failing infrastructure is not bad data.
 QUARANTINED_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError, ArithmeticError, AssertionError,
                       RuntimeError, NotImplementedError, pa.ArrowException)
 _UNEXPECTED_REASON = "an unexpected error stopped this job window (a bug meeting this data); see detail, fix, rerun the date"

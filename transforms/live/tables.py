@@ -1,7 +1,7 @@
 """Reading the live tables `strag watch` appends to (live_results, alerts, live_quarantine), without Beam.
 
 `strag serve` and the live pages only read: this module keeps them from importing Apache
-Beam (transforms/live.py, the writers, does). Layout in schemas/live.py.
+Beam (transforms/live/results.py, the writers, does). Layout in schemas/live.py.
 """
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import pyarrow.parquet as pq
 
 from schemas.live import ALERT_SCHEMA, ALERTS, LIVE_QUARANTINE, LIVE_RESULT_SCHEMA, LIVE_RESULTS
 from schemas.tables import QUARANTINE_SCHEMA
+from transforms.whatif.result import STRAGGLING_THRESHOLD
 
 __all__ = ["DEFAULT_THRESHOLD", "name_part", "read_live_table", "current_results", "count_live_sessions"]
 
-DEFAULT_THRESHOLD = 1.1  # METHOD.md: a job straggles when S >= 1.1
+DEFAULT_THRESHOLD = STRAGGLING_THRESHOLD  # METHOD.md: a job straggles when S >= 1.1 (the engine's constant)
 
 
 def name_part(value) -> str:

@@ -11,7 +11,7 @@ opened by any process with `fsspec.open` (credentials come only from the environ
 or fsspec configuration). Writes are atomic: a local file is written under a hidden
 temporary name and renamed; an object-store put (and memory://) is atomic by itself.
 Readers skip names starting with "." or "_" (temporary files, markers). Listings and writes are
-retried like reads (transforms/storage.py `retry`): a listing that fails for good raises StorageError,
+retried like reads (transforms/io/storage.py `retry`): a listing that fails for good raises StorageError,
 never returns part of the lake.
 Parquet files are written with page checksums and read with verification, so corrupt
 bytes are reported as unreadable instead of being decoded into wrong values.
@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 from schemas.expectations import TraceContractError
 from schemas.lake import LAKE_MARKER, MANIFESTS, TRACES, iso_date, manifest_path, trace_dir
 from schemas.raw import SOURCE_KEY
-from transforms.storage import exists as _exists, find as _find, read_bytes, retry
+from transforms.io.storage import exists as _exists, find as _find, read_bytes, retry
 from transforms.validation import conform_trace
 from schemas.trace import MANIFEST_SCHEMA, SCHEMA_VERSION, TRACE_SCHEMA
 
@@ -110,7 +110,7 @@ def write_file_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> 
 
     Local disk: a hidden temporary file beside it, flushed and fsynced, then renamed over
     (atomic on POSIX). Object stores (S3, multipart too) and memory://: one put, whole or nothing.
-    Retried as a whole (transforms/storage.py), then StorageError.
+    Retried as a whole (transforms/io/storage.py), then StorageError.
     """
     parent = path.rsplit("/", 1)[0]
 
@@ -149,7 +149,7 @@ def read_parquet(url: str) -> pa.Table:
     """Read one parquet file as written (no casting), verifying page checksums.
 
     Raises LakeReadError(reason "unreadable_file") naming the file when its bytes are truncated
-    or corrupt (bad data); StorageError (transforms/storage.py) when storage does not deliver them
+    or corrupt (bad data); StorageError (transforms/io/storage.py) when storage does not deliver them
     after retries (infrastructure: never quarantined).
     """
     data = read_bytes(url)

@@ -22,8 +22,8 @@ import time
 import apache_beam as beam
 import fsspec
 
-from transforms.elements import MatchedJob, WindowGroup
-from transforms.lake import LakeJob, list_jobs, read_manifests
+from transforms.batch.elements import MatchedJob, WindowGroup
+from transforms.io.lake import LakeJob, list_jobs, read_manifests
 
 __all__ = ["MatchJobs", "date_range", "match_windows", "group_windows", "trace_bytes", "balanced_bins", "balanced_order"]
 

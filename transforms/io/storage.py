@@ -14,8 +14,8 @@ Attempts and delays: STRAG_IO_ATTEMPTS (default 4), STRAG_IO_BACKOFF_S (first de
 doubling, at most STRAG_IO_BACKOFF_MAX_S = 5 s), read from the environment at each call so a
 worker process sees what its launcher set.
 
-`retry(action, url, call)` runs any other storage call the same way (listings in transforms/lake.py,
-every step of the publish in transforms/commit.py); `absent` names exceptions that are an answer,
+`retry(action, url, call)` runs any other storage call the same way (listings in transforms/io/lake.py,
+every step of the publish in transforms/batch/commit.py); `absent` names exceptions that are an answer,
 not a failure (a listing of a folder that does not exist, a delete of a file already gone), which
 are raised to the caller at once.
 """
@@ -29,7 +29,7 @@ from typing import Callable, TypeVar
 
 import fsspec
 
-__all__ = ["StorageError", "RetryPolicy", "read_bytes", "retry", "exists", "find", "INFRASTRUCTURE_ERRORS", "is_infrastructure_error"]
+__all__ = ["StorageError", "RetryPolicy", "read_bytes", "retry", "exists", "find", "INFRASTRUCTURE_ERRORS"]
 
 
 class StorageError(OSError):
@@ -148,6 +148,3 @@ def find(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
 # timeouts, permissions and StorageError). Decoding errors of bytes that did arrive are data errors.
 INFRASTRUCTURE_ERRORS = (OSError,)
 
-
-def is_infrastructure_error(error: BaseException) -> bool:
-    return isinstance(error, INFRASTRUCTURE_ERRORS)

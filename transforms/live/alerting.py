@@ -1,6 +1,6 @@
 """Deliver `strag watch`'s alerts to webhooks: JSON, Prometheus Alertmanager, Slack.
 
-What pages, and when an alert resolves, is decided upstream (transforms/paging.py): the alerts
+What pages, and when an alert resolves, is decided upstream (transforms/live/paging.py): the alerts
 table receives one row per event, firing or resolved, each naming the alert's fingerprint
 (job, cause, blamed ranks), its workers (global rank, dp / stage, host, slower work over DP
 peers', slow steps), S, confidence and the fix's saving. Here each row becomes one post per
@@ -27,7 +27,7 @@ jitter on connection errors, timeouts, 408, 429 and 5xx for `retry_seconds` (def
 receiver restarting for a minute or two gets the page), then given up, logged and counted; a
 full queue drops the notice (counted). An event delivered once is not posted again by the same
 watcher (a bundle the runner retries). Counts, per receiver and for alerts apart from
-Alertmanager keep-alives, go to transforms/watch_status.py HEALTH (hence `strag serve` /metrics).
+Alertmanager keep-alives, go to transforms/live/status.py HEALTH (hence `strag serve` /metrics).
 HTTP: the standard library (urllib).
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ import urllib.request
 
 import apache_beam as beam
 
-from transforms.watch_status import HEALTH
+from transforms.live.status import HEALTH
 
 __all__ = ["FORMATS", "Receiver", "parse_receiver", "AlertDelivery", "payload", "summary", "alertmanager_alert",
            "Deliverer", "get_deliverer", "close_deliverers", "pending_notices", "DeliverAlerts", "NoteResults"]
@@ -248,7 +248,7 @@ class _Worker:
 
     def _resend(self) -> None:
         """Post every open alert again (Alertmanager keep-alive), from the state in the output folder."""
-        from transforms.paging import AlertBook
+        from transforms.live.paging import AlertBook
 
         try:
             firing = AlertBook(self._delivery.out, 1.0).open_alerts()
@@ -418,7 +418,7 @@ class DeliverAlerts(beam.PTransform):
 
 
 class NoteResults(beam.PTransform):
-    """Live result rows -> the watcher's result count (transforms/watch_status.py HEALTH)."""
+    """Live result rows -> the watcher's result count (transforms/live/status.py HEALTH)."""
 
     def expand(self, results):
         return results | "CountResult" >> beam.ParDo(_NoteResultFn())

@@ -4,7 +4,7 @@ In: the pipeline root and the raw windows to fan out (LakeJobs with raw_format "
 rank files). Out: PCollection[WindowGroup], one window each, whose MatchedJob carries the
 converted job (or the RawInputError refusing it) for AnalyzeJobs to validate and analyse.
 
-A small raw window is converted by the worker that analyses it (transforms/validate.py). A big
+A small raw window is converted by the worker that analyses it (transforms/batch/read_windows.py). A big
 one (thousands of ranks, tens of MB of JSON each) would keep that worker parsing for minutes
 while others idle, so its rank files become elements of their own:
 
@@ -23,8 +23,8 @@ from typing import Iterator
 import apache_beam as beam
 
 from schemas.raw import JOB_YAML
-from transforms.elements import MatchedJob, WindowGroup
-from transforms.lake import LakeJob
+from transforms.batch.elements import MatchedJob, WindowGroup
+from transforms.io.lake import LakeJob
 
 __all__ = ["ConvertRawRanks", "fan_out", "DEFAULT_FANOUT_RANKS"]
 

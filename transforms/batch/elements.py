@@ -2,7 +2,7 @@
 
     MatchJobs ──WindowGroup──► AnalyzeJobs (read, validate, analyse) ──JobOutcome──► CommitTables
 
-A `MatchedJob` names one job window's files (a `LakeJob`, transforms/lake.py) with its
+A `MatchedJob` names one job window's files (a `LakeJob`, transforms/io/lake.py) with its
 manifest, already read and validated (tiny); a `WindowGroup` is the few windows one
 worker takes in one call (one GX screen run validates them all). A `ValidatedJob` holds a
 window's op rows: it lives inside the worker that read them and is never shuffled (the
@@ -24,7 +24,7 @@ from typing import Any, Mapping, NamedTuple
 import apache_beam as beam
 import pyarrow as pa
 
-from transforms.lake import LakeJob
+from transforms.io.lake import LakeJob
 
 __all__ = [
     "MatchedJob",
@@ -57,7 +57,7 @@ class MatchedJob:
     manifest: dict[str, Any] | None
     manifest_problems: tuple = ()
     seconds: float = 0.0
-    # a raw window converted already (transforms/convert.py: ranks parsed on many workers): its
+    # a raw window converted already (transforms/batch/convert_raw.py: ranks parsed on many workers): its
     # transforms.ingest.ConvertedJob, or the RawInputError refusing it
     converted: Any = None
 

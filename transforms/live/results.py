@@ -2,7 +2,7 @@
 
 `EmitLiveResults` takes live result rows (dicts shaped like LIVE_RESULT_SCHEMA; times
 as epoch seconds), appends each to the live table as its own file, then, keyed by job,
-decides what it pages for (transforms/paging.py: an alert fires when a verdict names workers or a
+decides what it pages for (transforms/live/paging.py: an alert fires when a verdict names workers or a
 cause to fix, and resolves when the job turns healthy or goes silent), appending each alert event
 to the alerts table (and a log line). Layout and schemas: schemas/live.py.
 
@@ -11,7 +11,7 @@ a retried write replaces it; the alert state (in the output folder) remembers th
 revision seen per session, so a repeated or superseded result, or a restarted watcher's second
 look at a session, raises nothing. A late file produces a
 higher revision, which readers take as the session's current result
-(`transforms.live_tables.current_results`).
+(`transforms.live.tables.current_results`).
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from apache_beam.metrics import Metrics
 from schemas.lake import LANDING
 from schemas.live import ALERT_SCHEMA, ALERTS, LIVE_QUARANTINE, LIVE_RESULT_SCHEMA, LIVE_RESULTS
 from schemas.tables import QUARANTINE_SCHEMA
-from transforms.lake import write_parquet
-from transforms.paging import AlertBook
-from transforms.live_tables import DEFAULT_THRESHOLD, count_live_sessions, name_part  # noqa: F401 (the watcher imports them from here)
+from transforms.io.lake import write_parquet
+from transforms.live.paging import AlertBook
+from transforms.live.tables import DEFAULT_THRESHOLD, count_live_sessions, name_part  # noqa: F401 (the watcher imports them from here)
 
 __all__ = [
     "DEFAULT_THRESHOLD",
@@ -96,7 +96,7 @@ class AlertConfig:
     """out: output URL of the tables; threshold: S at and above which a kept window straggles;
     resolve_after: seconds without a new session after which a job's alerts resolve (None:
     derived from its profiling cadence); archived_after: seconds after which the watcher archives
-    a done session (alerts never resolve by silence before that). See transforms/paging.py."""
+    a done session (alerts never resolve by silence before that). See transforms/live/paging.py."""
 
     out: str
     threshold: float = DEFAULT_THRESHOLD
@@ -125,7 +125,7 @@ class _WriteLiveResultFn(beam.DoFn):
 
 
 class _DetectAlertsFn(beam.DoFn):
-    """Keyed by job, so one job's results are decided one at a time (transforms/paging.py)."""
+    """Keyed by job, so one job's results are decided one at a time (transforms/live/paging.py)."""
 
     def __init__(self, config: AlertConfig):
         self._config = config

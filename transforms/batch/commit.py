@@ -21,7 +21,7 @@ How a run becomes visible, and why it is safe to kill at any moment:
    every other timeline of its dates is removed; `finalizers` rebuild the unpartitioned tables
    (rollups) from the published partitions, published the same way; `{out}/_runs/{run_id}.json`
    says what was published; the staging folder goes, and the commit record last.
-Every storage call is retried (transforms/storage.py) and every step is idempotent (a staged
+Every storage call is retried (transforms/io/storage.py) and every step is idempotent (a staged
 file already gone whose target exists was published), so a publish that fails for good or is
 killed is completed from its record by the next run before it does anything else, or by
 `strag batch --resume-publish --out URL` (`complete_pending`). A crash before the record
@@ -55,9 +55,9 @@ import pyarrow.parquet as pq
 
 from schemas.tables import (BATCH_TABLES, PART_FILE, PARTITION_KEY, RUNS_DIR, STAGING_DIR, TIMELINES_DIR, TableSpec,
                             partition_path, timeline_path)
-from transforms.elements import PHASES, JobOutcome, JobStats
-from transforms.lake import is_local, write_file_atomic
-from transforms.storage import exists, retry
+from transforms.batch.elements import PHASES, JobOutcome, JobStats
+from transforms.io.lake import is_local, write_file_atomic
+from transforms.io.storage import exists, retry
 
 __all__ = [
     "CommitConfig",
