@@ -56,11 +56,10 @@ TARGETS = {8: 5.0, 1024: 30.0}                       # p90 seconds (issue 23)
 
 
 class Inbox:
-    """The local webhook: the arrival time of each session's notice (firing: its session; resolved:
-    the session whose healthy result resolved it)."""
+    """The local webhook: every JSON body posted, with its arrival time."""
 
     def __init__(self):
-        self.arrived: dict[str, float] = {}
+        self.bodies: list[tuple[float, dict]] = []
         self.event = threading.Condition()
         inbox = self
 
@@ -70,10 +69,8 @@ class Inbox:
 
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                now = time.time()
-                session = body["session"] if body["status"] == "firing" else body["resolved_by_session"]
                 with inbox.event:
-                    inbox.arrived.setdefault(session, now)
+                    inbox.bodies.append((time.time(), body))
                     inbox.event.notify_all()
                 self.send_response(200)
                 self.send_header("Content-Length", "0")
@@ -83,12 +80,22 @@ class Inbox:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
 
-    def wait(self, session: str, deadline: float) -> float:
+    def firing(self, job: str | None = None) -> list[tuple[float, dict]]:
         with self.event:
-            while session not in self.arrived:
+            return [(t, b) for t, b in self.bodies if b["status"] == "firing" and (job is None or b["job_id"] == job)]
+
+    def wait(self, session: str, deadline: float) -> float:
+        """Arrival of the first notice a session caused (firing: its session; resolved: the session
+        whose healthy result resolved it)."""
+        def seen():
+            return next((t for t, b in self.bodies
+                         if (b["session"] if b["status"] == "firing" else b.get("resolved_by_session")) == session), None)
+
+        with self.event:
+            while seen() is None:
                 if not self.event.wait(timeout=max(0.0, deadline - time.time())):
                     raise TimeoutError(f"no alert for session {session}")
-            return self.arrived[session]
+            return seen()
 
 
 def _rss_mib(pid: int) -> float:
@@ -179,35 +186,6 @@ def land_pieces(lake: str, session: str, per_worker: dict, manifest, workers: li
 MEASURABLE = 1.3   # a slowed rank whose slowed work is at least this many times the other ranks' is measurably slow
 
 
-class PageInbox:
-    """The local webhook of the pages bench: every JSON body with its arrival time."""
-
-    def __init__(self):
-        self.bodies: list[tuple[float, dict]] = []
-        self.lock = threading.Lock()
-        inbox = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with inbox.lock:
-                    inbox.bodies.append((time.time(), body))
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
-
-    def firing(self, job: str | None = None) -> list[tuple[float, dict]]:
-        with self.lock:
-            return [(t, b) for t, b in self.bodies if b["status"] == "firing" and (job is None or b["job_id"] == job)]
-
-
 def _watcher(lake: str, out: str, url: str, poll: float) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "pipelines.cli", "watch", "--lake", lake, "--out", out, "--poll-interval", str(poll),
@@ -272,7 +250,7 @@ def run_pages(corpora: list[pathlib.Path], poll: float) -> int:
 
     runs = sorted((run for corpus in corpora for run in corpus.iterdir() if (run / "truth.json").exists()),
                   key=lambda run: run.name)
-    inbox = PageInbox()
+    inbox = Inbox()
     rows, latencies = [], []
     with tempfile.TemporaryDirectory() as folder:
         lake, out = f"{folder}/lake", f"{folder}/out"

@@ -13,7 +13,7 @@ import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from schemas.tables import BATCH_TABLES, PART_FILE, TableSpec, read_table
-from transforms import commit
+from transforms.batch import commit
 from transforms.batch.commit import CommitConfig, CommitError, CommitTables, conform_rows, parquet_bytes, publish_run, stage_partition, summarize_run
 from transforms.batch.elements import JobOutcome, JobStats
 

@@ -9,7 +9,7 @@ import pytest
 
 from lake_samples import sample_job
 from schemas import expectations as ex
-from transforms import lake as lk
+from transforms.io import lake as lk
 from transforms import validation as va
 from transforms.synth.badinput import BAD_KINDS, EXPECTED_REASON, BadInputError, corrupt_job
 
