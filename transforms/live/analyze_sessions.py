@@ -130,19 +130,8 @@ def _result_fields(result: WhatIfResult, kept: list[int], dp_size: int, pp_size:
         for compact, dp in enumerate(kept):
             for stage in range(pp_size):
                 heatmap[dp * pp_size + stage] = float(values[compact, stage])
-    return {
-        "status": "discarded" if result.discarded else "analysed",
-        "n_steps": int(len(result.steps)),
-        "slowdown": float(result.model_slowdown),
-        "waste": float(result.waste),
-        "launch_slowdown": float(result.launch_slowdown),
-        "straggling": bool(result.straggling),
-        "m_w": float(result.mw.rem) if result.mw is not None and np.isfinite(result.mw.rem) else None,
-        "m_s": float(result.ms.rem) if result.ms is not None and np.isfinite(result.ms.rem) else None,
-        "steps": np.asarray(result.steps, dtype=np.int64).tolist(),
-        "step_slowdown": np.asarray(result.model_step_slowdown, dtype=np.float64).tolist(),
-        "worker_slowdown": heatmap,
-    }
+    return {"status": "discarded" if result.discarded else "analysed", "n_steps": int(len(result.steps)),
+            "worker_slowdown": heatmap, **result.headline()}
 
 
 @dataclasses.dataclass

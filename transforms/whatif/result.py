@@ -274,6 +274,25 @@ class WhatIfResult:
         """S of the model at least the straggling threshold."""
         return bool(self.model_slowdown >= STRAGGLING_THRESHOLD)
 
+    def headline(self) -> dict[str, Any]:
+        """The figures of the window every table of it shows, under their column names (the batch's
+        job_summary and the live result row take them from here): the model's S, waste and per-step
+        S, METHOD.md's discrepancy and S beside them, which rule kept the window, M_W and M_S (rem
+        form; None when not computed or not finite)."""
+        def finite(value) -> float | None:
+            return None if value is None or not math.isfinite(float(value)) else float(value)
+
+        return {
+            "slowdown": float(self.model_slowdown), "waste": float(self.waste), "straggling": self.straggling,
+            "launch_slowdown": float(self.launch_slowdown), "replay_discrepancy": float(self.replay_discrepancy),
+            "discarded": self.discarded, "slowdown_method": float(self.slowdown),
+            "discarded_method": self.discarded_method, "kept_by": self.kept_by,
+            "m_w": finite(self.mw.rem) if self.mw is not None else None,
+            "m_s": finite(self.ms.rem) if self.ms is not None else None,
+            "steps": np.asarray(self.steps, dtype=np.int64).tolist(),
+            "step_slowdown": np.asarray(self.model_step_slowdown, dtype=np.float64).tolist(),
+        }
+
     # ------------------------------------------------------------------ JSON
 
     def to_reference_json(self) -> dict:
