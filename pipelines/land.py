@@ -186,6 +186,7 @@ def land(options: LandOptions) -> tuple[str, list[str], list[str]]:
         plan += [(path, f"{session}/{live_trace_name(rank, world)}") for rank, (path, world) in live_files(traces).items()]
     for path in ([job_yaml] if job_yaml else []) + traces:
         plan.append((path, f"{window}/{path.name}" + (".gz" if path.name.lower().endswith(".json") else "")))
+    _never_mix(options, window, [(path, url) for path, url in plan if url.startswith(window + "/")])
     written = []
     for path, url in plan:
         compress = url.endswith(".gz") and not path.name.lower().endswith(".gz")
@@ -196,6 +197,52 @@ def land(options: LandOptions) -> tuple[str, list[str], list[str]]:
             raise OSError(f"{url} not written after {policy.attempts} attempt(s) ({type(error).__name__}: {error})") from error
         written.append(url)
     return window, written, left_out
+
+
+def _never_mix(options: LandOptions, window: str, plan: list[tuple[pathlib.Path, str]]) -> None:
+    """Refuse (ValueError) to land into a window folder another run already landed in: a trace there
+    that this run does not have, or one of the same name with other content (a rerun of the job id the
+    same day), would make one window of two runs. Landing the same files again (the command rerun after
+    a storage failure) is fine. Content is compared by the gzip trailer (CRC-32 and size of the
+    uncompressed trace: 8 bytes read per file)."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(window)
+    if not fs.exists(root):
+        return
+    ours = {url.rsplit("/", 1)[-1]: path for path, url in plan}
+    there = [p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
+    foreign = sorted(name for name in there if not name.startswith(".") and name != JOB_YAML and name not in ours)
+    changed = sorted(name for name in there if name in ours and name != JOB_YAML
+                     and _trailer(ours[name]) != _remote_trailer(fs, f"{root}/{name}"))
+    if foreign or changed:
+        what = (f"{', '.join(foreign[:3])} {'is' if len(foreign) == 1 else 'are'} not in this folder" if foreign else
+                f"{', '.join(changed[:3])} {'differs' if len(changed) == 1 else 'differ'} from this folder's")
+        raise ValueError(f"job {options.job_id} already has a window of another run landed on {options.date} ({window}: "
+                         f"{what}); land this run under its own job id (e.g. --job-id {options.job_id}-run2) or date, "
+                         "so two runs never make one window")
+
+
+def _trailer(path: pathlib.Path) -> bytes:
+    """The gzip trailer (CRC-32, size mod 2**32) the landed copy of a local trace has."""
+    import zlib
+
+    if path.name.lower().endswith(".gz"):
+        with open(path, "rb") as handle:
+            handle.seek(-8, 2)
+            return handle.read(8)
+    crc, size = 0, 0
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            crc, size = zlib.crc32(block, crc), size + len(block)
+    return crc.to_bytes(4, "little") + (size & 0xFFFFFFFF).to_bytes(4, "little")
+
+
+def _remote_trailer(fs, path: str) -> bytes:
+    size = fs.size(path)
+    with fs.open(path, "rb") as handle:
+        handle.seek(max(0, size - 8))
+        return handle.read(8)
 
 
 def parse(argv: list[str]) -> LandOptions:

@@ -430,6 +430,25 @@ def test_land_refuses_a_truncated_trace_and_lands_nothing(tmp_path, capsys):
     assert not lake.exists()
 
 
+def test_a_second_run_of_a_job_id_never_mixes_into_the_first_runs_window(tmp_path, capsys):
+    """Landing the same run again (after a storage failure, say) is fine; another run of the job id on the
+    same date (same rank file names, other traces; or ranks the first did not have) is refused with one
+    line, and the first run's window is left as it was."""
+    lake = str(tmp_path / "lake")
+    first, second = RUNS / "dp4-ddp-sleep", RUNS / "allreduce-r1-dp4-ddp-mlp-cpu"
+    assert cli.main(["land", str(first), "--lake", lake, "--job-id", "j", "--date", DATE]) == 0
+    window = pathlib.Path(raw_dir(lake, "kineto", DATE, "j"))
+    before = _visible_files(window)
+    assert cli.main(["land", str(first), "--lake", lake, "--job-id", "j", "--date", DATE]) == 0   # the same again
+    capsys.readouterr()
+    err = _land_error([str(second), "--lake", lake, "--job-id", "j", "--date", DATE], capsys)
+    assert "job j already has a window of another run landed on 2026-11-25" in err and "differ" in err
+    assert "--job-id j-run2" in err and _visible_files(window) == before
+    (window / "rank-9.json.gz").write_bytes(b"")    # a rank of another run the folder has and this run lacks
+    err = _land_error([str(first), "--lake", lake, "--job-id", "j", "--date", DATE], capsys)
+    assert "rank-9.json.gz is not in this folder" in err
+
+
 def test_land_on_failing_storage_exits_1_naming_the_file(tmp_path, monkeypatch, capsys):
     BlockedStore.release.set()
     monkeypatch.setenv("STRAG_IO_ATTEMPTS", "2")
