@@ -17,7 +17,8 @@ the window, or `strag import` makes it a native lake job.
 
 Exit 2 with one line on a usage error (no DIR, no traces in it, a bad job id or job.yaml,
 a trace cut short or damaged, with --live a trace without distributedInfo, two traces of one
-rank, or ranks of different world sizes); exit 1 when storage fails. A trace cut short is refused
+rank, or ranks of different world sizes, or a window folder another run of the job id already
+landed in on that date: two runs never make one window); exit 1 when storage fails. A trace cut short is refused
 before anything lands rather than landed for the batch to quarantine: landing the other ranks
 would publish a window missing a rank (the batch quarantines it as a whole, `incomplete_window`,
 and the watcher would wait for the rank), while the user still holds the folder and can copy the
