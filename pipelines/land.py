@@ -121,7 +121,11 @@ def distributed_info(path: pathlib.Path) -> tuple[int, int]:
 
 
 def live_files(traces: list[pathlib.Path]) -> dict[int, tuple[pathlib.Path, int]]:
-    """{rank: (trace, world size)} of a folder's traces; ValueError on two traces of one rank or mixed world sizes."""
+    """{rank: (trace, world size)} of a folder's traces; ValueError on two traces of one rank or mixed world sizes.
+    A folder of one trace without distributedInfo is a one-process job (torch writes none without a
+    process group: where most users start): rank 0 of world 1, as the collector lands it."""
+    if len(traces) == 1 and _one_process(traces[0]):
+        return {0: (traces[0], 1)}
     ranks: dict[int, tuple[pathlib.Path, int]] = {}
     for path in traces:
         rank, world = distributed_info(path)
@@ -132,6 +136,15 @@ def live_files(traces: list[pathlib.Path]) -> dict[int, tuple[pathlib.Path, int]
     if len(worlds) > 1:
         raise ValueError(f"the traces name different world sizes ({', '.join(map(str, worlds))}): ranks of more than one run")
     return dict(sorted(ranks.items()))
+
+
+def _one_process(path: pathlib.Path) -> bool:
+    """The trace names no distributedInfo (a process without torch.distributed)."""
+    try:
+        distributed_info(path)
+    except ValueError as error:
+        return "no distributedInfo" in str(error)
+    return False
 
 
 def _check_whole(path: pathlib.Path) -> None:

@@ -430,6 +430,22 @@ def test_land_refuses_a_truncated_trace_and_lands_nothing(tmp_path, capsys):
     assert not lake.exists()
 
 
+def test_a_one_process_trace_lands_live_as_rank_0_of_1(tmp_path, capsys):
+    """torch writes no distributedInfo without a process group: one such trace is a one-process job
+    (where most users start), landed live as rank 0 of 1; two such traces are still refused."""
+    run = pathlib.Path(__file__).parent / "data" / "real_stacks" / "single-gc-r0-llama-packed"
+    lake = tmp_path / "lake"
+    assert cli.main(["land", str(run), "--lake", str(lake), "--job-id", "one", "--date", DATE, "--live",
+                     "--session", "s1"]) == 0
+    assert [p.name for p in (lake / "landing" / "one" / "s1").iterdir()] == ["rank-0-of-1.json.gz"]
+    two = tmp_path / "two"
+    two.mkdir()
+    for name in ("rank-0.json.gz", "rank-1.json.gz"):
+        shutil.copy(run / "rank-0.json.gz", two / name)
+    err = _land_error([str(two), "--lake", str(lake), "--job-id", "two", "--date", DATE, "--live"], capsys)
+    assert "no distributedInfo" in err
+
+
 def test_a_second_run_of_a_job_id_never_mixes_into_the_first_runs_window(tmp_path, capsys):
     """Landing the same run again (after a storage failure, say) is fine; another run of the job id on the
     same date (same rank file names, other traces; or ranks the first did not have) is refused with one
