@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from live_rows import live_row, slow_rank
+from live_rows import fire_alert, live_row, slow_rank
 from transforms.live.alerting import AlertDelivery, Deliverer, Receiver, parse_receiver, payload
 from transforms.live.paging import AlertBook
 from transforms.live.status import HEALTH, read_status
@@ -372,3 +372,30 @@ def test_watch_posts_the_alert_of_a_slowed_session_and_resolves_it(tmp_path, rec
     assert metrics['strag_watcher_sessions_analysed_total{}'] == 3 and metrics["strag_watcher_running{}"] == 0
     assert metrics['strag_job_straggling{"job_id": "flaky"}'] == 0.0   # its latest session is healthy
     assert metrics['strag_job_alerts_total{"job_id": "flaky", "kind": "firing"}'] == 1
+
+
+def test_the_watchers_clock_resolves_a_silent_jobs_alert_and_posts_it(tmp_path, receiver):
+    """A job paged, then landed nothing for longer than --resolve-after: the watcher's clock resolves
+    its alert (a resolved row in the alerts table, the resolved notice at the webhook), once."""
+    from pipelines import streaming
+    from transforms.live.alerting import close_deliverers
+    from transforms.live.tables import read_live_table
+
+    lake, out = tmp_path / "lake", tmp_path / "out"
+    (lake / "landing").mkdir(parents=True)
+    landed = time.time() - 100
+    [fired] = fire_alert(str(out), live_row("quiet", "w0", 1, 1.5, "individual-worker", first=landed,
+                                            blamed=[slow_rank()]), now=landed + 1)
+    options = streaming.parse(["--lake", str(lake), "--out", str(out), "--resolve-after", "30",
+                               "--alert-webhook", receiver.base + "/json"])
+    clock = streaming.AlertClock(options)
+    try:
+        [resolved] = clock.tick()
+        assert clock.tick() == []                                     # resolved once
+        wait_for(lambda: receiver.bodies("/json"), "the resolved notice", time.time() + DEADLINE_SECONDS)
+    finally:
+        close_deliverers(timeout=10)
+    assert resolved["fingerprint"] == fired["fingerprint"] and "no session of the job landed for" in resolved["resolved_reason"]
+    [body] = receiver.bodies("/json")
+    assert (body["status"], body["ranks"], body["fingerprint"]) == ("resolved", [3], fired["fingerprint"])
+    assert sorted(read_live_table(str(out), "alerts")["kind"].to_pylist()) == ["firing", "resolved"]
