@@ -110,16 +110,27 @@ def untraced_time(model: JobModel, dp: int, stage: int, partner: np.ndarray | No
 
 
 def covered(gap_start: np.ndarray, gap_end: np.ndarray, busy_start: np.ndarray, busy_end: np.ndarray) -> np.ndarray:
-    """Per gap, the time inside it covered by the union of the busy spans (which may overlap)."""
+    """Per gap, the time inside it covered by the union of the busy spans (which may overlap): the
+    spans merged into disjoint runs, then F(end) - F(start) per gap, F(t) the busy time before t
+    (a binary search per gap end, not every gap against every run)."""
+    if not len(busy_start) or not len(gap_start):
+        return np.zeros(len(gap_start))
     order = np.argsort(busy_start, kind="stable")
-    start, end = busy_start[order], np.maximum.accumulate(busy_end[order]) if len(order) else busy_end
+    start, end = busy_start[order], np.maximum.accumulate(busy_end[order])
     # merge into disjoint spans: a span starts a new run where it begins after every earlier end
     new = np.ones(len(start), dtype=bool)
     new[1:] = start[1:] > end[:-1]
     runs = np.flatnonzero(new)
-    merged_start = start[runs]
-    merged_end = np.append(end[runs[1:] - 1], end[-1:]) if len(runs) else end[:0]
-    return np.clip(np.minimum.outer(gap_end, merged_end) - np.maximum.outer(gap_start, merged_start), 0.0, None).sum(axis=1)
+    lo = start[runs]
+    hi = np.append(end[runs[1:] - 1], end[-1:])
+    before = np.concatenate([[0.0], np.cumsum(hi - lo)])   # busy time of the runs before run k
+
+    def busy_before(t: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(lo, t, side="right")            # runs starting at or before t
+        last = np.maximum(k - 1, 0)
+        return np.where(k > 0, before[last] + np.clip(t - lo[last], 0.0, hi[last] - lo[last]), 0.0)
+
+    return np.maximum(busy_before(gap_end) - busy_before(np.minimum(gap_start, gap_end)), 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
