@@ -110,3 +110,17 @@ def test_undecided_and_clean_sessions_write_no_alert_row(tmp_path, verdict):
 
     assert fire_alert(str(tmp_path), row("s1", 1.6, verdict, blamed=[])) == []
     assert read_live_table(str(tmp_path), "alerts").num_rows == 0
+
+
+def test_a_long_running_jobs_state_stays_bounded(tmp_path, monkeypatch):
+    """A job profiled every few minutes for weeks: its state keeps the revisions of its most recent
+    sessions only (those a restarted watcher can still see in landing/), never all of them."""
+    import transforms.live.paging as paging
+
+    monkeypatch.setattr(paging, "REMEMBERED_SESSIONS", 5)
+    book = AlertBook(str(tmp_path), 1.1)
+    for index in range(1, 13):
+        book.apply(row(f"s{index}", 1.02, "none", blamed=[]), T0)
+    state = json.loads((tmp_path / "alert_state" / "j.json").read_text())
+    assert list(state["revisions"]) == [f"s{i}" for i in range(8, 13)]
+    assert book.apply(row("s12", 1.02, "none", blamed=[]), T0) == []     # still a repeat

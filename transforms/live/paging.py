@@ -45,6 +45,7 @@ MEASURED = ("individual-worker", "python-gc", "untraced-cpu")     # named from m
 ALERT_STATE = "alert_state"
 INTERVALS = 3            # a job silent for this many of its profiling intervals has stopped (or been fixed)
 REMEMBERED_ARRIVALS = 8  # recent sessions' arrival times kept per job (its profiling cadence)
+REMEMBERED_SESSIONS = 1000   # sessions whose revisions a job's state keeps: far more than can still be in landing/
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +129,8 @@ class AlertBook:
             return json.loads(handle.read())
 
     def _save(self, state: dict) -> None:
-        write_file_atomic(*filesystem(self._path(state["job_id"])), json.dumps(state, sort_keys=True).encode())
+        # insertion order kept (not sorted): "revisions" lists the sessions in the order last seen
+        write_file_atomic(*filesystem(self._path(state["job_id"])), json.dumps(state).encode())
 
     def states(self) -> list[dict]:
         """Every job's state (for resends and expiry)."""
@@ -157,7 +159,10 @@ class AlertBook:
             session, revision = str(row["session"]), int(row["revision"])
             if revision <= state["revisions"].get(session, 0):
                 return []   # a repeat (retry, watcher restart) or an already superseded revision
+            state["revisions"].pop(session, None)   # insertion order = the order sessions were last seen
             state["revisions"][session] = revision
+            for old in list(state["revisions"])[:-REMEMBERED_SESSIONS]:   # a job of weeks keeps a bounded state
+                del state["revisions"][old]
             arrival = float(row.get("first_arrival") or now)
             if arrival not in state["arrivals"]:
                 state["arrivals"] = sorted([*state["arrivals"], arrival])[-REMEMBERED_ARRIVALS:]
