@@ -90,6 +90,10 @@ def trace_files(folder: pathlib.Path) -> tuple[list[pathlib.Path], pathlib.Path 
     return traces, job_yaml, left_out
 
 
+class NoDistributedInfo(ValueError):
+    """The trace names no rank and world size: torch wrote it without a process group."""
+
+
 def distributed_info(path: pathlib.Path) -> tuple[int, int]:
     """(rank, world size) of a torch.profiler trace, from its `distributedInfo` (near the head: read
     in growing pieces, the whole file at worst). ValueError when the trace has none."""
@@ -115,7 +119,7 @@ def distributed_info(path: pathlib.Path) -> tuple[int, int]:
                     raise ValueError(f"{path}: distributedInfo says rank {rank} of world size {world}")
                 return rank, world
         if whole:
-            raise ValueError(f"{path}: no distributedInfo (rank, world_size) in the trace: a live session needs it "
+            raise NoDistributedInfo(f"{path}: no distributedInfo (rank, world_size) in the trace: a live session needs it "
                              "to know when every rank is in (profile a torch.distributed process)")
         size *= 8
 
@@ -124,11 +128,14 @@ def live_files(traces: list[pathlib.Path]) -> dict[int, tuple[pathlib.Path, int]
     """{rank: (trace, world size)} of a folder's traces; ValueError on two traces of one rank or mixed world sizes.
     A folder of one trace without distributedInfo is a one-process job (torch writes none without a
     process group: where most users start): rank 0 of world 1, as the collector lands it."""
-    if len(traces) == 1 and _one_process(traces[0]):
-        return {0: (traces[0], 1)}
     ranks: dict[int, tuple[pathlib.Path, int]] = {}
     for path in traces:
-        rank, world = distributed_info(path)
+        try:
+            rank, world = distributed_info(path)
+        except NoDistributedInfo:
+            if len(traces) == 1:
+                return {0: (path, 1)}
+            raise
         if rank in ranks:
             raise ValueError(f"{ranks[rank][0].name} and {path.name} are both rank {rank}: land one trace per rank")
         ranks[rank] = (path, world)
@@ -136,15 +143,6 @@ def live_files(traces: list[pathlib.Path]) -> dict[int, tuple[pathlib.Path, int]
     if len(worlds) > 1:
         raise ValueError(f"the traces name different world sizes ({', '.join(map(str, worlds))}): ranks of more than one run")
     return dict(sorted(ranks.items()))
-
-
-def _one_process(path: pathlib.Path) -> bool:
-    """The trace names no distributedInfo (a process without torch.distributed)."""
-    try:
-        distributed_info(path)
-    except ValueError as error:
-        return "no distributedInfo" in str(error)
-    return False
 
 
 def _check_whole(path: pathlib.Path) -> None:

@@ -127,9 +127,8 @@ def _hosts(alert: dict) -> list[str]:
 
 
 def summary(alert: dict) -> str:
-    """One line an on-call engineer reads first: status, job, what is wrong and where."""
-    if alert["kind"] == "resolved":
-        return f"resolved: {alert['message'].removeprefix('resolved: ')}"
+    """One line an on-call engineer reads first: status, job, what is wrong and where (the alert row's
+    message, which transforms/live/paging.py writes so; a resolved one starts with 'resolved: ')."""
     return alert["message"]
 
 

@@ -59,7 +59,11 @@ class Page:
 
     @property
     def ranks(self) -> list[int]:
-        return sorted({int(w["rank"]) for w in self.workers if w.get("rank") is not None})
+        return _ranks(self.workers)
+
+
+def _ranks(workers) -> list[int]:
+    return sorted({int(w["rank"]) for w in workers if w.get("rank") is not None})
 
 
 def fingerprint(job_id: str, cause: str, ranks: list[int]) -> str:
@@ -77,8 +81,7 @@ def page_of(row: dict, threshold: float) -> Page | None:
     measured = cause in MEASURED and bool(workers)
     if not measured and (row["status"] != "analysed" or row.get("slowdown") is None or float(row["slowdown"]) < threshold):
         return None
-    page = Page(cause, workers, "")
-    return dataclasses.replace(page, fingerprint=fingerprint(row["job_id"], cause, page.ranks))
+    return Page(cause, workers, fingerprint(row["job_id"], cause, _ranks(workers)))
 
 
 def healthy(row: dict, threshold: float) -> bool:
@@ -175,7 +178,7 @@ class AlertBook:
                 if page.fingerprint in state["open"]:
                     state["open"][page.fingerprint].update(last_session=session, last_revision=revision)
                 else:
-                    alert = _alert_row(row, page, "firing", now, self.threshold)
+                    alert = _alert_row(row, page, now, self.threshold)
                     state["open"][page.fingerprint] = alert
                     events.append(alert)
             elif healthy(row, self.threshold):
@@ -223,7 +226,7 @@ def _s(value) -> str:
     return "n/a" if value is None else f"{float(value):.3f}"
 
 
-def _alert_row(row: dict, page: Page, kind: str, now: float, threshold: float) -> dict:
+def _alert_row(row: dict, page: Page, now: float, threshold: float) -> dict:
     """A firing alert's row (ALERT_SCHEMA fields)."""
     discarded = row.get("status") == "discarded"
     who = workers_text(page.workers)
@@ -233,7 +236,7 @@ def _alert_row(row: dict, page: Page, kind: str, now: float, threshold: float) -
                + (f", confidence {float(row['verdict_confidence']):.2f}" if row.get("verdict_confidence") is not None else "")
                + (f", the fix saves {100 * float(saving):.0f}% of the step" if saving is not None and not discarded else ""))
     return {
-        "job_id": row["job_id"], "session": str(row["session"]), "revision": int(row["revision"]), "kind": kind,
+        "job_id": row["job_id"], "session": str(row["session"]), "revision": int(row["revision"]), "kind": "firing",
         "fingerprint": page.fingerprint, "cause": page.cause, "workers": [dict(w) for w in page.workers],
         "ranks": page.ranks, "slowdown": row.get("slowdown"), "discarded": discarded,
         "confidence": row.get("verdict_confidence"), "saving": None if discarded else saving,
