@@ -244,3 +244,61 @@ def test_a_profile_begun_at_an_accumulated_batch_s_second_microbatch_drops_that_
     optimizer = [(8.0, 9.0), (28.0, 29.0), (48.0, 49.0)]
     got = _iterations(steps, optimizer, ["t"] * 3, "t", forward, backward)
     assert got == {5: (9.0, 29.0), 7: (29.0, 49.0)}
+
+
+# --- gradient syncs the compute waits out (FSDP2 on CPU ranks) --------------------------------------
+
+def _sync(start, end):
+    return (COLL, float(start), float(end), -1, "all_reduce", "dp", -1, -1)
+
+
+def test_a_gradient_sync_the_backward_waits_out_is_cut_from_the_compute():
+    """FSDP2 reduce-scatters each layer's gradients inside the backward and, on a CPU rank, the
+    thread blocks until its DP peers join: the wait is the collective's, not the backward's; the
+    root's sync after the backward ends is the step's gradient sync, as before."""
+    from transforms.ingest.kineto.compute import BWD, waited_collectives
+
+    ops = _ops((0, 100, "autograd::engine::evaluate_function: AddBackward0"), (0, 20, "aten::mm"),
+               (20, 60, "autograd::engine::evaluate_function: RegisterPostBackwardFunctionBackward"),
+               (21, 22, "c10d::_reduce_scatter_base_"), (58, 59, "aten::chunk"), (60, 100, "aten::mm"),
+               (130, 131, "c10d::_reduce_scatter_base_"))
+    labels = [(BWD, 0.0, 100.0, -1, -1, "backward")]
+    comm = [_sync(22, 57), _sync(131, 150)]
+    assert waited_collectives(comm, [22.0, 131.0], ops, labels) == [True, False]
+
+
+def test_ddp_s_all_reduce_beside_the_backward_s_ops_is_not_a_wait():
+    """DDP's bucketed all-reduce runs on gloo's threads while the backward goes on computing."""
+    from transforms.ingest.kineto.compute import BWD, waited_collectives
+
+    ops = _ops((0, 100, "autograd::engine::evaluate_function: AddmmBackward0"), *[(t, t + 4, "aten::mm") for t in range(0, 100, 5)])
+    labels = [(BWD, 0.0, 100.0, -1, -1, "backward")]
+    comm = [_sync(20, 50), _sync(55, 80)]
+    assert waited_collectives(comm, [20.0, 55.0], ops, labels) == [False, False]
+    # in a pipeline the compute stays whole (its p2p serve whole microbatches)
+    idle = _ops((0, 100, "autograd::engine::evaluate_function: AddmmBackward0"))
+    assert waited_collectives(comm, [20.0, 55.0], idle, labels) == [True, True]
+    assert waited_collectives(comm + [(SEND, 101.0, 102.0, 1, "", "pp", 1, -1)], [20.0, 55.0, 101.0], idle, labels) == \
+        [False, False, False]
+
+
+def test_an_fsdp2_run_syncs_its_dp_ranks_between_the_layers_of_its_backward():
+    """The committed FSDP2 run: every rank cuts its backward at the same per-layer syncs, so the
+    ranks agree op for op and the fast rank's backward no longer holds its wait for the slow one."""
+    from transforms.ingest.kineto import convert_kineto
+
+    run = STACKS / "fsdp2-fwd2-r1-llama-packed"
+    truth = json.loads((run / "truth.json").read_text())
+    converted = convert_kineto([str(run / name) for name in truth["trace_files"]], run.name, "2026-11-27", {})
+    table = converted.trace.to_pandas().sort_values("start_ts")
+    per_rank = table.groupby(["step", "rank"]).optype.value_counts().unstack(fill_value=0)
+    assert (per_rank.groupby("step").nunique() == 1).all().all(), per_rank   # ranks agree op for op
+    # every layer's gradient sync is waited out inside the backward: one sync (the root's) is left
+    # for the step's end
+    assert (per_rank["grads-reduce-scatter"] == 1).all(), per_rank
+    # group collectives between backward pieces: the backward is cut at the syncs it waited out
+    for (step, rank), ops in table.groupby(["step", "rank"]):
+        kinds = ops.optype.tolist()
+        first_bwd = kinds.index("backward-compute")
+        assert "group-collective" in kinds[first_bwd:kinds.index("optimizer")], kinds
+        assert kinds[first_bwd:].count("backward-compute") >= 2

@@ -103,16 +103,16 @@ def test_discarded_windows_give_no_what_if_savings(rows, tmp_path):
 
 
 def test_scores_count_what_the_issue_counts():
-    def row(name, straggling, cause, blamed, slow, noise="sleep", refused=False, disc=1.0, severe=True):
+    def row(name, straggling, cause, blamed, slow, noise="sleep", refused=False, disc=1.0, severe=True, world=4):
         return {"run": name, "refused": refused, "straggling": straggling, "cause": cause, "causes": [cause],
                 "blamed": blamed, "slow_ranks": slow, "accepted": ["individual-worker"] if straggling else ["none"],
-                "noise": noise, "discrepancy": disc, "severe": severe}
+                "noise": noise, "discrepancy": disc, "severe": severe, "truth": {"world": world}}
     rows = [row("a", True, "individual-worker", [1], [1]), row("b", True, "individual-worker", [1, 2], [1]),
-            row("c", False, "none", [], []), row("d", False, "stage-imbalance", [], [], disc=1.08),
-            row("e", True, "none", [], [2], refused=True)]
+            row("c", False, "none", [], [], world=2), row("d", False, "stage-imbalance", [], [], disc=1.08, world=2),
+            row("e", True, "none", [], [2], refused=True), row("f", False, "none", [], [], noise="cpu", disc=0.97, world=2)]
     scores = bench.score(rows)
-    assert scores == {"refused": (1, 5), "workers_exact": (1, 2), "false_alarms": (1, 2), "primary_cause": (2, 2),
-                      "replay_within_5pct": (3, 4)}
+    assert scores == {"refused": (1, 6), "workers_exact": (1, 2), "false_alarms": (1, 3), "primary_cause": (2, 2),
+                      "replay_within_5pct": (3, 4), "clean_2proc_replay_5pct": (2, 3)}
     assert bench.met("false_alarms", 0, 20) and not bench.met("false_alarms", 2, 20)
 
 

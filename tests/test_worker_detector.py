@@ -95,6 +95,40 @@ def test_noise_above_the_effect_is_undecided_and_says_how_many_steps_would_decid
     assert undecided and (undecided[0].samples_needed is None or undecided[0].samples_needed > model.n_steps)
 
 
+def test_an_effect_that_could_not_make_the_job_straggle_leaves_nothing_undecided(base):
+    """Forward 1.3x its peers' within 35% jitter, backward 0.85x: its whole compute stays within the
+    straggling threshold of its peers', so alone it could not make the job straggle; the job is not
+    left undecided over it (with its backward as theirs, the same forward is)."""
+    model, forward, backward = base
+    rng = np.random.default_rng(4)
+    jittered = _jittered(model, rng, 0.35)
+    both = _slow(_slow(_copy(jittered), 3, FORWARD, 1.3), 3, BACKWARD, 0.85)
+    f_ratio, whole_ratio = _ratios(both, 3)
+    assert f_ratio >= 1.1 and whole_ratio < 1.1
+    assert (3, 0) not in {f.worker for f in worker_tests(both, forward, backward).undecided}
+    alone = _slow(_copy(jittered), 3, FORWARD, 1.3)
+    assert _ratios(alone, 3)[1] >= 1.1
+    assert (3, 0) in {f.worker for f in worker_tests(alone, forward, backward).undecided}
+
+
+def _copy(model):
+    out = type(model).__new__(type(model))
+    out.__dict__.update(model.__dict__)
+    return out
+
+
+def _ratios(model, dp: int) -> tuple[float, float]:
+    """Median over steps of the worker's forward and whole compute over its peers' median."""
+    lanes = model.lane_dp
+    fwd = model.original_cost[model.op_optype == FORWARD].sum(axis=0)
+    whole = fwd + model.original_cost[model.op_optype == BACKWARD].sum(axis=0)
+    def ratio(x):
+        per_step = np.stack([x[lanes == d] for d in range(model.dp_size)], axis=1)   # [step, dp]
+        peers = np.median(np.delete(per_step, dp, axis=1), axis=1)
+        return float(np.median(per_step[:, dp] / peers))
+    return ratio(fwd), ratio(whole)
+
+
 def test_a_worker_that_finishes_its_compute_first_is_not_blamed(base):
     """Backward 1.2x its peers' but forward 0.4x: its whole compute ends before theirs, so it holds
     no one up at the all-reduce (interference from a slowed peer, not a straggler)."""

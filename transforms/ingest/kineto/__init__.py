@@ -48,9 +48,11 @@ The mapping (ARCHITECTURE.md, "Kineto mapping"):
   and gradient all-reduce inside it; compute.optimizer_work); on CPU ranks from when its gradients
   are ready, with the update's preparation (DDP's bucket copy-back, gradient clipping) in it
   (rank._from_gradients_ready);
-- collectives inside the compute (all_to_all, broadcast, barrier, FSDP's per-layer all_gather)
-  over a group of several workers, without a pipeline: `all-to-all` / `group-collective` ops,
-  the compute label that issued one cut there into pieces of its microbatch;
+- collectives inside the compute (all_to_all, broadcast, barrier, FSDP's per-layer all_gather,
+  and on CPU ranks the gradient syncs the compute thread waited out: FSDP2's per-layer
+  reduce-scatter, compute.waited_collectives) over a group of several workers, without a
+  pipeline: `all-to-all` / `group-collective` ops, the compute label that issued one cut there
+  into pieces of its microbatch;
 - everything else that is communication or a label (collectives of other groups, those inside a
   pipeline's compute, unknown labels) is counted in source.unmapped.
 - clocks: a rank's times are `baseTimeNanoseconds` + ts; ranks of one host (`host_name`) share

@@ -264,16 +264,69 @@ class _GpuWork:
         return [(first, first) if s is None else (s, e) for s, e in out]
 
 
-def _issued_collectives(comm: list, issued: list[float], groups: Mapping[str, Group] | None = None
-                        ) -> list[tuple[float, float, float]]:
+def _issued_collectives(comm: list, issued: list[float], groups: Mapping[str, Group] | None = None,
+                        waited: list[bool] | None = None) -> list[tuple[float, float, float]]:
     """(issued at, start, end) of each collective a compute op may hold: IN_COMPUTE_COLLECTIVES
-    (all-to-all, broadcast ...) and the all-gathers of FSDP's per-layer parameters, over any group
-    not described as tensor or context parallel (whose collectives are the worker's compute).
+    (all-to-all, broadcast ...), the all-gathers of FSDP's per-layer parameters and the gradient
+    syncs the compute waited out (`waited`: waited_collectives), over any group not described as
+    tensor or context parallel (whose collectives are the worker's compute).
     `issued`: per comm span, the CPU time it was issued at (a NCCL kernel's launch, a CPU span's start)."""
     inside_worker = {name for name, group in (groups or {}).items() if group.dims() & {"tp", "cp"}}
     held = {*IN_COMPUTE_COLLECTIVES, "all_gather"}
-    return sorted((at, span[1], span[2]) for span, at in zip(comm, issued)
-                  if span[0] == COLL and span[4] in held and span[5] not in inside_worker)
+    waited = waited or [False] * len(comm)
+    return sorted((at, span[1], span[2]) for span, at, wait in zip(comm, issued, waited)
+                  if span[0] == COLL and (span[4] in held or wait) and span[5] not in inside_worker)
+
+
+# Gradient syncs: DDP's bucketed all-reduce runs beside the backward's ops; FSDP's per-layer
+# reduce-scatter (an all-reduce on gloo) is waited for inside the backward on CPU ranks.
+GRADIENT_SYNCS = ("all_reduce", "reduce_scatter")
+
+
+def waited_collectives(comm: list, issued: list[float], ops, labels: list) -> list[bool]:
+    """Per comm span: True for a gradient sync the compute thread waited out in the middle of a
+    forward or backward (FSDP2 reduce-scatters each layer's gradients inside the backward and,
+    on a CPU rank, blocks until its DP peers join): issued inside a compute label that goes on
+    after the collective ends, while the thread ran ops of its own for less than half of the
+    collective's span (ops that hold all of it, its callers, are not work done meanwhile), decided
+    over the rank's syncs together. DDP's
+    all-reduces run beside the backward's ops: not waited. A waited sync synchronises the DP ranks
+    between the layers' compute, like FSDP's per-layer all-gather (the label is cut there)."""
+    out = [False] * len(comm)
+    compute = sorted((s, e) for k, s, e, *_ in labels if k in (FWD, BWD))
+    syncs = [i for i, span in enumerate(comm) if span[0] == COLL and span[4] in GRADIENT_SYNCS and span[2] > span[1]]
+    if not compute or not syncs or not len(ops) or any(span[0] in (SEND, RECV) for span in comm):
+        return out   # (a pipeline's compute is whole: its p2p serve whole microbatches)
+    c_start = np.array([s for s, _ in compute])
+    c_end = np.array([e for _, e in compute])
+    order = np.argsort(ops.start, kind="stable")
+    starts, ends = ops.start[order], ops.end[order]
+    inside, idle = [], 0
+    for i in syncs:
+        s, e, at = comm[i][1], comm[i][2], issued[i]
+        j = int(np.searchsorted(c_start, at, side="right")) - 1
+        if j < 0 or at > c_end[j] or c_end[j] <= e:
+            continue   # not issued inside a compute that goes on after it
+        lo, hi = np.searchsorted(starts, c_start[j]), np.searchsorted(starts, e)
+        inside.append(i)
+        idle += _busy(starts[lo:hi], ends[lo:hi], s, e) < 0.5 * (e - s)
+    # how the framework syncs is one decision per rank (most of its syncs), never per span: a span
+    # whose peer was already waiting ends before the thread idles, and every DP rank must cut its
+    # compute at the same collectives
+    if 2 * idle > len(inside):
+        for i in inside:
+            out[i] = True
+    return out
+
+
+def _busy(starts: np.ndarray, ends: np.ndarray, s: float, e: float) -> float:
+    """Time within [s, e] covered by the ops (sorted by start) that begin or end inside it."""
+    inside = (ends > s) & ~((starts <= s) & (ends >= e))
+    a, b = np.maximum(starts[inside], s), np.minimum(ends[inside], e)
+    if not len(a):
+        return 0.0
+    reach = np.concatenate([[s], np.maximum.accumulate(b)[:-1]])
+    return float(np.maximum(b - np.maximum(a, reach), 0.0).sum())
 
 
 def _pieces(start: float, end: float, held: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -24,6 +24,7 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
     kind, start, end, step = trace.kind[in_steps], trace.start[in_steps], trace.end[in_steps], trace.step[in_steps]
     mb, chunk, peer, coll, group = (a[in_steps] for a in (trace.mb, trace.chunk, trace.peer, trace.coll, trace.group))
     n_ops = trace.n_ops[in_steps]
+    waited = trace.waited[in_steps] if trace.waited is not None else np.zeros(len(kind), dtype=bool)
     lengths = trace.seq_lens[in_steps] if trace.seq_lens is not None else np.full(len(kind), None, dtype=object)
     optype = np.full(len(kind), -1, dtype=np.int64)
     optype[kind == FWD] = _CODE["forward-compute"]
@@ -79,6 +80,10 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
             # collective of its group between compute ops (a pipeline's compute is not cut: its
             # p2p ops serve whole microbatches)
             optype[i] = _CODE["all-to-all" if name == "all_to_all" else "group-collective"]
+            continue
+        if pp == 1 and waited[i] and group[i] in dp_groups:
+            # a gradient sync the compute waited out between layers (FSDP's per-layer reduce-scatter)
+            optype[i] = _CODE["group-collective"]
             continue
         if group[i] in dp_groups and name == "all_gather" and start[i] >= first_compute.get(int(step[i]), np.inf):
             if pp == 1:   # synchronises the DP ranks between the layers' compute
@@ -154,7 +159,7 @@ def _whole_labels(trace: RankTrace) -> RankTrace:
     columns = {f.name: getattr(trace, f.name) for f in dataclasses.fields(trace)}
     columns.update(end=end, n_ops=n_ops, piece=None)
     for name in ("kind", "start", "end", "step", "mb", "chunk", "peer", "coll", "group", "peer_local", "direction", "n_ops",
-                 "seq", "seq_lens"):
+                 "seq", "seq_lens", "waited"):
         if columns[name] is not None:
             columns[name] = columns[name][~later]
     return RankTrace(**columns)

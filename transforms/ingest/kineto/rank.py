@@ -12,7 +12,8 @@ import numpy as np
 from transforms.ingest.common import RawInputError, open_bytes
 from transforms.ingest.kineto.columns import BadEvent, general_columns
 from transforms.ingest.kineto.compute import (_BACKWARD_OP, _NOT_COMPUTE, _GpuWork, _compute_spans, _inside,
-                                              _issued_collectives, _unlabeled_compute, optimizer_work)
+                                              _issued_collectives, _unlabeled_compute, optimizer_work,
+                                              waited_collectives)
 from transforms.ingest.kineto.events import (_OVERLAP_LABEL, _P2P_LABEL, _EventPass, _compile_labels,  # noqa: F401
                                              _label_family, _match)
 from transforms.ingest.kineto.reader import NotStreamable, TraceUnreadable, read_trace
@@ -206,8 +207,9 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     on_gpu = _GpuWork(*events.launch_columns(), *events.work_columns()) if kernels else None
     # the CPU time each comm span was issued at: which compute label issued it, and its step
     issued = _issued_at(comm, correlations, launched)
+    waited = waited_collectives(comm, issued, main, cpu_labels) if not kernels else None
     spans = _compute_spans(cpu_labels, events.gpu_labels if kernels else {}, comm, main, on_gpu,
-                           _issued_collectives(comm, issued, groups))
+                           _issued_collectives(comm, issued, groups, waited))
     if not kernels:
         optimizer = _from_gradients_ready(optimizer, main, spans, comm)
     optimizer = [(s, e, s) for s, e in optimizer]
@@ -226,6 +228,9 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     base = top.get("baseTimeNanoseconds")
     trace.origin_ns = (int(base) if isinstance(base, (int, float)) else 0) + round((origin or 0.0) * 1000)
     trace.gc_pauses = _gc_pauses(top.get("strag_gc"), trace.origin_ns)
+    if waited is not None and any(waited):   # comm rows follow the compute spans (_rank_trace)
+        trace.waited = np.zeros(len(trace.kind), dtype=bool)
+        trace.waited[len(spans) + np.flatnonzero(waited)] = True
     # one clock per host; without a host name every rank counts as its own clock
     trace.clock = f"host:{host}" if host else f"rank:{rank}"
     trace.gpu_work, trace.gpu_work_unlinked = (on_gpu.work, on_gpu.unlinked) if on_gpu is not None else (0, 0)

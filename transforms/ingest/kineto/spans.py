@@ -138,6 +138,7 @@ class RankTrace:
     # "strag_gc" key); None: no record (a trace not landed by strag_collect), empty: recorded, none ran
     gc_pauses: np.ndarray | None = None
     seq_lens: np.ndarray | None = None   # object, per span: a forward's batch lengths ([T] * B, record_shapes), else None
+    waited: np.ndarray | None = None     # bool, per span: a gradient sync the compute waited out (compute.waited_collectives)
 
     def groups_of_rank(self) -> list[Group]:
         return [g for g in self.groups.values() if self.rank in g.ranks]

@@ -22,8 +22,10 @@ A worker is blamed only where its whole compute (forward + backward) exceeds its
 wait for each other at the gradient all-reduce, so one that finishes its compute first delays no
 one (its slower backward beside a far faster forward is the peer's interference, not a straggler).
 
-- undecided: a median effect above the threshold that the job's noise cannot confirm; the
-  finding says how many samples would (`samples_needed`): the job gives "insufficient evidence".
+- undecided: a median effect above the threshold that the job's noise cannot confirm, on a worker
+  whose whole compute is also beyond the threshold in most samples (one that could make the job
+  straggle by itself: a 1.2x forward in a compute 1.05x its peers' cannot); the finding says how
+  many samples would (`samples_needed`): the job gives "insufficient evidence".
 
 Confidence of a finding: 1 - its Bonferroni-adjusted p-value. Without DP peers there is nothing
 to test against: `limits` says so.
@@ -183,6 +185,8 @@ def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alp
         effect = logs - peer_median(logs)                                # [kind, stage, sample, dp]
         total = np.log(work.sum(axis=0))
         ahead = np.nanmean(total - peer_median(total), axis=1) > 0      # [stage, dp]: its compute exceeds its peers'
+        # [stage, dp]: its whole compute beyond the threshold in most samples, so it alone could make the job straggle
+        could_straggle = np.nanmedian(total - peer_median(total), axis=1) >= math.log(floor)
     effect[~np.isfinite(effect)] = np.nan
     count = np.isfinite(effect).sum(axis=2)                             # [kind, stage, dp]
     level = np.nanmean(np.where(count[:, :, None] > 0, effect, 0.0), axis=2)
@@ -224,7 +228,7 @@ def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alp
             hit, p_cells = found
             slow.append(WorkerFinding(worker, kind, math.exp(float(np.median(e[hit]))),
                                       tuple(sorted(set(step_of[hit].tolist()))), False, p_cells, m))
-        elif middle >= limit:
+        elif middle >= limit and could_straggle[p, d]:
             undecided.append(WorkerFinding(worker, kind, math.exp(middle), (), True, p_level, m,
                                            _samples_needed(max(mean, limit), sigma, tau, df, alpha / n_tests, m)))
     slow.sort(key=lambda f: (not f.persistent, -f.ratio, f.worker, f.kind))
