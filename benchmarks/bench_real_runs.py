@@ -146,7 +146,7 @@ def score(rows: list[dict]) -> dict:
     slowed = [r for r in ok if r["straggling"]]
     severe = [r for r in slowed if r["severe"] and r["slow_ranks"]]
     quiet = [r for r in ok if r["noise"] == "sleep"]
-    clean2 = [r for r in clean if r["truth"].get("world") == 2]   # issue 34: the real stacks' clean 2-process runs
+    clean2 = [r for r in clean if r.get("truth", {}).get("world") == 2]   # issue 34: the real stacks' clean 2-process runs
     # a false alarm blames: a cause or a rank named on a clean run ("insufficient evidence" names
     # neither and says what would decide; counted apart, see undecided())
     alarm = [r for r in clean if r["cause"] not in ("none", INSUFFICIENT) or r["blamed"]

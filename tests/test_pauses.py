@@ -181,3 +181,24 @@ def test_a_clean_run_with_a_gc_record_names_no_gc():
     converted, _, _ = _job("lightning-clean-mlp-callback-s0-gcrec")
     assert converted.trace.column("gc_wait").null_count == 0
     assert verdict.cause != "python-gc" and "python-gc" not in verdict.causes
+
+
+def test_a_worker_is_blamed_for_untraced_time_only_beyond_the_job_s_own_spread():
+    """The untraced-cpu test: a worker 10-20 ms beyond its peer in two steps that disagree by as
+    much is not named (a clean Hugging Face run's profiler overhead); 300 ms beyond in three steps
+    within a ms of each other is (a data stall), at a confidence the t test gives; one step gives
+    no spread to test against."""
+    from transforms.whatif.causes.untraced import _untraced_test
+    from transforms.whatif.causes.workers import t_sf
+
+    a, b = (0, 0), (1, 0)
+    peers = {a: [b], b: [a]}
+    noisy = _untraced_test({a: np.array([0.0012, 0.0013]), b: np.array([0.0205, 0.0101])}, peers, [a, b], 0.01)
+    assert noisy[b] < 0.99
+    steady = _untraced_test({a: np.array([0.001, 0.0011, 0.0009]), b: np.array([0.300, 0.302, 0.299])}, peers, [a, b], 0.01)
+    assert steady[b] >= 0.99 and steady[a] < 0.5
+    # its confidence: the excesses 0.299, 0.3009, 0.2981 (mean 0.299), their spread with 2 degrees of freedom
+    e = np.array([0.299, 0.3009, 0.2981])
+    t = e.mean() / (e.std(ddof=1) / np.sqrt(3))
+    assert steady[b] == pytest.approx(1.0 - 2 * t_sf(t, 2))
+    assert _untraced_test({a: np.array([0.001]), b: np.array([0.3])}, peers, [a, b], 0.01) == {}

@@ -21,7 +21,9 @@ The design in four decisions.
    of a step) is a pause; the rest is ordinary Python between ops. Pauses that strike in
    different steps are python-gc (the collector runs when each process's allocations say so);
    a pause on the same worker in every step is that worker's untraced-cpu, whose fix takes out
-   the pauses and keeps its ordinary time. On GPU ranks GC stretches forwards (signals.py).
+   the pauses and keeps its ordinary time. A worker's untraced time beyond its peers' is tested
+   like its compute: step by step against the job's own spread of that excess, at the same
+   false-alarm rate, its confidence the test's. On GPU ranks GC stretches forwards (signals.py).
 3. Every what-if is a replay: the fixes of all candidate causes are scenarios of one batched
    replay (fixes.py), and "explained" is always the share of T - T_ideal a fix removes; a cause
    is listed when its fix removes enough of it alone or once the others are fixed. Untraced

@@ -502,15 +502,16 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     # untraced CPU work the replay leaves out (it is within 5% here) can still be one worker's,
     # large beside its peers' and hidden behind a slower worker: a cause of its own once it
     # costs a share of the step worth a cause (half the straggling threshold)
-    untraced = [u for u in untraced_workers(model, result) if max(u[1] or 0.0, u[2]) >= 0.5 * (rules.straggling - 1.0)]
+    untraced = [u for u in untraced_workers(model, result, alpha=rules.false_alarm)
+                if max(u[1] or 0.0, u[2]) >= 0.5 * (rules.straggling - 1.0)]
     if untraced and (primary != "none" or (straggling and evidence.get("localised") is False)):
         # straggling yet spread (collectives that wait for the paused worker stretch over every
         # rank) or unexplained: the worker whose untraced time the others wait for is the cause
         _, workers = untraced_cause(result, untraced, evidence, fixes)
-        listed["untraced-cpu"] = 1.0
+        listed["untraced-cpu"] = untraced[0][3]
         ranked = [*ranked, "untraced-cpu"] if ranked else ["untraced-cpu"]
         if primary in ("unexplained", "none", "insufficient-evidence"):
-            primary, confidence = "untraced-cpu", 1.0
+            primary, confidence = "untraced-cpu", untraced[0][3]
             evidence.pop("localised", None)
         implicated = list(dict.fromkeys([*implicated, *workers]))
     paused = pause_cause(model, result, rules, evidence, fixes, untraced)
@@ -568,7 +569,7 @@ def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, 
     measured: dict[str, float] = {}                  # cause -> how clearly it measures (a ratio)
     implicated: dict[str, list[tuple[int, int]]] = {}
     fixes: dict[str, Fix] = {}
-    untraced = untraced_workers(model, result) if untraced is None else untraced
+    untraced = untraced_workers(model, result, alpha=rules.false_alarm) if untraced is None else untraced
     if untraced:
         measured["untraced-cpu"], implicated["untraced-cpu"] = untraced_cause(result, untraced, evidence, fixes)
     blamed = paired.workers.workers() if paired.peers is not None else []
@@ -617,7 +618,7 @@ def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, 
                                                                  data_loading(model, untraced, evidence, fixes))
     if paused is not None:
         explanations["python-gc"] = explain.pause_sentence(evidence, fixes["python-gc"], model.worker_rank)
-    confidences = {c: (paused[0] if c == "python-gc" else 1.0) for c in ranked}
+    confidences = {c: (paused[0] if c == "python-gc" else untraced[0][3] if c == "untraced-cpu" else 1.0) for c in ranked}
     return Verdict(model.job_id, slowdown, primary, ranked, confidences.get(primary, 1.0), confidences, evidence, workers,
                    fixes, explanations)
 

@@ -250,7 +250,7 @@ def discarded_sentence(cause: str, evidence: dict, implicated, launch_slowdown: 
 def untraced_sentence(untraced, launch_slowdown: float, fix: Fix, data_share: float | None = None) -> str:
     """The sentence of the untraced-cpu cause: whose untraced CPU time stalls the job, by how much;
     data_share: the share of the worker's untraced time inside DataLoader fetches (None: unknown)."""
-    (d, p), excess, free = untraced[0]
+    (d, p), excess, free, _ = untraced[0]
     others = f" (also {', '.join(f'dp {w[0]} / stage {w[1]}' for w, *_ in untraced[1:])})" if len(untraced) > 1 else ""
     if data_share is not None and data_share >= 0.5:
         what = f"mostly data loading: {100 * data_share:.0f}% of it inside its DataLoader fetches"

@@ -12,6 +12,7 @@ from schemas.causes import FIX_NAMES
 from transforms.whatif.causes.pauses import (find_pauses, p2p_partner, pause_confidence, pause_fix, recurring, rotating,
                                             untraced_gaps, untraced_time)
 from transforms.whatif.causes.verdict import CauseRules, Fix
+from transforms.whatif.causes.workers import t_sf
 from transforms.whatif.metrics import worker_set_mask
 from transforms.whatif.model import JobModel
 from transforms.whatif.replay import Mix, Scenario, replay
@@ -40,16 +41,21 @@ def model_untraced(model: JobModel, result: WhatIfResult) -> list | None:
 
 
 def untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5, factor: float = 2.0,
-                      each: float = 0.35) -> list[tuple[tuple[int, int], float, float]]:
+                      each: float = 0.35, alpha: float = CauseRules.false_alarm
+                      ) -> list[tuple[tuple[int, int], float, float, float]]:
     """The workers whose untraced CPU time (launch delays: METHOD.md section 3) makes the replay
     discrepancy, as [(worker, excess or None where the replay attributes no launch delays, hidden
-    excess)] (largest first) or []. A measurement and a replay must agree:
+    excess, confidence)] (largest first) or []. A measurement, a test and a replay must agree:
     - measured (pauses.untraced_time): the worker's untraced time per step is at least `factor` times
       its DP peers' median in most steps, and in its median step (persistent, not one preempted
       step; not cleared by one noisy step of a peer), and as much beyond the job's other workers'
       (a few ms that stand out only against peers with even fewer are the job's noise). Without
       DP peers, against the other stages, and only the one far ahead of the rest (`factor` times
       the next): a stage waiting on a paused neighbour shows untraced time too;
+    - tested (`_untraced_test`): its untraced time beyond its baseline's, step by step, is
+      significant against the job's own spread of that excess at the false-alarm rate `alpha` per
+      job (one-sided t, Bonferroni over the workers); confidence is 1 - the adjusted p-value. Two
+      steps that disagree by as much as they exceed, or one step, cannot name anyone;
     - replayed: the no-delay replay with only its delays given back is min(launch S of its DP rank,
       of its stage) times as long, an excess of at least `each` of the whole discrepancy's, and
       the named workers' excesses add up to at least `share` of it (else: spread, nobody to name);
@@ -107,6 +113,8 @@ def untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5, 
         peer_set = {top: ranked[1:]}
         ahead = float(np.median(per_step[top])) >= factor * float(np.median(per_step[ranked[1]]))
         named = [top] if ahead and persistent(top, ranked[1:]) else []
+    confidence = _untraced_test(per_step, peer_set, workers, alpha)
+    named = [w for w in named if confidence.get(w, 0.0) >= 1.0 - alpha]
     total = max(float(result.launch_slowdown) - 1.0, 0.0)
     # what the replay attributes to its launch delays, at most its untraced time beyond its peers'
     # (a launch delay also holds time the worker was busy or blocked; removing its untraced time
@@ -124,7 +132,30 @@ def untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5, 
     named = sorted((w for w in named if counted[w] > 0.0 and counted[w] >= each * total), key=lambda w: (-counted[w], w))
     if not named or sum(counted[w] for w in named) < share * total:
         return []
-    return [(w, excess[w], hidden[w]) for w in named]
+    return [(w, excess[w], hidden[w], confidence[w]) for w in named]
+
+
+def _untraced_test(per_step: dict, baselines: dict, workers: list, alpha: float) -> dict[tuple[int, int], float]:
+    """Confidence (1 - Bonferroni-adjusted p) that each worker in `baselines` spends more untraced
+    time per step than its baseline workers' median: the per-step excesses of every worker against
+    its own baseline, their spread around each worker's mean pooled over the job (two workers'
+    excesses mirror each other and count once) as the null, a one-sided t on the tested worker's
+    mean excess. {} when the job gives no spread to test against (one step)."""
+    excess = {w: per_step[w] - np.median(np.stack([per_step[o] for o in others]), axis=0)
+              for w, others in baselines.items()}
+    every = {w: per_step[w] - np.median(np.stack([per_step[o] for o in workers if o != w]), axis=0) for w in workers}
+    families = list(every.values())[:1] if len(workers) == 2 else list(every.values())
+    n = len(next(iter(per_step.values())))
+    df = sum(len(e) - 1 for e in families)
+    if n < 2 or df < 1:
+        return {}
+    sigma = float(np.sqrt(sum(float(((e - e.mean()) ** 2).sum()) for e in families) / df))
+    out = {}
+    for w, e in excess.items():
+        mean = float(e.mean())
+        t = mean / (sigma / np.sqrt(n)) if sigma > 0 else (np.inf if mean > 0 else 0.0)
+        out[w] = 1.0 - min(1.0, len(workers) * t_sf(t, df))
+    return out
 
 
 def untraced_cause(result: WhatIfResult, untraced: list, evidence: dict, fixes: dict) -> tuple[float, list]:
@@ -132,7 +163,7 @@ def untraced_cause(result: WhatIfResult, untraced: list, evidence: dict, fixes: 
     blamed workers' untraced time removed, against what ran); returns (how clearly it measures:
     1 + the share of what ran it costs, the workers)."""
     launch, slowdown = float(result.launch_slowdown), float(result.slowdown)
-    (_, excess, free) = untraced[0]
+    (_, excess, free, _) = untraced[0]
     if result.untraced is not None and {w for w, *_ in untraced} == set(result.untraced.workers):
         # their untraced time is modelled: what the replay with it takes beyond the one without
         excess = float(result.untraced.step_t.mean() / result.step_t_nodelay.mean()) - 1.0
@@ -142,7 +173,7 @@ def untraced_cause(result: WhatIfResult, untraced: list, evidence: dict, fixes: 
         saved = max(excess, 0.0) / launch
         explained = min(1.0, max(excess, 0.0) / (launch - 1.0)) if launch > 1.0 else 0.0
     evidence["untraced_workers"] = [{"dp_rank": d, "stage": p, "launch_slowdown": None if e is None else 1.0 + e,
-                                     "hidden_slowdown": 1.0 + f} for (d, p), e, f in untraced]
+                                     "hidden_slowdown": 1.0 + f, "confidence": c} for (d, p), e, f, c in untraced]
     fixes["untraced-cpu"] = Fix("untraced-cpu", float(result.step_t_base.mean()) * (1.0 - saved), slowdown,
                                 explained, saved, FIX_NAMES["untraced"], measured=True)
     return 1.0 + max(saved, free / launch), [w for w, *_ in untraced]
