@@ -24,6 +24,8 @@ CAUSE_TITLES: dict[str, str] = {
 # The fix of each what-if replay (classifier scenario name), as the verdict names it.
 FIX_NAMES: dict[str, str] = {
     "worker-peer": "the slow worker at the speed of its DP peers (repair or replace its machine)",
+    "worker-balance": "the slow stage's slow kind of work back at the balance of backward to forward the other stages "
+                      "keep (repair or replace its machine)",
     "worker-compute": "the top workers' compute at ideal speed (repair or replace their machines)",
     "worker-comm": "the blamed worker's transfers at their typical time (repair its link)",
     "stage": "layers repartitioned so every model chunk does the same compute",

@@ -124,3 +124,20 @@ def test_a_long_running_jobs_state_stays_bounded(tmp_path, monkeypatch):
     state = json.loads((tmp_path / "alert_state" / "j.json").read_text())
     assert list(state["revisions"]) == [f"s{i}" for i in range(8, 13)]
     assert book.apply(row("s12", 1.02, "none", blamed=[]), T0) == []     # still a repeat
+
+
+def test_a_page_names_a_pipeline_stage_s_rank_found_by_its_balance():
+    """A pipeline without DP peers: the stage the balance test blames is paged with its global rank,
+    its slow kind of work and the ratio found (not as an unmeasured implicated worker)."""
+    import types
+
+    import pyarrow as pa
+
+    from transforms.live.analyze_sessions import blamed_workers
+
+    trace = pa.table({"dp_rank": [0, 0, 0, 0], "stage": [0, 0, 1, 1], "rank": [0, 0, 1, 1]})
+    verdict = types.SimpleNamespace(implicated_workers=[(0, 1)], evidence={"balance_workers": [
+        {"dp_rank": 0, "stage": 1, "kind": "backward", "ratio": 2.7, "steps": 3, "step_indices": [0, 1, 2], "confidence": 0.99}]})
+    result = types.SimpleNamespace(steps=[4, 5, 6])
+    assert blamed_workers(verdict, result, trace, [0]) == [
+        {"rank": 1, "dp_rank": 0, "stage": 1, "host": None, "ratio": 2.7, "work": "backward", "steps": [4, 5, 6]}]

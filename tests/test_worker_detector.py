@@ -10,7 +10,7 @@ import pytest
 from transforms.synth import JobSpec, generate_job
 from transforms.whatif import compile_job
 from transforms.whatif.causes.signals import BACKWARD, FORWARD, pairs
-from transforms.whatif.causes.workers import t_sf, worker_tests
+from transforms.whatif.causes.workers import balance_tests, t_sf, worker_tests
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +147,63 @@ def test_without_peers_or_samples_the_detector_says_why():
     model = compile_job(job.trace, job.meta, "one")
     tests = worker_tests(model, *pairs(model))
     assert tests.peers and not tests.decided and "one profiled step" in tests.limits[0]
+
+
+@pytest.fixture(scope="module")
+def pipeline():
+    """A clean pipeline without DP peers (4 stages, one DP rank each, 4 microbatches, 6 steps)."""
+    job = generate_job(JobSpec(job_id="bt", dp=1, pp=4, microbatches=4, steps=6, sessions=1, seed=3))
+    return compile_job(job.trace, job.meta, "bt")
+
+
+def _stage_slowed(model, stage: int, codes, factor: float):
+    out = _copy(model)
+    cost = model.original_cost.copy()
+    cost[np.isin(model.op_optype, codes) & (model.op_stage == stage)] *= factor
+    out.original_cost = cost
+    return out
+
+
+def test_without_peers_a_stage_slow_in_one_kind_of_work_is_found_by_its_balance(pipeline):
+    """No DP peers: stage 2's forward at 2x moves its balance of backward to forward away from the
+    other stages' (more layers would lengthen both alike): found, forward, about 2x; its backward
+    at 2x: found, backward."""
+    rng = np.random.default_rng(1)
+    jittered = _jittered(pipeline, rng, 0.03)
+    for codes, kind in (((FORWARD,), "forward"), ((BACKWARD,), "backward")):
+        tests = balance_tests(_stage_slowed(jittered, 2, codes, 2.0), 0.01, 1.1, 0.085)
+        assert tests.workers() == [(0, 2)], tests
+        assert tests.slow[0].kind == kind and tests.slow[0].ratio == pytest.approx(2.0, rel=0.15)
+        assert 0.99 <= tests.slow[0].confidence <= 1.0
+
+
+def test_without_peers_a_heavier_stage_is_not_a_slow_worker(pipeline):
+    """Stage 1 with twice the layers (forward and backward both 2x) keeps its balance: no worker is
+    blamed, and the test says a stage slow in both kinds cannot be told from a heavier one; a clean
+    pipeline blames no one."""
+    rng = np.random.default_rng(2)
+    jittered = _jittered(pipeline, rng, 0.03)
+    heavy = balance_tests(_stage_slowed(jittered, 1, (FORWARD, BACKWARD), 2.0), 0.01, 1.1, 0.085)
+    assert not heavy.slow and not heavy.undecided and "heavier" in heavy.limits[0]
+    assert not balance_tests(jittered, 0.01, 1.1, 0.085).slow
+
+
+def test_a_pipeline_s_slow_stage_is_the_verdict_s_worker_and_its_fix_restores_its_balance(pipeline):
+    """Through classify: the slowed stage's worker is named (individual-worker), not a stage
+    imbalance (its cost scaled here without its times, the window is discarded: a measurement); its
+    fix (fixes.at_balance) divides the slow kind on that stage by the ratio found, and nothing else."""
+    from transforms.whatif.causes import classify
+    from transforms.whatif.causes.fixes import at_balance
+    from transforms.whatif.metrics import analyze_model
+
+    rng = np.random.default_rng(1)
+    slowed = _stage_slowed(_jittered(pipeline, rng, 0.03), 3, (BACKWARD,), 2.0)
+    verdict = classify(slowed, analyze_model(slowed))
+    assert verdict.cause == "individual-worker" and verdict.implicated_workers == [(0, 3)], verdict.explanations
+    assert "stage-imbalance" not in verdict.causes
+    assert "balance of backward to forward" in verdict.explanations["individual-worker"]
+    found = balance_tests(slowed, 0.01, 1.1, 0.085).slow
+    fixed = at_balance(slowed, found)
+    changed = np.isin(slowed.op_optype, (BACKWARD,)) & (slowed.op_stage == 3)
+    assert np.allclose(fixed[changed], slowed.original_cost[changed] / found[0].ratio)
+    assert np.array_equal(fixed[~changed], slowed.original_cost[~changed])

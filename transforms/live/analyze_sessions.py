@@ -319,7 +319,9 @@ def blamed_workers(verdict, result: WhatIfResult, trace: pa.Table, kept: list[in
     steps = np.asarray(result.steps).tolist()
     implicated = [(int(d), int(p)) for d, p in verdict.implicated_workers]
     out, seen = [], set()
-    for finding in verdict.evidence.get("peer_workers") or ():
+    measured = [*(verdict.evidence.get("peer_workers") or ()),     # against DP peers (workers.worker_tests)
+                *({**f, f["kind"]: f["ratio"]} for f in verdict.evidence.get("balance_workers") or ())]   # balance_tests
+    for finding in measured:
         worker = (int(finding["dp_rank"]), int(finding["stage"]))
         if worker not in implicated or worker in seen:
             continue

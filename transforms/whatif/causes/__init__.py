@@ -15,6 +15,11 @@ The design in four decisions.
    (most steps) and intermittent (named steps) findings both blame; an effect the job cannot
    decide makes the verdict "insufficient-evidence", with the steps or peers that would decide.
    Confidence is 1 - the adjusted p-value; bench_real_runs prints its reliability table.
+   Without DP peers (a pipeline of one DP rank per stage) the same test runs on physics
+   (`balance_tests`): more layers lengthen a chunk's forward and backward alike, a slow machine
+   in one kind of work moves its balance of backward to forward away from the other stages';
+   a leading stage whose balance departs is that worker (its fix: the slow kind back at the
+   others' balance), one whose balance holds is a heavier stage.
 2. Untraced time is split by physics before anyone is blamed for it (`pauses.py`, CPU ranks):
    time in DataLoader fetches is data loading; a single gap far beyond the job's usual largest
    gap (by its spread at the same false-alarm rate, and worth the straggling threshold's share

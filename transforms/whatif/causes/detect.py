@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 import transforms.whatif.causes.explain as explain
-from transforms.whatif.causes.fixes import (at_peer_speed, compose, planned_gc_seconds, rebalanced_stages, typical_transfers,
+from transforms.whatif.causes.fixes import (at_balance, at_peer_speed, compose, planned_gc_seconds, rebalanced_stages, typical_transfers,
                                            without_pauses)
 from transforms.whatif.causes.sequences import BACKWARD, FORWARD, SequenceWorkload, even_sequences, repacked_sequences, sequence_workload
 from transforms.whatif.causes.signals import (
@@ -31,7 +31,7 @@ from transforms.whatif.causes.signals import (
 from transforms.whatif.causes.verdict import CauseError, CauseRules, Fix, Verdict
 from transforms.whatif.causes.untraced import (data_loading, model_untraced, pause_cause, untraced_cause,
                                               untraced_workers)
-from transforms.whatif.causes.workers import WorkerTests, worker_tests
+from transforms.whatif.causes.workers import WorkerTests, balance_tests, worker_tests
 from transforms.whatif.metrics import analyze_model, worker_set_mask
 from transforms.whatif.model import JobModel, compile_job, distinct
 from transforms.whatif.replay import Mix, Scenario, replay, replay_thread_count
@@ -104,7 +104,8 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSigna
     evidence: dict[str, object] = {}
     forward, backward = pairs(model)
     r_norm, gc, peers, chunks = math.nan, None, None, None
-    workers = worker_tests(model, forward, backward, rules.false_alarm, rules.straggling, rules.peer_offset)
+    workers = worker_tests(model, forward, backward, rules.false_alarm, rules.straggling, rules.peer_offset) \
+        if model.dp_size > 1 else balance_tests(model, rules.false_alarm, rules.straggling, rules.peer_offset)
     if len(forward):
         f, b = take(model.original_cost, forward), take(model.original_cost, backward)
         gc = gc_stalls(model, forward, backward, rules)
@@ -128,6 +129,10 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSigna
                                      "persistent": any(f.persistent for f in workers.of((d, p))),
                                      "confidence": max(f.confidence for f in workers.of((d, p)))}
                                     for d, p in workers.workers()]
+    if model.dp_size == 1 and workers.slow:
+        evidence["balance_workers"] = [{"dp_rank": f.worker[0], "stage": f.worker[1], "kind": f.kind, "ratio": f.ratio,
+                                        "steps": model.n_steps, "step_indices": list(f.steps),
+                                        "confidence": f.confidence} for f in workers.slow]
     if chunks is not None:
         evidence.update(chunk_ratio=chunks.ratio, heaviest_chunk=[chunks.heaviest_chunk, chunks.heaviest_stage])
     return PairSignals(forward, backward, r_norm, gc, peers, chunks, evidence, workers)
@@ -178,7 +183,8 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
                rules: CauseRules, evidence: dict, timings: dict) -> dict[str, object]:
     """Scenario name -> cost of every fix (arrays or Mix), all replayed in one batch.
 
-    worker-peer: blamed workers at peer speed; worker-compute / worker-comm: the M_W set's
+    worker-peer: blamed workers at peer speed (worker-balance without DP peers: their slow kind of
+    work at the other stages' balance, fixes.at_balance); worker-compute / worker-comm: the M_W set's
     compute / transfers at ideal; stage: rebalanced chunks; communication: every transfer
     at its own typical time (fixes.typical_transfers); sequence: even spread; sequence-repacked: greedy document repacking (with
     seq_lens, when the sequence signature holds); gc: pauses removed."""
@@ -192,8 +198,10 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
         "stage": rebalanced_stages(model),
         "communication": typical_transfers(model),
     }
-    blamed = signals.workers.workers() if signals.peers is not None else []
-    if blamed:
+    blamed = signals.workers.workers()
+    if blamed and signals.peers is None:   # one DP rank per stage: the slow kind back at the others' balance
+        costs["worker-balance"] = at_balance(model, signals.workers.slow)
+    elif blamed:
         gc_paused = None
         if signals.gc is not None and len(signals.forward):   # GC pauses are python-gc's to remove
             gc_paused = np.zeros(model.original_cost.shape, dtype=bool)
@@ -303,12 +311,13 @@ def _candidates(model: JobModel, result: WhatIfResult, signals: _Signals, share,
     persists(scenario): whether its fix saves time in more than one step (a slow or flapping link
     recurs; one transfer held up once, a preempted rank, is the job's own variation)."""
     out: list[_Candidate] = []
-    blamed = signals.workers.workers() if signals.peers is not None else []
+    blamed = signals.workers.workers()
     located_comm = signals.mw > rules.worker_mw and share("worker-comm") > share("worker-compute") \
         and persists("worker-comm")
     if blamed:
         confidence = max(f.confidence for f in signals.workers.of(blamed[0]))
-        out.append(_Candidate("individual-worker", "worker-peer", confidence, rules.min_explained, 0.5, tuple(blamed)))
+        out.append(_Candidate("individual-worker", "worker-peer" if model.dp_size > 1 else "worker-balance", confidence,
+                              rules.min_explained, 0.5, tuple(blamed)))
     elif model.dp_size == 1 and signals.mw > rules.worker_mw and not located_comm:
         out.append(_Candidate("individual-worker", "worker-compute", margin(signals.mw, rules.worker_mw, 0.9),
                               rules.min_explained, 0.6, _hot_half(result)))
@@ -319,7 +328,10 @@ def _candidates(model: JobModel, result: WhatIfResult, signals: _Signals, share,
             and persists("communication"):
         signature = max(margin(signals.comm_share, rules.comm_share, 0.9), margin(signals.comm_excess, rules.comm_excess, 4 * rules.comm_excess))
         out.append(_Candidate("communication", "communication", signature, rules.min_explained, 0.6))
-    if model.pp_size > 1:
+    # without DP peers, a stage the balance test blames runs its own layers slowly: the compute its
+    # chunks lead by is its machine's, no partition's
+    slow_stages = {p for _, p in blamed} if model.dp_size == 1 else set()
+    if model.pp_size > 1 and not (slow_stages and (signals.chunks is None or signals.chunks.heaviest_stage in slow_stages)):
         by_ms = min(margin(signals.ms, rules.stage_ms, 0.8), margin(signals.uniformity, rules.stage_row_uniformity, 0.8)) \
             if signals.ms >= rules.stage_ms and signals.uniformity >= rules.stage_row_uniformity else 0.0
         by_chunk = margin(signals.chunks.ratio, rules.stage_chunk_ratio, 1.4) \
@@ -381,7 +393,7 @@ def _fix_scenario(fix: Fix, reported: dict[str, str], costs: dict) -> str:
 
 def _default_scenario(cause: str, costs: dict) -> str | None:
     """The fix replayed for a cause that no signature proposed (shown for comparison)."""
-    return {"individual-worker": "worker-peer" if "worker-peer" in costs else "worker-compute",
+    return {"individual-worker": next((s for s in ("worker-peer", "worker-balance") if s in costs), "worker-compute"),
             "stage-imbalance": "stage", "communication": "communication",
             "sequence-imbalance": "sequence-repacked" if "sequence-repacked" in costs else "sequence",
             "python-gc": "gc"}[cause] if cause != "sequence-imbalance" or "sequence" in costs else None
@@ -473,7 +485,7 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     by_cause = {c.cause: c for c in candidates}
     # a worker the test decides is slower than its peers (at the job's false-alarm rate) is named
     # even below S 1.1: the pipeline hides it for now, the machine is still bad
-    measured_worker = "individual-worker" in listed and by_cause["individual-worker"].scenario == "worker-peer"
+    measured_worker = "individual-worker" in listed and by_cause["individual-worker"].scenario in ("worker-peer", "worker-balance")
     if not straggling and measured_worker:
         primary, ranked, confidence = "individual-worker", ["individual-worker"], listed["individual-worker"]
     elif not straggling:
@@ -572,11 +584,13 @@ def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, 
     untraced = untraced_workers(model, result, alpha=rules.false_alarm) if untraced is None else untraced
     if untraced:
         measured["untraced-cpu"], implicated["untraced-cpu"] = untraced_cause(result, untraced, evidence, fixes)
-    blamed = paired.workers.workers() if paired.peers is not None else []
+    blamed = paired.workers.workers()
     if blamed:
         measured["individual-worker"] = max(f.ratio for f in paired.workers.of(blamed[0]))
         implicated["individual-worker"] = blamed
-    if paired.chunks is not None and paired.chunks.ratio >= rules.stage_alarm_ratio:
+    if blamed and model.dp_size == 1:
+        pass   # the stages' balance named the slow machine (workers.balance_tests)
+    elif paired.chunks is not None and paired.chunks.ratio >= rules.stage_alarm_ratio:
         slow = _slow_stages(model, work, MORE_WORK, SLOWER_PACE) if work is not None and model.dp_size == 1 else []
         if slow:   # one DP rank: the heavy chunk runs the usual work, slowly: its machine
             measured["individual-worker"], implicated["individual-worker"] = float(paired.chunks.ratio), [(0, p) for p in slow]
@@ -668,7 +682,7 @@ def _localised(result: WhatIfResult, evidence: dict, factor: float = 2.0) -> boo
 
 def _record_shares(evidence: dict, share) -> None:
     """Share of T - T_ideal each replayed fix removes alone, under its evidence name."""
-    names = {"worker-peer": "worker_fix_explained", "worker-compute": "worker_compute_explained",
+    names = {"worker-peer": "worker_fix_explained", "worker-balance": "worker_fix_explained", "worker-compute": "worker_compute_explained",
              "worker-comm": "worker_comm_explained", "stage": "stage_fix_explained",
              "communication": "communication_fix_explained", "sequence": "sequence_even_explained", "gc": "gc_fix_explained"}
     for scenario, name in names.items():

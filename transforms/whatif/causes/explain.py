@@ -84,9 +84,20 @@ def _worker(evidence: dict, fix: Fix, implicated) -> str:
             parts.append(f"worker dp {d} / stage {p} runs {speed} than the other DP ranks of stage {p} "
                          f"{when_slow(w)}")
         return "; ".join(parts) + f"; at peer speed {_faster(fix)}{_masked(fix)}."
+    balance = {(w["dp_rank"], w["stage"]): w for w in evidence.get("balance_workers", [])}
+    if implicated and all(w in balance for w in implicated):
+        return "; ".join(_balance_fact(balance[w]) for w in implicated) + f"; at that balance {_faster(fix)}{_masked(fix)}."
     workers = ", ".join(f"dp {d} / stage {p}" for d, p in implicated) or "a few workers"
     return (f"worker {workers} explains {share_words(evidence['m_w'])} of the straggling time (M_W, no DP peers to compare with); "
             f"with its compute at ideal speed {_faster(fix)}.")
+
+
+def _balance_fact(w: dict) -> str:
+    """A stage the balance test blames (workers.balance_tests: no DP peers), in words."""
+    other = "backward" if w["kind"] == "forward" else "forward"
+    return (f"stage {w['stage']} (its only DP rank) runs its {w['kind']} {w['ratio']:.2f}x as long as its {other} "
+            f"implies beside the other stages' balance of backward to forward, in every step (confidence "
+            f"{w['confidence']:.2f}; more layers would lengthen both alike)")
 
 
 def _stage(evidence: dict, fix: Fix, pp_size: int) -> str:
@@ -237,8 +248,10 @@ def discarded_sentence(cause: str, evidence: dict, implicated, launch_slowdown: 
         facts = [f"worker dp {d} / stage {p}'s forward takes {peers[(d, p)]['forward']:.1f}x and its backward "
                  f"{peers[(d, p)]['backward']:.1f}x its DP peers' {when_slow(peers[(d, p)])}"
                  for d, p in implicated if (d, p) in peers]
+        balance = {(w["dp_rank"], w["stage"]): w for w in evidence.get("balance_workers", [])}
+        facts += [_balance_fact(balance[(d, p)]) for d, p in implicated if (d, p) not in peers and (d, p) in balance]
         facts += [f"stage {p} (its only DP rank) runs the usual number of recorded operations per microbatch more "
-                  "slowly than the other stages" for d, p in implicated if (d, p) not in peers]
+                  "slowly than the other stages" for d, p in implicated if (d, p) not in peers and (d, p) not in balance]
         return f"{head}; measured: {'; '.join(facts)}."
     if cause == "stage-imbalance":
         chunk, stage = evidence["heaviest_chunk"]

@@ -10,7 +10,7 @@ from transforms.whatif.causes.signals import GcStalls, PeerComparison, peer_medi
 from transforms.whatif.model import JobModel, distinct, median
 from schemas.trace import OPTYPES
 
-__all__ = ["at_peer_speed", "rebalanced_stages", "without_pauses", "planned_gc_seconds", "compose"]
+__all__ = ["at_peer_speed", "at_balance", "rebalanced_stages", "without_pauses", "planned_gc_seconds", "compose"]
 
 _P2P = tuple(OPTYPES.index(name) for name in ("forward-send", "forward-recv", "backward-send", "backward-recv"))
 
@@ -35,6 +35,18 @@ def at_peer_speed(model: JobModel, workers: Sequence[tuple[int, int]], peers: Pe
                 capped = np.minimum(cost[np.ix_(ops, lanes)], others)
                 cost[np.ix_(ops, lanes)] = capped if keep is None else \
                     np.where(keep[np.ix_(ops, lanes)], cost[np.ix_(ops, lanes)], capped)
+    return cost
+
+
+def at_balance(model: JobModel, findings) -> np.ndarray:
+    """Cost with each finding's slow kind of work (workers.balance_tests: forward, or backward with
+    its weight gradients) on its stage divided by its ratio: back at the balance of backward to
+    forward the other stages keep (a pipeline without DP peers)."""
+    cost = model.original_cost.copy()
+    for finding in findings:
+        codes = (FORWARD,) if finding.kind == "forward" else (BACKWARD, OPTYPES.index("backward-weight-compute"))
+        ops = np.flatnonzero(np.isin(model.op_optype, codes) & (model.op_stage == finding.worker[1]))
+        cost[ops] /= finding.ratio
     return cost
 
 

@@ -37,13 +37,16 @@ import math
 
 import numpy as np
 
+from schemas.trace import OPTYPES
 from transforms.whatif.causes.signals import peer_median
 from transforms.whatif.model import JobModel, distinct
 from transforms.whatif.result import STRAGGLING_THRESHOLD
 
-__all__ = ["KINDS", "WorkerFinding", "WorkerTests", "worker_tests", "t_sf"]
+__all__ = ["KINDS", "WorkerFinding", "WorkerTests", "worker_tests", "balance_tests", "t_sf"]
 
 KINDS = ("forward", "backward")
+_FORWARD = OPTYPES.index("forward-compute")
+_BACKWARD = (OPTYPES.index("backward-compute"), OPTYPES.index("backward-weight-compute"))
 _LARGE_DF = 200          # beyond it t_sf takes the normal approximation (the closed form sums df / 2 terms)
 
 
@@ -139,7 +142,7 @@ class WorkerTests:
 
     def evidence(self) -> dict:
         return {"worker_test": {"alpha": self.alpha, "ratio_floor": self.floor, "sigma": self.sigma, "df": self.df,
-                                "tau": self.tau,
+                                "tau": self.tau, "peers": self.peers,
                                 "tests": self.n_tests, "unit": self.unit, "limits": list(self.limits),
                                 "slow": [f.as_json() for f in self.slow],
                                 "undecided": [f.as_json() for f in self.undecided]}}
@@ -234,6 +237,63 @@ def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alp
     slow.sort(key=lambda f: (not f.persistent, -f.ratio, f.worker, f.kind))
     undecided.sort(key=lambda f: (-f.ratio, f.worker, f.kind))
     return WorkerTests(alpha, floor, sigma, df, n_tests, unit, tuple(slow), tuple(undecided), tau=tau)
+
+
+def balance_tests(model: JobModel, alpha: float = 0.01, floor: float = STRAGGLING_THRESHOLD,
+                  offset: float = 0.0) -> WorkerTests:
+    """The worker test of a pipeline without DP peers (one DP rank per stage), from physics.
+
+    No peer runs a stage's layers, so a slow machine and a heavier stage look alike in time. What
+    tells them apart: more layers scale a chunk's forward and backward alike (each layer's backward
+    is its own fixed multiple of its forward), so the balance of a chunk's backward to its forward
+    (log of their per-step sums, weight gradients included) matches the other chunks', while a
+    worker slow in one kind of work moves it. A stage that leads the pipeline (its compute per step
+    at least `floor` times the median other stage's: it sets the pace) is slow in forward
+    (backward) when its chunks' balance lies below (above) the other stages' chunks' by at least
+    the `floor` ratio, beyond the job's own spread (per-step values, pooled within chunks, plus
+    `offset`, the persistent log offset like units keep; two-sided t, Bonferroni over the stages,
+    at `alpha`), and that departure accounts for its lead: with the kind at the others' balance its
+    compute would be within `floor` of theirs. The finding's ratio is how much slower that kind runs
+    than its balance implies. A stage slow in both kinds alike keeps its balance and cannot be told
+    from a heavier one: `limits` says so."""
+    limit = "one DP rank per stage: a stage slow in forward and backward alike cannot be told from a heavier one"
+    if model.dp_size != 1 or model.pp_size < 2 or model.n_steps < 2:
+        return _empty(alpha, floor, "one DP rank per stage: no peers doing the same work to compare a worker with", False)
+    forward = model.op_optype == _FORWARD
+    backward = np.isin(model.op_optype, _BACKWARD)
+    chunks = distinct(model.op_gmc[forward])
+    stage_of = np.array([int(model.op_stage[forward & (model.op_gmc == g)][0]) for g in chunks])
+    f = np.stack([model.original_cost[forward & (model.op_gmc == g)].sum(axis=0) for g in chunks])   # [chunk, step]
+    b = np.stack([model.original_cost[backward & (model.op_gmc == g)].sum(axis=0) for g in chunks])
+    stages = distinct(stage_of)
+    if len(stages) < 2 or not (f > 0).all() or not (b > 0).all():
+        return _empty(alpha, floor, limit, False)
+    balance = np.log(b) - np.log(f)
+    level = balance.mean(axis=1)
+    n = balance.shape[1]
+    df = int(balance.shape[0] * (n - 1))
+    sigma = math.sqrt(float(((balance - level[:, None]) ** 2).sum()) / df)
+    typical = np.array([float(np.median((f + b)[stage_of == p].sum(axis=0))) for p in stages])
+    slow, undecided = [], []
+    for index, stage in enumerate(stages.tolist()):
+        others = float(np.median(np.delete(typical, index)))
+        mine, rest = stage_of == stage, stage_of != stage
+        effect = float(level[mine].mean() - np.median(level[rest]))
+        slow_part = float(np.median((b if effect > 0 else f)[mine].sum(axis=0)))
+        restored = typical[index] - slow_part * (1.0 - math.exp(-abs(effect)))
+        if typical[index] < floor * others or abs(effect) < math.log(floor) or restored >= floor * others:
+            continue   # not leading, balanced, or its departure does not make its lead
+        se = math.sqrt(sigma * sigma * (1.0 / (mine.sum() * n) + 1.0 / (rest.sum() * n)) + 2.0 * offset * offset)
+        p_value = min(1.0, 2.0 * len(stages) * t_sf(abs(effect) / se, df)) if se > 0 else 0.0
+        finding = WorkerFinding((0, stage), "backward" if effect > 0 else "forward", math.exp(abs(effect)),
+                                tuple(range(model.n_steps)) if p_value <= alpha else (), True, p_value, n)
+        if p_value <= alpha:
+            slow.append(finding)
+        else:
+            undecided.append(dataclasses.replace(finding, samples_needed=_samples_needed(
+                abs(effect), sigma, offset, df, alpha / len(stages), n)))
+    return WorkerTests(alpha, floor, sigma, df, len(stages), "step", tuple(sorted(slow, key=lambda f: -f.ratio)),
+                       tuple(undecided), (limit,), False, offset)
 
 
 def _healthy_offset(level: np.ndarray, count: np.ndarray, sigma: float, offset: float) -> float:
