@@ -687,6 +687,8 @@ def _duplicate_rows(columns: Sequence[np.ndarray]) -> np.ndarray:
             return np.sort(order[repeated])
         keys = keys * width + (values.astype(np.int64) - low)
         span *= width
+    if span <= 8 * n + 1024:   # a key space about the rows' size: count each key (no sort)
+        return np.flatnonzero(np.bincount(keys, minlength=span)[keys] > 1)
     ordered = np.sort(keys)
     repeated = ordered[1:][ordered[1:] == ordered[:-1]]
     if repeated.size == 0:
@@ -726,9 +728,11 @@ def _rank_mismatch(trace: pa.Table, manifest: Mapping[str, Any]) -> np.ndarray:
     for worker in manifest["workers"]:
         if 0 <= worker["dp_rank"] < dp_size and 0 <= worker["stage"] < pp_size:
             lookup[worker["dp_rank"], worker["stage"]] = worker["rank"]
-    dp = pc.fill_null(trace["dp_rank"], -1).to_numpy().astype(np.int64)
-    stage = pc.fill_null(trace["stage"], -1).to_numpy().astype(np.int64)
-    rank = pc.fill_null(trace["rank"], -1).to_numpy().astype(np.int64)
+    def values(name: str) -> np.ndarray:
+        column = trace[name]
+        return (column if column.null_count == 0 else pc.fill_null(column, -1)).to_numpy().astype(np.int64)
+
+    dp, stage, rank = values("dp_rank"), values("stage"), values("rank")
     inside = (dp >= 0) & (dp < dp_size) & (stage >= 0) & (stage < pp_size)
     expected = np.where(inside, lookup[np.clip(dp, 0, dp_size - 1), np.clip(stage, 0, pp_size - 1)], -1)
     return np.flatnonzero(inside & (expected >= 0) & (rank != expected))

@@ -337,16 +337,16 @@ def read_trace_columns(trace: pa.Table, job_id: str = "") -> TraceColumns:
     # Columns keep their recorded widths (int8 ranks, float32 times in the published format):
     # often zero-copy views of the Arrow buffers, a third of the memory of int64 / float64.
     def ints(name: str) -> np.ndarray:
-        values = _values(trace.column(name))
+        values = column_values(trace.column(name))
         return values if values.dtype.kind in "iu" else values.astype(np.int64)
 
     def floats(name: str) -> np.ndarray:
-        values = _values(trace.column(name))
+        values = column_values(trace.column(name))
         return values if values.dtype.kind == "f" else values.astype(np.float64)
 
     columns = TraceColumns(
         dp_rank=ints("dp_rank"), stage=ints("stage"), rank=ints("rank"), step=ints("step"),
-        optype=_optype_codes(trace.column("optype"), job_id),
+        optype=optype_codes(trace.column("optype"), job_id),
         start=floats("start_ts"), duration=floats("duration"), seq_id=ints("seq_id"),
         mc=ints("mc"), mb_id=ints("mb_id"), gmc=ints("gmc"),
     )
@@ -370,7 +370,7 @@ def read_trace_columns(trace: pa.Table, job_id: str = "") -> TraceColumns:
     return columns
 
 
-def _values(column: pa.ChunkedArray) -> np.ndarray:
+def column_values(column: pa.ChunkedArray) -> np.ndarray:
     """A null-free integer or float column as one numpy array, read from its value buffers.
 
     Not `to_numpy()`: since pyarrow 2x that imports pandas (~0.3 s), which the one-job path
@@ -387,7 +387,17 @@ def _values(column: pa.ChunkedArray) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def _optype_codes(column: pa.ChunkedArray, job_id: str) -> np.ndarray:
+def nullable_values(column: pa.ChunkedArray) -> np.ndarray:
+    """A numeric column as float64, NaN where null (value buffers when it has no nulls)."""
+    if column.null_count == 0:
+        return column_values(column).astype(np.float64, copy=False)
+    parts = [chunk.to_numpy(zero_copy_only=False).astype(np.float64) for chunk in column.chunks]
+    return np.concatenate(parts) if parts else np.empty(0)
+
+
+
+
+def optype_codes(column: pa.ChunkedArray, job_id: str = "") -> np.ndarray:
     """OPTYPES codes of a string or dictionary column; unknown names raise UnknownOptypeError."""
     if not pa.types.is_dictionary(column.type):
         column = column.dictionary_encode()   # a method: no pyarrow.compute import on this path
@@ -397,7 +407,7 @@ def _optype_codes(column: pa.ChunkedArray, job_id: str) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     names = chunks[0].dictionary.to_pylist()
     lookup = np.array([_CODE.get(name, -1) for name in names] + [-1], dtype=np.int8)
-    indices = np.asarray(_values(pa.chunked_array([chunk.indices for chunk in chunks])), dtype=np.int64)
+    indices = np.asarray(column_values(pa.chunked_array([chunk.indices for chunk in chunks])), dtype=np.int64)
     codes = lookup[indices]
     if (codes < 0).any():
         row = int(np.flatnonzero(codes < 0)[0])

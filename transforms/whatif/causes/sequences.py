@@ -22,7 +22,7 @@ import pyarrow as pa
 from schemas.trace import OPTYPES
 from transforms.whatif import kernel
 from transforms.whatif.errors import TraceValueError
-from transforms.whatif.model import JobModel, distinct
+from transforms.whatif.model import JobModel, distinct, optype_codes
 
 __all__ = ["SequenceWorkload", "sequence_workload", "imbalance_degree", "greedy_repack", "greedy_rebalance",
            "even_sequences", "repacked_sequences"]
@@ -53,14 +53,7 @@ def _rows_with_lengths(trace: pa.Table) -> pa.Table:
     valid = pc.is_valid(trace["seq_lens"])
     # forwards compared by dictionary code, per chunk: casting every row's op type to a string cost
     # more than the rest of the sequence signature
-    optype = trace["optype"]
-    if pa.types.is_dictionary(optype.type):
-        forward = np.concatenate([np.isin(chunk.indices.to_numpy(zero_copy_only=False),
-                                          np.flatnonzero(np.asarray(chunk.dictionary.to_pylist(), dtype=object)
-                                                         == "forward-compute")) for chunk in optype.chunks]
-                                 or [np.zeros(0, dtype=bool)])
-    else:
-        forward = np.asarray(pc.equal(optype, "forward-compute").to_numpy(zero_copy_only=False), dtype=bool)
+    forward = optype_codes(trace["optype"]) == FORWARD
     first = (trace["stage"].to_numpy() == 0) & (trace["mc"].to_numpy() == 0)
     mask = forward & first & valid.to_numpy(zero_copy_only=False)
     rows = trace.filter(pa.array(mask)) if mask.any() else trace.slice(0, 0)

@@ -6,10 +6,9 @@ import dataclasses
 import math
 
 import numpy as np
-import pyarrow as pa
 
 from transforms.whatif.causes.verdict import CauseRules
-from transforms.whatif.model import JobModel, distinct, median
+from transforms.whatif.model import JobModel, column_values, distinct, median, nullable_values, optype_codes
 from transforms.whatif.causes.sequences import BACKWARD, FORWARD
 
 __all__ = ["pairs", "take", "pearson", "within_group_normalised", "margin", "peer_median", "nanmedian", "PeerComparison",
@@ -252,21 +251,26 @@ class ChunkWork:
 
 def chunk_work(trace, model: JobModel) -> ChunkWork | None:
     """ChunkWork from the trace's `n_ops` column; None without it, or where any compute op of the
-    job lacks it (a partial count would compare unlike things)."""
+    job lacks it (a partial count would compare unlike things). Columns read by dictionary code and
+    value buffers, per-chunk means by bincount: one pass over the rows."""
     if "n_ops" not in trace.column_names or model.pp_size * max(model.vpp_size, 1) < 2:
         return None
-    optype = trace.column("optype").cast(pa.string()).to_numpy(zero_copy_only=False)
-    compute = (optype == "forward-compute") | (optype == "backward-compute")
+    optype = optype_codes(trace.column("optype"), model.job_id)
+    compute = (optype == FORWARD) | (optype == BACKWARD)
     if not compute.any():
         return None
-    n_ops = trace.column("n_ops").to_numpy(zero_copy_only=False)
-    if any(v is None for v in n_ops[compute]) or np.isnan(n_ops[compute].astype(np.float64)).any():
+    n_ops = nullable_values(trace.column("n_ops"))[compute]
+    if np.isnan(n_ops).any():
         return None
-    n_ops = n_ops[compute].astype(np.float64)
-    gmc = trace.column("gmc").to_numpy()[compute].astype(np.int64)
-    seconds = trace.column("duration").to_numpy()[compute]
-    forward = optype[compute] == "forward-compute"
-    chunks = np.unique(gmc)
-    mean = lambda values, mask: np.array([values[mask & (gmc == g)].mean() if (mask & (gmc == g)).any() else np.nan
-                                          for g in chunks])
+    gmc = column_values(trace.column("gmc"))[compute].astype(np.int64)
+    seconds = column_values(trace.column("duration"))[compute].astype(np.float64)
+    forward = optype[compute] == FORWARD
+    chunks, index = np.unique(gmc, return_inverse=True)
+
+    def mean(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        count = np.bincount(index[mask], minlength=len(chunks)).astype(np.float64)
+        total = np.bincount(index[mask], weights=values[mask], minlength=len(chunks))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(count > 0, total / count, np.nan)
+
     return ChunkWork(chunks, mean(n_ops, forward), mean(n_ops, ~forward), mean(seconds, forward), mean(seconds, ~forward))

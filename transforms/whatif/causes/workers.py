@@ -336,7 +336,7 @@ def _intermittent(effect: np.ndarray, ss: np.ndarray, dfs: np.ndarray, cell: tup
     m = int(ok.sum())
     if sigma <= 0 or m < 2:
         return None
-    others = np.array([np.median(np.delete(e[ok], i)) for i in range(m)])
+    others = peer_median(e[ok])                          # each sample's own other samples' median
     value = np.full(len(e), -np.inf)
     value[ok] = np.fmin(e[ok], e[ok] - others)          # beyond its peers and beyond its own usual
     spread = sigma * math.sqrt(1.0 + _median_variance(m - 1))
