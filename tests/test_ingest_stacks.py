@@ -302,3 +302,28 @@ def test_an_fsdp2_run_syncs_its_dp_ranks_between_the_layers_of_its_backward():
         first_bwd = kinds.index("backward-compute")
         assert "group-collective" in kinds[first_bwd:kinds.index("optimizer")], kinds
         assert kinds[first_bwd:].count("backward-compute") >= 2
+
+
+def test_a_lightning_profile_too_short_for_one_iteration_says_how_many_steps_would_do(tmp_path):
+    """Lightning's profiler, one ProfilerStep kept: it holds the end of one iteration and the start
+    of the next, no whole one. The refusal counts what it holds and names how many active steps
+    would hold a whole iteration (twice the ProfilerSteps of one, and one more)."""
+    from transforms.ingest.common import RawInputError
+    from transforms.ingest.kineto import convert_kineto
+
+    run = STACKS / "lightning-bwd2-r0-mlp-plprof"
+    truth = json.loads((run / "truth.json").read_text())
+    paths = []
+    for name in truth["trace_files"]:
+        document = json.loads(gzip.decompress((run / name).read_bytes()))
+        events = document["traceEvents"]
+        first = min((e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
+        start, end = first["ts"], first["ts"] + first["dur"]
+        document["traceEvents"] = [e for e in events if e.get("ph") != "X" or start <= e["ts"] <= end]
+        paths.append(tmp_path / name.replace(".gz", ""))
+        paths[-1].write_text(json.dumps(document))
+    with pytest.raises(RawInputError) as error:
+        convert_kineto([str(p) for p in paths], "one-step", "2026-11-27", {})
+    assert error.value.reason_code == "raw_no_steps"
+    assert "the 1 ProfilerStep holds no whole training iteration" in str(error.value)
+    assert "with 1 optimizer step(s) in all" in str(error.value) and "profile at least 3 active steps" in str(error.value)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -161,13 +162,20 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     if inferred:   # profiled without a schedule and without prof.step(): the optimizer's steps tell the steps
         steps, step_tid = _steps_from_optimizer(optimizer, events.optimizer_tids, cpu_ops)
     elif steps and optimizer:
+        profiled = len(steps)
         steps = _iterations(steps, optimizer, events.optimizer_tids, step_tid, autograd,
                             cpu_ops.start[cpu_ops.per_name(_is_backward_op)])
         if not steps:
-            raise RawInputError("raw_no_steps", "the ProfilerSteps hold no whole training iteration (from one "
-                                "optimizer step to the next): they end mid-iteration (PyTorch Lightning's profiler "
-                                "ends one when training_step returns) and the profile began mid-iteration; profile "
-                                "more active steps (the profiler schedule's `active`)", path=path)
+            # an iteration spans about profiled / stepped ProfilerSteps: two of them and one more put a
+            # whole one between two recorded optimizer steps
+            stepped = max(len(_merged([span for span, tid in zip(optimizer, events.optimizer_tids) if tid == step_tid])), 1)
+            enough = 2 * math.ceil(profiled / stepped) + 1
+            holds = f"{profiled} ProfilerStep{'s hold' if profiled != 1 else ' holds'}"
+            raise RawInputError("raw_no_steps", f"the {holds} no whole training iteration (from one optimizer step "
+                                f"to the next), with {stepped} optimizer step(s) in all: the steps end mid-iteration "
+                                "(PyTorch Lightning's profiler ends one when training_step returns) and the profile "
+                                f"began mid-iteration; profile at least {enough} active steps (the profiler schedule's "
+                                "`active`: twice the ProfilerSteps of one iteration, and one more)", path=path)
     if not steps:
         raise RawInputError("raw_no_steps", "no ProfilerStep#N span (call prof.step() once per training step) and no "
                             "Optimizer.step span to tell the steps by", path=path)
