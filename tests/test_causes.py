@@ -353,3 +353,29 @@ def test_untraced_time_must_stand_out_of_the_job_not_only_of_its_dp_peers(monkey
     assert names(clean) == []
     paused = {(0, 0): [269.2, 270.6, 290.8], (0, 1): [16.1, 16.0, 15.3], (1, 0): [5.6, 14.3, 16.2], (1, 1): [19.0, 26.4, 16.0]}
     assert names(paused) == [(0, 0)]
+
+
+def test_a_step_whose_transfers_and_compute_slowed_alike_is_the_host_s_not_the_network_s():
+    """Communication localised to a step needs its transfers slowed beyond its compute: one step of
+    a clean job with every transfer 3x is a flapping link; the same step with its compute 3x too is
+    the host's contention (CPU ranks, gloo transfers are CPU work), not the network's."""
+    from transforms.whatif.causes.detect import _comm_localised
+    from transforms.whatif.causes.sequences import BACKWARD, FORWARD
+
+    job = generate_job(JobSpec(job_id="cl", dp=4, pp=2, microbatches=4, steps=6, sessions=1, seed=5))
+    model = compile_job(job.trace, job.meta, "cl")
+    hot = model.lane_step == model.steps[2]
+    compute = np.isin(model.op_optype, (FORWARD, BACKWARD))
+
+    def scaled(rows):
+        out = type(model).__new__(type(model))
+        out.__dict__.update(model.__dict__)
+        cost = model.original_cost.copy()
+        cost[np.ix_(np.flatnonzero(rows), np.flatnonzero(hot))] *= 3.0
+        out.original_cost = cost
+        return out
+
+    link, host = scaled(model.op_is_comm), scaled(model.op_is_comm | compute)
+    assert _comm_localised(link, {}, floor=1.1)
+    evidence = {}
+    assert not _comm_localised(host, evidence, floor=1.1) and evidence["comm_localised"] is False

@@ -324,7 +324,7 @@ def _candidates(model: JobModel, result: WhatIfResult, signals: _Signals, share,
     if located_comm:
         out.append(_Candidate("communication", "worker-comm", margin(signals.mw, rules.worker_mw, 0.9), rules.min_explained, 0.6,
                               _hot_half(result)))
-    elif (signals.comm_share >= rules.comm_share or signals.comm_excess >= rules.comm_excess) and _comm_localised(model, evidence) \
+    elif (signals.comm_share >= rules.comm_share or signals.comm_excess >= rules.comm_excess) and _comm_localised(model, evidence, floor=rules.straggling) \
             and persists("communication"):
         signature = max(margin(signals.comm_share, rules.comm_share, 0.9), margin(signals.comm_excess, rules.comm_excess, 4 * rules.comm_excess))
         out.append(_Candidate("communication", "communication", signature, rules.min_explained, 0.6))
@@ -649,11 +649,13 @@ def _stands_out(values, factor: float = 2.0) -> bool:
     return len(excess) >= 2 and excess[0] > 0 and excess[0] >= factor * excess[1]
 
 
-def _comm_localised(model: JobModel, evidence: dict, factor: float = 2.0) -> bool:
+def _comm_localised(model: JobModel, evidence: dict, factor: float = 2.0, floor: float = 1.1) -> bool:
     """Whether the transfers beyond their own typical time (the median of the same op over steps
     and DP ranks) gather on one DP rank, stage or step (a bad link, a flapping switch), rather
-    than spread over all of them (a busy machine's noise, collectives that vary by nature).
-    Recorded in evidence["comm_localised"]."""
+    than spread over all of them (a busy machine's noise, collectives that vary by nature). A
+    step counts only when its transfers slowed beyond its compute by `floor` (the straggling
+    threshold): a slow link slows transfers, not the compute around them; a step where both slow
+    alike is the host's (contention), not the network's. Recorded in evidence["comm_localised"]."""
     comm = np.flatnonzero(model.op_is_comm)
     if not len(comm):
         return False
@@ -661,8 +663,18 @@ def _comm_localised(model: JobModel, evidence: dict, factor: float = 2.0) -> boo
     excess = np.maximum(cost - np.median(cost, axis=1, keepdims=True), 0.0)
     _, step_index = np.unique(model.lane_step, return_inverse=True)
     per_lane = excess.sum(axis=0)
+    per_step = np.bincount(step_index, per_lane)
+
+    def beyond_compute() -> bool:
+        hot = int(np.argmax(per_step))
+        compute = np.bincount(step_index, model.original_cost[np.isin(model.op_optype, (FORWARD, BACKWARD))].sum(axis=0))
+        transfers = np.bincount(step_index, cost.sum(axis=0))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            slowed = (transfers[hot] / np.median(transfers)) / (compute[hot] / np.median(compute))
+        return not np.isfinite(slowed) or slowed >= floor
+
     found = _stands_out(np.bincount(model.lane_dp, per_lane), factor) \
-        or _stands_out(np.bincount(step_index, per_lane), factor) \
+        or (_stands_out(per_step, factor) and beyond_compute()) \
         or (model.pp_size > 1 and _stands_out(np.bincount(model.op_stage[comm], excess.sum(axis=1), minlength=model.pp_size), factor))
     evidence["comm_localised"] = bool(found)
     return bool(found)
