@@ -226,7 +226,7 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     work = _recorded_ops(spans, autograd, flow_ends) if not kernels else [-1] * len(spans)
     trace = _rank_trace(path, rank, world, str(info.get("backend") or ""), groups, device, versions, steps, spans,
                         comm, optimizer, unmapped, _p2p_directions(comm, cpu_labels, events.p2p_labels), work,
-                        issued, _batch_lengths(spans, events.embeddings, step_tid))
+                        issued, _batch_lengths(spans, events.embeddings, step_tid), waited)
     host = top.get("host_name") or info.get("host_name")
     trace.host = str(host) if host else None
     loading = cpu_ops.per_name(lambda name: name.startswith(_DATA_LOADING))
@@ -236,9 +236,6 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     base = top.get("baseTimeNanoseconds")
     trace.origin_ns = (int(base) if isinstance(base, (int, float)) else 0) + round((origin or 0.0) * 1000)
     trace.gc_pauses = _gc_pauses(top.get("strag_gc"), trace.origin_ns)
-    if waited is not None and any(waited):   # comm rows follow the compute spans (_rank_trace)
-        trace.waited = np.zeros(len(trace.kind), dtype=bool)
-        trace.waited[len(spans) + np.flatnonzero(waited)] = True
     # one clock per host; without a host name every rank counts as its own clock
     trace.clock = f"host:{host}" if host else f"rank:{rank}"
     trace.gpu_work, trace.gpu_work_unlinked = (on_gpu.work, on_gpu.unlinked) if on_gpu is not None else (0, 0)
@@ -652,7 +649,7 @@ def _batch_lengths(spans: list, embeddings: list, step_tid) -> list:
 
 
 def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spans, comm, optimizer, unmapped,
-                directions, work, issued, lengths=None) -> RankTrace:
+                directions, work, issued, lengths=None, waited=None) -> RankTrace:
     step_ids = np.array(sorted(steps), dtype=np.int64)
     step_start = np.array([steps[s][0] for s in step_ids])
     step_end = np.array([steps[s][1] for s in step_ids])
@@ -685,6 +682,8 @@ def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spa
         piece=np.array([r[11] for r in rows], dtype=np.int8) if any(r[11] for r in rows) else None,
         seq=np.array([r[12] for r in rows], dtype=np.int64) if any(r[12] >= 0 for r in rows) else None,
         seq_lens=np.array(lengths + [None], dtype=object)[:-1] if any(v is not None for v in lengths) else None,
+        waited=np.array([False] * len(spans) + list(waited) + [False] * len(optimizer))
+        if waited is not None and any(waited) else None,
     )
 
 
