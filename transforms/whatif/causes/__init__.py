@@ -23,10 +23,11 @@ The design in four decisions.
 2. Untraced time is split by physics before anyone is blamed for it (`pauses.py`, CPU ranks):
    time in DataLoader fetches is data loading; a single gap far beyond the job's usual largest
    gap (by its spread at the same false-alarm rate, and worth the straggling threshold's share
-   of a step) is a pause; the rest is ordinary Python between ops. Pauses that strike in
-   different steps are python-gc (the collector runs when each process's allocations say so);
-   a pause on the same worker in every step is that worker's untraced-cpu, whose fix takes out
-   the pauses and keeps its ordinary time. A worker's untraced time beyond its peers' is tested
+   of a step) is a pause; the rest is ordinary Python between ops. Recurring pauses that all
+   fall where forwards begin are python-gc, on one worker every step or rotating (METHOD.md's
+   forward-only stalls: the forward allocates the objects whose count triggers the collector);
+   pauses elsewhere (before a collective: an oversubscribed host's OS) stay the worker's
+   untraced-cpu. Either fix takes out the pauses and keeps the worker's ordinary time. A worker's untraced time beyond its peers' is tested
    like its compute: step by step against the job's own spread of that excess, at the same
    false-alarm rate, its confidence the test's. On GPU ranks GC stretches forwards (signals.py).
 3. Every what-if is a replay: the fixes of all candidate causes are scenarios of one batched

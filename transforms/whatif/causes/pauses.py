@@ -14,7 +14,11 @@ Otherwise `find_pauses` tests each worker-step's largest non-data gap against th
 and robust spread over the worker-steps whose largest gap is below the straggling threshold's
 share of a step, so a worker pausing in every step does not set the usual), Bonferroni over the
 cells at the job's false-alarm rate; a pause is also worth that share of a step on its own (a
-smaller one cannot make the job straggle).
+smaller one cannot make the job straggle). Pauses are the collector's (`collector`) when they
+recur and all fall where a forward begins: METHOD.md's GC stalls are forward-only, the forward being
+where a step allocates the Python objects whose count triggers a collection. Pauses before a
+collective or the optimizer (an oversubscribed host's OS running another process, a per-step hook)
+stay the worker's untraced time.
 """
 from __future__ import annotations
 
@@ -27,10 +31,11 @@ from transforms.whatif.model import JobModel
 from transforms.whatif.result import STRAGGLING_THRESHOLD
 from schemas.trace import COMPUTE_OPTYPES, DP_COMM_OPTYPES, IN_COMPUTE_OPTYPES, OPTYPES
 
-__all__ = ["p2p_partner", "untraced_gaps", "untraced_time", "covered", "Pauses", "find_pauses", "recurring", "rotating",
-           "pause_fix", "pause_confidence"]
+__all__ = ["p2p_partner", "untraced_gaps", "untraced_time", "covered", "Pauses", "find_pauses", "recurring",
+           "at_forwards", "collector", "pause_fix", "pause_confidence"]
 
 _RECV = [OPTYPES.index("forward-recv"), OPTYPES.index("backward-recv")]
+_FORWARD = OPTYPES.index("forward-compute")
 # busy: computing, or blocked in a collective (DP, or one inside the step: a barrier, a broadcast, FSDP's
 # gathers) waiting for its peers, which is no untraced work of the worker's own
 _BUSY = [OPTYPES.index(name) for name in (*COMPUTE_OPTYPES, *DP_COMM_OPTYPES, *IN_COMPUTE_OPTYPES)]
@@ -225,18 +230,22 @@ def recurring(pauses: Pauses) -> bool:
     return len(pauses.cells) >= (1 if pauses.recorded else 2)
 
 
-def rotating(pauses: Pauses) -> bool:
-    """Recurring pauses that strike in different steps: on several workers, or on one worker in some
-    of its steps and not others. Python's collector runs when each process's allocations reach its
-    thresholds, so its pauses come and go by worker and step; a pause on the same worker in every
-    profiled step is that worker's own per-step work (a hook, an explicit gc.collect() every step:
-    only a GC record from the trainer can say which)."""
-    if not recurring(pauses):
-        return False
-    if pauses.recorded:   # the record says what they are, whichever steps and workers they strike
-        return True
-    workers = pauses.workers()
-    return len(workers) > 1 or int((pauses.excess_of(workers[0]) > 0).sum()) < pauses.untraced.shape[1]
+def at_forwards(model: JobModel, pauses: Pauses) -> bool:
+    """Every pause ends where a forward begins: the stop-the-world stalls of METHOD.md's python-gc
+    row are forward-only because the forward is where a training step allocates its Python objects,
+    and the collector runs when allocations cross its thresholds. A pause before a backward, a
+    transfer or the optimizer has no such reason to be the collector."""
+    return bool(pauses.where) and all(int(model.op_optype[op]) == _FORWARD for op, _ in pauses.where)
+
+
+def collector(model: JobModel, pauses: Pauses) -> bool:
+    """Recurring pauses that are Python's collector: recorded by the trainer (whichever steps and
+    workers they strike), or all at forwards (`at_forwards`), on one worker in every step (an
+    explicit gc.collect() per step) or a different worker in different steps (the thresholds of
+    each process). A pause before a collective, a backward or the optimizer is something else: on
+    an oversubscribed host, the OS running another process; on a worker in every step, its own
+    per-step work. What a DataLoader fetch holds is never a pause."""
+    return recurring(pauses) and (pauses.recorded or at_forwards(model, pauses))
 
 
 def pause_fix(model: JobModel, pauses: Pauses, traced_step: np.ndarray) -> tuple[float, float, float, float]:

@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 
 from schemas.causes import FIX_NAMES
-from transforms.whatif.causes.pauses import (find_pauses, p2p_partner, pause_confidence, pause_fix, recurring, rotating,
+from transforms.whatif.causes.pauses import (collector, find_pauses, p2p_partner, pause_confidence, pause_fix, recurring,
                                             untraced_gaps, untraced_time)
 from transforms.whatif.causes.verdict import CauseRules, Fix
 from transforms.whatif.causes.workers import t_sf
@@ -182,12 +182,14 @@ def untraced_cause(result: WhatIfResult, untraced: list, evidence: dict, fixes: 
 def pause_cause(model: JobModel, result: WhatIfResult, rules: CauseRules, evidence: dict, fixes: dict,
                  untraced: list | None) -> tuple[float, list] | None:
     """python-gc from untraced pauses on CPU ranks (pauses.py): single gaps outside data loading,
-    far beyond the job's usual largest gap, that strike in different steps (`rotating`). Records its
+    far beyond the job's usual largest gap, that are the collector's (`collector`: recorded, or all
+    at forwards). Records its
     evidence and fix (the pauses taken out of the steps as they ran, planned GC paid back:
     pauses.pause_fix) when the fix saves rules.min_savings of the step; `untraced_is_pauses` when the untraced-cpu
     workers are the paused ones and their pauses make at least half their untraced time. Returns
-    (confidence, paused workers) or None. A pause on one worker in every step is that worker's
-    untraced-cpu: its fix then takes out the pauses alone, its ordinary time between ops kept."""
+    (confidence, paused workers) or None. A pause on one worker in every step away from its forwards
+    is that worker's untraced-cpu: its fix then takes out the pauses alone, its ordinary time
+    between ops kept."""
     if not model.meta.host_compute:
         return None
     pauses = find_pauses(model, rules.false_alarm, rules.straggling)
@@ -199,7 +201,7 @@ def pause_cause(model: JobModel, result: WhatIfResult, rules: CauseRules, eviden
     named = {w for w, *_ in untraced or []}
     slowdown = float(evidence.get("slowdown", result.slowdown))
     evidence.update(pauses.evidence(model.steps), pause_fix_saves=saved)
-    if not rotating(pauses):
+    if not collector(model, pauses):
         if named and "untraced-cpu" in fixes and set(workers) <= named:
             unplanned = 1.0 - (fixed - planned) / ran if ran > 0 else 0.0
             fixes["untraced-cpu"] = Fix("untraced-cpu", fixed - planned, slowdown, share, unplanned, FIX_NAMES["pauses"],
