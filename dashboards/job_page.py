@@ -73,7 +73,7 @@ def _method_note(s) -> str:
     if method is None or method != method or abs(float(method) - float(s.slowdown)) < 5e-4:
         return ""
     kept = getattr(s, "kept_by", None)
-    why = "; METHOD.md would discard this window: the model keeps it" if kept == "untraced-model" else ""
+    why = "; METHOD.md would discard this window: the model keeps it" if kept in ("untraced-model", "arrivals-model") else ""
     return f"; METHOD.md's S (no untraced time modelled) {fmt(method)}{why}"
 
 

@@ -72,8 +72,9 @@ TIMELINES_DIR = "_timelines"
 # What happened to a job window (coverage.status); same words as schemas/fleet.py.
 JOB_STATUSES = ("analysed", "discarded", "quarantined")
 # Which rule kept an analysed window (job_summary.kept_by, coverage.kept_by): METHOD.md's replay, or
-# the replay with the named workers' untraced time (transforms/whatif/result.py UntracedWork).
-KEPT_BY = ("method", "untraced-model")
+# the replay with the named workers' untraced time (transforms/whatif/result.py UntracedWork), or
+# the replay with each CPU rank's late arrival from its previous step (JobModel.carried_arrivals).
+KEPT_BY = ("method", "untraced-model", "arrivals-model")
 # What a quarantine row covers: one row of a file, a whole file, or a whole job window.
 QUARANTINE_LEVELS = ("row", "file", "job")
 
@@ -126,7 +127,8 @@ JOB_SUMMARY_SCHEMA = _schema(
         # METHOD.md section 3 beside the model: S of the no-delay replay (no untraced time modelled), and
         # whether METHOD's rule (launch_slowdown off by > 5%) discards the window; kept_by: which rule kept
         # it ("method": within 5% as METHOD replays it; "untraced-model": METHOD would discard it, the
-        # named workers' untraced time brings the model within 5%); null when discarded, or in files
+        # named workers' untraced time brings the model within 5%; "arrivals-model": each CPU rank's late
+        # arrival from its previous step's tail does); null when discarded, or in files
         # written before the columns existed
         pa.field("slowdown_method", pa.float64(), nullable=True),
         pa.field("discarded_method", pa.bool_(), nullable=True),

@@ -660,7 +660,7 @@ class PositionFn(_TableFn):
 
 class CoverageFn(_TableFn):
     """fleet_coverage: job windows (and their GPU-hours) by status and reason; for the analysed ones, how
-    many only the untraced-time model keeps (METHOD.md would discard them) and the mean S of the model
+    many only the model keeps (its untraced time or carried arrivals; METHOD.md would discard them) and the mean S of the model
     and of METHOD.md."""
 
     table = "fleet_coverage"
@@ -669,7 +669,7 @@ class CoverageFn(_TableFn):
         key = (facts.status, facts.reason if not facts.analysed else "", facts.source_format)
         tally.add(key, jobs=1, gpu_hours=_gpu_hours_fixed(facts))
         if facts.analysed:   # the model's S and METHOD.md's beside it, and how many METHOD alone would discard
-            tally.add(key, kept_by_model=int(facts.kept_by == "untraced-model"), slowdown=_fixed(facts.slowdown, _RATIO_SCALE))
+            tally.add(key, kept_by_model=int(facts.kept_by not in ("", "method")), slowdown=_fixed(facts.slowdown, _RATIO_SCALE))
             if math.isfinite(facts.slowdown_method):
                 tally.add(key, method_windows=1, slowdown_method=_fixed(facts.slowdown_method, _RATIO_SCALE))
 

@@ -92,6 +92,9 @@ def analyze_model(model: JobModel, *, timeline: bool = False, attribution: bool 
         Scenario("ideal", ideal, keep_times=timeline),
         *_decomposition_scenarios("ms", original, ideal, last_stage_mask),
     ]
+    arrivals = model.carried_arrivals()
+    if arrivals is not None:
+        first.append(Scenario("arrivals", original, arrivals))
     base = model.step_times_observed()
     batch = replay(model, first, memory_limit=memory_limit)
     nodelay_time, nodelay_span = batch.time("nodelay"), batch.span("nodelay")
@@ -109,6 +112,7 @@ def analyze_model(model: JobModel, *, timeline: bool = False, attribution: bool 
         ideal_durations=model.ideal_by_optype(ideal_ops),
         worker_rank=model.worker_rank.copy(),
         evidence=model.evidence(),
+        step_t_arrivals=None if arrivals is None else batch.span("arrivals"),
     )
     result.ms = _decomposition(batch, "ms", nodelay_span, ideal_span, last_stage)
 

@@ -287,6 +287,41 @@ class JobModel:
         """Sorted OPTYPES codes present (bincount: np.unique would import numpy.ma, ~15 ms)."""
         return np.flatnonzero(np.bincount(self.op_optype, minlength=len(OPTYPES)))
 
+    def carried_arrivals(self) -> np.ndarray | None:
+        """[op, lane] launch delays of the ops that open a worker's step (their only predecessor is
+        the step start), as far as the worker's late arrival is its previous step's tail: at most
+        how much later it finished that step (consecutive, profiled) than the first of its stage's
+        DP peers to finish. None when nothing is carried (not host_compute, no DP peers, no two
+        consecutive steps).
+
+        METHOD.md replays each step from one common start, and measures a step from its earliest
+        op start to its latest end. Nothing makes DP ranks end a step together (the optimizer runs
+        after the last collective), so a rank still finishing step k-1 arrives late at step k, and
+        its peers wait for it at their first collective: the same seconds measured in both steps,
+        replayed in one. A CPU rank's thread is the step's only timeline, so its arrival is that
+        tail and not work of the step. Given as the step's initial condition, it lets the replay be
+        compared with what ran (`WhatIfResult.replay_discrepancy`); a worker arriving later than its
+        tail explains (its own time between steps: a data stall) keeps the rest as untraced time."""
+        if not self.meta.host_compute or self.dp_size < 2 or self.n_steps < 2:
+            return None
+        consecutive = np.flatnonzero(np.diff(self.steps) == 1) + 1      # steps k whose k - 1 was profiled
+        if not len(consecutive):
+            return None
+        source = self.pred_index[self.pred_ptr[:-1]] == self.n_ops
+        shape = (self.n_steps, self.dp_size)
+        delay = np.zeros_like(self.launch_delay)
+        for stage in range(self.pp_size):
+            ops = np.flatnonzero(self.op_stage == stage)
+            opening = ops[source[ops]]
+            if not len(opening):
+                continue
+            end = self.observed_end[ops].max(axis=0).reshape(shape) + self.step_start[:, None]   # absolute
+            carry = end - end.min(axis=1, keepdims=True)                                      # behind the first to end
+            given = np.zeros(shape)
+            given[consecutive] = carry[consecutive - 1]
+            delay[opening] = np.minimum(np.maximum(self.launch_delay[opening], 0.0), given.reshape(-1)[None, :])
+        return delay if delay.any() else None
+
     def step_times_observed(self) -> np.ndarray:
         """step_t_base [n_steps]: latest op end minus earliest op start of each step (seconds)."""
         shape = (self.n_steps, self.dp_size)
@@ -959,7 +994,7 @@ def _build_graph(template: _Template, dp_size: int, meta: JobMeta) -> _Graph:
             graph.chain(template.ordered(stage, (AG, RS)))
         _chunk_dp_dependencies(template, graph)
     _step_tail(template, graph)
-    _in_compute_collectives(template, graph)
+    _in_compute_collectives(template, graph, meta.host_compute)
 
     # Comm groups beyond p2p: DP collectives (each synchronised over DP ranks), embedding
     # all-reduce between the first and last stage, clip over all stages and DP ranks.
@@ -974,13 +1009,16 @@ def _build_graph(template: _Template, dp_size: int, meta: JobMeta) -> _Graph:
     return graph
 
 
-def _in_compute_collectives(template: _Template, graph: _Graph) -> None:
+def _in_compute_collectives(template: _Template, graph: _Graph, host_compute: bool = False) -> None:
     """Collectives of a group spanning workers inside the step (all-to-all, group-collective): in
     start order on a stream of their own per stage, each after the last compute op done when it
     started (the one before its launch), and before the compute op that starts when it ends
     after the compute stream idled (it waited for it: the converter cuts a compute span at the
-    collectives it issued), else before the optimizer when it ended before that started.
-    Each synchronises its group over the DP ranks, like the DP collectives."""
+    collectives it issued), else before the optimizer when it ended before that started. Where
+    the thread that computes is the one that called the collective (host_compute: CPU ranks), an
+    idle stream means the thread was blocked in the call: the next compute waited for it whatever
+    untraced time the thread spent between the two. Each synchronises its group over the DP
+    ranks, like the DP collectives."""
     for stage in range(template.pp):
         ops = template.ordered(stage, IN_COMPUTE)
         if not len(ops):
@@ -998,7 +1036,7 @@ def _in_compute_collectives(template: _Template, graph: _Graph) -> None:
                 graph.edge(int(compute[launched_in]), op)
             waiting = max(np.searchsorted(starts, template.end[op] - NOOP_TOLERANCE, side="left"), launched_in + 1)
             idle = waiting < len(compute) and (waiting == 0 or ends[waiting - 1] <= template.end[op] + NOOP_TOLERANCE)
-            if idle and starts[waiting] - template.end[op] <= NOOP_TOLERANCE:
+            if idle and (host_compute or starts[waiting] - template.end[op] <= NOOP_TOLERANCE):
                 graph.edge(op, int(compute[waiting]))
             elif template.end[op] <= template.start[tail] + NOOP_TOLERANCE:
                 graph.edge(op, tail)

@@ -211,6 +211,9 @@ class WhatIfResult:
     # Set by the root-cause analysis (causes.classify) when it names the workers whose untraced CPU
     # time makes what ran longer than the no-delay replay: their untraced time modelled.
     untraced: UntracedWork | None = None
+    # CPU ranks: T per step with each rank's late arrival from its previous step given
+    # (JobModel.carried_arrivals); None where nothing is carried.
+    step_t_arrivals: np.ndarray | None = None
     evidence: Evidence | None = None                   # what the result stands on (steps, microbatches, peers)
 
     @property
@@ -237,8 +240,13 @@ class WhatIfResult:
     @property
     def replay_discrepancy(self) -> float:
         """What ran over the model's replay (mean step times): `launch_slowdown` (METHOD.md), or
-        against the replay with the named workers' untraced time when `untraced` is set."""
+        against the replay with the named workers' untraced time when `untraced` is set, or with
+        the ranks' carried arrivals (`step_t_arrivals`) when what ran is more than 5% longer than
+        METHOD's replay. S stays METHOD's for arrivals: a rank's tail of step k-1 is in that
+        step's replay already."""
         if self.untraced is None:
+            if self.step_t_arrivals is not None and self.launch_slowdown > DISCREPANCY_LIMIT:
+                return float(self.step_t_base.mean() / self.step_t_arrivals.mean())
             return float(self.launch_slowdown)
         return float(self.step_t_base.mean() / self.untraced.step_t.mean())
 
@@ -267,7 +275,9 @@ class WhatIfResult:
         """Which rule keeps the window (schemas.tables.KEPT_BY), None when it is discarded."""
         if self.discarded:
             return None
-        return "untraced-model" if self.discarded_method else "method"
+        if not self.discarded_method:
+            return "method"
+        return "untraced-model" if self.untraced is not None else "arrivals-model"
 
     @property
     def straggling(self) -> bool:

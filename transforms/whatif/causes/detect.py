@@ -313,7 +313,7 @@ def _candidates(model: JobModel, result: WhatIfResult, signals: _Signals, share,
     out: list[_Candidate] = []
     blamed = signals.workers.workers()
     located_comm = signals.mw > rules.worker_mw and share("worker-comm") > share("worker-compute") \
-        and persists("worker-comm")
+        and persists("worker-comm") and _link_not_host(model, _hot_half(result), rules.straggling)
     if blamed:
         confidence = max(f.confidence for f in signals.workers.of(blamed[0]))
         out.append(_Candidate("individual-worker", "worker-peer" if model.dp_size > 1 else "worker-balance", confidence,
@@ -653,9 +653,9 @@ def _comm_localised(model: JobModel, evidence: dict, factor: float = 2.0, floor:
     """Whether the transfers beyond their own typical time (the median of the same op over steps
     and DP ranks) gather on one DP rank, stage or step (a bad link, a flapping switch), rather
     than spread over all of them (a busy machine's noise, collectives that vary by nature). A
-    step counts only when its transfers slowed beyond its compute by `floor` (the straggling
-    threshold): a slow link slows transfers, not the compute around them; a step where both slow
-    alike is the host's (contention), not the network's. Recorded in evidence["comm_localised"]."""
+    step, DP rank or stage counts only when its transfers slowed beyond its compute by `floor` (the
+    straggling threshold; `_link_not_host`): a slow link slows transfers, not the compute around
+    them; where both slow alike it is the host's (contention, a busy rank), not the network's. Recorded in evidence["comm_localised"]."""
     comm = np.flatnonzero(model.op_is_comm)
     if not len(comm):
         return False
@@ -673,11 +673,39 @@ def _comm_localised(model: JobModel, evidence: dict, factor: float = 2.0, floor:
             slowed = (transfers[hot] / np.median(transfers)) / (compute[hot] / np.median(compute))
         return not np.isfinite(slowed) or slowed >= floor
 
-    found = _stands_out(np.bincount(model.lane_dp, per_lane), factor) \
+    per_dp = np.bincount(model.lane_dp, per_lane)
+    per_stage = np.bincount(model.op_stage[comm], excess.sum(axis=1), minlength=model.pp_size)
+    hot_dp, hot_stage = int(np.argmax(per_dp)), int(np.argmax(per_stage))
+    found = (_stands_out(per_dp, factor) and _link_not_host(model, [(hot_dp, p) for p in range(model.pp_size)], floor)) \
         or (_stands_out(per_step, factor) and beyond_compute()) \
-        or (model.pp_size > 1 and _stands_out(np.bincount(model.op_stage[comm], excess.sum(axis=1), minlength=model.pp_size), factor))
+        or (model.pp_size > 1 and _stands_out(per_stage, factor)
+            and _link_not_host(model, [(d, hot_stage) for d in range(model.dp_size)], floor))
     evidence["comm_localised"] = bool(found)
     return bool(found)
+
+
+def _link_not_host(model: JobModel, workers, floor: float) -> bool:
+    """Whether the workers' transfers slowed beyond their compute by `floor` (the straggling
+    threshold), both against the median worker's: a slow link or NIC slows a worker's transfers,
+    not its compute; a worker whose compute is as much slower is a busy or slow host, whose
+    collectives (CPU work on CPU ranks, late launches on GPUs) slow with it."""
+    if not workers:
+        return False
+    comm = model.op_is_comm
+    compute = np.isin(model.op_optype, (FORWARD, BACKWARD))
+    shape = (model.n_steps, model.dp_size)
+
+    def per_worker(ops) -> np.ndarray:   # [dp, pp] seconds over the window
+        out = np.zeros((model.dp_size, model.pp_size))
+        for p in range(model.pp_size):
+            mine = ops & (model.op_stage == p)
+            out[:, p] = model.original_cost[mine].sum(axis=0).reshape(shape).sum(axis=0)
+        return out
+
+    transfers, work = per_worker(comm), per_worker(compute)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        slowed = [(transfers[d, p] / np.median(transfers)) / (work[d, p] / np.median(work)) for d, p in workers]
+    return all(not np.isfinite(s) or s >= floor for s in slowed)
 
 
 def _localised(result: WhatIfResult, evidence: dict, factor: float = 2.0) -> bool:

@@ -1,0 +1,118 @@
+"""A CPU rank's late arrival at a step, carried from its previous step (JobModel.carried_arrivals),
+and the physics that tells a slow link from a busy host (causes.detect._link_not_host); on real
+runs of real stacks (tests/data/real_stacks)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+STACKS = pathlib.Path(__file__).parent / "data" / "real_stacks"
+
+
+def _job(name: str):
+    from transforms.ingest.kineto import convert_kineto
+    from transforms.whatif import compile_job
+
+    truth = json.loads((STACKS / name / "truth.json").read_text())
+    converted = convert_kineto([str(STACKS / name / f) for f in truth["trace_files"]], name, "2026-11-28", {})
+    return converted, compile_job(converted.trace, converted.job_meta(), name)
+
+
+def _carry(model) -> np.ndarray:
+    """[n_steps, dp] how much later each rank ended the previous step than the first of its
+    peers (absolute clock), 0 where the previous step was not profiled: recomputed here."""
+    end = model.observed_end.max(axis=0).reshape(model.n_steps, model.dp_size) + model.step_start[:, None]
+    carry = np.zeros_like(end)
+    for k in range(1, model.n_steps):
+        if model.steps[k] == model.steps[k - 1] + 1:
+            carry[k] = end[k - 1] - end[k - 1].min()
+    return carry
+
+
+def test_a_rank_finishing_its_previous_step_late_arrives_late_and_the_replay_is_given_that():
+    """Lightning DDP, clean: no barrier after the optimizer, so the rank that ended step k-1 later
+    starts step k later, and its peer waits for it at the step's first collective. METHOD's replay
+    starts both ranks together and is 6.7% short of what ran; given each rank's arrival up to its
+    carried tail, it is within 5%: the window is kept ("arrivals-model") and S stays METHOD's."""
+    from transforms.whatif import analyze_model
+
+    _, model = _job("lightning-clean-mlp-callback-s0-gcrec")
+    arrivals = model.carried_arrivals()
+    assert arrivals is not None
+    opening = model.pred_index[model.pred_ptr[:-1]] == model.n_ops
+    assert not arrivals[~opening].any()                      # only the ops that open a worker's step
+    carry = _carry(model).reshape(-1)
+    assert (arrivals[opening] <= carry[None, :] + 1e-12).all()
+    assert (arrivals[opening] <= np.maximum(model.launch_delay[opening], 0.0) + 1e-12).all()
+    assert not arrivals[:, : model.dp_size].any()            # the first profiled step has no previous one
+    assert arrivals.max() > 0.005                            # a late rank, by milliseconds
+
+    result = analyze_model(model)
+    assert result.discarded_method and result.launch_slowdown > 1.05
+    assert result.replay_discrepancy == pytest.approx(result.step_t_base.mean() / result.step_t_arrivals.mean())
+    assert 1.0 < result.replay_discrepancy < 1.05
+    assert not result.discarded and result.kept_by == "arrivals-model"
+    assert result.model_slowdown == result.slowdown         # the tail is in the previous step's replay already
+    assert result.headline()["kept_by"] == "arrivals-model"
+
+
+def test_a_rank_late_beyond_its_tail_keeps_the_rest_as_untraced_time():
+    """Accelerate, rank 1's Dataset sleeps 300 ms per batch before each step: it arrives far later
+    than its previous step's tail, and what is beyond the tail is not given: the replay with
+    arrivals is still far short of what ran (the data stall stays the untraced time it is)."""
+    from transforms.whatif import analyze_model
+
+    _, model = _job("accelerate-data-r1-gpt2-padded")
+    result = analyze_model(model)
+    assert result.step_t_base.mean() / result.step_t_arrivals.mean() > 2.0
+
+
+def test_nothing_is_carried_without_a_thread_per_rank_or_peers():
+    _, model = _job("lightning-clean-mlp-callback-s0-gcrec")
+    gpu = dataclasses.replace(model, meta=dataclasses.replace(model.meta, host_compute=False))
+    assert gpu.carried_arrivals() is None                    # GPU ranks: the CPU runs ahead of the streams
+    _, pipeline = _job("pipe-clean-1f1b-pp2-s0")
+    assert pipeline.carried_arrivals() is None               # no DP peers to be late against
+
+
+def test_a_worker_whose_transfers_slow_with_its_compute_is_a_busy_host_not_a_slow_link():
+    from schemas.trace import OPTYPES
+    from transforms.whatif.causes.detect import _link_not_host
+
+    _, model = _job("lightning-clean-mlp-callback-s0-gcrec")
+    comm = model.op_is_comm[:, None]
+    compute = np.isin(model.op_optype, [OPTYPES.index("forward-compute"), OPTYPES.index("backward-compute")])[:, None]
+    rank1 = (model.lane_dp == 1)[None, :]
+    base = np.abs(model.original_cost) + 1e-3                # every transfer and compute a positive time
+
+    def worker(cost) -> bool:
+        return _link_not_host(dataclasses.replace(model, original_cost=cost), [(1, 0)], 1.1)
+
+    assert worker(np.where(comm & rank1, base * 4, base))                              # its transfers alone: a link
+    assert not worker(np.where((comm | compute) & rank1, base * 4, base))               # everything alike: its host
+    assert not worker(base)
+
+
+def test_a_cpu_rank_blocked_in_a_collective_computes_after_it_whatever_python_ran_between():
+    """Lightning DDP opens each step with a collective on the rank's only thread; the forward starts
+    ~3 ms after it returns (Python between the two). On CPU ranks the forward waited for it (the
+    thread was in the call); on GPU ranks only a compute starting as it ends is known to have."""
+    from schemas.trace import OPTYPES
+    from transforms.whatif import compile_job
+
+    converted, model = _job("lightning-clean-mlp-callback-s0-gcrec")
+    meta = converted.job_meta()
+    gpu = compile_job(converted.trace, dataclasses.replace(meta, host_compute=False), "gpu")
+
+    def first_forward_preds(m) -> set[str]:
+        forward = np.flatnonzero(m.op_optype == OPTYPES.index("forward-compute"))
+        first = forward[np.argmin(m.observed_start[forward, 0])]
+        preds = m.pred_index[m.pred_ptr[first]:m.pred_ptr[first + 1]]
+        return {OPTYPES[m.op_optype[p]] if p < m.n_ops else "step start" for p in preds}
+
+    assert first_forward_preds(model) == {"group-collective"}
+    assert first_forward_preds(gpu) == {"step start"}
