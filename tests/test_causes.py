@@ -379,3 +379,25 @@ def test_a_step_whose_transfers_and_compute_slowed_alike_is_the_host_s_not_the_n
     assert _comm_localised(link, {}, floor=1.1)
     evidence = {}
     assert not _comm_localised(host, evidence, floor=1.1) and evidence["comm_localised"] is False
+
+
+def test_the_sequence_signature_is_a_test_at_the_false_alarm_rate_not_a_fixed_r():
+    """t = r sqrt(df / (1 - r^2)) against Student's t, its tail integrated numerically here: r 0.9
+    with 4 degrees of freedom decides at 1%, 0.7 with 4 does not, 0.5 with 30 does; a perfect
+    correlation is p 0, none or no degrees of freedom p 1."""
+    import math
+
+    from transforms.whatif.causes.detect import correlation_p
+
+    def t_tail(t: float, df: int) -> float:   # midpoint rule over Student's t density, to 50
+        c = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2))
+        n, hi = 200_000, 50.0
+        h = (hi - t) / n
+        return sum(c * (1 + ((t + (i + 0.5) * h) ** 2) / df) ** (-(df + 1) / 2) for i in range(n)) * h
+
+    for r, df in [(0.9, 4), (0.7, 4), (0.5, 30)]:
+        t = r * math.sqrt(df / (1 - r * r))
+        assert correlation_p(r, df) == pytest.approx(t_tail(t, df), abs=2e-4)
+    assert correlation_p(0.9, 4) < 0.01 < correlation_p(0.7, 4)
+    assert correlation_p(0.5, 30) < 0.01
+    assert correlation_p(1.0, 3) == 0.0 and correlation_p(math.nan, 10) == 1.0 and correlation_p(0.9, 0) == 1.0

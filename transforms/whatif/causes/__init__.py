@@ -40,8 +40,11 @@ The design in four decisions.
 
 Thresholds live once, in `CauseRules` (verdict.py), each with where it comes from: the
 straggling threshold and the 5% discrepancy (METHOD.md), the false-alarm rate (a stated choice),
-the healthy peers' offset (measured on clean real runs), the remaining stage, sequence and
-communication signatures and listing shares (the paper's analysis). Modules: workers (the worker
+the healthy peers' offset (measured on clean real runs), the remaining stage and
+communication signatures and listing shares (the paper's analysis). The sequence signature is a
+test too: compute following the data (forward against backward of a microbatch, or compute
+against its recorded tokens), each correlation against Student's t with its degrees of freedom,
+at the false-alarm rate (`detect.correlation_p`). Modules: workers (the worker
 test), pauses (untraced time: gaps, data loading, pauses), untraced (untraced-cpu and python-gc
 from pauses), signals (pairs, peer pace, chunk balance, GPU GC stalls),
 sequences, fixes, detect (classify: signals -> one batched replay -> candidates -> listing ->

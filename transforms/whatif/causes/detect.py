@@ -31,7 +31,7 @@ from transforms.whatif.causes.signals import (
 from transforms.whatif.causes.verdict import CauseError, CauseRules, Fix, Verdict
 from transforms.whatif.causes.untraced import (data_loading, model_untraced, pause_cause, untraced_cause,
                                               untraced_workers)
-from transforms.whatif.causes.workers import WorkerTests, balance_tests, worker_tests
+from transforms.whatif.causes.workers import WorkerTests, balance_tests, t_sf, worker_tests
 from transforms.whatif.metrics import analyze_model, worker_set_mask
 from transforms.whatif.model import JobModel, compile_job, distinct
 from transforms.whatif.replay import Mix, Scenario, replay, replay_thread_count
@@ -61,13 +61,35 @@ class _Signals:
     peers: PeerComparison | None
     chunks: ChunkBalance | None
     workers: WorkerTests
-    workload_r: float = math.nan     # compute against the recorded workload of its microbatch (_workload_r)
+    r_norm_df: int = 0
+    workload_r: float = math.nan     # compute against the recorded workload of its microbatch (_workload_fit)
+    workload_df: int = 0
 
     @property
     def follows_data(self) -> float:
         """How strongly compute follows the data (the sequence signature's r): forward against
         backward of the same microbatch, or compute against the tokens the batch recorded."""
         return float(np.fmax(self.r_norm, self.workload_r))
+
+    @property
+    def sequence_p(self) -> float:
+        """p-value that compute follows the data: each correlation's one-sided test (`correlation_p`)
+        of the ones the trace supports, the smallest times their number (Bonferroni)."""
+        tests = [correlation_p(r, df) for r, df in ((self.r_norm, self.r_norm_df), (self.workload_r, self.workload_df))
+                 if math.isfinite(r) and df >= 1]
+        return min(1.0, len(tests) * min(tests)) if tests else 1.0
+
+
+def correlation_p(r: float, df: int) -> float:
+    """One-sided p-value of a Pearson r > 0 with `df` degrees of freedom (samples, less one per
+    mean taken out and one for the slope): t = r sqrt(df / (1 - r^2)) against Student's t. The
+    sequence signature is a test at the job's false-alarm rate, so many microbatches decide at a
+    smaller r than a few (a fixed r would be too strict for the one and too lax for the other)."""
+    if not math.isfinite(r) or df < 1:
+        return 1.0
+    if r >= 1.0:
+        return 0.0
+    return t_sf(r * math.sqrt(df / max(1.0 - r * r, 1e-300)), df)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,13 +119,14 @@ class PairSignals:
     chunks: ChunkBalance | None
     evidence: dict
     workers: WorkerTests
+    r_norm_df: int = 0
 
 
 def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSignals:
     """Forward/backward correlation, GC stalls, peer comparison and chunk balance of a compiled job."""
     evidence: dict[str, object] = {}
     forward, backward = pairs(model)
-    r_norm, gc, peers, chunks = math.nan, None, None, None
+    r_norm, r_norm_df, gc, peers, chunks = math.nan, 0, None, None, None
     workers = worker_tests(model, forward, backward, rules.false_alarm, rules.straggling, rules.peer_offset) \
         if model.dp_size > 1 else balance_tests(model, rules.false_alarm, rules.straggling, rules.peer_offset)
     if len(forward):
@@ -113,6 +136,8 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSigna
         keep = ~gc.pauses
         if forward.shape[0] > model.pp_size * max(model.vpp_size, 1):
             r_norm = pearson(within_group_normalised(f, chunk)[keep], within_group_normalised(b, chunk)[keep])
+            # each (chunk, lane)'s mean is taken out: one degree of freedom per group, one for the slope
+            r_norm_df = int(keep.sum()) - len(distinct(chunk[:, 0])) * model.n_lanes - 1
         evidence.update(forward_backward_r=pearson(f, b), forward_backward_r_normalised=r_norm)
         peers = peer_comparison(model, forward, backward)
         chunks = chunk_balance(model, forward, backward)
@@ -135,7 +160,7 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSigna
                                         "confidence": f.confidence} for f in workers.slow]
     if chunks is not None:
         evidence.update(chunk_ratio=chunks.ratio, heaviest_chunk=[chunks.heaviest_chunk, chunks.heaviest_stage])
-    return PairSignals(forward, backward, r_norm, gc, peers, chunks, evidence, workers)
+    return PairSignals(forward, backward, r_norm, gc, peers, chunks, evidence, workers, r_norm_df)
 
 
 def _slow_steps(workers: WorkerTests, worker: tuple[int, int]) -> list[int]:
@@ -158,7 +183,7 @@ def _signals(model: JobModel, result: WhatIfResult, rules: CauseRules, evidence:
     paired = pair_signals(model, rules) if paired is None else paired
     evidence.update(paired.evidence)
     return _Signals(mw, ms, evidence["comm_share"], comm_excess, paired.forward, paired.backward, paired.r_norm,
-                    uniformity, paired.gc, paired.peers, paired.chunks, paired.workers)
+                    uniformity, paired.gc, paired.peers, paired.chunks, paired.workers, paired.r_norm_df)
 
 
 def _gc_evidence(model: JobModel, forward: np.ndarray, gc: GcStalls, evidence: dict) -> None:
@@ -211,7 +236,7 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
     if len(signals.forward):
         costs["sequence"] = even_sequences(model)
         costs["gc"] = without_pauses(model, signals.forward, signals.gc, rules.gc_min_stall)
-        if workload is not None and signals.follows_data >= rules.sequence_r:    # only the sequence cause's fix needs it
+        if workload is not None and signals.sequence_p <= rules.false_alarm:    # only the sequence cause's fix needs it
             started = time.perf_counter()
             costs["sequence-repacked"], sequence_evidence = repacked_sequences(model, workload)
             timings["sequence"] = time.perf_counter() - started
@@ -221,14 +246,20 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
 
 
 def _workload_r(model: JobModel, signals: _Signals, workload: SequenceWorkload | None) -> float:
+    """`_workload_fit`'s r."""
+    return _workload_fit(model, signals, workload)[0]
+
+
+def _workload_fit(model: JobModel, signals: _Signals, workload: SequenceWorkload | None) -> tuple[float, int]:
     """Pearson r between each microbatch's compute (forward + backward) and the workload its
     recorded sequences carry, both over the (stage, chunk)'s mean across every step and DP rank
     (stage and chunk sizes cancel, steps and ranks stay: the data moves between them); GC pauses
     left out. The sequence signature where a worker runs one microbatch per step
     (forward against backward needs several): compute that follows the batch's tokens, moving
-    between ranks and steps. NaN without recorded lengths or pairs."""
+    between ranks and steps. With its degrees of freedom (samples less one per (stage, chunk) mean
+    and one for the slope). (NaN, 0) without recorded lengths or pairs."""
     if workload is None or not len(signals.forward):
-        return math.nan
+        return math.nan, 0
     compute = take(model.original_cost, signals.forward) + take(model.original_cost, signals.backward)
     load = take(workload.op_workload, signals.forward)
     chunk = model.op_stage[signals.forward] * (int(model.op_gmc.max()) + 2) + model.op_gmc[signals.forward]
@@ -236,11 +267,11 @@ def _workload_r(model: JobModel, signals: _Signals, workload: SequenceWorkload |
     if signals.gc is not None:
         keep &= ~signals.gc.pauses
     if keep.sum() < 3:
-        return math.nan
+        return math.nan, 0
     compute, load = compute[keep], load[keep]
-    _, group = np.unique(chunk[keep], return_inverse=True)
+    groups, group = np.unique(chunk[keep], return_inverse=True)
     mean = lambda values: (np.bincount(group, weights=values) / np.bincount(group))[group]
-    return pearson(compute / mean(compute), load / mean(load))
+    return pearson(compute / mean(compute), load / mean(load)), int(keep.sum()) - len(groups) - 1
 
 
 def _hot_half(result: WhatIfResult) -> tuple[tuple[int, int], ...]:
@@ -338,8 +369,8 @@ def _candidates(model: JobModel, result: WhatIfResult, signals: _Signals, share,
             if signals.chunks is not None and signals.chunks.ratio >= rules.stage_chunk_ratio else 0.0
         if by_ms or by_chunk:
             out.append(_Candidate("stage-imbalance", "stage", max(by_ms, by_chunk), rules.stage_min_explained, 0.4))
-    if len(signals.forward) and signals.follows_data >= rules.sequence_r:
-        out.append(_Candidate("sequence-imbalance", "sequence", margin(signals.follows_data, rules.sequence_r, 0.97),
+    if len(signals.forward) and signals.sequence_p <= rules.false_alarm:
+        out.append(_Candidate("sequence-imbalance", "sequence", 1.0 - signals.sequence_p,
                               rules.sequence_min_explained, 0.5))
     if signals.gc is not None and _gc_signature(evidence, rules):
         out.append(_Candidate("python-gc", "gc", margin(float(evidence["gc_workers"]), 2, 4), rules.gc_min_explained, 0.4))
@@ -430,9 +461,10 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
 
     timings: dict[str, float] = {}
     signals = _signals(model, result, rules, evidence, paired)
-    signals.workload_r = _workload_r(model, signals, workload)
+    signals.workload_r, signals.workload_df = _workload_fit(model, signals, workload)
     if math.isfinite(signals.workload_r):
         evidence["workload_compute_r"] = signals.workload_r
+    evidence["sequence_p"] = signals.sequence_p
     costs = _fix_costs(model, result, signals, workload, rules, evidence, timings)
     fixed = replay(model, [Scenario(name, cost) for name, cost in costs.items()])
     step_time = {name: float(fixed.span(name).mean()) for name in fixed.names}

@@ -36,7 +36,6 @@ class CauseRules:
     worker_alarm_ratio: float = 1.5      # one DP rank: a stage running its usual work this much slower is a slow machine
     stage_ms: float = 0.5
     stage_chunk_ratio: float = 1.1       # heaviest chunk's compute per microbatch over the median chunk's
-    sequence_r: float = 0.9
     comm_share: float = 0.5
     comm_excess: float = 0.05            # sum of S_t - 1 over communication types (mixtures)
     min_explained: float = 0.1           # worker (peer fix) and communication
