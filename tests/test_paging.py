@@ -41,6 +41,15 @@ def test_what_pages():
     assert page_of(row("s1", 2.0, "individual-worker", blamed=[], status="discarded"), 1.1) is None
     assert page_of(row("s1", 1.3, "untraced-cpu", blamed=[paused]), 1.1).ranks == [3]
     assert page_of(row("s1", 1.3, "stage-imbalance", blamed=[]), 1.1).ranks == []
+    # a cause read from the replay and named short of the stated confidence (its signature half held,
+    # as on a busy CPU host's collectives) is no page, and no healthy session either while S is over
+    # the threshold; a worker the worker test decided pages whatever the listing's confidence
+    from transforms.live.paging import healthy
+
+    unsure = dict(row("s1", 1.3, "communication", blamed=[slow_rank()]), verdict_confidence=0.52)
+    assert page_of(unsure, 1.1) is None and not healthy(unsure, 1.1) and healthy(dict(unsure, slowdown=1.05), 1.1)
+    assert page_of(dict(unsure, verdict_confidence=0.99), 1.1).ranks == [3]   # 1 - the 1% false-alarm rate
+    assert page_of(dict(row("s1"), verdict_confidence=0.84), 1.1).ranks == [3]
 
 
 def test_one_alert_per_job_cause_and_ranks_until_a_healthy_session(tmp_path):

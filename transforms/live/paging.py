@@ -9,7 +9,9 @@ false-alarm rate, transforms/whatif/causes, so jitter does not page), and
   replay is off by more than 5% (discarded) too: a worker measured 1.5x its peers is slow even
   where the job hides it or the replay cannot say what it costs;
 - or any other cause (stage, sequence, communication: read from the replay) in a window kept, with
-  S at or above the watcher's threshold.
+  S at or above the watcher's threshold and the verdict's confidence at least 1 - the stated
+  false-alarm rate (a signature that holds only partly, confidence 0.5, is no page; the measured
+  causes above were decided by their own tests at that rate).
 
 An alert is identified by its fingerprint: a digest of (job, cause, blamed global ranks). The
 sessions of a job that keep naming the same workers continue one alert (a job profiled every
@@ -37,6 +39,7 @@ import fsspec
 
 from transforms.io.lake import filesystem, write_file_atomic
 from transforms.live.tables import name_part
+from transforms.whatif.causes.verdict import CauseRules
 
 __all__ = ["NOT_PAGED", "MEASURED", "ALERT_STATE", "Page", "page_of", "fingerprint", "AlertBook", "workers_text"]
 
@@ -46,6 +49,7 @@ ALERT_STATE = "alert_state"
 INTERVALS = 3            # a job silent for this many of its profiling intervals has stopped (or been fixed)
 REMEMBERED_ARRIVALS = 8  # recent sessions' arrival times kept per job (its profiling cadence)
 REMEMBERED_SESSIONS = 1000   # sessions whose revisions a job's state keeps: far more than can still be in landing/
+DECIDED = 1.0 - CauseRules.false_alarm - 1e-9   # the least verdict confidence that pages: decided at the stated rate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,19 +83,27 @@ def page_of(row: dict, threshold: float) -> Page | None:
         return None
     workers = tuple(row.get("blamed") or ())
     measured = cause in MEASURED and bool(workers)
-    if not measured and (row["status"] != "analysed" or row.get("slowdown") is None or float(row["slowdown"]) < threshold):
+    if not measured and (row["status"] != "analysed" or row.get("slowdown") is None or float(row["slowdown"]) < threshold
+                         or not _decided(row)):
         return None
     return Page(cause, workers, fingerprint(row["job_id"], cause, _ranks(workers)))
 
 
+def _decided(row: dict) -> bool:
+    confidence = row.get("verdict_confidence")
+    return confidence is None or float(confidence) >= DECIDED
+
+
 def healthy(row: dict, threshold: float) -> bool:
-    """A result that resolves the job's open alerts: kept with nothing to page (and not undecided
-    above the threshold), or discarded with the worker test clearing every worker (verdict none and
-    no worker left undecided: a discarded window's S says nothing, its measurements do)."""
+    """A result that resolves the job's open alerts: kept with nothing to page (and neither undecided
+    nor a cause named short of the stated confidence above the threshold), or discarded with the
+    worker test clearing every worker (verdict none and no worker left undecided: a discarded
+    window's S says nothing, its measurements do)."""
     if page_of(row, threshold) is not None:
         return False
     if row.get("status") == "analysed":
-        return row.get("verdict") != "insufficient-evidence" or float(row.get("slowdown") or 0.0) < threshold
+        unsure = row.get("verdict") == "insufficient-evidence" or (row.get("verdict") not in MEASURED and not _decided(row))
+        return not unsure or float(row.get("slowdown") or 0.0) < threshold
     return row.get("status") == "discarded" and row.get("verdict") == "none" and row.get("undecided_workers") == 0
 
 
