@@ -266,7 +266,10 @@ def summary(result, n_ops: int, seconds: float, top: int = 3, device: str | None
            "measured (per-worker compute against DP peers) still holds" if result.discarded
            else f"ok (within 1/{DISCREPANCY_LIMIT} .. {DISCREPANCY_LIMIT})")
         + ("" if untraced is None else f"; the replay gives back the untraced CPU time of {named}, which the "
-                                       f"no-delay replay of METHOD.md leaves out (its discrepancy: {result.launch_slowdown:.4f})"),
+                                       f"no-delay replay of METHOD.md leaves out (its discrepancy: {result.launch_slowdown:.4f})")
+        + ("" if result.kept_by != "arrivals-model" else
+           f"; the replay starts each rank when it arrived, as late as it finished the previous step (ranks end a step "
+           f"apart; METHOD.md's replay starts them together and is off by {result.launch_slowdown:.4f}); S is METHOD's"),
     ]
     if result.by_stage is None:
         lines.append(f"no attribution: S < {ATTRIBUTION_THRESHOLD}" if untraced is None else

@@ -116,3 +116,16 @@ def test_a_cpu_rank_blocked_in_a_collective_computes_after_it_whatever_python_ra
 
     assert first_forward_preds(model) == {"group-collective"}
     assert first_forward_preds(gpu) == {"step start"}
+
+
+def test_strag_analyze_says_why_a_window_method_would_discard_is_kept(tmp_path, capsys):
+    from pipelines.analyze import run
+
+    folder = tmp_path / "lightning"
+    folder.mkdir()
+    for name in ("rank-0.json.gz", "rank-1.json.gz"):
+        (folder / name).symlink_to(STACKS / "lightning-clean-mlp-callback-s0-gcrec" / name)
+    assert run(["--format", "kineto", str(folder)]) in (0, None)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("replay discrepancy"))
+    assert line.startswith("replay discrepancy 1.03") and ": ok (within" in line
+    assert "starts each rank when it arrived" in line and "off by 1.06" in line and "S is METHOD's" in line
