@@ -225,3 +225,21 @@ def test_a_worker_is_blamed_for_untraced_time_only_beyond_the_job_s_own_spread()
     t = e.mean() / (e.std(ddof=1) / np.sqrt(3))
     assert steady[b] == pytest.approx(1.0 - 2 * t_sf(t, 2))
     assert _untraced_test({a: np.array([0.001]), b: np.array([0.3])}, peers, [a, b], 0.01) == {}
+
+
+def test_the_untraced_test_s_null_compares_like_with_like():
+    """With DP peers each worker's untraced time is tested against its stage's peers, and the null's
+    spread comes from the same comparisons: stage 0's two ranks share a jitter of 100 ms every other
+    step (a pipeline neighbour's), which cancels between them and must not hide a steady 5 ms excess
+    on stage 1's rank 1 (compared with every other worker it would)."""
+    from transforms.whatif.causes.untraced import _untraced_test
+
+    rng = np.random.default_rng(7)
+    steps = 8
+    shared = np.tile([0.0, 0.1], steps // 2)
+    per_step = {(0, 0): 0.02 + shared + rng.normal(0, 1e-4, steps), (1, 0): 0.02 + shared + rng.normal(0, 1e-4, steps),
+                (0, 1): 0.01 + rng.normal(0, 1e-4, steps), (1, 1): 0.015 + rng.normal(0, 1e-4, steps)}
+    workers = list(per_step)
+    peers = {w: [(1 - w[0], w[1])] for w in workers}
+    confidence = _untraced_test(per_step, peers, workers, 0.01)
+    assert confidence[(1, 1)] > 0.99 and confidence[(0, 1)] == 0.0

@@ -140,11 +140,18 @@ def _untraced_test(per_step: dict, baselines: dict, workers: list, alpha: float)
     time per step than its baseline workers' median: the per-step excesses of every worker against
     its own baseline, their spread around each worker's mean pooled over the job (two workers'
     excesses mirror each other and count once) as the null, a one-sided t on the tested worker's
-    mean excess. {} when the job gives no spread to test against (one step)."""
+    mean excess. With DP peers the null is the excesses against the same baselines (each worker
+    against its stage's DP peers; two DP ranks mirror each other, one per stage counts), else
+    against every other worker. {} when the job gives no spread to test against (one step)."""
     excess = {w: per_step[w] - np.median(np.stack([per_step[o] for o in others]), axis=0)
               for w, others in baselines.items()}
-    every = {w: per_step[w] - np.median(np.stack([per_step[o] for o in workers if o != w]), axis=0) for w in workers}
-    families = list(every.values())[:1] if len(workers) == 2 else list(every.values())
+    peers = set(baselines) == set(workers) and all(o[1] == w[1] for w, others in baselines.items() for o in others)
+    if peers:
+        dp_size = len({d for d, _ in workers})
+        families = [e for (d, _), e in excess.items() if d == 0] if dp_size == 2 else list(excess.values())
+    else:
+        every = {w: per_step[w] - np.median(np.stack([per_step[o] for o in workers if o != w]), axis=0) for w in workers}
+        families = list(every.values())[:1] if len(workers) == 2 else list(every.values())
     n = len(next(iter(per_step.values())))
     df = sum(len(e) - 1 for e in families)
     if n < 2 or df < 1:
