@@ -99,7 +99,7 @@ def fleet_charts(data: ReportData) -> list[Chart]:
 
 
 def _method_sentence(coverage: pd.DataFrame) -> str:
-    """Where the model and METHOD.md differ: the analysed windows only the untraced-time model keeps,
+    """Where the model and METHOD.md differ: the analysed windows only the model keeps,
     and both mean S (empty when every kept window is METHOD's too, or the table predates the columns)."""
     if coverage.empty or "kept_by_model" not in coverage:
         return ""
@@ -112,8 +112,8 @@ def _method_sentence(coverage: pd.DataFrame) -> str:
     method = analysed["slowdown_method_mean"].dropna()
     method_text = (f", METHOD.md's {float((method * analysed.loc[method.index, 'jobs']).sum() / analysed.loc[method.index, 'jobs'].sum()):.3f}"
                    if len(method) else "")
-    return (f" {kept} of the {jobs} analysed windows are kept by the untraced-time model (named workers' untraced CPU "
-            f"time given back); METHOD.md section 3 would discard them. Mean S of the analysed windows: the model's "
+    return (f" {kept} of the {jobs} analysed windows are kept by the model (named workers' untraced CPU time given "
+            f"back, or CPU ranks started as late as they finished the previous step); METHOD.md section 3 would discard them. Mean S of the analysed windows: the model's "
             f"{model:.3f}{method_text}.")
 
 

@@ -277,8 +277,8 @@ FLEET_COVERAGE_SCHEMA = _schema(
         pa.field("source_format", pa.string(), nullable=False),
         pa.field("jobs", pa.int64(), nullable=False),
         pa.field("gpu_hours", pa.float64(), nullable=False),
-        # analysed windows: how many METHOD.md section 3 alone would discard (kept by the untraced-time
-        # model), the model's mean S and METHOD.md's mean S (no untraced time; over the windows that
+        # analysed windows: how many METHOD.md section 3 alone would discard (kept by the model: untraced
+        # time or carried arrivals, job_summary.kept_by), the model's mean S and METHOD.md's mean S (no untraced time; over the windows that
         # recorded it); null for other statuses
         pa.field("kept_by_model", pa.int64(), nullable=True),
         pa.field("slowdown_mean", pa.float64(), nullable=True),
