@@ -243,3 +243,19 @@ def test_the_untraced_test_s_null_compares_like_with_like():
     peers = {w: [(1 - w[0], w[1])] for w in workers}
     confidence = _untraced_test(per_step, peers, workers, 0.01)
     assert confidence[(1, 1)] > 0.99 and confidence[(0, 1)] == 0.0
+
+
+def test_a_sequence_signature_short_of_significance_says_how_many_microbatches_would_decide():
+    """HF Trainer, dynamic padding, one microbatch per rank and step, 3 steps: compute follows the
+    batches' tokens (r ~0.7 over 6 microbatches) but not at 1%; the insufficient-evidence verdict
+    says so and how many more microbatches the same r would need (recomputed here)."""
+    from transforms.whatif.causes.detect import correlation_p
+
+    verdict, _ = _verdict("hf-seq-gpt2-padded")
+    assert verdict.cause == "insufficient-evidence"
+    r, p, needed = (verdict.evidence[k] for k in ("workload_compute_r", "sequence_p", "sequence_samples_needed"))
+    df = 6 - 1 - 1                                    # 6 microbatches, one chunk's mean, the slope
+    assert p == pytest.approx(correlation_p(r, df)) and p > 0.01
+    assert correlation_p(r, df + needed) <= 0.01 < correlation_p(r, df + needed - 1)
+    sentence = verdict.explanations["insufficient-evidence"]
+    assert f"about {needed} more microbatches" in sentence and "sequence-length imbalance" in sentence

@@ -80,6 +80,22 @@ class _Signals:
         return min(1.0, len(tests) * min(tests)) if tests else 1.0
 
 
+def _samples_to_decide(r: float, df: int, alpha: float, tests: int = 1) -> int | None:
+    """How many more microbatches a positive correlation r would need to be significant at `alpha`
+    (the same r over more samples; Bonferroni over the `tests` sequence tests), None where it is not
+    positive or already decides."""
+    if not math.isfinite(r) or r <= 0 or df < 1 or tests * correlation_p(r, df) <= alpha:
+        return None
+    more = df
+    while tests * correlation_p(r, more) > alpha and more < 100_000:
+        more = more * 2
+    low = more // 2
+    while low + 1 < more:                      # the least df that decides, by bisection
+        middle = (low + more) // 2
+        low, more = (middle, more) if tests * correlation_p(r, middle) > alpha else (low, middle)
+    return more - df
+
+
 def correlation_p(r: float, df: int) -> float:
     """One-sided p-value of a Pearson r > 0 with `df` degrees of freedom (samples, less one per
     mean taken out and one for the slope): t = r sqrt(df / (1 - r^2)) against Student's t. The
@@ -465,6 +481,10 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     if math.isfinite(signals.workload_r):
         evidence["workload_compute_r"] = signals.workload_r
     evidence["sequence_p"] = signals.sequence_p
+    tests = 1 + int(math.isfinite(signals.r_norm) and signals.r_norm_df >= 1)
+    needed = _samples_to_decide(signals.workload_r, signals.workload_df, rules.false_alarm, tests)
+    if needed is not None and signals.sequence_p > rules.false_alarm:
+        evidence["sequence_samples_needed"] = needed
     costs = _fix_costs(model, result, signals, workload, rules, evidence, timings)
     fixed = replay(model, [Scenario(name, cost) for name, cost in costs.items()])
     step_time = {name: float(fixed.span(name).mean()) for name in fixed.names}
@@ -585,7 +605,7 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     if "python-gc" in ranked and "python-gc" not in by_cause:
         explanations["python-gc"] = explain.pause_sentence(evidence, fixes["python-gc"], model.worker_rank)
     if primary == "insufficient-evidence":
-        explanations[primary] = explain.insufficient_sentence(slowdown, evidence.get("worker_test", {}))
+        explanations[primary] = explain.insufficient_sentence(slowdown, evidence.get("worker_test", {}), evidence)
     if primary in ("none", "unexplained"):
         best = max(fixes.values(), key=lambda f: f.explained, default=None)
         explanations[primary] = explain.verdict_sentence(primary, slowdown, rules.straggling, best,

@@ -196,9 +196,21 @@ def what_would_decide(finding: dict, unit: str) -> str:
     return "more DP peers, not more steps, would decide"
 
 
-def insufficient_sentence(slowdown: float, test: dict) -> str:
-    """Why the job cannot support a decision, and what would settle it ("insufficient-evidence")."""
+def insufficient_sentence(slowdown: float, test: dict, evidence: dict | None = None) -> str:
+    """Why the job cannot support a decision, and what would settle it ("insufficient-evidence");
+    with a sequence signature short of significance (evidence sequence_samples_needed), that too."""
     head = f"S = {slowdown:.3f}, but the trace cannot decide who or what is slow"
+    evidence = evidence or {}
+    needed = evidence.get("sequence_samples_needed")
+    if needed:
+        return (_insufficient_workers(head, test)[:-1] + f"; and compute follows the batches' recorded tokens "
+                f"(r = {evidence['workload_compute_r']:.2f}, p = {evidence['sequence_p']:.2f}), not clearly enough to call "
+                f"it sequence-length imbalance at a {100 * test.get('alpha', 0.01):g}% false-alarm rate: about {needed} "
+                f"more microbatches (steps x DP ranks) would decide.")
+    return _insufficient_workers(head, test)
+
+
+def _insufficient_workers(head: str, test: dict) -> str:
     undecided = test.get("undecided") or []
     if undecided:
         w = undecided[0]
