@@ -125,7 +125,15 @@ def test_strag_analyze_says_why_a_window_method_would_discard_is_kept(tmp_path, 
     folder.mkdir()
     for name in ("rank-0.json.gz", "rank-1.json.gz"):
         (folder / name).symlink_to(STACKS / "lightning-clean-mlp-callback-s0-gcrec" / name)
-    assert run(["--format", "kineto", str(folder)]) in (0, None)
+    out = tmp_path / "result.json"
+    assert run(["--format", "kineto", str(folder), "--json", str(out)]) in (0, None)
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("replay discrepancy"))
+    result = json.loads(out.read_text())
+    arrivals, nodelay = result["carried_arrivals"]["step_t"], result["step_t_nodelay"]
+    assert result["kept_by"] == "arrivals-model" and result["launch_slowdown"] > 1.05
+    assert list(arrivals) == list(nodelay)
+    first, *later = sorted(arrivals, key=int)
+    assert arrivals[first] == pytest.approx(nodelay[first], rel=1e-12)   # nothing carried into the first step
+    assert all(arrivals[s] >= nodelay[s] - 1e-12 for s in later) and any(arrivals[s] > nodelay[s] for s in later)
     assert line.startswith("replay discrepancy 1.03") and ": ok (within" in line
     assert "starts each rank when it arrived" in line and "off by 1.06" in line and "S is METHOD's" in line

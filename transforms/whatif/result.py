@@ -389,6 +389,11 @@ class WhatIfResult:
             "step_t": dict(zip((str(int(s)) for s in self.steps), map(float, self.untraced.step_t))),
             "slowdown": self.model_slowdown,
         }
+        # CPU ranks: the replay with each rank's arrival carried from its previous step (what the
+        # discrepancy compares with when METHOD's replay is more than 5% short)
+        out["carried_arrivals"] = None if self.step_t_arrivals is None else {
+            "step_t": dict(zip((str(int(s)) for s in self.steps), map(float, self.step_t_arrivals))),
+        }
         out["evidence"] = None if self.evidence is None else self.evidence.to_json()
         out["worker_slowdown"] = None if self.worker_slowdown is None else self.worker_slowdown.tolist()
         out["ideal_durations"] = self.ideal_durations
