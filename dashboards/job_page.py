@@ -17,6 +17,7 @@ from dashboards import charts
 from dashboards.data import ReportData
 from dashboards.html import BUNDLE_PATH, Chart, HtmlTable, Numbers, Text, fmt, job_title, render_page
 from schemas.causes import CAUSE_TITLES, evidence_label
+from schemas.tables import KEPT_BY_MODEL
 from schemas.trace import OPTYPES, optype_words
 from transforms.whatif.causes.explain import what_would_decide, when_slow
 
@@ -73,7 +74,7 @@ def _method_note(s) -> str:
     if method is None or method != method or abs(float(method) - float(s.slowdown)) < 5e-4:
         return ""
     kept = getattr(s, "kept_by", None)
-    why = "; METHOD.md would discard this window: the model keeps it" if kept in ("untraced-model", "arrivals-model") else ""
+    why = "; METHOD.md would discard this window: the model keeps it" if kept in KEPT_BY_MODEL else ""
     return f"; METHOD.md's S (no untraced time modelled) {fmt(method)}{why}"
 
 

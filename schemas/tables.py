@@ -55,6 +55,7 @@ __all__ = [
     "OPTYPE_ATTRIBUTION_SCHEMA",
     "COVERAGE_SCHEMA",
     "KEPT_BY",
+    "KEPT_BY_MODEL",
     "QUARANTINE_SCHEMA",
     "BATCH_TABLES",
     "partition_path",
@@ -75,6 +76,7 @@ JOB_STATUSES = ("analysed", "discarded", "quarantined")
 # the replay with the named workers' untraced time (transforms/whatif/result.py UntracedWork), or
 # the replay with each CPU rank's late arrival from its previous step (JobModel.carried_arrivals).
 KEPT_BY = ("method", "untraced-model", "arrivals-model")
+KEPT_BY_MODEL = KEPT_BY[1:]   # the rules under which only the model keeps a window METHOD.md would discard
 # What a quarantine row covers: one row of a file, a whole file, or a whole job window.
 QUARANTINE_LEVELS = ("row", "file", "job")
 

@@ -138,7 +138,7 @@ def test_compute_that_follows_the_recorded_lengths_is_the_sequence_signature():
     same compute given to the other rank of each step (against its data) reads no correlation."""
     from transforms.whatif import analyze_model
     from transforms.whatif.causes import sequence_workload
-    from transforms.whatif.causes.detect import _signals, _workload_r
+    from transforms.whatif.causes.detect import _signals, _workload_fit
     from transforms.whatif.causes.signals import take
     from transforms.whatif.causes.verdict import CauseRules
 
@@ -148,11 +148,11 @@ def test_compute_that_follows_the_recorded_lengths_is_the_sequence_signature():
     load = take(workload.op_workload, signals.forward)
     for ops in (signals.forward, signals.backward):
         np.put_along_axis(model.original_cost, ops, 1e-7 * load, axis=0)
-    assert _workload_r(model, signals, workload) == pytest.approx(1.0)
+    assert _workload_fit(model, signals, workload)[0] == pytest.approx(1.0)
     swapped = load.reshape(len(load), model.n_steps, model.dp_size)[:, :, ::-1].reshape(load.shape)
     for ops in (signals.forward, signals.backward):
         np.put_along_axis(model.original_cost, ops, 1e-7 * swapped, axis=0)
-    assert _workload_r(model, signals, workload) < 0.5
+    assert _workload_fit(model, signals, workload)[0] < 0.5
 
 
 def _strip_gc_record(run: str, into: pathlib.Path) -> pathlib.Path:

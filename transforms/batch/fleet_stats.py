@@ -43,6 +43,7 @@ from schemas.fleet import (
     OPTYPE_CATEGORIES,
     rollup_table,
 )
+from schemas.tables import KEPT_BY_MODEL
 from transforms.whatif.result import STRAGGLING_THRESHOLD, discrepancy_discards
 
 __all__ = [
@@ -669,7 +670,7 @@ class CoverageFn(_TableFn):
         key = (facts.status, facts.reason if not facts.analysed else "", facts.source_format)
         tally.add(key, jobs=1, gpu_hours=_gpu_hours_fixed(facts))
         if facts.analysed:   # the model's S and METHOD.md's beside it, and how many METHOD alone would discard
-            tally.add(key, kept_by_model=int(facts.kept_by not in ("", "method")), slowdown=_fixed(facts.slowdown, _RATIO_SCALE))
+            tally.add(key, kept_by_model=int(facts.kept_by in KEPT_BY_MODEL), slowdown=_fixed(facts.slowdown, _RATIO_SCALE))
             if math.isfinite(facts.slowdown_method):
                 tally.add(key, method_windows=1, slowdown_method=_fixed(facts.slowdown_method, _RATIO_SCALE))
 

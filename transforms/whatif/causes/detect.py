@@ -35,7 +35,7 @@ from transforms.whatif.causes.workers import WorkerTests, balance_tests, t_sf, w
 from transforms.whatif.metrics import analyze_model, worker_set_mask
 from transforms.whatif.model import JobModel, compile_job, distinct
 from transforms.whatif.replay import Mix, Scenario, replay, replay_thread_count
-from transforms.whatif.result import JobMeta, WhatIfResult
+from transforms.whatif.result import STRAGGLING_THRESHOLD, JobMeta, WhatIfResult
 from schemas.causes import FIX_NAMES
 from schemas.trace import COMPUTE_OPTYPES
 
@@ -66,17 +66,17 @@ class _Signals:
     workload_df: int = 0
 
     @property
-    def follows_data(self) -> float:
-        """How strongly compute follows the data (the sequence signature's r): forward against
-        backward of the same microbatch, or compute against the tokens the batch recorded."""
-        return float(np.fmax(self.r_norm, self.workload_r))
+    def sequence_tests(self) -> list[tuple[float, int]]:
+        """(r, degrees of freedom) of the sequence signature's correlations the trace supports:
+        forward against backward of the same microbatch, compute against the tokens it recorded."""
+        return [(r, df) for r, df in ((self.r_norm, self.r_norm_df), (self.workload_r, self.workload_df))
+                if math.isfinite(r) and df >= 1]
 
     @property
     def sequence_p(self) -> float:
-        """p-value that compute follows the data: each correlation's one-sided test (`correlation_p`)
-        of the ones the trace supports, the smallest times their number (Bonferroni)."""
-        tests = [correlation_p(r, df) for r, df in ((self.r_norm, self.r_norm_df), (self.workload_r, self.workload_df))
-                 if math.isfinite(r) and df >= 1]
+        """p-value that compute follows the data: each correlation's one-sided test (`correlation_p`),
+        the smallest times their number (Bonferroni)."""
+        tests = [correlation_p(r, df) for r, df in self.sequence_tests]
         return min(1.0, len(tests) * min(tests)) if tests else 1.0
 
 
@@ -259,11 +259,6 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
             evidence.update(sequence_evidence)
             evidence["workload_forward_r"] = pearson(take(workload.op_workload, signals.forward), take(original, signals.forward))
     return costs
-
-
-def _workload_r(model: JobModel, signals: _Signals, workload: SequenceWorkload | None) -> float:
-    """`_workload_fit`'s r."""
-    return _workload_fit(model, signals, workload)[0]
 
 
 def _workload_fit(model: JobModel, signals: _Signals, workload: SequenceWorkload | None) -> tuple[float, int]:
@@ -481,8 +476,7 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     if math.isfinite(signals.workload_r):
         evidence["workload_compute_r"] = signals.workload_r
     evidence["sequence_p"] = signals.sequence_p
-    tests = 1 + int(math.isfinite(signals.r_norm) and signals.r_norm_df >= 1)
-    needed = _samples_to_decide(signals.workload_r, signals.workload_df, rules.false_alarm, tests)
+    needed = _samples_to_decide(signals.workload_r, signals.workload_df, rules.false_alarm, len(signals.sequence_tests))
     if needed is not None and signals.sequence_p > rules.false_alarm:
         evidence["sequence_samples_needed"] = needed
     costs = _fix_costs(model, result, signals, workload, rules, evidence, timings)
@@ -701,7 +695,7 @@ def _stands_out(values, factor: float = 2.0) -> bool:
     return len(excess) >= 2 and excess[0] > 0 and excess[0] >= factor * excess[1]
 
 
-def _comm_localised(model: JobModel, evidence: dict, factor: float = 2.0, floor: float = 1.1) -> bool:
+def _comm_localised(model: JobModel, evidence: dict, factor: float = 2.0, floor: float = STRAGGLING_THRESHOLD) -> bool:
     """Whether the transfers beyond their own typical time (the median of the same op over steps
     and DP ranks) gather on one DP rank, stage or step (a bad link, a flapping switch), rather
     than spread over all of them (a busy machine's noise, collectives that vary by nature). A

@@ -203,14 +203,15 @@ def insufficient_sentence(slowdown: float, test: dict, evidence: dict | None = N
     evidence = evidence or {}
     needed = evidence.get("sequence_samples_needed")
     if needed:
-        return (_insufficient_workers(head, test)[:-1] + f"; and compute follows the batches' recorded tokens "
+        return (_insufficient_workers(head, test) + f"; and compute follows the batches' recorded tokens "
                 f"(r = {evidence['workload_compute_r']:.2f}, p = {evidence['sequence_p']:.2f}), not clearly enough to call "
                 f"it sequence-length imbalance at a {100 * test.get('alpha', 0.01):g}% false-alarm rate: about {needed} "
                 f"more microbatches (steps x DP ranks) would decide.")
-    return _insufficient_workers(head, test)
+    return _insufficient_workers(head, test) + "."
 
 
 def _insufficient_workers(head: str, test: dict) -> str:
+    """The workers' part of `insufficient_sentence`, without its closing period."""
     undecided = test.get("undecided") or []
     if undecided:
         w = undecided[0]
@@ -220,9 +221,9 @@ def _insufficient_workers(head: str, test: dict) -> str:
         return (f"{head}: worker dp {w['dp_rank']} / stage {w['stage']}'s {w['kind']} measures {w['ratio']:.2f}x its DP "
                 f"peers' over {w['samples']} {test['unit']}s, within this job's own jitter ({jitter:.0f}% per "
                 f"{test['unit']}) at a {100 * test['alpha']:g}% false-alarm rate; {what_would_decide(w, test['unit'])} "
-                f"({how}).")
+                f"({how})")
     limits = "; ".join(test.get("limits") or []) or "no measurement stands out"
-    return f"{head}: {limits}; profile at least 3 steps on more than one DP rank to decide."
+    return f"{head}: {limits}; profile at least 3 steps on more than one DP rank to decide"
 
 
 def verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix | None, spread: bool = False,
