@@ -218,10 +218,11 @@ def test_a_window_kept_by_carried_arrivals_says_so_in_the_tables(tmp_path, capsy
     from pipelines import cli
 
     run = pathlib.Path(__file__).parent / "data" / "real_stacks" / "lightning-clean-mlp-callback-s0-gcrec"
-    lake, out = tmp_path / "lake", tmp_path / "tables"
+    lake, out, pages = tmp_path / "lake", tmp_path / "tables", tmp_path / "report"
     assert cli.main(["land", str(run), "--lake", str(lake), "--job-id", "arrivals", "--date", "2026-11-20"]) == 0
     assert cli.main(["batch", "--lake", str(lake), "--from", "2026-11-20", "--to", "2026-11-20", "--out", str(out),
                      "--quiet"]) == 0
+    assert cli.main(["report", "--tables", str(out), "--out", str(pages), "--images", "none"]) == 0
     capsys.readouterr()
     [row] = read_table(str(out), "job_summary").to_pylist()
     assert row["launch_slowdown"] > 1.05 and 1.0 < row["replay_discrepancy"] < 1.05 and not row["discarded"]
@@ -231,3 +232,14 @@ def test_a_window_kept_by_carried_arrivals_says_so_in_the_tables(tmp_path, capsy
     assert (coverage["status"], coverage["kept_by"]) == ("analysed", "arrivals-model")
     fleet = [r for r in read_table(str(out), "fleet_coverage").to_pylist() if r["status"] == "analysed"]
     assert sum(r["kept_by_model"] for r in fleet) == 1
+    index = html.unescape((pages / "index.html").read_text())
+    assert "1 of the 1 analysed windows are kept by the model" in index and "previous step" in index
+    # S 1.05, no job page of its own: the page's evidence line for such a row
+    import types
+
+    from dashboards.job_page import _discrepancy_number
+
+    name, value, note = _discrepancy_number(types.SimpleNamespace(**row))
+    assert value == f"{100 * (row['replay_discrepancy'] - 1):.1f}%" and note.startswith("within 5%: kept")
+    assert "each rank starts a step as late as it finished the previous one" in note
+    assert f"METHOD.md's replay starts them together: {100 * (row['launch_slowdown'] - 1):.1f}%" in note
