@@ -121,6 +121,16 @@ def _untraced_workers(s) -> list:
     return [] if workers is None else list(workers)
 
 
+def _confidence_words(cause: str, verdict: dict | None) -> str:
+    """The verdict tile's note: the cause's confidence; for insufficient evidence, that of the
+    strongest finding the job could not decide (never read as a certainty about a cause)."""
+    if verdict is None:
+        return "no verdict (discarded window)"
+    if cause == "insufficient-evidence":
+        return f"strongest undecided finding at confidence {verdict['confidence']:.2f}"
+    return f"{cause}, confidence {verdict['confidence']:.2f}"
+
+
 def _saved_number(fixes: dict, cause: str, unit: str) -> tuple[str, str, str]:
     """Headline: GPU-hours (CPU rank-hours) the primary cause's fix saves, naming the fix (all fixes when
     several causes)."""
@@ -265,7 +275,7 @@ def build_job_page(data: ReportData, date: dt.date, job_id: str, out_dir: pathli
          + _method_note(s)),
         ("waste", f"{100 * s.waste:.1f}%", f"{_hours(s.wasted_gpu_hours, '')} of {_hours(s.gpu_hours, unit)}") if s.waste >= 0 else
         ("waste", "none", "S < 1: the ideal replay is slower than the replay, within its noise"),
-        ("verdict", CAUSE_TITLES.get(cause, cause), f"{cause}, confidence {v['confidence']:.2f}" if v is not None else "no verdict (discarded window)"),
+        ("verdict", CAUSE_TITLES.get(cause, cause), _confidence_words(cause, v)),
         ("M_W / M_S", f"{fmt(s.m_w, 2)} / {fmt(s.m_s, 2)}", "share of the straggling time the top 3% workers / the last stage explain")
         if s.straggling else ("M_W / M_S", "n/a", "not straggling: too little straggling time to share out"),
         _saved_number(fixes, cause, unit),

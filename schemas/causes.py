@@ -18,7 +18,7 @@ CAUSE_TITLES: dict[str, str] = {
     "untraced-cpu": "untraced CPU work on a worker",
     "insufficient-evidence": "insufficient evidence",
     "unexplained": "unexplained slowdown",
-    "none": "not straggling",
+    "none": "no straggler to fix",
 }
 
 # The fix of each what-if replay (classifier scenario name), as the verdict names it.

@@ -122,7 +122,7 @@ JOB_CAUSE_SCHEMA = _schema(
         pa.field("slowdown", pa.float64(), nullable=False),             # S of the window
         pa.field("cause", pa.string(), nullable=False),                 # primary cause, CAUSES
         pa.field("causes", pa.list_(pa.string()), nullable=False),      # every detected cause, strongest first
-        pa.field("confidence", pa.float64(), nullable=False),           # of the primary cause, 0..1
+        pa.field("confidence", pa.float64(), nullable=False),           # of the primary cause, 0..1 (insufficient-evidence: its strongest undecided finding)
         pa.field("evidence_json", pa.string(), nullable=False),         # metric name -> value (M_W, M_S, r, ...)
         pa.field("implicated_dp_ranks", pa.list_(pa.int16()), nullable=False),  # workers whose machine is blamed (M_W set of an
                                                                                  # individual-worker or located-link verdict)

@@ -189,7 +189,12 @@ def test_a_job_the_trace_cannot_decide_says_so_and_what_would(tmp_path):
     assert "more DP peers" in done.stdout and "undecided: dp" in done.stdout
     verdict = json.loads(out.read_text())["verdict"]
     assert verdict["cause"] == "insufficient-evidence" and verdict["implicated_workers"] == []
-    assert verdict["evidence"]["worker_test"]["undecided"]
+    test = verdict["evidence"]["worker_test"]
+    assert test["undecided"]
+    # its confidence is the strongest undecided finding's (1 - adjusted p), short of the stated rate
+    strongest = max([1 - f["p_value"] for f in test["undecided"]]
+                    + ([1 - verdict["evidence"]["sequence_p"]] if verdict["evidence"].get("sequence_samples_needed") else []))
+    assert verdict["confidence"] == pytest.approx(strongest) and verdict["confidence"] < 1 - test["alpha"]
 
 
 def test_ddp_all_reduce_is_named_so_for_people_and_kept_in_the_json(tmp_path):

@@ -14,7 +14,11 @@ The design in four decisions.
    stated false-alarm rate per job (`false_alarm`, Bonferroni over the job's tests). Persistent
    (most steps) and intermittent (named steps) findings both blame; an effect the job cannot
    decide makes the verdict "insufficient-evidence", with the steps or peers that would decide.
-   Confidence is 1 - the adjusted p-value; bench_real_runs prints its reliability table.
+   Confidence is 1 - the adjusted p-value; bench_real_runs prints its reliability table (an
+   insufficient-evidence verdict states its strongest undecided finding's). A window that
+   straggles with no cause listed is tested the same way (`jitter.py`): replays of the ideal job
+   with only the measured jitter put back give the S the job's own variation makes; an S they
+   reach at the false-alarm rate is "none", one beyond them "unexplained".
    Without DP peers (a pipeline of one DP rank per stage) the same test runs on physics
    (`balance_tests`): more layers lengthen a chunk's forward and backward alike, a slow machine
    in one kind of work moves its balance of backward to forward away from the other stages';
@@ -45,7 +49,7 @@ communication signatures and listing shares (the paper's analysis). The sequence
 test too: compute following the data (forward against backward of a microbatch, or compute
 against its recorded tokens), each correlation against Student's t with its degrees of freedom,
 at the false-alarm rate (`detect.correlation_p`). Modules: workers (the worker
-test), pauses (untraced time: gaps, data loading, pauses), untraced (untraced-cpu and python-gc
+test), jitter (the null of S), pauses (untraced time: gaps, data loading, pauses), untraced (untraced-cpu and python-gc
 from pauses), signals (pairs, peer pace, chunk balance, GPU GC stalls),
 sequences, fixes, detect (classify: signals -> one batched replay -> candidates -> listing ->
 verdict), explain (sentences), verdict (dataclasses, the job_cause row). Words: schemas/causes.py.

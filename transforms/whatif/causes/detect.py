@@ -13,6 +13,7 @@ import transforms.whatif.causes.explain as explain
 from transforms.whatif.causes.fixes import (at_balance, at_peer_speed, compose, planned_gc_seconds, rebalanced_stages, typical_transfers,
                                            without_pauses)
 from transforms.whatif.causes.sequences import BACKWARD, FORWARD, SequenceWorkload, even_sequences, repacked_sequences, sequence_workload
+from transforms.whatif.causes.jitter import jitter_null
 from transforms.whatif.causes.signals import (
     ChunkBalance,
     ChunkWork,
@@ -549,13 +550,17 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         # a rank preempted for a moment; the job's own variation, not a straggler to fix
         evidence["transient"] = True
         primary, confidence = "none", 1.0
+    elif (null := _jitter(model, result, signals.workers, rules, evidence)) is not None and null.within(rules.false_alarm):
+        # straggling by S, nothing listed, and an S the job's own jitter reaches (jitter.py): the
+        # cost of ranks taking turns at being slow, not a straggler to fix
+        primary, confidence = "none", 1.0
     else:
         primary = "unexplained"
         confidence = float(np.clip(1.0 - max((f.explained for f in fixes.values()), default=0.0), 0.0, 1.0))
     if straggling and not ranked and _undecided(signals.workers):
         # straggling, nothing listed, and a worker measures slower than its peers that the job's
         # own jitter cannot confirm: say so and what would settle it, never a confident "none"
-        primary, confidence = "insufficient-evidence", 1.0
+        primary, confidence = "insufficient-evidence", _undecided_confidence(signals.workers, evidence)
     implicated = list(dict.fromkeys(w for c in ranked for w in by_cause[c].implicated))
     # untraced CPU work the replay leaves out (it is within 5% here) can still be one worker's,
     # large beside its peers' and hidden behind a slower worker: a cause of its own once it
@@ -602,9 +607,10 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         explanations[primary] = explain.insufficient_sentence(slowdown, evidence.get("worker_test", {}), evidence)
     if primary in ("none", "unexplained"):
         best = max(fixes.values(), key=lambda f: f.explained, default=None)
+        within = evidence.get("jitter_null") if primary == "none" and straggling else None
         explanations[primary] = explain.verdict_sentence(primary, slowdown, rules.straggling, best,
                                                          spread=evidence.get("localised") is False,
-                                                         transient=bool(evidence.get("transient")))
+                                                         transient=bool(evidence.get("transient")), jitter=within)
     return Verdict(model.job_id, slowdown, primary, ranked, float(confidence),
                    {c: float(listed[c]) for c in ranked}, evidence, implicated, fixes, explanations, joint_fix,
                    timings)
@@ -679,8 +685,29 @@ def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, 
     if paused is not None:
         explanations["python-gc"] = explain.pause_sentence(evidence, fixes["python-gc"], model.worker_rank)
     confidences = {c: (paused[0] if c == "python-gc" else untraced[0][3] if c == "untraced-cpu" else 1.0) for c in ranked}
-    return Verdict(model.job_id, slowdown, primary, ranked, confidences.get(primary, 1.0), confidences, evidence, workers,
+    confidence = _undecided_confidence(paired.workers, evidence) if primary == "insufficient-evidence" else \
+        confidences.get(primary, 1.0)
+    return Verdict(model.job_id, slowdown, primary, ranked, confidence, confidences, evidence, workers,
                    fixes, explanations)
+
+
+def _jitter(model: JobModel, result: WhatIfResult, workers: WorkerTests, rules: CauseRules, evidence: dict):
+    """The jitter null of a job about to be "unexplained" (jitter.py), recorded in evidence["jitter_null"]."""
+    null = jitter_null(model, result, workers, rules.false_alarm)
+    if null is not None:
+        evidence["jitter_null"] = null.as_json()
+    return null
+
+
+def _undecided_confidence(workers: WorkerTests, evidence: dict) -> float:
+    """The confidence an insufficient-evidence verdict states: that of its strongest undecided
+    finding (1 - its Bonferroni-adjusted p, a worker's or the sequence signature's), below
+    1 - the false-alarm rate by construction; 0 where no test could be made (one step, no peers).
+    Never 1.0: the verdict is that nothing can be decided, not a certainty about a cause."""
+    found = [f.confidence for f in workers.undecided]
+    if evidence.get("sequence_samples_needed"):
+        found.append(1.0 - float(evidence["sequence_p"]))
+    return float(max(found, default=0.0))
 
 
 def _undecided(workers: WorkerTests) -> bool:

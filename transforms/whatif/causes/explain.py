@@ -227,8 +227,16 @@ def _insufficient_workers(head: str, test: dict) -> str:
 
 
 def verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix | None, spread: bool = False,
-                     transient: bool = False) -> str:
-    """The sentence of a verdict without a listed cause: "none" or "unexplained"."""
+                     transient: bool = False, jitter: dict | None = None) -> str:
+    """The sentence of a verdict without a listed cause: "none" or "unexplained"; `jitter`: the
+    evidence's jitter_null (causes/jitter.py), when S is one the job's own jitter reaches."""
+    if verdict == "none" and jitter is not None:
+        return (f"S = {slowdown:.3f}, within this job's own jitter: with every op at its ideal and each worker's "
+                f"compute varying by {100 * (math.exp(jitter['jitter']) - 1):.0f}% per {jitter['unit']} as measured "
+                f"(persistent offsets of {100 * (math.exp(jitter['offset']) - 1):.0f}%), {jitter['draws']} replays reach "
+                f"S {jitter['median']:.3f} typically and {jitter['quantile']:.3f} at the false-alarm rate (p = "
+                f"{jitter['p_value']:.2f}); no cause's signature holds. Each step waits for whichever rank is slowest "
+                "in it: the job's own variation, not a straggler to fix.")
     if verdict == "none" and transient:
         return (f"S = {slowdown:.3f}, but transient: what the best single fix ({best.description}) removes sits in one "
                 "step, not in the others; one held-up transfer or a rank preempted for a moment "

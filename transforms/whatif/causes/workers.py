@@ -42,7 +42,7 @@ from transforms.whatif.causes.signals import peer_median
 from transforms.whatif.model import JobModel, distinct
 from transforms.whatif.result import STRAGGLING_THRESHOLD
 
-__all__ = ["KINDS", "WorkerFinding", "WorkerTests", "worker_tests", "balance_tests", "t_sf"]
+__all__ = ["KINDS", "WorkerFinding", "WorkerTests", "worker_tests", "balance_tests", "t_sf", "median_variance"]
 
 KINDS = ("forward", "backward")
 _FORWARD = OPTYPES.index("forward-compute")
@@ -78,7 +78,7 @@ def t_sf(t: float, df: int) -> float:
     return (1.0 - inside) / 2.0 if t >= 0 else (1.0 + inside) / 2.0
 
 
-def _median_variance(n: int) -> float:
+def median_variance(n: int) -> float:
     """Variance of the median of n unit-normal samples (1/n for n <= 2; pi / 2n beyond)."""
     return 1.0 / max(n, 1) if n <= 2 else math.pi / (2.0 * n)
 
@@ -339,7 +339,7 @@ def _intermittent(effect: np.ndarray, ss: np.ndarray, dfs: np.ndarray, cell: tup
     others = peer_median(e[ok])                          # each sample's own other samples' median
     value = np.full(len(e), -np.inf)
     value[ok] = np.fmin(e[ok], e[ok] - others)          # beyond its peers and beyond its own usual
-    spread = sigma * math.sqrt(1.0 + _median_variance(m - 1))
+    spread = sigma * math.sqrt(1.0 + median_variance(m - 1))
     p_cells = np.array([min(1.0, n_tests * len(e) * t_sf(v / spread, rest_df)) if np.isfinite(v) else 1.0 for v in value])
     hit = (value >= limit) & (p_cells <= alpha)
     return (hit, float(p_cells[hit].max())) if hit.any() else None
