@@ -80,6 +80,7 @@ def test_nothing_is_carried_without_a_thread_per_rank_or_peers():
 
 
 def test_a_worker_whose_transfers_slow_with_its_compute_is_a_busy_host_not_a_slow_link():
+    """A slow link slows a worker's transfers steadily, beyond their spread and beyond its compute."""
     from schemas.trace import OPTYPES
     from transforms.whatif.causes.detect import _link_not_host
 
@@ -90,11 +91,18 @@ def test_a_worker_whose_transfers_slow_with_its_compute_is_a_busy_host_not_a_slo
     base = np.abs(model.original_cost) + 1e-3                # every transfer and compute a positive time
 
     def worker(cost) -> bool:
-        return _link_not_host(dataclasses.replace(model, original_cost=cost), [(1, 0)], 1.1)
+        return _link_not_host(dataclasses.replace(model, original_cost=cost), [(1, 0)], 1.1, 0.01)
 
     assert worker(np.where(comm & rank1, base * 4, base))                              # its transfers alone: a link
     assert not worker(np.where((comm | compute) & rank1, base * 4, base))               # everything alike: its host
     assert not worker(base)
+    # its transfers 3x, 0.4x and 2.5x its peer's in the three steps: twice as long in all, yet no
+    # steady excess beyond their own spread (t = 0.6 on 2 degrees of freedom): no link at 1%
+    by_step = np.ones(model.n_lanes)
+    by_step[model.lane_dp == 1] = [3.0, 0.4, 2.5]
+    noisy = np.where(comm & rank1, base * by_step[None, :], base)
+    assert noisy[model.op_is_comm][:, model.lane_dp == 1].sum() > 1.5 * noisy[model.op_is_comm][:, model.lane_dp == 0].sum()
+    assert not worker(noisy)
 
 
 def test_a_cpu_rank_blocked_in_a_collective_computes_after_it_whatever_python_ran_between():

@@ -376,9 +376,9 @@ def test_a_step_whose_transfers_and_compute_slowed_alike_is_the_host_s_not_the_n
         return out
 
     link, host = scaled(model.op_is_comm), scaled(model.op_is_comm | compute)
-    assert _comm_localised(link, {}, floor=1.1)
+    assert _comm_localised(link, {}, 0.01, floor=1.1)
     evidence = {}
-    assert not _comm_localised(host, evidence, floor=1.1) and evidence["comm_localised"] is False
+    assert not _comm_localised(host, evidence, 0.01, floor=1.1) and evidence["comm_localised"] is False
 
 
 def test_the_sequence_signature_is_a_test_at_the_false_alarm_rate_not_a_fixed_r():
