@@ -197,6 +197,26 @@ def test_a_job_the_trace_cannot_decide_says_so_and_what_would(tmp_path):
     assert verdict["confidence"] == pytest.approx(strongest) and verdict["confidence"] < 1 - test["alpha"]
 
 
+def test_a_sequence_signature_short_of_significance_is_insufficient_evidence_not_none(tmp_path):
+    """A real Lightning run with sequence-length imbalance, one batch per rank and step, 3 steps of 2
+    ranks: S 1.19, every worker decided, compute following the recorded tokens (r 0.87 over 6
+    microbatches, p just above 1%) and evening the batches would remove most of the straggling.
+    Once "none (transient)"; now insufficient evidence saying what would decide, no worker advice."""
+    run = pathlib.Path(__file__).parent / "data" / "real_stacks" / "lightning-seq-gpt2-callback"
+    out = tmp_path / "job.json"
+    done = strag(run, "--json", out)
+    assert done.returncode == 0, done.stderr
+    verdict = json.loads(out.read_text())["verdict"]
+    evidence = verdict["evidence"]
+    assert verdict["cause"] == "insufficient-evidence" and verdict["implicated_workers"] == []
+    assert not evidence["worker_test"]["undecided"] and not evidence["worker_test"]["limits"]
+    assert evidence["sequence_p"] > evidence["worker_test"]["alpha"] and evidence["sequence_samples_needed"] >= 1
+    assert max(evidence.get("sequence_fix_explained", 0), evidence.get("sequence_even_explained", 0)) >= 0.15
+    assert verdict["confidence"] == pytest.approx(1 - evidence["sequence_p"])
+    line = next(line for line in done.stdout.splitlines() if "cannot decide" in line)
+    assert "sequence-length imbalance" in line and "would decide" in line and "DP rank to decide" not in line
+
+
 def test_ddp_all_reduce_is_named_so_for_people_and_kept_in_the_json(tmp_path):
     """A real DDP run (gloo all-reduce of the gradients): the lines say grads-all-reduce; the JSON keeps
     the reference analyzer's op type grads-reduce-scatter, which tooling built on it reads."""

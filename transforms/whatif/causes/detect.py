@@ -558,9 +558,10 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     else:
         primary = "unexplained"
         confidence = float(np.clip(1.0 - max((f.explained for f in fixes.values()), default=0.0), 0.0, 1.0))
-    if straggling and not ranked and _undecided(signals.workers):
-        # straggling, nothing listed, and a worker measures slower than its peers that the job's
-        # own jitter cannot confirm: say so and what would settle it, never a confident "none"
+    if straggling and not ranked and (_undecided(signals.workers) or _sequence_undecided(evidence, rules)):
+        # straggling, nothing listed, and a worker measures slower than its peers, or compute follows
+        # the batches' tokens and evening them would remove the straggling, that the job's own
+        # jitter cannot confirm: say so and what would settle it, never a confident "none"
         primary, confidence = "insufficient-evidence", _undecided_confidence(signals.workers, evidence)
     implicated = list(dict.fromkeys(w for c in ranked for w in by_cause[c].implicated))
     # untraced CPU work the replay leaves out (it is within 5% here) can still be one worker's,
@@ -709,6 +710,13 @@ def _undecided_confidence(workers: WorkerTests, evidence: dict) -> float:
     if evidence.get("sequence_samples_needed"):
         found.append(1.0 - float(evidence["sequence_p"]))
     return float(max(found, default=0.0))
+
+
+def _sequence_undecided(evidence: dict, rules: CauseRules) -> bool:
+    """A sequence signature short of significance (evidence sequence_samples_needed) whose fix would
+    remove the share of the straggling time a sequence cause needs: the job cannot decide it."""
+    explained = max(float(evidence.get("sequence_fix_explained") or 0.0), float(evidence.get("sequence_even_explained") or 0.0))
+    return bool(evidence.get("sequence_samples_needed")) and explained >= rules.sequence_min_explained
 
 
 def _undecided(workers: WorkerTests) -> bool:

@@ -203,10 +203,13 @@ def insufficient_sentence(slowdown: float, test: dict, evidence: dict | None = N
     evidence = evidence or {}
     needed = evidence.get("sequence_samples_needed")
     if needed:
-        return (_insufficient_workers(head, test) + f"; and compute follows the batches' recorded tokens "
-                f"(r = {evidence['workload_compute_r']:.2f}, p = {evidence['sequence_p']:.2f}), not clearly enough to call "
-                f"it sequence-length imbalance at a {100 * test.get('alpha', 0.01):g}% false-alarm rate: about {needed} "
-                f"more microbatches (steps x DP ranks) would decide.")
+        sequence = (f"compute follows the batches' recorded tokens (r = {evidence['workload_compute_r']:.2f}, p = "
+                    f"{evidence['sequence_p']:.2g}), not clearly enough to call it sequence-length imbalance at a "
+                    f"{100 * test.get('alpha', 0.01):g}% false-alarm rate: about {needed} more "
+                    f"microbatch{'es' if needed != 1 else ''} (steps x DP ranks) would decide.")
+        if not test.get("undecided") and not test.get("limits"):     # the workers are decided: only the sequence is not
+            return f"{head}: {sequence}"
+        return _insufficient_workers(head, test) + f"; and {sequence}"
     return _insufficient_workers(head, test) + "."
 
 
