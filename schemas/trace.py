@@ -98,6 +98,14 @@ TRACE_SCHEMA = pa.schema(
         # the trainer recorded it (strag_collect's gc.callbacks record; the column is present, with
         # 0 where no collection ran, only when every rank recorded): GC, known rather than inferred.
         pa.field("gc_wait", pa.float64(), nullable=True),
+        # Optional: on compute ops of CPU ranks, seconds of the longest stretch inside the op's span
+        # in which its thread ran no traced op (torch traces: the step thread's ops, annotations
+        # left out): untraced Python inside the compute (a garbage collection, the OS running
+        # another process), apart from the compute itself; 0 where the ops fill the span.
+        pa.field("idle_within", pa.float64(), nullable=True),
+        # Optional: seconds Python's garbage collector ran inside the op's span, as the trainer
+        # recorded it (present exactly when gc_wait is): a collection that struck mid-compute.
+        pa.field("gc_within", pa.float64(), nullable=True),
     ],
     metadata={"strag.schema_version": SCHEMA_VERSION, "strag.table": "trace"},
 )

@@ -259,3 +259,56 @@ def test_a_sequence_signature_short_of_significance_says_how_many_microbatches_w
     assert correlation_p(r, df + needed) <= 0.01 < correlation_p(r, df + needed - 1)
     sentence = verdict.explanations["insufficient-evidence"]
     assert f"about {needed} more microbatches" in sentence and "sequence-length imbalance" in sentence
+
+
+def test_the_longest_untraced_stretch_inside_a_span():
+    """busy_runs merges a thread's ops into disjoint runs; longest_idle gives, per span, the longest
+    stretch inside it no run covers (before the first run and after the last included)."""
+    from transforms.ingest.kineto.spans import busy_runs, longest_idle
+
+    runs = busy_runs(np.array([5.0, 0.0, 1.0, 10.0, 11.0]), np.array([6.0, 2.0, 1.5, 12.0, 11.5]))
+    assert runs.tolist() == [[0.0, 2.0], [5.0, 6.0], [10.0, 12.0]]
+    spans = np.array([[1.0, 11.0], [0.0, 2.0], [3.0, 4.0], [11.0, 15.0], [-3.0, 1.0]])
+    assert longest_idle(spans[:, 0], spans[:, 1], runs).tolist() == [4.0, 0.0, 1.0, 3.0, 3.0]
+    assert longest_idle(spans[:, 0], spans[:, 1], busy_runs(np.zeros(0), np.zeros(0))).tolist() == [10.0, 2.0, 1.0, 4.0, 4.0]
+
+
+def test_a_collection_inside_the_forward_is_python_gc_not_a_slow_worker(tmp_path):
+    """HF Trainer DDP, rank 1 collecting once per step inside its forward (a pre-hook on the middle
+    decoder layer). Its peer's all-reduces wait out the pause, so rank 1's own are short, at the
+    end of its backward: the two ranks must still read one way of syncing (once refused,
+    raw_unmatched_comm: 3 all-reduces on rank 0, 1 on rank 1). The collection is a stretch inside
+    the forward in which the thread ran no traced op (idle_within); the trainer's record puts the
+    collector there (gc_within). Recorded or not, the verdict is python-gc on rank 1 and no slow
+    worker: the pause is not the forward's compute."""
+    import gzip
+
+    converted, model, truth = _job("hf-gcin-r1-gpt2-packed")
+    table = converted.trace.to_pandas()
+    syncs = table[table.optype == "grads-reduce-scatter"].groupby(["step", "rank"]).size().unstack()
+    assert (syncs[0] == syncs[1]).all()
+    forward = table[table.optype == "forward-compute"]
+    idle = forward.groupby(["rank", "step"]).idle_within.max().unstack()
+    assert (idle.loc[1] > 0.1).all() and (idle.loc[0] < 0.02).all()
+    inside = forward[forward["rank"] == 1]
+    # the recorded collection lies inside that stretch: no longer than it, most of it
+    assert (inside.gc_within <= inside.idle_within + 1e-3).all() and (inside.gc_within >= 0.8 * inside.idle_within).all()
+    verdict, _ = _verdict("hf-gcin-r1-gpt2-packed")
+    assert verdict.cause == "python-gc" and verdict.implicated_workers == [(1, 0)]
+    assert "individual-worker" not in verdict.causes and verdict.evidence["gc_recorded"]
+    # the same traces without the trainer's record: found from the stretch itself
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for name in truth["trace_files"]:
+        document = json.loads(gzip.decompress((STACKS / "hf-gcin-r1-gpt2-packed" / name).read_bytes()))
+        assert document.pop("strag_gc", None) is not None
+        (plain / name.removesuffix(".gz")).write_text(json.dumps(document))
+    from transforms.ingest.kineto import convert_kineto
+    from transforms.whatif.causes import analyze_and_classify
+
+    unrecorded = convert_kineto(sorted(str(p) for p in plain.iterdir()), "plain", "2026-11-27", {})
+    assert "gc_within" not in unrecorded.trace.column_names or unrecorded.trace.column("gc_within").null_count
+    found = analyze_and_classify(unrecorded.trace, unrecorded.job_meta(), "plain")[1]
+    assert found.cause == "python-gc" and found.implicated_workers == [(1, 0)] and not found.evidence["gc_recorded"]
+    assert "individual-worker" not in found.causes
+    assert "inside a forward" in found.explanations["python-gc"]

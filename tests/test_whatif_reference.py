@@ -39,6 +39,8 @@ def as_lake_table(table: pa.Table, job_id: str) -> pa.Table:
     columns["n_ops"] = pa.nulls(table.num_rows, pa.int32())
     columns["data_wait"] = pa.nulls(table.num_rows, pa.float64())
     columns["gc_wait"] = pa.nulls(table.num_rows, pa.float64())
+    columns["idle_within"] = pa.nulls(table.num_rows, pa.float64())
+    columns["gc_within"] = pa.nulls(table.num_rows, pa.float64())
     return pa.Table.from_pydict(columns, schema=TRACE_SCHEMA)
 
 

@@ -10,6 +10,8 @@
     gc:R:N    rank R keeps a live cyclic heap of N*1000 dicts and calls gc.collect() once per optimizer
               step, in the first forward of the step (a forward pre-hook on the model)
     gcall:N   every rank keeps that heap; rank r collects on steps with step % world == r
+    gcin:R:N  as gc:R:N, but the collection runs inside the forward: a forward pre-hook on the
+              model's middle block (as an automatic collection strikes mid-forward)
     data:R:MS rank R's Dataset.__getitem__ sleeps so that one batch fetch sleeps MS ms in total
     seq       sequence-length imbalance: dynamic padding, each rank's batch length budget drawn per
               step from [L, 4L]
@@ -41,12 +43,13 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(REPO, "tools", "real_traces"))
 from train import build_gc_heap, prefault_heap  # noqa: E402  (tools/real_traces/train.py)
 
-SLOW_KINDS = ("fwd", "bwd", "gc", "gcall", "data", "seq", "split")
+SLOW_KINDS = ("fwd", "bwd", "gc", "gcall", "gcin", "data", "seq", "split")
 CAUSES = {
     "fwd": ["individual-worker"],
     "bwd": ["individual-worker"],
     "gc": ["python-gc"],
     "gcall": ["python-gc"],
+    "gcin": ["python-gc"],
     "data": ["untraced-cpu", "individual-worker"],
     "seq": ["sequence-imbalance"],
     "split": ["stage-imbalance"],
@@ -112,7 +115,7 @@ class RankSlow:
         self.fwd = 1.0
         self.bwd = 1.0
         self.gc_thousands = 0
-        self.gc_mode = None          # "rank" (gc:R:N) or "all" (gcall:N)
+        self.gc_mode = None          # "rank" (gc:R:N), "inside" (gcin:R:N) or "all" (gcall:N)
         self.data_ms = 0.0
         self.seq = any(s["kind"] == "seq" for s in slowdowns)
         self.split = any(s["kind"] == "split" for s in slowdowns)
@@ -127,6 +130,8 @@ class RankSlow:
                 self.bwd = s["amount"]
             elif s["kind"] == "gc":
                 self.gc_thousands, self.gc_mode = int(s["amount"]), "rank"
+            elif s["kind"] == "gcin":
+                self.gc_thousands, self.gc_mode = int(s["amount"]), "inside"
             elif s["kind"] == "data":
                 self.data_ms = s["amount"]
 
@@ -241,7 +246,7 @@ class GcInjector:
         self.heap = build_gc_heap(self.n)
 
     def due(self, step: int) -> bool:
-        return self.mode == "rank" or step % self.world == self.rank
+        return self.mode in ("rank", "inside") or step % self.world == self.rank
 
     def on_forward(self) -> None:
         if self.heap is None or not torch.is_grad_enabled():
@@ -257,8 +262,16 @@ class GcInjector:
             self.collects.append((step, round((time.perf_counter() - t0) * 1e3, 2)))
 
     def attach(self, module: nn.Module) -> None:
-        if self.active:
-            module.register_forward_pre_hook(lambda m, a: self.on_forward())
+        """The hook on the model (gc, gcall) or, for gcin, on the middle block of its first list of
+        blocks (decoder layers, MLP blocks): the collection then runs inside the forward."""
+        if not self.active:
+            return
+        if self.mode == "inside":
+            blocks = next((m for m in module.modules() if isinstance(m, nn.ModuleList) and len(m) >= 2), None)
+            if blocks is None:
+                raise SystemExit("--slow gcin: the model has no list of blocks to collect inside")
+            module = blocks[len(blocks) // 2]
+        module.register_forward_pre_hook(lambda m, a: self.on_forward())
 
 
 # ------------------------------------------------------------------------------------------------

@@ -123,7 +123,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=64)
     args = ap.parse_args()
     rank, world = C.rank_world()
-    allowed = ("fwd", "bwd", "gc", "gcall", "data") + (("seq",) if args.model != "mlp" else ())
+    allowed = ("fwd", "bwd", "gc", "gcall", "gcin", "data") + (("seq",) if args.model != "mlp" else ())
     slowdowns = C.parse_slow(args.slow, allowed, world)
     slow = C.RankSlow(slowdowns, rank, world)
     C.setup_process(args)

@@ -117,6 +117,8 @@ class TraceColumns:
     # optional: seconds of each op's idle gap spent fetching a batch from a DataLoader (None: not recorded)
     data_wait: np.ndarray | None = None
     gc_wait: np.ndarray | None = None
+    idle_within: np.ndarray | None = None
+    gc_within: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.step)
@@ -192,6 +194,8 @@ class JobModel:
     recorded_float32: bool = False     # see TraceColumns.float32
     data_wait: np.ndarray | None = None  # [op, lane] seconds of the gap before the op spent in DataLoader fetches
     gc_wait: np.ndarray | None = None    # [op, lane] seconds of it Python's collector ran (recorded; None: no record)
+    idle_within: np.ndarray | None = None  # [op, lane] seconds of the longest untraced stretch inside a compute op (CPU ranks)
+    gc_within: np.ndarray | None = None    # [op, lane] seconds Python's collector ran inside the op (recorded, with gc_wait)
 
     @property
     def n_ops(self) -> int:
@@ -389,6 +393,10 @@ def read_trace_columns(trace: pa.Table, job_id: str = "") -> TraceColumns:
         columns.data_wait = np.nan_to_num(trace.column("data_wait").to_numpy(zero_copy_only=False).astype(np.float64))
     if "gc_wait" in trace.column_names and trace.column("gc_wait").null_count == 0 and trace.num_rows:
         columns.gc_wait = trace.column("gc_wait").to_numpy(zero_copy_only=False).astype(np.float64)
+    if "idle_within" in trace.column_names and trace.column("idle_within").null_count == 0 and trace.num_rows:
+        columns.idle_within = trace.column("idle_within").to_numpy(zero_copy_only=False).astype(np.float64)
+    if columns.gc_wait is not None and "gc_within" in trace.column_names and trace.column("gc_within").null_count == 0:
+        columns.gc_within = trace.column("gc_within").to_numpy(zero_copy_only=False).astype(np.float64)
     columns.float32 = all(
         pa.types.is_float32(trace.schema.field(name).type)
         or bool((values.astype(np.float32).astype(np.float64) == values).all())
@@ -553,6 +561,8 @@ def _compile(columns: TraceColumns, meta: JobMeta, job_id: str, structure_from: 
         mb_id=layout(columns.mb_id, np.int32), recorded_float32=columns.float32,
         data_wait=None if columns.data_wait is None else layout(columns.data_wait),
         gc_wait=None if columns.gc_wait is None else layout(columns.gc_wait),
+        idle_within=None if columns.idle_within is None else layout(columns.idle_within),
+        gc_within=None if columns.gc_within is None else layout(columns.gc_within),
     )
     model.original_cost = _original_cost(model)
     model.launch_delay = _launch_delays(model)

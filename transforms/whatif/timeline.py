@@ -233,5 +233,7 @@ def simulated_trace(model, starts: np.ndarray, ends: np.ndarray, job_id: str | N
         "n_ops": pa.nulls(len(op), pa.int32()),
         "data_wait": pa.nulls(len(op), pa.float64()),
         "gc_wait": pa.nulls(len(op), pa.float64()),
+        "idle_within": pa.nulls(len(op), pa.float64()),
+        "gc_within": pa.nulls(len(op), pa.float64()),
     }
     return pa.Table.from_pydict(columns, schema=TRACE_SCHEMA)

@@ -50,9 +50,13 @@ The mapping (ARCHITECTURE.md, "Kineto mapping"):
   (rank._from_gradients_ready);
 - collectives inside the compute (all_to_all, broadcast, barrier, FSDP's per-layer all_gather,
   and on CPU ranks the gradient syncs the compute thread waited out: FSDP2's per-layer
-  reduce-scatter, compute.waited_collectives) over a group of several workers, without a
-  pipeline: `all-to-all` / `group-collective` ops, the compute label that issued one cut there
-  into pieces of its microbatch;
+  reduce-scatter, compute.waited_collectives, decided for the job: if some ranks waited out none,
+  none did, ops.unwaited, since a straggling peer makes a DDP rank's all-reduces short and late)
+  over a group of several workers, without a pipeline: `all-to-all` / `group-collective` ops, the
+  compute label that issued one cut there into pieces of its microbatch;
+- CPU ranks: per compute op, the longest stretch inside its span in which the step thread ran no
+  traced op (`idle_within`: a garbage collection or the OS mid-forward), and the collector's
+  recorded time inside it (`gc_within`, with the trainer's GC record);
 - everything else that is communication or a label (collectives of other groups, those inside a
   pipeline's compute, unknown labels) is counted in source.unmapped.
 - clocks: a rank's times are `baseTimeNanoseconds` + ts; ranks of one host (`host_name`) share

@@ -12,12 +12,14 @@ from transforms.whatif.model import MIN_STEPS
 from transforms.ingest.kineto.clocks import _clock_offsets
 from transforms.ingest.kineto.cycles import join_cycles, split_cycles
 from transforms.ingest.kineto.layout import _dp_groups, _layout, _resolve_local_peers
-from transforms.ingest.kineto.ops import _ops_of_rank, _pipeline_end_noops
+from transforms.ingest.kineto.ops import _ops_of_rank, _pipeline_end_noops, unwaited
 from transforms.ingest.kineto.pairing import (_check_comm_pairs, _clip_p2p_waits, _collectives_after_compute,
                                               _overlapped_dp_marker, _recv_waits_after_compute, _seq_gaps,
                                               _serialise_chains)
 from transforms.ingest.kineto.rank import _NO_INFO, parse_rank_bytes
-from transforms.ingest.kineto.spans import BWD, COLL, FWD, OPT, RankTrace, _KIND_NAMES
+from transforms.ingest.kineto.spans import BWD, COLL, FWD, OPT, RankTrace, _CODE, _KIND_NAMES, busy_runs, longest_idle
+
+_COMPUTE_CODES = [_CODE[name] for name in ("forward-compute", "backward-compute", "backward-weight-compute")]
 
 
 def _step_structure(trace: RankTrace, steps: np.ndarray) -> dict[int, tuple]:
@@ -320,6 +322,10 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
                             f"(dp {layout.dp} x pp {layout.pp} workers, layout from {layout.how}); found "
                             f"{len(by_rank)} readable rank file(s) of world size {world}", job_id=job_id)
     analysed = [by_rank[rank] for rank in sorted(layout.worker)]
+    waited = [t.waited is not None for t in analysed]
+    if any(waited) and not all(waited):   # how the framework syncs is the job's: waited out on every rank or none
+        analysed = [unwaited(t) for t in analysed]
+        by_rank.update((t.rank, t) for t in analysed)
     placement = _placement(analysed, layout, job_id)
     for trace in analysed:
         _resolve_local_peers(trace, layout)
@@ -381,12 +387,23 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
         if collected is not None and len(collected):
             shift = (by_rank[rank].origin_ns - first_origin) / 1000.0
             columns["gc_wait"].append(_data_waits(r["start"], r["end"], collected + shift) * 1e-6)
+            columns["gc_within"].append(_within(r["start"], r["end"], busy_runs(*(collected + shift).T)) * 1e-6)
         else:
             columns["gc_wait"].append(np.zeros(n))
+            columns["gc_within"].append(np.zeros(n))
+        busy = by_rank[rank].main_busy
+        compute = np.isin(r["optype"], _COMPUTE_CODES)
+        idle = np.zeros(n)
+        if busy is not None and compute.any():
+            shift = (by_rank[rank].origin_ns - first_origin) / 1000.0
+            idle[compute] = longest_idle(r["start"][compute], r["end"][compute], busy + shift) * 1e-6
+        columns["idle_within"].append(idle)
     if not any(t.data_loading is not None for t in analysed):
         del columns["data_wait"]
     if not all(by_rank[rank].gc_pauses is not None for rank in rows):   # the record says "none ran" only where kept
-        del columns["gc_wait"]
+        del columns["gc_wait"], columns["gc_within"]
+    if not all(by_rank[rank].main_busy is not None for rank in rows):   # CPU ranks: their threads ran the compute
+        del columns["idle_within"]
     if not any(t.seq_lens is not None for t in analysed):
         del columns["seq_lens"]
     hosts = options.get("hosts")
@@ -519,6 +536,18 @@ def convert_kineto(paths: Sequence[str], job_id: str, date: str, options: Mappin
     if rejected:
         converted.source["files_rejected"] = {error.path: error.reason_code for error in rejected}
     return converted
+
+
+def _within(start: np.ndarray, end: np.ndarray, runs: np.ndarray) -> np.ndarray:
+    """Per op, the time of the disjoint `runs` ([k, 2], busy_runs) inside its span [start, end]."""
+    covered = np.concatenate([[0.0], np.cumsum(runs[:, 1] - runs[:, 0])])
+
+    def before(t: np.ndarray) -> np.ndarray:   # run time before instant t
+        k = np.searchsorted(runs[:, 0], t, side="right")
+        last = np.maximum(k - 1, 0)
+        return np.where(k > 0, covered[last] + np.clip(t - runs[last, 0], 0.0, runs[last, 1] - runs[last, 0]), 0.0)
+
+    return np.maximum(before(end) - before(start), 0.0) if len(runs) else np.zeros(len(start))
 
 
 def _data_waits(start: np.ndarray, end: np.ndarray, loading: np.ndarray) -> np.ndarray:

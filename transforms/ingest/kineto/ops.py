@@ -165,6 +165,52 @@ def _whole_labels(trace: RankTrace) -> RankTrace:
     return RankTrace(**columns)
 
 
+def unwaited(trace: RankTrace) -> RankTrace:
+    """The trace with its gradient syncs no longer taken as waited out by the compute
+    (compute.waited_collectives): each compute piece that began where a waited sync ended joins the
+    piece before it (the pieces after renumbered), and `waited` is cleared. For a rank whose DP peers
+    waited out none: how a framework syncs is the job's, and every DP rank cuts its compute at the
+    same collectives (a straggling peer makes the rank's DDP all-reduces short, at the end of its
+    backward, and the vote of one rank can flip)."""
+    if trace.waited is None:
+        return trace
+    ends = trace.end[trace.waited]
+    kind, start, end, piece, n_ops = trace.kind, trace.start, trace.end.copy(), trace.piece, trace.n_ops.copy()
+    if piece is None:
+        return dataclasses.replace(trace, waited=None)
+    piece = piece.copy()
+    joined = np.zeros(len(kind), dtype=bool)
+    order = np.argsort(start, kind="stable")
+    last_of_kind: dict[int, int] = {}
+    shift: dict[int, int] = {}              # row of a label's piece 0 -> how many of its cuts are undone so far
+    head: dict[int, int] = {}               # row -> the row of its label's piece 0
+    for i in order.tolist():
+        if kind[i] not in (FWD, BWD, WGT):
+            continue
+        if piece[i] == 0:
+            head[i], shift[i] = i, 0
+        else:
+            before = last_of_kind.get(int(kind[i]))
+            if before is None:
+                continue
+            head[i] = head.get(before, before)
+            if np.isclose(ends, start[i], rtol=0.0, atol=1e-3).any():
+                end[before] = max(end[before], end[i])
+                n_ops[before] += max(int(n_ops[i]), 0)
+                joined[i] = True
+                shift[head[i]] += 1
+                continue            # the joined piece's row stays the last of its kind
+            piece[i] -= shift[head[i]]
+        last_of_kind[int(kind[i])] = i
+    columns = {f.name: getattr(trace, f.name) for f in dataclasses.fields(trace)}
+    columns.update(end=end, n_ops=n_ops, piece=piece if (piece[~joined] > 0).any() else None, waited=None)
+    for name in ("kind", "start", "end", "step", "mb", "chunk", "peer", "coll", "group", "peer_local", "direction", "n_ops",
+                 "piece", "seq", "seq_lens"):
+        if columns[name] is not None:
+            columns[name] = columns[name][~joined]
+    return RankTrace(**columns)
+
+
 def _spanning_groups(trace: RankTrace, layout: _Layout, dp_groups: set[str]) -> set[str]:
     """Names of this rank's groups whose members are more than one worker: its DP groups (a group
     the trace does not name among them) and any other group over ranks of several workers (an

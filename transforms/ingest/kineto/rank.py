@@ -18,7 +18,8 @@ from transforms.ingest.kineto.compute import (_BACKWARD_OP, _NOT_COMPUTE, _GpuWo
 from transforms.ingest.kineto.events import (_OVERLAP_LABEL, _P2P_LABEL, _EventPass, _compile_labels,  # noqa: F401
                                              _label_family, _match)
 from transforms.ingest.kineto.reader import NotStreamable, TraceUnreadable, read_trace
-from transforms.ingest.kineto.spans import (BWD, COLL, FWD, Group, OPT, RECV, RankTrace, SEND, _COLLECTIVES, _STEP)
+from transforms.ingest.kineto.spans import (BWD, COLL, FWD, Group, OPT, RECV, RankTrace, SEND, _COLLECTIVES, _STEP,
+                                            busy_runs)
 
 
 # --------------------------------------------------------------------------- pass 1: one rank
@@ -236,6 +237,9 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     base = top.get("baseTimeNanoseconds")
     trace.origin_ns = (int(base) if isinstance(base, (int, float)) else 0) + round((origin or 0.0) * 1000)
     trace.gc_pauses = _gc_pauses(top.get("strag_gc"), trace.origin_ns)
+    if not kernels:
+        traced = main.without(events.annotations(), unless=lambda name: False) + backward_elsewhere
+        trace.main_busy = busy_runs(traced.start, traced.end)
     # one clock per host; without a host name every rank counts as its own clock
     trace.clock = f"host:{host}" if host else f"rank:{rank}"
     trace.gpu_work, trace.gpu_work_unlinked = (on_gpu.work, on_gpu.unlinked) if on_gpu is not None else (0, 0)

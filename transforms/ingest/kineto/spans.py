@@ -60,6 +60,32 @@ _DIM_TOKENS = {
 }
 
 
+def busy_runs(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """[k, 2] the disjoint runs covering the union of the intervals [start, end] (any order, overlapping)."""
+    if not len(start):
+        return np.zeros((0, 2))
+    order = np.argsort(start, kind="stable")
+    lo, hi = start[order], np.maximum.accumulate(end[order])
+    runs = np.flatnonzero(np.r_[True, lo[1:] > hi[:-1]])
+    return np.stack([lo[runs], np.append(hi[runs[1:] - 1], hi[-1])], axis=1)
+
+
+def longest_idle(start: np.ndarray, end: np.ndarray, busy: np.ndarray) -> np.ndarray:
+    """Per interval [start, end], the longest stretch inside it that no run of `busy` (busy_runs)
+    covers: 0 for an interval the runs cover whole, its length for one they miss."""
+    out = np.zeros(len(start))
+    if not len(start):
+        return out
+    gap_lo = np.r_[-np.inf, busy[:, 1]]       # the stretches between runs, and before the first / after the last
+    gap_hi = np.r_[busy[:, 0], np.inf]
+    first = np.searchsorted(gap_hi, start, side="right")   # first stretch ending after the interval starts
+    last = np.searchsorted(gap_lo, end, side="left")       # stretches starting before it ends
+    for i, (a, b, j, k) in enumerate(zip(start.tolist(), end.tolist(), first.tolist(), last.tolist())):
+        if k > j:
+            out[i] = max(float((np.minimum(gap_hi[j:k], b) - np.maximum(gap_lo[j:k], a)).max()), 0.0)
+    return out
+
+
 def first_start_per_step(step: np.ndarray, start: np.ndarray, mask: np.ndarray) -> dict[int, float]:
     """Step -> earliest start among the masked spans of that step."""
     steps, inverse = np.unique(step[mask], return_inverse=True)
@@ -137,6 +163,10 @@ class RankTrace:
     # [k, 2] start, end (µs) of each Python garbage collection the collector recorded (strag_collect's
     # "strag_gc" key); None: no record (a trace not landed by strag_collect), empty: recorded, none ran
     gc_pauses: np.ndarray | None = None
+    # [k, 2] start, end (µs) of the disjoint runs in which the steps' thread ran a traced op
+    # (annotations left out; CPU ranks only, None elsewhere): where a compute span holds none, its
+    # thread ran untraced Python (the collector, the OS) inside the compute
+    main_busy: np.ndarray | None = None
     seq_lens: np.ndarray | None = None   # object, per span: a forward's batch lengths ([T] * B, record_shapes), else None
     waited: np.ndarray | None = None     # bool, per span: a gradient sync the compute waited out (compute.waited_collectives)
 

@@ -31,6 +31,7 @@ from transforms.whatif.causes.signals import (
     within_group_normalised,
 )
 from transforms.whatif.causes.verdict import CauseError, CauseRules, Fix, Verdict
+from transforms.whatif.causes.pauses import find_pauses, inside_compute
 from transforms.whatif.causes.untraced import (data_loading, model_untraced, pause_cause, untraced_cause,
                                               untraced_workers)
 from transforms.whatif.causes.workers import WorkerTests, balance_tests, t_sf, worker_tests
@@ -145,7 +146,12 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSigna
     evidence: dict[str, object] = {}
     forward, backward = pairs(model)
     r_norm, r_norm_df, gc, peers, chunks = math.nan, 0, None, None, None
-    workers = worker_tests(model, forward, backward, rules.false_alarm, rules.straggling, rules.peer_offset) \
+    paused = inside_compute(model, find_pauses(model, rules.false_alarm, rules.straggling)) \
+        if model.meta.host_compute and model.dp_size > 1 else None
+    if paused is not None:   # the work a worker did, without the pauses inside its compute
+        evidence["paused_inside_compute"] = float(paused.sum())
+    workers = worker_tests(model, forward, backward, rules.false_alarm, rules.straggling, rules.peer_offset,
+                           None if paused is None else model.original_cost - paused) \
         if model.dp_size > 1 else balance_tests(model, rules.false_alarm, rules.straggling, rules.peer_offset)
     if len(forward):
         f, b = take(model.original_cost, forward), take(model.original_cost, backward)

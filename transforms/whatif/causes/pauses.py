@@ -6,7 +6,8 @@ between ops while the worker neither computes nor waits in a recv or DP collecti
 (`untraced_gaps`). Its parts tell causes apart by physics, not by size:
 - data loading: gap time inside `enumerate(DataLoader)` fetches (the trace's `data_wait`);
 - a pause: one gap far beyond the job's usual largest gap per worker and step. Python's garbage
-  collector stops the world in one piece, where interpreter overhead spreads over every gap;
+  collector stops the world in one piece, where interpreter overhead spreads over every gap (a
+  collection inside a forward leaves the same gap within the forward's span: `idle_within`);
 - the rest: ordinary time between ops.
 Where the trainer recorded its garbage collections (strag_collect's gc.callbacks record, the trace's
 `gc_wait`), the pauses are the recorded collections themselves, whatever their pattern.
@@ -15,7 +16,7 @@ and robust spread over the worker-steps whose largest gap is below the stragglin
 share of a step, so a worker pausing in every step does not set the usual), Bonferroni over the
 cells at the job's false-alarm rate; a pause is also worth that share of a step on its own (a
 smaller one cannot make the job straggle). Pauses are the collector's (`collector`) when they
-recur and all fall where a forward begins: METHOD.md's GC stalls are forward-only, the forward being
+recur and all fall where a forward begins or inside one: METHOD.md's GC stalls are forward-only, the forward being
 where a step allocates the Python objects whose count triggers a collection. Pauses before a
 collective or the optimizer (an oversubscribed host's OS running another process, a per-step hook)
 stay the worker's untraced time.
@@ -32,7 +33,7 @@ from transforms.whatif.result import STRAGGLING_THRESHOLD
 from schemas.trace import COMPUTE_OPTYPES, DP_COMM_OPTYPES, IN_COMPUTE_OPTYPES, OPTYPES
 
 __all__ = ["p2p_partner", "untraced_gaps", "untraced_time", "covered", "Pauses", "find_pauses", "recurring",
-           "at_forwards", "collector", "pause_fix", "pause_confidence"]
+           "at_forwards", "collector", "pause_fix", "pause_confidence", "inside_compute"]
 
 _RECV = [OPTYPES.index("forward-recv"), OPTYPES.index("backward-recv")]
 _FORWARD = OPTYPES.index("forward-compute")
@@ -143,7 +144,8 @@ class Pauses:
     """Untraced time per worker and step ([pp, n_steps, dp] seconds): `untraced` outside data
     loading, `data` inside DataLoader fetches, `largest` the largest single non-data gap; `cells`:
     the (dp, stage, step index) pauses with their excess over the job's usual largest gap
-    (`typical`), `limit` the size a pause must exceed; `where`: per pause its (op, lane).
+    (`typical`), `limit` the size a pause must exceed; `where`: per pause its (op, lane), the op
+    it ends at (a gap before the op) or falls inside (a compute op's `idle_within`).
     recorded: the trainer recorded its garbage collections (`gc_wait`): the cells are then the
     worker-steps whose recorded collections reach `limit` (the straggling share of a step), their
     excess the collections' seconds: GC known, not inferred from a gap's size."""
@@ -182,25 +184,30 @@ class Pauses:
 def find_pauses(model: JobModel, alpha: float = 0.01, straggling: float = STRAGGLING_THRESHOLD,
                 partner: np.ndarray | None = None) -> Pauses:
     """Pauses of every worker (module docstring). A pause is a worker-step's largest non-data gap
-    beyond the job's median largest gap by both a robust z at Bonferroni-corrected `alpha` and
+    (before an op, or inside a compute op: the trace's `idle_within`, a stretch in which the
+    compute's thread ran no traced op) beyond the job's median largest gap by both a robust z at Bonferroni-corrected `alpha` and
     (straggling - 1) of the median step time (a pause smaller than that cannot make a job straggle
     on its own)."""
     partner = p2p_partner(model) if partner is None else partner
     shape = (model.pp_size, model.n_steps, model.dp_size)
     untraced, data, largest = np.zeros(shape), np.zeros(shape), np.zeros(shape)
     collected = np.zeros(shape) if model.gc_wait is not None else None
-    at, gc_at = np.zeros(shape, dtype=np.int64), np.zeros(shape, dtype=np.int64)
+    gc_at = np.zeros(shape, dtype=np.int64)
+    gaps_of = {}   # (dp, stage) -> (ops, [ops, steps] untraced gaps outside data loading, ... inside compute ops)
     for p in range(model.pp_size):
         for d in range(model.dp_size):
             ops, gaps, loading, ran = untraced_gaps(model, d, p, partner)
             lanes = np.flatnonzero(model.lane_dp == d)
             own = gaps - loading
+            inner = model.idle_within[np.ix_(ops, lanes)] if model.idle_within is not None else np.zeros_like(own)
             untraced[p, :, d], data[p, :, d] = own.sum(axis=0), loading.sum(axis=0)
+            gaps_of[(d, p)] = (ops, own, inner)
             if len(ops):
-                top = own.argmax(axis=0)
-                largest[p, :, d], at[p, :, d] = own[top, np.arange(len(lanes))], ops[top]
-                if collected is not None:
-                    collected[p, :, d], gc_at[p, :, d] = ran.sum(axis=0), ops[ran.argmax(axis=0)]
+                largest[p, :, d] = np.maximum(own.max(axis=0), inner.max(axis=0))
+                if collected is not None:   # recorded collections in the gaps, and inside the ops (mid-compute)
+                    within = model.gc_within[np.ix_(ops, lanes)] if model.gc_within is not None else np.zeros_like(ran)
+                    collected[p, :, d] = ran.sum(axis=0) + within.sum(axis=0)
+                    gc_at[p, :, d] = ops[np.maximum(ran, within).argmax(axis=0)]
     # the job's usual largest gap, from the worker-steps whose largest gap could not be a pause
     # (below the straggling share of a step): a worker pausing every step is half the cells of a
     # two-rank job, and must not set the usual
@@ -218,9 +225,27 @@ def find_pauses(model: JobModel, alpha: float = 0.01, straggling: float = STRAGG
     z = statistics.NormalDist().inv_cdf(1.0 - alpha / max(len(values), 1))
     limit = typical + max(z * spread, floor)
     for p, s, d in zip(*np.nonzero(largest > limit)):
+        ops, own, inner = gaps_of[(int(d), int(p))]
+        column = own if own[:, s].max() >= inner[:, s].max() else inner
         cells.append((int(d), int(p), int(s), float(largest[p, s, d] - typical)))
-        where.append((int(at[p, s, d]), int(s * model.dp_size + d)))
+        where.append((int(ops[column[:, s].argmax()]), int(s * model.dp_size + d)))
     return Pauses(untraced, data, largest, typical, limit, tuple(cells), tuple(where))
+
+
+def inside_compute(model: JobModel, pauses: Pauses) -> np.ndarray | None:
+    """[op, lane] seconds of pause inside compute ops: the collections the trainer recorded inside
+    them (`gc_within`), or each pause found inside a compute op (its `idle_within`). Not the
+    compute's own time: a worker's work measured against its peers' leaves it out (the replay keeps
+    it, it ran). None when there is none."""
+    if pauses.recorded:
+        return model.gc_within if model.gc_within is not None and model.gc_within.any() else None
+    if model.idle_within is None:
+        return None
+    out = np.zeros_like(model.idle_within)
+    for (op, lane), (d, p, s, _) in zip(pauses.where, pauses.cells):
+        if model.idle_within[op, lane] >= pauses.largest[p, s, d]:   # the pause is the stretch inside the op
+            out[op, lane] = model.idle_within[op, lane]
+    return out if out.any() else None
 
 
 def recurring(pauses: Pauses) -> bool:
@@ -231,7 +256,7 @@ def recurring(pauses: Pauses) -> bool:
 
 
 def at_forwards(model: JobModel, pauses: Pauses) -> bool:
-    """Every pause ends where a forward begins: the stop-the-world stalls of METHOD.md's python-gc
+    """Every pause ends where a forward begins, or falls inside a forward: the stop-the-world stalls of METHOD.md's python-gc
     row are forward-only because the forward is where a training step allocates its Python objects,
     and the collector runs when allocations cross its thresholds. A pause before a backward, a
     transfer or the optimizer has no such reason to be the collector."""

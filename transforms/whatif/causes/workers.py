@@ -152,13 +152,14 @@ def _empty(alpha: float, floor: float, limit: str, peers: bool = True) -> Worker
     return WorkerTests(alpha, floor, math.nan, 0, 0, "step", (), (), (limit,), peers)
 
 
-def _samples(model: JobModel, forward: np.ndarray, backward: np.ndarray
+def _samples(model: JobModel, forward: np.ndarray, backward: np.ndarray, cost: np.ndarray | None = None
              ) -> tuple[np.ndarray, np.ndarray, str, np.ndarray]:
     """[kind, stage, sample, dp] work per sample, each sample's step index, the unit, and the stage
     of each row of the stage axis. Samples are steps (per-step sums over the worker's microbatches
     and chunks) when three or more were profiled, else (step, microbatch) pairs."""
     shape = (len(forward), model.n_steps, model.dp_size)                 # lanes are step-major, dp minor
-    work = np.stack([np.take_along_axis(model.original_cost, ops, axis=0).reshape(shape) for ops in (forward, backward)])
+    cost = model.original_cost if cost is None else cost
+    work = np.stack([np.take_along_axis(cost, ops, axis=0).reshape(shape) for ops in (forward, backward)])
     stage_of_row = model.op_stage[forward[:, 0]]
     stages = distinct(stage_of_row)
     if model.n_steps >= 3:
@@ -171,17 +172,19 @@ def _samples(model: JobModel, forward: np.ndarray, backward: np.ndarray
 
 
 def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alpha: float = 0.01,
-                 floor: float = STRAGGLING_THRESHOLD, offset: float = 0.0) -> WorkerTests:
+                 floor: float = STRAGGLING_THRESHOLD, offset: float = 0.0, cost: np.ndarray | None = None) -> WorkerTests:
     """Test every worker of a compiled job against its DP peers (module docstring).
 
     forward/backward: signals.pairs(model); alpha: false-alarm rate per job; floor: the least
     ratio a finding may have (the straggling threshold); offset: the persistent log offset healthy
-    DP peers show (RMS), the least `tau` of the null (CauseRules.peer_offset)."""
+    DP peers show (RMS), the least `tau` of the null (CauseRules.peer_offset); cost: the work
+    measured per [op, lane] (default the model's; pauses.inside_compute taken out: a collection
+    mid-forward is no slower compute)."""
     if model.dp_size < 2:
         return _empty(alpha, floor, "one DP rank per stage: no peers doing the same work to compare a worker with", False)
     if not len(forward):
         return _empty(alpha, floor, "no forward/backward pairs to compare", False)
-    work, step_of, unit, stage_ids = _samples(model, forward, backward)
+    work, step_of, unit, stage_ids = _samples(model, forward, backward, cost)
     n = work.shape[2]
     with np.errstate(divide="ignore", invalid="ignore"):
         logs = np.log(work)
