@@ -145,3 +145,22 @@ def test_strag_analyze_says_why_a_window_method_would_discard_is_kept(tmp_path, 
     assert all(arrivals[s] >= nodelay[s] - 1e-12 for s in later) and any(arrivals[s] > nodelay[s] for s in later)
     assert line.startswith("replay discrepancy 1.03") and ": ok (within" in line
     assert "starts each rank when it arrived" in line and "off by 1.06" in line and "S is METHOD's" in line
+
+
+def test_a_carried_tail_is_the_previous_step_s_work_not_untraced_time_of_this_one():
+    """The untraced time between a worker's ops leaves out its arrival carried from its previous
+    step: per rank and step it is the time without that carry less the carry given to its opening
+    ops (never below 0), the first profiled step unchanged (nothing carried into it)."""
+    from transforms.whatif.causes.pauses import untraced_time
+
+    _, model = _job("lightning-clean-mlp-callback-s0-gcrec")
+    carried = model.carried_arrivals()
+    assert carried is not None and carried.any()
+    with_carry = np.stack([untraced_time(model, d, 0) for d in range(model.dp_size)])
+    plain = dataclasses.replace(model)
+    plain.__dict__["_carried_arrivals"] = (plain.launch_delay, None)     # as if nothing were carried
+    without = np.stack([untraced_time(plain, d, 0) for d in range(model.dp_size)])
+    given = carried.sum(axis=0).reshape(model.n_steps, model.dp_size).T  # [dp, step] carry of the opening ops
+    assert (with_carry <= without + 1e-12).all()
+    assert np.allclose(with_carry[:, 0], without[:, 0])
+    assert (without - with_carry <= given + 1e-9).all() and (without - with_carry).sum() > 0

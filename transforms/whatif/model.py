@@ -306,8 +306,15 @@ class JobModel:
         tail and not work of the step. Given as the step's initial condition, it lets the replay be
         compared with what ran (`WhatIfResult.replay_discrepancy`); a worker arriving later than its
         tail explains (its own time between steps: a data stall) keeps the rest as untraced time."""
-        if not self.meta.host_compute or self.dp_size < 2 or self.n_steps < 2:
-            return None
+        cached = self.__dict__.get("_carried_arrivals")
+        if cached is not None and cached[0] is self.launch_delay:
+            return cached[1]
+        delay = self._carried() if self.meta.host_compute and self.dp_size >= 2 and self.n_steps >= 2 else None
+        self.__dict__["_carried_arrivals"] = (self.launch_delay, delay)
+        return delay
+
+    def _carried(self) -> np.ndarray | None:
+        """carried_arrivals, computed."""
         consecutive = np.flatnonzero(np.diff(self.steps) == 1) + 1      # steps k whose k - 1 was profiled
         if not len(consecutive):
             return None

@@ -79,9 +79,12 @@ def untraced_gaps(model: JobModel, dp: int, stage: int, partner: np.ndarray | No
     lanes = np.flatnonzero(model.lane_dp == dp)
     out = np.zeros((len(ops), len(lanes)))
     data = np.zeros_like(out)
+    # a CPU rank arriving late at a step because it finished the previous one late: that tail is
+    # the previous step's work (JobModel.carried_arrivals), not time between this step's ops
+    carried = model.carried_arrivals()
     collected = None if model.gc_wait is None else np.zeros_like(out)
     for column, lane in enumerate(lanes.tolist()):
-        delay = np.maximum(model.launch_delay[ops, lane], 0.0)
+        delay = np.maximum(model.launch_delay[ops, lane] - (carried[ops, lane] if carried is not None else 0.0), 0.0)
         late = np.where(peer >= 0, model.observed_start[ops, lane] > model.observed_start[np.maximum(peer, 0), lane] + 1e-6, True)
         late |= own_wait
         waiting = (delay > 0) & (~recv | late)
