@@ -12,8 +12,9 @@ import pyarrow as pa
 import transforms.whatif.causes.explain as explain
 from transforms.whatif.causes.fixes import (at_balance, at_peer_speed, compose, planned_gc_seconds, rebalanced_stages, typical_transfers,
                                            without_pauses)
-from transforms.whatif.causes.sequences import BACKWARD, FORWARD, SequenceWorkload, even_sequences, repacked_sequences, sequence_workload
 from transforms.whatif.causes.jitter import jitter_null
+from transforms.whatif.causes.pauses import find_pauses, inside_compute
+from transforms.whatif.causes.sequences import BACKWARD, FORWARD, SequenceWorkload, even_sequences, repacked_sequences, sequence_workload
 from transforms.whatif.causes.signals import (
     ChunkBalance,
     ChunkWork,
@@ -31,7 +32,6 @@ from transforms.whatif.causes.signals import (
     within_group_normalised,
 )
 from transforms.whatif.causes.verdict import CauseError, CauseRules, Fix, Verdict
-from transforms.whatif.causes.pauses import find_pauses, inside_compute
 from transforms.whatif.causes.untraced import (data_loading, model_untraced, pause_cause, untraced_cause,
                                               untraced_workers)
 from transforms.whatif.causes.workers import WorkerTests, balance_tests, t_sf, worker_tests

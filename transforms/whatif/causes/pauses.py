@@ -37,6 +37,7 @@ __all__ = ["p2p_partner", "untraced_gaps", "untraced_time", "covered", "Pauses",
 
 _RECV = [OPTYPES.index("forward-recv"), OPTYPES.index("backward-recv")]
 _FORWARD = OPTYPES.index("forward-compute")
+_COMPUTE = [OPTYPES.index(name) for name in COMPUTE_OPTYPES]
 # busy: computing, or blocked in a collective (DP, or one inside the step: a barrier, a broadcast, FSDP's
 # gathers) waiting for its peers, which is no untraced work of the worker's own
 _BUSY = [OPTYPES.index(name) for name in (*COMPUTE_OPTYPES, *DP_COMM_OPTYPES, *IN_COMPUTE_OPTYPES)]
@@ -188,7 +189,8 @@ def find_pauses(model: JobModel, alpha: float = 0.01, straggling: float = STRAGG
                 partner: np.ndarray | None = None) -> Pauses:
     """Pauses of every worker (module docstring). A pause is a worker-step's largest non-data gap
     (before an op, or inside a compute op: the trace's `idle_within`, a stretch in which the
-    compute's thread ran no traced op) beyond the job's median largest gap by both a robust z at Bonferroni-corrected `alpha` and
+    compute's thread ran no traced op) beyond the job's median largest gap by both a robust z at
+    Bonferroni-corrected `alpha` and
     (straggling - 1) of the median step time (a pause smaller than that cannot make a job straggle
     on its own)."""
     partner = p2p_partner(model) if partner is None else partner
@@ -241,7 +243,10 @@ def inside_compute(model: JobModel, pauses: Pauses) -> np.ndarray | None:
     compute's own time: a worker's work measured against its peers' leaves it out (the replay keeps
     it, it ran). None when there is none."""
     if pauses.recorded:
-        return model.gc_within if model.gc_within is not None and model.gc_within.any() else None
+        if model.gc_within is None:
+            return None
+        out = np.where(np.isin(model.op_optype, _COMPUTE)[:, None], model.gc_within, 0.0)
+        return out if out.any() else None
     if model.idle_within is None:
         return None
     out = np.zeros_like(model.idle_within)
@@ -259,10 +264,11 @@ def recurring(pauses: Pauses) -> bool:
 
 
 def at_forwards(model: JobModel, pauses: Pauses) -> bool:
-    """Every pause ends where a forward begins, or falls inside a forward: the stop-the-world stalls of METHOD.md's python-gc
-    row are forward-only because the forward is where a training step allocates its Python objects,
-    and the collector runs when allocations cross its thresholds. A pause before a backward, a
-    transfer or the optimizer has no such reason to be the collector."""
+    """Every pause ends where a forward begins, or falls inside a forward: the stop-the-world
+    stalls of METHOD.md's python-gc row are forward-only because the forward is where a training
+    step allocates its Python objects, and the collector runs when allocations cross its
+    thresholds. A pause before a backward, a transfer or the optimizer has no such reason to be
+    the collector."""
     return bool(pauses.where) and all(int(model.op_optype[op]) == _FORWARD for op, _ in pauses.where)
 
 
