@@ -146,7 +146,9 @@ def _worst_jobs(data: ReportData, job_href: Callable[[object, str], str | None],
         href = job_href(row.date, row.job_id)
         body.append([
             str(row.date), (row.job_id, href) if href else row.job_id, int(row.gpus), _num(row.slowdown), _pct(row.waste),
-            _hours(row.wasted_gpu_hours), row.cause if isinstance(row.cause, str) else "", _num(row.confidence, 2),
+            _hours(row.wasted_gpu_hours), row.cause if isinstance(row.cause, str) else "",
+            # an undecided finding keeps its third digit: 0.988 is short of the 0.99 a verdict needs
+            _num(row.confidence, 3 if row.cause == "insufficient-evidence" else 2),
             _hours(row.savings_gpu_hours),
         ])
     return HtmlTable(

@@ -127,7 +127,7 @@ def _confidence_words(cause: str, verdict: dict | None) -> str:
     if verdict is None:
         return "no verdict (discarded window)"
     if cause == "insufficient-evidence":
-        return f"strongest undecided finding at confidence {verdict['confidence']:.2f}"
+        return f"strongest undecided finding at confidence {verdict['confidence']:.3f}"   # 0.988 is short of 0.99
     return f"{cause}, confidence {verdict['confidence']:.2f}"
 
 

@@ -334,3 +334,14 @@ def test_cells_and_titles_say_nothing_meaningless():
     assert fmt(-0.004, 2) == "0.00" and fmt(None) == "n/a" and fmt(3) == "3"
     assert job_title("job-20240304-003") == "job-20240304-003" and job_title("llama-7b") == "Job llama-7b"
     assert job_title("llama-7b", "job") == "job llama-7b"
+
+
+def test_the_verdict_tile_never_rounds_an_undecided_finding_up_to_a_decision():
+    """Insufficient evidence states its strongest undecided finding to three digits (p 0.0125 is
+    0.988, short of the 0.99 a verdict needs at 1%); a cause states its own confidence."""
+    from dashboards.job_page import _confidence_words
+
+    assert _confidence_words("insufficient-evidence", {"confidence": 1 - 0.0125}) == \
+        "strongest undecided finding at confidence 0.988"
+    assert _confidence_words("python-gc", {"confidence": 0.99}) == "python-gc, confidence 0.99"
+    assert _confidence_words("none", None) == "no verdict (discarded window)"
