@@ -138,6 +138,9 @@ def _saved_number(fixes: dict, cause: str, unit: str) -> tuple[str, str, str]:
     if cause in ("none", "unexplained", "n/a") or fix is None or fix.get("savings_gpu_hours") is None:
         return ("saved by the fix", "n/a", "no listed cause to fix")
     label = "saved by fixing every cause" if "all" in fixes else f"saved by fixing the {CAUSE_TITLES.get(cause, cause)}"
+    if fix.get("measured"):   # taken out of the steps as they ran: S itself is not replayed
+        return (label, _hours(fix["savings_gpu_hours"], unit),
+                f"{fix.get('fix', 'its fix')}: measured on the steps as they ran, {100 * fix['savings_fraction']:.0f}% of the step")
     return (label, _hours(fix["savings_gpu_hours"], unit),
             f"{fix.get('fix', 'its fix')}: S after {fmt(fix['fixed_slowdown'])}, {_share(fix.get('explained'))} of the straggling time")
 
@@ -206,8 +209,12 @@ def _verdict_blocks(v, fixes: dict, slowdown: float, unit: str, grads_collective
 
     def row(title: str, fix: dict) -> list:
         saved = fix.get("savings_gpu_hours")
-        return [title, fmt(fix.get("confidence"), 2) if "confidence" in fix else "", fix.get("fix", "n/a"), f"{slowdown:.3f} -> {fix['fixed_slowdown']:.3f}",
-                _share(fix.get("explained")), _share(fix.get("explained_given_others")), _hours(saved, "")]
+        if fix.get("measured"):   # measured against what ran: no replayed S, no share of the straggling time
+            effect, removed = f"measured: {100 * fix['savings_fraction']:.0f}% of the step as it ran", "n/a (measured)"
+        else:
+            effect, removed = f"{slowdown:.3f} -> {fix['fixed_slowdown']:.3f}", _share(fix.get("explained"))
+        return [title, fmt(fix.get("confidence"), 2) if "confidence" in fix else "", fix.get("fix", "n/a"), effect,
+                removed, _share(fix.get("explained_given_others")), _hours(saved, "")]
 
     rows = [row(CAUSE_TITLES.get(c, c), fixes[c]) for c in v["causes"] if c in fixes]
     if "all" in fixes:

@@ -345,3 +345,18 @@ def test_the_verdict_tile_never_rounds_an_undecided_finding_up_to_a_decision():
         "strongest undecided finding at confidence 0.988"
     assert _confidence_words("python-gc", {"confidence": 0.99}) == "python-gc, confidence 0.99"
     assert _confidence_words("none", None) == "no verdict (discarded window)"
+
+
+def test_a_measured_fix_shows_what_it_saves_of_the_step_not_a_replayed_s():
+    """A fix measured against what ran (python-gc from pauses, untraced-cpu) leaves S as is: the
+    headline and the causes table say what it saves of the step as it ran, never 'S 1.383 -> 1.383,
+    100% of the straggling time'."""
+    from dashboards.job_page import _saved_number
+
+    measured = {"python-gc": {"savings_gpu_hours": 0.5, "fixed_slowdown": 1.383, "explained": 1.0,
+                              "savings_fraction": 0.302, "fix": "planned GC", "measured": True}}
+    label, value, note = _saved_number(measured, "python-gc", "GPU-hours")
+    assert note == "planned GC: measured on the steps as they ran, 30% of the step" and "S after" not in note
+    replayed = {"individual-worker": {**measured["python-gc"], "fixed_slowdown": 1.05, "explained": 0.8, "measured": False,
+                                      "fix": "peer speed"}}
+    assert "S after 1.050" in _saved_number(replayed, "individual-worker", "GPU-hours")[2]
