@@ -164,3 +164,18 @@ def test_median_equals_numpy_median_bit_for_bit(size):
     values = np.random.default_rng(size).lognormal(size=(size, 3))
     assert median(values) == np.median(values)
     assert median(values[:, 0]) == np.median(values[:, 0])
+
+
+@pytest.mark.parametrize("shape", [(5,), (4, 3), (3, 6, 2), (1, 4)])
+def test_median_along_an_axis_equals_numpy_median_bit_for_bit(shape):
+    """The causes take medians along an axis without np.median's numpy.ma import: the same
+    values bit for bit, keepdims kept, NaN where a slice holds one."""
+    from transforms.whatif.model import median
+
+    values = np.random.default_rng(len(shape)).lognormal(size=shape)
+    for axis in range(len(shape)):
+        for keepdims in (False, True):
+            got, want = median(values, axis=axis, keepdims=keepdims), np.median(values, axis=axis, keepdims=keepdims)
+            assert got.shape == want.shape and np.array_equal(got, want)
+    values.flat[0] = np.nan
+    assert np.array_equal(median(values, axis=0), np.median(values, axis=0), equal_nan=True)

@@ -211,7 +211,7 @@ class JobModel:
         # a microbatch's compute cut into pieces (collectives inside it) keeps its microbatch id
         ids = self.mb_id[forward, 0] if self.mb_id is not None and len(self.mb_id) else np.zeros(0)
         ids = ids if len(ids) and (ids >= 0).all() else self.op_seq_id[forward]
-        microbatches = len(np.unique(ids)) if forward.any() else 0
+        microbatches = len(distinct(ids)) if forward.any() else 0
         return Evidence(steps=int(self.n_steps), microbatches=int(microbatches), dp_peers=int(self.dp_size) - 1,
                         stages=int(self.pp_size))
 
@@ -341,9 +341,18 @@ class JobModel:
         return end - start
 
 
-def median(values: np.ndarray) -> float:
+def median(values, axis: int | None = None, keepdims: bool = False):
     """np.median of a non-empty array, equal to it bit for bit (the mean of the two middle values
-    when the count is even; NaN when any value is) but without its numpy.ma import (~10 ms a process)."""
+    when the count is even; NaN when any value is) but without its numpy.ma import (~10 ms a process).
+    With `axis`: per slice along it, an array (NaN where the slice holds one)."""
+    values = np.asarray(values, dtype=np.float64) if not isinstance(values, np.ndarray) else values
+    if axis is not None:
+        ordered = np.sort(values, axis=axis)              # NaN sorts last
+        n = values.shape[axis]
+        low = np.take(ordered, [(n - 1) // 2], axis=axis)
+        high = np.take(ordered, [n // 2], axis=axis)
+        out = np.where(np.isnan(values).any(axis=axis, keepdims=True), np.nan, (low + high) / 2)
+        return out if keepdims else np.squeeze(out, axis=axis)
     values = values.ravel()
     if np.isnan(values).any():
         return float("nan")
@@ -1163,7 +1172,7 @@ def _placement(template: _Template) -> np.ndarray:
     compute = np.flatnonzero(np.isin(template.optype, (FWD, BWD)) & (template.gmc >= 0) & (template.gmc < total))
     if not len(compute):
         return placement
-    pairs = np.unique(np.stack([template.gmc[compute], template.stage[compute]]), axis=1)
+    pairs = np.unique(np.stack([template.gmc[compute], template.stage[compute]]), axis=1, return_index=True)[0]   # (no numpy.ma)
     chunks, counts = np.unique(pairs[0], return_counts=True)
     if (counts > 1).any():
         chunk = int(chunks[counts > 1][0])

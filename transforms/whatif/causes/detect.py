@@ -36,7 +36,7 @@ from transforms.whatif.causes.untraced import (data_loading, model_untraced, pau
                                               untraced_workers)
 from transforms.whatif.causes.workers import WorkerTests, balance_tests, t_sf, worker_tests
 from transforms.whatif.metrics import analyze_model, worker_set_mask
-from transforms.whatif.model import JobModel, compile_job, distinct
+from transforms.whatif.model import JobModel, compile_job, distinct, median
 from transforms.whatif.replay import Mix, Scenario, replay, replay_thread_count
 from transforms.whatif.result import STRAGGLING_THRESHOLD, JobMeta, WhatIfResult
 from schemas.causes import FIX_NAMES
@@ -748,7 +748,7 @@ def _comm_localised(model: JobModel, evidence: dict, alpha: float, factor: float
     if not len(comm):
         return False
     cost = model.original_cost[comm]
-    excess = np.maximum(cost - np.median(cost, axis=1, keepdims=True), 0.0)
+    excess = np.maximum(cost - median(cost, axis=1, keepdims=True), 0.0)
     _, step_index = np.unique(model.lane_step, return_inverse=True)
     per_lane = excess.sum(axis=0)
     per_step = np.bincount(step_index, per_lane)
@@ -764,7 +764,7 @@ def _comm_localised(model: JobModel, evidence: dict, alpha: float, factor: float
         if len(others) < 2:
             return False
         with np.errstate(divide="ignore", invalid="ignore"):
-            slowed = (transfers[hot] / np.median(transfers)) / (compute[hot] / np.median(compute))
+            slowed = (transfers[hot] / median(transfers)) / (compute[hot] / median(compute))
             spread = others.std(ddof=1) * math.sqrt(1.0 + 1.0 / len(others))
             p_value = min(1.0, len(transfers) * t_sf(float((transfers[hot] - others.mean()) / spread), len(others) - 1)) \
                 if spread > 0 else float(transfers[hot] <= others.mean())
@@ -810,7 +810,7 @@ def _link_not_host(model: JobModel, workers, floor: float, alpha: float, unit: s
     steps = per_worker_step(comm)
     transfers, work = steps.sum(axis=0), per_worker_step(compute).sum(axis=0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        slowed = [(transfers[d, p] / np.median(transfers)) / (work[d, p] / np.median(work)) for d, p in workers]
+        slowed = [(transfers[d, p] / median(transfers)) / (work[d, p] / median(work)) for d, p in workers]
     if not all(not np.isfinite(x) or x >= floor for x in slowed):
         return False
     if unit == "dp":

@@ -58,7 +58,7 @@ def typical_transfers(model: JobModel) -> np.ndarray:
     cost = model.original_cost.copy()
     comm = np.flatnonzero(model.op_is_comm)
     if len(comm):
-        cost[comm] = np.median(cost[comm], axis=1, keepdims=True)
+        cost[comm] = median(cost[comm], axis=1, keepdims=True)
     return cost
 
 

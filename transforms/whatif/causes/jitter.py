@@ -27,7 +27,7 @@ import numpy as np
 
 from schemas.trace import OPTYPES
 from transforms.whatif.causes.workers import WorkerTests, median_variance
-from transforms.whatif.model import JobModel
+from transforms.whatif.model import JobModel, median
 from transforms.whatif.replay import Scenario, replay
 from transforms.whatif.result import WhatIfResult
 
@@ -94,7 +94,7 @@ def jitter_null(model: JobModel, result: WhatIfResult, tests: WorkerTests, alpha
     null = np.asarray(spans) / ideal_time
     observed = float(result.slowdown)
     p_value = (1.0 + float((null >= observed).sum())) / (len(null) + 1.0)
-    return JitterNull(observed, p_value, float(np.quantile(null, 1.0 - alpha)), float(np.median(null)),
+    return JitterNull(observed, p_value, float(np.quantile(null, 1.0 - alpha)), float(median(null)),
                       jitter, offset, len(null), tests.unit)
 
 

@@ -28,7 +28,7 @@ import statistics
 
 import numpy as np
 
-from transforms.whatif.model import JobModel
+from transforms.whatif.model import JobModel, median
 from transforms.whatif.result import STRAGGLING_THRESHOLD
 from schemas.trace import COMPUTE_OPTYPES, DP_COMM_OPTYPES, IN_COMPUTE_OPTYPES, OPTYPES
 
@@ -216,11 +216,11 @@ def find_pauses(model: JobModel, alpha: float = 0.01, straggling: float = STRAGG
     # the job's usual largest gap, from the worker-steps whose largest gap could not be a pause
     # (below the straggling share of a step): a worker pausing every step is half the cells of a
     # two-rank job, and must not set the usual
-    floor = (straggling - 1.0) * float(np.median(model.observed_end.max(axis=0) - model.observed_start.min(axis=0)))
+    floor = (straggling - 1.0) * float(median(model.observed_end.max(axis=0) - model.observed_start.min(axis=0)))
     values = largest.ravel()
     usual = values[values < floor]
-    typical = float(np.median(usual)) if len(usual) else 0.0
-    spread = 1.4826 * float(np.median(np.abs(usual - typical))) if len(usual) else 0.0
+    typical = float(median(usual)) if len(usual) else 0.0
+    spread = 1.4826 * float(median(np.abs(usual - typical))) if len(usual) else 0.0
     cells, where = [], []
     if collected is not None:   # recorded: the collections themselves, worth the straggling share of a step
         for p, s, d in zip(*np.nonzero(collected >= floor)):
@@ -315,7 +315,7 @@ def _wall_steps(model: JobModel, span: np.ndarray) -> np.ndarray:
     period = np.diff(np.asarray(model.step_start, dtype=np.float64))
     if not len(period) or not np.all(period > 0):
         return span
-    between = float(np.median(np.maximum(period - span[:-1], 0.0)))
+    between = float(median(np.maximum(period - span[:-1], 0.0)))
     return np.append(np.maximum(period, span[:-1]), span[-1] + between)
 
 
@@ -325,7 +325,7 @@ def pause_confidence(pauses: Pauses, alpha: float) -> float:
     1 - alpha (what they are is known; that they cost the straggling share is measured)."""
     if pauses.recorded:
         return 1.0 - alpha
-    spread = 1.4826 * float(np.median(np.abs(pauses.largest.ravel() - pauses.typical)))
+    spread = 1.4826 * float(median(np.abs(pauses.largest.ravel() - pauses.typical)))
     if spread <= 0:
         return 1.0
     least = min(excess for *_, excess in pauses.cells)

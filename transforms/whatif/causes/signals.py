@@ -52,7 +52,7 @@ def _main_pieces(model: JobModel, ops: np.ndarray, chunks: int) -> np.ndarray:
     """One op per (stage, chunk, microbatch): a compute a collective cut into pieces (an all-to-all
     inside the forward) is represented by its longest piece (mean over lanes)."""
     key = _microbatch_key(model, ops, chunks)[:, 0]
-    if len(np.unique(key)) == len(ops):
+    if len(distinct(key)) == len(ops):
         return ops
     order = np.lexsort((-model.original_cost[ops].mean(axis=1), key))
     first = np.r_[True, key[order][1:] != key[order][:-1]]
@@ -241,11 +241,11 @@ class ChunkWork:
         microbatch, and the larger over forward and backward of seconds per operation."""
         mine = np.isin(self.chunks, list(chunks))
         ops = self.ops_forward + self.ops_backward
-        work = float(ops[mine].mean() / np.median(ops))
+        work = float(ops[mine].mean() / median(ops))
         with np.errstate(divide="ignore", invalid="ignore"):
             pace = [s / np.maximum(o, 1) for s, o in ((self.seconds_forward, self.ops_forward),
                                                       (self.seconds_backward, self.ops_backward))]
-        speed = max(float(p[mine].mean() / np.median(p)) for p in pace)
+        speed = max(float(p[mine].mean() / median(p)) for p in pace)
         return work, speed
 
 

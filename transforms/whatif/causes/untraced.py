@@ -14,7 +14,7 @@ from transforms.whatif.causes.pauses import (collector, find_pauses, p2p_partner
 from transforms.whatif.causes.verdict import CauseRules, Fix
 from transforms.whatif.causes.workers import t_sf
 from transforms.whatif.metrics import worker_set_mask
-from transforms.whatif.model import JobModel
+from transforms.whatif.model import JobModel, median
 from transforms.whatif.replay import Mix, Scenario, replay
 from transforms.whatif.result import DISCREPANCY_LIMIT, STRAGGLING_THRESHOLD, UntracedWork, WhatIfResult, discrepancy_discards
 
@@ -77,19 +77,19 @@ def untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5, 
     def persistent(worker, others, times: float = factor, steps: float | None = None) -> bool:
         """`times` the others' median in `steps` of the steps (default: more than half of them,
         and its median step `times` theirs: one noisy step of a peer does not clear a worker)."""
-        baseline = np.median(np.stack([per_step[w] for w in others]), axis=0)
+        baseline = median(np.stack([per_step[w] for w in others]), axis=0)
         with np.errstate(divide="ignore", invalid="ignore"):
             share = (per_step[worker] / baseline >= times).mean()
             if steps is not None:
                 return bool(share >= steps)
-            return bool(share > 0.5 and np.median(per_step[worker]) >= times * np.median(baseline))
+            return bool(share > 0.5 and median(per_step[worker]) >= times * median(baseline))
 
     step_time = float(result.step_t_nodelay.mean())
 
     def measured(worker, others) -> float:
         """Its median untraced time beyond the others' median, as a share of the step."""
-        baseline = np.median(np.stack([per_step[w] for w in others]), axis=0)
-        return float(np.median(per_step[worker] - baseline)) / step_time
+        baseline = median(np.stack([per_step[w] for w in others]), axis=0)
+        return float(median(per_step[worker] - baseline)) / step_time
 
     # the size a worker's untraced time must have (twice a few ms is no cause): in a window kept and
     # straggling, the share of a step a listed cause needs (half the straggling threshold's); else
@@ -108,10 +108,10 @@ def untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5, 
         named = [w for w in workers if persistent(w, peer_set[w]) and persistent(w, [o for o in workers if o != w])
                  and sizeable(w, peer_set[w])]
     else:
-        ranked = sorted(workers, key=lambda w: (-float(np.median(per_step[w])), w))
+        ranked = sorted(workers, key=lambda w: (-float(median(per_step[w])), w))
         top = ranked[0]
         peer_set = {top: ranked[1:]}
-        ahead = float(np.median(per_step[top])) >= factor * float(np.median(per_step[ranked[1]]))
+        ahead = float(median(per_step[top])) >= factor * float(median(per_step[ranked[1]]))
         named = [top] if ahead and persistent(top, ranked[1:]) else []
     confidence = _untraced_test(per_step, peer_set, workers, alpha)
     named = [w for w in named if confidence.get(w, 0.0) >= 1.0 - alpha]
@@ -126,7 +126,7 @@ def untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5, 
     # cannot see its cost now (a slower worker elsewhere sets the step, or collectives that wait for
     # it are what the replay stretches): its size is what it measures per step (without DP peers
     # the other stages are no like-for-like baseline, so there it takes 2 x `factor`)
-    hidden = {w: float(np.median(per_step[w])) / step_time
+    hidden = {w: float(median(per_step[w])) / step_time
               if persistent(w, peer_set[w], factor * (2.0 if alone else 1.0), 1.0) else 0.0 for w in named}
     counted = {w: max(excess[w] or 0.0, hidden[w]) for w in named}
     named = sorted((w for w in named if counted[w] > 0.0 and counted[w] >= each * total), key=lambda w: (-counted[w], w))
@@ -143,14 +143,14 @@ def _untraced_test(per_step: dict, baselines: dict, workers: list, alpha: float)
     mean excess. With DP peers the null is the excesses against the same baselines (each worker
     against its stage's DP peers; two DP ranks mirror each other, one per stage counts), else
     against every other worker. {} when the job gives no spread to test against (one step)."""
-    excess = {w: per_step[w] - np.median(np.stack([per_step[o] for o in others]), axis=0)
+    excess = {w: per_step[w] - median(np.stack([per_step[o] for o in others]), axis=0)
               for w, others in baselines.items()}
     peers = set(baselines) == set(workers) and all(o[1] == w[1] for w, others in baselines.items() for o in others)
     if peers:
         dp_size = len({d for d, _ in workers})
         families = [e for (d, _), e in excess.items() if d == 0] if dp_size == 2 else list(excess.values())
     else:
-        every = {w: per_step[w] - np.median(np.stack([per_step[o] for o in workers if o != w]), axis=0) for w in workers}
+        every = {w: per_step[w] - median(np.stack([per_step[o] for o in workers if o != w]), axis=0) for w in workers}
         families = list(every.values())[:1] if len(workers) == 2 else list(every.values())
     n = len(next(iter(per_step.values())))
     df = sum(len(e) - 1 for e in families)

@@ -38,8 +38,8 @@ import math
 import numpy as np
 
 from schemas.trace import OPTYPES
-from transforms.whatif.causes.signals import peer_median
-from transforms.whatif.model import JobModel, distinct
+from transforms.whatif.causes.signals import nanmedian, peer_median
+from transforms.whatif.model import JobModel, distinct, median
 from transforms.whatif.result import STRAGGLING_THRESHOLD
 
 __all__ = ["KINDS", "WorkerFinding", "WorkerTests", "worker_tests", "balance_tests", "t_sf", "median_variance"]
@@ -192,7 +192,7 @@ def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alp
         total = np.log(work.sum(axis=0))
         ahead = np.nanmean(total - peer_median(total), axis=1) > 0      # [stage, dp]: its compute exceeds its peers'
         # [stage, dp]: its whole compute beyond the threshold in most samples, so it alone could make the job straggle
-        could_straggle = np.nanmedian(total - peer_median(total), axis=1) >= math.log(floor)
+        could_straggle = nanmedian(total - peer_median(total), axis=1) >= math.log(floor)
     effect[~np.isfinite(effect)] = np.nan
     count = np.isfinite(effect).sum(axis=2)                             # [kind, stage, dp]
     level = np.nanmean(np.where(count[:, :, None] > 0, effect, 0.0), axis=2)
@@ -218,7 +218,7 @@ def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alp
         ok = np.isfinite(e)
         # t on the mean; "persistent" also needs the median above the threshold (most samples: a
         # worker slow in two steps of eight is intermittent)
-        worker, mean, middle = (int(d), int(stage_ids[p])), float(level[k, p, d]), float(np.median(e[ok]))
+        worker, mean, middle = (int(d), int(stage_ids[p])), float(level[k, p, d]), float(median(e[ok]))
         # the mean's null: the jitter over m samples plus the offset healthy peers keep
         # (Welch-Satterthwaite degrees of freedom: the offset is known, the jitter estimated)
         jitter = sigma * sigma / m
@@ -232,7 +232,7 @@ def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alp
         found = _intermittent(effect, ss, dfs, (int(k), int(p), int(d)), families, n_tests, alpha, limit)
         if found is not None:
             hit, p_cells = found
-            slow.append(WorkerFinding(worker, kind, math.exp(float(np.median(e[hit]))),
+            slow.append(WorkerFinding(worker, kind, math.exp(float(median(e[hit]))),
                                       tuple(sorted(set(step_of[hit].tolist()))), False, p_cells, m))
         elif middle >= limit and could_straggle[p, d]:
             undecided.append(WorkerFinding(worker, kind, math.exp(middle), (), True, p_level, m,
@@ -276,13 +276,13 @@ def balance_tests(model: JobModel, alpha: float = 0.01, floor: float = STRAGGLIN
     n = balance.shape[1]
     df = int(balance.shape[0] * (n - 1))
     sigma = math.sqrt(float(((balance - level[:, None]) ** 2).sum()) / df)
-    typical = np.array([float(np.median((f + b)[stage_of == p].sum(axis=0))) for p in stages])
+    typical = np.array([float(median((f + b)[stage_of == p].sum(axis=0))) for p in stages])
     slow, undecided = [], []
     for index, stage in enumerate(stages.tolist()):
-        others = float(np.median(np.delete(typical, index)))
+        others = float(median(np.delete(typical, index)))
         mine, rest = stage_of == stage, stage_of != stage
-        effect = float(level[mine].mean() - np.median(level[rest]))
-        slow_part = float(np.median((b if effect > 0 else f)[mine].sum(axis=0)))
+        effect = float(level[mine].mean() - median(level[rest]))
+        slow_part = float(median((b if effect > 0 else f)[mine].sum(axis=0)))
         restored = typical[index] - slow_part * (1.0 - math.exp(-abs(effect)))
         if typical[index] < floor * others or abs(effect) < math.log(floor) or restored >= floor * others:
             continue   # not leading, balanced, or its departure does not make its lead
@@ -307,8 +307,8 @@ def _healthy_offset(level: np.ndarray, count: np.ndarray, sigma: float, offset: 
     comparison per stage, which a slow worker is: the caller takes the prior then."""
     means = level[count >= 2]
     if means.size >= 3:
-        n = float(np.median(count[count >= 2]))
-        read = float(np.median(means * means)) / 0.4549 - sigma * sigma / n   # median of chi2(1) = 0.4549
+        n = float(median(count[count >= 2]))
+        read = float(median(means * means)) / 0.4549 - sigma * sigma / n   # median of chi2(1) = 0.4549
         return max(math.sqrt(max(read, 0.0)), offset)
     return offset
 
