@@ -14,7 +14,7 @@ import pandas as pd
 
 from dashboards import charts
 from dashboards.data import ReportData
-from dashboards.html import Chart, HtmlTable, Numbers, Text, export_chart, render_page
+from dashboards.html import Chart, HtmlTable, Numbers, Text, confidence_text, export_chart, render_page
 from transforms.whatif.result import ATTRIBUTION_THRESHOLD, STRAGGLING_THRESHOLD
 
 __all__ = ["build_fleet_report", "fleet_charts", "REPORT_FILE"]
@@ -147,8 +147,7 @@ def _worst_jobs(data: ReportData, job_href: Callable[[object, str], str | None],
         body.append([
             str(row.date), (row.job_id, href) if href else row.job_id, int(row.gpus), _num(row.slowdown), _pct(row.waste),
             _hours(row.wasted_gpu_hours), row.cause if isinstance(row.cause, str) else "",
-            # an undecided finding keeps its third digit: 0.988 is short of the 0.99 a verdict needs
-            _num(row.confidence, 3 if row.cause == "insufficient-evidence" else 2),
+            confidence_text(row.cause, row.confidence),
             _hours(row.savings_gpu_hours),
         ])
     return HtmlTable(

@@ -69,6 +69,12 @@ def fmt(value, digits: int = 3) -> str:
     return text[1:] if text.startswith("-") and not text.strip("-0.") else text
 
 
+def confidence_text(cause: str, confidence) -> str:
+    """A verdict's confidence as shown: two decimals; an insufficient-evidence verdict's (its
+    strongest undecided finding) three, since two would round 0.988 up to the 0.99 a verdict needs."""
+    return fmt(None if confidence is None else float(confidence), 3 if cause == "insufficient-evidence" else 2)
+
+
 def job_title(job_id: str, prefix: str = "Job") -> str:
     """A page title naming a job: "Job llama-7b", but "job-20240304-003" as it is (no "Job job-...")."""
     return job_id if job_id.lower().startswith("job") else f"{prefix} {job_id}"

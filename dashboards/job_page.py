@@ -15,7 +15,7 @@ import urllib.parse
 
 from dashboards import charts
 from dashboards.data import ReportData
-from dashboards.html import BUNDLE_PATH, Chart, HtmlTable, Numbers, Text, fmt, job_title, render_page
+from dashboards.html import BUNDLE_PATH, Chart, HtmlTable, Numbers, Text, confidence_text, fmt, job_title, render_page
 from schemas.causes import CAUSE_TITLES, evidence_label
 from schemas.tables import KEPT_BY_MODEL
 from schemas.trace import OPTYPES, optype_words
@@ -127,8 +127,8 @@ def _confidence_words(cause: str, verdict: dict | None) -> str:
     if verdict is None:
         return "no verdict (discarded window)"
     if cause == "insufficient-evidence":
-        return f"strongest undecided finding at confidence {verdict['confidence']:.3f}"   # 0.988 is short of 0.99
-    return f"{cause}, confidence {verdict['confidence']:.2f}"
+        return f"strongest undecided finding at confidence {confidence_text(cause, verdict['confidence'])}"
+    return f"{cause}, confidence {confidence_text(cause, verdict['confidence'])}"
 
 
 def _saved_number(fixes: dict, cause: str, unit: str) -> tuple[str, str, str]:

@@ -173,23 +173,31 @@ def test_a_cpu_ddp_fleet_is_reported_in_rank_hours_with_ddps_all_reduce_by_its_n
     assert "grads-all-reduce: DDP's gradient all-reduce (op type grads-reduce-scatter in the tables" in html.unescape(page)
 
 
+def _land_batch_report(run_name: str, job_id: str, tmp_path, capsys):
+    """A committed real-stack run landed as job_id on 2026-11-20, through `strag batch` and
+    `strag report`, as a user runs them: (tables folder, report folder)."""
+    import pathlib
+
+    from pipelines import cli
+
+    run = pathlib.Path(__file__).parent / "data" / "real_stacks" / run_name
+    lake, out, pages = tmp_path / "lake", tmp_path / "tables", tmp_path / "report"
+    assert cli.main(["land", str(run), "--lake", str(lake), "--job-id", job_id, "--date", "2026-11-20"]) == 0
+    assert cli.main(["batch", "--lake", str(lake), "--from", "2026-11-20", "--to", "2026-11-20", "--out", str(out),
+                     "--quiet"]) == 0
+    assert cli.main(["report", "--tables", str(out), "--out", str(pages), "--images", "none"]) == 0
+    capsys.readouterr()
+    return out, pages
+
+
 def test_methods_figures_stand_beside_the_models(tmp_path, capsys):
     """A real Accelerate run whose rank 1 waits ~300 ms per batch on its DataLoader: METHOD.md section 3
     replays it without that untraced time and would discard it (its no-delay replay is far off); the
     model gives rank 1's untraced time back and keeps it. The tables carry both S and which rule kept
     the window; the fleet coverage counts it; the report and the job page show both figures."""
-    import pathlib
-
-    from pipelines import cli
     from transforms.whatif.result import discrepancy_discards
 
-    run = pathlib.Path(__file__).parent / "data" / "real_stacks" / "accelerate-data-r1-gpt2-padded"
-    lake, out, pages = tmp_path / "lake", tmp_path / "tables", tmp_path / "report"
-    assert cli.main(["land", str(run), "--lake", str(lake), "--job-id", "data-wait", "--date", "2026-11-20"]) == 0
-    assert cli.main(["batch", "--lake", str(lake), "--from", "2026-11-20", "--to", "2026-11-20", "--out", str(out),
-                     "--quiet"]) == 0
-    assert cli.main(["report", "--tables", str(out), "--out", str(pages), "--images", "none"]) == 0
-    capsys.readouterr()
+    out, pages = _land_batch_report("accelerate-data-r1-gpt2-padded", "data-wait", tmp_path, capsys)
     [row] = read_table(str(out), "job_summary").to_pylist()
     assert discrepancy_discards(row["launch_slowdown"]) and not row["discarded"]
     assert (row["discarded_method"], row["kept_by"]) == (True, "untraced-model")
@@ -213,17 +221,7 @@ def test_a_window_kept_by_carried_arrivals_says_so_in_the_tables(tmp_path, capsy
     a step apart and METHOD starts them together), the replay with each rank's carried arrival is
     within 5%. job_summary and coverage say which rule kept it, S is METHOD's, the fleet coverage
     counts it among the windows only the model keeps."""
-    import pathlib
-
-    from pipelines import cli
-
-    run = pathlib.Path(__file__).parent / "data" / "real_stacks" / "lightning-clean-mlp-callback-s0-gcrec"
-    lake, out, pages = tmp_path / "lake", tmp_path / "tables", tmp_path / "report"
-    assert cli.main(["land", str(run), "--lake", str(lake), "--job-id", "arrivals", "--date", "2026-11-20"]) == 0
-    assert cli.main(["batch", "--lake", str(lake), "--from", "2026-11-20", "--to", "2026-11-20", "--out", str(out),
-                     "--quiet"]) == 0
-    assert cli.main(["report", "--tables", str(out), "--out", str(pages), "--images", "none"]) == 0
-    capsys.readouterr()
+    out, pages = _land_batch_report("lightning-clean-mlp-callback-s0-gcrec", "arrivals", tmp_path, capsys)
     [row] = read_table(str(out), "job_summary").to_pylist()
     assert row["launch_slowdown"] > 1.05 and 1.0 < row["replay_discrepancy"] < 1.05 and not row["discarded"]
     assert (row["discarded_method"], row["kept_by"]) == (True, "arrivals-model")

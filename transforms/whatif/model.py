@@ -376,6 +376,14 @@ def _op_name(optype: int, seq_id: int, stage: int) -> str:
 
 # --------------------------------------------------------------------------- reading
 
+def _whole_column(trace: pa.Table, name: str) -> np.ndarray | None:
+    """An optional float column as float64, when the trace has it on every row (a recorded
+    measurement: gc_wait, idle_within, gc_within); None when absent or partly null."""
+    if name not in trace.column_names or not trace.num_rows or trace.column(name).null_count:
+        return None
+    return trace.column(name).to_numpy(zero_copy_only=False).astype(np.float64)
+
+
 def read_trace_columns(trace: pa.Table, job_id: str = "") -> TraceColumns:
     """Normalise a trace table (lake TRACE_SCHEMA or the published float32/int8 format)
     into numpy columns. Raises TraceValueError / UnknownOptypeError on bad values."""
@@ -407,12 +415,8 @@ def read_trace_columns(trace: pa.Table, job_id: str = "") -> TraceColumns:
     )
     if "data_wait" in trace.column_names and trace.column("data_wait").null_count < trace.num_rows:
         columns.data_wait = np.nan_to_num(trace.column("data_wait").to_numpy(zero_copy_only=False).astype(np.float64))
-    if "gc_wait" in trace.column_names and trace.column("gc_wait").null_count == 0 and trace.num_rows:
-        columns.gc_wait = trace.column("gc_wait").to_numpy(zero_copy_only=False).astype(np.float64)
-    if "idle_within" in trace.column_names and trace.column("idle_within").null_count == 0 and trace.num_rows:
-        columns.idle_within = trace.column("idle_within").to_numpy(zero_copy_only=False).astype(np.float64)
-    if columns.gc_wait is not None and "gc_within" in trace.column_names and trace.column("gc_within").null_count == 0:
-        columns.gc_within = trace.column("gc_within").to_numpy(zero_copy_only=False).astype(np.float64)
+    columns.gc_wait, columns.idle_within = _whole_column(trace, "gc_wait"), _whole_column(trace, "idle_within")
+    columns.gc_within = _whole_column(trace, "gc_within") if columns.gc_wait is not None else None
     columns.float32 = all(
         pa.types.is_float32(trace.schema.field(name).type)
         or bool((values.astype(np.float32).astype(np.float64) == values).all())

@@ -377,15 +377,14 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
         columns["gmc"].append(r["gmc"])
         columns["n_ops"].append(r["n_ops"])
         columns["seq_lens"].append(r["seq_lens"])
+        shift = (by_rank[rank].origin_ns - first_origin) / 1000.0   # the rank's recorded spans onto the job's clock
         loading = by_rank[rank].data_loading
         if loading is not None:
-            shift = (by_rank[rank].origin_ns - first_origin) / 1000.0
             columns["data_wait"].append(_data_waits(r["start"], r["end"], loading + shift) * 1e-6)
         else:
             columns["data_wait"].append(np.zeros(n))
         collected = by_rank[rank].gc_pauses
         if collected is not None and len(collected):
-            shift = (by_rank[rank].origin_ns - first_origin) / 1000.0
             columns["gc_wait"].append(_data_waits(r["start"], r["end"], collected + shift) * 1e-6)
             columns["gc_within"].append(_within(r["start"], r["end"], busy_runs(*(collected + shift).T)) * 1e-6)
         else:
@@ -395,7 +394,6 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
         compute = np.isin(r["optype"], _COMPUTE_CODES)
         idle = np.zeros(n)
         if busy is not None and compute.any():
-            shift = (by_rank[rank].origin_ns - first_origin) / 1000.0
             idle[compute] = longest_idle(r["start"][compute], r["end"][compute], busy + shift) * 1e-6
         columns["idle_within"].append(idle)
     if not any(t.data_loading is not None for t in analysed):

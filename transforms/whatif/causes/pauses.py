@@ -185,15 +185,24 @@ class Pauses:
                 "data_loading_share": float(self.data.sum() / max(self.data.sum() + self.untraced.sum(), 1e-12))}
 
 
-def find_pauses(model: JobModel, alpha: float = 0.01, straggling: float = STRAGGLING_THRESHOLD,
-                partner: np.ndarray | None = None) -> Pauses:
+def find_pauses(model: JobModel, alpha: float = 0.01, straggling: float = STRAGGLING_THRESHOLD) -> Pauses:
     """Pauses of every worker (module docstring). A pause is a worker-step's largest non-data gap
     (before an op, or inside a compute op: the trace's `idle_within`, a stretch in which the
     compute's thread ran no traced op) beyond the job's median largest gap by both a robust z at
     Bonferroni-corrected `alpha` and
     (straggling - 1) of the median step time (a pause smaller than that cannot make a job straggle
-    on its own)."""
-    partner = p2p_partner(model) if partner is None else partner
+    on its own). Computed once per model and arguments (the worker test and the python-gc cause
+    both ask)."""
+    cached = model.__dict__.get("_pauses")
+    if cached is not None and cached[0] is model.launch_delay and cached[1] == (alpha, straggling):
+        return cached[2]
+    pauses = _find_pauses(model, alpha, straggling, p2p_partner(model))
+    model.__dict__["_pauses"] = (model.launch_delay, (alpha, straggling), pauses)
+    return pauses
+
+
+def _find_pauses(model: JobModel, alpha: float, straggling: float, partner: np.ndarray) -> Pauses:
+    """find_pauses, computed."""
     shape = (model.pp_size, model.n_steps, model.dp_size)
     untraced, data, largest = np.zeros(shape), np.zeros(shape), np.zeros(shape)
     collected = np.zeros(shape) if model.gc_wait is not None else None
