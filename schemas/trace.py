@@ -106,6 +106,11 @@ TRACE_SCHEMA = pa.schema(
         # Optional: seconds Python's garbage collector ran inside the op's span, as the trainer
         # recorded it (present exactly when gc_wait is): a collection that struck mid-compute.
         pa.field("gc_within", pa.float64(), nullable=True),
+        # Optional: on CPU ranks, when the op's rank entered its step (the converter's step start:
+        # where its loop called prof.step() after the previous iteration, or the end of that
+        # iteration's optimizer step), on the start_ts clock; the same on every op of a rank and
+        # step. A rank entering later than its DP peers is still finishing its previous step.
+        pa.field("step_entered", pa.float64(), nullable=True),
     ],
     metadata={"strag.schema_version": SCHEMA_VERSION, "strag.table": "trace"},
 )

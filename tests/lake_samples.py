@@ -83,7 +83,7 @@ def sample_job(job_id: str = "job-a", *, dp: int = 2, pp: int = 2, steps: int = 
             pa.array(start), pa.array(duration), pa.array(arrays["seq_id"]),
             pa.array(arrays["mc"]), pa.array(arrays["mb_id"]), pa.array(arrays["gmc"]),
             pa.nulls(rows, pa.string()), pa.nulls(rows, pa.list_(pa.int32())), pa.nulls(rows, pa.int32()),
-            pa.nulls(rows, pa.float64()), pa.nulls(rows, pa.float64()), pa.nulls(rows, pa.float64()), pa.nulls(rows, pa.float64()),
+            *(pa.nulls(rows, field.type) for field in list(TRACE_SCHEMA)[15:]),   # the optional measurements
         ],
         schema=TRACE_SCHEMA,
     )

@@ -116,6 +116,60 @@ def test_a_profiler_step_per_accumulated_batch_makes_one_iteration_of_several():
     assert got == {3: (0.0, 19.0), 5: (19.0, 39.0)}
 
 
+def test_lightning_s_profiler_under_accumulation_keeps_the_iteration_a_zero_grad_opens():
+    """Lightning's PyTorchProfiler, accumulate_grad_batches=2 (the layout of the committed run
+    lightning-clean-mlp-plprof-acc2-s1, in tenths of its milliseconds): the first ProfilerStep holds
+    the backward of a microbatch whose forward came before the profile, its optimizer step (whose
+    `Optimizer.step` span began before the profile, so the trace lacks it), then the next batch's
+    fetch and forward. Lightning zero-grads between that forward and its backward, so the iteration
+    ending at the one recorded optimizer step is the work from that fetch on: it is whole."""
+    steps = {2: (0.0, 22.1), 3: (22.1, 33.5), 4: (33.5, 52.3)}
+    forward = np.array([19.5, 30.7, 49.8])        # b, c (inside Optimizer.step: the closure), d
+    backward = np.array([0.1, 22.2, 33.6])       # a (forward before the profile), b, c
+    optimizer = [(30.6, 49.2)]
+    zero_grads = np.array([22.18])
+    fetches = np.array([18.9, 30.3, 49.4])
+    got = _iterations(steps, optimizer, ["t"], "t", forward, backward, zero_grads, fetches)
+    assert got == {4: (18.9, 49.2)}
+    # without the zero_grad nothing tells the optimizer step before the forward from none: left out
+    assert _iterations(steps, optimizer, ["t"], "t", forward, backward) == {}
+    # a zero_grad before the first backward of the profile says nothing of the work before it
+    assert _iterations(steps, optimizer, ["t"], "t", forward, backward, np.array([0.05]), fetches) == {}
+
+
+def test_a_zero_grad_after_the_optimizer_step_does_not_make_a_partial_iteration_whole():
+    """A plain loop (step, then zero_grad), a ProfilerStep per accumulated batch, the profile
+    beginning at a second batch: the first iteration's zero_grad came before the profile, so it
+    still lacks a microbatch and is left out."""
+    steps = {3: (0.0, 10.0), 4: (10.0, 20.0), 5: (20.0, 30.0), 6: (30.0, 40.0), 7: (40.0, 50.0)}
+    forward = np.array([1.0, 11.0, 21.0, 31.0, 41.0])
+    backward = np.array([5.0, 15.0, 25.0, 35.0, 45.0])
+    optimizer = [(8.0, 9.0), (28.0, 29.0), (48.0, 49.0)]
+    zero_grads = np.array([9.2, 29.2, 49.2])
+    got = _iterations(steps, optimizer, ["t"] * 3, "t", forward, backward, zero_grads, np.array([0.5, 10.5, 20.5]))
+    assert got == {5: (9.0, 29.0), 7: (29.0, 49.0)}
+
+
+def test_a_lightning_profile_of_three_microbatch_steps_under_accumulation_is_read(tmp_path):
+    """The committed run that was refused ("the 3 ProfilerSteps hold no whole training iteration"):
+    one iteration of two microbatches per rank, its gradient all-reduces and optimizer, replayed
+    within 5% of what ran."""
+    from transforms.ingest.kineto import convert_kineto
+    from transforms.whatif import analyze_job
+
+    run = STACKS / "lightning-clean-mlp-plprof-acc2-s1"
+    truth = json.loads((run / "truth.json").read_text())
+    converted = convert_kineto([str(run / name) for name in truth["trace_files"]], run.name, "2026-11-28", {})
+    table = converted.trace.to_pandas()
+    assert table.step.nunique() == 1
+    for _, ops in table.groupby("rank"):
+        kinds = ops.optype.tolist()
+        assert kinds.count("forward-compute") == kinds.count("backward-compute") == truth["microbatches"]
+        assert kinds.count("optimizer") == 1
+    result = analyze_job(converted.trace, converted.job_meta(), run.name)
+    assert 1 / 1.05 <= result.replay_discrepancy <= 1.05
+
+
 # --- several tensors across one pipeline boundary ----------------------------------------------------
 
 def _send(start, end, peer=1):

@@ -41,6 +41,7 @@ def as_lake_table(table: pa.Table, job_id: str) -> pa.Table:
     columns["gc_wait"] = pa.nulls(table.num_rows, pa.float64())
     columns["idle_within"] = pa.nulls(table.num_rows, pa.float64())
     columns["gc_within"] = pa.nulls(table.num_rows, pa.float64())
+    columns["step_entered"] = pa.nulls(table.num_rows, pa.float64())
     return pa.Table.from_pydict(columns, schema=TRACE_SCHEMA)
 
 

@@ -119,6 +119,7 @@ class TraceColumns:
     gc_wait: np.ndarray | None = None
     idle_within: np.ndarray | None = None
     gc_within: np.ndarray | None = None
+    step_entered: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.step)
@@ -196,6 +197,7 @@ class JobModel:
     gc_wait: np.ndarray | None = None    # [op, lane] seconds of it Python's collector ran (recorded; None: no record)
     idle_within: np.ndarray | None = None  # [op, lane] seconds of the longest untraced stretch inside a compute op (CPU ranks)
     gc_within: np.ndarray | None = None    # [op, lane] seconds Python's collector ran inside the op (recorded, with gc_wait)
+    step_entered: np.ndarray | None = None  # [op, lane] seconds after the step start its rank entered the step (CPU ranks)
 
     @property
     def n_ops(self) -> int:
@@ -295,8 +297,8 @@ class JobModel:
         """[op, lane] launch delays of the ops that open a worker's step (their only predecessor is
         the step start), as far as the worker's late arrival is its previous step's tail: at most
         how much later it finished that step (consecutive, profiled) than the first of its stage's
-        DP peers to finish. None when nothing is carried (not host_compute, no DP peers, no two
-        consecutive steps).
+        DP peers to finish, or, where that step was not profiled, how much later it entered this
+        one. None when nothing is carried (not host_compute, no DP peers, no tail measured).
 
         METHOD.md replays each step from one common start, and measures a step from its earliest
         op start to its latest end. Nothing makes DP ranks end a step together (the optimizer runs
@@ -309,14 +311,17 @@ class JobModel:
         cached = self.__dict__.get("_carried_arrivals")
         if cached is not None and cached[0] is self.launch_delay:
             return cached[1]
-        delay = self._carried() if self.meta.host_compute and self.dp_size >= 2 and self.n_steps >= 2 else None
+        delay = self._carried() if self.meta.host_compute and self.dp_size >= 2 else None
         self.__dict__["_carried_arrivals"] = (self.launch_delay, delay)
         return delay
 
     def _carried(self) -> np.ndarray | None:
-        """carried_arrivals, computed."""
+        """carried_arrivals, computed. A step whose previous step was not profiled (the first) takes
+        the tail from where each rank entered it (`step_entered`: its loop's step boundary, after
+        the previous iteration's optimizer step), behind the first of its stage's DP peers to enter."""
         consecutive = np.flatnonzero(np.diff(self.steps) == 1) + 1      # steps k whose k - 1 was profiled
-        if not len(consecutive):
+        entered = self.step_entered
+        if not len(consecutive) and entered is None:
             return None
         source = self.pred_index[self.pred_ptr[:-1]] == self.n_ops
         shape = (self.n_steps, self.dp_size)
@@ -329,6 +334,9 @@ class JobModel:
             end = self.observed_end[ops].max(axis=0).reshape(shape) + self.step_start[:, None]   # absolute
             carry = end - end.min(axis=1, keepdims=True)                                      # behind the first to end
             given = np.zeros(shape)
+            if entered is not None:
+                began = entered[ops].max(axis=0).reshape(shape)
+                given = began - began.min(axis=1, keepdims=True)
             given[consecutive] = carry[consecutive - 1]
             delay[opening] = np.minimum(np.maximum(self.launch_delay[opening], 0.0), given.reshape(-1)[None, :])
         return delay if delay.any() else None
@@ -417,6 +425,7 @@ def read_trace_columns(trace: pa.Table, job_id: str = "") -> TraceColumns:
         columns.data_wait = np.nan_to_num(trace.column("data_wait").to_numpy(zero_copy_only=False).astype(np.float64))
     columns.gc_wait, columns.idle_within = _whole_column(trace, "gc_wait"), _whole_column(trace, "idle_within")
     columns.gc_within = _whole_column(trace, "gc_within") if columns.gc_wait is not None else None
+    columns.step_entered = _whole_column(trace, "step_entered")
     columns.float32 = all(
         pa.types.is_float32(trace.schema.field(name).type)
         or bool((values.astype(np.float32).astype(np.float64) == values).all())
@@ -583,6 +592,7 @@ def _compile(columns: TraceColumns, meta: JobMeta, job_id: str, structure_from: 
         gc_wait=None if columns.gc_wait is None else layout(columns.gc_wait),
         idle_within=None if columns.idle_within is None else layout(columns.idle_within),
         gc_within=None if columns.gc_within is None else layout(columns.gc_within),
+        step_entered=None if columns.step_entered is None else layout(columns.step_entered) - lane_start,
     )
     model.original_cost = _original_cost(model)
     model.launch_delay = _launch_delays(model)

@@ -235,5 +235,6 @@ def simulated_trace(model, starts: np.ndarray, ends: np.ndarray, job_id: str | N
         "gc_wait": pa.nulls(len(op), pa.float64()),
         "idle_within": pa.nulls(len(op), pa.float64()),
         "gc_within": pa.nulls(len(op), pa.float64()),
+        "step_entered": pa.nulls(len(op), pa.float64()),
     }
     return pa.Table.from_pydict(columns, schema=TRACE_SCHEMA)

@@ -119,6 +119,7 @@ def parse_rank(path: str, document: Any, options: Mapping[str, Any] | None = Non
 
 _DICTS_PER_RUN = 1 << 16
 _DATA_LOADING = "enumerate(DataLoader)"   # torch.utils.data's record_function around each batch fetch
+_ZERO_GRAD = "Optimizer.zero_grad#"      # torch.optim's record_function around each zero_grad
 
 
 _NO_INFO = "no distributedInfo (rank, world_size)"
@@ -165,7 +166,9 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     elif steps and optimizer:
         profiled = len(steps)
         steps = _iterations(steps, optimizer, events.optimizer_tids, step_tid, autograd,
-                            cpu_ops.start[cpu_ops.per_name(_is_backward_op)])
+                            cpu_ops.start[cpu_ops.per_name(_is_backward_op)],
+                            cpu_ops.start[cpu_ops.per_name(lambda name: name.startswith(_ZERO_GRAD))],
+                            cpu_ops.start[cpu_ops.per_name(lambda name: name.startswith(_DATA_LOADING))])
         if not steps:
             # an iteration spans about profiled / stepped ProfilerSteps: two of them and one more put a
             # whole one between two recorded optimizer steps
@@ -552,7 +555,8 @@ def _merged(spans: list[tuple[float, float]]) -> list[list[float]]:
 
 
 def _iterations(steps: dict[int, tuple[float, float]], optimizer: list[tuple[float, float]], tids: list, step_tid,
-                forward: np.ndarray, backward: np.ndarray) -> dict[int, tuple[float, float]]:
+                forward: np.ndarray, backward: np.ndarray, zero_grads: np.ndarray | None = None,
+                fetches: np.ndarray | None = None) -> dict[int, tuple[float, float]]:
     """The training iterations of a trace whose ProfilerSteps are not its iterations, else `steps`.
 
     An iteration is what the framework means by one: the work between two optimizer steps. Most
@@ -569,7 +573,9 @@ def _iterations(steps: dict[int, tuple[float, float]], optimizer: list[tuple[flo
     the model's work (forward ops autograd recorded, backward ops): work after a ProfilerStep's last
     optimizer step means its iteration goes on past the step's end. The first iteration is kept only
     when the profile began where an iteration does (`_starts_an_iteration`): one that began
-    mid-iteration (Lightning's) holds the rest of an iteration whose forward it missed."""
+    mid-iteration (Lightning's) holds the rest of an iteration whose forward it missed, unless a
+    zero_grad in it says where its own gradients began (`_begun_after_zero_grad`; `zero_grads`,
+    `fetches`: the start times of the `Optimizer.zero_grad` and `enumerate(DataLoader)` spans)."""
     ends = np.array([end for _, end in _merged([span for span, tid in zip(optimizer, tids) if tid == step_tid])])
     if not len(ends):
         return steps
@@ -595,8 +601,43 @@ def _iterations(steps: dict[int, tuple[float, float]], optimizer: list[tuple[flo
     starts = np.concatenate([[first], ends[:-1]])
     iterations = {n: (float(s), float(e)) for n, s, e in zip(ids, starts.tolist(), ends.tolist())}
     if len(ends) and not _starts_an_iteration(bounds, ends, forward, backward):
-        iterations.pop(ids[0])
+        begun = _begun_after_zero_grad(first, ends[0], forward, backward, zero_grads, fetches)
+        if begun is None:
+            iterations.pop(ids[0])
+        else:
+            iterations[ids[0]] = (begun, iterations[ids[0]][1])
     return iterations
+
+
+def _begun_after_zero_grad(first: float, end: float, forward: np.ndarray, backward: np.ndarray,
+                           zero_grads: np.ndarray | None, fetches: np.ndarray | None) -> float | None:
+    """Where the first iteration of a profile begun mid-iteration starts, when the profile holds all
+    of its work; else None. An optimizer step applies the gradients accumulated since the last
+    zero_grad, so the iteration ending at `end` (its optimizer step's end) is the model work whose
+    backward follows the last zero_grad before `end`: the forwards from the first one after the
+    last backward op that precedes that zero_grad (PyTorch Lightning zero-grads between
+    training_step and backward; a plain loop before the forward). Those forwards are all in the
+    profile when that earlier backward is (it ran after the profile's start), and the iteration
+    starts at the batch fetch before its first forward, if one was traced after that backward.
+    Without such a zero_grad and backward the work before the profile cannot be told apart."""
+    if zero_grads is None or not len(zero_grads) or not len(forward) or not len(backward):
+        return None
+    inside = zero_grads[(zero_grads > first) & (zero_grads < end)]
+    if not len(inside):
+        return None
+    zeroed = inside.max()
+    before = backward[(backward >= first) & (backward < zeroed)]
+    if not len(before):
+        return None
+    after = forward[(forward > before.max()) & (forward < end)]
+    if not len(after) or not ((backward > zeroed) & (backward < end)).any():
+        return None
+    start = float(after.min())
+    if fetches is not None and len(fetches):
+        fetched = fetches[(fetches > before.max()) & (fetches < start)]
+        if len(fetched):
+            start = float(fetched.max())
+    return start
 
 
 def _starts_an_iteration(bounds: np.ndarray, ends: np.ndarray, forward: np.ndarray, backward: np.ndarray) -> bool:
