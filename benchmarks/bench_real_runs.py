@@ -30,7 +30,10 @@ Counterfactuals (the fix's prediction against what a run without the slowdown me
   predicts (the slowed run's measured step times the fix's saving) against the twin's measured
   step time, each the median over the profiled steps of the trainer's own step times
   (PROVENANCE.json), as the paper's injection test compares estimated and measured slowdowns
-  (estimated 1.21 / 1.42 / 1.98 against measured 1.16 / 1.40 / 2.03).
+  (estimated 1.21 / 1.42 / 1.98 against measured 1.16 / 1.40 / 2.03);
+- within the run: a worker slowed on odd optimizer steps only (`--slow fwd:R:F:odd`,
+  tools/real_stacks/odd-matrix.json): the fix's predicted mean step time against the mean of the
+  run's own even (clean) profiled steps.
 
 The discrepancy scored is the one that decides whether the window is kept (`replay_discrepancy`:
 what ran over the model's replay, which gives back the untraced CPU time of workers the root-cause
@@ -109,7 +112,7 @@ def analyse_run(run: pathlib.Path) -> dict:
     coords = {(c["dp"], c["pp"]): int(r) for r, c in truth["rank_coords"].items()}
     verdict = result.get("verdict") or {}
     row["counterfactual"] = gc_counterfactual(run, truth, verdict)
-    row["twin"] = twin_counterfactual(run, truth, verdict)
+    row["twin"] = twin_counterfactual(run, truth, verdict) or odd_steps_counterfactual(run, truth, verdict)
     blamed = sorted({coords.get((int(d), int(s)), -1) for d, s in verdict.get("implicated_workers") or []})
     untraced = result.get("untraced_work") or {}
     row.update(refused=False, reason="", S=untraced.get("slowdown", result["blocking_slowdown"]),
@@ -119,20 +122,44 @@ def analyse_run(run: pathlib.Path) -> dict:
     return row
 
 
-def _profiled_step_seconds(run: pathlib.Path, truth: dict) -> float | None:
-    """The median over the profiled steps of a run's step time as its trainer measured it (per
-    step, the slowest rank's: the job waits for it), from PROVENANCE.json; the step that ends the
-    profiler's active window is left out (it also holds the trace's export). None without it."""
+def _step_seconds(run: pathlib.Path, truth: dict) -> dict[int, float]:
+    """Per profiled optimizer step, its time as the run's trainer measured it (the slowest rank's:
+    the job waits for it), from PROVENANCE.json; the step that ends the profiler's active window is
+    left out (it also holds the trace's export). Empty without the record."""
     path = run / "PROVENANCE.json"
     if not path.is_file():
-        return None
+        return {}
     ranks = json.loads(path.read_text()).get("ranks") or {}
     profiler = truth.get("profiler") or {}
     first = int(profiler.get("wait", 0)) + int(profiler.get("warmup", 0))
     steps = range(first, first + max(int(profiler.get("active", 0)) - 1, 1))
-    times = [max(r["step_ms"][s] for r in ranks.values() if s < len(r.get("step_ms") or []))
-             for s in steps if any(s < len(r.get("step_ms") or []) for r in ranks.values())]
-    return sorted(times)[len(times) // 2] / 1000.0 if times else None
+    return {s: max(r["step_ms"][s] for r in ranks.values() if s < len(r.get("step_ms") or [])) / 1000.0
+            for s in steps if any(s < len(r.get("step_ms") or []) for r in ranks.values())}
+
+
+def odd_steps_counterfactual(run: pathlib.Path, truth: dict, verdict: dict) -> dict | None:
+    """A run whose worker was slowed on odd optimizer steps only: the expected cause's fix (the
+    window's mean step time less its saving) against the mean of the run's even profiled steps."""
+    slowdowns = truth.get("slowdowns") or []
+    if not slowdowns or not all(s.get("steps") == "odd" for s in slowdowns):
+        return None
+    cause = truth["expected"]["primary_causes"][0]
+    fix = (verdict.get("fixes") or {}).get(cause)
+    times = _step_seconds(run, truth)
+    even = [t for s, t in times.items() if s % 2 == 0]
+    if fix is None or not even or len(even) == len(times):
+        return None
+    ran = sum(times.values()) / len(times)
+    return {"cause": cause, "named": verdict.get("cause") or "none", "ran": ran, "measured": sum(even) / len(even),
+            "predicted": ran * (1.0 - float(fix["savings_fraction"])), "within": True}
+
+
+def _profiled_step_seconds(run: pathlib.Path, truth: dict) -> float | None:
+    """The median over the profiled steps of a run's step time as its trainer measured it (per
+    step, the slowest rank's: the job waits for it), from PROVENANCE.json; the step that ends the
+    profiler's active window is left out (it also holds the trace's export). None without it."""
+    times = sorted(_step_seconds(run, truth).values())
+    return times[len(times) // 2] if times else None
 
 
 def twin_counterfactual(run: pathlib.Path, truth: dict, verdict: dict) -> dict | None:
@@ -397,9 +424,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    median |error| {errors[len(errors) // 2]:.1%} over {len(errors)} runs (target <= 5%)")
     twins = [(r["run"], r["twin"]) for r in rows if r.get("twin")]
     if twins:
-        print("  fixes against clean twins (same command without the slowdown; step times, median of the profiled steps):")
+        print("  fixes against clean twins (same command without the slowdown; step times, median of the profiled "
+              "steps) and, marked *, against a run's own clean even steps (slowed on odd steps; means):")
         for name, c in twins:
-            print(f"    {name:<40} {c['cause']:<18} named {c['named']:<22} ran {c['ran'] * 1e3:7.1f} ms  "
+            print(f"    {name + (' *' if c.get('within') else ''):<40} {c['cause']:<18} named {c['named']:<22} ran {c['ran'] * 1e3:7.1f} ms  "
                   f"predicted {c['predicted'] * 1e3:7.1f} ms  twin {c['measured'] * 1e3:7.1f} ms  "
                   f"error {c['predicted'] / c['measured'] - 1:+6.1%}  slowdown est. {c['ran'] / c['predicted']:.2f} "
                   f"measured {c['ran'] / c['measured']:.2f}")

@@ -151,6 +151,41 @@ def test_the_gc_counterfactual_compares_the_pause_fix_with_the_run_s_record_of_i
     assert bench.gc_counterfactual(tmp_path, truth, {"fixes": {"individual-worker": fix}}) is None
 
 
+def test_the_twin_counterfactual_compares_the_fix_with_the_clean_twin_s_step_time(tmp_path):
+    """Predicted: the slowed run's median profiled step (the last active step, which holds the
+    export, left out) less the expected cause's saving; measured: its twin's, the same way."""
+    run, twin = tmp_path / "r", tmp_path / "r-twin"
+    truth = {"profiler": {"wait": 1, "warmup": 1, "active": 4},
+             "expected": {"straggling": True, "primary_causes": ["individual-worker"]}}
+    for folder, ms in ((run, [[900, 600, 700, 650, 680, 2000], [900, 590, 710, 640, 670, 1900]]),
+                       (twin, [[800, 400, 420, 410, 430, 1500], [800, 405, 415, 430, 425, 1500]])):
+        folder.mkdir()
+        folder.joinpath("PROVENANCE.json").write_text(json.dumps({"ranks": {str(r): {"step_ms": m} for r, m in enumerate(ms)}}))
+        folder.joinpath("truth.json").write_text(json.dumps(dict(truth, expected={"straggling": folder == run,
+                                                                                   "primary_causes": ["none"]})))
+    verdict = {"cause": "individual-worker", "fixes": {"individual-worker": {"savings_fraction": 0.35}}}
+    got = bench.twin_counterfactual(run, truth, verdict)
+    assert got["ran"] == pytest.approx(0.68) and got["measured"] == pytest.approx(0.43)   # steps 2-4, max over ranks
+    assert got["predicted"] == pytest.approx(0.68 * 0.65)
+    assert bench.twin_counterfactual(twin, json.loads((twin / "truth.json").read_text()), verdict) is None
+    assert bench.twin_counterfactual(run, truth, {"fixes": {}}) is None
+
+
+def test_the_odd_steps_counterfactual_compares_the_fix_with_the_run_s_own_even_steps(tmp_path):
+    truth = {"profiler": {"wait": 1, "warmup": 1, "active": 5},
+             "slowdowns": [{"kind": "fwd", "rank": 1, "amount": 2.0, "steps": "odd"}],
+             "expected": {"straggling": True, "primary_causes": ["individual-worker"]}}
+    (tmp_path / "PROVENANCE.json").write_text(json.dumps({"ranks": {
+        "0": {"step_ms": [900, 500, 400, 800, 420, 790, 3000]}, "1": {"step_ms": [900, 500, 410, 820, 400, 800, 3000]}}}))
+    verdict = {"cause": "individual-worker", "fixes": {"individual-worker": {"savings_fraction": 0.3}}}
+    got = bench.odd_steps_counterfactual(tmp_path, truth, verdict)
+    ran = (410 + 820 + 420 + 800) / 4 / 1000                                   # steps 2-5 (6 holds the export)
+    assert got["ran"] == pytest.approx(ran) and got["measured"] == pytest.approx((410 + 420) / 2 / 1000)
+    assert got["predicted"] == pytest.approx(ran * 0.7) and got["within"]
+    steady = dict(truth, slowdowns=[{"kind": "fwd", "rank": 1, "amount": 2.0}])
+    assert bench.odd_steps_counterfactual(tmp_path, steady, verdict) is None
+
+
 def test_reliability_bins_verdicts_by_confidence_and_counts_the_right_ones():
     """Of the verdicts naming a cause, per confidence bin: how many, how many right (strict), the mean
     confidence; none and insufficient evidence claim nothing and are left out, and are no false alarm."""

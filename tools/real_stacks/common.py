@@ -7,6 +7,8 @@
               inside the block's forward (extra aten ops nested in the forward)
     bwd:R:F   backward F times as long: a hook on the block output's gradient re-runs the shadow's
               forward 2(F-1) times (backward ~= 2x forward) when the gradient arrives: inside the backward
+    fwd:R:F:odd, bwd:R:F:odd  the same on odd optimizer steps only (an intermittent straggler; the
+              even steps are the run's own clean counterfactual)
     gc:R:N    rank R keeps a live cyclic heap of N*1000 dicts and calls gc.collect() once per optimizer
               step, in the first forward of the step (a forward pre-hook on the model)
     gcall:N   every rank keeps that heap; rank r collects on steps with step % world == r
@@ -99,12 +101,13 @@ def parse_slow(specs: list[str], allowed: tuple[str, ...], world: int) -> list[d
                 raise SystemExit(f"--slow {s}: expected gcall:N")
             out.append({"kind": "gcall", "rank": None, "amount": float(parts[1])})
         else:
-            if len(parts) != 3:
-                raise SystemExit(f"--slow {s}: expected {kind}:RANK:AMOUNT")
+            odd = kind in ("fwd", "bwd") and len(parts) == 4 and parts[3] == "odd"
+            if len(parts) != 3 and not odd:
+                raise SystemExit(f"--slow {s}: expected {kind}:RANK:AMOUNT" + (" or :odd" if kind in ("fwd", "bwd") else ""))
             r = int(parts[1])
             if not 0 <= r < world:
                 raise SystemExit(f"--slow {s}: rank {r} outside world {world}")
-            out.append({"kind": kind, "rank": r, "amount": float(parts[2])})
+            out.append({"kind": kind, "rank": r, "amount": float(parts[2]), **({"steps": "odd"} if odd else {})})
     return out
 
 
@@ -117,6 +120,7 @@ class RankSlow:
         self.gc_thousands = 0
         self.gc_mode = None          # "rank" (gc:R:N), "inside" (gcin:R:N) or "all" (gcall:N)
         self.data_ms = 0.0
+        self.odd = False             # fwd / bwd on odd optimizer steps only
         self.seq = any(s["kind"] == "seq" for s in slowdowns)
         self.split = any(s["kind"] == "split" for s in slowdowns)
         for s in slowdowns:
@@ -125,9 +129,9 @@ class RankSlow:
             if s.get("rank") != rank:
                 continue
             if s["kind"] == "fwd":
-                self.fwd = s["amount"]
+                self.fwd, self.odd = s["amount"], s.get("steps") == "odd"
             elif s["kind"] == "bwd":
-                self.bwd = s["amount"]
+                self.bwd, self.odd = s["amount"], s.get("steps") == "odd"
             elif s["kind"] == "gc":
                 self.gc_thousands, self.gc_mode = int(s["amount"]), "rank"
             elif s["kind"] == "gcin":
@@ -162,10 +166,12 @@ class BlockSlowdown:
     The extra compute runs on a shadow copy of each block (deepcopy taken at install time, before
     DDP / FSDP2 wrap the model; no hooks on it), so it needs no FSDP2 all-gather and never recurses,
     and the training math is unchanged: only this rank's wall time grows, by real aten ops inside
-    the forward (fwd) or inside the backward (bwd)."""
+    the forward (fwd) or inside the backward (bwd). odd: only on odd optimizer steps, counted per
+    block from its grad-enabled forwards (forwards_per_step of them per step)."""
 
-    def __init__(self, fwd: float = 1.0, bwd: float = 1.0):
+    def __init__(self, fwd: float = 1.0, bwd: float = 1.0, odd: bool = False, forwards_per_step: int = 1):
         self.fwd, self.bwd = fwd, bwd
+        self.odd, self.fps = odd, max(1, forwards_per_step)
         self.handles = []
         self.installed = []
 
@@ -180,12 +186,19 @@ class BlockSlowdown:
         nf = _spread(len(blocks), max(0.0, self.fwd - 1.0))
         nb = _spread(len(blocks), max(0.0, 2.0 * (self.bwd - 1.0)))
         for block, shadow, f, b in zip(blocks, shadows, nf, nb):
-            self.handles.append(block.register_forward_hook(self._hook(shadow, f, b), with_kwargs=True))
+            self.handles.append(block.register_forward_hook(self._hook(shadow, f, b, self.odd, self.fps), with_kwargs=True))
             self.installed.append({"block": type(block).__name__, "fwd_reruns": f, "bwd_reruns": b})
 
     @staticmethod
-    def _hook(shadow: nn.Module, n_fwd: int, n_bwd: int):
+    def _hook(shadow: nn.Module, n_fwd: int, n_bwd: int, odd: bool = False, fps: int = 1):
+        forwards = [0]
+
         def hook(module, args, kwargs, output):
+            if odd and torch.is_grad_enabled():
+                step = forwards[0] // fps
+                forwards[0] += 1
+                if step % 2 == 0:
+                    return None
             if n_fwd:
                 with torch.no_grad():
                     for _ in range(n_fwd):
@@ -429,7 +442,8 @@ def finish(args, *, stack: str, script: str, rank: int, world: int, coords: dict
     for s in slowdowns:
         c = coords_all[s["rank"]] if s.get("rank") is not None else None
         truth_slow.append({"kind": s["kind"], "rank": s.get("rank"), "dp": c["dp"] if c else None,
-                           "pp": c["pp"] if c else None, "amount": s["amount"]})
+                           "pp": c["pp"] if c else None, "amount": s["amount"],
+                           **({"steps": s["steps"]} if s.get("steps") else {})})
     slow_ranks = set()
     for s in slowdowns:
         if s.get("rank") is not None:
