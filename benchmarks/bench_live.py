@@ -32,6 +32,7 @@ against the targets (p90 <= 5 s at 8 workers, <= 30 s at 1,024). Figures only, n
 from __future__ import annotations
 
 import argparse
+import collections
 import http.server
 import json
 import os
@@ -250,6 +251,7 @@ def run_pages(corpora: list[pathlib.Path], poll: float) -> int:
 
     runs = sorted((run for corpus in corpora for run in corpus.iterdir() if (run / "truth.json").exists()),
                   key=lambda run: run.name)
+    shared = {name for name, n in collections.Counter(run.name for run in runs).items() if n > 1}
     inbox = Inbox()
     rows, latencies = [], []
     with tempfile.TemporaryDirectory() as folder:
@@ -258,7 +260,8 @@ def run_pages(corpora: list[pathlib.Path], poll: float) -> int:
         watcher = _watcher(lake, out, inbox.url, poll)
         try:
             for run in runs:
-                job = run.name
+                # a run name two corpora share is two jobs (one job id would make them one window)
+                job = f"{run.parent.name}-{run.name}" if run.name in shared else run.name
                 try:
                     land(LandOptions(folder=run, lake=lake, job_id=job, date=dt.date.today(), session="w0"))
                 except ValueError as error:   # e.g. several profiling cycles per rank: not one live session

@@ -422,16 +422,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"error {c['predicted'] - c['measured']:+6.1%}")
         errors = sorted(abs(c["predicted"] - c["measured"]) for _, c in twins)
         print(f"    median |error| {errors[len(errors) // 2]:.1%} over {len(errors)} runs (target <= 5%)")
-    twins = [(r["run"], r["twin"]) for r in rows if r.get("twin")]
-    if twins:
+    compared = [(r["run"], r["twin"]) for r in rows if r.get("twin")]
+    if compared:
         print("  fixes against clean twins (same command without the slowdown; step times, median of the profiled "
               "steps) and, marked *, against a run's own clean even steps (slowed on odd steps; means):")
-        for name, c in twins:
-            print(f"    {name + (' *' if c.get('within') else ''):<40} {c['cause']:<18} named {c['named']:<22} ran {c['ran'] * 1e3:7.1f} ms  "
+        for name, c in compared:
+            label = name + (" *" if c.get("within") else "")
+            print(f"    {label:<40} {c['cause']:<18} named {c['named']:<22} ran {c['ran'] * 1e3:7.1f} ms  "
                   f"predicted {c['predicted'] * 1e3:7.1f} ms  twin {c['measured'] * 1e3:7.1f} ms  "
                   f"error {c['predicted'] / c['measured'] - 1:+6.1%}  slowdown est. {c['ran'] / c['predicted']:.2f} "
                   f"measured {c['ran'] / c['measured']:.2f}")
-        errors = sorted(abs(c["predicted"] / c["measured"] - 1) for _, c in twins)
+        errors = sorted(abs(c["predicted"] / c["measured"] - 1) for _, c in compared)
         print(f"    median |error| {errors[len(errors) // 2]:.1%} over {len(errors)} runs (target <= 5%; the paper's "
               "injection test: estimated 1.21 / 1.42 / 1.98, measured 1.16 / 1.40 / 2.03)")
     clean_undecided, slowed_undecided, analysed = undecided(rows)

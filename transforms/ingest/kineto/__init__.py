@@ -19,9 +19,9 @@ The mapping (ARCHITECTURE.md, "Kineto mapping"):
   with an `Optimizer.step` span); where they are not (Lightning's PyTorchProfiler ends one when
   training_step returns, a ProfilerStep per accumulated batch), the iterations run between optimizer
   steps (rank._iterations; a profile begun mid-iteration keeps its first one from the batch whose
-  backward follows the last zero_grad, when it holds that batch's forward); a step is kept when every analysed rank has it complete (an optimizer
-  span and every kind of compute), others are listed in source.steps_dropped; a rank's files of
-  other steps are profiler cycles (cycles.py);
+  backward follows the last zero_grad, when it holds that batch's forward); a step is kept when
+  every analysed rank has it complete (an optimizer span and every kind of compute), others are
+  listed in source.steps_dropped; a rank's files of other steps are profiler cycles (cycles.py);
 - rank and world: `distributedInfo` (a window's lone trace without it: a process that started no
   process group, rank 0 of 1); process groups: `distributedInfo.pg_config`
   ({pg_name, pg_desc, ranks}); the pp / dp coordinates of a rank are its index in the
