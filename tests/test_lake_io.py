@@ -186,3 +186,24 @@ def test_read_validated_job_end_to_end(lake):
     manifests = lk.read_manifests([job.manifest_path], validator)
     assert manifests[job.manifest_path][1] == []
     assert lk.read_validated_job(job, validator, manifests).ok
+
+
+def test_a_column_the_footer_pins_is_made_from_it_and_equals_the_file(tmp_path):
+    """read_parquet makes a string column whose footer statistics pin every value (a trace file's
+    job_id) without decoding it: the table equals pyarrow's own read, schema and metadata
+    included; a column with several values, a null or a value too long for exact statistics is read."""
+    import pyarrow.parquet as pq
+
+    n = 5000
+    long_id = "j" * 80
+    table = pa.table({"job_id": pa.array(["job-7"] * n), "host": pa.array([f"h{i % 3}" for i in range(n)]),
+                      "long": pa.array([long_id] * n), "maybe": pa.array(["x"] * (n - 1) + [None]),
+                      "step": pa.array(range(n), pa.int64())},
+                     schema=pa.schema([pa.field("job_id", pa.string(), nullable=False), ("host", pa.string()),
+                                       ("long", pa.string()), ("maybe", pa.string()), ("step", pa.int64())],
+                                      metadata={"strag.table": "trace"}))
+    path = tmp_path / "part.parquet"
+    pq.write_table(table, path, row_group_size=2000)
+    assert lk._constant_strings(pq.ParquetFile(path)) == {"job_id": "job-7"}
+    got = lk.read_parquet(str(path))
+    assert got.equals(pq.read_table(path), check_metadata=True) and got.equals(table)

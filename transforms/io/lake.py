@@ -146,7 +146,9 @@ def write_parquet(url: str, table: pa.Table) -> None:
 
 
 def read_parquet(url: str) -> pa.Table:
-    """Read one parquet file as written (no casting), verifying page checksums.
+    """Read one parquet file as written (no casting), verifying the page checksums of what it
+    decodes. A string column whose footer statistics pin every value (`_constant_strings`: a trace
+    file's job_id) is made from the footer rather than decoded; the table is the same.
 
     Raises LakeReadError(reason "unreadable_file") naming the file when its bytes are truncated
     or corrupt (bad data); StorageError (transforms/io/storage.py) when storage does not deliver them
@@ -154,10 +156,47 @@ def read_parquet(url: str) -> pa.Table:
     """
     data = read_bytes(url)
     try:
-        return pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True).read()
+        file = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
+        constant = _constant_strings(file)
+        if not constant:
+            return file.read()
+        schema = file.schema_arrow
+        table = file.read(columns=[name for name in schema.names if name not in constant])
+        return pa.Table.from_arrays([pa.repeat(pa.scalar(constant[field.name], field.type), table.num_rows)
+                                     if field.name in constant else table.column(field.name) for field in schema],
+                                    schema=schema)
     except (OSError, pa.ArrowException, ValueError, EOFError) as error:
         raise LakeReadError(f"file {url}: cannot be read ({type(error).__name__}: {error})",
                             url, "unreadable_file") from None
+
+
+_EXACT_STATISTICS = 64   # bytes: parquet writers may truncate longer string min / max statistics
+
+
+def _constant_strings(file: pq.ParquetFile) -> dict[str, str]:
+    """Top-level string columns whose footer statistics pin every value (no nulls, min == max in
+    every row group, short enough to be exact): {name: value}. A trace file's job_id is one value
+    repeated; decoding it is 40% of reading the file, so it is made from the footer instead."""
+    metadata, schema = file.metadata, file.schema_arrow
+    if metadata.num_row_groups == 0:
+        return {}
+    out = {}
+    for index in range(metadata.num_columns):
+        path = metadata.row_group(0).column(index).path_in_schema
+        if path not in schema.names or not pa.types.is_string(schema.field(path).type):
+            continue
+        values = set()
+        for group in range(metadata.num_row_groups):
+            stats = metadata.row_group(group).column(index).statistics
+            if stats is None or not stats.has_min_max or stats.null_count != 0 or stats.min != stats.max:
+                break
+            values.add(stats.min)
+        else:
+            if len(values) == 1:
+                (value,) = values
+                if isinstance(value, str) and len(value.encode()) < _EXACT_STATISTICS:
+                    out[path] = value
+    return out
 
 
 def write_lake_marker(lake: str) -> dict:
