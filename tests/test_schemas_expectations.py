@@ -208,10 +208,15 @@ def test_witness_rows_hold_each_extreme_and_every_duplicate(job):
 def test_duplicate_rows_packed_and_sorted_paths_agree():
     rng = np.random.default_rng(7)
     narrow = [rng.integers(0, 5, 2000), rng.integers(0, 4, 2000), rng.integers(0, 50, 2000)]
-    wide = [narrow[0] * (1 << 40), narrow[1] * (1 << 40), narrow[2]]   # too wide to pack into 62 bits
+    sparse = [narrow[0] * (1 << 40) + 46, narrow[1] * 1000, narrow[2]]   # few distinct values far apart: numbered
     expected = {i for i, key in enumerate(zip(*narrow)) if list(zip(*narrow)).count(key) > 1}
     assert set(va._duplicate_rows(narrow).tolist()) == expected
-    assert set(va._duplicate_rows(wide).tolist()) == expected
+    assert set(va._duplicate_rows(sparse).tolist()) == expected
+    # seven columns of many distinct values: too wide to pack into 62 bits even numbered, so sorted
+    wide = [np.concatenate([column, column[:10]]) for column in (rng.integers(0, 8000, 1000) for _ in range(7))]
+    rows = list(zip(*wide))
+    assert set(va._duplicate_rows(wide).tolist()) == {i for i, key in enumerate(rows) if rows.count(key) > 1}
+    assert set(range(10)) | set(range(1000, 1010)) <= set(va._duplicate_rows(wide).tolist())
 
 
 def test_an_expectation_that_cannot_run_is_an_error_not_a_pass(validator, job):

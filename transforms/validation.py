@@ -675,6 +675,10 @@ def _duplicate_rows(columns: Sequence[np.ndarray]) -> np.ndarray:
     for values in columns:
         low, high = int(values.min()), int(values.max())
         width = high - low + 1
+        if width > 4 * 64 and n > 4 * 64:   # sparse values (profiled steps 46, 92, ...): number the distinct ones
+            distinct = np.sort(pc.unique(pa.array(values)).to_numpy(zero_copy_only=False))
+            if 4 * len(distinct) < width:
+                values, low, width = np.searchsorted(distinct, values), 0, len(distinct)
         if span * width >= 1 << 62:   # key space too wide to pack: sort the tuples instead
             order = np.lexsort(columns[::-1])
             same = np.ones(n - 1, dtype=bool)
@@ -728,13 +732,14 @@ def _rank_mismatch(trace: pa.Table, manifest: Mapping[str, Any]) -> np.ndarray:
     for worker in manifest["workers"]:
         if 0 <= worker["dp_rank"] < dp_size and 0 <= worker["stage"] < pp_size:
             lookup[worker["dp_rank"], worker["stage"]] = worker["rank"]
-    def values(name: str) -> np.ndarray:
+    def values(name: str) -> np.ndarray:   # as stored (int16 / int32): no widening copy
         column = trace[name]
-        return (column if column.null_count == 0 else pc.fill_null(column, -1)).to_numpy().astype(np.int64)
+        return (column if column.null_count == 0 else pc.fill_null(column, -1)).to_numpy()
 
     dp, stage, rank = values("dp_rank"), values("stage"), values("rank")
     inside = (dp >= 0) & (dp < dp_size) & (stage >= 0) & (stage < pp_size)
-    expected = np.where(inside, lookup[np.clip(dp, 0, dp_size - 1), np.clip(stage, 0, pp_size - 1)], -1)
+    worker = np.where(inside, dp.astype(np.int64 if dp_size * pp_size >= 2**31 else np.int32) * pp_size + stage, 0)
+    expected = lookup.ravel()[worker]
     return np.flatnonzero(inside & (expected >= 0) & (rank != expected))
 
 
