@@ -207,11 +207,15 @@ def _truth(run: pathlib.Path) -> dict:
     work (forward, backward) of the rank, summed per profiled step, at least MEASURABLE x the median of
     the other ranks' in most steps (the injection slows some blocks; what it does to the rank's whole
     forward or backward depends on the model, so the trace decides)."""
+    import numpy as np
+
     truth = json.loads((run / "truth.json").read_text())
     slowdowns = truth.get("slowdowns") or []
     slowed = {(s["rank"], s["kind"]) for s in slowdowns if s.get("kind") in ("fwd", "bwd") and s.get("amount", 0) > 1.0}
-    ratios = _measured_ratios(run, slowed) if slowed else {}
-    measurable = sorted({rank for (rank, _), ratio in ratios.items() if ratio >= MEASURABLE})
+    measured = _measured_ratios(run, slowed) if slowed else {}
+    ratios = {key: float(np.median(values)) for key, values in measured.items()}
+    # most steps: more than half of them (a worker slowed in half the steps is intermittent)
+    measurable = sorted({rank for (rank, _), values in measured.items() if (values >= MEASURABLE).mean() > 0.5})
     injected = sorted({s["rank"] for s in slowdowns if s.get("rank") is not None and s.get("rank", -1) >= 0})
     kinds = sorted({s.get("kind") for s in slowdowns})
     return {"measurable": measurable, "injected": injected, "kinds": kinds, "clean": not slowdowns,
@@ -219,7 +223,7 @@ def _truth(run: pathlib.Path) -> dict:
 
 
 def _measured_ratios(run: pathlib.Path, slowed: set) -> dict:
-    """(rank, kind) -> the rank's per-step work of that kind over the other ranks' median, in its median step."""
+    """(rank, kind) -> per profiled step, the rank's work of that kind over the other ranks' median."""
     import numpy as np
 
     from transforms.ingest import convert_window
@@ -237,7 +241,7 @@ def _measured_ratios(run: pathlib.Path, slowed: set) -> dict:
             continue
         per = {(s, r): duration[mask & (step == s) & (rank == r)].sum() for s in steps for r in ranks}
         ratio = [per[s, victim] / np.median([per[s, r] for r in ranks if r != victim]) for s in steps]
-        out[victim, kind] = float(np.median(ratio))
+        out[victim, kind] = np.asarray(ratio, dtype=float)
     return out
 
 
