@@ -262,15 +262,16 @@ def test_a_sequence_signature_short_of_significance_says_how_many_microbatches_w
 
 
 def test_the_longest_untraced_stretch_inside_a_span():
-    """busy_runs merges a thread's ops into disjoint runs; longest_idle gives, per span, the longest
+    """union_runs merges a thread's ops into disjoint runs; longest_idle gives, per span, the longest
     stretch inside it no run covers (before the first run and after the last included)."""
-    from transforms.ingest.kineto.spans import busy_runs, longest_idle
+    from transforms.ingest.kineto.spans import longest_idle
+    from transforms.intervals import union_runs
 
-    runs = busy_runs(np.array([5.0, 0.0, 1.0, 10.0, 11.0]), np.array([6.0, 2.0, 1.5, 12.0, 11.5]))
+    runs = union_runs(np.array([5.0, 0.0, 1.0, 10.0, 11.0]), np.array([6.0, 2.0, 1.5, 12.0, 11.5]))
     assert runs.tolist() == [[0.0, 2.0], [5.0, 6.0], [10.0, 12.0]]
     spans = np.array([[1.0, 11.0], [0.0, 2.0], [3.0, 4.0], [11.0, 15.0], [-3.0, 1.0]])
     assert longest_idle(spans[:, 0], spans[:, 1], runs).tolist() == [4.0, 0.0, 1.0, 3.0, 3.0]
-    assert longest_idle(spans[:, 0], spans[:, 1], busy_runs(np.zeros(0), np.zeros(0))).tolist() == [10.0, 2.0, 1.0, 4.0, 4.0]
+    assert longest_idle(spans[:, 0], spans[:, 1], union_runs(np.zeros(0), np.zeros(0))).tolist() == [10.0, 2.0, 1.0, 4.0, 4.0]
 
 
 def test_a_collection_inside_the_forward_is_python_gc_not_a_slow_worker(tmp_path):

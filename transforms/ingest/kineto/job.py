@@ -17,7 +17,8 @@ from transforms.ingest.kineto.pairing import (_check_comm_pairs, _clip_p2p_waits
                                               _overlapped_dp_marker, _recv_waits_after_compute, _seq_gaps,
                                               _serialise_chains)
 from transforms.ingest.kineto.rank import _NO_INFO, parse_rank_bytes
-from transforms.ingest.kineto.spans import BWD, COLL, FWD, OPT, RankTrace, _CODE, _KIND_NAMES, busy_runs, longest_idle
+from transforms.ingest.kineto.spans import BWD, COLL, FWD, OPT, RankTrace, _CODE, _KIND_NAMES, longest_idle
+from transforms.intervals import covered
 
 _COMPUTE_CODES = [_CODE[name] for name in ("forward-compute", "backward-compute", "backward-weight-compute")]
 
@@ -386,7 +387,7 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
         collected = by_rank[rank].gc_pauses
         if collected is not None and len(collected):
             columns["gc_wait"].append(_data_waits(r["start"], r["end"], collected + shift) * 1e-6)
-            columns["gc_within"].append(_within(r["start"], r["end"], busy_runs(*(collected + shift).T)) * 1e-6)
+            columns["gc_within"].append(covered(r["start"], r["end"], *(collected + shift).T) * 1e-6)
         else:
             columns["gc_wait"].append(np.zeros(n))
             columns["gc_within"].append(np.zeros(n))
@@ -539,18 +540,6 @@ def convert_kineto(paths: Sequence[str], job_id: str, date: str, options: Mappin
     return converted
 
 
-def _within(start: np.ndarray, end: np.ndarray, runs: np.ndarray) -> np.ndarray:
-    """Per op, the time of the disjoint `runs` ([k, 2], busy_runs) inside its span [start, end]."""
-    covered = np.concatenate([[0.0], np.cumsum(runs[:, 1] - runs[:, 0])])
-
-    def before(t: np.ndarray) -> np.ndarray:   # run time before instant t
-        k = np.searchsorted(runs[:, 0], t, side="right")
-        last = np.maximum(k - 1, 0)
-        return np.where(k > 0, covered[last] + np.clip(t - runs[last, 0], 0.0, runs[last, 1] - runs[last, 0]), 0.0)
-
-    return np.maximum(before(end) - before(start), 0.0) if len(runs) else np.zeros(len(start))
-
-
 def _data_waits(start: np.ndarray, end: np.ndarray, loading: np.ndarray) -> np.ndarray:
     """Per op (one rank's rows, µs), the time of `loading`'s spans ([k, 2]: DataLoader fetches, or the
     collector's recorded garbage collections) inside the idle gap before it: from the latest end of
@@ -558,22 +547,8 @@ def _data_waits(start: np.ndarray, end: np.ndarray, loading: np.ndarray) -> np.n
     order = np.argsort(start, kind="stable")
     before = np.concatenate([[-np.inf], np.maximum.accumulate(end[order])[:-1]])
     gap_start, gap_end = np.minimum(before, start[order]), start[order]
-    spans = loading[np.argsort(loading[:, 0], kind="stable")]
-    # disjoint union of the fetch spans (a fetch may nest another's record_function)
-    top = np.maximum.accumulate(spans[:, 1])
-    new = np.r_[True, spans[1:, 0] > top[:-1]]
-    runs = np.flatnonzero(new)
-    lo, hi = spans[runs, 0], np.append(top[runs[1:] - 1], top[-1])
-    # time of [lo, hi) before instant t, cumulated over the runs: covered(a, b) = F(b) - F(a)
-    cumulative = np.concatenate([[0.0], np.cumsum(hi - lo)])
-
-    def before_instant(t: np.ndarray) -> np.ndarray:
-        k = np.searchsorted(lo, t, side="right")          # runs starting at or before t
-        inside = np.clip(t - lo[np.maximum(k - 1, 0)], 0.0, (hi - lo)[np.maximum(k - 1, 0)])
-        return cumulative[np.maximum(k - 1, 0)] + np.where(k > 0, inside, 0.0)
-
     out = np.empty(len(start))
-    out[order] = np.maximum(before_instant(gap_end) - before_instant(np.maximum(gap_start, -1e300)), 0.0)
+    out[order] = covered(gap_start, gap_end, loading[:, 0], loading[:, 1])
     return out
 
 

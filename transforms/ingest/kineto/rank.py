@@ -18,8 +18,8 @@ from transforms.ingest.kineto.compute import (_BACKWARD_OP, _NOT_COMPUTE, _GpuWo
 from transforms.ingest.kineto.events import (_OVERLAP_LABEL, _P2P_LABEL, _EventPass, _compile_labels,  # noqa: F401
                                              _label_family, _match)
 from transforms.ingest.kineto.reader import NotStreamable, TraceUnreadable, read_trace
-from transforms.ingest.kineto.spans import (BWD, COLL, FWD, Group, OPT, RECV, RankTrace, SEND, _COLLECTIVES, _STEP,
-                                            busy_runs)
+from transforms.ingest.kineto.spans import BWD, COLL, FWD, Group, OPT, RECV, RankTrace, SEND, _COLLECTIVES, _STEP
+from transforms.intervals import union_runs
 
 
 # --------------------------------------------------------------------------- pass 1: one rank
@@ -160,6 +160,7 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     cpu_ops = events.cpu_ops()
     autograd, flow_ends = events.flows()   # on the span columns' time axis
     optimizer = optimizer_work(optimizer, cpu_ops, autograd)
+    loading = cpu_ops.per_name(lambda name: name.startswith(_DATA_LOADING))   # the batch fetches
     inferred = not steps and bool(optimizer)
     if inferred:   # profiled without a schedule and without prof.step(): the optimizer's steps tell the steps
         steps, step_tid = _steps_from_optimizer(optimizer, events.optimizer_tids, cpu_ops)
@@ -168,7 +169,7 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
         steps = _iterations(steps, optimizer, events.optimizer_tids, step_tid, autograd,
                             cpu_ops.start[cpu_ops.per_name(_is_backward_op)],
                             cpu_ops.start[cpu_ops.per_name(lambda name: name.startswith(_ZERO_GRAD))],
-                            cpu_ops.start[cpu_ops.per_name(lambda name: name.startswith(_DATA_LOADING))])
+                            cpu_ops.start[loading])
         if not steps:
             # an iteration spans about profiled / stepped ProfilerSteps: two of them and one more put a
             # whole one between two recorded optimizer steps
@@ -233,7 +234,6 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
                         issued, _batch_lengths(spans, events.embeddings, step_tid), waited)
     host = top.get("host_name") or info.get("host_name")
     trace.host = str(host) if host else None
-    loading = cpu_ops.per_name(lambda name: name.startswith(_DATA_LOADING))
     trace.data_loading = np.stack([cpu_ops.start[loading], cpu_ops.end[loading]], axis=1) if loading.any() else None
     trace.steps_inferred = inferred
     # Kineto's ts are µs after baseTimeNanoseconds: the recorded instant of time 0 of this rank, in ns
@@ -242,7 +242,7 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     trace.gc_pauses = _gc_pauses(top.get("strag_gc"), trace.origin_ns)
     if not kernels:
         traced = main.without(events.annotations(), unless=lambda name: False) + backward_elsewhere
-        trace.main_busy = busy_runs(traced.start, traced.end)
+        trace.main_busy = union_runs(traced.start, traced.end)
     # one clock per host; without a host name every rank counts as its own clock
     trace.clock = f"host:{host}" if host else f"rank:{rank}"
     trace.gpu_work, trace.gpu_work_unlinked = (on_gpu.work, on_gpu.unlinked) if on_gpu is not None else (0, 0)

@@ -60,19 +60,10 @@ _DIM_TOKENS = {
 }
 
 
-def busy_runs(start: np.ndarray, end: np.ndarray) -> np.ndarray:
-    """[k, 2] the disjoint runs covering the union of the intervals [start, end] (any order, overlapping)."""
-    if not len(start):
-        return np.zeros((0, 2))
-    order = np.argsort(start, kind="stable")
-    lo, hi = start[order], np.maximum.accumulate(end[order])
-    runs = np.flatnonzero(np.r_[True, lo[1:] > hi[:-1]])
-    return np.stack([lo[runs], np.append(hi[runs[1:] - 1], hi[-1])], axis=1)
-
-
 def longest_idle(start: np.ndarray, end: np.ndarray, busy: np.ndarray) -> np.ndarray:
-    """Per interval [start, end], the longest stretch inside it that no run of `busy` (busy_runs)
-    covers: 0 for an interval the runs cover whole, its length for one they miss."""
+    """Per interval [start, end], the longest stretch inside it that no run of `busy`
+    (intervals.union_runs) covers: 0 for an interval the runs cover whole, its length for one
+    they miss."""
     out = np.zeros(len(start))
     if not len(start):
         return out

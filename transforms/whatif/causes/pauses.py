@@ -28,6 +28,7 @@ import statistics
 
 import numpy as np
 
+from transforms.intervals import covered
 from transforms.whatif.model import JobModel, median
 from transforms.whatif.result import STRAGGLING_THRESHOLD
 from schemas.trace import COMPUTE_OPTYPES, DP_COMM_OPTYPES, IN_COMPUTE_OPTYPES, OPTYPES
@@ -117,30 +118,6 @@ def untraced_gaps(model: JobModel, dp: int, stage: int, partner: np.ndarray | No
 def untraced_time(model: JobModel, dp: int, stage: int, partner: np.ndarray | None = None) -> np.ndarray:
     """Seconds per step worker (dp, stage) spends in untraced time (`untraced_gaps`, data loading included)."""
     return untraced_gaps(model, dp, stage, partner)[1].sum(axis=0)
-
-
-def covered(gap_start: np.ndarray, gap_end: np.ndarray, busy_start: np.ndarray, busy_end: np.ndarray) -> np.ndarray:
-    """Per gap, the time inside it covered by the union of the busy spans (which may overlap): the
-    spans merged into disjoint runs, then F(end) - F(start) per gap, F(t) the busy time before t
-    (a binary search per gap end, not every gap against every run)."""
-    if not len(busy_start) or not len(gap_start):
-        return np.zeros(len(gap_start))
-    order = np.argsort(busy_start, kind="stable")
-    start, end = busy_start[order], np.maximum.accumulate(busy_end[order])
-    # merge into disjoint spans: a span starts a new run where it begins after every earlier end
-    new = np.ones(len(start), dtype=bool)
-    new[1:] = start[1:] > end[:-1]
-    runs = np.flatnonzero(new)
-    lo = start[runs]
-    hi = np.append(end[runs[1:] - 1], end[-1:])
-    before = np.concatenate([[0.0], np.cumsum(hi - lo)])   # busy time of the runs before run k
-
-    def busy_before(t: np.ndarray) -> np.ndarray:
-        k = np.searchsorted(lo, t, side="right")            # runs starting at or before t
-        last = np.maximum(k - 1, 0)
-        return np.where(k > 0, before[last] + np.clip(t - lo[last], 0.0, hi[last] - lo[last]), 0.0)
-
-    return np.maximum(busy_before(gap_end) - busy_before(np.minimum(gap_start, gap_end)), 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
