@@ -235,6 +235,28 @@ def _verdict_blocks(v, fixes: dict, slowdown: float, unit: str, grads_collective
     return blocks
 
 
+def _step_verdicts(steps) -> HtmlTable | None:
+    """The verdict step by step (step_slowdown's verdict columns): which blamed ranks were slow in
+    each sampled step and what the primary fix saves there; None when no step has either (no
+    verdict, or nobody blamed and no per-step fix)."""
+    if steps.empty or "slow_ranks" not in steps:
+        return None
+    steps = steps.sort_values("step")
+    ranks = [list(r) if r is not None and not (isinstance(r, float) and math.isnan(r)) else [] for r in steps["slow_ranks"]]
+    savings = [float(x) if x is not None and math.isfinite(float(x)) else None for x in steps["fix_saving"]]
+    if not any(ranks) and all(x is None for x in savings):
+        return None
+    cause = next((c for c in steps["fix_cause"] if isinstance(c, str)), None)
+    rows = [[str(int(step)), f"{slowdown:.3f}", ", ".join(f"rank {r}" for r in rank) or "-",
+             "n/a" if saving is None else f"{1e3 * saving:.1f} ms ({100 * saving / observed:.0f}% of the step)" if observed > 0
+             else f"{1e3 * saving:.1f} ms"]
+            for step, slowdown, rank, saving, observed in zip(steps["step"], steps["slowdown"], ranks, savings, steps["step_time"])]
+    fix = CAUSE_TITLES.get(cause, cause) if cause else "the primary cause"
+    return HtmlTable("Step by step", ["step", "S_s", "slow in this step", f"{fix}: its fix saves"], rows,
+                     "A worker slow in only some steps (an intermittent straggler) is named with those steps; a persistent "
+                     "one shows in every step. The saving is the fix's what-if step by step: replayed, or for untraced time measured against the step as it ran.")
+
+
 # Why a fix can remove more than all of the straggling time (S after it below 1, "all (N%)")
 _BEYOND_ALL = ("A fix with S below 1 after it (\"all (N%)\" above 100%) makes the step faster than the ideal replay, "
                "so it removes all of the straggling time and more. The ideal gives every op its type's typical "
@@ -294,6 +316,9 @@ def build_job_page(data: ReportData, date: dt.date, job_id: str, out_dir: pathli
     blocks: list = [Text("One job window of the fleet report.", ("back to the fleet report", FLEET_HREF)), numbers]
     if v is not None:
         blocks += _verdict_blocks(v, fixes, float(s.slowdown), unit, grads)
+    step_table = _step_verdicts(steps)
+    if step_table is not None:
+        blocks.append(step_table)
     if timeline_href:
         blocks.append(Text("Timeline (original and simulated ideal side by side, Chrome-trace JSON): open it in Perfetto (ui.perfetto.dev, Open trace file).",
                            ("download the timeline", timeline_href)))

@@ -170,6 +170,13 @@ STEP_SLOWDOWN_SCHEMA = _schema(
         pa.field("step_time", pa.float64(), nullable=False),           # step_t_nodelay (job_summary.step_time), s
         pa.field("step_time_ideal", pa.float64(), nullable=False),     # step_t_noblk, s
         pa.field("slowdown", pa.float64(), nullable=False),            # S_s = step_time / step_time_ideal
+        # the verdict step by step (null without one): the global ranks of blamed workers the worker
+        # test finds slow in this step (empty: none), the primary cause and the seconds its fix
+        # saves in this step (null where the fix knows only its mean); an intermittent straggler
+        # shows here with its steps
+        pa.field("slow_ranks", pa.list_(pa.int32()), nullable=True),
+        pa.field("fix_cause", pa.string(), nullable=True),
+        pa.field("fix_saving", pa.float64(), nullable=True),
     ],
 )
 

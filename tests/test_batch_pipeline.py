@@ -192,6 +192,30 @@ def test_job_summary_carries_the_verdict_of_the_job_cause_table(fnapi_run):
     assert summary["cpu-d"]["cause"] is None  # discarded: no verdict
 
 
+def test_step_slowdown_carries_the_verdict_step_by_step(fnapi_run, lake):
+    """Per step: the global ranks of the blamed workers found slow in it and what the primary fix
+    saves there, recomputed here from the job's own verdict (analyze_and_classify on its files)."""
+    from transforms.whatif.causes import analyze_and_classify
+
+    out = fnapi_run[0]
+    job = next(j for j in list_jobs(lake[0], DATES[0], DATES[-1]) if j.job_id == "slow-b")
+    manifest = read_manifest(job.manifest_path)
+    _, verdict = analyze_and_classify(read_trace_files(job.trace_files), job_meta(manifest), job.job_id)
+    rank = {(w["dp_rank"], w["stage"]): w["rank"] for w in manifest["workers"]}
+    steps = sorted((r for r in read_table(str(out), "step_slowdown").to_pylist() if r["job_id"] == "slow-b"),
+                   key=lambda r: r["step"])
+    slow = verdict.slow_steps()
+    assert slow and all(w in verdict.implicated_workers for w in slow)
+    assert [r["slow_ranks"] for r in steps] == [sorted(rank[w] for w, s in slow.items() if i in s) for i in range(len(steps))]
+    fix = verdict.primary_fix
+    assert {r["fix_cause"] for r in steps} == {verdict.cause} and fix.step_savings is not None
+    assert [r["fix_saving"] for r in steps] == pytest.approx(list(fix.step_savings), rel=1e-12)
+    assert sum(fix.step_savings) / len(steps) == pytest.approx(
+        sum(r["step_time"] for r in steps) / len(steps) - fix.step_time, rel=1e-9)   # the mean saving is the fix's
+    quiet = [r for r in read_table(str(out), "step_slowdown").to_pylist() if r["job_id"] == "cpu-d"]
+    assert quiet and all(r["fix_saving"] is None for r in quiet)   # discarded: no replayed fix
+
+
 def test_counters_match_the_quarantine_table(fnapi_run):
     out, summary, counters = fnapi_run
     quarantine = read_table(str(out), "quarantine").to_pylist()

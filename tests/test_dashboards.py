@@ -325,6 +325,41 @@ def test_job_page_explains_the_verdict_in_words(data, tmp_path):
     assert "exceed the wasted hours" in plain
 
 
+def test_job_page_shows_who_was_slow_in_each_step_and_what_the_fix_saves_there(data, tmp_path):
+    """An intermittent straggler (slow in steps 2 and 5 of 8) through the batch's own projection
+    (result_tables): the page's step table names its rank in those steps only, with the fix's
+    per-step saving, and the sentence names the same step numbers."""
+    import dataclasses
+
+    from transforms.batch.analyze_jobs import _step_verdict
+    from transforms.synth import Cause, JobSpec, generate_job
+    from transforms.whatif.causes import analyze_and_classify
+
+    spec = JobSpec(job_id="flaky", dp=4, pp=1, microbatches=2, steps=8, sessions=1, seed=11,
+                   causes=(Cause("slow_worker", {"dp_rank": 2, "stage": 0, "factor": 2.0, "steps": [2, 5]}),))
+    job = generate_job(spec)
+    result, verdict = analyze_and_classify(job.trace, job.meta, "flaky")
+    assert verdict.slow_steps() == {(2, 0): (2, 5)}, verdict.explanation
+    assert verdict.cause == "individual-worker", (verdict.cause, verdict.explanation)
+    summary = data.jobs["job_summary"]
+    row = summary[summary["attributed"] & ~summary["discarded"]].iloc[0]
+    workers = [{"dp_rank": d, "stage": 0, "rank": 10 + d} for d in range(4)]
+    columns = _step_verdict(verdict, {"workers": workers}, len(result.steps), kept=True)
+    steps = pd.DataFrame({"job_id": row.job_id, "date": row.date, "step": result.steps, "slowdown": result.step_slowdown,
+                          "step_time": result.step_t_nodelay, **columns})
+    old = data.jobs["step_slowdown"]
+    kept = old[~((old["date"] == row.date) & (old["job_id"] == row.job_id))]
+    with_steps = dataclasses.replace(data, jobs={**data.jobs, "step_slowdown": pd.concat([kept, steps])})
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", build_job_page(with_steps, row.date, row.job_id, tmp_path).read_text()))
+    table = text[text.index("Step by step"):]
+    numbers = [int(result.steps[i]) for i in (2, 5)]
+    for i, step in enumerate(result.steps):
+        saving = verdict.primary_fix.step_savings[i]
+        cell = f" {int(step)} {result.step_slowdown[i]:.3f} {'rank 12' if i in (2, 5) else '-'} {1e3 * saving:.1f} ms"
+        assert cell in table, cell
+    assert f"in steps {numbers[0]} and {numbers[1]} (2 of 8 sampled steps; intermittent" in verdict.explanation
+
+
 def test_cells_and_titles_say_nothing_meaningless():
     """Evidence that rounds to zero shows "0.000", not "-0.000"; a job id that already says "job" is
     not titled "Job job-..."."""

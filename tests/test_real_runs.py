@@ -186,6 +186,16 @@ def test_the_odd_steps_counterfactual_compares_the_fix_with_the_run_s_own_even_s
     assert bench.odd_steps_counterfactual(tmp_path, steady, verdict) is None
 
 
+def test_an_intermittent_worker_counts_only_when_named_with_exactly_its_odd_steps():
+    truth = {"profiler": {"wait": 1, "warmup": 1, "active": 6},
+             "slowdowns": [{"kind": "fwd", "rank": 1, "amount": 2.0, "steps": "odd"}]}
+    assert bench.odd_profiled_steps(truth) == [3, 5, 7]                         # profiled steps 2..7
+    row = {"refused": False, "truth": truth, "slow_ranks": [1]}
+    rows = [dict(row, named_steps={1: [3, 5, 7]}), dict(row, named_steps={1: [3, 5]}), dict(row, named_steps={0: [3, 5, 7]}),
+            dict(row, named_steps={}), dict(row, truth=dict(truth, slowdowns=[{"kind": "fwd", "rank": 1, "amount": 2.0}]))]
+    assert bench.intermittent_named(rows) == (1, 4)                            # the steady run is not counted
+
+
 def test_reliability_bins_verdicts_by_confidence_and_counts_the_right_ones():
     """Of the verdicts naming a cause, per confidence bin: how many, how many right (strict), the mean
     confidence; none and insufficient evidence claim nothing and are left out, and are no false alarm."""

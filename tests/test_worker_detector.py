@@ -10,6 +10,7 @@ import pytest
 from transforms.synth import JobSpec, generate_job
 from transforms.whatif import compile_job
 from transforms.whatif.causes.signals import BACKWARD, FORWARD, pairs
+from transforms.whatif.causes import workers as worker_module
 from transforms.whatif.causes.workers import balance_tests, t_sf, worker_tests
 
 
@@ -81,6 +82,43 @@ def test_a_worker_slow_in_two_steps_is_named_with_those_steps(base):
     assert tests.workers() == [(1, 0)]
     finding = tests.of((1, 0))[0]
     assert not finding.persistent and finding.steps == (2, 5) and finding.kind == "backward"
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_a_worker_slow_in_three_steps_of_eight_is_named_with_all_three(base, seed, monkeypatch):
+    """Forward 1.6x in steps 1, 4 and 6 of 8 with 15% jitter per op: the slow level over three steps
+    names all three, where single-step spikes alone reach only some of them."""
+    model, forward, backward = base
+    slowed = _slow(_jittered(model, np.random.default_rng(seed), 0.15), 1, FORWARD, 1.6, steps=(1, 4, 6))
+    finding = worker_tests(slowed, forward, backward).of((1, 0))[0]
+    assert not finding.persistent and finding.kind == "forward" and finding.steps == (1, 4, 6)
+    assert finding.ratio == pytest.approx(1.6, rel=0.15)
+    monkeypatch.setattr(worker_module, "_level_shift", lambda *args: None)
+    spikes = worker_tests(slowed, forward, backward).of((1, 0))
+    assert spikes and set(spikes[0].steps) < {1, 4, 6}
+
+
+@pytest.mark.parametrize("n, rest_df", [(6, 5), (8, 24)])
+def test_the_slow_level_test_holds_its_false_alarm_rate_on_normal_jitter(n, rest_df):
+    """The largest split t over every split has no closed form; its simulated null must give a
+    p <= alpha in an alpha share of jobs without a slow level (3,000 normal cells at alpha 5%:
+    150 expected, the binomial's 99.9% band 110..195), and the other comparisons' spread is part
+    of the pooled variance."""
+    rng = np.random.default_rng(3)
+    alarms = 0
+    for _ in range(3000):
+        effects = rng.normal(0.0, 0.2, n)
+        rest_ss = 0.04 * rng.chisquare(rest_df)
+        alarms += worker_module._level_shift(effects, rest_ss, rest_df, 1, 0.05, -math.inf) is not None
+    assert 110 <= alarms <= 195
+
+
+def test_the_slow_level_is_at_least_the_threshold_over_its_peers():
+    """A clear split whose slow level is within the straggling threshold of the peers names nothing."""
+    effects = np.array([0.05, 0.06, 0.05, -0.2, -0.21, -0.2])
+    assert worker_module._level_shift(effects, 0.0005, 20, 1, 0.01, math.log(1.1)) is None
+    hit, p_value = worker_module._level_shift(effects + 0.2, 0.0005, 20, 1, 0.01, math.log(1.1))
+    assert hit.tolist() == [True, True, True, False, False, False] and p_value <= 0.01
 
 
 def test_noise_above_the_effect_is_undecided_and_says_how_many_steps_would_decide(base):

@@ -119,6 +119,25 @@ def _recorded_setup(source) -> dict:
     return {"device": source.get("device"), "grads_collective": source.get("grads_collective")}
 
 
+def _step_verdict(verdict, manifest: dict, n_steps: int, kept: bool) -> dict[str, list]:
+    """step_slowdown's verdict columns: per profiled step, the global ranks of the blamed workers
+    found slow in it, the primary cause and the seconds its fix saves there (a discarded window's
+    fixes replay nothing: its slow ranks only)."""
+    if verdict is None:
+        return {"slow_ranks": [None] * n_steps, "fix_cause": [None] * n_steps, "fix_saving": [None] * n_steps}
+    rank = {(int(w["dp_rank"]), int(w["stage"])): int(w["rank"]) for w in manifest["workers"]}
+    ranks: list[list[int]] = [[] for _ in range(n_steps)]
+    for worker, steps in verdict.slow_steps().items():
+        for step in steps:
+            if 0 <= step < n_steps and worker in rank:
+                ranks[step].append(rank[worker])
+    fix = verdict.primary_fix if kept else None
+    savings = fix.step_savings if fix is not None and fix.step_savings is not None and len(fix.step_savings) == n_steps else None
+    return {"slow_ranks": [sorted(set(r)) for r in ranks],
+            "fix_cause": [fix.cause if savings is not None else None] * n_steps,
+            "fix_saving": list(savings) if savings is not None else [None] * n_steps}
+
+
 def result_tables(validated: ValidatedJob, result: WhatIfResult, verdict=None) -> dict[str, pa.Table]:
     """The per-window rows of every per-job table from one engine result (schemas/tables.py).
 
@@ -173,6 +192,7 @@ def result_tables(validated: ValidatedJob, result: WhatIfResult, verdict=None) -
             "step_time": np.asarray(result.model_step_t, np.float64),
             "step_time_ideal": np.asarray(result.step_t_noblk, np.float64),
             "slowdown": np.asarray(result.model_step_slowdown, np.float64),
+            **_step_verdict(verdict, manifest, steps.size, kept=not result.discarded),
         },
         schema=STEP_SLOWDOWN_SCHEMA,
     )

@@ -9,7 +9,8 @@ draws the causes of one fleet job with prevalences close to the paper's fleet.
 Kinds and parameters (defaults in brackets; worker coordinates are drawn when absent):
 
 ``slow_worker``            persistent hardware slowness of one worker: every compute op
-                           of (dp_rank, stage) takes ``factor`` [1.6] times longer.
+                           of (dp_rank, stage) takes ``factor`` [1.6] times longer; with
+                           ``steps`` (sampled step indices) only in those (intermittent).
 ``last_stage_imbalance``   the loss layer on the last model chunk: its forward computes
                            take ``1 + forward_extra`` [0.6], backward ``1 + backward_extra``
                            [0.25] times longer (pp > 1 only).
@@ -63,7 +64,7 @@ CAUSE_KINDS: tuple[str, ...] = (
 )
 
 _PARAMS: dict[str, set[str]] = {
-    "slow_worker": {"dp_rank", "stage", "factor"},
+    "slow_worker": {"dp_rank", "stage", "factor", "steps"},
     "last_stage_imbalance": {"forward_extra", "backward_extra"},
     "seq_len_imbalance": {"doc_median", "doc_sigma", "attention_fraction"},
     "gc_pauses": {"period", "pause"},
@@ -186,8 +187,17 @@ def apply_cause(cause: Cause, ctx: FaultContext, arrays: StepArrays, rng: np.ran
         d, p = _worker(cause, ctx, rng)
         factor = float(cause.get("factor", 1.6))
         units = np.flatnonzero(compute & (program.unit_stage == p))
-        arrays.duration[units, :, d] *= factor
-        params = {"dp_rank": d, "stage": p, "factor": factor, "host": str(ctx.hosts[d, p])}
+        only = cause.get("steps")
+        if only is None:
+            arrays.duration[units, :, d] *= factor
+        else:   # intermittent: slow in the given sampled steps (indices) only
+            touched = sorted({int(s) for s in only})
+            if not touched or touched[0] < 0 or touched[-1] >= n_steps:
+                raise ValueError(f"cause 'slow_worker' steps must be sampled step indices in 0..{n_steps - 1}, got {list(only)!r}")
+            arrays.duration[np.ix_(units, touched, [d])] *= factor
+            steps = [int(ctx.steps[i]) for i in touched]
+        params = {"dp_rank": d, "stage": p, "factor": factor, "host": str(ctx.hosts[d, p]),
+                  **({} if only is None else {"steps": sorted({int(s) for s in only})})}
         workers = [[d, p]]
     elif cause.kind == "last_stage_imbalance":
         if pp < 2:

@@ -12,7 +12,10 @@ The design in four decisions.
    profiled step against its peers, with the null taken from the job (the step-to-step jitter
    of every comparison, plus the persistent offset healthy peers keep, `peer_offset`), at a
    stated false-alarm rate per job (`false_alarm`, Bonferroni over the job's tests). Persistent
-   (most steps) and intermittent (named steps) findings both blame; an effect the job cannot
+   (most steps) and intermittent (named steps: one spike, or a slow level over several steps
+   against its simulated null) findings both blame; the verdict names each blamed worker's steps
+   (`Verdict.slow_steps`) and every fix's saving step by step (`Fix.step_savings`), which the
+   step_slowdown table and the job page carry; an effect the job cannot
    decide makes the verdict "insufficient-evidence", with the steps or peers that would decide.
    Confidence is 1 - the adjusted p-value; bench_real_runs prints its reliability table (an
    insufficient-evidence verdict states its strongest undecided finding's). A window that
@@ -33,7 +36,9 @@ The design in four decisions.
    pauses elsewhere (before a collective: an oversubscribed host's OS) stay the worker's
    untraced-cpu. Either fix takes out the pauses and keeps the worker's ordinary time. A worker's untraced time beyond its peers' is tested
    like its compute: step by step against the job's own spread of that excess, at the same
-   false-alarm rate, its confidence the test's. On GPU ranks GC stretches forwards (signals.py).
+   false-alarm rate, its confidence the test's. On GPU ranks GC stretches forwards (signals.py);
+   when the stretches rotate over the workers (GC's signature) the worker test leaves them out of
+   the compute, as it leaves pauses out on CPU ranks: the collector's time is not the machine's.
 3. Every what-if is a replay: the fixes of all candidate causes are scenarios of one batched
    replay (fixes.py), and "explained" is always the share of T - T_ideal a fix removes; a cause
    is listed when its fix removes enough of it alone or once the others are fixed. Untraced

@@ -150,12 +150,20 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSigna
         if model.meta.host_compute and model.dp_size > 1 else None
     if paused is not None:   # the work a worker did, without the pauses inside its compute
         evidence["paused_inside_compute"] = float(paused.sum())
+    if len(forward):
+        gc = gc_stalls(model, forward, backward, rules)
+        _gc_evidence(model, forward, gc, evidence)
+        if paused is None and model.dp_size > 1 and _gc_signature(evidence, rules):
+            # GPU ranks: collections that rotate over the workers stretch their forwards (python-gc);
+            # the stretch is the collector's time, not the machine's compute (as pauses on CPU ranks)
+            paused = np.zeros_like(model.original_cost)
+            rows, lanes = np.nonzero(gc.pauses)
+            paused[forward[rows, lanes], lanes] = gc.stall[rows, lanes]
     workers = worker_tests(model, forward, backward, rules.false_alarm, rules.straggling, rules.peer_offset,
                            None if paused is None else model.original_cost - paused) \
         if model.dp_size > 1 else balance_tests(model, rules.false_alarm, rules.straggling, rules.peer_offset)
     if len(forward):
         f, b = take(model.original_cost, forward), take(model.original_cost, backward)
-        gc = gc_stalls(model, forward, backward, rules)
         chunk = model.op_stage[forward] * (int(model.op_gmc.max()) + 2) + model.op_gmc[forward]
         keep = ~gc.pauses
         if forward.shape[0] > model.pp_size * max(model.vpp_size, 1):
@@ -165,19 +173,12 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSigna
         evidence.update(forward_backward_r=pearson(f, b), forward_backward_r_normalised=r_norm)
         peers = peer_comparison(model, forward, backward)
         chunks = chunk_balance(model, forward, backward)
-        _gc_evidence(model, forward, gc, evidence)
     else:
         evidence["gc_pauses"] = 0
     evidence.update(workers.evidence())
     if peers is not None:
         evidence["peer_ratio_max"] = float(np.nanmax(peers.ratio))
-        evidence["peer_workers"] = [{"dp_rank": d, "stage": p, "ratio": float(peers.ratio[d, p]),
-                                     "forward": float(peers.forward[d, p]), "backward": float(peers.backward[d, p]),
-                                     "slow_steps": len(_slow_steps(workers, (d, p))), "steps": peers.n_steps,
-                                     "step_indices": _slow_steps(workers, (d, p)),
-                                     "persistent": any(f.persistent for f in workers.of((d, p))),
-                                     "confidence": max(f.confidence for f in workers.of((d, p)))}
-                                    for d, p in workers.workers()]
+        evidence["peer_workers"] = [_peer_entry(model, workers, peers, d, p) for d, p in workers.workers()]
     if model.dp_size == 1 and workers.slow:
         evidence["balance_workers"] = [{"dp_rank": f.worker[0], "stage": f.worker[1], "kind": f.kind, "ratio": f.ratio,
                                         "steps": model.n_steps, "step_indices": list(f.steps),
@@ -185,6 +186,22 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSigna
     if chunks is not None:
         evidence.update(chunk_ratio=chunks.ratio, heaviest_chunk=[chunks.heaviest_chunk, chunks.heaviest_stage])
     return PairSignals(forward, backward, r_norm, gc, peers, chunks, evidence, workers, r_norm_df)
+
+
+def _peer_entry(model: JobModel, workers: WorkerTests, peers: PeerComparison, d: int, p: int) -> dict:
+    """A blamed worker's evidence entry: its ratios against its DP peers (an intermittent worker's:
+    in the steps it is slow, kind by kind where the test found it), the steps (indices and the
+    profiled step numbers) and its confidence."""
+    findings = workers.of((d, p))
+    persistent = any(f.persistent for f in findings)
+    ratios = {"forward": float(peers.forward[d, p]), "backward": float(peers.backward[d, p])}
+    if not persistent:
+        ratios.update({f.kind: float(f.ratio) for f in findings})
+    slow = _slow_steps(workers, (d, p))
+    return {"dp_rank": d, "stage": p, "ratio": float(peers.ratio[d, p]), **ratios,
+            "slow_steps": len(slow), "steps": peers.n_steps, "step_indices": slow,
+            "step_numbers": [int(model.steps[i]) for i in slow], "persistent": persistent,
+            "confidence": max(f.confidence for f in findings)}
 
 
 def _slow_steps(workers: WorkerTests, worker: tuple[int, int]) -> list[int]:
@@ -496,8 +513,13 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         return (tori - step_time[scenario]) / gap
 
     def make_fix(cause: str, scenario: str, given: float | None = None, t: float | None = None) -> Fix:
-        t = step_time[scenario] + (planned_gc if scenario == "gc" else 0.0) if t is None else t
-        return Fix(cause, t, slowdown * t / tori, (tori - t) / gap, 1.0 - t / tori, FIX_NAMES[scenario], given)
+        steps = None
+        if t is None:
+            paid = planned_gc if scenario == "gc" else 0.0
+            t = step_time[scenario] + paid
+            steps = tuple((np.asarray(result.step_t_nodelay, dtype=np.float64) - fixed.span(scenario) - paid).tolist())
+        return Fix(cause, t, slowdown * t / tori, (tori - t) / gap, 1.0 - t / tori, FIX_NAMES[scenario], given,
+                   step_savings=steps)
 
     _record_shares(evidence, share)
 

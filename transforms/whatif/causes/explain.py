@@ -68,8 +68,11 @@ def when_slow(w: dict) -> str:
     confidence = f", confidence {w['confidence']:.2f}" if w.get("confidence") is not None else ""
     if w.get("persistent", True):
         return f"in {w['slow_steps']} of {w['steps']} steps{confidence}"
-    steps = [str(s) for s in w.get("step_indices", [])]
+    numbers = w.get("step_numbers")
+    steps = [str(s) for s in (numbers if numbers is not None else w.get("step_indices", []))]
     named = steps[0] if len(steps) == 1 else ", ".join(steps[:-1]) + " and " + steps[-1]
+    if numbers is not None:   # the profiled steps' own numbers, as the step table shows them
+        return f"in step{'s' if len(steps) > 1 else ''} {named} ({len(steps)} of {w['steps']} sampled steps; intermittent{confidence})"
     return f"in step{'s' if len(steps) > 1 else ''} {named} of {w['steps']} (intermittent{confidence})"
 
 

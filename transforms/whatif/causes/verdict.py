@@ -67,7 +67,8 @@ class Fix:
     remains of the straggling time that this fix removes (None with no other candidate, or
     when what remains is below S 1.05); measured: the saving is measured against what ran
     (untraced time taken out of the steps as they ran), not replayed against the ideal, and
-    fixed_slowdown is S as is.
+    fixed_slowdown is S as is; step_savings: seconds the fix saves in each profiled step (None
+    where only the mean is known), so an intermittent cause shows where its saving lies.
     """
 
     cause: str
@@ -78,6 +79,7 @@ class Fix:
     description: str = ""
     explained_given_others: float | None = None
     measured: bool = False
+    step_savings: tuple[float, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -112,6 +114,17 @@ class Verdict:
         """The sentences of every listed cause, strongest first (or of the verdict when none is listed)."""
         return " ".join(self.explanations[c] for c in (self.causes or [self.cause]) if c in self.explanations)
 
+    def slow_steps(self) -> dict[tuple[int, int], tuple[int, ...]]:
+        """Blamed worker (dp_rank, stage) -> the profiled steps (indices) in which the worker test
+        finds it slow: every step for a persistent finding, the named ones for an intermittent one."""
+        found: dict[tuple[int, int], set[int]] = {}
+        blamed = {tuple(w) for w in self.implicated_workers}
+        for finding in (self.evidence.get("worker_test") or {}).get("slow", []):
+            worker = (int(finding["dp_rank"]), int(finding["stage"]))
+            if worker in blamed:
+                found.setdefault(worker, set()).update(int(s) for s in finding["steps"])
+        return {w: tuple(sorted(steps)) for w, steps in sorted(found.items())}
+
     def savings_gpu_hours(self, gpu_hours: float, cause: str | None = None) -> float:
         """GPU-hours the fix of `cause` (default: the primary) saves on a window of `gpu_hours`."""
         fix = self.fixes.get(cause or self.cause)
@@ -124,7 +137,8 @@ def fix_fields(verdict: Verdict, fix: Fix, gpu_hours: float | None) -> dict:
     fields = {"fixed_slowdown": fix.fixed_slowdown, "explained": fix.explained, "savings_fraction": fix.savings_fraction,
               "savings_gpu_hours": None if gpu_hours is None else gpu_hours * max(fix.savings_fraction, 0.0),
               "fix": fix.description, "explained_given_others": fix.explained_given_others, "measured": fix.measured,
-              "step_time": fix.step_time}
+              "step_time": fix.step_time,
+              "step_savings": None if fix.step_savings is None else list(fix.step_savings)}
     if fix.cause in verdict.confidences:
         fields.update(confidence=verdict.confidences[fix.cause], explanation=verdict.explanations.get(fix.cause, ""))
     return fields

@@ -15,9 +15,13 @@ Bonferroni over every test of the job holds the false-alarm rate per job at `alp
 
 - persistent: the worker's mean effect over its samples is significant and its median (most
   samples) at least the straggling threshold's ratio (METHOD.md: 1.1; a worker that alone would make a job straggle);
-- intermittent: single samples significant against both its peers and its own other samples,
-  tested against the jitter of the job's other comparisons (a worker slow in k of n steps, named
-  with those steps, never averaged away), when it is not persistent;
+- intermittent (a worker slow in k of n steps, named with those steps, never averaged away), when
+  it is not persistent: two tests against the jitter of the job's other comparisons, each at half
+  the false-alarm rate (weighted Bonferroni): a single sample beyond both its peers and its own
+  other samples (a spike), and a slow level, the split of its samples into k >= 2 slow ones and
+  n - k >= 2 usual ones with the largest t, against that largest t's null simulated for the
+  job's samples and degrees of freedom (a level over several steps decides where no single
+  step can);
 A worker is blamed only where its whole compute (forward + backward) exceeds its peers': DP ranks
 wait for each other at the gradient all-reduce, so one that finishes its compute first delays no
 one (its slower backward beside a far faster forward is the peer's interference, not a straggler).
@@ -33,6 +37,7 @@ to test against: `limits` says so.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -325,16 +330,28 @@ def _samples_needed(effect: float, sigma: float, tau: float, df: int, tail: floa
 
 def _intermittent(effect: np.ndarray, ss: np.ndarray, dfs: np.ndarray, cell: tuple[int, int, int], families: int,
                   n_tests: int, alpha: float, limit: float) -> tuple[np.ndarray, float] | None:
-    """The samples where one worker's effect stands out against its peers and its own other samples,
-    tested against the noise of every *other* comparison of the job (its own swings do not widen
-    the null it is tested against): (mask of slow samples, adjusted p) or None."""
+    """The steps where one worker is slow while it runs at its usual pace in the others: (mask of
+    slow samples, adjusted p) or None. Two tests, each at half the job's false-alarm rate (weighted
+    Bonferroni): a single spike (`_spike`) and a slow level over two steps or more (`_level_shift`);
+    both take the noise of every *other* comparison of the job (its own swings do not widen the
+    null it is tested against)."""
     k, p, d = cell
     own = (k, p, min(d, families - 1))
     rest_df = int(dfs.sum() - dfs[own])
     if rest_df < 1:
         return None
-    sigma = math.sqrt(float(ss.sum() - ss[own]) / rest_df)
+    rest_ss = float(ss.sum() - ss[own])
     e = effect[k, p, :, d]
+    found = [f for f in (_spike(e, rest_ss, rest_df, 2 * n_tests, alpha, limit),
+                         _level_shift(e, rest_ss, rest_df, 2 * n_tests, alpha, limit)) if f is not None]
+    return max(found, key=lambda f: (int(f[0].sum()), -f[1])) if found else None
+
+
+def _spike(e: np.ndarray, rest_ss: float, rest_df: int, tests: int, alpha: float, limit: float
+           ) -> tuple[np.ndarray, float] | None:
+    """Single samples beyond the worker's peers and its own other samples (`tests` x samples
+    hypotheses, Bonferroni)."""
+    sigma = math.sqrt(rest_ss / rest_df)
     ok = np.isfinite(e)
     m = int(ok.sum())
     if sigma <= 0 or m < 2:
@@ -343,9 +360,69 @@ def _intermittent(effect: np.ndarray, ss: np.ndarray, dfs: np.ndarray, cell: tup
     value = np.full(len(e), -np.inf)
     value[ok] = np.fmin(e[ok], e[ok] - others)          # beyond its peers and beyond its own usual
     spread = sigma * math.sqrt(1.0 + median_variance(m - 1))
-    p_cells = np.array([min(1.0, n_tests * len(e) * t_sf(v / spread, rest_df)) if np.isfinite(v) else 1.0 for v in value])
+    p_cells = np.array([min(1.0, tests * len(e) * t_sf(v / spread, rest_df)) if np.isfinite(v) else 1.0 for v in value])
     hit = (value >= limit) & (p_cells <= alpha)
     return (hit, float(p_cells[hit].max())) if hit.any() else None
+
+
+def _level_shift(e: np.ndarray, rest_ss: float, rest_df: int, tests: int, alpha: float, limit: float
+                 ) -> tuple[np.ndarray, float] | None:
+    """A slow level in k of the worker's n samples (2 <= k <= n - 2: each level a mean of two samples
+    or more; one slow sample is a spike, all but one is the persistent test's): the split of its
+    sorted effects with the largest t of the slow level's mean over the usual level's, the
+    variance pooled over both levels and every other comparison. The largest t over every split
+    has no closed form; its null is simulated (`_level_shift_null`: normal jitter, the same
+    samples and degrees of freedom). Blames when the slow level is at least `limit` over its peers
+    (median) and p x `tests` <= alpha."""
+    ok = np.flatnonzero(np.isfinite(e))
+    m = len(ok)
+    if m < 4:
+        return None
+    order = ok[np.argsort(-e[ok], kind="stable")]
+    t, k = _split_t(e[order][None, :], np.array([rest_ss]), rest_df)
+    k = int(k[0])
+    if k == 0 or float(median(e[order[:k]])) < limit:
+        return None
+    null = _level_shift_null(m, rest_df, _draws(tests, alpha))
+    p_value = min(1.0, tests * (len(null) - np.searchsorted(null, float(t[0])) + 1) / (len(null) + 1))
+    if p_value > alpha:
+        return None
+    hit = np.zeros(len(e), dtype=bool)
+    hit[order[:k]] = True
+    return hit, p_value
+
+
+def _split_t(values: np.ndarray, rest_ss: np.ndarray, rest_df: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of effects sorted high to low ([rows, n]): the largest two-sample t of the top k over
+    the rest (2 <= k <= n - 2; variance pooled with `rest_ss` on `rest_df` degrees of freedom) and
+    its k."""
+    rows, n = values.shape
+    total, squares = np.cumsum(values, axis=1), np.cumsum(values * values, axis=1)
+    best, best_k = np.full(rows, -np.inf), np.zeros(rows, dtype=np.int64)
+    for k in range(2, n - 1):
+        top, top_sq = total[:, k - 1], squares[:, k - 1]
+        rest, rest_sq = total[:, -1] - top, squares[:, -1] - top_sq
+        within = (top_sq - top * top / k) + (rest_sq - rest * rest / (n - k))
+        variance = np.maximum(within + rest_ss, 0.0) / (n - 2 + rest_df)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = (top / k - rest / (n - k)) / np.sqrt(variance * (1.0 / k + 1.0 / (n - k)))
+        better = t > best
+        best, best_k = np.where(better, t, best), np.where(better, k, best_k)
+    return best, best_k
+
+
+def _draws(tests: int, alpha: float) -> int:
+    """Simulated jobs enough to resolve p = alpha / tests twenty times over (20,000 to 200,000)."""
+    return int(min(200_000, max(20_000, math.ceil(20 * tests / alpha))))
+
+
+@functools.lru_cache(maxsize=32)
+def _level_shift_null(n: int, rest_df: int, draws: int) -> np.ndarray:
+    """The largest split t of n normal samples with a variance pooled over rest_df more degrees of
+    freedom, over `draws` simulated jobs, sorted. Seeded: one job always gets the same p-value."""
+    rng = np.random.default_rng(n * 100_003 + rest_df)
+    values = -np.sort(-rng.standard_normal((draws, n)), axis=1)
+    return np.sort(_split_t(values, rng.chisquare(rest_df, draws), rest_df)[0])
 
 
 def _t_for(tail: float, df: int) -> float:
