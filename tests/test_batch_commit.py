@@ -30,6 +30,9 @@ def _steps(job: str, steps: list[int]) -> pa.Table:
         "step_time": [1.4 + s / 100 for s in steps],
         "step_time_ideal": [1.2] * n,
         "slowdown": [(1.4 + s / 100) / 1.2 for s in steps],
+        "slow_ranks": pa.array([[1] if s % 2 else [] for s in steps], pa.list_(pa.int32())),
+        "fix_cause": ["individual-worker"] * n,
+        "fix_saving": [0.1 * (s % 2) for s in steps],
     })
 
 
@@ -38,7 +41,8 @@ def _files(out: pathlib.Path) -> dict[str, bytes]:
 
 
 def test_conform_rows_sorts_casts_and_orders_columns():
-    rows = _steps("b", [3, 1]).select(["slowdown", "step", "job_id", "step_time", "step_time_ideal", "step_time_observed"])
+    rows = _steps("b", [3, 1]).select(["slowdown", "step", "job_id", "step_time", "step_time_ideal", "step_time_observed",
+                                       "fix_saving", "fix_cause", "slow_ranks"])
     rows = pa.concat_tables([rows, _steps("a", [2]).select(rows.column_names)])
     out = conform_rows(rows, SPEC)
     assert out.schema == SPEC.schema

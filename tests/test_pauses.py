@@ -274,6 +274,32 @@ def test_the_longest_untraced_stretch_inside_a_span():
     assert longest_idle(spans[:, 0], spans[:, 1], union_runs(np.zeros(0), np.zeros(0))).tolist() == [10.0, 2.0, 1.0, 4.0, 4.0]
 
 
+def test_many_timelines_at_once_give_each_timeline_s_own_covered_time_bit_for_bit():
+    """covered_grouped (every lane of a stage in one call) against covered per timeline: spans of
+    the timelines interleaved in any order, overlapping and nested, gaps from -inf, equal times,
+    timelines without spans or gaps; the same floats, not only close ones."""
+    from transforms.intervals import covered, covered_grouped
+
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        groups = int(rng.integers(1, 6))
+        spans = [(g, a, a + float(rng.uniform(0, 3))) for g in range(groups) for a in rng.uniform(0, 10, rng.integers(0, 8)).round(1)]
+        gaps = [(g, b - float(rng.uniform(0, 4)), b) for g in range(groups) for b in rng.uniform(0, 12, rng.integers(0, 6)).round(1)]
+        if gaps and rng.random() < 0.3:
+            gaps[0] = (gaps[0][0], -np.inf, gaps[0][2])
+        order = rng.permutation(len(spans))
+        spans = [spans[i] for i in order]   # timelines interleaved; each keeps its spans' relative order below
+        expected = np.zeros(len(gaps))
+        for g in range(groups):
+            mine = [i for i, gap in enumerate(gaps) if gap[0] == g]
+            theirs = np.array([s for s in spans if s[0] == g]).reshape(-1, 3)
+            expected[mine] = covered(np.array([gaps[i][1] for i in mine]), np.array([gaps[i][2] for i in mine]),
+                                     theirs[:, 1], theirs[:, 2])
+        gap, span = np.array(gaps).reshape(-1, 3), np.array(spans).reshape(-1, 3)
+        got = covered_grouped(gap[:, 0].astype(int), gap[:, 1], gap[:, 2], span[:, 0].astype(int), span[:, 1], span[:, 2])
+        assert np.array_equal(got, expected)
+
+
 def test_a_collection_inside_the_forward_is_python_gc_not_a_slow_worker(tmp_path):
     """HF Trainer DDP, rank 1 collecting once per step inside its forward (a pre-hook on the middle
     decoder layer). Its peer's all-reduces wait out the pause, so rank 1's own are short, at the

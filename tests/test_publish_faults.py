@@ -47,7 +47,9 @@ def rollup(out: str):
 
 def _steps(job: str) -> pa.Table:
     return pa.table({"job_id": [job, job], "step": [1, 2], "step_time_observed": [1.5, 1.5], "step_time": [1.4, 1.5],
-                     "step_time_ideal": [1.2, 1.2], "slowdown": [1.4 / 1.2, 1.5 / 1.2]})
+                     "step_time_ideal": [1.2, 1.2], "slowdown": [1.4 / 1.2, 1.5 / 1.2],
+                     "slow_ranks": pa.array([[3], []], pa.list_(pa.int32())), "fix_cause": ["individual-worker"] * 2,
+                     "fix_saving": [0.2, 0.0]})
 
 
 def _config(out: str, run: str, dates=DATES) -> CommitConfig:

@@ -28,7 +28,7 @@ import statistics
 
 import numpy as np
 
-from transforms.intervals import covered
+from transforms.intervals import covered, covered_grouped
 from transforms.whatif.model import JobModel, median
 from transforms.whatif.result import STRAGGLING_THRESHOLD
 from schemas.trace import COMPUTE_OPTYPES, DP_COMM_OPTYPES, IN_COMPUTE_OPTYPES, OPTYPES
@@ -69,7 +69,18 @@ def untraced_gaps(model: JobModel, dp: int, stage: int, partner: np.ndarray | No
     starts with its peer's send (it was posted earlier and waited: the converter starts it there)
     is the peer's delay. A recv posted after its peer's send started was the worker's own lateness,
     from that send's start on (before it, the worker waited for the data)."""
-    partner = p2p_partner(model) if partner is None else partner
+    cached = model.__dict__.setdefault("_untraced_gaps", {})
+    if stage not in cached or cached[stage][0] is not model.launch_delay:
+        cached[stage] = (model.launch_delay, _stage_gaps(model, stage, p2p_partner(model) if partner is None else partner))
+    ops, *parts = cached[stage][1]
+    lanes = np.flatnonzero(model.lane_dp == dp)
+    return ops, *(None if part is None else part[:, lanes] for part in parts)
+
+
+def _stage_gaps(model: JobModel, stage: int, partner: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """untraced_gaps of every worker of a stage, computed at once: [ops, every lane], each lane (a
+    DP rank's step) a timeline of its own."""
     ops = np.flatnonzero(model.op_stage == stage)
     recv = np.isin(model.op_optype[ops], _RECV)
     busy = ops[np.isin(model.op_optype[ops], _BUSY) | recv]
@@ -78,40 +89,49 @@ def untraced_gaps(model: JobModel, dp: int, stage: int, partner: np.ndarray | No
     # after a compute starts when that thread begins to wait (the converter moves it past the
     # computes and send issues in between): the gap before it is the thread's own time
     own_wait = recv & bool(model.meta.host_compute) & (model.pred_index[model.pred_ptr[ops]] < model.n_ops)
-    lanes = np.flatnonzero(model.lane_dp == dp)
-    out = np.zeros((len(ops), len(lanes)))
+    out = np.zeros((len(ops), model.n_lanes))
     data = np.zeros_like(out)
+    collected = None if model.gc_wait is None else np.zeros_like(out)
+    started = model.observed_start
+    start = started[ops]
     # a CPU rank arriving late at a step because it finished the previous one late: that tail is
     # the previous step's work (JobModel.carried_arrivals), not time between this step's ops
     carried = model.carried_arrivals()
-    collected = None if model.gc_wait is None else np.zeros_like(out)
-    for column, lane in enumerate(lanes.tolist()):
-        delay = np.maximum(model.launch_delay[ops, lane] - (carried[ops, lane] if carried is not None else 0.0), 0.0)
-        late = np.where(peer >= 0, model.observed_start[ops, lane] > model.observed_start[np.maximum(peer, 0), lane] + 1e-6, True)
-        late |= own_wait
-        waiting = (delay > 0) & (~recv | late)
-        gap_end = model.observed_start[ops[waiting], lane]
-        gap_start = gap_end - delay[waiting]
-        # before a recv, the time until its peer's send began is waiting for the data, not lateness
-        sent = np.where(peer[waiting] >= 0, model.observed_start[np.maximum(peer[waiting], 0), lane], -np.inf)
-        gap_start = np.minimum(np.maximum(gap_start, sent), gap_end)
-        # gaps of ops that wait from the same moment (two ops free at the step's start) overlap:
-        # each counts only the time no earlier-ending gap already counted
-        order = np.argsort(gap_end, kind="stable")
-        counted = np.concatenate([[-np.inf], np.maximum.accumulate(gap_end[order])[:-1]])
-        gap_start[order] = np.minimum(np.maximum(gap_start[order], counted), gap_end[order])
-        busy_time = covered(gap_start, gap_end, model.observed_start[busy, lane], model.observed_end[busy, lane])
-        out[waiting, column] = np.maximum(gap_end - gap_start - busy_time, 0.0)
-        if model.data_wait is not None:
-            fetched = ops[model.data_wait[ops, lane] > 0]
-            fetch_end = model.observed_start[fetched, lane]
-            fetch = covered(gap_start, gap_end, fetch_end - model.data_wait[fetched, lane], fetch_end)
-            data[waiting, column] = np.minimum(fetch, out[waiting, column])
-        if collected is not None:
-            paused = ops[model.gc_wait[ops, lane] > 0]
-            pause_end = model.observed_start[paused, lane]
-            ran = covered(gap_start, gap_end, pause_end - model.gc_wait[paused, lane], pause_end)
-            collected[waiting, column] = np.minimum(ran, out[waiting, column] - data[waiting, column])
+    delay = model.launch_delay[ops]
+    delay = np.maximum(delay - carried[ops], 0.0) if carried is not None else np.maximum(delay, 0.0)
+    peer_start = started[np.maximum(peer, 0)]
+    late = np.where((peer >= 0)[:, None], start > peer_start + 1e-6, True) | own_wait[:, None]
+    waiting = (delay > 0) & (~recv[:, None] | late)
+    row, lane = np.nonzero(waiting)
+    gap_end = start[row, lane]
+    gap_start = gap_end - delay[row, lane]
+    # before a recv, the time until its peer's send began is waiting for the data, not lateness
+    sent = np.where(peer[row] >= 0, peer_start[row, lane], -np.inf)
+    gap_start = np.minimum(np.maximum(gap_start, sent), gap_end)
+    # gaps of ops that wait from the same moment (two ops free at the step's start) overlap: each
+    # counts only the time no earlier-ending gap of its lane already counted (by end, then op)
+    order = np.lexsort((row, gap_end, lane))
+    ends = gap_end[order]
+    counted = np.r_[-np.inf, ends[:-1]]
+    counted[np.r_[True, lane[order][1:] != lane[order][:-1]]] = -np.inf
+    gap_start[order] = np.minimum(np.maximum(gap_start[order], counted), ends)
+
+    def spans_covered(mask: np.ndarray, begin: np.ndarray, finish: np.ndarray) -> np.ndarray:
+        """Per gap, the time inside it that its lane's spans ([op, lane] mask, begins and ends) cover."""
+        at, on = np.nonzero(mask)
+        return covered_grouped(lane, gap_start, gap_end, on, begin[at, on], finish[at, on])
+
+    busy_start, busy_end = started[busy], model.observed_end[busy]
+    busy_time = spans_covered(np.ones(busy_start.shape, dtype=bool), busy_start, busy_end)
+    out[row, lane] = np.maximum(gap_end - gap_start - busy_time, 0.0)
+    if model.data_wait is not None:
+        waits = model.data_wait[ops]
+        fetch = spans_covered(waits > 0, start - waits, start)
+        data[row, lane] = np.minimum(fetch, out[row, lane])
+    if collected is not None:
+        waits = model.gc_wait[ops]
+        ran = spans_covered(waits > 0, start - waits, start)
+        collected[row, lane] = np.minimum(ran, out[row, lane] - data[row, lane])
     return ops, out, data, collected
 
 
