@@ -98,6 +98,39 @@ def test_a_worker_slow_in_three_steps_of_eight_is_named_with_all_three(base, see
     assert spikes and set(spikes[0].steps) < {1, 4, 6}
 
 
+def test_an_intermittent_worker_s_fix_restores_only_its_slow_steps():
+    """A worker 2x in steps 2 and 5 of 8 (the generator's own injection): named with those steps,
+    and its fix (peer pace in those steps only) saves time there and nothing in the others, where
+    it already ran at its usual pace."""
+    from transforms.synth import Cause, JobSpec, generate_job
+    from transforms.whatif.causes import analyze_and_classify
+
+    spec = JobSpec(job_id="flaky", dp=4, pp=1, microbatches=2, steps=8, sessions=1, seed=11,
+                   causes=(Cause("slow_worker", {"dp_rank": 2, "stage": 0, "factor": 2.0, "steps": [2, 5]}),))
+    job = generate_job(spec)
+    _, verdict = analyze_and_classify(job.trace, job.meta, "flaky")
+    assert verdict.cause == "individual-worker" and verdict.slow_steps() == {(2, 0): (2, 5)}
+    saved = np.array(verdict.primary_fix.step_savings)
+    assert saved[[2, 5]].min() > 0
+    assert np.abs(np.delete(saved, [2, 5])).max() <= 1e-9 * saved.max()
+    # the fix's cost: the worker's lanes of the other steps untouched (its usual pace, jitter and all),
+    # its slow steps at no more than its peers' median op by op
+    from transforms.whatif import compile_job
+    from transforms.whatif.causes.fixes import at_peer_speed
+    from transforms.whatif.causes.signals import peer_comparison
+
+    model = compile_job(job.trace, job.meta, "flaky")
+    forward, backward = pairs(model)
+    only = {(2, 0, "forward"): (2, 5), (2, 0, "backward"): (2, 5)}
+    cost = at_peer_speed(model, [(2, 0)], peer_comparison(model, forward, backward), only=only)
+    lanes = np.flatnonzero(model.lane_dp == 2)
+    usual = np.setdiff1d(np.arange(model.n_lanes), lanes[[2, 5]])
+    assert np.array_equal(cost[:, usual], model.original_cost[:, usual])
+    compute = np.flatnonzero(np.isin(model.op_optype, (FORWARD, BACKWARD)))
+    peers = np.median(model.original_cost[compute][:, lanes[[2, 5]][:, None] + np.array([-2, -1, 1])], axis=2)
+    assert np.allclose(cost[compute][:, lanes[[2, 5]]], np.minimum(model.original_cost[compute][:, lanes[[2, 5]]], peers))
+
+
 @pytest.mark.parametrize("n, rest_df", [(6, 5), (8, 24)])
 def test_the_slow_level_test_holds_its_false_alarm_rate_on_normal_jitter(n, rest_df):
     """The largest split t over every split has no closed form; its simulated null must give a

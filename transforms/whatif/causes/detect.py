@@ -273,7 +273,7 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
             gc_paused = np.zeros(model.original_cost.shape, dtype=bool)
             rows, lanes = np.nonzero(signals.gc.pauses)
             gc_paused[signals.forward[rows, lanes], lanes] = True
-        costs["worker-peer"] = at_peer_speed(model, blamed, signals.peers, gc_paused)
+        costs["worker-peer"] = at_peer_speed(model, blamed, signals.peers, gc_paused, _intermittent_steps(signals.workers))
     if len(signals.forward):
         costs["sequence"] = even_sequences(model)
         costs["gc"] = without_pauses(model, signals.forward, signals.gc, rules.gc_min_stall)
@@ -284,6 +284,17 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
             evidence.update(sequence_evidence)
             evidence["workload_forward_r"] = pearson(take(workload.op_workload, signals.forward), take(original, signals.forward))
     return costs
+
+
+def _intermittent_steps(workers: WorkerTests) -> dict[tuple[int, int, str], tuple[int, ...]]:
+    """(dp, stage, kind) -> the steps of each intermittent finding, for workers with no persistent
+    one: what their fix brings back to their peers' pace."""
+    persistent = {f.worker for f in workers.slow if f.persistent}
+    out: dict[tuple[int, int, str], set[int]] = {}
+    for f in workers.slow:
+        if f.worker not in persistent:
+            out.setdefault((*f.worker, f.kind), set()).update(f.steps)
+    return {key: tuple(sorted(steps)) for key, steps in out.items()}
 
 
 def _workload_fit(model: JobModel, signals: _Signals, workload: SequenceWorkload | None) -> tuple[float, int]:

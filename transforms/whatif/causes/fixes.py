@@ -1,7 +1,7 @@
 """Cost arrays ([op, lane] seconds) of each cause's fix, replayed by the engine like any scenario."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -16,18 +16,30 @@ _P2P = tuple(OPTYPES.index(name) for name in ("forward-send", "forward-recv", "b
 
 
 def at_peer_speed(model: JobModel, workers: Sequence[tuple[int, int]], peers: PeerComparison,
-                  keep: np.ndarray | None = None) -> np.ndarray:
+                  keep: np.ndarray | None = None, only: Mapping[tuple[int, int, str], Sequence[int]] | None = None
+                  ) -> np.ndarray:
     """Cost with each given worker's forward (backward) computes divided by its forward (backward)
     ratio to its DP peers, and none above its DP peers' median of the same compute in the same
     step: the machine repaired (its pace, and any stall it alone has in one microbatch), its own
     microbatch variation kept. `keep` ([op, lane]): ops whose excess another cause's fix removes
-    (GC pauses) stay at the pace-corrected cost."""
+    (GC pauses) stay at the pace-corrected cost. `only` ((dp, stage, kind) -> step indices): a
+    worker slow in some steps only (intermittent) has just those kinds in those steps brought to
+    its peers' median; its other steps, at its usual pace, are no cause to fix."""
     cost = model.original_cost.copy()
     shape = (model.n_steps, model.dp_size)                        # lanes are step-major, dp minor
-    for code, ratios in ((FORWARD, peers.forward), (BACKWARD, peers.backward)):
+    for code, kind, ratios in ((FORWARD, "forward", peers.forward), (BACKWARD, "backward", peers.backward)):
         for d, p in workers:
             ops = np.flatnonzero((model.op_optype == code) & (model.op_stage == p))
             lanes = np.flatnonzero(model.lane_dp == d)
+            intermittent = only is not None and any((d, p) == key[:2] for key in only)
+            if intermittent:
+                steps = np.asarray(sorted(only.get((d, p, kind), ())), dtype=np.int64)
+                if not len(steps):
+                    continue
+                others = peer_median(model.original_cost[ops].reshape(len(ops), *shape))[:, steps, d]
+                lanes = lanes[steps]
+                cost[np.ix_(ops, lanes)] = np.minimum(cost[np.ix_(ops, lanes)], others)
+                continue
             if np.isfinite(ratios[d, p]) and ratios[d, p] > 0:
                 cost[np.ix_(ops, lanes)] /= ratios[d, p]
             if model.dp_size > 1:
