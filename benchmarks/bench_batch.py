@@ -94,6 +94,13 @@ def _report(name: str, summary: dict, workers: int, target_fleet: bool) -> None:
     print(f"  worker-seconds ({workers} workers x wall = {capacity:.0f} s):")
     for phase, value in phases.items():
         print(f"    {phase:<34} {value:8.1f} s  {100 * value / capacity:5.1f}%")
+        if phase.startswith("analyze"):   # the engine's own parts (Verdict.timings)
+            for part in ("compile", "replay", "causes"):
+                if f"analyze.{part}" in seconds:
+                    print(f"      {part:<32} {seconds[f'analyze.{part}']:8.1f} s  {100 * seconds[f'analyze.{part}'] / capacity:5.1f}%")
+    if seconds.get("analyze.replay"):
+        print(f"  causes / the replay they explain: {seconds.get('analyze.causes', 0.0) / seconds['analyze.replay']:.2f}x "
+              "(target <= 1: root causes cost no more than the replay)")
     overhead = phases["other (start-up, Beam, idle)"] / capacity
     if target_fleet and name.startswith("FnApiRunner"):
         print(f"  wall {wall:.0f} s (target <= 120 s: {'met' if wall <= 120 else 'NOT met'}); overhead (start-up, Beam, "

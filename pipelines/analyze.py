@@ -232,7 +232,7 @@ def _lake_errors(opts: AnalyzeOptions) -> tuple[type[Exception], ...]:
 
 
 def summary(result, n_ops: int, seconds: float, top: int = 3, device: str | None = None,
-            grads_collective: str | None = None) -> str:
+            grads_collective: str | None = None, timings: dict | None = None) -> str:
     """A few lines for a person: S, waste, verdicts, rankings, M_W, M_S. device: 'cpu' when the
     ranks ran on CPUs (torch.profiler traces say so), else they are called GPUs; grads_collective:
     "all_reduce" names DDP's gradient all-reduce so (schemas.trace.optype_words).
@@ -251,7 +251,9 @@ def summary(result, n_ops: int, seconds: float, top: int = 3, device: str | None
     lines = [
         f"job {result.job_id}: {len(result.steps)} step{'s' if len(result.steps) != 1 else ''}, dp {meta.dp_size} x pp {meta.pp_size} workers "
         f"(tp {meta.tp_size}, cp {meta.dsp_size}, vpp {meta.vpp_size}; {meta.world_size} {_unit(device)}s), {n_ops:,} ops, "
-        f"analysed in {seconds:.2f} s",
+        f"analysed in {seconds:.2f} s" + ("" if not timings or "compile" not in timings else
+                                          f" (compile {timings['compile']:.2f}, replay {timings['replay']:.2f}, "
+                                          f"causes {timings['causes']:.2f})"),
         *([] if result.evidence is None else
           [f"evidence: {result.evidence.describe()}"] + [f"  cannot show: {limit}" for limit in result.evidence.limits]),
         f"S = {slowdown:.4f}: {waste}; "
@@ -406,7 +408,7 @@ def run(argv: list[str]) -> int:
     seconds = time.perf_counter() - started
     if converted is not None:
         print(f"source: {source}")
-    print(summary(result, trace.num_rows, seconds, opts.top, device, recorded.get("grads_collective")))
+    print(summary(result, trace.num_rows, seconds, opts.top, device, recorded.get("grads_collective"), verdict.timings))
     print(verdict_lines(verdict, result, gpu_hours, device))
     if opts.json_out is not None:
         opts.json_out.parent.mkdir(parents=True, exist_ok=True)

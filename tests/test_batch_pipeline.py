@@ -216,6 +216,16 @@ def test_step_slowdown_carries_the_verdict_step_by_step(fnapi_run, lake):
     assert quiet and all(r["fix_saving"] is None for r in quiet)   # discarded: no replayed fix
 
 
+def test_the_run_summary_times_the_engine_s_parts_within_its_analyze_phase(fnapi_run):
+    """Where the engine's seconds went (compile, METHOD's replays, causes), summed over the windows as
+    the phases are: each part positive, together within "analyze" (which also holds the verdict's
+    hand-over and any window the engine refused)."""
+    summary = fnapi_run[1]
+    seconds = summary["seconds"]
+    parts = [seconds[f"analyze.{part}"] for part in ("compile", "replay", "causes")]
+    assert all(part > 0 for part in parts) and sum(parts) <= seconds["analyze"]
+
+
 def test_counters_match_the_quarantine_table(fnapi_run):
     out, summary, counters = fnapi_run
     quarantine = read_table(str(out), "quarantine").to_pylist()

@@ -137,7 +137,7 @@ def test_the_script_ends_analyze_without_teardown_and_loses_nothing(reference_di
     done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0 and done.stderr == "", done.stderr
     def lines(out: str) -> str:   # the engine's own seconds differ from run to run
-        return re.sub(r"analysed in [0-9.]+ s", "analysed in T s", out)
+        return re.sub(r"analysed in [0-9.]+ s \(compile [0-9.]+, replay [0-9.]+, causes [0-9.]+\)", "analysed in T s", out)
 
     assert lines(done.stdout) == lines(inline.replace(str(tmp_path / "inline.json"), str(tmp_path / "script.json")))
     assert (tmp_path / "script.json").read_text() == (tmp_path / "inline.json").read_text()

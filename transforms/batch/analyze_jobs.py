@@ -46,7 +46,7 @@ from schemas.tables import (
     timeline_path,
 )
 from transforms.ingest.common import describe_source
-from transforms.batch.elements import JobOutcome, JobProblem, MatchedJob, ValidatedJob, WindowGroup
+from transforms.batch.elements import ENGINE_PARTS, JobOutcome, JobProblem, MatchedJob, ValidatedJob, WindowGroup
 from transforms.batch.outcomes import (
     QUARANTINED_ERRORS,
     count_quarantine_error,
@@ -265,6 +265,8 @@ def analyze_window(validated: ValidatedJob, engine, timelines: str | None = None
         return quarantined_outcome(job, problem, pa.concat_tables([validated.quarantine, record]), stats, validated.manifest)
     analysed = time.perf_counter()
     stats.seconds["analyze"] = analysed - started
+    if verdict is not None:   # the engine's own parts of "analyze" (ENGINE_PARTS)
+        stats.seconds.update({f"analyze.{part}": verdict.timings[part] for part in ENGINE_PARTS if part in verdict.timings})
     tables = result_tables(validated, result, verdict)
     if verdict is not None and not result.discarded:
 

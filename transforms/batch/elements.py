@@ -36,11 +36,14 @@ __all__ = [
     "TableFragment",
     "ArrowElementCoder",
     "PHASES",
+    "ENGINE_PARTS",
 ]
 
 # Phases timed inside the DoFns (seconds), summed into the run summary: Dask has no
 # metrics, so timings travel with the elements.
 PHASES = ("read", "validate", "analyze", "tables", "timeline", "stage", "publish")
+# Parts of "analyze" the engine times itself (Verdict.timings), summed as "analyze.<part>".
+ENGINE_PARTS = ("compile", "replay", "causes")
 
 
 @dataclasses.dataclass(frozen=True)

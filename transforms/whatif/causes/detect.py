@@ -933,7 +933,9 @@ def analyze_and_classify(trace: pa.Table, meta: JobMeta, job_id: str = "", *, ru
     The same WhatIfResult as transforms.whatif.analyze_job, plus the Verdict; raises the
     engine's WhatIfError subclasses on traces it cannot analyse.
     """
+    started = time.perf_counter()
     model = compile_job(trace, meta, job_id)
+    compiled = time.perf_counter()
     with contextlib.ExitStack() as stack:
         paired = None
         if replay_thread_count() > 1:   # threads to spare: the trace signals are computed while the analysis replays
@@ -942,5 +944,10 @@ def analyze_and_classify(trace: pa.Table, meta: JobMeta, job_id: str = "", *, ru
             paired = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="strag-signals")).submit(
                 pair_signals, model, rules)
         result = analyze_model(model, timeline=timeline)
-        return result, classify(model, result, workload=sequence_workload(trace, model), rules=rules,
-                                paired=None if paired is None else paired.result(), work=chunk_work(trace, model))
+        replayed = time.perf_counter()
+        verdict = classify(model, result, workload=sequence_workload(trace, model), rules=rules,
+                           paired=None if paired is None else paired.result(), work=chunk_work(trace, model))
+    # where the seconds went (Verdict.timings): the graph compiled, METHOD's replays, the causes
+    # (their signals, batched fix replays and tests; a signal thread's overlap with the replays is not counted twice)
+    verdict.timings.update(compile=compiled - started, replay=replayed - compiled, causes=time.perf_counter() - replayed)
+    return result, verdict

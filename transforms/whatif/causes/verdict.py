@@ -89,7 +89,8 @@ class Verdict:
     causes: every listed cause, by GPU-hours its fix saves alone (most first); cause: the
     first, or "none" / "unexplained"; explanations: cause -> one sentence for people (also
     for "none" and "unexplained"); joint_fix: every listed cause fixed at once (two or more);
-    timings: seconds spent in parts of classify ("sequence": repacking and its cost model).
+    timings: seconds spent in parts of the analysis ("sequence": repacking and its cost model;
+    analyze_and_classify adds "compile", "replay" (METHOD's replays) and "causes").
     """
 
     job_id: str
