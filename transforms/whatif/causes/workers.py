@@ -381,9 +381,12 @@ def _level_shift(e: np.ndarray, rest_ss: float, rest_df: int, tests: int, alpha:
     order = ok[np.argsort(-e[ok], kind="stable")]
     t, k = _split_t(e[order][None, :], np.array([rest_ss]), rest_df)
     k = int(k[0])
-    if k == 0 or float(median(e[order[:k]])) < limit:
-        return None
-    null = _level_shift_null(m, rest_df, _draws(tests, alpha))
+    draws, df = _draws(tests, alpha), _null_df(rest_df)
+    if k == 0 or float(median(e[order[:k]])) < limit or tests / (draws + 1) > alpha:
+        return None     # no slow level, or one below the threshold, or more tests than simulated jobs resolve
+    if float(t[0]) < _level_shift_null(m, df, _SCREEN)[int(0.9 * _SCREEN)]:
+        return None     # below the null's 90th percentile: p > 0.1, nowhere near alpha / tests
+    null = _level_shift_null(m, df, draws)
     p_value = min(1.0, tests * (len(null) - np.searchsorted(null, float(t[0])) + 1) / (len(null) + 1))
     if p_value > alpha:
         return None
@@ -411,12 +414,22 @@ def _split_t(values: np.ndarray, rest_ss: np.ndarray, rest_df: int) -> tuple[np.
     return best, best_k
 
 
+_SCREEN = 2_000          # simulated jobs of the first look (is the split t anywhere near significance?)
+
+
 def _draws(tests: int, alpha: float) -> int:
-    """Simulated jobs enough to resolve p = alpha / tests twenty times over (20,000 to 200,000)."""
-    return int(min(200_000, max(20_000, math.ceil(20 * tests / alpha))))
+    """Simulated jobs enough to resolve p = alpha / tests twenty times over (20,000 to 50,000: a job
+    with more tests than that resolves leaves intermittent levels to the spike test)."""
+    return int(min(50_000, max(20_000, math.ceil(20 * tests / alpha))))
 
 
-@functools.lru_cache(maxsize=32)
+def _null_df(rest_df: int) -> int:
+    """The other comparisons' degrees of freedom the null is simulated with: the largest power of two
+    not above them. Fewer degrees of freedom make a wider null (conservative), and jobs share it."""
+    return 1 << max(int(rest_df).bit_length() - 1, 0)
+
+
+@functools.lru_cache(maxsize=64)
 def _level_shift_null(n: int, rest_df: int, draws: int) -> np.ndarray:
     """The largest split t of n normal samples with a variance pooled over rest_df more degrees of
     freedom, over `draws` simulated jobs, sorted. Seeded: one job always gets the same p-value."""
