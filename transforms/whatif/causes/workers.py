@@ -342,8 +342,11 @@ def _intermittent(effect: np.ndarray, ss: np.ndarray, dfs: np.ndarray, cell: tup
         return None
     rest_ss = float(ss.sum() - ss[own])
     e = effect[k, p, :, d]
+    # two DP ranks mirror each other: the split t of one is the other's, so the pair is one level
+    # test (the threshold picks its slow side); a spike up of one is a distinct event from the other's
+    levels = n_tests // 2 if families == 1 else n_tests
     found = [f for f in (_spike(e, rest_ss, rest_df, 2 * n_tests, alpha, limit),
-                         _level_shift(e, rest_ss, rest_df, 2 * n_tests, alpha, limit)) if f is not None]
+                         _level_shift(e, rest_ss, rest_df, 2 * levels, alpha, limit)) if f is not None]
     return max(found, key=lambda f: (int(f[0].sum()), -f[1])) if found else None
 
 
