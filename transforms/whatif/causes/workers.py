@@ -387,8 +387,8 @@ def _level_shift(e: np.ndarray, rest_ss: float, rest_df: int, tests: int, alpha:
     draws, df = _draws(tests, alpha), _null_df(rest_df)
     if k == 0 or float(median(e[order[:k]])) < limit or tests / (draws + 1) > alpha:
         return None     # no slow level, or one below the threshold, or more tests than simulated jobs resolve
-    if float(t[0]) < _level_shift_null(m, df, _SCREEN)[int(0.9 * _SCREEN)]:
-        return None     # below the null's 90th percentile: p > 0.1, nowhere near alpha / tests
+    if alpha / tests < 0.1 and float(t[0]) < _level_shift_null(m, df, _SCREEN)[int(0.9 * _SCREEN)]:
+        return None     # below the null's 90th percentile: p > 0.1, beyond alpha / tests
     null = _level_shift_null(m, df, draws)
     p_value = min(1.0, tests * (len(null) - np.searchsorted(null, float(t[0])) + 1) / (len(null) + 1))
     if p_value > alpha:
