@@ -188,6 +188,10 @@ def _worker_evidence(w: dict) -> str:
     """One worker's entry of a per-worker evidence list, in words."""
     head = f"dp {w.get('dp_rank')} / stage {w.get('stage')}"
     if "ratio" in w:    # measured against its DP peers
+        if not w.get("persistent", True) and "forward" in w and "backward" in w:
+            # intermittent: the slower kind in the steps it is slow in, as the sentence says it
+            kind = "forward" if w["forward"] >= w["backward"] else "backward"
+            return f"{head}: {kind} {w[kind]:.2f}x {when_slow(w)}"
         return f"{head}: {w['ratio']:.2f}x {when_slow(w)}"
     if "hidden_slowdown" in w:    # untraced CPU time
         replayed = w.get("launch_slowdown")

@@ -358,6 +358,13 @@ def test_job_page_shows_who_was_slow_in_each_step_and_what_the_fix_saves_there(d
         cell = f" {int(step)} {result.step_slowdown[i]:.3f} {'rank 12' if i in (2, 5) else '-'} {1e3 * saving:.1f} ms"
         assert cell in table, cell
     assert f"in steps {numbers[0]} and {numbers[1]} (2 of 8 sampled steps; intermittent" in verdict.explanation
+    # the evidence row gives the ratio in those steps, as the sentence does, not the whole run's
+    entry = verdict.evidence["peer_workers"][0]
+    slower = max(("forward", "backward"), key=lambda kind: entry[kind])
+    assert entry[slower] == pytest.approx(2.0, rel=0.1) and entry["ratio"] < 1.5
+    from dashboards.job_page import _evidence_value
+
+    assert _evidence_value([entry]).startswith(f"dp 2 / stage 0: {slower} {entry[slower]:.2f}x in steps {numbers[0]} and {numbers[1]}")
 
 
 def test_cells_and_titles_say_nothing_meaningless():
