@@ -282,7 +282,7 @@ def test_a_stall_in_one_microbatch_every_step_blames_its_worker_and_its_fix_remo
 
 
 def test_time_covered_by_busy_spans_counts_overlapping_spans_once():
-    from transforms.whatif.causes.pauses import covered as _covered
+    from transforms.intervals import covered as _covered
 
     # busy: [0, 4] and [2, 6] overlap (one blocked recv inside a compute), [8, 9] apart
     busy_start, busy_end = np.array([2.0, 0.0, 8.0]), np.array([6.0, 4.0, 9.0])

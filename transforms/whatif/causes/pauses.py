@@ -28,12 +28,12 @@ import statistics
 
 import numpy as np
 
-from transforms.intervals import covered, covered_grouped
+from transforms.intervals import covered_grouped
 from transforms.whatif.model import JobModel, median
 from transforms.whatif.result import STRAGGLING_THRESHOLD
 from schemas.trace import COMPUTE_OPTYPES, DP_COMM_OPTYPES, IN_COMPUTE_OPTYPES, OPTYPES
 
-__all__ = ["p2p_partner", "untraced_gaps", "untraced_time", "covered", "Pauses", "find_pauses", "recurring",
+__all__ = ["p2p_partner", "untraced_gaps", "untraced_time", "Pauses", "find_pauses", "recurring",
            "at_forwards", "collector", "pause_fix", "pause_confidence", "inside_compute"]
 
 _RECV = [OPTYPES.index("forward-recv"), OPTYPES.index("backward-recv")]
@@ -291,7 +291,7 @@ def collector(model: JobModel, pauses: Pauses) -> bool:
 def pause_fix(model: JobModel, pauses: Pauses, traced_step: np.ndarray) -> tuple[float, float, float, float, np.ndarray]:
     """(mean wall-clock step time as it ran, without the pauses with planned GC paid back, planned
     GC seconds per step, share of the untraced time beyond the traced replay (`traced_step`, per
-    step) that the pauses make, seconds saved in each step with planned GC paid back). Measured, not replayed: the job waits for its slowest worker, so a step without
+    step) that the pauses make, seconds the pauses take out of each step). Measured, not replayed: the job waits for its slowest worker, so a step without
     its pauses is shorter by its largest pause beyond the usual gap (a recorded launch delay is
     pinned to the time its dependencies ended as they ran, so a replay with the others' delays
     keeps the pause's echo). Planned GC: the same collections, every worker at once: the mean pause
@@ -305,7 +305,7 @@ def pause_fix(model: JobModel, pauses: Pauses, traced_step: np.ndarray) -> tuple
     planned = sum(excess for *_, excess in pauses.cells) / (model.dp_size * model.pp_size * model.n_steps)
     untraced = float(np.maximum(span - np.asarray(traced_step, dtype=np.float64), 0.0).sum())
     share = float(saving.sum()) / untraced if untraced > 0 else 0.0
-    return float(ran.mean()), float((ran - saving).mean()) + planned, planned, float(min(max(share, 0.0), 1.0)), saving - planned
+    return float(ran.mean()), float((ran - saving).mean()) + planned, planned, float(min(max(share, 0.0), 1.0)), saving
 
 
 def _step_spans(model: JobModel) -> np.ndarray:

@@ -202,7 +202,7 @@ def pause_cause(model: JobModel, result: WhatIfResult, rules: CauseRules, eviden
     pauses = find_pauses(model, rules.false_alarm, rules.straggling)
     if not recurring(pauses):
         return None
-    ran, fixed, planned, share, per_step = pause_fix(model, pauses, result.step_t_nodelay)
+    ran, fixed, planned, share, taken_out = pause_fix(model, pauses, result.step_t_nodelay)
     saved = 1.0 - fixed / ran if ran > 0 else 0.0
     workers = pauses.workers()
     named = {w for w, *_ in untraced or []}
@@ -212,13 +212,13 @@ def pause_cause(model: JobModel, result: WhatIfResult, rules: CauseRules, eviden
         if named and "untraced-cpu" in fixes and set(workers) <= named:
             unplanned = 1.0 - (fixed - planned) / ran if ran > 0 else 0.0
             fixes["untraced-cpu"] = Fix("untraced-cpu", fixed - planned, slowdown, share, unplanned, FIX_NAMES["pauses"],
-                                        measured=True, step_savings=tuple((per_step + planned).tolist()))
+                                        measured=True, step_savings=tuple(taken_out.tolist()))
         return None
     if saved < rules.min_savings:
         return None
     evidence["planned_gc_seconds"] = planned
     fixes["python-gc"] = Fix("python-gc", fixed, slowdown, share, saved, FIX_NAMES["gc-pauses"], measured=True,
-                             step_savings=tuple(per_step.tolist()))
+                             step_savings=tuple((taken_out - planned).tolist()))
     if named and named <= set(workers):
         untraced_seconds = sum(float(pauses.untraced[p, :, d].sum() + pauses.data[p, :, d].sum()) for d, p in named)
         paused_seconds = sum(float(pauses.excess_of(w).sum()) for w in named)
