@@ -91,6 +91,7 @@ def _report(name: str, summary: dict, workers: int, target_fleet: bool) -> None:
           f"of {summary['rows_read']:,} read")
     print(f"  wall {wall:.0f} s = {wall / 60:.1f} min (load {summary['load']:.1f} at the start); "
           f"{summary['ops'] / wall:,.0f} ops/s through the whole pipeline")
+    print("  this process (wall s): " + ", ".join(f"{step} {value:.1f}" for step, value in summary["startup"].items()))
     print(f"  worker-seconds ({workers} workers x wall = {capacity:.0f} s):")
     for phase, value in phases.items():
         print(f"    {phase:<34} {value:8.1f} s  {100 * value / capacity:5.1f}%")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import pathlib
 import uuid
 
 import fsspec
@@ -207,3 +208,23 @@ def test_a_column_the_footer_pins_is_made_from_it_and_equals_the_file(tmp_path):
     assert lk._constant_strings(pq.ParquetFile(path)) == {"job_id": "job-7"}
     got = lk.read_parquet(str(path))
     assert got.equals(pq.read_table(path), check_metadata=True) and got.equals(table)
+
+
+@pytest.mark.parametrize("chosen", [None, "mimalloc"])
+def test_analysis_workers_use_the_system_allocator_unless_the_user_chose_one(chosen):
+    """The batch DoFn's setup makes glibc's malloc Arrow's pool (mimalloc re-faults every
+    window's buffers); a pool the user chose with ARROW_DEFAULT_MEMORY_POOL is kept."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}
+    if chosen:
+        env["ARROW_DEFAULT_MEMORY_POOL"] = chosen
+    setup = ("from transforms.batch.analyze_jobs import _AnalyzeJobFn; _AnalyzeJobFn().setup()" if chosen is None
+             else "lk.use_system_allocator()")   # the DoFn once (its GX set-up costs seconds), then the rule itself
+    code = f"import pyarrow as pa\nfrom transforms.io import lake as lk\n{setup}\nprint(pa.default_memory_pool().backend_name)\n"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=str(pathlib.Path(__file__).resolve().parents[1]))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == (chosen or "system")

@@ -38,7 +38,7 @@ import pyarrow as pa
 from schemas.expectations import MISSING_MANIFEST, MISSING_WORKERS, JobFiles, Problem
 from schemas.lake import LANDING
 from schemas.tables import QUARANTINE_SCHEMA
-from transforms.io.lake import LakeJob, LakeReadError, read_job_files, read_manifest
+from transforms.io.lake import LakeJob, LakeReadError, read_job_files, read_manifest, use_system_allocator
 from transforms.live.sessions import RAW_FORMATS, Assembly
 from transforms.whatif.causes import CauseError, analyze_and_classify
 from transforms.whatif.errors import WhatIfError
@@ -351,6 +351,7 @@ class _AnalyzeSessionFn(beam.DoFn):
     def setup(self):
         from transforms.validation import Validator
 
+        use_system_allocator()
         self._validator = Validator()
 
     def start_bundle(self):
