@@ -4,8 +4,9 @@
 #include <math.h>
 
 /* The engine's compiled functions (transforms/whatif/kernel.py builds this file and calls them):
-   strag_replay, the replay of one what-if scenario, and strag_repack, greedy document repacking
-   for the sequence-imbalance fix. Each has an exactly equal numpy / Python fallback. */
+   strag_replay, the replay of one what-if scenario; strag_repack, greedy document repacking
+   for the sequence-imbalance fix; strag_covered and strag_group_order for the untraced-time
+   measurement. Each has an exactly equal numpy / Python fallback. */
 
 /* strag_replay: same operations as the numpy replay in replay.py -- max over predecessors, +
    launch delay, max over comm-group members (and over the step's DP ranks when synchronised),
@@ -362,5 +363,138 @@ int strag_repack(int64_t n_steps, const int64_t *doc_ptr, const double *lengths,
         }
     }
     for (int k = 0; k < LANES; k++) { free(lane[k].tree.key); free(lane[k].tree.bin); free(lane[k].room); free(lane[k].aside); }
+    return status;
+}
+
+/* strag_covered: per gap, the time inside [min(start, end), end] that the busy spans of its own
+   timeline cover (overlapping spans count once) -- transforms/intervals.py covered_grouped, whose
+   floats it reproduces: each timeline's spans in (start, position) order, merged into runs while
+   the running maximum of their ends reaches the next start, each run's busy time before it summed
+   in run order, then per gap busy_before(end) - busy_before(start), at least 0.
+   Timelines are integers in [0, n_groups); no value may be NaN (the caller checks). Returns 0, or
+   -1 when memory cannot be had. */
+
+static void sort_by_start(int64_t *idx, int64_t *tmp, int64_t m, const double *start)
+{
+    /* stable: insertion sort of 32-blocks, then merges (skipped where two blocks are in order) */
+    for (int64_t lo = 0; lo < m; lo += 32) {
+        int64_t hi = lo + 32 < m ? lo + 32 : m;
+        for (int64_t k = lo + 1; k < hi; k++) {
+            int64_t v = idx[k], j = k;
+            while (j > lo && start[idx[j - 1]] > start[v]) { idx[j] = idx[j - 1]; j--; }
+            idx[j] = v;
+        }
+    }
+    for (int64_t width = 32; width < m; width *= 2) {
+        for (int64_t lo = 0; lo + width < m; lo += 2 * width) {
+            int64_t mid = lo + width, hi = lo + 2 * width < m ? lo + 2 * width : m;
+            if (!(start[idx[mid - 1]] > start[idx[mid]]))
+                continue;
+            memcpy(tmp, idx + lo, (size_t)width * sizeof *idx);
+            int64_t a = 0, b = mid, k = lo;
+            while (a < width && b < hi)
+                idx[k++] = start[idx[b]] < start[tmp[a]] ? idx[b++] : tmp[a++];
+            while (a < width)
+                idx[k++] = tmp[a++];
+        }
+    }
+}
+
+static double busy_before(double t, const double *lo, const double *hi, const double *before, int64_t n)
+{
+    int64_t a = 0, b = n;                      /* runs starting at or before t: lo[0..a) */
+    while (a < b) {
+        int64_t mid = a + (b - a) / 2;
+        if (lo[mid] <= t) a = mid + 1; else b = mid;
+    }
+    if (a == 0)
+        return 0.0;
+    int64_t k = a - 1;
+    double x = t - lo[k], length = hi[k] - lo[k];
+    x = x < 0.0 ? 0.0 : x;
+    x = x > length ? length : x;
+    return before[k] + x;
+}
+
+int strag_covered(int64_t n_groups, int64_t n_busy, const int64_t *busy_group, const double *busy_start,
+                  const double *busy_end, int64_t n_gaps, const int64_t *gap_group, const double *gap_start,
+                  const double *gap_end, double *out)
+{
+    int64_t *ptr = calloc((size_t)n_groups + 1, sizeof *ptr), *run_ptr = calloc((size_t)n_groups + 1, sizeof *ptr);
+    int64_t *idx = malloc(((size_t)n_busy + 1) * sizeof *idx), *tmp = malloc(((size_t)n_busy + 1) * sizeof *tmp);
+    double *lo = malloc(((size_t)n_busy + 1) * sizeof *lo), *hi = malloc(((size_t)n_busy + 1) * sizeof *hi);
+    double *before = malloc(((size_t)n_busy + 1) * sizeof *before);
+    int status = -1;
+    if (!ptr || !run_ptr || !idx || !tmp || !lo || !hi || !before)
+        goto done;
+    for (int64_t i = 0; i < n_busy; i++)
+        ptr[busy_group[i] + 1]++;
+    for (int64_t g = 0; g < n_groups; g++)
+        ptr[g + 1] += ptr[g];
+    for (int64_t i = 0; i < n_busy; i++)      /* by timeline, keeping positions in order */
+        idx[ptr[busy_group[i]]++] = i;
+    for (int64_t g = n_groups; g > 0; g--)
+        ptr[g] = ptr[g - 1];
+    ptr[0] = 0;
+    int64_t runs = 0;
+    for (int64_t g = 0; g < n_groups; g++) {
+        int64_t first = ptr[g], m = ptr[g + 1] - first;
+        run_ptr[g] = runs;
+        if (m == 0)
+            continue;
+        sort_by_start(idx + first, tmp, m, busy_start);
+        double reach = busy_end[idx[first]], sum = 0.0;
+        lo[runs] = busy_start[idx[first]];
+        for (int64_t k = 1; k < m; k++) {
+            int64_t i = idx[first + k];
+            if (busy_start[i] > reach) {       /* a new run: close the last one */
+                hi[runs] = reach;
+                before[runs] = sum;
+                sum += reach - lo[runs];
+                lo[++runs] = busy_start[i];
+            }
+            if (busy_end[i] > reach)
+                reach = busy_end[i];
+        }
+        hi[runs] = reach;
+        before[runs] = sum;
+        runs++;
+    }
+    run_ptr[n_groups] = runs;
+    for (int64_t i = 0; i < n_gaps; i++) {
+        int64_t g = gap_group[i], first = run_ptr[g], n = run_ptr[g + 1] - first;
+        double end = gap_end[i], begin = gap_start[i] < end ? gap_start[i] : end;
+        double d = busy_before(end, lo + first, hi + first, before + first, n)
+                   - busy_before(begin, lo + first, hi + first, before + first, n);
+        out[i] = d > 0.0 ? d : 0.0;
+    }
+    status = 0;
+done:
+    free(ptr); free(run_ptr); free(idx); free(tmp); free(lo); free(hi); free(before);
+    return status;
+}
+
+/* strag_group_order: the positions of n values ordered by (group, value, position), as numpy's
+   stable np.lexsort((value, group)); groups in [0, n_groups), no NaN value (the caller checks).
+   Returns 0, or -1 when memory cannot be had. */
+int strag_group_order(int64_t n_groups, int64_t n, const int64_t *group, const double *value, int64_t *order)
+{
+    int64_t *ptr = calloc((size_t)n_groups + 1, sizeof *ptr), *tmp = malloc(((size_t)n + 1) * sizeof *tmp);
+    int status = -1;
+    if (!ptr || !tmp)
+        goto done;
+    for (int64_t i = 0; i < n; i++)
+        ptr[group[i] + 1]++;
+    for (int64_t g = 0; g < n_groups; g++)
+        ptr[g + 1] += ptr[g];
+    for (int64_t i = 0; i < n; i++)
+        order[ptr[group[i]]++] = i;
+    for (int64_t g = 0, first = 0; g < n_groups; g++) {   /* ptr[g] is now the end of group g */
+        sort_by_start(order + first, tmp, ptr[g] - first, value);
+        first = ptr[g];
+    }
+    status = 0;
+done:
+    free(ptr); free(tmp);
     return status;
 }

@@ -28,7 +28,7 @@ import statistics
 
 import numpy as np
 
-from transforms.intervals import covered_grouped
+from transforms.whatif.kernel import covered_grouped, group_order   # compiled, the same floats as numpy's
 from transforms.whatif.model import JobModel, median
 from transforms.whatif.result import STRAGGLING_THRESHOLD
 from schemas.trace import COMPUTE_OPTYPES, DP_COMM_OPTYPES, IN_COMPUTE_OPTYPES, OPTYPES
@@ -110,7 +110,7 @@ def _stage_gaps(model: JobModel, stage: int, partner: np.ndarray
     gap_start = np.minimum(np.maximum(gap_start, sent), gap_end)
     # gaps of ops that wait from the same moment (two ops free at the step's start) overlap: each
     # counts only the time no earlier-ending gap of its lane already counted (by end, then op)
-    order = np.lexsort((row, gap_end, lane))
+    order = group_order(lane, gap_end)   # = np.lexsort((row, gap_end, lane)): np.nonzero gave rows in order
     ends = gap_end[order]
     counted = np.r_[-np.inf, ends[:-1]]
     counted[np.r_[True, lane[order][1:] != lane[order][:-1]]] = -np.inf

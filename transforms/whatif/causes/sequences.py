@@ -56,14 +56,15 @@ def _rows_with_lengths(trace: pa.Table) -> pa.Table:
     forward = optype_codes(trace["optype"]) == FORWARD
     first = (trace["stage"].to_numpy() == 0) & (trace["mc"].to_numpy() == 0)
     mask = forward & first & valid.to_numpy(zero_copy_only=False)
-    rows = trace.filter(pa.array(mask)) if mask.any() else trace.slice(0, 0)
-    return rows if rows.num_rows else trace.filter(valid)
+    used = trace.select(["step", "dp_rank", "mb_id", "seq_lens"])   # what sequence_workload reads
+    rows = used.filter(pa.array(mask)) if mask.any() else used.slice(0, 0)
+    return rows if rows.num_rows else used.filter(valid)
 
 
 def sequence_workload(trace: pa.Table, model: JobModel) -> SequenceWorkload | None:
     """Workloads from the trace's `seq_lens` column, aligned with the model; None when absent or
     empty; TraceValueError when a recorded document length is null or negative."""
-    if "seq_lens" not in trace.column_names:
+    if "seq_lens" not in trace.column_names or trace["seq_lens"].null_count == trace.num_rows:
         return None
     rows = _rows_with_lengths(trace)
     if rows.num_rows == 0:
