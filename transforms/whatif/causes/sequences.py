@@ -46,19 +46,40 @@ class SequenceWorkload:
     op_workload: np.ndarray
 
 
-def _rows_with_lengths(trace: pa.Table) -> pa.Table:
-    """Rows carrying seq_lens: one stage's forwards of one chunk hold them all; else every row that has them."""
+def _rows_with_lengths(trace: pa.Table) -> np.ndarray:
+    """Rows carrying seq_lens (indices, ascending): one stage's forwards of one chunk hold them all;
+    else every row that has them."""
     import pyarrow.compute as pc   # here: ~60 ms to import, and only traces with seq_lens get this far
 
-    valid = pc.is_valid(trace["seq_lens"])
+    valid = pc.is_valid(trace["seq_lens"]).to_numpy(zero_copy_only=False)
     # forwards compared by dictionary code, per chunk: casting every row's op type to a string cost
     # more than the rest of the sequence signature
     forward = optype_codes(trace["optype"]) == FORWARD
     first = (trace["stage"].to_numpy() == 0) & (trace["mc"].to_numpy() == 0)
-    mask = forward & first & valid.to_numpy(zero_copy_only=False)
-    used = trace.select(["step", "dp_rank", "mb_id", "seq_lens"])   # what sequence_workload reads
-    rows = used.filter(pa.array(mask)) if mask.any() else used.slice(0, 0)
-    return rows if rows.num_rows else used.filter(valid)
+    rows = np.flatnonzero(forward & first & valid)
+    return rows if len(rows) else np.flatnonzero(valid)
+
+
+def _documents(column: pa.ChunkedArray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(documents per row, every document's length as float64, NaN where null) of the given rows
+    (ascending) of a list column, read from each chunk's offsets and values: no copy of the lists of
+    the other rows."""
+    counts, lengths = [], []
+    bounds = np.cumsum([0] + [len(chunk) for chunk in column.chunks])
+    for index, chunk in enumerate(column.chunks):
+        local = rows[(rows >= bounds[index]) & (rows < bounds[index + 1])] - bounds[index]
+        if not len(local):
+            continue
+        offsets = chunk.offsets.to_numpy()
+        begin, count = offsets[local].astype(np.int64), (offsets[local + 1] - offsets[local]).astype(np.int64)
+        values = chunk.values.to_numpy(zero_copy_only=False).astype(np.float64)
+        # each row's documents in list order: begin of its list + 0, 1, ... count - 1
+        position = np.arange(int(count.sum())) + np.repeat(begin - (np.cumsum(count) - count), count)
+        counts.append(count)
+        lengths.append(values[position])
+    if not counts:
+        return np.zeros(0, np.int64), np.zeros(0)
+    return np.concatenate(counts), np.concatenate(lengths)
 
 
 def sequence_workload(trace: pa.Table, model: JobModel) -> SequenceWorkload | None:
@@ -67,30 +88,22 @@ def sequence_workload(trace: pa.Table, model: JobModel) -> SequenceWorkload | No
     if "seq_lens" not in trace.column_names or trace["seq_lens"].null_count == trace.num_rows:
         return None
     rows = _rows_with_lengths(trace)
-    if rows.num_rows == 0:
+    if len(rows) == 0:
         return None
-    steps = rows["step"].to_numpy()
+    steps = trace["step"].to_numpy()[rows]
     step_index = np.minimum(np.searchsorted(model.steps, steps), len(model.steps) - 1)
     known = model.steps[step_index] == steps
-    dp = rows["dp_rank"].to_numpy().astype(np.int64)
-    mb = rows["mb_id"].to_numpy().astype(np.int64)
+    dp = trace["dp_rank"].to_numpy()[rows].astype(np.int64)
+    mb = trace["mb_id"].to_numpy()[rows].astype(np.int64)
     known &= (mb >= 0) & (dp < model.dp_size)
     if not known.any():
         return None
     n_mb = int(mb[known].max()) + 1
     slot = (step_index * model.dp_size + dp) * n_mb + mb
     _, first = np.unique(np.where(known, slot, -1), return_index=True)
-    first = first[known[first]]                       # the first row of every slot
-    import pyarrow.compute as pc
-
-    lists = rows["seq_lens"].combine_chunks()
-    counts = pc.list_value_length(lists).to_numpy(zero_copy_only=False).astype(np.int64)
-    lengths = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(np.float64)
-    row_of_doc = np.repeat(np.arange(rows.num_rows), counts)
-    chosen = np.zeros(rows.num_rows, dtype=bool)
-    chosen[first] = True
-    keep = chosen[row_of_doc]
-    doc_slot, doc_length = slot[row_of_doc[keep]], lengths[keep]
+    first = np.sort(first[known[first]])              # the first row of every slot, in row order
+    counts, doc_length = _documents(trace["seq_lens"], rows[first])
+    doc_slot = np.repeat(slot[first], counts)
     _check_lengths(model, doc_slot, doc_length, n_mb)
     table = np.full(model.n_steps * model.dp_size * n_mb, np.nan)
     # each slot's sum of squared document lengths, added in document order (np.add.at's order, ~20x faster)
