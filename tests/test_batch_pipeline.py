@@ -349,12 +349,12 @@ def test_parse_refuses_what_cannot_work(lake, tmp_path):
 def test_window_groups_and_dask_partitions_follow_the_workers(lake, tmp_path):
     opts = batch.parse(_argv(lake[0], str(tmp_path / "out"), "--workers", "2"))
     # up to MAX_GROUP windows a group, a multiple of the workers, at least 4 groups each
-    assert [batch.window_groups(opts, n) for n in (0, 5, 20, 600)] == [0, 5, 8, 76]
+    assert [batch.window_groups(opts, n) for n in (0, 5, 20, 600)] == [0, 5, 8, 38]
     assert batch.window_groups(batch.parse(_argv(lake[0], str(tmp_path / "out"), "--group", "10")), 600) == 60
     dask = batch.parse(_argv(lake[0], str(tmp_path / "out"), "--runner", "DaskRunner", "--workers", "2"))
-    assert dask.dask_partitions == 8 and batch.dask_chunk(opts, 76) is None
+    assert dask.dask_partitions == 8 and batch.dask_chunk(opts, 38) is None
     # on Dask a multiple of the partitions, so every partition takes as many groups (of equal bytes)
-    assert [batch.window_groups(dask, n) for n in (5, 20, 100, 600)] == [5, 8, 16, 80]
+    assert [batch.window_groups(dask, n) for n in (5, 20, 100, 600)] == [5, 8, 8, 40]
     assert batch.dask_chunk(dask, 80) == 10 and batch.dask_chunk(dask, 16) == 2
     with pytest.raises(batch.BatchUsageError, match="--group 0"):
         batch.parse(_argv(lake[0], str(tmp_path / "out"), "--group", "0"))

@@ -249,6 +249,20 @@ def test_match_jobs_lists_each_window_once(lake):
         MatchJobs(lake, "2024-03-02", "2024-03-01")
 
 
+def test_match_jobs_bounds_a_group_by_its_trace_bytes(lake, monkeypatch):
+    """One group asked for, but the two windows' trace files exceed GROUP_BYTES together: each
+    window becomes a group of its own (a group holds all its windows' op rows in a worker)."""
+    from transforms.batch import match
+
+    sizes = match.trace_bytes(list_jobs(lake, DATE, DATE))
+    assert all(size > 0 for size in sizes)
+    for bound, expected in ((sum(sizes), [["clean", "slow"]]), (max(sizes), [["clean"], ["slow"]])):
+        monkeypatch.setattr(match, "GROUP_BYTES", bound)
+        with beam.Pipeline(options=PipelineOptions(runner="FnApiRunner")) as p:
+            groups = p | MatchJobs(lake, DATE, DATE, groups=1) | beam.Map(lambda g: sorted(m.job.job_id for m in g.windows))
+            assert_that(groups, equal_to(expected))
+
+
 def test_arrow_coder_estimates_size_without_encoding(monkeypatch):
     coder = ArrowElementCoder()
     table = pa.table({"x": np.arange(100_000)})

@@ -13,6 +13,11 @@ one Great Expectations run; the windows become a `Create`. Why here and not in D
 - a GX run costs ~0.25 s whatever its row count: one run for all manifests instead of
   one per window saves that much per window, a third of the validation time of a fleet.
 Workers then open each window's trace files themselves by URL and validate them.
+
+A group holds all its windows' op rows at once (read, screened together, then analysed one by
+one), so its size is bounded by bytes as well as by count: the windows are dealt into more groups
+when the planned ones would carry more than GROUP_BYTES of trace files on average (a window larger
+than that is a group of its own).
 """
 from __future__ import annotations
 
@@ -25,7 +30,12 @@ import fsspec
 from transforms.batch.elements import MatchedJob, WindowGroup
 from transforms.io.lake import LakeJob, list_jobs, read_manifests
 
-__all__ = ["MatchJobs", "date_range", "match_windows", "group_windows", "trace_bytes", "balanced_bins", "balanced_order"]
+__all__ = ["MatchJobs", "GROUP_BYTES", "date_range", "match_windows", "group_windows", "trace_bytes", "balanced_bins",
+           "balanced_order"]
+
+# Trace-file bytes a window group carries at most on average: parquet holds an op row in ~18 bytes
+# and Arrow in ~70, so a group then holds about 1 GiB of op rows in a worker.
+GROUP_BYTES = 256 * 2**20
 
 
 def date_range(date_from: str, date_to: str) -> tuple[str, ...]:
@@ -146,6 +156,7 @@ class MatchJobs(beam.PTransform):
             return root | "ListJobWindows" >> beam.Create([]).with_output_types(WindowGroup)
         count = len(jobs) if self._groups is None else self._groups
         weighed = count < len(jobs) or self._chunk is not None
-        groups = group_windows(match_windows(jobs), trace_bytes(jobs) if weighed else [0] * len(jobs),
-                               count, self._chunk)
+        weights = trace_bytes(jobs) if weighed else [0] * len(jobs)
+        count = max(count, min(len(jobs), -(-sum(weights) // GROUP_BYTES)))   # at most GROUP_BYTES a group on average
+        groups = group_windows(match_windows(jobs), weights, count, self._chunk)
         return root | "ListJobWindows" >> beam.Create(groups).with_output_types(WindowGroup)
