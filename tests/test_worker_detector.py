@@ -279,3 +279,33 @@ def test_a_pipeline_s_slow_stage_is_the_verdict_s_worker_and_its_fix_restores_it
     changed = np.isin(slowed.op_optype, (BACKWARD,)) & (slowed.op_stage == 3)
     assert np.allclose(fixed[changed], slowed.original_cost[changed] / found[0].ratio)
     assert np.array_equal(fixed[~changed], slowed.original_cost[~changed])
+
+
+def test_the_split_t_of_every_row_equals_the_split_by_split_definition():
+    """_split_t (every split of a block of rows at once) against its definition computed one row and
+    one split at a time in plain floats: the largest pooled two-sample t of the top k over the rest
+    (2 <= k <= n - 2), its smallest k; -inf and 0 where no split has a t (n < 4, no spread).
+    Rows past one block (the simulated null's case) and ties between splits included."""
+    rng = np.random.default_rng(5)
+
+    def reference(row, rest_ss, rest_df):
+        n, best, best_k = len(row), -math.inf, 0
+        for k in range(2, n - 1):
+            top, rest = row[:k], row[k:]
+            within = sum((x - top.mean()) ** 2 for x in top) + sum((x - rest.mean()) ** 2 for x in rest)
+            variance = max(within + rest_ss, 0.0) / (n - 2 + rest_df)
+            scale = math.sqrt(variance * (1.0 / k + 1.0 / (n - k)))
+            t = (top.mean() - rest.mean()) / scale if scale > 0 else (math.inf if top.mean() > rest.mean() else -math.inf)
+            if t > best:
+                best, best_k = t, k
+        return best, best_k
+
+    for n, rows in ((3, 4), (4, 6), (7, 40), (12, 3000)):
+        values = -np.sort(-rng.standard_normal((rows, n)).round(1), axis=1)
+        values[0] = 1.0                                       # no spread at all: no t
+        rest_ss = rng.chisquare(8, rows)
+        rest_ss[0] = 0.0
+        best, best_k = worker_module._split_t(values, rest_ss, 8)
+        for r in range(0, rows, max(1, rows // 50)):
+            t, k = reference(values[r], float(rest_ss[r]), 8)
+            assert best_k[r] == k and (best[r] == t or math.isclose(best[r], t, rel_tol=1e-9)), (n, r)

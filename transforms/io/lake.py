@@ -154,8 +154,9 @@ def use_system_allocator() -> None:
     milliseconds, so every window's column buffers are page-faulted in afresh; a worker reads a
     window, frees it for the engine's numpy arrays, and reads the next. glibc's malloc, which
     numpy already uses, keeps freed blocks for reuse (its dynamic mmap threshold). Measured on
-    benchmarks/bench_batch.py's 30 x 20 fleet: reading 92 -> 49 worker-seconds, no other phase
-    slower (jemalloc measured the same as glibc, but is not in every pyarrow build).
+    benchmarks/bench_batch.py's 30 x 20 fleet, runs alternated with the old pool: reading 65 -> 48
+    and validating 67 -> 53 worker-seconds, no phase slower (jemalloc measured as glibc, but is
+    not in every pyarrow build).
     """
     if "ARROW_DEFAULT_MEMORY_POOL" not in os.environ:
         pa.set_memory_pool(pa.system_memory_pool())
