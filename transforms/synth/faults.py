@@ -197,7 +197,7 @@ def apply_cause(cause: Cause, ctx: FaultContext, arrays: StepArrays, rng: np.ran
             arrays.duration[np.ix_(units, touched, [d])] *= factor
             steps = [int(ctx.steps[i]) for i in touched]
         params = {"dp_rank": d, "stage": p, "factor": factor, "host": str(ctx.hosts[d, p]),
-                  **({} if only is None else {"steps": sorted({int(s) for s in only})})}
+                  **({} if only is None else {"steps": touched})}
         workers = [[d, p]]
     elif cause.kind == "last_stage_imbalance":
         if pp < 2:

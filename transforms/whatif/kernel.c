@@ -416,6 +416,24 @@ static double busy_before(double t, const double *lo, const double *hi, const do
     return before[k] + x;
 }
 
+/* order[] = the n positions by (group, value, position); ptr[0..n_groups] = where each group's
+   positions begin in it (ptr[n_groups] = n). tmp: scratch of n. */
+static void order_by_group(int64_t n_groups, int64_t n, const int64_t *group, const double *value,
+                           int64_t *order, int64_t *ptr, int64_t *tmp)
+{
+    for (int64_t i = 0; i < n; i++)
+        ptr[group[i] + 1]++;
+    for (int64_t g = 0; g < n_groups; g++)
+        ptr[g + 1] += ptr[g];
+    for (int64_t i = 0; i < n; i++)           /* by group, keeping positions in order */
+        order[ptr[group[i]]++] = i;
+    for (int64_t g = n_groups; g > 0; g--)    /* ptr[g] was the end of group g: shift back to starts */
+        ptr[g] = ptr[g - 1];
+    ptr[0] = 0;
+    for (int64_t g = 0; g < n_groups; g++)
+        sort_by_start(order + ptr[g], tmp, ptr[g + 1] - ptr[g], value);
+}
+
 int strag_covered(int64_t n_groups, int64_t n_busy, const int64_t *busy_group, const double *busy_start,
                   const double *busy_end, int64_t n_gaps, const int64_t *gap_group, const double *gap_start,
                   const double *gap_end, double *out)
@@ -427,22 +445,13 @@ int strag_covered(int64_t n_groups, int64_t n_busy, const int64_t *busy_group, c
     int status = -1;
     if (!ptr || !run_ptr || !idx || !tmp || !lo || !hi || !before)
         goto done;
-    for (int64_t i = 0; i < n_busy; i++)
-        ptr[busy_group[i] + 1]++;
-    for (int64_t g = 0; g < n_groups; g++)
-        ptr[g + 1] += ptr[g];
-    for (int64_t i = 0; i < n_busy; i++)      /* by timeline, keeping positions in order */
-        idx[ptr[busy_group[i]]++] = i;
-    for (int64_t g = n_groups; g > 0; g--)
-        ptr[g] = ptr[g - 1];
-    ptr[0] = 0;
+    order_by_group(n_groups, n_busy, busy_group, busy_start, idx, ptr, tmp);   /* each timeline by start */
     int64_t runs = 0;
     for (int64_t g = 0; g < n_groups; g++) {
         int64_t first = ptr[g], m = ptr[g + 1] - first;
         run_ptr[g] = runs;
         if (m == 0)
             continue;
-        sort_by_start(idx + first, tmp, m, busy_start);
         double reach = busy_end[idx[first]], sum = 0.0;
         lo[runs] = busy_start[idx[first]];
         for (int64_t k = 1; k < m; k++) {
@@ -481,20 +490,10 @@ int strag_group_order(int64_t n_groups, int64_t n, const int64_t *group, const d
 {
     int64_t *ptr = calloc((size_t)n_groups + 1, sizeof *ptr), *tmp = malloc(((size_t)n + 1) * sizeof *tmp);
     int status = -1;
-    if (!ptr || !tmp)
-        goto done;
-    for (int64_t i = 0; i < n; i++)
-        ptr[group[i] + 1]++;
-    for (int64_t g = 0; g < n_groups; g++)
-        ptr[g + 1] += ptr[g];
-    for (int64_t i = 0; i < n; i++)
-        order[ptr[group[i]]++] = i;
-    for (int64_t g = 0, first = 0; g < n_groups; g++) {   /* ptr[g] is now the end of group g */
-        sort_by_start(order + first, tmp, ptr[g] - first, value);
-        first = ptr[g];
+    if (ptr && tmp) {
+        order_by_group(n_groups, n, group, value, order, ptr, tmp);
+        status = 0;
     }
-    status = 0;
-done:
     free(ptr); free(tmp);
     return status;
 }

@@ -116,13 +116,16 @@ def _stage_gaps(model: JobModel, stage: int, partner: np.ndarray
     counted[np.r_[True, lane[order][1:] != lane[order][:-1]]] = -np.inf
     gap_start[order] = np.minimum(np.maximum(gap_start[order], counted), ends)
 
-    def spans_covered(mask: np.ndarray, begin: np.ndarray, finish: np.ndarray) -> np.ndarray:
-        """Per gap, the time inside it that its lane's spans ([op, lane] mask, begins and ends) cover."""
+    def spans_covered(mask: np.ndarray | None, begin: np.ndarray, finish: np.ndarray) -> np.ndarray:
+        """Per gap, the time inside it that its lane's spans ([op, lane] begins and ends where `mask`,
+        or all of them: the same spans in the same order, without gathering every cell) cover."""
+        if mask is None:
+            on = np.tile(np.arange(begin.shape[1]), begin.shape[0])
+            return covered_grouped(lane, gap_start, gap_end, on, begin.ravel(), finish.ravel())
         at, on = np.nonzero(mask)
         return covered_grouped(lane, gap_start, gap_end, on, begin[at, on], finish[at, on])
 
-    busy_start, busy_end = started[busy], model.observed_end[busy]
-    busy_time = spans_covered(np.ones(busy_start.shape, dtype=bool), busy_start, busy_end)
+    busy_time = spans_covered(None, started[busy], model.observed_end[busy])
     out[row, lane] = np.maximum(gap_end - gap_start - busy_time, 0.0)
     if model.data_wait is not None:
         waits = model.data_wait[ops]

@@ -72,11 +72,10 @@ def _documents(column: pa.ChunkedArray, rows: np.ndarray) -> tuple[np.ndarray, n
             continue
         offsets = chunk.offsets.to_numpy()
         begin, count = offsets[local].astype(np.int64), (offsets[local + 1] - offsets[local]).astype(np.int64)
-        values = chunk.values.to_numpy(zero_copy_only=False).astype(np.float64)
         # each row's documents in list order: begin of its list + 0, 1, ... count - 1
         position = np.arange(int(count.sum())) + np.repeat(begin - (np.cumsum(count) - count), count)
         counts.append(count)
-        lengths.append(values[position])
+        lengths.append(chunk.values.to_numpy(zero_copy_only=False)[position].astype(np.float64))
     if not counts:
         return np.zeros(0, np.int64), np.zeros(0)
     return np.concatenate(counts), np.concatenate(lengths)
