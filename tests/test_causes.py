@@ -401,3 +401,20 @@ def test_the_sequence_signature_is_a_test_at_the_false_alarm_rate_not_a_fixed_r(
     assert correlation_p(0.9, 4) < 0.01 < correlation_p(0.7, 4)
     assert correlation_p(0.5, 30) < 0.01
     assert correlation_p(1.0, 3) == 0.0 and correlation_p(math.nan, 10) == 1.0 and correlation_p(0.9, 0) == 1.0
+
+
+def test_the_sequence_sentence_states_the_correlation_that_was_measured():
+    """One microbatch per worker and step has no forward / backward pairs (that r is NaN): the
+    sentence states compute against the recorded tokens, never "r = nan"; with both, both."""
+    from transforms.whatif.causes import Fix
+    from transforms.whatif.causes.explain import cause_sentence
+
+    fix = Fix("sequence-imbalance", step_time=0.1, fixed_slowdown=1.12, explained=0.26, savings_fraction=0.037)
+    base = {"imbalance_degree": 1.07, "sequence_even_explained": 0.36}
+    tokens_only = cause_sentence("sequence-imbalance", {**base, "forward_backward_r_normalised": float("nan"),
+                                                        "workload_compute_r": 0.77}, fix, [], 1)
+    assert "nan" not in tokens_only and "recorded tokens (r = 0.77)" in tokens_only
+    assert "forward and backward" not in tokens_only
+    both = cause_sentence("sequence-imbalance", {**base, "forward_backward_r_normalised": 0.95,
+                                                 "workload_compute_r": 0.8}, fix, [], 1)
+    assert "slow together (r = 0.95)" in both and "recorded tokens (r = 0.80)" in both

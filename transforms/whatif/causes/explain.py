@@ -113,9 +113,22 @@ def _stage(evidence: dict, fix: Fix, pp_size: int) -> str:
             f"with layers repartitioned evenly {_faster(fix)}{_masked(fix)}.")
 
 
+def _follows_data(evidence: dict) -> str:
+    """The correlation(s) that showed compute following the data, as measured: forward against
+    backward of the same microbatch (several per worker and step), compute against its recorded
+    tokens (the only one with one microbatch per worker and step); NaN ones are not shown."""
+    said = []
+    pair = evidence.get("forward_backward_r_normalised")
+    if pair is not None and math.isfinite(pair):
+        said.append(f"the forward and backward of the same microbatch are slow together (r = {pair:.2f})")
+    tokens = evidence.get("workload_compute_r")
+    if tokens is not None and math.isfinite(tokens):
+        said.append(f"compute follows the microbatches' recorded tokens (r = {tokens:.2f})")
+    return " and ".join(said) if said else "compute follows the data"
+
+
 def _sequence(evidence: dict, fix: Fix) -> str:
-    text = (f"the forward and backward of the same microbatch are slow together (r = {evidence['forward_backward_r_normalised']:.2f}), "
-            f"so microbatches carry unequal work")
+    text = f"{_follows_data(evidence)}, so microbatches carry unequal work"
     if "imbalance_degree" in evidence:
         text += f" (the heaviest has {evidence['imbalance_degree']:.2f}x the mean workload per step)"
     text += f"; spreading each step's work evenly would remove {share_words(evidence['sequence_even_explained'])} of the straggling time"
