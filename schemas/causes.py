@@ -61,7 +61,7 @@ EVIDENCE_LABELS: dict[str, tuple[str, str]] = {
     "sequence_samples_needed": ("microbatches to decide the sequence signature", "how many more microbatches (steps x DP ranks) the same correlation of compute with the recorded tokens would need to be significant at the false-alarm rate"),
     "workload_compute_r": ("compute follows the data (r)", "Pearson r between each microbatch's compute and the workload of the sequences it recorded (trainer's seq_lens, or record_shapes' token embedding: batch x length), over each stage and chunk's mean across steps and DP ranks; the sequence signature with one microbatch per worker and step"),
     "pauses": ("untraced pauses", "single gaps between a worker's ops, outside data loading, beyond this job's usual largest gap by its own spread (at the false-alarm rate) and by the straggling threshold's share of a step: dp rank, stage, step, seconds, excess"),
-    "pause_limit": ("pause limit", "seconds a worker-step's largest gap between ops must exceed to count as a pause"),
+    "pause_limit": ("pause limit", "seconds a gap between ops (or inside a compute op) must exceed to count as a pause; a worker-step's pauses must also add up to the straggling share of a step"),
     "typical_largest_gap": ("usual largest gap", "median over worker-steps of the largest gap between a worker's ops outside data loading, seconds"),
     "data_loading_share": ("data loading share", "share of the job's untraced time between ops spent inside DataLoader fetches"),
     "pause_fix_saves": ("planned GC saves", "share of the step the pauses taken out (planned GC paid back) saves, replayed against what ran"),

@@ -1,5 +1,5 @@
 """Untraced time on CPU ranks (transforms/whatif/causes/pauses.py): data loading told apart by the
-DataLoader's spans, pauses by being single gaps far beyond the job's usual largest one, python-gc
+DataLoader's spans, pauses by being gaps far beyond the job's usual largest one (one or several per step), python-gc
 when the pauses fall where forwards begin; on real runs of real stacks (tests/data/real_stacks)."""
 from __future__ import annotations
 
@@ -368,3 +368,35 @@ def test_a_collection_inside_the_forward_is_python_gc_not_a_slow_worker(tmp_path
     assert found.cause == "python-gc" and found.implicated_workers == [(1, 0)] and not found.evidence["gc_recorded"]
     assert "individual-worker" not in found.causes
     assert "inside a forward" in found.explanations["python-gc"]
+
+
+@pytest.mark.parametrize("run", ["gc-r0-izb-dpmajor-flat-mlp-sleep", "g-dp4-async-mesh-mlp-sleep-gc-r0"])
+def test_a_collection_in_every_microbatch_is_python_gc_not_a_slow_machine(run):
+    """Hand-written loops (tests/data/real_runs), gc.collect() of a live heap at the start of every
+    chunk forward on rank 0: several collections a step, each ~10-30 ms and none worth the straggling
+    share of a step alone. Their sum per step is (the collector stops the world once per
+    collection); they sit inside rank 0's forwards (an interleaved pipeline: `idle_within`) or end
+    where they begin (DDP: the gap before them). The worker test measures the forwards without the
+    stretches that ran no op: rank 0's ops run at its peers' pace, so it is no slow machine; the
+    cause is python-gc on rank 0, in most steps."""
+    from transforms.ingest.kineto import convert_kineto
+    from transforms.whatif import compile_job
+    from transforms.whatif.causes import analyze_and_classify
+    from transforms.whatif.causes.pauses import at_forwards, collector, find_pauses
+
+    folder = pathlib.Path(__file__).parent / "data" / "real_runs" / run
+    truth = json.loads((folder / "truth.json").read_text())
+    converted = convert_kineto([str(folder / f) for f in truth["trace_files"]], run, "2026-11-27", {})
+    model = compile_job(converted.trace, converted.job_meta(), run)
+    pauses = find_pauses(model)
+    assert pauses.workers() == [(0, 0)] and len({s for *_, s, _ in pauses.cells}) >= 2
+    assert at_forwards(model, pauses) and collector(model, pauses)
+    per_cell = {}
+    for (op, lane) in pauses.where:
+        per_cell[lane] = per_cell.get(lane, 0) + 1
+    assert max(per_cell.values()) >= 2                                # several pauses in one step
+    verdict = analyze_and_classify(converted.trace, converted.job_meta(), run)[1]
+    assert verdict.cause == "python-gc" and verdict.implicated_workers == [(0, 0)]
+    assert "individual-worker" not in verdict.causes
+    slow = {(f["dp_rank"], f["stage"]) for f in verdict.evidence["worker_test"]["slow"]}
+    assert (0, 0) not in slow                                         # its ops ran at its peers' pace

@@ -28,17 +28,21 @@ The design in four decisions.
    a leading stage whose balance departs is that worker (its fix: the slow kind back at the
    others' balance), one whose balance holds is a heavier stage.
 2. Untraced time is split by physics before anyone is blamed for it (`pauses.py`, CPU ranks):
-   time in DataLoader fetches is data loading; a single gap far beyond the job's usual largest
-   gap (by its spread at the same false-alarm rate, and worth the straggling threshold's share
-   of a step) is a pause; the rest is ordinary Python between ops. Recurring pauses that all
+   time in DataLoader fetches is data loading; a gap far beyond the job's usual largest gap (by
+   its spread at the same false-alarm rate) is a pause, and a worker-step's pauses count once
+   they add up to half the straggling threshold's share of a step (one collection or several);
+   the rest is ordinary Python between ops. Recurring pauses that all
    fall where forwards begin are python-gc, on one worker every step or rotating (METHOD.md's
    forward-only stalls: the forward allocates the objects whose count triggers the collector);
    pauses elsewhere (before a collective: an oversubscribed host's OS) stay the worker's
-   untraced-cpu. Either fix takes out the pauses and keeps the worker's ordinary time. A worker's untraced time beyond its peers' is tested
-   like its compute: step by step against the job's own spread of that excess, at the same
-   false-alarm rate, its confidence the test's. On GPU ranks GC stretches forwards (signals.py);
-   when the stretches rotate over the workers (GC's signature) the worker test leaves them out of
-   the compute, as it leaves pauses out on CPU ranks: the collector's time is not the machine's.
+   untraced-cpu. Either fix takes out the pauses and keeps the worker's ordinary time. A worker's
+   untraced time (between its ops and inside them) beyond its peers' is tested like its compute:
+   step by step against the job's own spread of that excess, at the same false-alarm rate, its
+   confidence the test's. The worker test measures a CPU rank's compute without the stretches
+   inside it in which no traced op ran (a slow machine runs its ops slower; Python stopped runs
+   none). On GPU ranks GC stretches forwards (signals.py); when the stretches rotate over the
+   workers (GC's signature) the worker test leaves them out of the compute: the collector's time
+   is not the machine's.
 3. Every what-if is a replay: the fixes of all candidate causes are scenarios of one batched
    replay (fixes.py), and "explained" is always the share of T - T_ideal a fix removes; a cause
    is listed when its fix removes enough of it alone or once the others are fixed. Untraced

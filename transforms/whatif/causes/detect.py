@@ -40,12 +40,13 @@ from transforms.whatif.model import JobModel, compile_job, distinct, median
 from transforms.whatif.replay import Mix, Scenario, replay, replay_thread_count
 from transforms.whatif.result import STRAGGLING_THRESHOLD, JobMeta, WhatIfResult
 from schemas.causes import FIX_NAMES
-from schemas.trace import COMPUTE_OPTYPES
+from schemas.trace import COMPUTE_OPTYPES, OPTYPES
 
 __all__ = ["classify", "analyze_and_classify", "COMPUTE_GROUPS"]
 
 # Attribution groups that are not communication (WhatIfResult.by_optype keys).
 COMPUTE_GROUPS = frozenset({*COMPUTE_OPTYPES, "optimizer", "gc"})
+_COMPUTE_CODES = [OPTYPES.index(name) for name in COMPUTE_OPTYPES]
 
 
 @dataclasses.dataclass
@@ -146,10 +147,9 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSigna
     evidence: dict[str, object] = {}
     forward, backward = pairs(model)
     r_norm, r_norm_df, gc, peers, chunks = math.nan, 0, None, None, None
-    paused = inside_compute(model, find_pauses(model, rules.false_alarm, rules.straggling)) \
-        if model.meta.host_compute and model.dp_size > 1 else None
-    if paused is not None:   # the work a worker did, without the pauses inside its compute
-        evidence["paused_inside_compute"] = float(paused.sum())
+    paused = _untraced_inside_compute(model, rules) if model.meta.host_compute and model.dp_size > 1 else None
+    if paused is not None:   # the work a worker did, without the stretches inside its compute that ran none
+        evidence["untraced_inside_compute"] = float(paused.sum())
     if len(forward):
         gc = gc_stalls(model, forward, backward, rules)
         _gc_evidence(model, forward, gc, evidence)
@@ -186,6 +186,19 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSigna
     if chunks is not None:
         evidence.update(chunk_ratio=chunks.ratio, heaviest_chunk=[chunks.heaviest_chunk, chunks.heaviest_stage])
     return PairSignals(forward, backward, r_norm, gc, peers, chunks, evidence, workers, r_norm_df)
+
+
+def _untraced_inside_compute(model: JobModel, rules: CauseRules) -> np.ndarray | None:
+    """[op, lane] seconds inside compute ops in which the worker's thread ran none of its work (CPU
+    ranks): the collections the trainer recorded there, else the longest stretch without a traced
+    op (`idle_within`). A slow machine runs its ops slower; a stretch with no op running is Python
+    stopped (the collector, one or many times a step) or the OS, never slower compute, so the worker
+    test measures the compute without it. None without either record."""
+    pauses = find_pauses(model, rules.false_alarm, rules.straggling)
+    if pauses.recorded or model.idle_within is None:
+        return inside_compute(model, pauses)
+    out = np.where(np.isin(model.op_optype, _COMPUTE_CODES)[:, None], np.nan_to_num(model.idle_within), 0.0)
+    return out if out.any() else None
 
 
 def _peer_entry(model: JobModel, workers: WorkerTests, peers: PeerComparison, d: int, p: int) -> dict:

@@ -187,20 +187,23 @@ def pause_sentence(evidence: dict, fix: Fix, worker_rank=None) -> str:
     for (d, s), hits in by_worker.items():
         rank = f" (rank {int(worker_rank[d, s])})" if worker_rank is not None else ""
         longest = max(h["seconds"] for h in hits)
+        several = max(h.get("count", 1) for h in hits) > 1
         parts.append(f"dp {d} / stage {s}{rank} in step{'s' if len(hits) > 1 else ''} "
-                     f"{', '.join(str(h['step']) for h in hits)} (up to {1e3 * longest:.0f} ms)")
+                     f"{', '.join(str(h['step']) for h in hits)} (up to {1e3 * longest:.0f} ms"
+                     f"{' a step, in up to ' + str(max(h.get('count', 1) for h in hits)) + ' pauses' if several else ''})")
     rotating = len(by_worker) > 1
     if evidence.get("gc_recorded"):
         return (f"Python's garbage collector, as the trainer recorded it, stopped {'; '.join(parts)} for at least the "
                 f"straggling threshold's share of a step. "
                 f"{fix.description[0].upper() + fix.description[1:]} would save {_pct(max(fix.savings_fraction, 0.0))} of "
                 f"the step (measured on the steps as they ran; {len(pauses)} collections in {len(steps)} steps).")
-    return (f"Untraced pauses, each a single gap between ops or inside a forward, outside data loading, far beyond this job's usual largest "
+    return (f"Untraced pauses, each one gap between ops or inside a forward, outside data loading, far beyond this job's usual largest "
             f"gap ({1e3 * evidence.get('typical_largest_gap', 0.0):.0f} ms): {'; '.join(parts)}"
             f"{', a different worker in different steps' if rotating else ''}. Python's garbage collector stops a "
             f"process like this (so does the OS preempting it; a GC record from the collector tells them apart). "
             f"{fix.description[0].upper() + fix.description[1:]} would save {_pct(max(fix.savings_fraction, 0.0))} of "
-            f"the step (replayed with every other gap between ops kept; {len(pauses)} pauses in {len(steps)} steps).")
+            f"the step (replayed with every other gap between ops kept; "
+            f"{sum(p.get('count', 1) for p in pauses)} pauses in {len(steps)} steps).")
 
 
 def what_would_decide(finding: dict, unit: str) -> str:

@@ -5,17 +5,19 @@ own work, a DataLoader fetch, a garbage collection. None of it is a traced op; i
 between ops while the worker neither computes nor waits in a recv or DP collective
 (`untraced_gaps`). Its parts tell causes apart by physics, not by size:
 - data loading: gap time inside `enumerate(DataLoader)` fetches (the trace's `data_wait`);
-- a pause: one gap far beyond the job's usual largest gap per worker and step. Python's garbage
-  collector stops the world in one piece, where interpreter overhead spreads over every gap (a
-  collection inside a forward leaves the same gap within the forward's span: `idle_within`);
+- a pause: a gap far beyond the job's usual largest gap per worker and step. Python's garbage
+  collector stops the world in one piece per collection, where interpreter overhead spreads over
+  every gap (a collection inside a forward leaves the same gap within the forward's span:
+  `idle_within`); it may collect several times in a step (each time its thresholds are crossed),
+  and what the worker loses is their sum;
 - the rest: ordinary time between ops.
 Where the trainer recorded its garbage collections (strag_collect's gc.callbacks record, the trace's
 `gc_wait`), the pauses are the recorded collections themselves, whatever their pattern.
-Otherwise `find_pauses` tests each worker-step's largest non-data gap against the job's usual one (median
-and robust spread over the worker-steps whose largest gap is below the straggling threshold's
-share of a step, so a worker pausing in every step does not set the usual), Bonferroni over the
-cells at the job's false-alarm rate; a pause is also worth that share of a step on its own (a
-smaller one cannot make the job straggle). Pauses are the collector's (`collector`) when they
+Otherwise `find_pauses` tests each non-data gap of a worker-step against the job's usual largest one
+(median and robust spread over the worker-steps that pause too little to make a job straggle, so
+a worker pausing in every step does not set the usual), Bonferroni over the cells at the job's
+false-alarm rate: a gap no ordinary worker-step's largest reaches is a pause; a worker-step's
+pauses also add up to half that share of a step (`CAUSE_SHARE`: what a listed cause must cost). Pauses are the collector's (`collector`) when they
 recur and all fall where a forward begins or inside one: METHOD.md's GC stalls are forward-only, the forward being
 where a step allocates the Python objects whose count triggers a collection. Pauses before a
 collective or the optimizer (an oversubscribed host's OS running another process, a per-step hook)
@@ -33,7 +35,12 @@ from transforms.whatif.model import JobModel, median
 from transforms.whatif.result import STRAGGLING_THRESHOLD
 from schemas.trace import COMPUTE_OPTYPES, DP_COMM_OPTYPES, IN_COMPUTE_OPTYPES, OPTYPES
 
-__all__ = ["p2p_partner", "untraced_gaps", "untraced_time", "Pauses", "find_pauses", "recurring",
+# the least share of the straggling threshold's share of a step that a worker's untraced time, or
+# its pauses, must take to be a cause: what a listed cause's fix must remove in a straggling window
+# (half of METHOD.md's 10%: a cause explains part of a straggling step, not all of it)
+CAUSE_SHARE = 0.5
+
+__all__ = ["CAUSE_SHARE", "p2p_partner", "untraced_gaps", "untraced_time", "Pauses", "find_pauses", "recurring",
            "at_forwards", "collector", "pause_fix", "pause_confidence", "inside_compute"]
 
 _RECV = [OPTYPES.index("forward-recv"), OPTYPES.index("backward-recv")]
@@ -139,8 +146,14 @@ def _stage_gaps(model: JobModel, stage: int, partner: np.ndarray
 
 
 def untraced_time(model: JobModel, dp: int, stage: int, partner: np.ndarray | None = None) -> np.ndarray:
-    """Seconds per step worker (dp, stage) spends in untraced time (`untraced_gaps`, data loading included)."""
-    return untraced_gaps(model, dp, stage, partner)[1].sum(axis=0)
+    """Seconds per step worker (dp, stage) spends in untraced time: the gaps between its ops
+    (`untraced_gaps`, data loading included) and the stretches inside its compute ops in which its
+    thread ran no traced op (`idle_within`: Python stopped mid-forward is no compute either)."""
+    ops, gaps, _, _ = untraced_gaps(model, dp, stage, partner)
+    if model.idle_within is None or not len(ops):
+        return gaps.sum(axis=0)
+    inner = model.idle_within[np.ix_(ops, np.flatnonzero(model.lane_dp == dp))]
+    return gaps.sum(axis=0) + np.where(np.isin(model.op_optype[ops], _COMPUTE)[:, None], np.nan_to_num(inner), 0.0).sum(axis=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,8 +161,9 @@ class Pauses:
     """Untraced time per worker and step ([pp, n_steps, dp] seconds): `untraced` outside data
     loading, `data` inside DataLoader fetches, `largest` the largest single non-data gap; `cells`:
     the (dp, stage, step index) pauses with their excess over the job's usual largest gap
-    (`typical`), `limit` the size a pause must exceed; `where`: per pause its (op, lane), the op
-    it ends at (a gap before the op) or falls inside (a compute op's `idle_within`).
+    (`typical`: the sum of its pauses' excesses), `limit` the size a single pause must exceed;
+    `where`: every pause's (op, lane), the op it ends at (a gap before the op) or falls inside (a
+    compute op's `idle_within`: `inside` is true for those), cell by cell.
     recorded: the trainer recorded its garbage collections (`gc_wait`): the cells are then the
     worker-steps whose recorded collections reach `limit` (the straggling share of a step), their
     excess the collections' seconds: GC known, not inferred from a gap's size."""
@@ -162,6 +176,8 @@ class Pauses:
     cells: tuple[tuple[int, int, int, float], ...]
     where: tuple[tuple[int, int], ...]
     recorded: bool = False
+    inside: tuple[bool, ...] = ()
+    counts: tuple[int, ...] = ()     # per cell, how many pauses (gaps) it holds; () when recorded
 
     def workers(self) -> list[tuple[int, int]]:
         """Workers with a pause, most paused first."""
@@ -179,20 +195,20 @@ class Pauses:
         return out
 
     def evidence(self, steps: np.ndarray) -> dict:
+        counts = self.counts or (1,) * len(self.cells)
         return {"pauses": [{"dp_rank": d, "stage": p, "step": int(steps[s]), "seconds": e + self.typical,
-                            "excess": e} for d, p, s, e in self.cells],
+                            "excess": e, "count": n} for (d, p, s, e), n in zip(self.cells, counts)],
                 "pause_limit": self.limit, "typical_largest_gap": self.typical, "gc_recorded": self.recorded,
                 "data_loading_share": float(self.data.sum() / max(self.data.sum() + self.untraced.sum(), 1e-12))}
 
 
 def find_pauses(model: JobModel, alpha: float = 0.01, straggling: float = STRAGGLING_THRESHOLD) -> Pauses:
-    """Pauses of every worker (module docstring). A pause is a worker-step's largest non-data gap
-    (before an op, or inside a compute op: the trace's `idle_within`, a stretch in which the
-    compute's thread ran no traced op) beyond the job's median largest gap by both a robust z at
-    Bonferroni-corrected `alpha` and
-    (straggling - 1) of the median step time (a pause smaller than that cannot make a job straggle
-    on its own). Computed once per model and arguments (the worker test and the python-gc cause
-    both ask)."""
+    """Pauses of every worker (module docstring). A pause is a non-data gap (before an op, or inside
+    a compute op: the trace's `idle_within`, a stretch in which the compute's thread ran no traced
+    op) beyond the job's median largest gap per worker-step by a robust z at Bonferroni-corrected
+    `alpha`; a worker-step holds pauses when theirs add up to `CAUSE_SHARE` x (straggling - 1) of
+    the median step time beyond that median each (a listed cause's least share). Computed once per
+    model and arguments (the worker test and the python-gc cause both ask)."""
     cached = model.__dict__.get("_pauses")
     if cached is not None and cached[0] is model.launch_delay and cached[1] == (alpha, straggling):
         return cached[2]
@@ -222,28 +238,60 @@ def _find_pauses(model: JobModel, alpha: float, straggling: float, partner: np.n
                     within = model.gc_within[np.ix_(ops, lanes)] if model.gc_within is not None else np.zeros_like(ran)
                     collected[p, :, d] = ran.sum(axis=0) + within.sum(axis=0)
                     gc_at[p, :, d] = ops[np.maximum(ran, within).argmax(axis=0)]
-    # the job's usual largest gap, from the worker-steps whose largest gap could not be a pause
-    # (below the straggling share of a step): a worker pausing every step is half the cells of a
-    # two-rank job, and must not set the usual
-    floor = (straggling - 1.0) * float(median(model.observed_end.max(axis=0) - model.observed_start.min(axis=0)))
+    floor = CAUSE_SHARE * (straggling - 1.0) * float(median(model.observed_end.max(axis=0) - model.observed_start.min(axis=0)))
     values = largest.ravel()
-    usual = values[values < floor]
-    typical = float(median(usual)) if len(usual) else 0.0
-    spread = 1.4826 * float(median(np.abs(usual - typical))) if len(usual) else 0.0
-    cells, where = [], []
     if collected is not None:   # recorded: the collections themselves, worth the straggling share of a step
+        cells, where = [], []
         for p, s, d in zip(*np.nonzero(collected >= floor)):
             cells.append((int(d), int(p), int(s), float(collected[p, s, d])))
             where.append((int(gc_at[p, s, d]), int(s * model.dp_size + d)))
+        typical = float(median(values[values < floor])) if (values < floor).any() else 0.0
         return Pauses(untraced, data, largest, typical, floor, tuple(cells), tuple(where), recorded=True)
     z = statistics.NormalDist().inv_cdf(1.0 - alpha / max(len(values), 1))
-    limit = typical + max(z * spread, floor)
-    for p, s, d in zip(*np.nonzero(largest > limit)):
-        ops, own, inner = gaps_of[(int(d), int(p))]
-        column = own if own[:, s].max() >= inner[:, s].max() else inner
-        cells.append((int(d), int(p), int(s), float(largest[p, s, d] - typical)))
-        where.append((int(ops[column[:, s].argmax()]), int(s * model.dp_size + d)))
-    return Pauses(untraced, data, largest, typical, limit, tuple(cells), tuple(where))
+    # the job's usual largest gap, from the worker-steps that could hold no pause: first those whose
+    # largest gap is below the pauses' least sum, then those without the pauses found
+    # (a worker pausing in every step, in one piece or several, is half the cells of a two-rank job
+    # and must not set the usual); until the pauses found stay the same
+    usual = values < floor
+    found = None
+    for _ in range(8):
+        typical = float(median(values[usual])) if usual.any() else 0.0
+        spread = 1.4826 * float(median(np.abs(values[usual] - typical))) if usual.any() else 0.0
+        excess, hits = _pauses_beyond(gaps_of, shape, typical + z * spread, typical)
+        paused = excess >= max(floor, 0.0) if floor > 0 else excess > 0
+        if found is not None and np.array_equal(paused, found):
+            break
+        found = paused
+        usual = (values < floor) & ~paused.ravel()
+    cells, where, inside, counts = [], [], [], []
+    for p, s, d in zip(*np.nonzero(found)):
+        cells.append((int(d), int(p), int(s), float(excess[p, s, d])))
+        counts.append(len(hits[(int(p), int(s), int(d))]))
+        for op, is_inside in hits[(int(p), int(s), int(d))]:
+            where.append((op, int(s * model.dp_size + d)))
+            inside.append(is_inside)
+    return Pauses(untraced, data, largest, typical, typical + max(z * spread, 0.0), tuple(cells), tuple(where),
+                  inside=tuple(inside), counts=tuple(counts))
+
+
+def _pauses_beyond(gaps_of: dict, shape: tuple, limit: float, typical: float
+                   ) -> tuple[np.ndarray, dict[tuple[int, int, int], list[tuple[int, bool]]]]:
+    """([pp, n_steps, dp] seconds of pause beyond `typical` per worker-step: the sum over its gaps
+    beyond `limit`, before ops and inside compute ops; per (stage, step, dp) its pauses' (op, inside
+    the op), largest first)."""
+    excess = np.zeros(shape)
+    hits: dict[tuple[int, int, int], list[tuple[int, bool]]] = {}
+    for (d, p), (ops, own, inner) in gaps_of.items():
+        for gaps, is_inside in ((own, False), (inner, True)):
+            rows, steps = np.nonzero(gaps > limit)
+            if not len(rows):
+                continue
+            sizes = gaps[rows, steps] - typical
+            np.add.at(excess[p, :, d], steps, sizes)
+            for row, step, size in zip(rows.tolist(), steps.tolist(), sizes.tolist()):
+                hits.setdefault((p, step, d), []).append((size, int(ops[row]), is_inside))
+    return excess, {key: [(op, is_inside) for _, op, is_inside in sorted(found, key=lambda h: (-h[0], h[1]))]
+                    for key, found in hits.items()}
 
 
 def inside_compute(model: JobModel, pauses: Pauses) -> np.ndarray | None:
@@ -259,8 +307,8 @@ def inside_compute(model: JobModel, pauses: Pauses) -> np.ndarray | None:
     if model.idle_within is None:
         return None
     out = np.zeros_like(model.idle_within)
-    for (op, lane), (d, p, s, _) in zip(pauses.where, pauses.cells):
-        if model.idle_within[op, lane] >= pauses.largest[p, s, d]:   # the pause is the stretch inside the op
+    for (op, lane), is_inside in zip(pauses.where, pauses.inside):
+        if is_inside:   # the pause is the stretch inside the op
             out[op, lane] = model.idle_within[op, lane]
     return out if out.any() else None
 

@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 
 from schemas.causes import FIX_NAMES
-from transforms.whatif.causes.pauses import (collector, find_pauses, p2p_partner, pause_confidence, pause_fix, recurring,
+from transforms.whatif.causes.pauses import (CAUSE_SHARE, collector, find_pauses, p2p_partner, pause_confidence, pause_fix, recurring,
                                             untraced_gaps, untraced_time)
 from transforms.whatif.causes.verdict import CauseRules, Fix
 from transforms.whatif.causes.workers import t_sf
@@ -96,7 +96,7 @@ def untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5, 
     # the threshold's whole share (METHOD.md: time that alone makes a job straggle), since neither
     # a discarded window's S nor one below the threshold shows straggling for it to explain
     kept_straggling = not result.discarded and float(result.slowdown) >= STRAGGLING_THRESHOLD
-    least = (0.5 if kept_straggling else 1.0) * (STRAGGLING_THRESHOLD - 1.0)
+    least = (CAUSE_SHARE if kept_straggling else 1.0) * (STRAGGLING_THRESHOLD - 1.0)
 
     def sizeable(worker, others) -> bool:
         return measured(worker, others) >= least
