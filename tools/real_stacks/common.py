@@ -160,18 +160,43 @@ def _spread(n_blocks: int, total: float) -> list[int]:
     return [math.floor((i + 1) * total + 1e-9) - math.floor(i * total + 1e-9) for i in range(n_blocks)]
 
 
+OPTIMIZER_STEPS = {"done": 0, "optimizer": None}
+
+
+def count_optimizer_steps() -> None:
+    """Count the optimizer steps this process completes (OPTIMIZER_STEPS["done"]), with torch's
+    global optimizer step post-hook; only the first optimizer that steps counts (a process with
+    several steps them together). Idempotent."""
+    if OPTIMIZER_STEPS.get("hooked"):
+        return
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def done(optimizer, args, kwargs):
+        if OPTIMIZER_STEPS["optimizer"] is None:
+            OPTIMIZER_STEPS["optimizer"] = id(optimizer)
+        if id(optimizer) == OPTIMIZER_STEPS["optimizer"]:
+            OPTIMIZER_STEPS["done"] += 1
+
+    register_optimizer_step_post_hook(done)
+    OPTIMIZER_STEPS["hooked"] = True
+
+
 class BlockSlowdown:
     """fwd:R:F / bwd:R:F on a list of blocks (decoder layers, MLP blocks, pipeline stage modules).
 
     The extra compute runs on a shadow copy of each block (deepcopy taken at install time, before
     DDP / FSDP2 wrap the model; no hooks on it), so it needs no FSDP2 all-gather and never recurses,
     and the training math is unchanged: only this rank's wall time grows, by real aten ops inside
-    the forward (fwd) or inside the backward (bwd). odd: only on odd optimizer steps, counted per
-    block from its grad-enabled forwards (forwards_per_step of them per step)."""
+    the forward (fwd) or inside the backward (bwd). odd: only on odd optimizer steps, as counted by
+    `optimizer_steps` (the steps the first optimizer of the process completed: Lightning's closure,
+    HF's Trainer, Accelerate's accumulation, the pipeline schedules all end a step there; counting
+    a block's forwards instead miscounts wherever a stack runs extra grad-enabled forwards)."""
 
-    def __init__(self, fwd: float = 1.0, bwd: float = 1.0, odd: bool = False, forwards_per_step: int = 1):
+    def __init__(self, fwd: float = 1.0, bwd: float = 1.0, odd: bool = False):
         self.fwd, self.bwd = fwd, bwd
-        self.odd, self.fps = odd, max(1, forwards_per_step)
+        self.odd = odd
+        if odd:
+            count_optimizer_steps()
         self.handles = []
         self.installed = []
 
@@ -186,19 +211,14 @@ class BlockSlowdown:
         nf = _spread(len(blocks), max(0.0, self.fwd - 1.0))
         nb = _spread(len(blocks), max(0.0, 2.0 * (self.bwd - 1.0)))
         for block, shadow, f, b in zip(blocks, shadows, nf, nb):
-            self.handles.append(block.register_forward_hook(self._hook(shadow, f, b, self.odd, self.fps), with_kwargs=True))
+            self.handles.append(block.register_forward_hook(self._hook(shadow, f, b, self.odd), with_kwargs=True))
             self.installed.append({"block": type(block).__name__, "fwd_reruns": f, "bwd_reruns": b})
 
     @staticmethod
-    def _hook(shadow: nn.Module, n_fwd: int, n_bwd: int, odd: bool = False, fps: int = 1):
-        forwards = [0]
-
+    def _hook(shadow: nn.Module, n_fwd: int, n_bwd: int, odd: bool = False):
         def hook(module, args, kwargs, output):
-            if odd and torch.is_grad_enabled():
-                step = forwards[0] // fps
-                forwards[0] += 1
-                if step % 2 == 0:
-                    return None
+            if odd and OPTIMIZER_STEPS["done"] % 2 == 0:
+                return None
             if n_fwd:
                 with torch.no_grad():
                     for _ in range(n_fwd):

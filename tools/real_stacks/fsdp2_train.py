@@ -54,7 +54,7 @@ def main() -> None:
     for b in blocks:
         fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    C.BlockSlowdown(slow.fwd, slow.bwd, slow.odd, args.grad_accum).install(blocks, shadows)
+    C.BlockSlowdown(slow.fwd, slow.bwd, slow.odd).install(blocks, shadows)
     gcinj.attach(model)
 
     n_items = args.batch * args.grad_accum * args.steps * world

@@ -53,7 +53,7 @@ def main() -> None:
     n_items = args.batch * args.grad_accum * (args.steps + 2) * world
     ds = C.LMDataset(n_items, cfg.vocab_size, 4 * args.seq_len, args.seed, slow.data_ms / args.batch)
     collate = C.LMCollator(args.batches, args.seq_len, slow.seq, rank, args.seed)
-    C.BlockSlowdown(slow.fwd, slow.bwd, slow.odd, args.grad_accum).install(blocks)
+    C.BlockSlowdown(slow.fwd, slow.bwd, slow.odd).install(blocks)
     gcinj.attach(model)
     timer = C.StepTimer()
 

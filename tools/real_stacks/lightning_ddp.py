@@ -145,7 +145,7 @@ def main() -> None:
         collate = C.LMCollator("padded", args.seq_len, slow.seq, rank, args.seed)
     dl = torch.utils.data.DataLoader(ds, batch_size=args.batch, shuffle=False, num_workers=0, collate_fn=collate,
                                      drop_last=True)
-    C.BlockSlowdown(slow.fwd, slow.bwd, slow.odd, args.accumulate).install(module.blocks)
+    C.BlockSlowdown(slow.fwd, slow.bwd, slow.odd).install(module.blocks)
     gcinj.attach(module.net)
 
     timer = C.StepTimer()

@@ -216,7 +216,7 @@ def main() -> None:
         for s in range(n_stages):
             crossing[str(s)] = ["input_ids"] if s == 0 else ["h", "cos", "sin", "mask"]
     shadows = [copy.deepcopy(st.submod) for st in stages] if (slow.fwd > 1 or slow.bwd > 1) else None
-    slowdown = C.BlockSlowdown(slow.fwd, slow.bwd, slow.odd, M)
+    slowdown = C.BlockSlowdown(slow.fwd, slow.bwd, slow.odd)
     if slowdown.fwd > 1 or slowdown.bwd > 1:
         # install on the GraphModules themselves (hooks survive fully_shard, which only swaps the class)
         slowdown.install([st.submod for st in stages], shadows)

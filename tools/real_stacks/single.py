@@ -54,7 +54,7 @@ def main() -> None:
         collate = C.LMCollator(args.batches, args.seq_len, False, rank, args.seed)
     dl = torch.utils.data.DataLoader(ds, batch_size=args.batch, shuffle=False, num_workers=0, collate_fn=collate,
                                      drop_last=True)
-    C.BlockSlowdown(slow.fwd, slow.bwd, slow.odd, args.grad_accum).install(blocks)
+    C.BlockSlowdown(slow.fwd, slow.bwd, slow.odd).install(blocks)
     gcinj.attach(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.train()

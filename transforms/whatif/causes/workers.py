@@ -21,7 +21,8 @@ Bonferroni over every test of the job holds the false-alarm rate per job at `alp
   other samples (a spike), and a slow level, the split of its samples into k >= 2 slow ones and
   n - k >= 2 usual ones with the largest t, against that largest t's null simulated for the
   job's samples and degrees of freedom (a level over several steps decides where no single
-  step can);
+  step can); a persistent finding whose samples split so (the usual level at its peers' pace) is
+  named with the slow level's steps, as an intermittent one: half the steps slow is both;
 A worker is blamed only where its whole compute (forward + backward) exceeds its peers': DP ranks
 wait for each other at the gradient all-reduce, so one that finishes its compute first delays no
 one (its slower backward beside a far faster forward is the peer's interference, not a straggler).
@@ -231,6 +232,11 @@ def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alp
         df_mean = max(1, int(df * ((jitter + tau * tau) / jitter) ** 2)) if jitter > 0 else 10 ** 6
         p_level = min(1.0, n_tests * t_sf(mean / se, df_mean)) if se > 0 else float(mean <= 0)
         if middle >= limit and p_level <= alpha:
+            levels = _two_levels(effect, ss, dfs, (int(k), int(p), int(d)), families, n_tests, alpha, limit)
+            if levels is not None:   # slow in some steps, at its peers' pace in the others: name those steps
+                slow.append(WorkerFinding(worker, kind, math.exp(float(median(e[levels]))),
+                                          tuple(sorted(set(step_of[levels].tolist()))), False, p_level, m))
+                continue
             slow.append(WorkerFinding(worker, kind, math.exp(middle), tuple(sorted(set(step_of[ok & (e >= limit)].tolist()))),
                                       True, p_level, m))
             continue
@@ -348,6 +354,27 @@ def _intermittent(effect: np.ndarray, ss: np.ndarray, dfs: np.ndarray, cell: tup
     found = [f for f in (_spike(e, rest_ss, rest_df, 2 * n_tests, alpha, limit),
                          _level_shift(e, rest_ss, rest_df, 2 * levels, alpha, limit)) if f is not None]
     return max(found, key=lambda f: (int(f[0].sum()), -f[1])) if found else None
+
+
+def _two_levels(effect: np.ndarray, ss: np.ndarray, dfs: np.ndarray, cell: tuple[int, int, int], families: int,
+                n_tests: int, alpha: float, limit: float) -> np.ndarray | None:
+    """A worker the persistent test blames that runs at two levels: the slow samples (mask) when
+    the level test (`_level_shift`, as `_intermittent` runs it) splits its samples into a slow level
+    and a usual one, and the usual one is at its peers' pace (median below the threshold); None
+    when it is slow throughout. Half the steps slow is both "most" and "some": the steps named
+    are the ones the split finds, not the ones a noisy sample happens to lift past the threshold."""
+    k, p, d = cell
+    own = (k, p, min(d, families - 1))
+    rest_df = int(dfs.sum() - dfs[own])
+    if rest_df < 1:
+        return None
+    e = effect[k, p, :, d]
+    levels = n_tests // 2 if families == 1 else n_tests
+    found = _level_shift(e, float(ss.sum() - ss[own]), rest_df, 2 * levels, alpha, limit)
+    if found is None:
+        return None
+    usual = np.isfinite(e) & ~found[0]
+    return found[0] if usual.any() and float(median(e[usual])) < limit else None
 
 
 def _spike(e: np.ndarray, rest_ss: float, rest_df: int, tests: int, alpha: float, limit: float
