@@ -418,3 +418,26 @@ def test_the_sequence_sentence_states_the_correlation_that_was_measured():
     both = cause_sentence("sequence-imbalance", {**base, "forward_backward_r_normalised": 0.95,
                                                  "workload_compute_r": 0.8}, fix, [], 1)
     assert "slow together (r = 0.95)" in both and "recorded tokens (r = 0.80)" in both
+
+
+def test_cpu_ranks_on_one_host_have_no_network_to_blame():
+    """A flapping link (one worker's transfers 12x in 40% of the steps) is communication, also
+    between CPU ranks; between CPU ranks that all ran on one host (the trace's `host` column) the
+    transfers never left it: their time is the host's CPU and memory work, and no communication
+    cause is proposed. Where the ranks are GPUs, one host keeps its links (NVLink, PCIe)."""
+    from transforms.whatif.causes.detect import ran_on_one_host
+
+    causes, context, record = CASES["flapping-link"]
+    job = generate_job(JobSpec(job_id="fl", dp=4, pp=4, microbatches=8, steps=16, sessions=2, causes=causes, seed=3,
+                               context_length=context, record_seq_lens=record))
+    cpu = dataclasses.replace(job.meta, host_compute=True)
+    model = compile_job(job.trace, cpu, "fl")
+    result = analyze_model(model)
+    assert classify(model, result).cause == "communication"
+    alone = classify(model, result, one_host=True)
+    assert "communication" not in alone.causes and alone.evidence["transfers_on_one_cpu_host"]
+    gpu = compile_job(job.trace, job.meta, "fl")
+    assert classify(gpu, analyze_model(gpu), one_host=True).cause == "communication"
+    one = job.trace.set_column(job.trace.schema.get_field_index("host"), "host", pa.array(["vm"] * job.trace.num_rows))
+    assert ran_on_one_host(one) and not ran_on_one_host(job.trace)
+    assert not ran_on_one_host(job.trace.drop_columns(["host"]))

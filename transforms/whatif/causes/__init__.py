@@ -48,6 +48,9 @@ The design in four decisions.
    is listed when its fix removes enough of it alone or once the others are fixed. Untraced
    time is not in the replay, so its fixes (untraced-cpu, python-gc from pauses) are measured
    against what ran and say so (`Fix.measured`).
+   Transfers between CPU ranks that all ran on one host (the trace's `host` names) never cross a
+   network: their time is the host's CPU and memory work, so communication is never proposed
+   there; slow transfers are the host's contention.
 4. Windows whose replay does not match the trace (METHOD.md: beyond 5%) get measurements only:
    the worker test, chunk balance, untraced workers, pauses; never a what-if saving of traced ops.
 

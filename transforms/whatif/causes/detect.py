@@ -403,7 +403,11 @@ def _candidates(model: JobModel, result: WhatIfResult, signals: _Signals, share,
     recurs; one transfer held up once, a preempted rank, is the job's own variation)."""
     out: list[_Candidate] = []
     blamed = signals.workers.workers()
-    located_comm = signals.mw > rules.worker_mw and share("worker-comm") > share("worker-compute") \
+    # CPU ranks on one host: their transfers are that host's CPU and memory work (gloo over loopback
+    # or shared memory), no link or switch between them to be slow; slow transfers there are the
+    # host's contention, never the network's
+    network = not evidence.get("transfers_on_one_cpu_host")
+    located_comm = network and signals.mw > rules.worker_mw and share("worker-comm") > share("worker-compute") \
         and persists("worker-comm") and _link_not_host(model, _hot_half(result), rules.straggling, rules.false_alarm)
     if blamed:
         confidence = max(f.confidence for f in signals.workers.of(blamed[0]))
@@ -415,7 +419,8 @@ def _candidates(model: JobModel, result: WhatIfResult, signals: _Signals, share,
     if located_comm:
         out.append(_Candidate("communication", "worker-comm", margin(signals.mw, rules.worker_mw, 0.9), rules.min_explained, 0.6,
                               _hot_half(result)))
-    elif (signals.comm_share >= rules.comm_share or signals.comm_excess >= rules.comm_excess) and _comm_localised(model, evidence, rules.false_alarm, floor=rules.straggling) \
+    elif network and (signals.comm_share >= rules.comm_share or signals.comm_excess >= rules.comm_excess) \
+            and _comm_localised(model, evidence, rules.false_alarm, floor=rules.straggling) \
             and persists("communication"):
         signature = max(margin(signals.comm_share, rules.comm_share, 0.9), margin(signals.comm_excess, rules.comm_excess, 4 * rules.comm_excess))
         out.append(_Candidate("communication", "communication", signature, rules.min_explained, 0.6))
@@ -491,12 +496,14 @@ def _default_scenario(cause: str, costs: dict) -> str | None:
 
 
 def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkload | None = None,
-             rules: CauseRules = CauseRules(), paired: PairSignals | None = None, work: ChunkWork | None = None) -> Verdict:
+             rules: CauseRules = CauseRules(), paired: PairSignals | None = None, work: ChunkWork | None = None,
+             one_host: bool = False) -> Verdict:
     """Root-cause verdict of one analysed job (see the package docstring).
 
     model: the compiled job (transforms.whatif.compile_job); result: analyze_model(model)
     (attribution needed when S >= 1.03); workload: sequence_workload(trace, model) or None;
-    paired: pair_signals(model, rules) when the caller has it already.
+    paired: pair_signals(model, rules) when the caller has it already; one_host: the trace names
+    one host for every rank (`ran_on_one_host`): CPU ranks' transfers then never left it.
     Jobs with S below rules.straggling get cause "none" (evidence and fixes still computed
     when attribution exists). Raises CauseError when model and result are of different jobs.
     """
@@ -520,6 +527,8 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
                        {cause: explain.verdict_sentence(cause, slowdown, rules.straggling, None)})
 
     timings: dict[str, float] = {}
+    if one_host and model.meta.host_compute:
+        evidence["transfers_on_one_cpu_host"] = True
     signals = _signals(model, result, rules, evidence, paired)
     signals.workload_r, signals.workload_df = _workload_fit(model, signals, workload)
     if math.isfinite(signals.workload_r):
@@ -592,7 +601,8 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         primary, ranked, confidence = "none", [], 1.0
     elif ranked:
         primary, confidence = ranked[0], listed[ranked[0]]
-    elif not _localised(result, evidence) or (evidence.get("comm_localised") is False and share("communication") >= 0.5):
+    elif not _localised(result, evidence) or ((evidence.get("comm_localised") is False or evidence.get("transfers_on_one_cpu_host"))
+                                               and share("communication") >= 0.5):
         # straggling by S, yet no DP rank, stage or step stands out, or most of it is transfer time
         # beyond its own typical spread over every DP rank and step: the job's own variation (noise,
         # ops of one type that differ by design), not a straggler anyone could fix
@@ -939,6 +949,16 @@ def _given_others(model: JobModel, costs: dict, reported: dict[str, str], planne
             for c in reported if times[without[c]] >= worth * floor / tideal}, times[every]
 
 
+def ran_on_one_host(trace: pa.Table) -> bool:
+    """Whether the trace names one host for every row (its `host` column: torch >= 2.13 writes the
+    host's name per rank, the collector passes it); False where any row names none."""
+    if "host" not in trace.column_names or trace["host"].null_count:
+        return False
+    import pyarrow.compute as pc
+
+    return len(pc.unique(trace["host"])) == 1
+
+
 def analyze_and_classify(trace: pa.Table, meta: JobMeta, job_id: str = "", *, rules: CauseRules = CauseRules(),
                          timeline: bool = False) -> tuple[WhatIfResult, Verdict]:
     """What-if analysis and root-cause verdict of one trace window, compiling the job once.
@@ -959,7 +979,8 @@ def analyze_and_classify(trace: pa.Table, meta: JobMeta, job_id: str = "", *, ru
         result = analyze_model(model, timeline=timeline)
         replayed = time.perf_counter()
         verdict = classify(model, result, workload=sequence_workload(trace, model), rules=rules,
-                           paired=None if paired is None else paired.result(), work=chunk_work(trace, model))
+                           paired=None if paired is None else paired.result(), work=chunk_work(trace, model),
+                           one_host=ran_on_one_host(trace))
     # where the seconds went (Verdict.timings): the graph compiled, METHOD's replays, the causes
     # (their signals, batched fix replays and tests; a signal thread's overlap with the replays is not counted twice)
     verdict.timings.update(compile=compiled - started, replay=replayed - compiled, causes=time.perf_counter() - replayed)
