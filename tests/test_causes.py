@@ -260,7 +260,6 @@ def test_a_stall_in_one_microbatch_every_step_blames_its_worker_and_its_fix_remo
     from transforms.whatif.causes.detect import pair_signals
     from transforms.whatif.causes.fixes import at_peer_speed
     from transforms.whatif.causes.signals import BACKWARD
-    from transforms.whatif.causes.verdict import CauseRules
 
     job = generate_job(JobSpec(job_id="stall", dp=4, pp=4, microbatches=8, steps=16, sessions=2, seed=3))
     model = compile_job(job.trace, job.meta, "stall")
@@ -441,3 +440,22 @@ def test_cpu_ranks_on_one_host_have_no_network_to_blame():
     one = job.trace.set_column(job.trace.schema.get_field_index("host"), "host", pa.array(["vm"] * job.trace.num_rows))
     assert ran_on_one_host(one) and not ran_on_one_host(job.trace)
     assert not ran_on_one_host(job.trace.drop_columns(["host"]))
+
+
+def test_below_method_s_attribution_threshold_a_measured_slow_worker_is_still_named(analysed):
+    """METHOD.md attributes nothing below S 1.03; the worker test is a measurement against DP
+    peers, not an attribution, so a worker it decides is slow is named there too (its fix replayed:
+    the worker at its peers' pace), as between 1.03 and 1.1. The slow-worker job's result stripped of
+    attribution stands for such a window; the clean job's stays "none"."""
+    _, model, result, verdict, _ = analysed("slow-worker")
+    assert verdict.cause == "individual-worker"
+    hidden = dataclasses.replace(result, slowdown=1.02, by_optype=None, mw=None)
+    below = classify(model, hidden)
+    assert below.cause == "individual-worker" and below.implicated_workers == verdict.implicated_workers
+    assert below.evidence["attributed"] is False and below.confidence >= 0.99
+    fix = below.fixes["individual-worker"]
+    assert fix.savings_fraction == pytest.approx(verdict.fixes["individual-worker"].savings_fraction, rel=1e-9)
+    assert "peer" in below.explanations["individual-worker"]
+    _, clean_model, clean_result, _, _ = analysed("clean")
+    clean = classify(clean_model, dataclasses.replace(clean_result, slowdown=1.02, by_optype=None, mw=None))
+    assert clean.cause == "none" and not clean.causes

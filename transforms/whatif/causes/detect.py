@@ -522,6 +522,10 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     gap = tori - tideal
     if result.by_optype is None or result.mw is None or gap <= 0:
         evidence["attributed"] = False
+        if not straggling:
+            measured = _unattributed_worker(model, result, rules, evidence, paired or pair_signals(model, rules))
+            if measured is not None:
+                return measured
         cause = "unexplained" if straggling else "none"
         return Verdict(model.job_id, slowdown, cause, [], 1.0, {}, evidence, [], {},
                        {cause: explain.verdict_sentence(cause, slowdown, rules.straggling, None)})
@@ -678,6 +682,41 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     return Verdict(model.job_id, slowdown, primary, ranked, float(confidence),
                    {c: float(listed[c]) for c in ranked}, evidence, implicated, fixes, explanations, joint_fix,
                    timings)
+
+
+def _unattributed_worker(model: JobModel, result: WhatIfResult, rules: CauseRules, evidence: dict,
+                         paired: PairSignals) -> Verdict | None:
+    """A window too close to its ideal for METHOD's attribution (S < 1.03) in which the worker test
+    still decides a worker is slower than its peers (or, without peers, its stage's balance departs):
+    the machine is bad though the pipeline or the all-reduce hides it for now, as above 1.03. Its fix
+    is replayed (the worker at its peers' pace, or its slow kind at the others' balance); None when
+    no worker is blamed."""
+    blamed = paired.workers.workers()
+    if not blamed:
+        return None
+    evidence.update(paired.evidence)
+    if paired.peers is None:
+        cost, scenario = at_balance(model, paired.workers.slow), "worker-balance"
+    else:
+        gc_paused = None
+        if paired.gc is not None and len(paired.forward):
+            gc_paused = np.zeros(model.original_cost.shape, dtype=bool)
+            rows, lanes = np.nonzero(paired.gc.pauses)
+            gc_paused[paired.forward[rows, lanes], lanes] = True
+        cost, scenario = at_peer_speed(model, blamed, paired.peers, gc_paused, _intermittent_steps(paired.workers)), "worker-peer"
+    fixed = replay(model, [Scenario(scenario, cost)]).span(scenario)
+    tori, slowdown = float(result.step_t_nodelay.mean()), float(result.slowdown)
+    t = float(fixed.mean())
+    gap = tori - float(result.step_t_noblk.mean())
+    fix = Fix("individual-worker", t, slowdown * t / tori, float(np.clip((tori - t) / gap, 0.0, 1.0)) if gap > 0 else 0.0,
+              1.0 - t / tori, FIX_NAMES[scenario],
+              step_savings=tuple((np.asarray(result.step_t_nodelay, dtype=np.float64) - fixed).tolist()))
+    confidence = max(f.confidence for f in paired.workers.of(blamed[0]))
+    evidence = {k: (float(v) if isinstance(v, (np.floating, float)) else v) for k, v in evidence.items()}
+    sentence = explain.cause_sentence("individual-worker", evidence, fix, blamed, model.pp_size)
+    return Verdict(model.job_id, slowdown, "individual-worker", ["individual-worker"], float(confidence),
+                   {"individual-worker": float(confidence)}, evidence, list(blamed), {"individual-worker": fix},
+                   {"individual-worker": sentence})
 
 
 def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, evidence: dict,
