@@ -299,8 +299,11 @@ def test_one_slow_chunk_at_the_usual_work_makes_a_stage_a_slow_machine():
     interleaved pp4 run (forward / backward ms, operations)."""
     import numpy as np
 
-    from transforms.whatif.causes.detect import MORE_WORK, SLOWER_PACE, _usual_work_slower
+    from transforms.whatif.causes.detect import _usual_work_slower
     from transforms.whatif.causes.signals import ChunkWork
+    from transforms.whatif.causes.verdict import CauseRules
+
+    MORE_WORK, SLOWER_PACE = CauseRules.more_work, CauseRules.slower_pace
 
     chunks = np.arange(8)
     ops = np.array([10, 8, 8, 8, 8, 8, 8, 13], dtype=float)

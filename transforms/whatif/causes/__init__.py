@@ -54,15 +54,16 @@ The design in four decisions.
 4. Windows whose replay does not match the trace (METHOD.md: beyond 5%) get measurements only:
    the worker test, chunk balance, untraced workers, pauses; never a what-if saving of traced ops.
 
-Thresholds live once, in `CauseRules` (verdict.py), each with where it comes from: the
-straggling threshold and the 5% discrepancy (METHOD.md), the false-alarm rate (a stated choice),
-the healthy peers' offset (measured on clean real runs), the remaining stage and
-communication signatures and listing shares (the paper's analysis). The sequence signature is a
-test too: compute following the data (forward against backward of a microbatch, or compute
-against its recorded tokens), each correlation against Student's t with its degrees of freedom,
-at the false-alarm rate (`detect.correlation_p`). Modules: workers (the worker
-test), jitter (the null of S), pauses (untraced time: gaps, data loading, pauses), untraced (untraced-cpu and python-gc
-from pauses), signals (pairs, peer pace, chunk balance, GPU GC stalls),
+Thresholds live once, in `CauseRules` (verdict.py), grouped by where each comes from: METHOD.md
+(the straggling threshold, M_W and M_S at 0.5, the hot last-stage row, "dominant" communication,
+the 5% discrepancy), statistics (the false-alarm rate, a stated choice; the healthy peers' offset,
+measured on clean real runs only), shares of the straggling threshold (what a cause's fix must
+remove or cost), and physical signatures with their stated margins where no replay confirms them.
+The sequence signature is a test too: compute following the data (forward against backward of a
+microbatch, or compute against its recorded tokens), each correlation against Student's t with its
+degrees of freedom, at the false-alarm rate (`detect.correlation_p`). Modules: workers (the worker
+test), jitter (the null of S), pauses (untraced time: gaps, data loading, pauses), untraced
+(untraced-cpu and python-gc from pauses), signals (pairs, peer pace, chunk balance, GPU GC stalls),
 sequences, fixes, detect (classify: signals -> one batched replay -> candidates -> listing ->
 verdict), explain (sentences), verdict (dataclasses, the job_cause row). Words: schemas/causes.py.
 """

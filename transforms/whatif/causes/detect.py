@@ -340,19 +340,14 @@ def _hot_half(result: WhatIfResult) -> tuple[tuple[int, int], ...]:
     return tuple((int(d), int(p)) for d, p in result.mw.workers if result.worker_slowdown[d, p] - 1.0 >= 0.5 * hottest)
 
 
-# One DP rank: a chunk with this much more recorded work than the median is a heavy partition; one
-# running the usual work this much slower per operation is a slow machine (`_work_or_speed`).
-MORE_WORK, SLOWER_PACE = 1.15, 1.3
-
-
 def _work_or_speed(model: JobModel, result: WhatIfResult, signals: _Signals, work: ChunkWork,
-                   out: list[_Candidate], rules: CauseRules, evidence: dict, more: float = MORE_WORK,
-                   slower: float = SLOWER_PACE) -> list[_Candidate]:
+                   out: list[_Candidate], rules: CauseRules, evidence: dict) -> list[_Candidate]:
     """One DP rank: a hot pipeline stage is a slow machine or a heavy partition, and its time alone
     cannot tell. The operations autograd recorded can: a partition with more layers runs more of
-    them (work ratio >= `more` against the median chunk) at the usual pace; a slow machine runs the
-    same ones slower (seconds per operation >= `slower`, forward or backward). The cause the work
-    contradicts is dropped, the one it shows is proposed."""
+    them (work ratio >= rules.more_work against the median chunk) at the usual pace; a slow machine
+    runs the same ones slower (seconds per operation >= rules.slower_pace, forward or backward). The
+    cause the work contradicts is dropped, the one it shows is proposed."""
+    more, slower = rules.more_work, rules.slower_pace
     causes = {c.cause: c for c in out}
     hot_stages = {p for _, p in result.mw.workers} if result.mw is not None else set()
     if signals.chunks is not None:
@@ -633,7 +628,7 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     # untraced CPU work the replay leaves out (it is within 5% here) can still be one worker's,
     # large beside its peers' and hidden behind a slower worker: a cause of its own once it
     # costs a share of the step worth a cause (half the straggling threshold)
-    untraced = [u for u in untraced_workers(model, result, alpha=rules.false_alarm)
+    untraced = [u for u in untraced_workers(model, result, rules)
                 if max(u[1] or 0.0, u[2]) >= 0.5 * (rules.straggling - 1.0)]
     if untraced and (primary != "none" or (straggling and evidence.get("localised") is False)):
         # straggling yet spread (collectives that wait for the paused worker stretch over every
@@ -736,7 +731,7 @@ def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, 
     measured: dict[str, float] = {}                  # cause -> how clearly it measures (a ratio)
     implicated: dict[str, list[tuple[int, int]]] = {}
     fixes: dict[str, Fix] = {}
-    untraced = untraced_workers(model, result, alpha=rules.false_alarm) if untraced is None else untraced
+    untraced = untraced_workers(model, result, rules) if untraced is None else untraced
     if untraced:
         measured["untraced-cpu"], implicated["untraced-cpu"] = untraced_cause(result, untraced, evidence, fixes)
     blamed = paired.workers.workers()
@@ -746,7 +741,7 @@ def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, 
     if blamed and model.dp_size == 1:
         pass   # the stages' balance named the slow machine (workers.balance_tests)
     elif paired.chunks is not None and paired.chunks.ratio >= rules.stage_alarm_ratio:
-        slow = _slow_stages(model, work, MORE_WORK, SLOWER_PACE) if work is not None and model.dp_size == 1 else []
+        slow = _slow_stages(model, work, rules.more_work, rules.slower_pace) if work is not None and model.dp_size == 1 else []
         if slow:   # one DP rank: the heavy chunk runs the usual work, slowly: its machine
             measured["individual-worker"], implicated["individual-worker"] = float(paired.chunks.ratio), [(0, p) for p in slow]
         else:
@@ -754,7 +749,7 @@ def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, 
     elif paired.chunks is not None and work is not None and model.dp_size == 1 and "individual-worker" not in measured:
         # one DP rank, no chunk much heavier overall, yet a stage runs its usual work (forward or
         # backward) at a worker alarm's pace: a slow machine the chunk totals dilute
-        slow = _slow_stages(model, work, MORE_WORK, rules.worker_alarm_ratio)
+        slow = _slow_stages(model, work, rules.more_work, rules.worker_alarm_ratio)
         if slow:
             pace = max(work.of(distinct(model.op_gmc[(model.op_stage == p) & np.isin(model.op_optype, (FORWARD, BACKWARD))])
                                .tolist())[1] for p in slow)

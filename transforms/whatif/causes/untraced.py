@@ -40,29 +40,30 @@ def model_untraced(model: JobModel, result: WhatIfResult) -> list | None:
     return untraced
 
 
-def untraced_workers(model: JobModel, result: WhatIfResult, share: float = 0.5, factor: float = 2.0,
-                      each: float = 0.35, alpha: float = CauseRules.false_alarm
+def untraced_workers(model: JobModel, result: WhatIfResult, rules: CauseRules = CauseRules()
                       ) -> list[tuple[tuple[int, int], float, float, float]]:
     """The workers whose untraced CPU time (launch delays: METHOD.md section 3) makes the replay
     discrepancy, as [(worker, excess or None where the replay attributes no launch delays, hidden
     excess, confidence)] (largest first) or []. A measurement, a test and a replay must agree:
-    - measured (pauses.untraced_time): the worker's untraced time per step is at least `factor` times
-      its DP peers' median in most steps, and in its median step (persistent, not one preempted
+    - measured (pauses.untraced_time): the worker's untraced time per step is at least `factor`
+      (rules.untraced_factor) times its DP peers' median in most steps, and in its median step (persistent, not one preempted
       step; not cleared by one noisy step of a peer), and as much beyond the job's other workers'
       (a few ms that stand out only against peers with even fewer are the job's noise). Without
       DP peers, against the other stages, and only the one far ahead of the rest (`factor` times
       the next): a stage waiting on a paused neighbour shows untraced time too;
     - tested (`_untraced_test`): its untraced time beyond its baseline's, step by step, is
-      significant against the job's own spread of that excess at the false-alarm rate `alpha` per
+      significant against the job's own spread of that excess at the false-alarm rate per
       job (one-sided t, Bonferroni over the workers); confidence is 1 - the adjusted p-value. Two
       steps that disagree by as much as they exceed, or one step, cannot name anyone;
     - replayed: the no-delay replay with only its delays given back is min(launch S of its DP rank,
-      of its stage) times as long, an excess of at least `each` of the whole discrepancy's, and
-      the named workers' excesses add up to at least `share` of it (else: spread, nobody to name);
+      of its stage) times as long, an excess of at least `each` (rules.untraced_each) of the whole
+      discrepancy's, and the named workers' excesses add up to at least `share`
+      (rules.untraced_share) of it (else: spread, nobody to name);
       a slower worker elsewhere can hide it from the replay now: a worker whose untraced time is
       `factor` times its DP peers' in every step (2 x `factor` the other stages' without DP peers)
       counts with that time's share of the step instead, also where the replay has no launch
       attribution (a discrepancy within 5%; then only with DP peers and no pipeline)."""
+    share, factor, each, alpha = rules.untraced_share, rules.untraced_factor, rules.untraced_each, rules.false_alarm
     workers = [(d, p) for d in range(model.dp_size) for p in range(model.pp_size)]
     attributed = result.launch_by_dp_rank is not None and result.launch_by_stage is not None
     alone = model.dp_size == 1

@@ -20,34 +20,76 @@ class CauseError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class CauseRules:
-    """Thresholds of the detectors (see the package docstring); seconds where noted.
+    """Every threshold of the verdicts, stated once, each with where it comes from.
+
+    METHOD.md (the paper's analysis): `straggling` (section 4: a job straggles at S >= 1.1),
+    `worker_mw` (section 5: an individual worker when M_W > 0.5), `stage_ms` (M_S >= 0.5),
+    `stage_row_uniformity` (the "hot last-stage row" signature: the whole row hot, its coolest worker
+    at least half as hot as its hottest, not one hot cell), `comm_share` (communication "dominant":
+    more than half of the slowdown by op type). The 5% replay discrepancy is METHOD's too
+    (result.DISCREPANCY_LIMIT).
+
+    Statistics: `false_alarm`, the rate per job at which the worker, untraced-time, pause and
+    sequence tests may blame a healthy job (a stated choice; Bonferroni over each job's tests);
+    `peer_offset`, the null's persistent offset healthy DP peers keep, measured (RMS of the per-run
+    mean log ratio) on the 22 clean 2-rank runs of the real-stack corpus (tools/real_stacks, CPU,
+    2 processes on 2 cores): a measurement of healthy jobs, never fitted to slowed ones.
+
+    Shares of the straggling threshold (what a cause must be worth to explain a straggling step):
+    `min_explained`, `stage_min_explained`, `gc_min_explained` (a fix removes at least 10% of the
+    straggling time T - T_ideal, i.e. the threshold's own share of it) and `sequence_min_explained`
+    (15%: its fix is a repacking the job may already be near); `comm_excess` (half the threshold's
+    margin, 0.05, summed over the transfer types: what a listed cause's time must cost,
+    pauses.CAUSE_SHARE); `stage_chunk_ratio` (one chunk's compute per microbatch at the threshold's
+    1.1x its median chunk's: the slowest stage paces a pipeline, so that chunk alone makes it
+    straggle); `min_savings` (3%: a fix must save that much of the step's GPU-hours, a stated floor
+    below which a cause is not worth a change; a measured slow worker is named whatever it saves).
+
+    Untraced time (untraced.untraced_workers): a worker's untraced time per step is its own at
+    `untraced_factor` (2x) its DP peers' median in most steps and in its median step (a stated
+    margin: one noisy step of a peer cannot make it); the replay names it when its launch delays
+    are at least `untraced_each` (35%) of the discrepancy and the named workers' together a majority
+    of it (`untraced_share`, 50%).
+
+    Physics, with stated margins (no replay confirms these): `more_work` / `slower_pace` (one DP
+    rank per stage: a chunk running 1.15x the median chunk's recorded operations is a heavier
+    partition, the threshold's 10% plus the loss head's extra operations; one running the usual
+    operations 1.3x slower each is a slow machine), `stage_alarm_ratio` / `worker_alarm_ratio` (in a
+    window the replay cannot confirm, a chunk 1.3x the median's compute, or a stage running its
+    usual work 1.5x slower: three and five times the threshold's margin, as nothing else checks
+    them), GPU-rank GC stalls: `gc_min_stall` (50 ms, below the paper's "hundreds of ms"),
+    `gc_sigma` (a stretched forward's robust z, 8: beyond every ordinary forward of the job by far,
+    its median absolute deviation being per-op jitter) and `gc_max_worker_share` (rotating: no
+    worker holds more than 80% of the stalls, else it is that worker's).
 
     A `*_min_explained` is the share of the straggling time T - T_ideal a cause's fix must
     remove, alone or after every other detected cause is fixed, for the cause to be listed.
     """
 
     straggling: float = STRAGGLING_THRESHOLD
-    false_alarm: float = 0.01            # the worker detector's false-alarm rate per job (workers.py)
-    peer_offset: float = 0.085           # persistent log offset (RMS) healthy DP peers keep beyond their step-to-step
-                                         # jitter: measured on the 22 clean 2-rank runs of the real-stack corpus
-                                         # (tools/real_stacks, CPU, 2 processes on 2 cores); the worker test's null
-    worker_mw: float = 0.5               # M_W rule (one DP rank: no peers to compare with)
-    stage_alarm_ratio: float = 1.3      # a chunk this much heavier is named in a discarded window (measured)
-    worker_alarm_ratio: float = 1.5      # one DP rank: a stage running its usual work this much slower is a slow machine
+    false_alarm: float = 0.01
+    peer_offset: float = 0.085
+    worker_mw: float = 0.5
     stage_ms: float = 0.5
-    stage_chunk_ratio: float = 1.1       # heaviest chunk's compute per microbatch over the median chunk's
+    stage_row_uniformity: float = 0.5
     comm_share: float = 0.5
-    comm_excess: float = 0.05            # sum of S_t - 1 over communication types (mixtures)
-    min_explained: float = 0.1           # worker (peer fix) and communication
-    min_savings: float = 0.03            # ... and a fix must save this share of the step (GPU-hours) alone;
-                                         # a measured slow worker is listed whatever it saves
+    comm_excess: float = 0.05
+    min_explained: float = 0.1
     stage_min_explained: float = 0.1
-    stage_row_uniformity: float = 0.5    # min / max of (S_w - 1) over the last stage (M_S route, dp >= 2)
-    sequence_min_explained: float = 0.15
     gc_min_explained: float = 0.1
+    sequence_min_explained: float = 0.15
+    stage_chunk_ratio: float = 1.1
+    min_savings: float = 0.03
+    more_work: float = 1.15
+    slower_pace: float = 1.3
+    stage_alarm_ratio: float = 1.3
+    worker_alarm_ratio: float = 1.5
     gc_min_stall: float = 0.05           # seconds
     gc_sigma: float = 8.0
     gc_max_worker_share: float = 0.8
+    untraced_factor: float = 2.0
+    untraced_each: float = 0.35
+    untraced_share: float = 0.5
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
