@@ -272,6 +272,42 @@ def test_without_peers_a_stage_slow_in_one_kind_of_work_is_found_by_its_balance(
         assert 0.99 <= tests.slow[0].confidence <= 1.0
 
 
+def test_without_peers_a_stage_slow_in_some_steps_is_named_with_them():
+    """No DP peers, 12 steps, 8% jitter per op: stage 1's forward at 1.8x on odd steps only (its
+    other steps at the usual pace) is an intermittent finding naming those steps, in 18 or more of
+    20 jobs (20 measured), never another stage; the same jobs clean give no finding in 19 or more.
+    Its fix restores the forward in the named steps only. A heavier stage (both kinds 2x in every
+    step) is no intermittent finding: its level does not move between steps."""
+    from transforms.whatif.causes.fixes import at_balance
+
+    job = generate_job(JobSpec(job_id="bi", dp=1, pp=4, microbatches=4, steps=12, sessions=1, seed=3))
+    model = compile_job(job.trace, job.meta, "bi")
+    odd = tuple(range(1, 12, 2))
+    named = quiet = 0
+    for seed in range(20):
+        jittered = _jittered(model, np.random.default_rng(seed), 0.08)
+        quiet += not balance_tests(jittered, 0.01, 1.1, 0.085).slow
+        cost = jittered.original_cost.copy()
+        lanes = np.flatnonzero(np.isin(model.lane_step, model.steps[list(odd)]))
+        rows = np.flatnonzero((model.op_optype == FORWARD) & (model.op_stage == 1))
+        cost[np.ix_(rows, lanes)] *= 1.8
+        slowed = _copy(jittered)
+        slowed.original_cost = cost
+        tests = balance_tests(slowed, 0.01, 1.1, 0.085)
+        assert set(tests.workers()) <= {(0, 1)}
+        if tests.slow and not tests.slow[0].persistent and tests.slow[0].steps == odd:
+            named += 1
+            finding = tests.slow[0]
+            assert finding.kind == "forward" and finding.ratio == pytest.approx(1.8, rel=0.15)
+            fixed = at_balance(slowed, [finding])
+            other = np.setdiff1d(np.arange(model.n_lanes), lanes)
+            assert np.array_equal(fixed[:, other], cost[:, other])
+            assert np.allclose(fixed[np.ix_(rows, lanes)], cost[np.ix_(rows, lanes)] / finding.ratio)
+    assert named >= 18 and quiet >= 19
+    heavy = _stage_slowed(_jittered(model, np.random.default_rng(0), 0.08), 2, (FORWARD, BACKWARD), 2.0)
+    assert not [f for f in balance_tests(heavy, 0.01, 1.1, 0.085).slow if not f.persistent]
+
+
 def test_without_peers_a_heavier_stage_is_not_a_slow_worker(pipeline):
     """Stage 1 with twice the layers (forward and backward both 2x) keeps its balance: no worker is
     blamed, and the test says a stage slow in both kinds cannot be told from a heavier one; a clean

@@ -182,6 +182,8 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSigna
     if model.dp_size == 1 and workers.slow:
         evidence["balance_workers"] = [{"dp_rank": f.worker[0], "stage": f.worker[1], "kind": f.kind, "ratio": f.ratio,
                                         "steps": model.n_steps, "step_indices": list(f.steps),
+                                        "step_numbers": [int(model.steps[s]) for s in f.steps],
+                                        "persistent": f.persistent, "slow_steps": len(f.steps),
                                         "confidence": f.confidence} for f in workers.slow]
     if chunks is not None:
         evidence.update(chunk_ratio=chunks.ratio, heaviest_chunk=[chunks.heaviest_chunk, chunks.heaviest_stage])

@@ -98,6 +98,10 @@ def _worker(evidence: dict, fix: Fix, implicated) -> str:
 def _balance_fact(w: dict) -> str:
     """A stage the balance test blames (workers.balance_tests: no DP peers), in words."""
     other = "backward" if w["kind"] == "forward" else "forward"
+    if not w.get("persistent", True):
+        return (f"stage {w['stage']} (its only DP rank) runs its {w['kind']} {w['ratio']:.2f}x as long as in its other "
+                f"steps, beside the other stages' {w['kind']} in the same steps, {when_slow(w)} (a heavier partition "
+                f"would be heavier in every step)")
     return (f"stage {w['stage']} (its only DP rank) runs its {w['kind']} {w['ratio']:.2f}x as long as its {other} "
             f"implies beside the other stages' balance of backward to forward, in every step (confidence "
             f"{w['confidence']:.2f}; more layers would lengthen both alike)")

@@ -53,12 +53,17 @@ def at_peer_speed(model: JobModel, workers: Sequence[tuple[int, int]], peers: Pe
 def at_balance(model: JobModel, findings) -> np.ndarray:
     """Cost with each finding's slow kind of work (workers.balance_tests: forward, or backward with
     its weight gradients) on its stage divided by its ratio: back at the balance of backward to
-    forward the other stages keep (a pipeline without DP peers)."""
+    forward the other stages keep (a pipeline without DP peers); an intermittent finding's in its
+    named steps only."""
     cost = model.original_cost.copy()
     for finding in findings:
         codes = (FORWARD,) if finding.kind == "forward" else (BACKWARD, OPTYPES.index("backward-weight-compute"))
         ops = np.flatnonzero(np.isin(model.op_optype, codes) & (model.op_stage == finding.worker[1]))
-        cost[ops] /= finding.ratio
+        if finding.persistent:
+            cost[ops] /= finding.ratio
+        else:
+            lanes = np.flatnonzero(np.isin(model.lane_step, model.steps[list(finding.steps)]))
+            cost[np.ix_(ops, lanes)] /= finding.ratio
     return cost
 
 

@@ -32,8 +32,9 @@ one (its slower backward beside a far faster forward is the peer's interference,
   straggle by itself: a 1.2x forward in a compute 1.05x its peers' cannot); the finding says how
   many samples would (`samples_needed`): the job gives "insufficient evidence".
 
-Confidence of a finding: 1 - its Bonferroni-adjusted p-value. Without DP peers there is nothing
-to test against: `limits` says so.
+Confidence of a finding: 1 - its Bonferroni-adjusted p-value. Without DP peers a pipeline's
+stages are tested by physics instead (`balance_tests`: a stage's balance of backward to forward
+against the other stages', and a slow level in some steps against its own other steps).
 """
 from __future__ import annotations
 
@@ -269,7 +270,8 @@ def balance_tests(model: JobModel, alpha: float = 0.01, floor: float = STRAGGLIN
     at `alpha`), and that departure accounts for its lead: with the kind at the others' balance its
     compute would be within `floor` of theirs. The finding's ratio is how much slower that kind runs
     than its balance implies. A stage slow in both kinds alike keeps its balance and cannot be told
-    from a heavier one: `limits` says so."""
+    from a heavier one: `limits` says so. A stage without a persistent finding is tested for a slow
+    level in some steps against its own other steps (`_balance_levels`: intermittent, named steps)."""
     limit = "one DP rank per stage: a stage slow in forward and backward alike cannot be told from a heavier one"
     if model.dp_size != 1 or model.pp_size < 2 or model.n_steps < 2:
         return _empty(alpha, floor, "one DP rank per stage: no peers doing the same work to compare a worker with", False)
@@ -306,8 +308,42 @@ def balance_tests(model: JobModel, alpha: float = 0.01, floor: float = STRAGGLIN
         else:
             undecided.append(dataclasses.replace(finding, samples_needed=_samples_needed(
                 abs(effect), sigma, offset, df, alpha / len(stages), n)))
-    return WorkerTests(alpha, floor, sigma, df, len(stages), "step", tuple(sorted(slow, key=lambda f: -f.ratio)),
-                       tuple(undecided), (limit,), False, offset)
+    found = {f.worker for f in slow}
+    for stage in stages.tolist():
+        if (0, stage) not in found:
+            slow.extend(_balance_levels(stage_of, stage, f, b, len(stages), alpha, floor))
+    slow.sort(key=lambda f: (not f.persistent, -f.ratio))
+    return WorkerTests(alpha, floor, sigma, df, len(stages), "step", tuple(slow),
+                       tuple(u for u in undecided if u.worker not in {f.worker for f in slow}), (limit,), False, offset)
+
+
+def _balance_levels(stage_of: np.ndarray, stage: int, f: np.ndarray, b: np.ndarray, stages: int,
+                    alpha: float, floor: float) -> list[WorkerFinding]:
+    """A stage without DP peers slow in some steps only (intermittent): per step and kind of work,
+    its time against the other stages' same work in the same step (what slows a whole step, a
+    busy host, moves every stage alike and cancels; a heavier partition is heavier in every step
+    and cancels in the split), split into a slow level and a usual one by `_level_shift` (its null
+    simulated for the steps, its noise the spread within the two levels), forward and backward each
+    a test, Bonferroni over the stages (one for two stages: they mirror each other). Blamed when the
+    slow level lies the `floor` ratio above the usual one and, in those steps, the stage leads the
+    pipeline by `floor` (the slowest stage paces it)."""
+    mine, rest = stage_of == stage, stage_of != stage
+    compute = (f + b)[mine].sum(axis=0)
+    others = np.median(np.stack([(f + b)[stage_of == p].sum(axis=0) for p in distinct(stage_of[rest])]), axis=0)
+    out = []
+    for kind, work in (("forward", f), ("backward", b)):
+        mine_log = np.log(work[mine].sum(axis=0))
+        rest_log = np.median(np.stack([np.log(work[stage_of == p].sum(axis=0)) for p in distinct(stage_of[rest])]), axis=0)
+        e = mine_log - rest_log
+        found = _level_shift(e - float(median(e)), 0.0, 0, 2 * (1 if stages == 2 else stages), alpha, -math.inf)
+        if found is None:
+            continue
+        hit, p_value = found
+        shift = float(e[hit].mean() - e[~hit].mean())
+        if shift >= math.log(floor) and float(median(compute[hit] / others[hit])) >= floor:
+            out.append(WorkerFinding((0, stage), kind, math.exp(shift), tuple(np.flatnonzero(hit).tolist()), False,
+                                     p_value, len(e)))
+    return sorted(out, key=lambda f: f.p_value)[:1]
 
 
 def _healthy_offset(level: np.ndarray, count: np.ndarray, sigma: float, offset: float) -> float:
@@ -466,8 +502,9 @@ def _draws(tests: int, alpha: float) -> int:
 
 def _null_df(rest_df: int) -> int:
     """The other comparisons' degrees of freedom the null is simulated with: the largest power of two
-    not above them. Fewer degrees of freedom make a wider null (conservative), and jobs share it."""
-    return 1 << max(int(rest_df).bit_length() - 1, 0)
+    not above them (0 without any). Fewer degrees of freedom make a wider null (conservative), and
+    jobs share it."""
+    return 1 << (int(rest_df).bit_length() - 1) if rest_df > 0 else 0
 
 
 @functools.lru_cache(maxsize=64)
@@ -476,7 +513,7 @@ def _level_shift_null(n: int, rest_df: int, draws: int) -> np.ndarray:
     freedom, over `draws` simulated jobs, sorted. Seeded: one job always gets the same p-value."""
     rng = np.random.default_rng(n * 100_003 + rest_df)
     values = -np.sort(-rng.standard_normal((draws, n)), axis=1)
-    return np.sort(_split_t(values, rng.chisquare(rest_df, draws), rest_df)[0])
+    return np.sort(_split_t(values, rng.chisquare(rest_df, draws) if rest_df > 0 else np.zeros(draws), rest_df)[0])
 
 
 def _t_for(tail: float, df: int) -> float:
