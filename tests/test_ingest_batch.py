@@ -126,7 +126,7 @@ def test_tables_equal_the_converter_and_engine_on_the_same_files(raw_run, raw_la
         assert row["n_ops"] == converted.trace.num_rows
         assert row["source_format"] == job.raw_format
         assert row["source"] and ("torch.profiler" in row["source"] or "NDTimeline" in row["source"])
-    assert summary["slowed"]["cause"] == "individual-worker"
+    assert summary["slowed"]["cause"] == "python-gc"   # rank 1 sleeps in every forward: pauses, not slower ops
     workers = read_table(out, "worker_attribution").to_pandas()
     slowed = workers[workers.job_id == "slowed"].set_index(["dp_rank", "stage"])
     assert slowed.loc[(1, 0), "rank"] == 1 and bool(slowed.loc[(1, 0), "in_mw_set"])

@@ -94,7 +94,10 @@ def test_clean_run_replays_within_five_percent_and_straggles_little(analysed):
 def test_slowed_worker_is_found_everywhere(analysed, run):
     """Rank 1 (dp 1, stage 0) runs its forward matmuls 6x (compute) or sleeps 40 ms in each
     forward: S > 1.1, dp 1 and stage 0 top the attributions, the M_W set is that worker, and the
-    verdict blames its rank."""
+    verdict blames its rank. Extra matmuls are a slow worker; a stretch with no op at all in every
+    forward is no slower compute (the worker test measures the ops, which run at its peers' pace)
+    but a pause at its forwards, which without a GC record the collector rule calls python-gc
+    (its sentence says the OS preempting it looks the same)."""
     made = provenance(run)
     slow = (made["slow_rank_coords"]["dp"], made["slow_rank_coords"]["pp"])
     assert slow == (1, 0) and made["slow_rank"] == 1
@@ -105,10 +108,15 @@ def test_slowed_worker_is_found_everywhere(analysed, run):
     assert max(result.by_stage, key=result.by_stage.get) == slow[1]
     assert max(result.by_optype, key=result.by_optype.get) == "forward-compute"
     assert result.mw.workers == [slow] and result.mw.rem > 0.5
-    assert verdict.cause == "individual-worker" and slow in verdict.implicated_workers
+    cause = "python-gc" if run.endswith("-sleep") else "individual-worker"
+    assert verdict.cause == cause and verdict.implicated_workers == [slow]
     assert int(result.worker_rank[slow]) == made["slow_rank"]
-    fix = verdict.fixes["individual-worker"]
-    assert fix.fixed_slowdown < result.slowdown and fix.explained > 0.5
+    fix = verdict.fixes[cause]
+    if cause == "individual-worker":
+        assert fix.fixed_slowdown < result.slowdown and fix.explained > 0.5
+    else:   # measured against what ran: the pauses taken out of every step
+        assert fix.measured and fix.savings_fraction > 0.1
+        assert "individual-worker" not in verdict.causes
 
 
 def test_extra_compute_on_one_rank_shows_in_its_forward(analysed):
@@ -184,9 +192,9 @@ def test_analyze_command_on_a_folder_of_rank_traces(tmp_path, capsys):
     assert analyze_cli.run(["--format", "kineto", str(folder), "--json", str(out_json)]) == 0
     printed = capsys.readouterr().out
     assert "source: " in printed and "torch.profiler" in printed and "4 ranks on cpu" in printed
-    assert "verdict: individual-worker" in printed and "dp 1 / stage 0 (rank 1)" in printed
+    assert "verdict: python-gc" in printed and "dp 1 / stage 0 (rank 1)" in printed   # its forwards' pauses
     written = json.loads(out_json.read_text())
-    assert written["blocking_slowdown"] > 1.1 and written["verdict"]["cause"] == "individual-worker"
+    assert written["blocking_slowdown"] > 1.1 and written["verdict"]["cause"] == "python-gc"
     assert written["source"]["format"] == "kineto"
 
 
@@ -196,7 +204,7 @@ def test_analyze_tells_the_format_from_the_file_names(run, tmp_path, capsys):
     (PROVENANCE.json beside the traces is set aside, not taken for a trace format of its own)."""
     assert analyze_cli.run([str(DATA / run), "--json", str(tmp_path / "told.json")]) == 0
     told = capsys.readouterr().out
-    assert "source: " in told and "torch.profiler" in told and "verdict: individual-worker" in told
+    assert "source: " in told and "torch.profiler" in told and "verdict: python-gc" in told
     assert analyze_cli.run(["--format", "kineto", str(DATA / run), "--json", str(tmp_path / "given.json")]) == 0
     capsys.readouterr()
     assert (tmp_path / "told.json").read_text() == (tmp_path / "given.json").read_text()
