@@ -1016,7 +1016,7 @@ def analyze_and_classify(trace: pa.Table, meta: JobMeta, job_id: str = "", *, ru
         replayed = time.perf_counter()
         verdict = classify(model, result, workload=sequence_workload(trace, model), rules=rules,
                            paired=None if paired is None else paired.result(), work=chunk_work(trace, model),
-                           one_host=ran_on_one_host(trace))
+                           one_host=bool(meta.host_compute) and ran_on_one_host(trace))
     # where the seconds went (Verdict.timings): the graph compiled, METHOD's replays, the causes
     # (their signals, batched fix replays and tests; a signal thread's overlap with the replays is not counted twice)
     verdict.timings.update(compile=compiled - started, replay=replayed - compiled, causes=time.perf_counter() - replayed)
