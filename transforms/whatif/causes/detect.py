@@ -13,7 +13,7 @@ import transforms.whatif.causes.explain as explain
 from transforms.whatif.causes.fixes import (at_balance, at_peer_speed, compose, planned_gc_seconds, rebalanced_stages, typical_transfers,
                                            without_pauses)
 from transforms.whatif.causes.jitter import jitter_null
-from transforms.whatif.causes.pauses import find_pauses, inside_compute
+from transforms.whatif.causes.pauses import CAUSE_SHARE, find_pauses, inside_compute
 from transforms.whatif.causes.sequences import BACKWARD, FORWARD, SequenceWorkload, even_sequences, repacked_sequences, sequence_workload
 from transforms.whatif.causes.signals import (
     ChunkBalance,
@@ -631,7 +631,7 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     # large beside its peers' and hidden behind a slower worker: a cause of its own once it
     # costs a share of the step worth a cause (half the straggling threshold)
     untraced = [u for u in untraced_workers(model, result, rules)
-                if max(u[1] or 0.0, u[2]) >= 0.5 * (rules.straggling - 1.0)]
+                if max(u[1] or 0.0, u[2]) >= CAUSE_SHARE * (rules.straggling - 1.0)]
     if untraced and (primary != "none" or (straggling and evidence.get("localised") is False)):
         # straggling yet spread (collectives that wait for the paused worker stretch over every
         # rank) or unexplained: the worker whose untraced time the others wait for is the cause
