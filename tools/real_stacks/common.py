@@ -160,14 +160,14 @@ def _spread(n_blocks: int, total: float) -> list[int]:
     return [math.floor((i + 1) * total + 1e-9) - math.floor(i * total + 1e-9) for i in range(n_blocks)]
 
 
-OPTIMIZER_STEPS = {"done": 0, "optimizer": None}
+OPTIMIZER_STEPS = {"done": 0, "optimizer": None, "hooked": False}
 
 
 def count_optimizer_steps() -> None:
     """Count the optimizer steps this process completes (OPTIMIZER_STEPS["done"]), with torch's
     global optimizer step post-hook; only the first optimizer that steps counts (a process with
     several steps them together). Idempotent."""
-    if OPTIMIZER_STEPS.get("hooked"):
+    if OPTIMIZER_STEPS["hooked"]:
         return
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -188,7 +188,7 @@ class BlockSlowdown:
     DDP / FSDP2 wrap the model; no hooks on it), so it needs no FSDP2 all-gather and never recurses,
     and the training math is unchanged: only this rank's wall time grows, by real aten ops inside
     the forward (fwd) or inside the backward (bwd). odd: only on odd optimizer steps, as counted by
-    `optimizer_steps` (the steps the first optimizer of the process completed: Lightning's closure,
+    `count_optimizer_steps` (the steps the first optimizer of the process completed: Lightning's closure,
     HF's Trainer, Accelerate's accumulation, the pipeline schedules all end a step there; counting
     a block's forwards instead miscounts wherever a stack runs extra grad-enabled forwards)."""
 

@@ -13,7 +13,7 @@ import transforms.whatif.causes.explain as explain
 from transforms.whatif.causes.fixes import (at_balance, at_peer_speed, compose, planned_gc_seconds, rebalanced_stages, typical_transfers,
                                            without_pauses)
 from transforms.whatif.causes.jitter import jitter_null
-from transforms.whatif.causes.pauses import CAUSE_SHARE, find_pauses, inside_compute
+from transforms.whatif.causes.pauses import CAUSE_SHARE, find_pauses, idle_inside_compute, inside_compute
 from transforms.whatif.causes.sequences import BACKWARD, FORWARD, SequenceWorkload, even_sequences, repacked_sequences, sequence_workload
 from transforms.whatif.causes.signals import (
     ChunkBalance,
@@ -40,13 +40,12 @@ from transforms.whatif.model import JobModel, compile_job, distinct, median
 from transforms.whatif.replay import Mix, Scenario, replay, replay_thread_count
 from transforms.whatif.result import STRAGGLING_THRESHOLD, JobMeta, WhatIfResult
 from schemas.causes import FIX_NAMES
-from schemas.trace import COMPUTE_OPTYPES, OPTYPES
+from schemas.trace import COMPUTE_OPTYPES
 
 __all__ = ["classify", "analyze_and_classify", "COMPUTE_GROUPS"]
 
 # Attribution groups that are not communication (WhatIfResult.by_optype keys).
 COMPUTE_GROUPS = frozenset({*COMPUTE_OPTYPES, "optimizer", "gc"})
-_COMPUTE_CODES = [OPTYPES.index(name) for name in COMPUTE_OPTYPES]
 
 
 @dataclasses.dataclass
@@ -197,10 +196,10 @@ def _untraced_inside_compute(model: JobModel, rules: CauseRules) -> np.ndarray |
     stopped (the collector, one or many times a step) or the OS, never slower compute, so the worker
     test measures the compute without it. None without either record."""
     pauses = find_pauses(model, rules.false_alarm, rules.straggling)
-    if pauses.recorded or model.idle_within is None:
+    idle = idle_inside_compute(model)
+    if pauses.recorded or idle is None:
         return inside_compute(model, pauses)
-    out = np.where(np.isin(model.op_optype, _COMPUTE_CODES)[:, None], np.nan_to_num(model.idle_within), 0.0)
-    return out if out.any() else None
+    return idle if idle.any() else None
 
 
 def _peer_entry(model: JobModel, workers: WorkerTests, peers: PeerComparison, d: int, p: int) -> dict:
@@ -283,12 +282,8 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
     if blamed and signals.peers is None:   # one DP rank per stage: the slow kind back at the others' balance
         costs["worker-balance"] = at_balance(model, signals.workers.slow)
     elif blamed:
-        gc_paused = None
-        if signals.gc is not None and len(signals.forward):   # GC pauses are python-gc's to remove
-            gc_paused = np.zeros(model.original_cost.shape, dtype=bool)
-            rows, lanes = np.nonzero(signals.gc.pauses)
-            gc_paused[signals.forward[rows, lanes], lanes] = True
-        costs["worker-peer"] = at_peer_speed(model, blamed, signals.peers, gc_paused, _intermittent_steps(signals.workers))
+        costs["worker-peer"] = at_peer_speed(model, blamed, signals.peers, _gc_paused(model, signals.forward, signals.gc),
+                                             _intermittent_steps(signals.workers))
     if len(signals.forward):
         costs["sequence"] = even_sequences(model)
         costs["gc"] = without_pauses(model, signals.forward, signals.gc, rules.gc_min_stall)
@@ -299,6 +294,17 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
             evidence.update(sequence_evidence)
             evidence["workload_forward_r"] = pearson(take(workload.op_workload, signals.forward), take(original, signals.forward))
     return costs
+
+
+def _gc_paused(model: JobModel, forward: np.ndarray, gc) -> np.ndarray | None:
+    """[op, lane] mask of the forwards GC stalled (signals.gc_stalls): python-gc's to remove, not the
+    worker's; None without stall signals."""
+    if gc is None or not len(forward):
+        return None
+    out = np.zeros(model.original_cost.shape, dtype=bool)
+    rows, lanes = np.nonzero(gc.pauses)
+    out[forward[rows, lanes], lanes] = True
+    return out
 
 
 def _intermittent_steps(workers: WorkerTests) -> dict[tuple[int, int, str], tuple[int, ...]]:
@@ -695,12 +701,8 @@ def _unattributed_worker(model: JobModel, result: WhatIfResult, rules: CauseRule
     if paired.peers is None:
         cost, scenario = at_balance(model, paired.workers.slow), "worker-balance"
     else:
-        gc_paused = None
-        if paired.gc is not None and len(paired.forward):
-            gc_paused = np.zeros(model.original_cost.shape, dtype=bool)
-            rows, lanes = np.nonzero(paired.gc.pauses)
-            gc_paused[paired.forward[rows, lanes], lanes] = True
-        cost, scenario = at_peer_speed(model, blamed, paired.peers, gc_paused, _intermittent_steps(paired.workers)), "worker-peer"
+        cost, scenario = at_peer_speed(model, blamed, paired.peers, _gc_paused(model, paired.forward, paired.gc),
+                                       _intermittent_steps(paired.workers)), "worker-peer"
     fixed = replay(model, [Scenario(scenario, cost)]).span(scenario)
     tori, slowdown = float(result.step_t_nodelay.mean()), float(result.slowdown)
     t = float(fixed.mean())

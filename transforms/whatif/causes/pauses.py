@@ -40,7 +40,7 @@ from schemas.trace import COMPUTE_OPTYPES, DP_COMM_OPTYPES, IN_COMPUTE_OPTYPES, 
 # (half of METHOD.md's 10%: a cause explains part of a straggling step, not all of it)
 CAUSE_SHARE = 0.5
 
-__all__ = ["CAUSE_SHARE", "p2p_partner", "untraced_gaps", "untraced_time", "Pauses", "find_pauses", "recurring",
+__all__ = ["CAUSE_SHARE", "p2p_partner", "untraced_gaps", "untraced_time", "idle_inside_compute", "Pauses", "find_pauses", "recurring",
            "at_forwards", "collector", "pause_fix", "pause_confidence", "inside_compute"]
 
 _RECV = [OPTYPES.index("forward-recv"), OPTYPES.index("backward-recv")]
@@ -148,12 +148,25 @@ def _stage_gaps(model: JobModel, stage: int, partner: np.ndarray
 def untraced_time(model: JobModel, dp: int, stage: int, partner: np.ndarray | None = None) -> np.ndarray:
     """Seconds per step worker (dp, stage) spends in untraced time: the gaps between its ops
     (`untraced_gaps`, data loading included) and the stretches inside its compute ops in which its
-    thread ran no traced op (`idle_within`: Python stopped mid-forward is no compute either)."""
+    thread ran no traced op (`idle_inside_compute`: Python stopped mid-forward is no compute either)."""
     ops, gaps, _, _ = untraced_gaps(model, dp, stage, partner)
-    if model.idle_within is None or not len(ops):
+    inner = idle_inside_compute(model)
+    if inner is None or not len(ops):
         return gaps.sum(axis=0)
-    inner = model.idle_within[np.ix_(ops, np.flatnonzero(model.lane_dp == dp))]
-    return gaps.sum(axis=0) + np.where(np.isin(model.op_optype[ops], _COMPUTE)[:, None], np.nan_to_num(inner), 0.0).sum(axis=0)
+    return gaps.sum(axis=0) + inner[np.ix_(ops, np.flatnonzero(model.lane_dp == dp))].sum(axis=0)
+
+
+def idle_inside_compute(model: JobModel) -> np.ndarray | None:
+    """[op, lane] seconds of the longest stretch inside each compute op in which its thread ran no
+    traced op (the trace's `idle_within`; 0 for other ops); None when the trace has no such record
+    (GPU ranks). Computed once per model."""
+    if model.idle_within is None:
+        return None
+    cached = model.__dict__.get("_idle_inside_compute")
+    if cached is None:
+        cached = np.where(np.isin(model.op_optype, _COMPUTE)[:, None], np.nan_to_num(model.idle_within), 0.0)
+        model.__dict__["_idle_inside_compute"] = cached
+    return cached
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +174,7 @@ class Pauses:
     """Untraced time per worker and step ([pp, n_steps, dp] seconds): `untraced` outside data
     loading, `data` inside DataLoader fetches, `largest` the largest single non-data gap; `cells`:
     the (dp, stage, step index) pauses with their excess over the job's usual largest gap
-    (`typical`: the sum of its pauses' excesses), `limit` the size a single pause must exceed;
+    (`typical`), summed over the cell's pauses; `limit` the size a single pause must exceed;
     `where`: every pause's (op, lane), the op it ends at (a gap before the op) or falls inside (a
     compute op's `idle_within`: `inside` is true for those), cell by cell.
     recorded: the trainer recorded its garbage collections (`gc_wait`): the cells are then the
@@ -258,7 +271,7 @@ def _find_pauses(model: JobModel, alpha: float, straggling: float, partner: np.n
         typical = float(median(values[usual])) if usual.any() else 0.0
         spread = 1.4826 * float(median(np.abs(values[usual] - typical))) if usual.any() else 0.0
         excess, hits = _pauses_beyond(gaps_of, shape, typical + z * spread, typical)
-        paused = excess >= max(floor, 0.0) if floor > 0 else excess > 0
+        paused = excess >= floor if floor > 0 else excess > 0
         if found is not None and np.array_equal(paused, found):
             break
         found = paused

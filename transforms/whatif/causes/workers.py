@@ -313,8 +313,9 @@ def balance_tests(model: JobModel, alpha: float = 0.01, floor: float = STRAGGLIN
         if (0, stage) not in found:
             slow.extend(_balance_levels(stage_of, stage, f, b, len(stages), alpha, floor))
     slow.sort(key=lambda f: (not f.persistent, -f.ratio))
+    blamed = {f.worker for f in slow}
     return WorkerTests(alpha, floor, sigma, df, len(stages), "step", tuple(slow),
-                       tuple(u for u in undecided if u.worker not in {f.worker for f in slow}), (limit,), False, offset)
+                       tuple(u for u in undecided if u.worker not in blamed), (limit,), False, offset)
 
 
 def _balance_levels(stage_of: np.ndarray, stage: int, f: np.ndarray, b: np.ndarray, stages: int,
@@ -327,14 +328,16 @@ def _balance_levels(stage_of: np.ndarray, stage: int, f: np.ndarray, b: np.ndarr
     a test, Bonferroni over the stages (one for two stages: they mirror each other). Blamed when the
     slow level lies the `floor` ratio above the usual one and, in those steps, the stage leads the
     pipeline by `floor` (the slowest stage paces it)."""
-    mine, rest = stage_of == stage, stage_of != stage
+    mine, other_stages = stage_of == stage, distinct(stage_of[stage_of != stage])
+
+    def per_stage(work: np.ndarray) -> np.ndarray:   # [other stage, step] sums of its chunks
+        return np.stack([work[stage_of == p].sum(axis=0) for p in other_stages])
+
     compute = (f + b)[mine].sum(axis=0)
-    others = np.median(np.stack([(f + b)[stage_of == p].sum(axis=0) for p in distinct(stage_of[rest])]), axis=0)
+    others = np.median(per_stage(f + b), axis=0)
     out = []
     for kind, work in (("forward", f), ("backward", b)):
-        mine_log = np.log(work[mine].sum(axis=0))
-        rest_log = np.median(np.stack([np.log(work[stage_of == p].sum(axis=0)) for p in distinct(stage_of[rest])]), axis=0)
-        e = mine_log - rest_log
+        e = np.log(work[mine].sum(axis=0)) - np.median(np.log(per_stage(work)), axis=0)
         found = _level_shift(e - float(median(e)), 0.0, 0, 2 * (1 if stages == 2 else stages), alpha, -math.inf)
         if found is None:
             continue
@@ -377,19 +380,30 @@ def _intermittent(effect: np.ndarray, ss: np.ndarray, dfs: np.ndarray, cell: tup
     Bonferroni): a single spike (`_spike`) and a slow level over two steps or more (`_level_shift`);
     both take the noise of every *other* comparison of the job (its own swings do not widen the
     null it is tested against)."""
-    k, p, d = cell
-    own = (k, p, min(d, families - 1))
-    rest_df = int(dfs.sum() - dfs[own])
+    rest_ss, rest_df = _rest_noise(ss, dfs, cell, families)
     if rest_df < 1:
         return None
-    rest_ss = float(ss.sum() - ss[own])
+    k, p, d = cell
     e = effect[k, p, :, d]
-    # two DP ranks mirror each other: the split t of one is the other's, so the pair is one level
-    # test (the threshold picks its slow side); a spike up of one is a distinct event from the other's
-    levels = n_tests // 2 if families == 1 else n_tests
+    # a spike up of one of two mirrored DP ranks is a distinct event from the other's: every test counts
     found = [f for f in (_spike(e, rest_ss, rest_df, 2 * n_tests, alpha, limit),
-                         _level_shift(e, rest_ss, rest_df, 2 * levels, alpha, limit)) if f is not None]
+                         _level_shift(e, rest_ss, rest_df, 2 * _level_tests(n_tests, families), alpha, limit))
+             if f is not None]
     return max(found, key=lambda f: (int(f[0].sum()), -f[1])) if found else None
+
+
+def _rest_noise(ss: np.ndarray, dfs: np.ndarray, cell: tuple[int, int, int], families: int) -> tuple[float, int]:
+    """(sum of squares, degrees of freedom) of every comparison of the job but this cell's: the
+    noise a worker's own samples are tested against (its own swings do not widen it)."""
+    k, p, d = cell
+    own = (k, p, min(d, families - 1))
+    return float(ss.sum() - ss[own]), int(dfs.sum() - dfs[own])
+
+
+def _level_tests(n_tests: int, families: int) -> int:
+    """Level tests of a job: two DP ranks mirror each other, the split t of one is the other's, so
+    the pair is one level test (the threshold picks its slow side)."""
+    return n_tests // 2 if families == 1 else n_tests
 
 
 def _two_levels(effect: np.ndarray, ss: np.ndarray, dfs: np.ndarray, cell: tuple[int, int, int], families: int,
@@ -399,14 +413,12 @@ def _two_levels(effect: np.ndarray, ss: np.ndarray, dfs: np.ndarray, cell: tuple
     and a usual one, and the usual one is at its peers' pace (median below the threshold); None
     when it is slow throughout. Half the steps slow is both "most" and "some": the steps named
     are the ones the split finds, not the ones a noisy sample happens to lift past the threshold."""
-    k, p, d = cell
-    own = (k, p, min(d, families - 1))
-    rest_df = int(dfs.sum() - dfs[own])
+    rest_ss, rest_df = _rest_noise(ss, dfs, cell, families)
     if rest_df < 1:
         return None
+    k, p, d = cell
     e = effect[k, p, :, d]
-    levels = n_tests // 2 if families == 1 else n_tests
-    found = _level_shift(e, float(ss.sum() - ss[own]), rest_df, 2 * levels, alpha, limit)
+    found = _level_shift(e, rest_ss, rest_df, 2 * _level_tests(n_tests, families), alpha, limit)
     if found is None:
         return None
     usual = np.isfinite(e) & ~found[0]
