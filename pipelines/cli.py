@@ -15,11 +15,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import datetime as dt
 
-# One BLAS thread, unless the user says otherwise, set before anything imports numpy: strag's
-# numeric work is sorts, gathers and elementwise passes (no large matrix products), and its
-# parallelism is worker processes, which a BLAS pool per process would oversubscribe.
-# OpenBLAS also starts its pool at import: ~50 ms of every command on this 2-core machine.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# Process settings numpy reads at import (OPENBLAS_NUM_THREADS, NUMPY_MADVISE_HUGEPAGE) are set by
+# the `pipelines` package, imported before this module.
 
 __all__ = ["main", "console", "COMMANDS", "date_argument"]
 

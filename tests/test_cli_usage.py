@@ -111,6 +111,26 @@ def test_one_blas_thread_unless_the_user_sets_it(given, expected):
     assert out.stdout.strip() == expected, out.stderr
 
 
+@pytest.mark.parametrize("given", [None, "1"])
+def test_no_huge_page_requests_where_they_stall(given):
+    """numpy asks for transparent huge pages on large arrays unless NUMPY_MADVISE_HUGEPAGE=0;
+    where the kernel compacts memory synchronously for such requests (THP defrag always / madvise
+    / defer+madvise, read from /sys), the `pipelines` package turns that off before numpy loads,
+    and keeps a user's own setting. numpy's own flag is read back from the loaded numpy."""
+    import pipelines
+
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1])}
+    env.pop("NUMPY_MADVISE_HUGEPAGE", None)
+    if given is not None:
+        env["NUMPY_MADVISE_HUGEPAGE"] = given
+    probe = ("import pipelines.batch, os, numpy; from numpy._core.multiarray import _get_madvise_hugepage as get; "
+             "print(os.environ.get('NUMPY_MADVISE_HUGEPAGE'), get())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    stall = pipelines._hugepages_stall()
+    expected = {None: ("0 False" if stall else "None True"), "1": "1 True"}[given]
+    assert out.stdout.strip() == expected, out.stderr
+
+
 def test_a_closed_pipe_ends_the_command_quietly(reference_dir):
     """`strag analyze ... | head -1`: once the reader is gone the command stops with the shell's
     SIGPIPE status (141) and no traceback."""
