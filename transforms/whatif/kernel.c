@@ -63,10 +63,14 @@ static void add_values(double *out, const double *in, double *restrict high, int
    starts / ends ([n_ops, n_steps * dp]) when starts_out and ends_out are not NULL.
    workspace: (2 * n_ops + 5) * block * dp doubles of scratch, the caller's to reuse from one
    scenario to the next (fresh memory for every scenario costs a page fault per 4 KiB, as
-   much time as the replay itself on a trace the size of AR). */
+   much time as the replay itself on a trace the size of AR).
+   track[op]: bit 1, its starts count toward the earliest start of the step; bit 2, its ends
+   toward the latest end. Every op in general; with no negative cost or delay, the sources and
+   the sinks suffice (an op starts no earlier than its predecessors end, and ends no earlier than
+   it starts: min and max are exact), two passes per op fewer. */
 void strag_replay(int64_t n_ops, const int64_t *pred_ptr, const int64_t *pred_index,
                  int64_t n_levels, const int64_t *bounds, const int64_t *group_end,
-                 const uint8_t *synced, const uint8_t *optimizer,
+                 const uint8_t *synced, const uint8_t *optimizer, const uint8_t *track,
                  int64_t n_steps, int64_t dp, int64_t block,
                  const double *cost_base, const double *cost_alt, const uint8_t *cost_where,
                  const double *delay_base, const double *delay_alt, const uint8_t *delay_where,
@@ -101,14 +105,15 @@ void strag_replay(int64_t n_ops, const int64_t *pred_ptr, const int64_t *pred_in
                 if (has_delay)
                     add_values(row, row, NULL, op, first_lane, w, delay_base, dims[6], dims[7], delay_alt, dims[8],
                                dims[9], delay_where, dims[10], dims[11]);
-                for (int64_t j = 0; j < w; j++) low[j] = row[j] < low[j] ? row[j] : low[j];
+                if (track[op] & 1)
+                    for (int64_t j = 0; j < w; j++) low[j] = row[j] < low[j] ? row[j] : low[j];
             }
             for (int64_t op = lo; op < hi; op = group_end[op]) {  /* ends, one group (or own op) at a time */
                 int64_t stop = group_end[op];
                 const double *restrict first = starts + op * width;
                 if (stop == op + 1 && !synced[op]) {               /* an op on its own: end = start + cost */
                     double *restrict out = ends + op * width;
-                    add_values(out, first, high, op, first_lane, w, cost_base, dims[0], dims[1], cost_alt, dims[2],
+                    add_values(out, first, track[op] & 2 ? high : NULL, op, first_lane, w, cost_base, dims[0], dims[1], cost_alt, dims[2],
                                dims[3], cost_where, dims[4], dims[5]);
                     if (optimizer[op])
                         for (int64_t j = 0; j < w; j++) top[j] = out[j] > top[j] ? out[j] : top[j];
@@ -128,7 +133,7 @@ void strag_replay(int64_t n_ops, const int64_t *pred_ptr, const int64_t *pred_in
                 }
                 for (int64_t member = op; member < stop; member++) {
                     double *restrict out = ends + member * width;
-                    add_values(out, latest, high, member, first_lane, w, cost_base, dims[0], dims[1], cost_alt, dims[2],
+                    add_values(out, latest, track[member] & 2 ? high : NULL, member, first_lane, w, cost_base, dims[0], dims[1], cost_alt, dims[2],
                                dims[3], cost_where, dims[4], dims[5]);
                     if (optimizer[member])
                         for (int64_t j = 0; j < w; j++) top[j] = out[j] > top[j] ? out[j] : top[j];

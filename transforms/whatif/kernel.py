@@ -63,7 +63,7 @@ KernelBuildError, KernelRefused = LibraryBuildError, LibraryRefused   # the name
 def _declare(library) -> None:
     function = library.strag_replay
     function.restype = None
-    function.argtypes = ([ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4
+    function.argtypes = ([ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5
                          + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 7 + [ctypes.c_int] + [ctypes.c_void_p] * 5)
     library.strag_repack.restype = ctypes.c_int
     library.strag_repack.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 6
@@ -98,9 +98,12 @@ def _load() -> ctypes.CDLL:
 
 def op_layout(model) -> tuple[np.ndarray, ...]:
     """The model's graph as the kernel reads it: (pred_ptr, pred_index, level bounds
-    [n_levels + 1], group end [n_ops], synced [n_ops], optimizer [n_ops]). A group's members
-    are contiguous in replay order, so each op records where its group ends (its own op + 1
-    outside groups); the first member stands for the group."""
+    [n_levels + 1], group end [n_ops], synced [n_ops], optimizer [n_ops], track [n_ops], track
+    without negative values [n_ops]). A group's members are contiguous in replay order, so each op
+    records where its group ends (its own op + 1 outside groups); the first member stands for the
+    group. track (kernel.c): every op's starts and ends count toward a step's earliest start and
+    latest end (3); where no cost or delay is negative, only the sources' starts (1) and the ends of
+    the ops no other op waits for (2) can be the earliest and the latest."""
     pred_ptr = np.ascontiguousarray(model.pred_ptr, dtype=np.int64)
     pred_index = np.ascontiguousarray(model.pred_index, dtype=np.int64)
     bounds = np.array([level.lo for level in model.levels] + [model.n_ops], dtype=np.int64)
@@ -114,7 +117,13 @@ def op_layout(model) -> tuple[np.ndarray, ...]:
     synced[members] = model.group_synced[group[members]]
     optimizer = np.zeros(model.n_ops, dtype=np.uint8)
     optimizer[model.optimizer_ops] = 1
-    return pred_ptr, pred_index, bounds, group_end, synced, optimizer
+    every = np.full(model.n_ops, 3, dtype=np.uint8)
+    bounded = np.zeros(model.n_ops, dtype=np.uint8)
+    bounded[model.source_ops] |= 1
+    waited_for = np.zeros(model.n_ops + 1, dtype=bool)
+    waited_for[pred_index[pred_index < model.n_ops]] = True
+    bounded[~waited_for[:model.n_ops]] |= 2
+    return pred_ptr, pred_index, bounds, group_end, synced, optimizer, every, bounded
 
 
 def canonical(values, dtype, shape: tuple[int, int]) -> np.ndarray:
@@ -130,13 +139,14 @@ def canonical(values, dtype, shape: tuple[int, int]) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def replay_scenario(model, layout, n_steps: int, dp: int, parts, keep: bool):
+def replay_scenario(model, layout, n_steps: int, dp: int, parts, keep: bool, nonnegative: bool = False):
     """One scenario over n_steps x dp lanes: (step_time [n_steps], step_span [n_steps], starts, ends).
 
     parts: (cost base, cost alt, cost where, delay base, delay alt, delay where, has delay) as
     `canonical` arrays (float64, float64, bool). starts / ends are [n_ops, n_steps * dp] when
-    keep, else None."""
-    pred_ptr, pred_index, bounds, group_end, synced, optimizer = layout
+    keep, else None. nonnegative: no value of the parts is negative (nor NaN), so the step's
+    earliest start and latest end are read from its sources and sinks alone (op_layout)."""
+    pred_ptr, pred_index, bounds, group_end, synced, optimizer, every, bounded = layout
     *arrays, has_delay = parts
     dims = np.array([size for array in arrays for size in array.shape], dtype=np.int64)
     step_time, step_span = np.empty(n_steps), np.empty(n_steps)
@@ -150,7 +160,7 @@ def replay_scenario(model, layout, n_steps: int, dp: int, parts, keep: bool):
 
     _load().strag_replay(
         model.n_ops, pointer(pred_ptr), pointer(pred_index), len(bounds) - 1, pointer(bounds),
-        pointer(group_end), pointer(synced), pointer(optimizer), n_steps, dp, block,
+        pointer(group_end), pointer(synced), pointer(optimizer), pointer(bounded if nonnegative else every), n_steps, dp, block,
         *(pointer(array) for array in arrays), pointer(dims), int(has_delay),
         pointer(_workspace((2 * model.n_ops + 5) * block * dp)),
         pointer(starts), pointer(ends), pointer(step_time), pointer(step_span))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import weakref
 from typing import Iterator, Sequence, Union
 
 import numpy as np
@@ -137,7 +138,8 @@ def replay(model: JobModel, scenarios: Sequence[Scenario], *, memory_limit: int 
     for plan, members in plans.items():
         lanes, taken = plan.lanes(model), {}
         batch = [scenarios[i] if lanes is None else _on_lanes(scenarios[i], lanes, taken) for i in members]
-        groups.append(_Group(members, plan.n_steps(model), plan.dp(model), batch))
+        groups.append(_Group(members, plan.n_steps(model), plan.dp(model), batch,
+                             [_nonnegative(model, scenarios[i]) for i in members]))
     if kernel.wanted():
         outcomes = _replay_compiled(model, groups, _POOL.get()[1])
     else:
@@ -158,6 +160,7 @@ class _Group:
     n_steps: int
     dp: int
     scenarios: list[Scenario]
+    nonnegative: list[bool]   # per scenario: no cost or delay below 0 (nor NaN), see _nonnegative
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +269,8 @@ def _replay_compiled(model: JobModel, groups: Sequence[_Group], pool) -> list[tu
         scenario, shape = group.scenarios[task[1]], (model.n_ops, group.n_steps * group.dp)
         delay = _parts(0.0 if scenario.delay is None else scenario.delay, shape)
         parts = (*_parts(scenario.cost, shape), *delay, scenario.delay is not None)
-        return kernel.replay_scenario(model, layout, group.n_steps, group.dp, parts, scenario.keep_times)
+        return kernel.replay_scenario(model, layout, group.n_steps, group.dp, parts, scenario.keep_times,
+                                      group.nonnegative[task[1]])
 
     if pool is not None and len(tasks) > 1:
         replayed = dict(zip(tasks, pool.map(run, tasks)))
@@ -279,6 +283,26 @@ def _replay_compiled(model: JobModel, groups: Sequence[_Group], pool) -> list[tu
                 if scenario.keep_times}
         outcomes.append((np.array([row[0] for row in rows]), np.array([row[1] for row in rows]), kept))
     return outcomes
+
+
+def _nonnegative(model: JobModel, scenario: Scenario) -> bool:
+    """No value a scenario's cost or delay can take (a Mix's base or alt) is below 0, nor NaN: the
+    kernel then tracks a step's earliest start and latest end on its sources and sinks alone
+    (kernel.op_layout). The least value of each array is computed once per model (scenarios share
+    the model's cost and delay arrays), remembered while the array lives."""
+    lowest = model.__dict__.setdefault("_lowest_values", {})
+
+    def least(values) -> float:
+        if isinstance(values, Mix):
+            return float(np.minimum(least(values.base), least(values.alt)))   # NaN stays NaN
+        if not isinstance(values, np.ndarray):
+            return float(np.min(values))
+        known = lowest.get(id(values))
+        if known is None or known[0]() is not values:
+            known = lowest[id(values)] = (weakref.ref(values), float(values.min()) if values.size else 0.0)
+        return known[1]
+
+    return least(scenario.cost) >= 0.0 and (scenario.delay is None or least(scenario.delay) >= 0.0)   # NaN: False
 
 
 def _parts(values: Values, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
