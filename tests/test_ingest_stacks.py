@@ -289,6 +289,27 @@ def test_every_stack_run_is_read_with_its_microbatches(run):
         assert evidence.microbatches == truth["microbatches"], evidence
 
 
+@pytest.mark.parametrize("name", ["ck-hf-clean-llama-packed-gc1", "cc-hf-clean-gpt2-packed-compile"])
+def test_gradient_checkpointing_and_torch_compile_read_as_any_trainer_step(name):
+    """transformers' Trainer with gradient_checkpointing=True (each decoder layer's forward runs again
+    inside its backward: those recomputed ops are the backward's) and with torch_compile=True (the
+    model's ops inside compiled graphs): one forward and one backward per rank and step, the replay
+    within METHOD.md's 5% of what ran, and on these clean runs no worker or cause is blamed."""
+    from transforms.ingest.kineto import convert_kineto
+    from transforms.whatif.causes import analyze_and_classify
+
+    run = STACKS / name
+    truth = json.loads((run / "truth.json").read_text())
+    assert truth["slowdowns"] == [] and truth["stack_details"]["training_args"][
+        "gradient_checkpointing" if name.startswith("ck") else "torch_compile"] is True
+    converted = convert_kineto([str(run / f) for f in truth["trace_files"]], name, "2026-11-27", {})
+    per_rank = converted.trace.to_pandas().groupby(["step", "rank"]).optype.value_counts().unstack(fill_value=0)
+    assert (per_rank["forward-compute"] == 1).all() and (per_rank["backward-compute"] == 1).all(), per_rank
+    result, verdict = analyze_and_classify(converted.trace, converted.job_meta(), name)
+    assert not result.discarded, result.replay_discrepancy
+    assert verdict.cause in ("none", "insufficient-evidence") and not verdict.implicated_workers, (verdict.cause, verdict.implicated_workers)
+
+
 def test_a_profile_begun_at_an_accumulated_batch_s_second_microbatch_drops_that_iteration():
     """A ProfilerStep per batch, two batches per iteration, the profile beginning at a second batch:
     its first iteration holds one ProfilerStep where the others hold two, and lacks a microbatch."""

@@ -11,6 +11,8 @@ on_step_end (once per optimizer step), stop in on_train_end; chrome export per r
 --batches padded: random-token sequences of variable length, a data collator pads to the longest in
 the batch (attention_mask, labels -100 on pads); packed: fixed-length blocks of --seq-len tokens.
 --slow seq: padded batches whose length budget is drawn per rank and step from [L, 4L].
+--grad-ckpt 1: gradient checkpointing (every block's forward runs again inside its backward);
+--compile 1: torch.compile through TrainingArguments (inductor's compiled graphs in the trace).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ def main() -> None:
     ap.add_argument("--batches", choices=["padded", "packed"], default="padded")
     ap.add_argument("--batch", type=int, default=4, help="sequences per device and micro-batch")
     ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--grad-ckpt", type=int, choices=[0, 1], default=0,
+                    help="TrainingArguments(gradient_checkpointing=True): each block's forward recomputed in its backward")
+    ap.add_argument("--compile", type=int, choices=[0, 1], default=0, help="TrainingArguments(torch_compile=True)")
     ap.add_argument("--strag-lake", default=None,
                     help="profile with strag_collect.huggingface.StragTrainerCallback into this lake (live sessions)")
     ap.add_argument("--strag-job-id", default=None, help="with --strag-lake: the job id (default: --name)")
@@ -80,7 +85,7 @@ def main() -> None:
         optim="adamw_torch", lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True,
         dataloader_num_workers=0, dataloader_drop_last=True, remove_unused_columns=False, seed=args.seed,
-        data_seed=args.seed)
+        data_seed=args.seed, gradient_checkpointing=bool(args.grad_ckpt), torch_compile=bool(args.compile))
     if args.strag_lake:   # the one line a Hugging Face user adds
         from strag_collect.huggingface import StragTrainerCallback
 
@@ -115,7 +120,8 @@ def main() -> None:
             "use_cpu": True, "ddp_backend": "gloo", "max_steps": args.steps,
             "per_device_train_batch_size": args.batch, "gradient_accumulation_steps": args.grad_accum,
             "optim": "adamw_torch", "lr_scheduler_type": "constant", "dataloader_num_workers": 0,
-            "logging_strategy": "no", "save_strategy": "no"},
+            "logging_strategy": "no", "save_strategy": "no",
+            "gradient_checkpointing": bool(args.grad_ckpt), "torch_compile": bool(args.compile)},
         "parallel_mode": str(trainer.args.parallel_mode), "grad_accum": args.grad_accum,
         "batches": args.batches, "seq_len": args.seq_len, "model_config": C.cfg_dict(cfg),
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
