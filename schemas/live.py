@@ -97,6 +97,10 @@ LIVE_RESULT_SCHEMA = _schema(
         pa.field("blamed", pa.list_(BLAMED_WORKER), nullable=True),  # the verdict's workers (pages name them)
         pa.field("verdict_saving", pa.float64(), nullable=True),     # share of the step the primary fix saves
         pa.field("undecided_workers", pa.int32(), nullable=True),   # workers the worker test could not decide on
+        # JSON: the worker test's per-worker means, jitter and the workers' ranks and hosts
+        # (WorkerTests.summary + "where"), pooled over the job's windows by the pager; null when
+        # the session had no peer test or was analysed around missing workers
+        pa.field("worker_summary", pa.string(), nullable=True),
         pa.field("steps", pa.list_(pa.int64()), nullable=True),
         pa.field("step_slowdown", pa.list_(pa.float64()), nullable=True),   # S_s, aligned with steps
         # Worker heatmap: S_w row-major [dp_rank][stage], dp_size x pp_size values; null for

@@ -26,6 +26,7 @@ reason; a trace the converter sets aside (`raw_unreadable`) is quarantined too.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import traceback
 from typing import Any, Callable
@@ -300,7 +301,20 @@ def _analyse(item: _Opened, report, engine) -> tuple[dict[str, Any], pa.Table]:
         fix = verdict.primary_fix
         row["verdict_saving"] = None if fix is None else float(max(fix.savings_fraction, 0.0))
         row["undecided_workers"] = len((verdict.evidence.get("worker_test") or {}).get("undecided") or ())
+        if verdict.worker_summary is not None and len(kept) == dp_size:   # windows pool only whole layouts
+            row["worker_summary"] = json.dumps({**verdict.worker_summary, "where": worker_places(trace)})
     return row, quarantine
+
+
+def worker_places(trace: pa.Table) -> list[list]:
+    """[dp_rank, stage, global rank, host] of every worker of a trace (host None when not recorded)."""
+    dp = trace.column("dp_rank").to_numpy()
+    stage = trace.column("stage").to_numpy()
+    _, first = np.unique(dp.astype(np.int64) * 65536 + stage, return_index=True)
+    ranks = trace.column("rank").take(pa.array(first)).to_pylist()
+    hosts = (trace.column("host").take(pa.array(first)).to_pylist() if "host" in trace.column_names
+             else [None] * len(first))
+    return [[int(dp[i]), int(stage[i]), rank, host] for i, rank, host in zip(first, ranks, hosts)]
 
 
 def blamed_workers(verdict, result: WhatIfResult, trace: pa.Table, kept: list[int]) -> list[dict]:
@@ -308,14 +322,7 @@ def blamed_workers(verdict, result: WhatIfResult, trace: pa.Table, kept: list[in
     the analysed ranks'), stage, host, its slower kind of work (forward, backward) over its DP peers' and the steps it was
     slow in (the worker
     test's findings), then any other implicated worker (no ratio: not measured against peers)."""
-    dp = trace.column("dp_rank").to_numpy()
-    stage = trace.column("stage").to_numpy()
-    key = dp.astype(np.int64) * 65536 + stage
-    _, first = np.unique(key, return_index=True)
-    ranks = trace.column("rank").take(pa.array(first)).to_pylist()
-    hosts = (trace.column("host").take(pa.array(first)).to_pylist() if "host" in trace.column_names
-             else [None] * len(first))
-    where = {(int(dp[i]), int(stage[i])): (rank, host) for i, rank, host in zip(first, ranks, hosts)}
+    where = {(d, p): (rank, host) for d, p, rank, host in worker_places(trace)}
     steps = np.asarray(result.steps).tolist()
     implicated = [(int(d), int(p)) for d, p in verdict.implicated_workers]
     out, seen = [], set()

@@ -13,6 +13,12 @@ false-alarm rate, transforms/whatif/causes, so jitter does not page), and
   false-alarm rate (a signature that holds only partly, confidence 0.5, is no page; the measured
   causes above were decided by their own tests at that rate).
 
+A session whose own verdict pages nothing may still page for a worker its job's recent windows
+decide together (`pooled_page`): the worker test over the last POOLED_WINDOWS windows' samples
+(workers.pooled_worker_tests, at the same stated false-alarm rate), for a worker slow in most of
+them and in this one. A window of three steps often leaves a 1.3-1.5x slow worker within a noisy
+job's jitter; four windows of it decide. The page says so and claims no fix saving.
+
 An alert is identified by its fingerprint: a digest of (job, cause, blamed global ranks). The
 sessions of a job that keep naming the same workers continue one alert (a job profiled every
 few minutes pages once, not per window); a different cause or worker set resolves the old
@@ -21,7 +27,8 @@ and nothing to page, or discarded with every worker cleared by the worker test),
 nothing for `resolve_after` seconds (`AlertBook.expire`: by default three of the job's
 profiling intervals, and never before its sessions are archived).
 
-State (`AlertBook`): one small JSON file per job under `{out}/alert_state/`, written atomically
+State (`AlertBook`): one small JSON file per job under `{out}/alert_state/` (open alerts, the
+sessions' revisions, arrival times, the recent windows' worker summaries), written atomically
 after every change and read before every decision. So a watcher that restarts, and re-analyses
 the sessions still in the landing area, pages nothing twice (the sessions' revisions are
 recorded), keeps its open alerts firing (Alertmanager resends) and still resolves them.
@@ -40,8 +47,10 @@ import fsspec
 from transforms.io.lake import filesystem, write_file_atomic
 from transforms.live.tables import name_part
 from transforms.whatif.causes.verdict import CauseRules
+from transforms.whatif.causes.workers import pooled_worker_tests
 
-__all__ = ["NOT_PAGED", "MEASURED", "ALERT_STATE", "Page", "page_of", "fingerprint", "AlertBook", "workers_text"]
+__all__ = ["NOT_PAGED", "MEASURED", "ALERT_STATE", "POOLED_WINDOWS", "Page", "page_of", "pooled_page", "fingerprint", "AlertBook",
+           "workers_text"]
 
 NOT_PAGED = ("none", "unexplained", "insufficient-evidence")   # nothing to fix, nobody to blame, or undecided
 MEASURED = ("individual-worker", "python-gc", "untraced-cpu")     # named from measurements, not from the replay
@@ -49,17 +58,23 @@ ALERT_STATE = "alert_state"
 INTERVALS = 3            # a job silent for this many of its profiling intervals has stopped (or been fixed)
 REMEMBERED_ARRIVALS = 8  # recent sessions' arrival times kept per job (its profiling cadence)
 REMEMBERED_SESSIONS = 1000   # sessions whose revisions a job's state keeps: far more than can still be in landing/
+# a job's recent windows whose worker tests pool (pooled_page): a worker slow for this long is
+# decided by their steps together, one repaired leaves the pool within as many windows
+POOLED_WINDOWS = 8
 DECIDED = 1.0 - CauseRules.false_alarm - 1e-9   # the least verdict confidence that pages: decided at the stated rate
 
 
 @dataclasses.dataclass(frozen=True)
 class Page:
     """What one session pages for: its cause, the workers it blames (dicts: rank, dp_rank, stage,
-    host, ratio, steps) and the alert's fingerprint."""
+    host, ratio, steps) and the alert's fingerprint; `pooled`: the sentence saying the job's recent
+    windows decided together (`pooled_page`), None when the session's own verdict pages."""
 
     cause: str
     workers: tuple[dict, ...]
     fingerprint: str
+    pooled: str | None = None
+    confidence: float | None = None   # a pooled page's: 1 - its Bonferroni-adjusted p-value
 
     @property
     def ranks(self) -> list[int]:
@@ -87,6 +102,35 @@ def page_of(row: dict, threshold: float) -> Page | None:
                          or not _decided(row)):
         return None
     return Page(cause, workers, fingerprint(row["job_id"], cause, _ranks(workers)))
+
+
+def pooled_page(job_id: str, summaries: list[dict | None]) -> Page | None:
+    """A page from the job's recent windows together (oldest first, the session's own last), where
+    its own verdict pages nothing: workers the worker test over those windows
+    (workers.pooled_worker_tests, at the stated false-alarm rate) finds slow in most of them and in
+    this one. A window of a few steps can leave a slow worker within the job's jitter; the same
+    worker slow window after window is decided by their steps together. individual-worker, the
+    workers named by rank and host, each with its slowest kind of work."""
+    if not summaries or summaries[-1] is None:
+        return None
+    findings = pooled_worker_tests(summaries, CauseRules.false_alarm, CauseRules.straggling)
+    if not findings:
+        return None
+    where = {(int(d), int(p)): (rank, host) for d, p, rank, host in summaries[-1].get("where") or ()}
+    workers: dict[tuple[int, int], dict] = {}
+    for f in findings:   # strongest first: a worker's first finding is its slowest kind of work
+        worker = (f["dp_rank"], f["stage"])
+        if worker not in workers:
+            rank, host = where.get(worker, (None, None))
+            workers[worker] = {"rank": rank, "dp_rank": worker[0], "stage": worker[1], "host": host,
+                               "ratio": f["ratio"], "work": f["kind"], "steps": None}
+    first = findings[0]
+    note = (f"decided over the job's last {first['windows']} profiling windows together ({first['samples']} "
+            f"{summaries[-1].get('unit') or 'step'}s, p {max(f['p_value'] for f in findings):.2g} at a "
+            f"{CauseRules.false_alarm:.0%} false-alarm rate); this window alone could not tell it from the job's jitter")
+    chosen = tuple(workers.values())
+    return Page("individual-worker", chosen, fingerprint(job_id, "individual-worker", _ranks(chosen)), note,
+                1.0 - max(f["p_value"] for f in findings))
 
 
 def _decided(row: dict) -> bool:
@@ -183,6 +227,8 @@ class AlertBook:
                 state["arrivals"] = sorted([*state["arrivals"], arrival])[-REMEMBERED_ARRIVALS:]
             events = []
             page = page_of(row, self.threshold)
+            if page is None and row.get("status") in ("analysed", "discarded"):
+                page = pooled_page(row["job_id"], self._windows(state, session, row.get("worker_summary")))
             if page is not None:
                 stale = [fp for fp in state["open"] if fp != page.fingerprint]
                 events += [self._resolved(state, fp, now, f"session {session} names {page.cause} "
@@ -199,6 +245,15 @@ class AlertBook:
                 events += [self._resolved(state, fp, now, why, row) for fp in list(state["open"])]
             self._save(state)
             return events
+
+    @staticmethod
+    def _windows(state: dict, session: str, summary: str | None) -> list[dict | None]:
+        """The job's recent windows' worker summaries, oldest first, this session's (its latest
+        revision) last; the state keeps the last POOLED_WINDOWS."""
+        windows = [w for w in state.setdefault("windows", []) if w["session"] != session]
+        windows.append({"session": session, "summary": None if summary is None else json.loads(summary)})
+        state["windows"] = windows[-POOLED_WINDOWS:]
+        return [w["summary"] for w in state["windows"]]
 
     def expire(self, now: float) -> list[dict]:
         """Resolve the open alerts of jobs that landed nothing for their `silence` (see `silence`)."""
@@ -239,20 +294,24 @@ def _s(value) -> str:
 
 
 def _alert_row(row: dict, page: Page, now: float, threshold: float) -> dict:
-    """A firing alert's row (ALERT_SCHEMA fields)."""
+    """A firing alert's row (ALERT_SCHEMA fields). A pooled page (decided over the job's windows)
+    states that, its own confidence, and no fix saving: the window's verdict claimed none."""
     discarded = row.get("status") == "discarded"
     who = workers_text(page.workers)
-    saving = row.get("verdict_saving")
+    saving = None if page.pooled else row.get("verdict_saving")
+    confidence = page.confidence if page.pooled else row.get("verdict_confidence")
     message = (f"job {row['job_id']}: {page.cause}" + (f": {who}" if who else "")
                + f"; S {_s(row.get('slowdown'))}" + (" (replay off by more than 5%: S not trustworthy)" if discarded else "")
-               + (f", confidence {float(row['verdict_confidence']):.2f}" if row.get("verdict_confidence") is not None else "")
-               + (f", the fix saves {100 * float(saving):.0f}% of the step" if saving is not None and not discarded else ""))
+               + (f", confidence {float(confidence):.2f}" if confidence is not None else "")
+               + (f", the fix saves {100 * float(saving):.0f}% of the step" if saving is not None and not discarded else "")
+               + (f"; {page.pooled}" if page.pooled else ""))
     return {
         "job_id": row["job_id"], "session": str(row["session"]), "revision": int(row["revision"]), "kind": "firing",
         "fingerprint": page.fingerprint, "cause": page.cause, "workers": [dict(w) for w in page.workers],
         "ranks": page.ranks, "slowdown": row.get("slowdown"), "discarded": discarded,
-        "confidence": row.get("verdict_confidence"), "saving": None if discarded else saving,
-        "threshold": threshold, "verdict": row.get("verdict"), "explanation": row.get("verdict_explanation"),
+        "confidence": confidence, "saving": None if discarded else saving,
+        "threshold": threshold, "verdict": page.cause if page.pooled else row.get("verdict"),
+        "explanation": f"{page.cause} ({who}): {page.pooled}." if page.pooled else row.get("verdict_explanation"),
         "message": message, "alert_time": now, "starts_at": now, "ends_at": None, "resolved_reason": None,
         "last_session": str(row["session"]), "last_revision": int(row["revision"]),
         "resolved_by_session": None, "resolved_by_revision": None,

@@ -186,7 +186,9 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSigna
                                         "confidence": f.confidence} for f in workers.slow]
     if chunks is not None:
         evidence.update(chunk_ratio=chunks.ratio, heaviest_chunk=[chunks.heaviest_chunk, chunks.heaviest_stage])
-    return PairSignals(forward, backward, r_norm, gc, peers, chunks, evidence, workers, r_norm_df)
+    signals = PairSignals(forward, backward, r_norm, gc, peers, chunks, evidence, workers, r_norm_df)
+    model.__dict__["_worker_tests"] = workers   # the verdict's summary for tests over several windows
+    return signals
 
 
 def _untraced_inside_compute(model: JobModel, rules: CauseRules) -> np.ndarray | None:
@@ -1022,4 +1024,6 @@ def analyze_and_classify(trace: pa.Table, meta: JobMeta, job_id: str = "", *, ru
     # where the seconds went (Verdict.timings): the graph compiled, METHOD's replays, the causes
     # (their signals, batched fix replays and tests; a signal thread's overlap with the replays is not counted twice)
     verdict.timings.update(compile=compiled - started, replay=replayed - compiled, causes=time.perf_counter() - replayed)
+    tests = model.__dict__.get("_worker_tests")
+    verdict.worker_summary = None if tests is None else tests.summary()
     return result, verdict

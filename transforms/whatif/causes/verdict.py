@@ -147,6 +147,9 @@ class Verdict:
     explanations: dict[str, str] = dataclasses.field(default_factory=dict)
     joint_fix: Fix | None = None
     timings: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)  # seconds per part of classify
+    # the worker test's per-worker means and jitter (WorkerTests.summary; analyze_and_classify sets it):
+    # what the live watcher pools over a job's windows (workers.pooled_worker_tests)
+    worker_summary: dict | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def primary_fix(self) -> Fix | None:

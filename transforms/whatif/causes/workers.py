@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Sequence
 
 import numpy as np
 
@@ -49,7 +50,7 @@ from transforms.whatif.causes.signals import nanmedian, peer_median
 from transforms.whatif.model import JobModel, distinct, median
 from transforms.whatif.result import STRAGGLING_THRESHOLD
 
-__all__ = ["KINDS", "WorkerFinding", "WorkerTests", "worker_tests", "balance_tests", "t_sf", "median_variance"]
+__all__ = ["KINDS", "WorkerFinding", "WorkerTests", "worker_tests", "pooled_worker_tests", "balance_tests", "t_sf", "median_variance"]
 
 KINDS = ("forward", "backward")
 _FORWARD = OPTYPES.index("forward-compute")
@@ -134,6 +135,11 @@ class WorkerTests:
     limits: tuple[str, ...] = ()
     peers: bool = True                   # whether the job has DP peers to test against
     tau: float = 0.0                     # persistent offset (log, RMS) of healthy peers in the null
+    # per [kind, stage, dp]: the mean log effect against the DP peers and its samples (worker_tests;
+    # None elsewhere): what `summary` hands to the test over several windows of one job
+    levels: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+    counts: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+    stages: tuple[int, ...] = ()
 
     @property
     def decided(self) -> bool:
@@ -146,6 +152,18 @@ class WorkerTests:
 
     def of(self, worker: tuple[int, int]) -> list[WorkerFinding]:
         return [f for f in self.slow if f.worker == worker]
+
+    def summary(self) -> dict | None:
+        """What the test of several windows of the job (`pooled_worker_tests`) needs of this one: per
+        kind, stage and DP rank the mean log effect against its peers and its samples, the job's
+        jitter (variance and degrees of freedom), the healthy offset and the number of tests. None
+        where the job had no peer test."""
+        if self.levels is None or not self.df:
+            return None
+        return {"kinds": list(KINDS), "stages": list(self.stages), "dp": int(self.levels.shape[2]),
+                "levels": np.where(self.counts > 0, self.levels, 0.0).round(9).tolist(),
+                "counts": self.counts.astype(int).tolist(), "sigma2": self.sigma * self.sigma, "df": int(self.df),
+                "tau": float(self.tau), "tests": int(self.n_tests), "unit": self.unit}
 
     def evidence(self) -> dict:
         return {"worker_test": {"alpha": self.alpha, "ratio_floor": self.floor, "sigma": self.sigma, "df": self.df,
@@ -251,7 +269,59 @@ def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alp
                                            _samples_needed(max(mean, limit), sigma, tau, df, alpha / n_tests, m)))
     slow.sort(key=lambda f: (not f.persistent, -f.ratio, f.worker, f.kind))
     undecided.sort(key=lambda f: (-f.ratio, f.worker, f.kind))
-    return WorkerTests(alpha, floor, sigma, df, n_tests, unit, tuple(slow), tuple(undecided), tau=tau)
+    return WorkerTests(alpha, floor, sigma, df, n_tests, unit, tuple(slow), tuple(undecided), tau=tau,
+                       levels=level, counts=count, stages=tuple(int(p) for p in stage_ids))
+
+
+def pooled_worker_tests(summaries: Sequence[dict | None], alpha: float = 0.01,
+                        floor: float = STRAGGLING_THRESHOLD) -> list[dict]:
+    """The persistent worker test over several windows of one job (the live watcher's profiling
+    sessions; `WorkerTests.summary` of each, oldest first): one window of a few steps may leave a
+    slow worker within the job's jitter, where its windows together decide. The same test as
+    `worker_tests`' persistent one, its samples the windows' samples: a worker's mean log effect
+    against its DP peers over all of them, the jitter pooled over the windows' degrees of freedom,
+    the healthy peers' offset (with three or more DP ranks read again from the pooled means, as
+    each window reads it from its own; never below the least window's), Bonferroni over the job's tests (kinds x workers) at `alpha`; and slow in most windows (the median of its
+    windows' means at least the `floor` ratio, as the persistent test asks of most steps), the
+    newest window included (what pages is slow now: a worker repaired stops at once). Only
+    windows of the newest one's layout (kinds, stages, DP ranks) count, and only when two or more
+    do. A test at `alpha` each time it is run (each new window). Findings, strongest first:
+    {dp_rank, stage, kind, ratio, samples, windows, p_value}."""
+    latest = summaries[-1] if summaries else None
+    if latest is None:
+        return []
+    layout = (latest["kinds"], latest["stages"], latest["dp"])
+    usable = [s for s in summaries if s and (s["kinds"], s["stages"], s["dp"]) == layout and s["df"] > 0]
+    if len(usable) < 2 or usable[-1] is not latest:
+        return []
+    levels = np.array([s["levels"] for s in usable], dtype=np.float64)     # [window, kind, stage, dp]
+    counts = np.array([s["counts"] for s in usable], dtype=np.float64)
+    samples = counts.sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = (levels * counts).sum(axis=0) / samples
+    df = int(sum(s["df"] for s in usable))
+    sigma2 = float(sum(s["sigma2"] * s["df"] for s in usable)) / df
+    # the healthy peers' offset read again from the pooled means (three or more DP ranks; a window's
+    # own reading, from means of a few samples, is mostly their jitter), never below the windows'
+    # least (each at least the prior healthy peers show); two DP ranks: the prior itself
+    floor_tau = min(float(s["tau"]) for s in usable)
+    tau = _healthy_offset(mean, samples, math.sqrt(sigma2), floor_tau) if latest["dp"] >= 3 else floor_tau
+    tests = max(int(s["tests"]) for s in usable)
+    limit = math.log(floor)
+    out = []
+    for k, p, d in zip(*np.nonzero((samples >= 2) & (mean >= limit))):
+        seen = counts[:, k, p, d] > 0
+        if float(median(levels[seen, k, p, d])) < limit or not (seen[-1] and levels[-1, k, p, d] >= limit):
+            continue   # slow in some windows only (each window's intermittent test speaks for those), or not now
+        jitter = sigma2 / samples[k, p, d]
+        se = math.sqrt(jitter + tau * tau)
+        df_mean = max(1, int(df * ((jitter + tau * tau) / jitter) ** 2)) if jitter > 0 else 10 ** 6
+        p_value = min(1.0, tests * t_sf(float(mean[k, p, d]) / se, df_mean)) if se > 0 else 0.0
+        if p_value <= alpha:
+            out.append({"dp_rank": int(d), "stage": int(latest["stages"][p]), "kind": latest["kinds"][k],
+                        "ratio": math.exp(float(mean[k, p, d])), "samples": int(samples[k, p, d]),
+                        "windows": int(seen.sum()), "p_value": p_value})
+    return sorted(out, key=lambda f: (-f["ratio"], f["dp_rank"], f["stage"], f["kind"]))
 
 
 def balance_tests(model: JobModel, alpha: float = 0.01, floor: float = STRAGGLING_THRESHOLD,
