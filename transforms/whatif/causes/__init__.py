@@ -17,6 +17,8 @@ The design in four decisions.
    (`Verdict.slow_steps`) and every fix's saving step by step (`Fix.step_savings`), which the
    step_slowdown table and the job page carry; an effect the job cannot
    decide makes the verdict "insufficient-evidence", with the steps or peers that would decide.
+   Several windows of one job decide together (`workers.pooled_worker_tests`, the same test over
+   their samples: the live watcher pages on it, transforms/live/paging.py).
    Confidence is 1 - the adjusted p-value; bench_real_runs prints its reliability table (an
    insufficient-evidence verdict states its strongest undecided finding's). A window that
    straggles with no cause listed is tested the same way (`jitter.py`): replays of the ideal job
