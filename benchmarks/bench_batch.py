@@ -24,13 +24,15 @@ everything but the engine (1 - analyze / worker-seconds) is printed beside them.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import shutil
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from pipelines import batch  # noqa: E402
 from transforms.io.lake import list_jobs  # noqa: E402
@@ -69,6 +71,64 @@ def _run(lake: pathlib.Path, out: pathlib.Path, date_from: str, date_to: str, ru
         if cluster is not None:
             cluster.close()
     return summary
+
+
+def _baseline(lake: pathlib.Path, dates: list[str], work: pathlib.Path, count: int) -> tuple[float, int, int] | None:
+    """The authors' analyzer (`../shared/reference/run-reference`, one process) on `count` analysable
+    windows of the fleet spread over its sizes (every k-th by ops), each exported in the published
+    format (`strag export-reference`): (its seconds, their ops, windows run), measured in this
+    invocation, so the fleet's wall can be put against it on the same box at the same time. None
+    when the reference is not beside the checkout."""
+    import pyarrow.parquet as pq
+
+    reference = ROOT.parent / "shared" / "reference" / "run-reference"
+    if not reference.exists() or count <= 0:
+        return None
+    sized = []
+    for job in list_jobs(str(lake)):
+        if job.date not in dates or job.manifest_path is None:
+            continue
+        try:   # op records: the row counts of its trace files' footers
+            sized.append((sum(pq.ParquetFile(path).metadata.num_rows for path in job.trace_files), job))
+        except Exception:   # a bad file of the fleet (2% bad input): not a baseline window
+            continue
+    sized = sorted((s for s in sized if s[0] > 0), key=lambda s: (s[0], s[1].job_id))
+    # windows at evenly spread ranks of size; where the reference cannot run one (it fails on windows
+    # without blocking attribution, S < 1.03), the next larger one is tried in its place
+    starts = [int(i * (len(sized) - 1) / max(count - 1, 1)) for i in range(min(count, len(sized)))]
+    folder = work / "baseline"
+    shutil.rmtree(folder, ignore_errors=True)
+    strag = pathlib.Path(sys.executable).with_name("strag")
+    seconds = ops = done = 0
+    tried: set[int] = set()
+    for start in starts:
+        for index in range(start, min(start + 4, len(sized))):
+            if index not in tried:
+                tried.add(index)
+                if _reference_window(*sized[index], lake, folder, strag, reference, totals := {}):
+                    seconds, ops, done = seconds + totals["seconds"], ops + totals["ops"], done + 1
+                    break
+    return (seconds, ops, done) if done else None
+
+
+def _reference_window(n_ops: int, job, lake: pathlib.Path, folder: pathlib.Path, strag: pathlib.Path,
+                      reference: pathlib.Path, totals: dict) -> bool:
+    """Export one lake window in the published format and run the reference on it; its seconds and
+    ops into `totals`. False when either step fails."""
+    import subprocess
+
+    out = folder / job.job_id
+    exported = subprocess.run([str(strag), "export-reference", "--lake", str(lake), "--job-id", job.job_id,
+                               "--date", job.date, "--out", str(out)], capture_output=True, text=True)
+    traces = sorted(out.glob("trace-*.parquet"))
+    if exported.returncode or not traces:
+        return False   # a job the published format cannot hold
+    meta = sorted(out.glob("meta-*.yaml"))[0]
+    ran = subprocess.run([str(reference), str(traces[0]), str(meta), str(out / "reference")], capture_output=True, text=True)
+    if ran.returncode:
+        return False
+    totals.update(seconds=json.loads(ran.stdout.strip().splitlines()[-1])["total_s"], ops=n_ops)
+    return True
 
 
 def _table_files(out: pathlib.Path) -> dict[str, bytes]:
@@ -122,6 +182,8 @@ def main() -> None:
     parser.add_argument("--dask-partitions", type=int, default=None, help="strag batch --dask-partitions (default: its own)")
     parser.add_argument("--only-days", type=int, default=None, help="process only the first N dates of the fleet")
     parser.add_argument("--work", default="/tmp/strag-bench", help="folder for the lake and the outputs")
+    parser.add_argument("--baseline-windows", type=int, default=6,
+                        help="windows of the fleet the authors' analyzer runs as the baseline (0: none)")
     args = parser.parse_args()
     batch.quiet_logs()
 
@@ -132,13 +194,22 @@ def main() -> None:
     print(f"lake: {len(dates)} dates {dates[0]}..{dates[-1]}; machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
 
     target_fleet = (args.days, args.jobs_per_day, args.only_days) == (30, 20, None)   # the targets' fleet
-    outputs, walls = {}, {}
+    outputs, walls, summaries = {}, {}, {}
     for runner in args.runners.split(","):
         out = work / f"out-{lake.name}-{runner}"
         summary = _run(lake, out, dates[0], dates[-1], runner, args.workers, args.dask_partitions)
         _report({"fnapi": "FnApiRunner (embedded default, multi-process)", "dask": "DaskRunner (LocalCluster)"}[runner],
                 summary, args.workers, target_fleet)
-        outputs[runner], walls[runner] = out, summary["wall"]
+        outputs[runner], walls[runner], summaries[runner] = out, summary["wall"], summary
+    baseline = _baseline(lake, dates, work, args.baseline_windows)
+    if baseline is not None and "fnapi" in walls:
+        seconds, ops, windows = baseline
+        fleet_ops = summaries["fnapi"]["ops"]
+        estimate = seconds / ops * fleet_ops
+        print(f"\nbaseline: the authors' analyzer on {windows} windows of this fleet ({ops:,} ops, spread over its sizes), "
+              f"one process, {seconds:.0f} s = {seconds / ops * 1e6:.1f} s per M ops; for the fleet's {fleet_ops:,} ops "
+              f"~{estimate:.0f} s: the FnApiRunner's {walls['fnapi']:.0f} s on {args.workers} workers is "
+              f"{estimate / walls['fnapi']:.1f}x faster (same box, same run; load now {os.getloadavg()[0]:.1f})")
     if len(walls) == 2:
         ratio = walls["dask"] / walls["fnapi"]
         print(f"\nDaskRunner / FnApiRunner wall: {walls['dask']:.0f} s / {walls['fnapi']:.0f} s = {ratio:.2f}x "
