@@ -33,7 +33,9 @@ Failure policy: the training loop never sees an exception and never waits on sto
 Export errors, a trace above `max_bytes` and writes still failing after `retries` retries
 (exponential backoff, full jitter) each give one `CollectorWarning` naming the file and the
 error; that window's trace is lost, training goes on. At most two windows upload at once; a
-third is skipped with a warning rather than queued behind a stalled store.
+third is skipped with a warning rather than queued behind a stalled store. The upload threads run
+at a lower CPU priority than training (`yield_cpu`, Linux): their gzip and writes overlap the next
+steps, which the next window may be measuring.
 """
 from __future__ import annotations
 
@@ -431,6 +433,7 @@ class KinetoHandler:
         return files
 
     def _upload(self, files: list[tuple[str | bytes, str, bool]], local: str) -> None:
+        yield_cpu()
         try:
             if any(source == local + ".gz" for source, _, _ in files):
                 try:
@@ -466,6 +469,22 @@ class KinetoHandler:
         for upload in uploads:
             upload.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not any(upload.is_alive() for upload in uploads)
+
+
+UPLOAD_NICENESS = 10   # how much lower than training the upload thread runs (Linux nice increment)
+
+
+def yield_cpu() -> None:
+    """Lower the calling thread's CPU priority (Linux: threads have their own nice value) by
+    UPLOAD_NICENESS: gzip and the writes of a window's trace run beside the next steps' training, on
+    the same cores; at lower priority they take the cycles training leaves, so the profiler's own
+    work does not slow the steps the next window measures. Elsewhere, and where the system refuses,
+    nothing changes (a thread id is no process id there: never renice by it)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, min(os.getpriority(os.PRIO_PROCESS, thread) + UPLOAD_NICENESS, 19))
 
 
 def _gzip_file(source: str, target: str) -> None:

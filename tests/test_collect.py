@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -143,6 +144,25 @@ def test_job_yaml_from_the_mesh_places_every_rank_where_it_ran(tmp_path, run, me
     assert converted.source["layout"].startswith("job.yaml layout")
     found = {int(w["rank"]): (int(w["dp_rank"]), int(w["stage"])) for w in converted.manifest["workers"]}
     assert found == {int(r): (c["dp"], c["pp"]) for r, c in _truth(run)["rank_coords"].items()}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux's")
+def test_uploads_run_below_training_priority(tmp_path, monkeypatch):
+    """gzip and the writes of a window run in a thread at UPLOAD_NICENESS below the trainer's (capped
+    at 19); the training thread keeps its own priority."""
+    seen = []
+    real = kineto.land_file
+
+    def spy(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():   # not the lake check at set-up
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kineto, "land_file", spy)
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    _land_run("dp4-ddp-sleep", str(tmp_path / "lake"), "nice-run")
+    assert seen and set(seen) == {min(before + kineto.UPLOAD_NICENESS, 19)}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
 
 
 def test_only_rank_0_writes_job_yaml(tmp_path):
