@@ -103,18 +103,21 @@ def _baseline(lake: pathlib.Path, dates: list[str], work: pathlib.Path, count: i
     tried: set[int] = set()
     for start in starts:
         for index in range(start, min(start + 4, len(sized))):
-            if index not in tried:
-                tried.add(index)
-                if _reference_window(*sized[index], lake, folder, strag, reference, totals := {}):
-                    seconds, ops, done = seconds + totals["seconds"], ops + totals["ops"], done + 1
-                    break
+            if index in tried:
+                continue
+            tried.add(index)
+            n_ops, job = sized[index]
+            took = _reference_window(job, lake, folder, strag, reference)
+            if took is not None:
+                seconds, ops, done = seconds + took, ops + n_ops, done + 1
+                break
     return (seconds, ops, done) if done else None
 
 
-def _reference_window(n_ops: int, job, lake: pathlib.Path, folder: pathlib.Path, strag: pathlib.Path,
-                      reference: pathlib.Path, totals: dict) -> bool:
-    """Export one lake window in the published format and run the reference on it; its seconds and
-    ops into `totals`. False when either step fails."""
+def _reference_window(job, lake: pathlib.Path, folder: pathlib.Path, strag: pathlib.Path,
+                      reference: pathlib.Path) -> float | None:
+    """Export one lake window in the published format and run the reference on it: its seconds, or
+    None when either step fails."""
     import subprocess
 
     out = folder / job.job_id
@@ -122,13 +125,12 @@ def _reference_window(n_ops: int, job, lake: pathlib.Path, folder: pathlib.Path,
                                "--date", job.date, "--out", str(out)], capture_output=True, text=True)
     traces = sorted(out.glob("trace-*.parquet"))
     if exported.returncode or not traces:
-        return False   # a job the published format cannot hold
+        return None   # a job the published format cannot hold
     meta = sorted(out.glob("meta-*.yaml"))[0]
     ran = subprocess.run([str(reference), str(traces[0]), str(meta), str(out / "reference")], capture_output=True, text=True)
     if ran.returncode:
-        return False
-    totals.update(seconds=json.loads(ran.stdout.strip().splitlines()[-1])["total_s"], ops=n_ops)
-    return True
+        return None
+    return float(json.loads(ran.stdout.strip().splitlines()[-1])["total_s"])
 
 
 def _table_files(out: pathlib.Path) -> dict[str, bytes]:

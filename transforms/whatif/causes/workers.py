@@ -244,12 +244,7 @@ def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alp
         # t on the mean; "persistent" also needs the median above the threshold (most samples: a
         # worker slow in two steps of eight is intermittent)
         worker, mean, middle = (int(d), int(stage_ids[p])), float(level[k, p, d]), float(median(e[ok]))
-        # the mean's null: the jitter over m samples plus the offset healthy peers keep
-        # (Welch-Satterthwaite degrees of freedom: the offset is known, the jitter estimated)
-        jitter = sigma * sigma / m
-        se = math.sqrt(jitter + tau * tau)
-        df_mean = max(1, int(df * ((jitter + tau * tau) / jitter) ** 2)) if jitter > 0 else 10 ** 6
-        p_level = min(1.0, n_tests * t_sf(mean / se, df_mean)) if se > 0 else float(mean <= 0)
+        p_level = _level_p(mean, sigma * sigma, m, tau, df, n_tests)
         if middle >= limit and p_level <= alpha:
             levels = _two_levels(effect, ss, dfs, (int(k), int(p), int(d)), families, n_tests, alpha, limit)
             if levels is not None:   # slow in some steps, at its peers' pace in the others: name those steps
@@ -271,6 +266,17 @@ def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alp
     undecided.sort(key=lambda f: (-f.ratio, f.worker, f.kind))
     return WorkerTests(alpha, floor, sigma, df, n_tests, unit, tuple(slow), tuple(undecided), tau=tau,
                        levels=level, counts=count, stages=tuple(int(p) for p in stage_ids))
+
+
+def _level_p(mean: float, sigma2: float, samples: float, tau: float, df: int, tests: int) -> float:
+    """Bonferroni-adjusted p-value of a worker's mean log effect over `samples` samples: its null is
+    the jitter over those samples (variance `sigma2` per sample, estimated on `df` degrees of
+    freedom) plus the offset healthy peers keep (`tau`, known), with Welch-Satterthwaite degrees of
+    freedom; `tests` the job's tests."""
+    jitter = sigma2 / samples
+    se = math.sqrt(jitter + tau * tau)
+    df_mean = max(1, int(df * ((jitter + tau * tau) / jitter) ** 2)) if jitter > 0 else 10 ** 6
+    return min(1.0, tests * t_sf(mean / se, df_mean)) if se > 0 else float(mean <= 0)
 
 
 def pooled_worker_tests(summaries: Sequence[dict | None], alpha: float = 0.01,
@@ -313,10 +319,7 @@ def pooled_worker_tests(summaries: Sequence[dict | None], alpha: float = 0.01,
         seen = counts[:, k, p, d] > 0
         if float(median(levels[seen, k, p, d])) < limit or not (seen[-1] and levels[-1, k, p, d] >= limit):
             continue   # slow in some windows only (each window's intermittent test speaks for those), or not now
-        jitter = sigma2 / samples[k, p, d]
-        se = math.sqrt(jitter + tau * tau)
-        df_mean = max(1, int(df * ((jitter + tau * tau) / jitter) ** 2)) if jitter > 0 else 10 ** 6
-        p_value = min(1.0, tests * t_sf(float(mean[k, p, d]) / se, df_mean)) if se > 0 else 0.0
+        p_value = _level_p(float(mean[k, p, d]), sigma2, float(samples[k, p, d]), tau, df, tests)
         if p_value <= alpha:
             out.append({"dp_rank": int(d), "stage": int(latest["stages"][p]), "kind": latest["kinds"][k],
                         "ratio": math.exp(float(mean[k, p, d])), "samples": int(samples[k, p, d]),
