@@ -123,13 +123,19 @@ def live_job_page(job_id: str, results: pa.Table, alerts: pa.Table, *, threshold
     missing = _listed(latest["missing_workers"])
     alert_list = sorted(alerts.to_pylist(), key=lambda a: a["alert_time"], reverse=True)
     open_now = _open_alerts(alert_list)
+    # open alerts this session's own verdict does not give: fired by earlier sessions, or by the job's
+    # windows decided together (a pooled page); the page says so beside the window's verdict (an
+    # alert of this session's superseded revision is the watcher's to resolve, not another finding)
+    elsewhere = [a for a in open_now if a["cause"] != latest["verdict"]
+                 and (a["session"] != latest["session"] or a["revision"] == latest["revision"])]
     numbers = Numbers([
         ("slowdown S", fmt(latest["slowdown"]) + (" (discarded)" if latest["status"] == "discarded" else ""),
          f"session {latest['session']} r{latest['revision']} ({latest['reason']})"
          + ("; the replay is off by more than 5%: S is not trustworthy" if latest["status"] == "discarded" else "")),
         ("waste", "n/a" if latest["waste"] is None or latest["waste"] != latest["waste"] else f"{100 * latest['waste']:.1f}%",
          "1 - 1/S"),
-        ("verdict", _text(latest["verdict"]), f"confidence {fmt(latest['verdict_confidence'], 2)}"),
+        ("verdict", _text(latest["verdict"]), f"confidence {fmt(latest['verdict_confidence'], 2)}"
+         + ("; this session alone (the open alert is from earlier sessions or the job's windows together)" if elsewhere else "")),
         ("status", latest["status"], _text(latest["error"], f"{latest['dp_ranks_analysed']} DP rank(s) analysed")
          if latest["status"] != "failed" else f"failed: {_text(latest['error'], 'no reason recorded')}"),
         ("workers", f"{latest['workers_present']} / {latest['workers_expected']}",
@@ -147,6 +153,7 @@ def live_job_page(job_id: str, results: pa.Table, alerts: pa.Table, *, threshold
     blocks = [
         numbers,
         Text(f"Why: {explanation}" if isinstance(explanation, str) and explanation else "Why: no verdict for this session yet."),
+        *[Text(f"Open alert, not this session's verdict (fired by session {a['session']}): {a['message']}") for a in elsewhere],
         [Chart("sessions", "S per session", _session_chart(current, threshold)),
          Chart("steps", "Per-step slowdown, latest session",
                charts.step_slowdown_chart(_steps_frame(latest), float(latest["slowdown"] or 1.0), "S_s per sampled step (dashed: S)"))],

@@ -111,6 +111,11 @@ TRACE_SCHEMA = pa.schema(
         # iteration's optimizer step), on the start_ts clock; the same on every op of a rank and
         # step. A rank entering later than its DP peers is still finishing its previous step.
         pa.field("step_entered", pa.float64(), nullable=True),
+        # Optional: the threads the job ran on the op's host per core its rank could use (the
+        # host's ranks x torch's intra-op threads on CPU ranks, one per rank on GPU ranks, over the
+        # cores of its CPU affinity), as strag_collect recorded it; the same on every op of a rank.
+        # Above 1 the host is oversubscribed: a rank's untraced time includes its wait for a core.
+        pa.field("host_load", pa.float64(), nullable=True),
     ],
     metadata={"strag.schema_version": SCHEMA_VERSION, "strag.table": "trace"},
 )

@@ -59,6 +59,7 @@ from typing import IO, Any
 import fsspec
 
 from strag_collect.gcrecord import GC_KEY, GcRecorder, append_top_level
+from strag_collect.hostrecord import HOST_KEY, host_record
 
 __all__ = ["kineto_handler", "KinetoHandler", "CollectorWarning", "land_file", "window_dir", "job_yaml_fields",
            "live_dir", "live_trace_name", "live_session", "check_lake", "cadence", "run_id", "JOB_YAML", "DIM_TOKENS",
@@ -335,7 +336,8 @@ class KinetoHandler:
     def __init__(self, lake_url: str, job_id: str, *, date: str | dt.date | None = None, rank: int | None = None,
                  world: int | None = None, mesh: Any = None, schedule: Any = None, microbatches: int | None = None,
                  compress: bool = True, max_bytes: int = 1 << 30, retries: int = 3, backoff: float = 0.5,
-                 live: bool = False, session_prefix: str | None = None, check: bool = True, record_gc: bool = True):
+                 live: bool = False, session_prefix: str | None = None, check: bool = True, record_gc: bool = True,
+                 record_host: bool = True):
         if not lake_url:
             raise ValueError("lake_url: give the lake's URL (a folder, s3://bucket/lake, ...)")
         if date is not None:
@@ -355,6 +357,7 @@ class KinetoHandler:
         self.landed: list[str] = []
         # Python's collections, recorded from now on and written into each window's trace (gcrecord.py)
         self.gc = GcRecorder().start() if record_gc else None
+        self.record_host = bool(record_host)   # how crowded the host is, per window (hostrecord.py)
         self._windows = 0
         self._uploads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -381,11 +384,14 @@ class KinetoHandler:
         os.close(handle)
         try:
             prof.export_chrome_trace(local)
+            records = [(HOST_KEY, host_record(), "host record")] if self.record_host else []
             if self.gc is not None:
+                records.append((GC_KEY, {"clock": "unix_ns", "pauses": self.gc.take()}, "Python GC record"))
+            for key, value, what in records:
                 try:
-                    append_top_level(local, GC_KEY, {"clock": "unix_ns", "pauses": self.gc.take()})
+                    append_top_level(local, key, value)
                 except (OSError, ValueError) as error:   # the trace lands without the record
-                    _warn(f"{target}: Python GC record not added ({error})")
+                    _warn(f"{target}: {what} not added ({error})")
             size = os.path.getsize(local)
             if size > self.max_bytes:
                 _warn(f"{target} skipped: the trace is {size:,} bytes, above max_bytes={self.max_bytes:,} "
@@ -498,7 +504,7 @@ def kineto_handler(lake_url: str, *, job_id: str, date: str | dt.date | None = N
                    world: int | None = None, mesh: Any = None, schedule: Any = None, microbatches: int | None = None,
                    compress: bool = True, max_bytes: int = 1 << 30, retries: int = 3,
                    backoff: float = 0.5, live: bool = False, session_prefix: str | None = None,
-                   check: bool = True, record_gc: bool = True) -> KinetoHandler:
+                   check: bool = True, record_gc: bool = True, record_host: bool = True) -> KinetoHandler:
     """An `on_trace_ready` callback for torch.profiler.profile that lands each window in the lake.
 
     lake_url: any fsspec URL (credentials from the environment, as for the rest of strag);
@@ -512,9 +518,12 @@ def kineto_handler(lake_url: str, *, job_id: str, date: str | dt.date | None = N
     ({lake}/landing/{job_id}/{session}/, see the module docstring); session_prefix: the sessions'
     name before `-w{n}` (default: the run's id, `run_id`: a rerun of the job id lands in sessions of
     its own); check: write a probe to the lake now (`check_lake`); record_gc: record Python's garbage
-    collections (gc.callbacks) and add them to each window's trace (`strag_collect.gcrecord`).
+    collections (gc.callbacks) and add them to each window's trace (`strag_collect.gcrecord`);
+    record_host: add the host's cores, torch threads and local ranks to each window's trace
+    (`strag_collect.hostrecord`: untraced time on an oversubscribed host is then not blamed on a rank).
     Raises here, at set-up, never once training runs: ValueError for a bad job id, date, limit, prefix
     or lake URL (unknown scheme, its filesystem package missing), OSError when the lake cannot be written."""
     return KinetoHandler(lake_url, job_id, date=date, rank=rank, world=world, mesh=mesh, schedule=schedule,
                          microbatches=microbatches, compress=compress, max_bytes=max_bytes, retries=retries,
-                         backoff=backoff, live=live, session_prefix=session_prefix, check=check, record_gc=record_gc)
+                         backoff=backoff, live=live, session_prefix=session_prefix, check=check, record_gc=record_gc,
+                         record_host=record_host)

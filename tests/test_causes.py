@@ -343,7 +343,7 @@ def test_untraced_time_must_stand_out_of_the_job_not_only_of_its_dp_peers(monkey
     from transforms.whatif.causes import untraced
 
     def names(per_step_ms):
-        model = types.SimpleNamespace(dp_size=2, pp_size=2, meta=types.SimpleNamespace(host_compute=True))
+        model = types.SimpleNamespace(dp_size=2, pp_size=2, meta=types.SimpleNamespace(host_compute=True), worker_load=None)
         result = types.SimpleNamespace(launch_by_dp_rank={0: 1.007, 1: 1.047}, launch_by_stage={0: 1.035, 1: 1.016},
                                        launch_slowdown=1.0508, step_t_nodelay=np.array([0.47, 0.47, 0.47]),
                                        discarded=False, slowdown=1.2)

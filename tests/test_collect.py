@@ -77,6 +77,7 @@ def _land_run(run: str, lake: str, job_id: str, **options) -> list[str]:
     """Every rank of a committed run through its own handler, as each rank of the job would; the URLs landed."""
     landed = []
     options.setdefault("record_gc", False)   # committed traces of another process: this one's collections are not theirs
+    options.setdefault("record_host", False)   # ... nor this machine's cores
     for rank, trace in sorted(_rank_traces(run).items()):
         handler = kineto_handler(lake, job_id=job_id, date=DATE, rank=rank, world=4, **options)
         handler(FakeProfiler(trace))
@@ -546,6 +547,32 @@ def test_each_window_carries_the_python_collections_of_its_time(tmp_path):
     assert all(start > record["pauses"][-1][1] for start, _, _ in later)
     assert handler.close(timeout=30)   # the recorder leaves gc.callbacks
     assert all(getattr(callback, "__self__", None) is not handler.gc for callback in python_gc.callbacks)
+
+
+def test_each_window_carries_how_crowded_its_host_is(tmp_path, monkeypatch):
+    """Each exported window says how many cores the rank may run on (its CPU affinity), torch's
+    threads (when torch is loaded) and the job's ranks on the host (torchrun's LOCAL_WORLD_SIZE)."""
+    import os
+    import sys
+    import types
+
+    from strag_collect.hostrecord import host_record
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(get_num_threads=lambda: 3))
+    handler = kineto_handler(str(tmp_path / "lake"), job_id="j", date=DATE, rank=0, world=1, record_gc=False)
+    handler(FakeProfiler(_rank_traces("dp4-ddp-sleep")[0]))
+    assert handler.flush(timeout=30)
+    [landed] = [url for url in handler.landed if url.endswith(".json.gz")]
+    record = json.loads(gzip.decompress(pathlib.Path(landed).read_bytes()))["strag_host"]
+    assert record == {"cpus": len(os.sched_getaffinity(0)), "threads": 3, "local_ranks": 4}
+    # unknowns are None, never guesses: no torch loaded, no torchrun, a stand-in without the call
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.delitem(sys.modules, "torch")
+    assert host_record()["threads"] is None and host_record()["local_ranks"] is None
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace())
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "zero")
+    assert host_record() == {"cpus": len(os.sched_getaffinity(0)), "threads": None, "local_ranks": None}
 
 
 def test_append_top_level_writes_before_the_closing_brace(tmp_path):

@@ -57,6 +57,7 @@ def _collect(run: str, lake: str, job_id: str, ranks=None, **options) -> list[st
     world = len(traces)
     landed = []
     options.setdefault("record_gc", False)   # committed traces of another process: this one's collections are not theirs
+    options.setdefault("record_host", False)   # ... nor this machine's cores
     for rank in sorted(traces) if ranks is None else ranks:
         handler = kineto_handler(lake, job_id=job_id, date=DATE, rank=rank, world=world, live=True, **options)
         handler(FakeProfiler(traces[rank]))

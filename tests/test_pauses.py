@@ -197,6 +197,58 @@ def test_recorded_collections_are_python_gc_whatever_their_pattern(tmp_path):
     assert "gc_wait" not in plain.trace.column_names or plain.trace.column("gc_wait").null_count == plain.trace.num_rows
 
 
+def _with_host_record(run: pathlib.Path, into: pathlib.Path, record: dict) -> list[str]:
+    """A copy of a committed run whose traces carry strag_collect's host record (strag_collect.hostrecord)."""
+    import gzip
+
+    into.mkdir()
+    for path in sorted(run.glob("rank-*.json.gz")):
+        trace = json.loads(gzip.decompress(path.read_bytes()))
+        trace["strag_host"] = record
+        (into / path.name).write_bytes(gzip.compress(json.dumps(trace).encode()))
+    return sorted(str(p) for p in into.glob("rank-*.json.gz"))
+
+
+def test_untraced_time_a_crowded_host_can_explain_is_undecided_not_blamed(tmp_path):
+    """DDP on 4 CPU ranks whose rank 3 sleeps before its all-reduce: its untraced time is ~59x its
+    peers' (untraced-cpu on rank 3 without a host record). On a host of 2 threads per core (4 ranks of
+    1 thread, 2 cores) a rank gets at least half a core while runnable, so waiting can stretch its
+    untraced time at most 2-fold: 59x is its own, still untraced-cpu. Were the host crowded enough to
+    explain it (64 threads per core), no trace could tell its wait from its work: insufficient evidence,
+    naming the rank and its host's load, never a page."""
+    from transforms.ingest.kineto import convert_kineto
+    from transforms.whatif.causes import analyze_and_classify
+    from transforms.whatif.causes.untraced import crowded
+
+    run = pathlib.Path(__file__).parent / "data" / "real_runs" / "allreduce-r3-dp4-flat-mlp-sleep-ng"
+    name = run.name
+
+    def verdict(record: dict | None, folder: str):
+        files = sorted(str(p) for p in run.glob("rank-*.json.gz")) if record is None else \
+            _with_host_record(run, tmp_path / folder, record)
+        converted = convert_kineto(files, name, "2026-11-27", {})
+        return converted, analyze_and_classify(converted.trace, converted.job_meta(), name)[1]
+
+    plain, unrecorded = verdict(None, "")
+    assert plain.trace.column("host_load").null_count == plain.trace.num_rows
+    assert unrecorded.cause == "untraced-cpu" and unrecorded.implicated_workers == [(3, 0)]
+
+    two, halved = verdict({"cpus": 2, "threads": 1, "local_ranks": 4}, "two")
+    assert two.trace.column("host_load").to_pylist() == [2.0] * two.trace.num_rows
+    assert halved.cause == "untraced-cpu" and halved.implicated_workers == [(3, 0)]
+    assert "untraced_crowded" not in halved.evidence
+
+    packed, undecided = verdict({"cpus": 1, "threads": 16, "local_ranks": 4}, "packed")
+    from transforms.whatif import compile_job
+
+    assert crowded(compile_job(packed.trace, packed.job_meta(), name)) == {(d, 0): 64.0 for d in range(4)}
+    assert undecided.cause == "insufficient-evidence" and "untraced-cpu" not in undecided.causes
+    assert undecided.evidence["untraced_crowded"][0]["rank"] == 3
+    sentence = undecided.explanations["insufficient-evidence"]
+    assert "(rank 3)" in sentence and "64.0 of the job's threads per core" in sentence and "cores of its own" in sentence
+    assert undecided.confidence < 0.99
+
+
 def test_a_clean_run_with_a_gc_record_names_no_gc():
     """The record of a clean run holds the interpreter's ordinary young collections: none is worth a
     share of a step, so nothing is named."""

@@ -66,6 +66,40 @@ def test_page_and_version_follow_the_live_table(served):
     assert 'href="/job/job-a"' in index
 
 
+def test_an_open_alert_beside_a_session_verdict_that_does_not_give_it_is_explained(served):
+    """A later session whose own verdict pages nothing (undecided) while the alert fired earlier (or by
+    the job's windows together) stays open: the page says the verdict is that session's alone and
+    shows the open alert's message beside it."""
+    out, base = served
+    land_row(out, live_row("job-a", "s3", 1, 1.2, first=1_700_000_200.0, verdict="insufficient-evidence", confidence=0.9))
+    _, page = get(f"{base}/job/job-a")
+    assert "this session alone" in page
+    assert "Open alert, not this session&#x27;s verdict (fired by session s2)" in page or \
+        "Open alert, not this session's verdict (fired by session s2)" in page
+    assert page.count("Open alert, not this session") == 1
+
+
+def test_a_pooled_alert_of_the_latest_session_is_shown_beside_its_own_verdict():
+    """A page the job's windows decided together fires with the newest session, whose own verdict
+    (undecided) gives none: the page shows it beside that verdict; a superseded revision's alert is not."""
+    from dashboards.live_page import live_job_page
+    from schemas.live import ALERT_SCHEMA, LIVE_RESULT_SCHEMA
+    from transforms.live.paging import Page, _alert_row, fingerprint
+    from transforms.live.results import rows_table
+
+    row = live_row("job-p", "w3", 1, 1.2, first=1_700_000_300.0, verdict="insufficient-evidence", confidence=0.9)
+    page = Page("individual-worker", (slow_rank(),), fingerprint("job-p", "individual-worker", [3]),
+                pooled="decided by 4 profiling windows together (p = 0.001)", confidence=0.999)
+    alert = _alert_row(row, page, now=1_700_000_304.0, threshold=1.1)
+    html = live_job_page("job-p", rows_table([row], LIVE_RESULT_SCHEMA), rows_table([alert], ALERT_SCHEMA),
+                         threshold=1.1, version_href="/v", bundle_href="/b.js")
+    assert "this session alone" in html and "fired by session w3" in html and "4 profiling windows together" in html
+    corrected = dict(row, revision=2)
+    html = live_job_page("job-p", rows_table([row, corrected], LIVE_RESULT_SCHEMA), rows_table([alert], ALERT_SCHEMA),
+                         threshold=1.1, version_href="/v", bundle_href="/b.js")
+    assert "this session alone" not in html and "Open alert, not this session" not in html
+
+
 def _chromium_or_skip() -> None:
     """Skip without Chromium, except in CI, where `make test` installs it: its absence fails there."""
     try:

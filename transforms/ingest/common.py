@@ -158,7 +158,7 @@ def seq_ids(step: np.ndarray, worker: np.ndarray, optype: np.ndarray, start: np.
 
 def build_trace(job_id: str, *, dp_rank, stage, rank, step, optype, start_ts, duration, mb_id, mc, gmc,
                 host=None, n_ops=None, data_wait=None, seq_lens=None, gc_wait=None, idle_within=None, gc_within=None,
-                step_entered=None) -> pa.Table:
+                step_entered=None, host_load=None) -> pa.Table:
     """A TRACE_SCHEMA table from per-row numpy columns (optype as OPTYPES codes; seq_id derived),
     sorted by (step, dp_rank, stage, start_ts); n_ops: per row, < 0 for none; data_wait: per
     row seconds (None: the trace records no data loading); seq_lens: per row a list of sequence
@@ -198,6 +198,8 @@ def build_trace(job_id: str, *, dp_rank, stage, rank, step, optype, start_ts, du
                       pa.array(np.asarray(gc_within, dtype=np.float64)[order], pa.float64())),
         "step_entered": (pa.nulls(n, pa.float64()) if step_entered is None else
                          pa.array(np.asarray(step_entered, dtype=np.float64)[order], pa.float64())),
+        "host_load": (pa.nulls(n, pa.float64()) if host_load is None else
+                      pa.array(np.asarray(host_load, dtype=np.float64)[order], pa.float64())),
     }
     return pa.table(columns, schema=TRACE_SCHEMA)
 

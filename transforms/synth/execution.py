@@ -311,6 +311,7 @@ def emit_trace(
         "idle_within": pa.nulls(len(rec_idx), pa.float64()),
         "gc_within": pa.nulls(len(rec_idx), pa.float64()),
         "step_entered": pa.nulls(len(rec_idx), pa.float64()),
+        "host_load": pa.nulls(len(rec_idx), pa.float64()),
     }
     table = pa.Table.from_arrays([columns[f.name] for f in TRACE_SCHEMA], schema=TRACE_SCHEMA)
     return table, parts

@@ -120,6 +120,7 @@ class TraceColumns:
     idle_within: np.ndarray | None = None
     gc_within: np.ndarray | None = None
     step_entered: np.ndarray | None = None
+    host_load: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.step)
@@ -198,6 +199,7 @@ class JobModel:
     idle_within: np.ndarray | None = None  # [op, lane] seconds of the longest untraced stretch inside a compute op (CPU ranks)
     gc_within: np.ndarray | None = None    # [op, lane] seconds Python's collector ran inside the op (recorded, with gc_wait)
     step_entered: np.ndarray | None = None  # [op, lane] seconds after the step start its rank entered the step (CPU ranks)
+    worker_load: np.ndarray | None = None   # [dp_size, pp_size] threads per core on the worker's host (recorded; None: not)
 
     @property
     def n_ops(self) -> int:
@@ -426,6 +428,7 @@ def read_trace_columns(trace: pa.Table, job_id: str = "") -> TraceColumns:
     columns.gc_wait, columns.idle_within = _whole_column(trace, "gc_wait"), _whole_column(trace, "idle_within")
     columns.gc_within = _whole_column(trace, "gc_within") if columns.gc_wait is not None else None
     columns.step_entered = _whole_column(trace, "step_entered")
+    columns.host_load = _whole_column(trace, "host_load")
     columns.float32 = all(
         pa.types.is_float32(trace.schema.field(name).type)
         or bool((values.astype(np.float32).astype(np.float64) == values).all())
@@ -593,6 +596,7 @@ def _compile(columns: TraceColumns, meta: JobMeta, job_id: str, structure_from: 
         idle_within=None if columns.idle_within is None else layout(columns.idle_within),
         gc_within=None if columns.gc_within is None else layout(columns.gc_within),
         step_entered=None if columns.step_entered is None else layout(columns.step_entered) - lane_start,
+        worker_load=None if columns.host_load is None else _worker_load(columns, dp_size, pp_size),
     )
     model.original_cost = _original_cost(model)
     model.launch_delay = _launch_delays(model)
@@ -714,6 +718,13 @@ def _map_rows_to_ops(columns, keys, template_keys, inverse, step_index, dp_size,
         step=int(steps[bad_lane // dp_size]), dp_rank=bad_lane % dp_size, stage=int(structure["op_stage"][bad_op]),
         op=_op_name(int(structure["op_optype"][bad_op]), int(structure["op_seq_id"][bad_op]), int(structure["op_stage"][bad_op])),
     )
+
+
+def _worker_load(columns: TraceColumns, dp_size: int, pp_size: int) -> np.ndarray:
+    """[dp_size, pp_size] the largest host_load of each worker's rows (one value per rank)."""
+    load = np.zeros(dp_size * pp_size)
+    np.maximum.at(load, columns.dp_rank.astype(np.int64) * pp_size + columns.stage, columns.host_load)
+    return load.reshape(dp_size, pp_size)
 
 
 def _worker_ranks(columns: TraceColumns, dp_size: int, pp_size: int) -> np.ndarray:

@@ -417,6 +417,9 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
         host_of = {}
     if host_of:
         columns["host"] = [np.full(len(rows[rank]["step"]), host_of[rank], dtype=object) for rank in rows]
+    load = _host_load(by_rank, list(rows), host_of)
+    if load is not None:
+        columns["host_load"] = [np.full(len(rows[rank]["step"]), load[rank]) for rank in rows]
     trace = build_trace(job_id, **{name: np.concatenate(parts) for name, parts in columns.items()})
     vpp = int(trace.column("mc").to_numpy().max()) + 1 if trace.num_rows else 1
     if "vpp_size" in options and int(options["vpp_size"]) != vpp:
@@ -538,6 +541,23 @@ def convert_kineto(paths: Sequence[str], job_id: str, date: str, options: Mappin
     if rejected:
         converted.source["files_rejected"] = {error.path: error.reason_code for error in rejected}
     return converted
+
+
+def _host_load(by_rank: Mapping[int, Any], ranks: list[int], host_of: Mapping[int, str]) -> dict[int, float] | None:
+    """{rank: threads the job runs on its host per core the rank may use} from the collector's host
+    records (strag_collect.hostrecord), for the trace's `host_load` column: the host's ranks (torchrun's
+    LOCAL_WORLD_SIZE, else the job's ranks that name the same host) times each one's threads (torch's
+    intra-op threads on CPU ranks; one, the Python thread that launches the kernels, on GPU ranks) over
+    the cores of its CPU affinity. None unless every rank recorded its cores and its host's ranks are known."""
+    load = {}
+    for rank in ranks:
+        trace = by_rank[rank]
+        local = trace.host_ranks or (sum(1 for other in ranks if host_of.get(other) == host_of[rank]) if host_of else None)
+        if trace.host_cpus is None or local is None:
+            return None
+        threads = (trace.host_threads or 1) if trace.device == "cpu" else 1
+        load[rank] = local * threads / trace.host_cpus
+    return load
 
 
 def _data_waits(start: np.ndarray, end: np.ndarray, loading: np.ndarray) -> np.ndarray:

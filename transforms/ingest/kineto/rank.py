@@ -240,6 +240,7 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     base = top.get("baseTimeNanoseconds")
     trace.origin_ns = (int(base) if isinstance(base, (int, float)) else 0) + round((origin or 0.0) * 1000)
     trace.gc_pauses = _gc_pauses(top.get("strag_gc"), trace.origin_ns)
+    trace.host_cpus, trace.host_threads, trace.host_ranks = _host_record(top.get("strag_host"))
     if not kernels:
         traced = main.without(events.annotations(), unless=lambda name: False) + backward_elsewhere
         trace.main_busy = union_runs(traced.start, traced.end)
@@ -730,6 +731,20 @@ def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spa
         waited=np.array([False] * len(spans) + list(waited) + [False] * len(optimizer))
         if waited is not None and any(waited) else None,
     )
+
+
+def _host_record(record: Any) -> tuple[int | None, int | None, int | None]:
+    """(cores, torch threads, local ranks) of the collector's host record (strag_collect.hostrecord:
+    {"cpus": n, "threads": n or null, "local_ranks": n or null}); None for each value absent or not a
+    positive integer (a record this reader does not know counts as none)."""
+    if not isinstance(record, dict):
+        return None, None, None
+
+    def positive(key: str) -> int | None:
+        value = record.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    return positive("cpus"), positive("threads"), positive("local_ranks")
 
 
 def _gc_pauses(record: Any, origin_ns: int) -> np.ndarray | None:

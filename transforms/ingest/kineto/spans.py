@@ -154,6 +154,11 @@ class RankTrace:
     # [k, 2] start, end (µs) of each Python garbage collection the collector recorded (strag_collect's
     # "strag_gc" key); None: no record (a trace not landed by strag_collect), empty: recorded, none ran
     gc_pauses: np.ndarray | None = None
+    # the collector's record of the host (strag_collect's "strag_host" key): cores the rank may run on,
+    # torch's intra-op threads and the job's ranks on the host; None where not recorded
+    host_cpus: int | None = None
+    host_threads: int | None = None
+    host_ranks: int | None = None
     # [k, 2] start, end (µs) of the disjoint runs in which the steps' thread ran a traced op
     # (annotations left out; CPU ranks only, None elsewhere): where a compute span holds none, its
     # thread ran untraced Python (the collector, the OS) inside the compute

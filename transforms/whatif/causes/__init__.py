@@ -40,7 +40,11 @@ The design in four decisions.
    untraced-cpu. Either fix takes out the pauses and keeps the worker's ordinary time. A worker's
    untraced time (between its ops and inside them) beyond its peers' is tested like its compute:
    step by step against the job's own spread of that excess, at the same false-alarm rate, its
-   confidence the test's. The worker test measures a CPU rank's compute without the stretches
+   confidence the test's. On a host with more of the job's threads than cores (the collector's
+   record, the trace's `host_load` L) a rank runs at least 1/L of the time it is runnable, so
+   waiting for a core can stretch its untraced time L-fold: within L times its peers' it is
+   insufficient evidence (what would decide: cores of its own), beyond it the worker's own.
+   The worker test measures a CPU rank's compute without the stretches
    inside it in which no traced op ran (a slow machine runs its ops slower; Python stopped runs
    none). On GPU ranks GC stretches forwards (signals.py); when the stretches rotate over the
    workers (GC's signature) the worker test leaves them out of the compute: the collector's time

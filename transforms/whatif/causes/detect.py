@@ -32,7 +32,7 @@ from transforms.whatif.causes.signals import (
     within_group_normalised,
 )
 from transforms.whatif.causes.verdict import CauseError, CauseRules, Fix, Verdict
-from transforms.whatif.causes.untraced import (data_loading, model_untraced, pause_cause, untraced_cause,
+from transforms.whatif.causes.untraced import (crowded, data_loading, model_untraced, pause_cause, untraced_cause,
                                               untraced_workers)
 from transforms.whatif.causes.workers import WorkerTests, balance_tests, t_sf, worker_tests
 from transforms.whatif.metrics import analyze_model, worker_set_mask
@@ -650,6 +650,13 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
             primary, confidence = "untraced-cpu", untraced[0][3]
             evidence.pop("localised", None)
         implicated = list(dict.fromkeys([*implicated, *workers]))
+    elif _crowded_untraced(model, result, rules, evidence, CAUSE_SHARE * (rules.straggling - 1.0)) and \
+            (primary != "none" or (straggling and evidence.get("localised") is False)) and \
+            primary in ("unexplained", "none", "insufficient-evidence"):
+        # where untraced-cpu would be named, on a host with more threads than cores: nobody can tell
+        # that worker's own work from its wait for a core
+        primary, confidence = "insufficient-evidence", _undecided_confidence(signals.workers, evidence)
+        evidence.pop("localised", None)
     paused = pause_cause(model, result, rules, evidence, fixes, untraced)
     if paused is not None and (straggling or ranked):
         clear, workers = paused
@@ -774,15 +781,17 @@ def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, 
         ranked.remove("individual-worker")
         ranked.insert(0, "individual-worker")
     # a discarded window's S comes from the replay that does not match: it shows no straggling to
-    # be undecided about; a kept one (untraced time modelled) does
-    primary = ranked[0] if ranked else "insufficient-evidence" if not result.discarded and \
-        slowdown >= rules.straggling and _undecided(paired.workers) else "none"
+    # be undecided about; a kept one (untraced time modelled) does. A worker whose untraced time
+    # would make the discrepancy, on a host with more threads than cores, cannot be decided either
+    undecided = (not result.discarded and slowdown >= rules.straggling and _undecided(paired.workers)) or \
+        (not ranked and bool(_crowded_untraced(model, result, rules, evidence)))
+    primary = ranked[0] if ranked else "insufficient-evidence" if undecided else "none"
     workers = list(dict.fromkeys(w for c in ranked for w in implicated[c]))
     evidence = {k: (float(v) if isinstance(v, (np.floating, float)) else v) for k, v in evidence.items()}
     explanations = {c: explain.discarded_sentence(c, evidence, implicated.get(c, []), launch, modelled=not result.discarded)
                     for c in (ranked or [primary]) if c != "insufficient-evidence"}
     if primary == "insufficient-evidence":
-        explanations[primary] = explain.insufficient_sentence(slowdown, evidence.get("worker_test", {}))
+        explanations[primary] = explain.insufficient_sentence(slowdown, evidence.get("worker_test", {}), evidence)
     if untraced and "untraced-cpu" in ranked:
         explanations["untraced-cpu"] = explain.untraced_sentence(untraced, launch, fixes["untraced-cpu"],
                                                                  data_loading(model, untraced, evidence, fixes))
@@ -793,6 +802,22 @@ def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, 
         confidences.get(primary, 1.0)
     return Verdict(model.job_id, slowdown, primary, ranked, confidence, confidences, evidence, workers,
                    fixes, explanations)
+
+
+def _crowded_untraced(model: JobModel, result: WhatIfResult, rules: CauseRules, evidence: dict,
+                      least: float = 0.0) -> list:
+    """The workers untraced-cpu would name but for their oversubscribed host (`untraced.crowded`), whose
+    untraced time costs at least `least` of a step; recorded in evidence["untraced_crowded"] (rank, host
+    threads per core, untraced time beyond its peers' as a share of the step) for the sentence."""
+    hosts = crowded(model, rules)
+    if not hosts:
+        return []
+    found = [u for u in untraced_workers(model, result, rules, on_crowded_hosts=True) if max(u[1] or 0.0, u[2]) >= least]
+    if found:
+        evidence["untraced_crowded"] = [{"dp_rank": d, "stage": p, "rank": int(model.worker_rank[d, p]),
+                                         "host_load": hosts[(d, p)], "excess": float(max(e or 0.0, f))}
+                                        for (d, p), e, f, _ in found]
+    return found
 
 
 def _jitter(model: JobModel, result: WhatIfResult, workers: WorkerTests, rules: CauseRules, evidence: dict):

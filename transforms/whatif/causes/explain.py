@@ -224,16 +224,24 @@ def insufficient_sentence(slowdown: float, test: dict, evidence: dict | None = N
     with a sequence signature short of significance (evidence sequence_samples_needed), that too."""
     head = f"S = {slowdown:.3f}, but the trace cannot decide who or what is slow"
     evidence = evidence or {}
+    parts = []
+    crowded = evidence.get("untraced_crowded")
+    if crowded:   # untraced-cpu's worker on an oversubscribed host (detect._crowded_untraced)
+        c = crowded[0]
+        parts.append(f"worker dp {c['dp_rank']} / stage {c['stage']} (rank {c['rank']}) spends {100 * c['excess']:.0f}% of "
+                     f"a step more untraced time than its peers, but its host ran {c['host_load']:.1f} of the job's threads "
+                     "per core, so that time includes its wait for a core, which no trace tells apart from its own work: "
+                     "give each rank cores of its own (fewer ranks or torch threads per host) to decide")
     needed = evidence.get("sequence_samples_needed")
     if needed:
-        sequence = (f"compute follows the batches' recorded tokens (r = {evidence['workload_compute_r']:.2f}, p = "
-                    f"{evidence['sequence_p']:.2g}), not clearly enough to call it sequence-length imbalance at a "
-                    f"{100 * test.get('alpha', 0.01):g}% false-alarm rate: about {needed} more "
-                    f"microbatch{'es' if needed != 1 else ''} (steps x DP ranks) would decide.")
-        if not test.get("undecided") and not test.get("limits"):     # the workers are decided: only the sequence is not
-            return f"{head}: {sequence}"
-        return _insufficient_workers(head, test) + f"; and {sequence}"
-    return _insufficient_workers(head, test) + "."
+        parts.append(f"compute follows the batches' recorded tokens (r = {evidence['workload_compute_r']:.2f}, p = "
+                     f"{evidence['sequence_p']:.2g}), not clearly enough to call it sequence-length imbalance at a "
+                     f"{100 * test.get('alpha', 0.01):g}% false-alarm rate: about {needed} more "
+                     f"microbatch{'es' if needed != 1 else ''} (steps x DP ranks) would decide")
+    if parts and not test.get("undecided") and (crowded or not test.get("limits")):
+        # the workers' compute is decided (or untestable beside a crowded host): only these are not
+        return f"{head}: " + "; and ".join(parts) + "."
+    return "; and ".join([_insufficient_workers(head, test), *parts]) + "."
 
 
 def _insufficient_workers(head: str, test: dict) -> str:

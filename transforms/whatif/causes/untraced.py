@@ -18,7 +18,7 @@ from transforms.whatif.model import JobModel, median
 from transforms.whatif.replay import Mix, Scenario, replay
 from transforms.whatif.result import DISCREPANCY_LIMIT, STRAGGLING_THRESHOLD, UntracedWork, WhatIfResult, discrepancy_discards
 
-__all__ = ["model_untraced", "untraced_workers", "untraced_cause", "pause_cause", "data_loading"]
+__all__ = ["model_untraced", "untraced_workers", "crowded", "untraced_cause", "pause_cause", "data_loading"]
 
 
 def model_untraced(model: JobModel, result: WhatIfResult) -> list | None:
@@ -40,11 +40,25 @@ def model_untraced(model: JobModel, result: WhatIfResult) -> list | None:
     return untraced
 
 
-def untraced_workers(model: JobModel, result: WhatIfResult, rules: CauseRules = CauseRules()
-                      ) -> list[tuple[tuple[int, int], float, float, float]]:
+def crowded(model: JobModel, rules: CauseRules = CauseRules()) -> dict[tuple[int, int], float]:
+    """{worker: its host's threads per core} for the workers whose host ran more of the job's threads
+    than it has cores (the trace's `host_load`, as strag_collect recorded it, above rules.host_load);
+    {} where nothing was recorded."""
+    if model.worker_load is None:
+        return {}
+    over = np.argwhere(model.worker_load > rules.host_load)
+    return {(int(d), int(p)): float(model.worker_load[d, p]) for d, p in over}
+
+
+def untraced_workers(model: JobModel, result: WhatIfResult, rules: CauseRules = CauseRules(), *,
+                     on_crowded_hosts: bool = False) -> list[tuple[tuple[int, int], float, float, float]]:
     """The workers whose untraced CPU time (launch delays: METHOD.md section 3) makes the replay
     discrepancy, as [(worker, excess or None where the replay attributes no launch delays, hidden
-    excess, confidence)] (largest first) or []. A measurement, a test and a replay must agree:
+    excess, confidence)] (largest first) or []. Workers of an oversubscribed host (`crowded`) whose
+    untraced time that host's crowding can explain are left out: it includes their wait for a core,
+    which no trace tells apart from their own work (on_crowded_hosts=True: only those, the ones that
+    would be named otherwise).
+    A measurement, a test and a replay must agree:
     - measured (pauses.untraced_time): the worker's untraced time per step is at least `factor`
       (rules.untraced_factor) times its DP peers' median in most steps, and in its median step (persistent, not one preempted
       step; not cleared by one noisy step of a peer), and as much beyond the job's other workers'
@@ -133,7 +147,19 @@ def untraced_workers(model: JobModel, result: WhatIfResult, rules: CauseRules = 
     named = sorted((w for w in named if counted[w] > 0.0 and counted[w] >= each * total), key=lambda w: (-counted[w], w))
     if not named or sum(counted[w] for w in named) < share * total:
         return []
-    return [(w, excess[w], hidden[w], confidence[w]) for w in named]
+    hosts = crowded(model, rules)
+
+    def crowding_explains(worker) -> bool:
+        """On a host of L threads per core a rank runs at least 1/L of the time it is runnable (the
+        scheduler's fair share): waiting for a core stretches its untraced time at most L-fold, and its
+        peers' at least not at all. Untraced time within L times its peers' may be that wait; beyond it,
+        it is the worker's own."""
+        if worker not in hosts:
+            return False
+        baseline = median(np.stack([per_step[w] for w in peer_set[worker]]), axis=0)
+        return float(median(per_step[worker])) <= hosts[worker] * float(median(baseline))
+
+    return [(w, excess[w], hidden[w], confidence[w]) for w in named if crowding_explains(w) == on_crowded_hosts]
 
 
 def _untraced_test(per_step: dict, baselines: dict, workers: list, alpha: float) -> dict[tuple[int, int], float]:

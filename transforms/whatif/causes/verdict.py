@@ -49,7 +49,9 @@ class CauseRules:
     `untraced_factor` (2x) its DP peers' median in most steps and in its median step (a stated
     margin: one noisy step of a peer cannot make it); the replay names it when its launch delays
     are at least `untraced_each` (35%) of the discrepancy and the named workers' together a majority
-    of it (`untraced_share`, 50%).
+    of it (`untraced_share`, 50%). `host_load` (1 thread per core, physics): on a host whose job
+    threads outnumber its cores (the collector's record, the trace's `host_load`), a rank's untraced
+    time includes its wait for a core; untraced-cpu is never blamed there.
 
     Physics, with stated margins (no replay confirms these): `more_work` / `slower_pace` (one DP
     rank per stage: a chunk running 1.15x the median chunk's recorded operations is a heavier
@@ -90,6 +92,7 @@ class CauseRules:
     untraced_factor: float = 2.0
     untraced_each: float = 0.35
     untraced_share: float = 0.5
+    host_load: float = 1.0
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
