@@ -18,6 +18,7 @@ __all__ = [
     "optype_words",
     "TRACE_SCHEMA",
     "TRACE_REQUIRED",
+    "trace_table",
     "MANIFEST_SCHEMA",
     "WORKER_STRUCT",
     "PUBLISHED_COLUMNS",
@@ -120,6 +121,13 @@ TRACE_SCHEMA = pa.schema(
     metadata={"strag.schema_version": SCHEMA_VERSION, "strag.table": "trace"},
 )
 TRACE_REQUIRED: tuple[str, ...] = tuple(f.name for f in TRACE_SCHEMA if not f.nullable)
+
+
+def trace_table(columns: dict[str, pa.Array], num_rows: int) -> pa.Table:
+    """A TRACE_SCHEMA table of the given columns (every required one), each optional column not
+    given all null: writers of the trace need not name every optional measurement there is."""
+    return pa.Table.from_arrays([columns[f.name] if f.name in columns else pa.nulls(num_rows, f.type)
+                                 for f in TRACE_SCHEMA], schema=TRACE_SCHEMA)
 
 WORKER_STRUCT = pa.struct(
     [

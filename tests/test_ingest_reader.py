@@ -464,3 +464,14 @@ def test_inside_spans_equals_testing_each_span():
         for start, end in spans:   # overlapping, nested, empty spans alike
             expected |= (start <= points) & (points < end)
         assert (_inside(points, spans) == expected).all()
+
+
+def test_the_schedule_s_fsdp_and_comm_actions_are_quiet_labels_and_its_compute_is_not():
+    """torch.distributed.pipelining labels every action it runs (`PP:{action}`). Its FSDP actions
+    (UNSHARD / RESHARD: all-gathers read as collectives, empty without FSDP; torch 2.13 writes them
+    for zero-bubble schedules even without FSDP) and comm actions lose nothing unmapped; its compute
+    actions are read, never passed over as quiet."""
+    for quiet in ("PP:0UNSHARD", "PP:3RESHARD", "PP:NUNSHARD", "PP:1REDUCE_GRAD", "PP:2SEND_F0", "PP:0RECV_B3"):
+        assert _UNMAPPED_QUIET.match(quiet), quiet
+    for read in ("PP:0F1", "PP:1B2", "PP:3W0", "PP:2I1", "PP:(0F3;3B1)OVERLAP_F_B"):
+        assert not _UNMAPPED_QUIET.match(read), read

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from schemas.trace import TRACE_SCHEMA
+from schemas.trace import TRACE_SCHEMA, trace_table
 from transforms.whatif import JobMeta, analyze_job
 from transforms.whatif.parity import TOLERANCE, compare, json_mismatches, reference_mismatches
 
@@ -34,15 +34,7 @@ def as_lake_table(table: pa.Table, job_id: str) -> pa.Table:
             else:
                 column = column.cast(field.type)
             columns[field.name] = column
-    columns["host"] = pa.nulls(table.num_rows, pa.string())
-    columns["seq_lens"] = pa.nulls(table.num_rows, pa.list_(pa.int32()))
-    columns["n_ops"] = pa.nulls(table.num_rows, pa.int32())
-    columns["data_wait"] = pa.nulls(table.num_rows, pa.float64())
-    columns["gc_wait"] = pa.nulls(table.num_rows, pa.float64())
-    columns["idle_within"] = pa.nulls(table.num_rows, pa.float64())
-    columns["gc_within"] = pa.nulls(table.num_rows, pa.float64())
-    columns["step_entered"] = pa.nulls(table.num_rows, pa.float64())
-    return pa.Table.from_pydict(columns, schema=TRACE_SCHEMA)
+    return trace_table(columns, table.num_rows)
 
 
 @pytest.fixture(scope="module", params=TRACES)

@@ -2,7 +2,7 @@
 built from a LlamaConfig, on CPU / gloo.
 
     torchrun --standalone --nproc_per_node 2 tools/real_stacks/pipe_tracer.py --out /tmp/pp \
-        [--schedule gpipe|1f1b|interleaved] [--layout pp2|pp2dp2] [--dp-sync fsdp2|ddp] [--slow ...]
+        [--schedule gpipe|1f1b|interleaved|looped-bfs|interleaved-zb|zbv|dualpipev] [--layout pp2|pp2dp2] [--dp-sync fsdp2|ddp] [--slow ...]
         [--fsdp-per-layer 0|1] [--fsdp-reshard-after-forward 0|1]
 
 Model (PipeLlama): embed_tokens -> rotary (cos, sin) and a causal additive mask computed ONCE ->
@@ -48,7 +48,11 @@ import torch.nn.functional as F
 
 import common as C
 
-SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1), "interleaved": ("ScheduleInterleaved1F1B", 2)}
+SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1), "interleaved": ("ScheduleInterleaved1F1B", 2),
+             "looped-bfs": ("ScheduleLoopedBFS", 2), "interleaved-zb": ("ScheduleInterleavedZeroBubble", 2),
+             "zbv": ("ScheduleZBVZeroBubble", 2), "dualpipev": ("ScheduleDualPipeV", 2)}
+# schedules whose stages sit in a V: pp rank r holds stages r and 2 pp - 1 - r (the rest: stage s on rank s % pp)
+V_SCHEDULES = ("zbv", "dualpipev")
 
 
 class PipeLlama(nn.Module):
@@ -195,7 +199,7 @@ def main() -> None:
         bounds.append(acc)
     split_spec = {f"layers.{b}": SplitPoint.BEGINNING for b in bounds}
     edges = [0] + bounds + [n_layers]
-    stage_ids = [pp_rank + v * pp for v in range(n_virtual)]
+    stage_ids = [pp_rank, 2 * pp - 1 - pp_rank] if args.schedule in V_SCHEDULES else [pp_rank + v * pp for v in range(n_virtual)]
     crossing = {}
     if args.frontend == "tracer":
         example = torch.randint(4, cfg.vocab_size, (args.mb_size, args.seq_len))
@@ -292,7 +296,8 @@ def main() -> None:
         "split_spec": sorted(split_spec), "layers_per_stage": counts, "n_layers": n_layers,
         "stage_inputs": crossing,
         "tensors_crossing_each_split": {str(s): len(crossing[str(s)]) for s in range(1, n_stages)},
-        "schedule_class": sched_name, "stages_per_rank": n_virtual, "placement": "stage s on pp rank s % pp",
+        "schedule_class": sched_name, "stages_per_rank": n_virtual, "placement": ("V: pp rank r holds stages r and 2 pp - 1 - r" if args.schedule in V_SCHEDULES
+                                                   else "stage s on pp rank s % pp"),
         "microbatches": M, "microbatch": [args.mb_size, args.seq_len],
         "dp_sync": dp_sync_desc,
         **({"fsdp_per_layer": bool(args.fsdp_per_layer), "reshard_after_forward": reshard,

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from schemas.raw import JOB_YAML_KEYS, RAW_REASONS, SOURCE_KEY
-from schemas.trace import OPTYPES, TRACE_SCHEMA
+from schemas.trace import OPTYPES, TRACE_SCHEMA, trace_table
 
 __all__ = [
     "RawInputError",
@@ -157,12 +157,12 @@ def seq_ids(step: np.ndarray, worker: np.ndarray, optype: np.ndarray, start: np.
 
 
 def build_trace(job_id: str, *, dp_rank, stage, rank, step, optype, start_ts, duration, mb_id, mc, gmc,
-                host=None, n_ops=None, data_wait=None, seq_lens=None, gc_wait=None, idle_within=None, gc_within=None,
-                step_entered=None, host_load=None) -> pa.Table:
+                host=None, n_ops=None, seq_lens=None, **seconds) -> pa.Table:
     """A TRACE_SCHEMA table from per-row numpy columns (optype as OPTYPES codes; seq_id derived),
-    sorted by (step, dp_rank, stage, start_ts); n_ops: per row, < 0 for none; data_wait: per
-    row seconds (None: the trace records no data loading); seq_lens: per row a list of sequence
-    lengths or None."""
+    sorted by (step, dp_rank, stage, start_ts); n_ops: per row, < 0 for none; seq_lens: per row a
+    list of sequence lengths or None; seconds: the optional float columns by name (data_wait,
+    gc_wait, idle_within, gc_within, step_entered, host_load: schemas/trace.py), per row; those not
+    given (None: the trace records no such thing) are null."""
     dp_rank, stage, step, optype = (np.asarray(a, dtype=np.int64) for a in (dp_rank, stage, step, optype))
     start_ts, duration = np.asarray(start_ts, dtype=np.float64), np.asarray(duration, dtype=np.float64)
     worker = dp_rank * (int(stage.max()) + 1 if len(stage) else 1) + stage
@@ -182,26 +182,19 @@ def build_trace(job_id: str, *, dp_rank, stage, rank, step, optype, start_ts, du
         "mc": pa.array(np.asarray(mc, dtype=np.int64)[order], pa.int16()),
         "mb_id": pa.array(np.asarray(mb_id, dtype=np.int64)[order], pa.int32()),
         "gmc": pa.array(np.asarray(gmc, dtype=np.int64)[order], pa.int16()),
-        "host": pa.array(None if host is None else np.asarray(host, dtype=object)[order], pa.string())
-        if host is not None else pa.nulls(n, pa.string()),
-        "seq_lens": (pa.nulls(n, pa.list_(pa.int32())) if seq_lens is None else
-                     pa.array(np.asarray(seq_lens, dtype=object)[order].tolist(), pa.list_(pa.int32()))),
-        "n_ops": (pa.nulls(n, pa.int32()) if n_ops is None else
-                  pa.array(np.asarray(n_ops, dtype=np.int64)[order], pa.int32(), mask=np.asarray(n_ops)[order] < 0)),
-        "data_wait": (pa.nulls(n, pa.float64()) if data_wait is None else
-                      pa.array(np.asarray(data_wait, dtype=np.float64)[order], pa.float64())),
-        "gc_wait": (pa.nulls(n, pa.float64()) if gc_wait is None else
-                    pa.array(np.asarray(gc_wait, dtype=np.float64)[order], pa.float64())),
-        "idle_within": (pa.nulls(n, pa.float64()) if idle_within is None else
-                        pa.array(np.asarray(idle_within, dtype=np.float64)[order], pa.float64())),
-        "gc_within": (pa.nulls(n, pa.float64()) if gc_within is None else
-                      pa.array(np.asarray(gc_within, dtype=np.float64)[order], pa.float64())),
-        "step_entered": (pa.nulls(n, pa.float64()) if step_entered is None else
-                         pa.array(np.asarray(step_entered, dtype=np.float64)[order], pa.float64())),
-        "host_load": (pa.nulls(n, pa.float64()) if host_load is None else
-                      pa.array(np.asarray(host_load, dtype=np.float64)[order], pa.float64())),
     }
-    return pa.table(columns, schema=TRACE_SCHEMA)
+    if host is not None:
+        columns["host"] = pa.array(np.asarray(host, dtype=object)[order], pa.string())
+    if seq_lens is not None:
+        columns["seq_lens"] = pa.array(np.asarray(seq_lens, dtype=object)[order].tolist(), pa.list_(pa.int32()))
+    if n_ops is not None:
+        columns["n_ops"] = pa.array(np.asarray(n_ops, dtype=np.int64)[order], pa.int32(), mask=np.asarray(n_ops)[order] < 0)
+    for name, values in seconds.items():
+        if TRACE_SCHEMA.field(name).type != pa.float64():
+            raise TypeError(f"build_trace: {name} is not an optional seconds column of TRACE_SCHEMA")
+        if values is not None:
+            columns[name] = pa.array(np.asarray(values, dtype=np.float64)[order], pa.float64())
+    return trace_table(columns, n)
 
 
 def build_manifest(job_id: str, date: dt.date | str, trace: pa.Table, *, dp_size: int, pp_size: int, tp_size: int = 1,

@@ -21,7 +21,7 @@ import dataclasses
 import numpy as np
 import pyarrow as pa
 
-from schemas.trace import OPTYPES, TRACE_SCHEMA
+from schemas.trace import OPTYPES, trace_table
 from transforms.synth.program import Program, UnitKind
 
 __all__ = ["Timing", "StepArrays", "draw_arrays", "simulate", "step_times", "emit_trace", "TracePart"]
@@ -305,13 +305,6 @@ def emit_trace(
         "gmc": pa.array(program.record_gmc[rec_idx]),
         "host": host_col,
         "seq_lens": seq_col,
-        "n_ops": pa.nulls(len(rec_idx), pa.int32()),
-        "data_wait": pa.nulls(len(rec_idx), pa.float64()),
-        "gc_wait": pa.nulls(len(rec_idx), pa.float64()),
-        "idle_within": pa.nulls(len(rec_idx), pa.float64()),
-        "gc_within": pa.nulls(len(rec_idx), pa.float64()),
-        "step_entered": pa.nulls(len(rec_idx), pa.float64()),
-        "host_load": pa.nulls(len(rec_idx), pa.float64()),
     }
-    table = pa.Table.from_arrays([columns[f.name] for f in TRACE_SCHEMA], schema=TRACE_SCHEMA)
+    table = trace_table(columns, len(rec_idx))
     return table, parts

@@ -25,7 +25,7 @@ import pathlib
 import numpy as np
 import pyarrow as pa
 
-from schemas.trace import OPTYPES, TRACE_SCHEMA
+from schemas.trace import OPTYPES, trace_table
 
 __all__ = ["Timeline", "ideal_timeline", "chrome_trace_events", "chrome_trace_bytes", "write_chrome_trace",
            "first_steps", "EVENT_LIMIT", "simulated_trace"]
@@ -228,13 +228,5 @@ def simulated_trace(model, starts: np.ndarray, ends: np.ndarray, job_id: str | N
         "mc": pa.array(model.op_mc[op].astype(np.int16)),
         "mb_id": pa.array(model.mb_id.ravel().astype(np.int32)),
         "gmc": pa.array(model.op_gmc[op].astype(np.int16)),
-        "host": pa.nulls(len(op), pa.string()),
-        "seq_lens": pa.nulls(len(op), pa.list_(pa.int32())),
-        "n_ops": pa.nulls(len(op), pa.int32()),
-        "data_wait": pa.nulls(len(op), pa.float64()),
-        "gc_wait": pa.nulls(len(op), pa.float64()),
-        "idle_within": pa.nulls(len(op), pa.float64()),
-        "gc_within": pa.nulls(len(op), pa.float64()),
-        "step_entered": pa.nulls(len(op), pa.float64()),
     }
-    return pa.Table.from_pydict(columns, schema=TRACE_SCHEMA)
+    return trace_table(columns, len(op))

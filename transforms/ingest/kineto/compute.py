@@ -14,8 +14,10 @@ from transforms.ingest.kineto.spans import BWD, COLL, FWD, IN_COMPUTE_COLLECTIVE
 # labels that are no op of the model and lose nothing: c10d's own ranges (`nccl:all_reduce`, whose
 # kernels are read), DDP's forward wrapper, data loading, the schedule's comm actions
 # (the wrappers' annotations too: FSDP2's `FSDP::pre_forward (layers.0)`, Lightning's `[pl][profile]...`; the
-# work they wrap is read from its ops and collectives)
-_UNMAPPED_QUIET = re.compile(r"^(Optimizer\.zero_grad#|## |enumerate\(DataLoader\)|PP:\d*(RECV|SEND|WAIT|REDUCE)|nccl:|gloo:"
+# work they wrap is read from its ops and collectives), and the schedule's FSDP actions (`PP:0UNSHARD`,
+# `PP:0RESHARD`: the all-gathers inside them are read as collectives; empty without FSDP)
+_UNMAPPED_QUIET = re.compile(r"^(Optimizer\.zero_grad#|## |enumerate\(DataLoader\)|PP:\w*?(RECV|SEND|WAIT|REDUCE|UNSHARD|RESHARD)"
+                             r"|nccl:|gloo:"
                              r"|DistributedDataParallel\.forward|FSDP::|\[pl\]\[)")
 _BACKWARD_OP = "autograd::engine::evaluate_function:"
 # Ops that end a run of compute on the main thread: p2p, labels, the optimizer.
