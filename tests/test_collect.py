@@ -573,6 +573,21 @@ def test_each_window_carries_how_crowded_its_host_is(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace())
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "zero")
     assert host_record() == {"cpus": len(os.sched_getaffinity(0)), "threads": None, "local_ranks": None}
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "8")   # launched by mpirun
+    assert host_record()["local_ranks"] == 8
+
+
+def test_a_container_s_cpu_quota_bounds_the_cores_it_records(tmp_path, monkeypatch):
+    from strag_collect import hostrecord
+
+    quota = tmp_path / "cpu.max"
+    for text, cores in (("max 100000\n", None), ("400000 100000\n", 4), ("150000 100000", 2), ("garbage", None)):
+        quota.write_text(text)
+        assert hostrecord.cpu_quota(str(quota)) == cores
+    assert hostrecord.cpu_quota(str(tmp_path / "absent")) is None
+    quota.write_text("100000 100000")   # a 1-core container on a machine of many
+    monkeypatch.setattr(hostrecord, "CPU_MAX", str(quota))
+    assert hostrecord.host_record()["cpus"] == 1
 
 
 def test_append_top_level_writes_before_the_closing_brace(tmp_path):
