@@ -13,6 +13,12 @@ false-alarm rate, transforms/whatif/causes, so jitter does not page), and
   false-alarm rate (a signature that holds only partly, confidence 0.5, is no page; the measured
   causes above were decided by their own tests at that rate).
 
+The stated rate is per window: every window of a job is a new test, so a clean job profiled W times
+is paged by jitter with a chance of up to about W x 1% (a page per ~100 windows of clean jobs; one
+alert per fingerprint, resolved by the next healthy window). Bounding it per job instead (Bonferroni
+over a horizon of windows) would hold back the pages of real 1.3-1.5x workers whose one window
+decides at p just under 1% (measured on real HF Trainer jobs, benchmarks/bench_live_windows.py).
+
 A session whose own verdict pages nothing may still page for a worker its job's recent windows
 decide together (`pooled_page`): the worker test over the last POOLED_WINDOWS windows' samples
 (workers.pooled_worker_tests, at the same stated false-alarm rate), for a worker slow in most of
