@@ -162,8 +162,8 @@ def live_job_page(job_id: str, results: pa.Table, alerts: pa.Table, *, threshold
                                                           "workers", "duplicates", "analysed (UTC)"], table_rows,
                   "A late file re-analyses its session; the higher revision supersedes the earlier one."),
         HtmlTable("Alerts", ["time (UTC)", "kind", "cause", "ranks", "message"], alert_rows or [["", "", "", "", "none yet"]],
-                  "One alert per (cause, blamed ranks): it fires once, and resolves when a later session is healthy or "
-                  "the job stops landing sessions."),
+                  "One alert per (cause, blamed ranks): it fires once, and resolves when a later session is healthy (and "
+                  "no longer measures the blamed worker slow) or the job stops landing sessions."),
     ]
     page = render_page(f"Live: {job_title(job_id, 'job')}", f"strag watch · {len(current)} session(s) · refreshes when the live table changes",
                        blocks, inline_js=False, bundle_href=bundle_href)

@@ -123,6 +123,39 @@ def test_the_watcher_pages_the_worker_its_windows_decide_once_and_resolves_when_
     assert len(state["windows"]) == 5 <= POOLED_WINDOWS
 
 
+def test_a_window_that_pages_nothing_but_still_measures_the_worker_slow_does_not_resolve_its_alert(window, tmp_path):
+    """A worker paged by one window, then a window whose verdict is none (S under the threshold, the
+    worker within that window's jitter) while it still measures the worker's backward 1.3x its peers':
+    not a repair, the alert stays open; a window measuring it at its peers' pace resolves it. Alerts
+    of other causes, and windows without a peer test, resolve on the verdict as before."""
+    from transforms.live.paging import still_slow
+
+    model = window[0]
+    rng = np.random.default_rng(11)
+    slow_dp = model.dp_size - 1
+    where = [[d, 0, 10 + d, f"host-{d}"] for d in range(model.dp_size)]
+    worker = {"rank": 10 + slow_dp, "dp_rank": slow_dp, "stage": 0, "host": f"host-{slow_dp}", "ratio": 1.5,
+              "work": "backward", "steps": [1, 2, 3]}
+    book = AlertBook(str(tmp_path), threshold=1.1)
+    paged = book.apply(_row("j", "s0", _windows(window, rng, 0.02, 1.5, n=1)[0].summary(), where,
+                            verdict="individual-worker", verdict_confidence=1.0, blamed=[worker]), now=0.0)
+    assert [e["kind"] for e in paged] == ["firing"]
+    still = _windows(window, rng, 0.02, 1.3, n=1)[0].summary()
+    assert still_slow(paged[0], still) == [paged[0]["workers"][0]]
+    quiet = dict(verdict="none", verdict_confidence=1.0, slowdown=1.05, undecided_workers=0)
+    assert book.apply(_row("j", "s1", still, where, **quiet), now=1.0) == []
+    assert json.loads((tmp_path / "alert_state" / "j.json").read_text())["open"][paged[0]["fingerprint"]]["last_session"] == "s1"
+    repaired = _windows(window, rng, 0.02, 1.0, n=1)[0].summary()
+    assert still_slow(paged[0], repaired) == []
+    resolved = book.apply(_row("j", "s2", repaired, where, **quiet), now=2.0)
+    assert [e["kind"] for e in resolved] == ["resolved"]
+    # other causes and windows without a peer test: the verdict decides, as before
+    assert still_slow(dict(paged[0], cause="python-gc"), still) == [] and still_slow(paged[0], None) == []
+    # the worker slow in the other kind of work than the alert named is not this alert's worker
+    forward_only = dict(paged[0], workers=[dict(worker, work="forward")])
+    assert still_slow(forward_only, still) == []
+
+
 def test_a_pooled_page_needs_the_newest_window_s_own_test():
     assert pooled_page("j", []) is None
     assert pooled_page("j", [None]) is None

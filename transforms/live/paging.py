@@ -29,7 +29,9 @@ An alert is identified by its fingerprint: a digest of (job, cause, blamed globa
 sessions of a job that keep naming the same workers continue one alert (a job profiled every
 few minutes pages once, not per window); a different cause or worker set resolves the old
 alert and fires a new one. An alert resolves when a later session of the job is healthy (kept
-and nothing to page, or discarded with every worker cleared by the worker test), or when the job has landed
+and nothing to page, or discarded with every worker cleared by the worker test) and, for a worker,
+measures it below the straggling ratio against its peers (`still_slow`: a window too short to
+decide a 1.4x worker pages nothing, yet repairs nothing either), or when the job has landed
 nothing for `resolve_after` seconds (`AlertBook.expire`: by default three of the job's
 profiling intervals, and never before its sessions are archived).
 
@@ -45,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import statistics
 import threading
 
@@ -56,7 +59,7 @@ from transforms.whatif.causes.verdict import CauseRules
 from transforms.whatif.causes.workers import pooled_worker_tests
 
 __all__ = ["NOT_PAGED", "MEASURED", "ALERT_STATE", "POOLED_WINDOWS", "Page", "page_of", "pooled_page", "fingerprint", "AlertBook",
-           "workers_text"]
+           "workers_text", "still_slow"]
 
 NOT_PAGED = ("none", "unexplained", "insufficient-evidence")   # nothing to fix, nobody to blame, or undecided
 MEASURED = ("individual-worker", "python-gc", "untraced-cpu")     # named from measurements, not from the replay
@@ -156,6 +159,29 @@ def healthy(row: dict, threshold: float) -> bool:
     return row.get("status") == "discarded" and row.get("verdict") == "none" and row.get("undecided_workers") == 0
 
 
+def still_slow(alert: dict, summary: dict | None, floor: float = CauseRules.straggling) -> list[dict]:
+    """The workers an open individual-worker alert names that a window's worker test (its summary,
+    `WorkerTests.summary`) still measures at least `floor` times their DP peers in the kind of work
+    the alert named (any kind where it named none): a window that pages nothing, because one window
+    cannot tell the worker from the job's jitter, is no repair; the pooled test asks the same of the
+    newest window. [] for other causes or where the window made no peer test (its verdict decides)."""
+    if alert.get("cause") != "individual-worker" or not summary:
+        return []
+    stages, kinds, limit = list(summary["stages"]), list(summary["kinds"]), math.log(floor)
+    out = []
+    for worker in alert.get("workers") or ():
+        stage, dp = int(worker["stage"]), int(worker["dp_rank"])
+        if stage not in stages or dp >= int(summary["dp"]):
+            continue
+        p = stages.index(stage)
+        for k, kind in enumerate(kinds):
+            if worker.get("work") in (None, kind) and summary["counts"][k][p][dp] > 0 \
+                    and summary["levels"][k][p][dp] >= limit:
+                out.append(worker)
+                break
+    return out
+
+
 def workers_text(workers) -> str:
     """'rank 1 (dp 1 / stage 0, host a): forward 1.69x its DP peers', steps 3, 4' per blamed worker."""
     parts = []
@@ -247,7 +273,13 @@ class AlertBook:
             elif healthy(row, self.threshold):
                 why = (f"session {session} is healthy (S {_s(row.get('slowdown'))}, verdict {row.get('verdict')}"
                        f"{', replay discarded' if row.get('status') == 'discarded' else ''})")
-                events += [self._resolved(state, fp, now, why, row) for fp in list(state["open"])]
+                windows = state.get("windows") or []
+                newest = windows[-1]["summary"] if windows and windows[-1]["session"] == session else None
+                for fp in list(state["open"]):
+                    if still_slow(state["open"][fp], newest):   # healthy by its verdict, not repaired
+                        state["open"][fp].update(last_session=session, last_revision=revision)
+                    else:
+                        events.append(self._resolved(state, fp, now, why, row))
             self._save(state)
             return events
 
