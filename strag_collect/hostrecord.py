@@ -8,11 +8,12 @@ tell; the trainer can, at no cost: each exported window carries one top-level ke
     "strag_host": {"cpus": 2, "threads": 1, "local_ranks": 4}
 
 cpus: the cores this process may run on (its CPU affinity, taskset's limit, and its container's CPU
-quota where cgroup v2 sets one; not the machine's count); threads: torch's intra-op threads (None where torch is not loaded); local_ranks: the
-job's processes on this host (torchrun's LOCAL_WORLD_SIZE, Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE;
-None where neither is set: the converter then counts the job's ranks that name the same host). The converter turns it
-into the trace's `host_load` column (transforms/ingest/kineto/job.py); untraced-cpu is then never
-blamed on a rank for untraced time its host's crowding can explain (transforms/whatif/causes/untraced.py).
+quota where cgroup v2 sets one; not the machine's count); threads: torch's intra-op threads (None
+where torch is not loaded); local_ranks: the job's processes on this host (torchrun's
+LOCAL_WORLD_SIZE, Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE; None where neither is set: the converter
+then counts the job's ranks that name the same host). The converter turns it into the trace's
+`host_load` column (transforms/ingest/kineto/job.py); untraced-cpu is then never blamed on a rank
+for untraced time its host's crowding can explain (transforms/whatif/causes/untraced.py).
 """
 from __future__ import annotations
 
@@ -66,5 +67,9 @@ def host_record() -> dict[str, int | None]:
             threads = _positive(torch.get_num_threads())
         except Exception:   # a torch stand-in without it: the record says unknown
             threads = None
-    local = next((_positive(os.environ.get(name)) for name in LOCAL_RANKS_ENV if _positive(os.environ.get(name))), None)
+    local = None
+    for name in LOCAL_RANKS_ENV:
+        local = _positive(os.environ.get(name))
+        if local is not None:
+            break
     return {"cpus": _positive(cpus), "threads": threads, "local_ranks": local}

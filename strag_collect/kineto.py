@@ -520,7 +520,7 @@ def kineto_handler(lake_url: str, *, job_id: str, date: str | dt.date | None = N
     its own); check: write a probe to the lake now (`check_lake`); record_gc: record Python's garbage
     collections (gc.callbacks) and add them to each window's trace (`strag_collect.gcrecord`);
     record_host: add the host's cores, torch threads and local ranks to each window's trace
-    (`strag_collect.hostrecord`: untraced time on an oversubscribed host is then not blamed on a rank).
+    (`strag_collect.hostrecord`: untraced time its host's crowding can explain is then blamed on no rank).
     Raises here, at set-up, never once training runs: ValueError for a bad job id, date, limit, prefix
     or lake URL (unknown scheme, its filesystem package missing), OSError when the lake cannot be written."""
     return KinetoHandler(lake_url, job_id, date=date, rank=rank, world=world, mesh=mesh, schedule=schedule,

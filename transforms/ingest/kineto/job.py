@@ -545,10 +545,11 @@ def convert_kineto(paths: Sequence[str], job_id: str, date: str, options: Mappin
 
 def _host_load(by_rank: Mapping[int, Any], ranks: list[int], host_of: Mapping[int, str]) -> dict[int, float] | None:
     """{rank: threads the job runs on its host per core the rank may use} from the collector's host
-    records (strag_collect.hostrecord), for the trace's `host_load` column: the host's ranks (torchrun's
-    LOCAL_WORLD_SIZE, else the job's ranks that name the same host) times each one's threads (torch's
-    intra-op threads on CPU ranks; one, the Python thread that launches the kernels, on GPU ranks) over
-    the cores of its CPU affinity. None unless every rank recorded its cores and its host's ranks are known."""
+    records (strag_collect.hostrecord), for the trace's `host_load` column: the host's ranks (the
+    launcher's local world size, else the job's ranks that name the same host) times each one's threads
+    (torch's intra-op threads on CPU ranks; one, the Python thread that launches the kernels, on GPU
+    ranks) over the cores the rank may use. None unless every rank recorded its cores and its host's
+    ranks are known."""
     load = {}
     for rank in ranks:
         trace = by_rank[rank]

@@ -783,8 +783,8 @@ def _measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, 
     # a discarded window's S comes from the replay that does not match: it shows no straggling to
     # be undecided about; a kept one (untraced time modelled) does. A worker whose untraced time
     # would make the discrepancy, on a host with more threads than cores, cannot be decided either
-    undecided = (not result.discarded and slowdown >= rules.straggling and _undecided(paired.workers)) or \
-        (not ranked and bool(_crowded_untraced(model, result, rules, evidence)))
+    on_crowded_host = not ranked and bool(_crowded_untraced(model, result, rules, evidence))
+    undecided = on_crowded_host or (not result.discarded and slowdown >= rules.straggling and _undecided(paired.workers))
     primary = ranked[0] if ranked else "insufficient-evidence" if undecided else "none"
     workers = list(dict.fromkeys(w for c in ranked for w in implicated[c]))
     evidence = {k: (float(v) if isinstance(v, (np.floating, float)) else v) for k, v in evidence.items()}

@@ -151,8 +151,8 @@ def untraced_workers(model: JobModel, result: WhatIfResult, rules: CauseRules = 
 
     def crowding_explains(worker) -> bool:
         """On a host of L threads per core a rank runs at least 1/L of the time it is runnable (the
-        scheduler's fair share): waiting for a core stretches its untraced time at most L-fold, and its
-        peers' at least not at all. Untraced time within L times its peers' may be that wait; beyond it,
+        scheduler's fair share): waiting for a core stretches its untraced time by at most L times, and
+        cannot shrink its peers'. Untraced time within L times its peers' may be that wait; beyond it,
         it is the worker's own."""
         if worker not in hosts:
             return False
