@@ -436,3 +436,32 @@ def test_steps_without_profilerstep_are_told_by_the_optimizer():
         with pytest.raises(RawInputError, match="no ProfilerStep.*no Optimizer.step span") as error:
             convert_kineto([str(bare)], "bare", "2026-11-25", {})
     assert error.value.reason_code == "raw_no_steps"
+
+
+def test_a_zero_bubble_chunk_s_backward_is_both_its_halves():
+    """ScheduleInterleavedZeroBubble splits each backward in two ops, input gradients then weight
+    gradients, and each chunk differently: the first chunk's inputs (token ids) need no gradient, so
+    its backward-compute is empty (0 recorded operations, ~0.1 ms) and all of it is weight gradients.
+    A chunk's backward, for its work, pace and balance, is both halves: counted so, no chunk runs its
+    work at an odd pace (with the input half alone, chunk 0's 0.1 ms over max(0, 1) operation read
+    as a machine many times slower per operation than the others)."""
+    from transforms.whatif import compile_job
+    from transforms.whatif.causes.signals import WEIGHT, chunk_work, pairs, take, whole_backward
+
+    converted = _convert("clean-izb-pp4-ng-tf-sleep-s0")
+    model = compile_job(converted.trace, converted.job_meta(), "izb")
+    table = converted.trace.to_pandas()
+    compute = table[table.optype.astype(str).str.endswith("compute")]
+    ops = compute.groupby(["gmc", "optype"], observed=True).n_ops.mean().unstack()
+    assert ops.loc[0, "backward-compute"] == 0 and ops.loc[0, "backward-weight-compute"] > 0
+    work = chunk_work(converted.trace, model)
+    halves = (ops["backward-compute"] + ops["backward-weight-compute"]).to_numpy()
+    assert work.ops_backward.tolist() == pytest.approx(halves.tolist())
+    for chunk in work.chunks.tolist():
+        ratio, speed = work.of([chunk])
+        assert speed < 1.3, (chunk, ratio, speed)    # CauseRules.slower_pace: no chunk's machine reads slow
+    forward, backward = pairs(model)
+    whole = whole_backward(model, backward)
+    added = whole - take(model.original_cost, backward)
+    assert (added > 0).all()                         # every backward found its weight half
+    assert added.sum() == pytest.approx(model.original_cost[model.op_optype == WEIGHT].sum())

@@ -7,9 +7,12 @@ import math
 
 import numpy as np
 
+from schemas.trace import OPTYPES
 from transforms.whatif.causes.verdict import CauseRules
 from transforms.whatif.model import JobModel, column_values, distinct, median, nullable_values, optype_codes
 from transforms.whatif.causes.sequences import BACKWARD, FORWARD
+
+WEIGHT = OPTYPES.index("backward-weight-compute")   # zero-bubble schedules' weight-gradient half of a backward
 
 __all__ = ["pairs", "take", "pearson", "within_group_normalised", "margin", "peer_median", "nanmedian", "PeerComparison",
            "peer_comparison", "ChunkBalance", "chunk_balance", "GcStalls", "gc_stalls"]
@@ -62,6 +65,29 @@ def _main_pieces(model: JobModel, ops: np.ndarray, chunks: int) -> np.ndarray:
 def take(values: np.ndarray, ops: np.ndarray) -> np.ndarray:
     """values[op, lane] gathered at ops[k, lane]."""
     return np.take_along_axis(values, ops, axis=0)
+
+
+def whole_backward(model: JobModel, backward: np.ndarray, cost: np.ndarray | None = None) -> np.ndarray:
+    """[k, lane] cost of each backward of `pairs` with its weight-gradient half added where a
+    zero-bubble schedule split it off (its backward-weight-compute op of the same stage, chunk and
+    microbatch; chunks split differently: the first chunk's is all weight gradients). The backward's
+    own cost where the job has no such op."""
+    cost = model.original_cost if cost is None else cost
+    out = take(cost, backward)
+    weights = np.flatnonzero(model.op_optype == WEIGHT)
+    if not len(weights) or not len(backward):
+        return out
+    chunks = int(model.op_gmc.max()) + 2
+    weights = _main_pieces(model, weights, chunks)
+    key_w = _microbatch_key(model, weights, chunks)
+    key_b = (model.op_stage[backward].astype(np.int64) * chunks + model.op_gmc[backward]) * (1 << 20) + take(model.mb_id, backward)
+    for lane in range(model.n_lanes):
+        order = np.argsort(key_w[:, lane], kind="stable")
+        sorted_keys = key_w[order, lane]
+        at = np.minimum(np.searchsorted(sorted_keys, key_b[:, lane]), len(order) - 1)
+        found = sorted_keys[at] == key_b[:, lane]
+        out[found, lane] += cost[weights[order[at[found]]], lane]
+    return out
 
 
 def within_group_normalised(values: np.ndarray, group: np.ndarray) -> np.ndarray:
@@ -180,7 +206,7 @@ def chunk_balance(model: JobModel, forward: np.ndarray, backward: np.ndarray) ->
     if model.pp_size < 2 or not len(forward):
         return None
     shape = (len(forward), model.n_steps, model.dp_size)
-    work = (take(model.original_cost, forward) + take(model.original_cost, backward)).reshape(shape)
+    work = (take(model.original_cost, forward) + whole_backward(model, backward)).reshape(shape)
     chunk_of_row = model.op_gmc[forward[:, 0]]
     chunks = distinct(chunk_of_row)
     per_chunk = np.array([work[chunk_of_row == g].mean(axis=(0, 1)).min() for g in chunks])
@@ -201,10 +227,11 @@ class GcStalls:
 
 
 def gc_stalls(model: JobModel, forward: np.ndarray, backward: np.ndarray, rules: CauseRules) -> GcStalls:
-    """Forward stalls: observed forward minus ratio_median x backward, per (stage, chunk); a pause
+    """Forward stalls: observed forward minus ratio_median x backward (both halves of a zero-bubble
+    backward, `whole_backward`), per (stage, chunk); a pause
     exceeds both gc_min_stall seconds and gc_sigma robust standard deviations (MAD) of its chunk."""
     f = take(model.original_cost, forward)
-    b = take(model.original_cost, backward)
+    b = whole_backward(model, backward)
     chunk = model.op_stage[forward] * (int(model.op_gmc.max()) + 2) + model.op_gmc[forward]
     expected = np.empty_like(f)
     pauses = np.zeros(f.shape, dtype=bool)
@@ -256,7 +283,7 @@ def chunk_work(trace, model: JobModel) -> ChunkWork | None:
     if "n_ops" not in trace.column_names or model.pp_size * max(model.vpp_size, 1) < 2:
         return None
     optype = optype_codes(trace.column("optype"), model.job_id)
-    compute = (optype == FORWARD) | (optype == BACKWARD)
+    compute = (optype == FORWARD) | (optype == BACKWARD) | (optype == WEIGHT)
     if not compute.any():
         return None
     n_ops = nullable_values(trace.column("n_ops"))[compute]
@@ -264,13 +291,19 @@ def chunk_work(trace, model: JobModel) -> ChunkWork | None:
         return None
     gmc = column_values(trace.column("gmc"))[compute].astype(np.int64)
     seconds = column_values(trace.column("duration"))[compute].astype(np.float64)
-    forward = optype[compute] == FORWARD
+    kind = optype[compute]
+    forward, backward = kind == FORWARD, kind != FORWARD
     chunks, index = np.unique(gmc, return_inverse=True)
 
-    def mean(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        count = np.bincount(index[mask], minlength=len(chunks)).astype(np.float64)
+    def per_microbatch(values: np.ndarray, mask: np.ndarray, counted: np.ndarray) -> np.ndarray:
+        """The chunk's total over `mask` rows per microbatch (one `counted` row each)."""
+        count = np.bincount(index[counted], minlength=len(chunks)).astype(np.float64)
         total = np.bincount(index[mask], weights=values[mask], minlength=len(chunks))
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(count > 0, total / count, np.nan)
 
-    return ChunkWork(chunks, mean(n_ops, forward), mean(n_ops, ~forward), mean(seconds, forward), mean(seconds, ~forward))
+    # a zero-bubble schedule splits a backward in two ops (input gradients, then weight gradients),
+    # each chunk differently (the first chunk's inputs need none: all of it is weight gradients):
+    # the chunk's backward per microbatch is both, one backward-compute op per microbatch
+    return ChunkWork(chunks, per_microbatch(n_ops, forward, forward), per_microbatch(n_ops, backward, kind == BACKWARD),
+                     per_microbatch(seconds, forward, forward), per_microbatch(seconds, backward, kind == BACKWARD))
