@@ -462,3 +462,17 @@ def test_below_method_s_attribution_threshold_a_measured_slow_worker_is_still_na
     _, clean_model, clean_result, _, _ = analysed("clean")
     clean = classify(clean_model, dataclasses.replace(clean_result, slowdown=1.02, by_optype=None, mw=None))
     assert clean.cause == "none" and not clean.causes
+
+
+def test_an_unexplained_slowdown_a_fix_removes_says_so_without_only():
+    """An unexplained verdict whose best replayed fix removes most of the straggling time says that
+    fix would remove it, yet the trace shows no such cause; one whose best fix removes little says
+    'only'. Never 'would remove only all (115%)'."""
+    from transforms.whatif.causes.explain import verdict_sentence
+    from transforms.whatif.causes.verdict import Fix
+
+    big = Fix("individual-worker", 0.35, 1.02, 1.15, 0.07, "the slow stage's slow kind of work at the others' balance")
+    small = dataclasses.replace(big, explained=0.2)
+    sentence = verdict_sentence("unexplained", 1.106, 1.1, big)
+    assert "only" not in sentence and "all (115%)" in sentence and "nothing in the trace shows that cause" in sentence
+    assert "would remove only 20%" in verdict_sentence("unexplained", 1.106, 1.1, small)

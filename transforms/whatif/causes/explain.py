@@ -283,6 +283,10 @@ def verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix 
         return f"S = {slowdown:.3f} is below the {threshold:g} straggling threshold: nothing to fix."
     if best is None or best.explained <= 0:
         return f"S = {slowdown:.3f} but no detector could run (no attribution): the cause is unknown."
+    if best.explained >= 0.5:   # the replay can remove it, the trace cannot say why it is there
+        return (f"S = {slowdown:.3f} but no cause's signature holds: the best single fix ({best.description}) "
+                f"would remove {share_words(best.explained)} of the straggling time, yet nothing in the trace "
+                "shows that cause (its measurement is within the job's own spread).")
     return (f"S = {slowdown:.3f} but no cause's signature holds; the best single fix ({best.description}) "
             f"would remove only {share_words(best.explained)} of the straggling time.")
 
