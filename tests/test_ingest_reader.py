@@ -25,7 +25,7 @@ from transforms.ingest.kineto import reader as kineto_reader
 from transforms.ingest.kineto.compute import _BACKWARD_OP, _RUN_BREAK, _RUN_NEUTRAL, _UNMAPPED_QUIET, _inside, _step_labels
 from transforms.ingest.kineto.rank import parse_rank, parse_rank_bytes
 from transforms.ingest.kineto.spans import (BWD, DEFAULT_BACKWARD_LABELS, DEFAULT_FORWARD_LABELS,
-                                            DEFAULT_OPTIMIZER_LABEL, FWD, WEIGHT_LABEL, WGT, _NCCL, _STEP)
+                                            DEFAULT_OPTIMIZER_LABEL, FWD, WEIGHT_LABEL, WGT, _COLLECTIVES, _NCCL, _STEP)
 from transforms.synth.job import generate_job
 from transforms.synth.kineto_writer import write_kineto_job
 
@@ -57,7 +57,7 @@ class _ReferencePass:
         self.unmapped = collections.Counter()
         self.steps, self.step_tid, self.cpu_labels = {}, None, []
         self.gpu_labels = collections.defaultdict(list)
-        self.nccl, self.comm_meta, self.gloo_cpu, self.c10d_p2p = [], [], [], []
+        self.nccl, self.comm_meta, self.gloo_cpu, self.c10d_p2p, self.c10d_calls = [], [], [], [], []
         self.optimizer, self.optimizer_tids, self.p2p_labels, self.overlapped = [], [], [], []
         self._launches, self._work, self._cpu, self._annotations = [], [], [], set()
         self._launch_tid = {}
@@ -114,6 +114,9 @@ class _ReferencePass:
                 inputs = (event.get("args") or {}).get("Concrete Inputs") or []
                 peer = inputs[2] if len(inputs) > 2 and str(inputs[2]).lstrip("-").isdigit() else -1
                 self.c10d_p2p.append(("send" if name.startswith("c10d::send") else "recv", ts, end, int(peer)))
+                continue
+            if name.startswith("c10d::") and _COLLECTIVES.get(name[6:].rstrip("_").lower()) is not None:
+                self.c10d_calls.append((_COLLECTIVES[name[6:].rstrip("_").lower()], ts))
                 continue
             if name == "record_param_comms":
                 args = event.get("args") or {}

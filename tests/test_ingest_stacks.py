@@ -289,6 +289,37 @@ def test_every_stack_run_is_read_with_its_microbatches(run):
         assert evidence.microbatches == truth["microbatches"], evidence
 
 
+def test_a_gloo_collective_belongs_to_the_step_and_place_its_c10d_call_issued_it():
+    """ScheduleInterleavedZeroBubble with FSDP2 (pp2 x dp2, CPU, gloo): each step unshards both local
+    chunks (two `PP:sUNSHARD` all-gathers, issued before the step's first compute). gloo runs a
+    collective on a thread of its own, which may start the second one after the first compute began,
+    or after the step that issued it ended. Read by when its c10d call (`c10d::_allgather_base_`)
+    issued it, every profiled step keeps both as params-all-gathers on every rank; read by the gloo
+    span's start, the steps' structures differed between ranks and two of the three were dropped (a
+    larger run was refused: params-all-gather ops per DP rank differ)."""
+    from transforms.ingest.kineto import convert_kineto
+    from transforms.ingest.kineto.rank import parse_rank_bytes
+    from transforms.ingest.kineto.spans import COLL
+
+    run = STACKS / "pipe-clean-izb-pp2dp2-fsdp2-s0"
+    truth = json.loads((run / "truth.json").read_text())
+    paths = [str(run / name) for name in truth["trace_files"]]
+    later = 0
+    for path in paths:
+        trace = parse_rank_bytes(path, gzip.decompress(pathlib.Path(path).read_bytes()))
+        gathers = (trace.kind == COLL) & (trace.coll == "all_gather")
+        assert gathers.sum() == 2 * len(trace.steps)
+        assert (trace.issued[gathers] < trace.start[gathers]).all()   # the call, before its gloo span
+        later += int((trace.start[gathers] - trace.issued[gathers] > 200.0).sum())
+    assert later >= 1   # some gloo span began well (> 0.2 ms) after its call
+    converted = convert_kineto(paths, run.name, "2026-11-29", {})
+    assert not converted.source.get("steps_dropped")
+    table = converted.trace.to_pandas()
+    assert table.step.nunique() == 3
+    gathers = table[table.optype == "params-all-gather"].groupby(["step", "rank"]).size()
+    assert len(gathers) == 3 * truth["world"] and (gathers == 2).all(), gathers
+
+
 @pytest.mark.parametrize("name", ["ck-hf-clean-llama-packed-gc1", "cc-hf-clean-gpt2-packed-compile"])
 def test_gradient_checkpointing_and_torch_compile_read_as_any_trainer_step(name):
     """transformers' Trainer with gradient_checkpointing=True (each decoder layer's forward runs again

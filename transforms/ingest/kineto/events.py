@@ -15,7 +15,7 @@ from transforms.ingest.common import RawInputError
 from transforms.ingest.kineto.columns import ANNOTATION, KERNEL, EventColumns, Group
 from transforms.ingest.kineto.compute import _BACKWARD_OP, _UNMAPPED_QUIET
 from transforms.ingest.kineto.spans import (BWD, DEFAULT_BACKWARD_LABELS, DEFAULT_FORWARD_LABELS,
-                                            DEFAULT_OPTIMIZER_LABEL, FWD, WEIGHT_LABEL, WGT, _NCCL, _STEP)
+                                            DEFAULT_OPTIMIZER_LABEL, FWD, WEIGHT_LABEL, WGT, _COLLECTIVES, _NCCL, _STEP)
 
 def _compile_labels(options: Mapping[str, Any], key: str, defaults: tuple[str, ...]) -> list[re.Pattern]:
     given = options.get(key)
@@ -55,7 +55,7 @@ def _name_class(name: str) -> int:
     """0 for a CPU op / annotation name that only joins the op list, else 1: a step, gloo span,
     c10d p2p call or record_param_comms, which the event-by-event part reads. (A name that is no
     string never gets here: columns.BadEvent.)"""
-    return int(bool(_STEP.match(name)) or name.startswith(("gloo:", "c10d::send", "c10d::recv", "nccl:"))
+    return int(bool(_STEP.match(name)) or name.startswith(("gloo:", "c10d::", "nccl:"))
                or name in ("record_param_comms", _EMBEDDING_OP))
 
 
@@ -63,7 +63,7 @@ def _name_class(name: str) -> int:
 _GPU, _GPU_LABEL, _CPU = range(3)   # the groups of rare events
 
 
-_STEP_SPAN, _GLOO, _P2P, _COMMS, _NCCL_RANGE, _EMBEDDING, _OTHER = range(7)   # what a CPU op whose name matters is
+_STEP_SPAN, _GLOO, _P2P, _COMMS, _NCCL_RANGE, _EMBEDDING, _C10D, _OTHER = range(8)   # what a CPU op whose name matters is
 _EMBEDDING_OP = "aten::embedding"   # its input shapes (record_shapes) say how many tokens a forward ran
 
 
@@ -78,6 +78,9 @@ def _cpu_action(name: str) -> tuple[int, Any]:
         return _GLOO, name[5:]
     if name.startswith("c10d::send") or name.startswith("c10d::recv"):
         return _P2P, "send" if name.startswith("c10d::send") else "recv"
+    if name.startswith("c10d::"):   # a collective's c10d call (`c10d::_allgather_base_`): when the thread issued it
+        canonical = _COLLECTIVES.get(name[6:].rstrip("_").lower())
+        return (_C10D, canonical) if canonical is not None else (_OTHER, None)
     if name == "record_param_comms":
         return _COMMS, None
     if name.startswith("nccl:"):
@@ -114,6 +117,7 @@ class _EventPass:
         self.comm_meta: list[dict] = []                                 # record_param_comms args, in time order
         self.gloo_cpu: list[tuple[str, float, float, Any]] = []         # name, start, end, tid
         self.c10d_p2p: list[tuple[str, float, float, int]] = []         # c10d::send / recv_: name, start, end, local peer
+        self.c10d_calls: list[tuple[str, float]] = []                   # other c10d collective calls: collective, start
         self.optimizer: list[tuple[float, float]] = []
         self.optimizer_tids: list = []          # the thread of each optimizer span
         self.p2p_labels: list[tuple[float, float, int, int]] = []       # start, end, direction (+1 F, -1 B), stage
@@ -238,6 +242,8 @@ class _EventPass:
                 inputs = args[i].get("Concrete Inputs") or []
                 peer = inputs[2] if len(inputs) > 2 and str(inputs[2]).lstrip("-").isdigit() else -1
                 self.c10d_p2p.append((value, ts, end, int(peer)))
+            elif action == _C10D:
+                self.c10d_calls.append((value, ts))
             elif action == _COMMS:
                 if "Collective name" in args[i]:
                     self.comm_meta.append(dict(args[i], ts=ts, tid=tid))

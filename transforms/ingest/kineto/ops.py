@@ -72,6 +72,11 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
     # there the compute holds them, waits included)
     compute_kind = (kind == FWD) | (kind == BWD)
     first_compute = first_start_per_step(step, start, compute_kind)
+    # before or after the first compute by when the thread issued it: on CPU ranks a gloo collective's
+    # span starts when its worker thread gets to it, which may be after a compute the issuing thread
+    # began later (a pipeline schedule's UNSHARD of its second chunk); GPU spans keep their start,
+    # the clock their compute is on
+    when = trace.issued[in_steps] if trace.issued is not None and trace.device == "cpu" else start
     spanning = _spanning_groups(trace, layout, dp_groups)
     for i in np.flatnonzero(kind == COLL).tolist():
         name = coll[i]
@@ -85,7 +90,7 @@ def _ops_of_rank(trace: RankTrace, stage: int, layout: _Layout, steps: np.ndarra
             # a gradient sync the compute waited out between layers (FSDP's per-layer reduce-scatter)
             optype[i] = _CODE["group-collective"]
             continue
-        if group[i] in dp_groups and name == "all_gather" and start[i] >= first_compute.get(int(step[i]), np.inf):
+        if group[i] in dp_groups and name == "all_gather" and when[i] >= first_compute.get(int(step[i]), np.inf):
             if pp == 1:   # synchronises the DP ranks between the layers' compute
                 optype[i] = _CODE["group-collective"]
             else:
@@ -159,7 +164,7 @@ def _whole_labels(trace: RankTrace) -> RankTrace:
     columns = {f.name: getattr(trace, f.name) for f in dataclasses.fields(trace)}
     columns.update(end=end, n_ops=n_ops, piece=None)
     for name in ("kind", "start", "end", "step", "mb", "chunk", "peer", "coll", "group", "peer_local", "direction", "n_ops",
-                 "seq", "seq_lens", "waited"):
+                 "seq", "seq_lens", "waited", "issued"):
         if columns[name] is not None:
             columns[name] = columns[name][~later]
     return RankTrace(**columns)
@@ -205,7 +210,7 @@ def unwaited(trace: RankTrace) -> RankTrace:
     columns = {f.name: getattr(trace, f.name) for f in dataclasses.fields(trace)}
     columns.update(end=end, n_ops=n_ops, piece=piece if (piece[~joined] > 0).any() else None, waited=None)
     for name in ("kind", "start", "end", "step", "mb", "chunk", "peer", "coll", "group", "peer_local", "direction", "n_ops",
-                 "piece", "seq", "seq_lens"):
+                 "piece", "seq", "seq_lens", "issued"):
         if columns[name] is not None:
             columns[name] = columns[name][~joined]
     return RankTrace(**columns)

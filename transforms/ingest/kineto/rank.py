@@ -1,6 +1,7 @@
 """Pass 1: one rank's Kineto JSON -> `RankTrace` (events read once, compute and comm spans, steps)."""
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
 import math
@@ -198,8 +199,10 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     if unnamed:
         # (only the `nccl:` ranges and the unnamed kernels' launches matter to it)
         _name_from_launch(comm, unnamed, launched, events.nccl_ranges)
+    called: dict[tuple[float, float, str], float] = {}   # a gloo collective's span -> when its c10d call issued it
     if not kernels:
-        comm += _gloo_spans(events.gloo_cpu, events.comm_meta, events.c10d_p2p, rank, groups, unmapped)
+        comm += _gloo_spans(events.gloo_cpu, events.comm_meta, events.c10d_p2p, rank, groups, unmapped, called,
+                            events.c10d_calls)
     # the autograd engine runs a GPU job's backward on threads of its own: its top-level
     # `evaluate_function` ops are the backward work the main thread waits for meanwhile
     main, backward_elsewhere = events.threads(cpu_ops, step_tid)
@@ -219,7 +222,7 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
             ops, sorted(steps.values()), optimizer, forward=FWD not in kinds, autograd=autograd)
     on_gpu = _GpuWork(*events.launch_columns(), *events.work_columns()) if kernels else None
     # the CPU time each comm span was issued at: which compute label issued it, and its step
-    issued = _issued_at(comm, correlations, launched)
+    issued = _issued_at(comm, correlations, launched, called)
     waited = waited_collectives(comm, issued, main, cpu_labels) if not kernels else None
     spans = _compute_spans(cpu_labels, events.gpu_labels if kernels else {}, comm, main, on_gpu,
                            _issued_collectives(comm, issued, groups, waited))
@@ -327,13 +330,19 @@ def _global_peer(local: int, group: str, groups: Mapping[str, Group], rank: int)
 
 
 def _gloo_spans(gloo: list, meta: list[dict], c10d: list, rank: int, groups: Mapping[str, Group],
-                unmapped: collections.Counter) -> list[tuple[int, float, float, int, str, str, int, int]]:
+                unmapped: collections.Counter, called: dict | None = None, c10d_calls: list | None = None
+                ) -> list[tuple[int, float, float, int, str, str, int, int]]:
     """gloo's own spans (`gloo:all_reduce` on a runloop thread, `gloo:send` / `gloo:recv` inside the
     c10d call that issued them), with the group and peer of that call: from `record_param_comms`
     where the trace has it, else (CPU traces) the c10d call's `Concrete Inputs` (the group-local
     peer: global through a group that names the pp dim, else kept as `local` for the job level,
     where the layout says which ranks form the rank's pipeline). A p2p op spans its c10d call and
-    its gloo span. Tuples: (kind, start, end, peer, collective, group, local peer, Seq = -1)."""
+    its gloo span. Tuples: (kind, start, end, peer, collective, group, local peer, Seq = -1).
+    called: filled with {(start, end, collective): the time its c10d call issued it} for each
+    collective matched to its call (record_param_comms, else the n-th `c10d::` call of that collective,
+    `c10d_calls`, in time order): gloo runs it on a thread of its own, whose span may begin well after
+    the call (behind another collective), when the caller has gone on."""
+    from_call = _calls_of_spans(gloo, c10d_calls or [])
     issued: dict[str, list[dict]] = collections.defaultdict(list)
     for args in sorted(meta, key=lambda a: a["ts"]):
         canonical = _COLLECTIVES.get(str(args["Collective name"]).lower(), str(args["Collective name"]).lower())
@@ -366,6 +375,36 @@ def _gloo_spans(gloo: list, meta: list[dict], c10d: list, rank: int, groups: Map
             out.append((SEND if canonical == "send" else RECV, start, end, peer, canonical, group, local, -1))
         else:
             out.append((COLL, start, end, -1, canonical, group, -1, -1))
+            at = args.get("ts")
+            if not isinstance(at, (int, float)):
+                at = from_call.get((start, end))
+            if called is not None and isinstance(at, (int, float)) and at <= start:
+                called[(start, end, canonical)] = float(at)
+    return out
+
+
+def _calls_of_spans(gloo: list, calls: list[tuple[str, float]]) -> dict[tuple[float, float], float]:
+    """{(start, end) of a gloo collective span: the time of the c10d call that issued it}: per
+    collective, each span takes the latest call at or before its start that is earlier than the call
+    the next span took (matched from the last span back: the calls keep the spans' order, a call
+    whose span the file lacks is left over, and back-to-back calls go to their spans in turn)."""
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    for canonical, at in calls:
+        times[canonical].append(at)
+    spans: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    for name, start, end, _tid in gloo:
+        canonical = _COLLECTIVES.get(name.lower())
+        if canonical in times:
+            spans[canonical].append((start, end))
+    out = {}
+    for canonical, mine in spans.items():
+        at = sorted(times[canonical])
+        limit = len(at)
+        for start, end in sorted(mine, reverse=True):
+            j = bisect.bisect_right(at, start, 0, limit) - 1
+            if j < 0:
+                break
+            out[(start, end)], limit = at[j], j
     return out
 
 
@@ -481,11 +520,14 @@ def _recorded_ops(spans: list, starts: np.ndarray, ends: np.ndarray) -> list[int
     return out
 
 
-def _issued_at(comm: list, correlations: list, launched: Mapping[int, tuple[float, Any]]) -> list[float]:
+def _issued_at(comm: list, correlations: list, launched: Mapping[int, tuple[float, Any]],
+               called: Mapping[tuple[float, float, str], float] | None = None) -> list[float]:
     """Per comm span, the CPU time it was issued at: a NCCL kernel's CUDA launch (`correlations`
     of the NCCL spans, which come first in `comm`; `launched`: correlation -> (launch start,
-    thread)), else (gloo, or a launch the file lacks) its own start."""
-    out = [span[1] for span in comm]
+    thread)), a gloo collective's c10d call (`called`, from `_gloo_spans`: its gloo thread may start
+    it after the step that issued it has ended), else its own start."""
+    called = called or {}
+    out = [called.get((span[1], span[2], span[4]), span[1]) if span[0] == COLL else span[1] for span in comm]
     for i, correlation in zip(range(len(out)), correlations):
         if correlation is not None and (launch := launched.get(int(correlation))) is not None:
             out[i] = launch[0]
@@ -730,6 +772,7 @@ def _rank_trace(path, rank, world, backend, groups, device, versions, steps, spa
         seq_lens=np.array(lengths + [None], dtype=object)[:-1] if any(v is not None for v in lengths) else None,
         waited=np.array([False] * len(spans) + list(waited) + [False] * len(optimizer))
         if waited is not None and any(waited) else None,
+        issued=at,
     )
 
 
