@@ -339,9 +339,9 @@ def _gloo_spans(gloo: list, meta: list[dict], c10d: list, rank: int, groups: Map
     where the layout says which ranks form the rank's pipeline). A p2p op spans its c10d call and
     its gloo span. Tuples: (kind, start, end, peer, collective, group, local peer, Seq = -1).
     called: filled with {(start, end, collective): the time its c10d call issued it} for each
-    collective matched to its call (record_param_comms, else the n-th `c10d::` call of that collective,
-    `c10d_calls`, in time order): gloo runs it on a thread of its own, whose span may begin well after
-    the call (behind another collective), when the caller has gone on."""
+    collective matched to its call (record_param_comms, else its `c10d::` call among `c10d_calls`,
+    `_calls_of_spans`): gloo runs it on a thread of its own, whose span may begin well after the call
+    (behind another collective), when the caller has gone on."""
     from_call = _calls_of_spans(gloo, c10d_calls or [])
     issued: dict[str, list[dict]] = collections.defaultdict(list)
     for args in sorted(meta, key=lambda a: a["ts"]):
