@@ -446,7 +446,8 @@ def test_a_zero_bubble_chunk_s_backward_is_both_its_halves():
     work at an odd pace (with the input half alone, chunk 0's 0.1 ms over max(0, 1) operation read
     as a machine many times slower per operation than the others)."""
     from transforms.whatif import compile_job
-    from transforms.whatif.causes.signals import WEIGHT, chunk_work, pairs, take, whole_backward
+    from transforms.whatif.causes.signals import chunk_work, pairs, take, whole_backward
+    from transforms.whatif.model import WGT
 
     converted = _convert("clean-izb-pp4-ng-tf-sleep-s0")
     model = compile_job(converted.trace, converted.job_meta(), "izb")
@@ -464,4 +465,4 @@ def test_a_zero_bubble_chunk_s_backward_is_both_its_halves():
     whole = whole_backward(model, backward)
     added = whole - take(model.original_cost, backward)
     assert (added > 0).all()                         # every backward found its weight half
-    assert added.sum() == pytest.approx(model.original_cost[model.op_optype == WEIGHT].sum())
+    assert added.sum() == pytest.approx(model.original_cost[model.op_optype == WGT].sum())

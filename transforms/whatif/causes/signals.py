@@ -7,12 +7,9 @@ import math
 
 import numpy as np
 
-from schemas.trace import OPTYPES
 from transforms.whatif.causes.verdict import CauseRules
-from transforms.whatif.model import JobModel, column_values, distinct, median, nullable_values, optype_codes
+from transforms.whatif.model import WGT, JobModel, column_values, distinct, median, nullable_values, optype_codes
 from transforms.whatif.causes.sequences import BACKWARD, FORWARD
-
-WEIGHT = OPTYPES.index("backward-weight-compute")   # zero-bubble schedules' weight-gradient half of a backward
 
 __all__ = ["pairs", "take", "pearson", "within_group_normalised", "margin", "peer_median", "nanmedian", "PeerComparison",
            "peer_comparison", "ChunkBalance", "chunk_balance", "GcStalls", "gc_stalls"]
@@ -47,7 +44,10 @@ def pairs(model: JobModel) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _microbatch_key(model: JobModel, ops: np.ndarray, chunks: int) -> np.ndarray:
-    """[len(ops), n_lanes] key of each op's (stage, chunk, microbatch) in each lane."""
+    """[len(ops), n_lanes] key of each op's (stage, chunk, microbatch) in each lane; `ops` one op per
+    row ([k]) or one per row and lane ([k, lane], as `pairs` gives them)."""
+    if ops.ndim == 2:
+        return (model.op_stage[ops].astype(np.int64) * chunks + model.op_gmc[ops]) * (1 << 20) + take(model.mb_id, ops)
     return (model.op_stage[ops, None].astype(np.int64) * chunks + model.op_gmc[ops, None]) * (1 << 20) + model.mb_id[ops]
 
 
@@ -74,13 +74,12 @@ def whole_backward(model: JobModel, backward: np.ndarray, cost: np.ndarray | Non
     own cost where the job has no such op."""
     cost = model.original_cost if cost is None else cost
     out = take(cost, backward)
-    weights = np.flatnonzero(model.op_optype == WEIGHT)
+    weights = np.flatnonzero(model.op_optype == WGT)
     if not len(weights) or not len(backward):
         return out
     chunks = int(model.op_gmc.max()) + 2
     weights = _main_pieces(model, weights, chunks)
-    key_w = _microbatch_key(model, weights, chunks)
-    key_b = (model.op_stage[backward].astype(np.int64) * chunks + model.op_gmc[backward]) * (1 << 20) + take(model.mb_id, backward)
+    key_w, key_b = _microbatch_key(model, weights, chunks), _microbatch_key(model, backward, chunks)
     for lane in range(model.n_lanes):
         order = np.argsort(key_w[:, lane], kind="stable")
         sorted_keys = key_w[order, lane]
@@ -283,7 +282,7 @@ def chunk_work(trace, model: JobModel) -> ChunkWork | None:
     if "n_ops" not in trace.column_names or model.pp_size * max(model.vpp_size, 1) < 2:
         return None
     optype = optype_codes(trace.column("optype"), model.job_id)
-    compute = (optype == FORWARD) | (optype == BACKWARD) | (optype == WEIGHT)
+    compute = (optype == FORWARD) | (optype == BACKWARD) | (optype == WGT)
     if not compute.any():
         return None
     n_ops = nullable_values(trace.column("n_ops"))[compute]
