@@ -286,7 +286,7 @@ def verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix 
     if best.explained >= 0.5:   # the replay can remove it, the trace cannot say why it is there
         return (f"S = {slowdown:.3f} but no cause's signature holds: the best single fix ({best.description}) "
                 f"would remove {share_words(best.explained)} of the straggling time, yet nothing in the trace "
-                "shows that cause (its measurement is within the job's own spread).")
+                "shows that cause.")
     return (f"S = {slowdown:.3f} but no cause's signature holds; the best single fix ({best.description}) "
             f"would remove only {share_words(best.explained)} of the straggling time.")
 
