@@ -10,7 +10,8 @@ The design in four decisions.
    slower than the same work of its DP peers (same layers, same shapes) beyond what this job's
    own spread allows: `workers.py` tests every worker and kind of work (forward, backward) per
    profiled step against its peers, with the null taken from the job (the step-to-step jitter
-   of every comparison, plus the persistent offset healthy peers keep, `peer_offset`), at a
+   of every comparison, plus the persistent offset healthy peers keep: the job's own where it has
+   the peers to bound it, else the prior measured on shared CPU cores, `peer_offset`), at a
    stated false-alarm rate per job (`false_alarm`, Bonferroni over the job's tests). Persistent
    (most steps) and intermittent (named steps: one spike, or a slow level over several steps
    against its simulated null) findings both blame; the verdict names each blamed worker's steps

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import statistics
 from typing import Sequence
 
 import numpy as np
@@ -135,6 +136,7 @@ class WorkerTests:
     limits: tuple[str, ...] = ()
     peers: bool = True                   # whether the job has DP peers to test against
     tau: float = 0.0                     # persistent offset (log, RMS) of healthy peers in the null
+    tau_prior: float = 0.0               # the prior offset tau is capped at (CauseRules.peer_offset)
     # per [kind, stage, dp]: the mean log effect against the DP peers and its samples (worker_tests;
     # None elsewhere): what `summary` hands to the test over several windows of one job
     levels: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -163,7 +165,7 @@ class WorkerTests:
         return {"kinds": list(KINDS), "stages": list(self.stages), "dp": int(self.levels.shape[2]),
                 "levels": np.where(self.counts > 0, self.levels, 0.0).round(9).tolist(),
                 "counts": self.counts.astype(int).tolist(), "sigma2": self.sigma * self.sigma, "df": int(self.df),
-                "tau": float(self.tau), "tests": int(self.n_tests), "unit": self.unit}
+                "tau": float(self.tau), "tau_prior": float(self.tau_prior), "tests": int(self.n_tests), "unit": self.unit}
 
     def evidence(self) -> dict:
         return {"worker_test": {"alpha": self.alpha, "ratio_floor": self.floor, "sigma": self.sigma, "df": self.df,
@@ -202,7 +204,8 @@ def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alp
 
     forward/backward: signals.pairs(model); alpha: false-alarm rate per job; floor: the least
     ratio a finding may have (the straggling threshold); offset: the persistent log offset healthy
-    DP peers show (RMS), the least `tau` of the null (CauseRules.peer_offset); cost: the work
+    DP peers were measured to keep (RMS, CauseRules.peer_offset): the null's `tau` with two DP ranks;
+    with three or more, unless the job shows more or bounds its own below it (`_healthy_offset`); cost: the work
     measured per [op, lane] (default the model's; pauses.inside_compute taken out: a collection
     mid-forward is no slower compute)."""
     if model.dp_size < 2:
@@ -229,7 +232,7 @@ def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alp
     if n < 2 or df < 1:
         return _empty(alpha, floor, "one profiled step with one microbatch: no spread to tell noise from a slow worker")
     sigma = math.sqrt(float(ss.sum()) / df)
-    tau = _healthy_offset(level, count, sigma, offset) if model.dp_size >= 3 else offset
+    tau = _healthy_offset(level, count, sigma, offset, alpha) if model.dp_size >= 3 else offset
     n_tests = len(KINDS) * work.shape[1] * model.dp_size
     limit = math.log(floor)
     slow, undecided = [], []
@@ -264,7 +267,7 @@ def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alp
                                            _samples_needed(max(mean, limit), sigma, tau, df, alpha / n_tests, m)))
     slow.sort(key=lambda f: (not f.persistent, -f.ratio, f.worker, f.kind))
     undecided.sort(key=lambda f: (-f.ratio, f.worker, f.kind))
-    return WorkerTests(alpha, floor, sigma, df, n_tests, unit, tuple(slow), tuple(undecided), tau=tau,
+    return WorkerTests(alpha, floor, sigma, df, n_tests, unit, tuple(slow), tuple(undecided), tau=tau, tau_prior=offset,
                        levels=level, counts=count, stages=tuple(int(p) for p in stage_ids))
 
 
@@ -286,8 +289,8 @@ def pooled_worker_tests(summaries: Sequence[dict | None], alpha: float = 0.01,
     slow worker within the job's jitter, where its windows together decide. The same test as
     `worker_tests`' persistent one, its samples the windows' samples: a worker's mean log effect
     against its DP peers over all of them, the jitter pooled over the windows' degrees of freedom,
-    the healthy peers' offset (with three or more DP ranks read again from the pooled means, as
-    each window reads it from its own; never below the least window's), Bonferroni over the job's tests (kinds x workers) at `alpha`; and slow in most windows (the median of its
+    the healthy peers' offset (with three or more DP ranks read and bounded again from the pooled
+    means, as each window does from its own), Bonferroni over the job's tests (kinds x workers) at `alpha`; and slow in most windows (the median of its
     windows' means at least the `floor` ratio, as the persistent test asks of most steps), the
     newest window included (what pages is slow now: a worker repaired stops at once). Only
     windows of the newest one's layout (kinds, stages, DP ranks) count, and only when two or more
@@ -307,11 +310,11 @@ def pooled_worker_tests(summaries: Sequence[dict | None], alpha: float = 0.01,
         mean = (levels * counts).sum(axis=0) / samples
     df = int(sum(s["df"] for s in usable))
     sigma2 = float(sum(s["sigma2"] * s["df"] for s in usable)) / df
-    # the healthy peers' offset read again from the pooled means (three or more DP ranks; a window's
-    # own reading, from means of a few samples, is mostly their jitter), never below the windows'
-    # least (each at least the prior healthy peers show); two DP ranks: the prior itself
-    floor_tau = min(float(s["tau"]) for s in usable)
-    tau = _healthy_offset(mean, samples, math.sqrt(sigma2), floor_tau) if latest["dp"] >= 3 else floor_tau
+    # the healthy peers' offset read and bounded again from the pooled means (three or more DP
+    # ranks: more samples per mean, less jitter in both), against the prior the windows used; two DP
+    # ranks: the prior itself
+    prior = max(float(s.get("tau_prior", s["tau"])) for s in usable)
+    tau = _healthy_offset(mean, samples, math.sqrt(sigma2), prior, alpha) if latest["dp"] >= 3 else prior
     tests = max(int(s["tests"]) for s in usable)
     limit = math.log(floor)
     out = []
@@ -422,18 +425,36 @@ def _balance_levels(stage_of: np.ndarray, stage: int, f: np.ndarray, b: np.ndarr
     return sorted(out, key=lambda f: f.p_value)[:1]
 
 
-def _healthy_offset(level: np.ndarray, count: np.ndarray, sigma: float, offset: float) -> float:
+def _healthy_offset(level: np.ndarray, count: np.ndarray, sigma: float, prior: float, alpha: float) -> float:
     """tau: the persistent offset (log, RMS) between healthy DP peers, beyond the jitter of their
-    means, read from a job of three or more DP ranks (robust: the median squared mean over every
-    worker, kind and stage, so a slow worker among three or more does not set it, less the
-    jitter's share); never below `offset`, the prior healthy peers show. Two DP ranks give one
-    comparison per stage, which a slow worker is: the caller takes the prior then."""
+    means, for a job of three or more DP ranks. The job reads its own robustly (the median squared
+    mean over every worker, kind and stage, so a slow worker among three or more does not set it,
+    less the jitter's share) and bounds it from above at `alpha`: the median of m squared normal
+    means estimates their variance with the spread of a chi-square of 0.37 m degrees of freedom
+    (the sample median's asymptotic variance, 1 / (4 m f(q)^2) at the chi-square(1) median
+    q = 0.4549, f(q) = 0.4712, against 2 / nu for a chi-square mean). tau is the prior (`prior`, the
+    offset healthy peers were measured to keep on shared CPU cores, CauseRules.peer_offset) unless
+    the job shows more (its reading, as before) or bounds its own below it: a job of many quiet peers
+    (GPU ranks) measures its slow workers against its own, far smaller offset; a few peers cannot
+    bound theirs below the prior. Two DP ranks give one comparison per stage, which a slow worker
+    is: the caller takes the prior then."""
     means = level[count >= 2]
-    if means.size >= 3:
-        n = float(median(count[count >= 2]))
-        read = float(median(means * means)) / 0.4549 - sigma * sigma / n   # median of chi2(1) = 0.4549
-        return max(math.sqrt(max(read, 0.0)), offset)
-    return offset
+    if means.size < 3:
+        return prior
+    n = float(median(count[count >= 2]))
+    nu = 0.3681 * means.size
+    variance = float(median(means * means)) / 0.4549
+    read = math.sqrt(max(variance - sigma * sigma / n, 0.0))
+    bound = math.sqrt(max(variance * nu / _chi2_quantile(alpha, nu) - sigma * sigma / n, 0.0))
+    return max(read, min(prior, bound))
+
+
+def _chi2_quantile(p: float, nu: float) -> float:
+    """The p-quantile of a chi-square of nu (> 0, not necessarily whole) degrees of freedom
+    (Wilson-Hilferty; floored at a tiny positive value where the cube root's base turns negative)."""
+    z = statistics.NormalDist().inv_cdf(p)
+    base = 1.0 - 2.0 / (9.0 * nu) + z * math.sqrt(2.0 / (9.0 * nu))
+    return nu * max(base, 1e-3) ** 3
 
 
 def _samples_needed(effect: float, sigma: float, tau: float, df: int, tail: float, m: int) -> int | None:
