@@ -14,12 +14,17 @@ from transforms.whatif.causes import workers as worker_module
 from transforms.whatif.causes.workers import balance_tests, t_sf, worker_tests
 
 
+def _ddp(job_id: str, dp: int, seed: int):
+    """A clean DDP job (one stage, 2 microbatches per step, 8 steps) compiled, with its op pairs."""
+    job = generate_job(JobSpec(job_id=job_id, dp=dp, pp=1, microbatches=2, steps=8, sessions=1, seed=seed))
+    model = compile_job(job.trace, job.meta, job_id)
+    return model, *pairs(model)
+
+
 @pytest.fixture(scope="module")
 def base():
-    """A clean DDP job (4 DP ranks, one stage, 2 microbatches per step, 8 steps) compiled once."""
-    job = generate_job(JobSpec(job_id="wt", dp=4, pp=1, microbatches=2, steps=8, sessions=1, seed=11))
-    model = compile_job(job.trace, job.meta, "wt")
-    return model, *pairs(model)
+    """A clean DDP job of 4 DP ranks compiled once."""
+    return _ddp("wt", 4, 11)
 
 
 def _jittered(model, rng, sigma: float):
@@ -183,10 +188,8 @@ PRIOR = 0.085   # the healthy offset a job is measured against without the peers
 
 @pytest.fixture(scope="module")
 def wide():
-    """A clean DDP job of 16 DP ranks (one stage, 2 microbatches per step, 8 steps) compiled once."""
-    job = generate_job(JobSpec(job_id="wide", dp=16, pp=1, microbatches=2, steps=8, sessions=1, seed=12))
-    model = compile_job(job.trace, job.meta, "wide")
-    return model, *pairs(model)
+    """A clean DDP job of 16 DP ranks compiled once."""
+    return _ddp("wide", 16, 12)
 
 
 def _offset(model, rng, tau: float):
@@ -211,10 +214,9 @@ def test_many_quiet_peers_measure_a_worker_against_their_own_offset_not_the_prio
     tests = worker_tests(slowed, forward, backward, offset=PRIOR)
     assert tests.tau < PRIOR / 2 and tests.tau_prior == PRIOR
     assert tests.workers() == [(5, 0)] and tests.of((5, 0))[0].ratio == pytest.approx(1.15, rel=0.03)
-    job = generate_job(JobSpec(job_id="two", dp=2, pp=1, microbatches=2, steps=8, sessions=1, seed=12))
-    two = compile_job(job.trace, job.meta, "two")
+    two, *two_pairs = _ddp("two", 2, 12)
     pair = _slow(_slow(_jittered(two, rng, 0.01), 1, FORWARD, 1.15), 1, BACKWARD, 1.15)
-    tests = worker_tests(pair, *pairs(two), offset=PRIOR)
+    tests = worker_tests(pair, *two_pairs, offset=PRIOR)
     assert tests.tau == PRIOR and not tests.slow
     assert {f.kind: f.samples_needed for f in tests.undecided if f.worker == (1, 0)} == {"forward": None, "backward": None}
 
