@@ -49,8 +49,6 @@ def build_job(source: pathlib.Path, folder: pathlib.Path, world: int, slow: Mapp
     factor = max(slow.values(), default=1.0)
     # what the slowest rank has lost by the start of each step: the others' events of that step shift by it
     lost = np.where(step_of >= 0, (factor - 1.0) * (np.array(steps)[np.maximum(step_of, 0)] - origin), 0.0)
-    info = document.get("distributedInfo") or {}
-    groups = [dict(g, ranks=list(range(world)), pg_size=world) for g in info.get("pg_config") or []]
     paths = []
     folder.mkdir(parents=True, exist_ok=True)
     for rank in range(world):
@@ -67,12 +65,58 @@ def build_job(source: pathlib.Path, folder: pathlib.Path, world: int, slow: Mapp
             else:
                 copy["ts"] = t + (shift if factor > 1.0 else 0.0) + skew
             out.append(copy)
-        out += [e for e in events if "ts" not in e]
-        rank_info = dict(info, rank=rank, world_size=world)
-        if groups:
-            rank_info["pg_config"] = groups
-        path = folder / f"rank-{rank}.json.gz"
-        path.write_bytes(gzip.compress(json.dumps(dict(document, traceEvents=out, distributedInfo=rank_info,
-                                                       host_name=f"gpu-host-{host}")).encode(), compresslevel=1))
-        paths.append(path)
+        paths.append(_write_rank(folder, document, out, rank, world, host))
+    return paths
+
+
+def _write_rank(folder: pathlib.Path, document: dict, timed: list[dict], rank: int, world: int, host: int) -> pathlib.Path:
+    """Rank `rank` of a `world`-rank data-parallel job: the document with these timed events (its
+    untimed ones kept), its distributedInfo and process groups made the job's, on host `host`."""
+    info = document.get("distributedInfo") or {}
+    rank_info = dict(info, rank=rank, world_size=world)
+    if info.get("pg_config"):
+        rank_info["pg_config"] = [dict(g, ranks=list(range(world)), pg_size=world) for g in info["pg_config"]]
+    events = timed + [e for e in document["traceEvents"] if "ts" not in e]
+    path = folder / f"rank-{rank}.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(dict(document, traceEvents=events, distributedInfo=rank_info,
+                                                   host_name=f"gpu-host-{host}")).encode(), compresslevel=1))
+    return path
+
+
+def build_gc_job(source: pathlib.Path, folder: pathlib.Path, world: int, pauses: Mapping[int, tuple[int, float]],
+                 at: float = 0.4, per_host: int = 8) -> list[pathlib.Path]:
+    """Write `world` rank traces of a data-parallel job whose ranks stop for Python's garbage collector:
+    pauses[step index] = (rank, seconds). The paused rank's CPU thread stops `at` of the way into
+    that step (mid-forward, where allocations trigger a collection): every event it launches from
+    then on, and the GPU work those launches queue, happens `seconds` later, and the ranges open
+    around that moment (the step, the forward) last that much longer. The others wait for it
+    at the step's gradient all-reduce, so their next steps start that much later (each step's loss is
+    its longest pause); their waits are not written into their traces, as in build_job."""
+    document = json.loads(gzip.decompress(source.read_bytes()))
+    events = document["traceEvents"]
+    timed = [e for e in events if "ts" in e]
+    spans = sorted((float(e["ts"]), float(e["dur"])) for e in timed
+                   if e.get("ph") == "X" and e.get("name", "").startswith("ProfilerStep#"))
+    starts = np.array([s for s, _ in spans])
+    owner = _owner_times(timed)
+    step_of = np.searchsorted(starts, owner, side="right") - 1
+    loss = np.array([pauses.get(k, (None, 0.0))[1] * 1e6 for k in range(len(spans))])
+    before = np.concatenate([[0.0], np.cumsum(loss)])[:len(spans)]          # lost by the start of each step
+    paths = []
+    folder.mkdir(parents=True, exist_ok=True)
+    for rank in range(world):
+        out = []
+        for event, t, k in zip(timed, owner.tolist(), step_of.tolist()):
+            copy = dict(event)
+            shift = before[k] if k >= 0 else 0.0
+            paused_rank, seconds = pauses.get(k, (None, 0.0))
+            if k >= 0 and paused_rank == rank:
+                stop = spans[k][0] + at * spans[k][1]
+                if t >= stop:
+                    shift += seconds * 1e6
+                elif float(event["ts"]) + float(event.get("dur", 0.0)) > stop:   # a range around the pause lasts longer
+                    copy["dur"] = float(event["dur"]) + seconds * 1e6
+            copy["ts"] = float(event["ts"]) + shift
+            out.append(copy)
+        paths.append(_write_rank(folder, document, out, rank, world, rank // per_host))
     return paths

@@ -12,6 +12,7 @@ import collections
 import gzip
 import json
 import pathlib
+import tempfile
 
 import numpy as np
 import pytest
@@ -152,6 +153,28 @@ def test_a_slower_gpu_machine_is_the_worker_blamed(name, tmp_path):
         assert result.slowdown == pytest.approx(1.5 / 1.125, rel=0.03)
     else:
         assert result.launch_slowdown > 1.05
+
+
+@pytest.mark.parametrize("name, at", [("ddp2_rank1.json.gz", 0.1), ("world2_rank1.json.gz", 0.4)])
+def test_collections_that_rotate_over_gpu_ranks_are_python_gc(name, at):
+    """Ranks 1, 2 and 3 each stop 100 ms for the garbage collector mid-forward, in steps 1, 2 and 3
+    (a real rank's steps: world2_rank1's forward is cut into pieces by its embedding all-to-all,
+    and its forwards vary by 2x from step to step on every rank alike). The stretched forwards are
+    measured against the DP peers' in the same step, every piece counted: python-gc, 3 pauses of
+    0.1 s, no worker blamed. The same pauses all on rank 2 are that worker's (the forward-only stall
+    of one machine cannot be told from its slower forward without the trainer's GC record)."""
+    from gpu_jobs import build_gc_job
+    from transforms.whatif.causes import analyze_and_classify
+
+    for pauses, cause, blamed in (({1: (1, 0.1), 2: (2, 0.1), 3: (3, 0.1)}, "python-gc", []),
+                                  ({1: (2, 0.1), 2: (2, 0.1), 3: (2, 0.1)}, "individual-worker", [(2, 0)])):
+        with tempfile.TemporaryDirectory() as folder:
+            paths = build_gc_job(_real_rank(name), pathlib.Path(folder) / "job", 4, pauses, at=at)
+            job = convert_kineto([str(p) for p in paths], "gpu-gc", DATE)
+        result, verdict = analyze_and_classify(job.trace, job.job_meta(), "gpu-gc")
+        assert not result.discarded and result.slowdown >= 1.1
+        assert (verdict.cause, verdict.implicated_workers) == (cause, blamed)
+        assert verdict.evidence["gc_pauses"] == 3 and verdict.evidence["gc_mean_pause"] == pytest.approx(0.1, rel=0.05)
 
 
 def test_sendrecv_kernels_of_an_older_trace_are_named_by_the_c10d_range_that_launched_them():

@@ -6,7 +6,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from transforms.whatif.causes.sequences import BACKWARD, FORWARD
-from transforms.whatif.causes.signals import GcStalls, PeerComparison, peer_median
+from transforms.whatif.causes.signals import GcStalls, PeerComparison, counted_pieces, microbatch_key, peer_median
 from transforms.whatif.model import JobModel, distinct, median
 from schemas.trace import OPTYPES
 
@@ -96,13 +96,23 @@ def rebalanced_stages(model: JobModel) -> np.ndarray:
 def without_pauses(model: JobModel, forward: np.ndarray, gc: GcStalls, min_stall: float) -> np.ndarray:
     """Cost with every detected pause removed, and its echo in pipeline transfers.
 
-    With batched send+recv (interleaved schedules), a record waits for its partner's peer,
+    A paused forward takes its expected cost (gc.expected); one whose pieces count
+    (signals.counted_pieces: GPU ranks) has each piece brought down to that piece's median over the
+    lanes, so the stall comes out of the piece that held it. With batched send+recv (interleaved schedules), a record waits for its partner's peer,
     so a stalled forward also inflates transfer times along the pipeline of that lane; in
     lanes with a pause, p2p transfers longer than their type's median by more than
     min_stall seconds go back to the median."""
     cost = model.original_cost.copy()
     rows, lanes = np.nonzero(gc.pauses)
-    cost[forward[rows, lanes], lanes] = gc.expected[rows, lanes]
+    pieces = _forward_pieces(model, forward) if counted_pieces(model, FORWARD) else None
+    if pieces is None:
+        cost[forward[rows, lanes], lanes] = gc.expected[rows, lanes]
+    else:   # a forward cut into pieces that count (GPU ranks): each piece of a paused forward at most at its usual cost
+        ops, row_of = pieces
+        typical = median(cost[ops], axis=1)
+        for k, lane in zip(rows.tolist(), lanes.tolist()):
+            mine = ops[row_of[:, lane] == k]
+            cost[mine, lane] = np.minimum(cost[mine, lane], typical[row_of[:, lane] == k])
     paused_lanes = distinct(lanes)
     for code in _P2P:
         ops = np.flatnonzero(model.op_optype == code)
@@ -112,6 +122,22 @@ def without_pauses(model: JobModel, forward: np.ndarray, gc: GcStalls, min_stall
         block = cost[np.ix_(ops, paused_lanes)]
         cost[np.ix_(ops, paused_lanes)] = np.where(block > typical + min_stall, typical, block)
     return cost
+
+
+def _forward_pieces(model: JobModel, forward: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Every forward op and, per lane, the row of `forward` (signals.pairs) whose microbatch it is a
+    piece of (-1: none); None where every forward is one op (no collective cuts it)."""
+    ops = np.flatnonzero(model.op_optype == FORWARD)
+    if len(ops) == len(forward):
+        return None
+    chunks = int(model.op_gmc.max()) + 2
+    key_r, key_o = microbatch_key(model, forward, chunks), microbatch_key(model, ops, chunks)
+    row_of = np.full(key_o.shape, -1, dtype=np.int64)
+    for lane in range(model.n_lanes):
+        order = np.argsort(key_r[:, lane], kind="stable")
+        at = np.minimum(np.searchsorted(key_r[order, lane], key_o[:, lane]), len(order) - 1)
+        row_of[:, lane] = np.where(key_r[order[at], lane] == key_o[:, lane], order[at], -1)
+    return ops, row_of
 
 
 def planned_gc_seconds(model: JobModel, forward: np.ndarray, gc: GcStalls) -> float:

@@ -5,8 +5,11 @@ no fix of ours names it ("unexplained"), or S is what the job's own step-to-step
 each step waits for its slowest DP rank, so ranks that take turns being a little slow make S
 above 1 with no straggler anyone could fix ("none"). The replay tells them apart.
 
-The null is the job itself with its ops at their METHOD.md ideal and only the jitter the worker
-test measured put back: each worker's compute (forward and backward) in each sample (a profiled
+The null is the job itself with its computes at their METHOD.md ideal and the variation it shows
+put back. Its transfers take the times they ran, each draw with the lanes (steps and DP ranks)
+shuffled: how much they vary is the job's, where the slow ones fall is chance (a structured
+transfer problem, a slow link, is the communication cause's to name before this null is asked).
+Its compute takes the jitter the worker test measured: each worker's compute (forward and backward) in each sample (a profiled
 step; a microbatch when the worker test's unit is one) multiplied by exp(s z + t u), z per sample
 and u per worker standard normal, s the per-worker jitter and t the persistent offset healthy
 peers keep (the worker test's sigma and tau compare a worker with the median of its peers, so
@@ -75,6 +78,8 @@ def jitter_null(model: JobModel, result: WhatIfResult, tests: WorkerTests, alpha
     cells, shape = _sample_cells(model, compute, tests.unit)          # [compute op, lane] -> sample cell
     rng = np.random.default_rng(seed)
     ideal = np.asarray(model.ideal_cost(), dtype=np.float64)
+    transfers = np.flatnonzero(model.op_is_comm)
+    observed = model.original_cost[transfers]
     per_draw = max(1, _BATCH_BYTES // max(1, model.n_ops * model.n_lanes * 8))
     ideal_time = float(result.step_t_nodelay.mean()) / float(result.slowdown)
     spans = []
@@ -88,6 +93,7 @@ def jitter_null(model: JobModel, result: WhatIfResult, tests: WorkerTests, alpha
             factor /= factor.mean()
             cost = np.broadcast_to(ideal[:, None], (model.n_ops, model.n_lanes)).copy()
             cost[compute] *= factor.reshape(-1)[cells]
+            cost[transfers] = observed[:, rng.permutation(model.n_lanes)]
             scenarios.append(Scenario(f"null{k}", cost))
         replayed = replay(model, scenarios)
         spans.extend(float(replayed.span(s.name).mean()) for s in scenarios)

@@ -12,7 +12,8 @@ from transforms.whatif.model import WGT, JobModel, column_values, distinct, medi
 from transforms.whatif.causes.sequences import BACKWARD, FORWARD
 
 __all__ = ["pairs", "take", "pearson", "within_group_normalised", "margin", "peer_median", "nanmedian", "PeerComparison",
-           "peer_comparison", "ChunkBalance", "chunk_balance", "GcStalls", "gc_stalls"]
+           "peer_comparison", "ChunkBalance", "chunk_balance", "GcStalls", "gc_stalls", "whole_forward", "whole_backward",
+           "pieces_sum", "counted_pieces", "microbatch_key"]
 
 
 def pairs(model: JobModel) -> tuple[np.ndarray, np.ndarray]:
@@ -29,7 +30,7 @@ def pairs(model: JobModel) -> tuple[np.ndarray, np.ndarray]:
         return empty, empty
 
     def keyed(ops):
-        key = _microbatch_key(model, ops, chunks)
+        key = microbatch_key(model, ops, chunks)
         if (key == key[:, :1]).all():        # the usual case: microbatch ids alike in every lane, one order for all
             order = np.argsort(key[:, 0], kind="stable")
             return np.broadcast_to(ops[order, None], key.shape), key[order]
@@ -43,7 +44,7 @@ def pairs(model: JobModel) -> tuple[np.ndarray, np.ndarray]:
     return f_ops, b_ops
 
 
-def _microbatch_key(model: JobModel, ops: np.ndarray, chunks: int) -> np.ndarray:
+def microbatch_key(model: JobModel, ops: np.ndarray, chunks: int) -> np.ndarray:
     """[len(ops), n_lanes] key of each op's (stage, chunk, microbatch) in each lane; `ops` one op per
     row ([k]) or one per row and lane ([k, lane], as `pairs` gives them)."""
     if ops.ndim == 2:
@@ -54,7 +55,7 @@ def _microbatch_key(model: JobModel, ops: np.ndarray, chunks: int) -> np.ndarray
 def _main_pieces(model: JobModel, ops: np.ndarray, chunks: int) -> np.ndarray:
     """One op per (stage, chunk, microbatch): a compute a collective cut into pieces (an all-to-all
     inside the forward) is represented by its longest piece (mean over lanes)."""
-    key = _microbatch_key(model, ops, chunks)[:, 0]
+    key = microbatch_key(model, ops, chunks)[:, 0]
     if len(distinct(key)) == len(ops):
         return ops
     order = np.lexsort((-model.original_cost[ops].mean(axis=1), key))
@@ -67,25 +68,51 @@ def take(values: np.ndarray, ops: np.ndarray) -> np.ndarray:
     return np.take_along_axis(values, ops, axis=0)
 
 
+def whole_forward(model: JobModel, forward: np.ndarray, cost: np.ndarray | None = None) -> np.ndarray:
+    """[k, lane] cost of each forward of `pairs` with the pieces that count (`counted_pieces`): a
+    collective inside the forward (an MoE or embedding all-to-all, FSDP's all-gathers) cuts it into
+    pieces, and `pairs` keeps the longest as the microbatch's op."""
+    return pieces_sum(model, forward, counted_pieces(model, FORWARD), cost)
+
+
 def whole_backward(model: JobModel, backward: np.ndarray, cost: np.ndarray | None = None) -> np.ndarray:
-    """[k, lane] cost of each backward of `pairs` with its weight-gradient half added where a
-    zero-bubble schedule split it off (its backward-weight-compute op of the same stage, chunk and
-    microbatch; chunks split differently: the first chunk's is all weight gradients). The backward's
-    own cost where the job has no such op."""
+    """[k, lane] cost of each backward of `pairs` with the pieces that count (`counted_pieces`) and its
+    weight-gradient half where a zero-bubble schedule split it off (the backward-weight-compute ops
+    of the same stage, chunk and microbatch; chunks split differently: the first chunk's is all
+    weight gradients)."""
+    return pieces_sum(model, backward, counted_pieces(model, BACKWARD) + (WGT,), cost)
+
+
+def counted_pieces(model: JobModel, code: int) -> tuple[int, ...]:
+    """The op types whose other pieces a compute of type `code` adds up (for `pieces_sum`): on GPU
+    ranks its own, since a piece is kernel time, which a peer's lateness never enters; none on CPU
+    ranks, where an op is the span of its host call and a piece after a collective holds the wait
+    for the slowest peer (a slowed rank's later pieces measure faster than its peers'): the longest
+    piece stands for the work there."""
+    return () if model.meta.host_compute else (code,)
+
+
+def pieces_sum(model: JobModel, rows: np.ndarray, codes: tuple[int, ...], cost: np.ndarray | None = None) -> np.ndarray:
+    """[k, lane]: cost[rows[k, lane], lane] plus the cost of every other op of the `codes` types of
+    the same (stage, chunk, microbatch) in that lane; the ops' own costs where there are none."""
     cost = model.original_cost if cost is None else cost
-    out = take(cost, backward)
-    weights = np.flatnonzero(model.op_optype == WGT)
-    if not len(weights) or not len(backward):
+    out = take(cost, rows)
+    extra = np.setdiff1d(np.flatnonzero(np.isin(model.op_optype, codes)), rows)
+    if not len(extra) or not len(rows):
         return out
     chunks = int(model.op_gmc.max()) + 2
-    weights = _main_pieces(model, weights, chunks)
-    key_w, key_b = _microbatch_key(model, weights, chunks), _microbatch_key(model, backward, chunks)
-    for lane in range(model.n_lanes):
-        order = np.argsort(key_w[:, lane], kind="stable")
-        sorted_keys = key_w[order, lane]
-        at = np.minimum(np.searchsorted(sorted_keys, key_b[:, lane]), len(order) - 1)
-        found = sorted_keys[at] == key_b[:, lane]
-        out[found, lane] += cost[weights[order[at[found]]], lane]
+    key_r, key_e = microbatch_key(model, rows, chunks), microbatch_key(model, extra, chunks)
+    alike = (key_r == key_r[:, :1]).all() and (key_e == key_e[:, :1]).all()
+    for lane in range(1 if alike else model.n_lanes):   # alike: one mapping serves every lane
+        order = np.argsort(key_r[:, lane], kind="stable")
+        ordered = key_r[order, lane]
+        at = np.minimum(np.searchsorted(ordered, key_e[:, lane]), len(order) - 1)
+        found = ordered[at] == key_e[:, lane]
+        target, ops = order[at[found]], extra[found]
+        if alike:
+            np.add.at(out, target, cost[ops])
+        else:
+            np.add.at(out[:, lane], target, cost[ops, lane])
     return out
 
 
@@ -169,8 +196,8 @@ def peer_comparison(model: JobModel, forward: np.ndarray, backward: np.ndarray) 
     if model.dp_size < 2 or not len(forward):
         return None
     shape = (len(forward), model.n_steps, model.dp_size)          # lanes are step-major, dp minor
-    f = take(model.original_cost, forward).reshape(shape)
-    b = take(model.original_cost, backward).reshape(shape)
+    f = whole_forward(model, forward).reshape(shape)
+    b = pieces_sum(model, backward, counted_pieces(model, BACKWARD)).reshape(shape)
     with np.errstate(divide="ignore", invalid="ignore"):
         f_ratio, b_ratio = f / peer_median(f), b / peer_median(b)
         t_ratio = (f + b) / peer_median(f + b)
@@ -205,7 +232,7 @@ def chunk_balance(model: JobModel, forward: np.ndarray, backward: np.ndarray) ->
     if model.pp_size < 2 or not len(forward):
         return None
     shape = (len(forward), model.n_steps, model.dp_size)
-    work = (take(model.original_cost, forward) + whole_backward(model, backward)).reshape(shape)
+    work = (whole_forward(model, forward) + whole_backward(model, backward)).reshape(shape)
     chunk_of_row = model.op_gmc[forward[:, 0]]
     chunks = distinct(chunk_of_row)
     per_chunk = np.array([work[chunk_of_row == g].mean(axis=(0, 1)).min() for g in chunks])
@@ -226,26 +253,40 @@ class GcStalls:
 
 
 def gc_stalls(model: JobModel, forward: np.ndarray, backward: np.ndarray, rules: CauseRules) -> GcStalls:
-    """Forward stalls: observed forward minus ratio_median x backward (both halves of a zero-bubble
-    backward, `whole_backward`), per (stage, chunk); a pause
-    exceeds both gc_min_stall seconds and gc_sigma robust standard deviations (MAD) of its chunk."""
-    f = take(model.original_cost, forward)
+    """Forward stalls: observed forward (every piece, `whole_forward`) minus the forward its backward
+    predicts (both halves of a zero-bubble backward, `whole_backward`), per (stage, chunk); a pause
+    exceeds both gc_min_stall seconds and gc_sigma robust standard deviations (MAD) of its chunk.
+    The prediction is the backward times a forward-to-backward ratio: with DP peers, theirs in the
+    same microbatch and step (the leave-one-out median: what moves every rank's forward in a step,
+    a collective's wait or the batch's length, moves the ratio alike and is no stall); without, the
+    chunk's median over the job."""
+    f = whole_forward(model, forward)
     b = whole_backward(model, backward)
     chunk = model.op_stage[forward] * (int(model.op_gmc.max()) + 2) + model.op_gmc[forward]
-    expected = np.empty_like(f)
+    ratio = np.empty_like(f)
+    for g in distinct(chunk[:, 0]):
+        rows = chunk[:, 0] == g
+        ratio[rows] = median(f[rows] / b[rows])
+    pooled = ratio
+    if model.dp_size > 1:
+        shape = (len(forward), model.n_steps, model.dp_size)         # lanes are step-major, dp minor
+        with np.errstate(divide="ignore", invalid="ignore"):
+            own = (f / b).reshape(shape)
+        usable = np.isfinite(own).all(axis=2, keepdims=True)
+        peers = peer_median(np.where(usable, own, 0.0))
+        ratio = np.where(usable, peers, ratio.reshape(shape)).reshape(f.shape)
+    expected = ratio * b
+    stall = f - expected
     pauses = np.zeros(f.shape, dtype=bool)
-    stall = np.empty_like(f)
     backward_outliers = 0
     for g in distinct(chunk[:, 0]):
         rows = chunk[:, 0] == g
-        ratio = median(f[rows] / b[rows])
-        expected[rows] = ratio * b[rows]
-        stall[rows] = f[rows] - expected[rows]
         sigma = 1.4826 * median(np.abs(stall[rows] - median(stall[rows])))
         limit = max(rules.gc_min_stall, rules.gc_sigma * sigma)
         pauses[rows] = stall[rows] > limit
-        # the mirror test on backward: a stall there would not be GC's forward-only signature
-        backward_outliers += int(((b[rows] - f[rows] / ratio) > limit).sum())
+        # the mirror test on backward, at the chunk's own ratio (a peer's pause in the step would
+        # lower a worker's backward as its peers predict it): a stall there is not GC's forward-only signature
+        backward_outliers += int(((b[rows] - f[rows] / pooled[rows]) > limit).sum())
     return GcStalls(stall, pauses, expected, backward_outliers)
 
 

@@ -47,7 +47,7 @@ from typing import Sequence
 import numpy as np
 
 from schemas.trace import OPTYPES
-from transforms.whatif.causes.signals import nanmedian, peer_median
+from transforms.whatif.causes.signals import counted_pieces, nanmedian, peer_median, pieces_sum
 from transforms.whatif.model import JobModel, distinct, median
 from transforms.whatif.result import STRAGGLING_THRESHOLD
 
@@ -183,10 +183,12 @@ def _samples(model: JobModel, forward: np.ndarray, backward: np.ndarray, cost: n
              ) -> tuple[np.ndarray, np.ndarray, str, np.ndarray]:
     """[kind, stage, sample, dp] work per sample, each sample's step index, the unit, and the stage
     of each row of the stage axis. Samples are steps (per-step sums over the worker's microbatches
-    and chunks) when three or more were profiled, else (step, microbatch) pairs."""
+    and chunks) when three or more were profiled, else (step, microbatch) pairs. A forward (backward)
+    a collective cuts into pieces counts the pieces `signals.counted_pieces` names."""
     shape = (len(forward), model.n_steps, model.dp_size)                 # lanes are step-major, dp minor
     cost = model.original_cost if cost is None else cost
-    work = np.stack([np.take_along_axis(cost, ops, axis=0).reshape(shape) for ops in (forward, backward)])
+    work = np.stack([pieces_sum(model, forward, counted_pieces(model, _FORWARD), cost).reshape(shape),
+                     pieces_sum(model, backward, counted_pieces(model, _BACKWARD[0]), cost).reshape(shape)])
     stage_of_row = model.op_stage[forward[:, 0]]
     stages = distinct(stage_of_row)
     if model.n_steps >= 3:
