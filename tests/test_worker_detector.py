@@ -221,6 +221,21 @@ def test_many_quiet_peers_measure_a_worker_against_their_own_offset_not_the_prio
     assert {f.kind: f.samples_needed for f in tests.undecided if f.worker == (1, 0)} == {"forward": None, "backward": None}
 
 
+def test_a_mild_slow_worker_among_eight_quiet_gpu_ranks_is_the_verdict(tmp_path):
+    """The generator's GPU job (8 DP ranks, ~1% jitter per op) with one worker 1.2x slower: S 1.15.
+    Measured against the prior offset of shared CPU cores, the worker was left undecided
+    (insufficient-evidence); the job's own bound names it."""
+    from transforms.synth.faults import Cause
+    from transforms.whatif.causes import analyze_and_classify
+
+    job = generate_job(JobSpec(job_id="mild", dp=8, pp=1, microbatches=8, steps=8, sessions=1, seed=1,
+                               causes=(Cause("slow_worker", {"dp_rank": 2, "stage": 0, "factor": 1.2}),)))
+    result, verdict = analyze_and_classify(job.trace, job.meta, "mild")
+    assert result.slowdown >= 1.1
+    assert verdict.cause == "individual-worker" and verdict.implicated_workers == [(2, 0)]
+    assert verdict.evidence["worker_test"]["tau"] < PRIOR / 2
+
+
 def test_a_job_s_own_offset_bound_holds_the_false_alarm_rate(wide):
     """300 clean 16-rank jobs whose healthy workers keep persistent offsets of 4% (half the prior)
     beside 2% jitter per op: the job's own bound may not fall below their offset so often that
