@@ -236,6 +236,24 @@ def test_a_mild_slow_worker_among_eight_quiet_gpu_ranks_is_the_verdict(tmp_path)
     assert verdict.evidence["worker_test"]["tau"] < PRIOR / 2
 
 
+def test_two_dp_ranks_over_several_stages_bound_their_own_offset():
+    """Two DP ranks mirror each other in a stage, so one stage cannot tell a slow worker from the
+    healthy offset; over four stages the other three comparisons can. A 1.3x worker in a 2 x 4
+    pipeline of quiet ranks is found against the job's own bound; 2 x 2 keeps the prior."""
+    from transforms.synth.faults import Cause
+    from transforms.whatif.causes.workers import reads_offset
+
+    assert (reads_offset(2, 1), reads_offset(2, 2), reads_offset(2, 3), reads_offset(3, 1)) == (False, False, True, True)
+    slow = (Cause("slow_worker", {"dp_rank": 1, "stage": 1, "factor": 1.3}),)
+    for pp, prior_kept in ((4, False), (2, True)):
+        job = generate_job(JobSpec(job_id="pp", dp=2, pp=pp, microbatches=8, steps=8, sessions=1, seed=2, causes=slow))
+        model = compile_job(job.trace, job.meta, "pp")
+        tests = worker_tests(model, *pairs(model), offset=PRIOR)
+        assert (tests.tau == PRIOR) == prior_kept
+        if not prior_kept:
+            assert tests.tau < PRIOR and tests.workers() == [(1, 1)]
+
+
 def test_a_job_s_own_offset_bound_holds_the_false_alarm_rate(wide):
     """300 clean 16-rank jobs whose healthy workers keep persistent offsets of 4% (half the prior)
     beside 2% jitter per op: the job's own bound may not fall below their offset so often that

@@ -51,7 +51,8 @@ from transforms.whatif.causes.signals import counted_pieces, nanmedian, peer_med
 from transforms.whatif.model import JobModel, distinct, median
 from transforms.whatif.result import STRAGGLING_THRESHOLD
 
-__all__ = ["KINDS", "WorkerFinding", "WorkerTests", "worker_tests", "pooled_worker_tests", "balance_tests", "t_sf", "median_variance"]
+__all__ = ["KINDS", "WorkerFinding", "WorkerTests", "worker_tests", "pooled_worker_tests", "balance_tests", "t_sf", "median_variance",
+           "reads_offset"]
 
 KINDS = ("forward", "backward")
 _FORWARD = OPTYPES.index("forward-compute")
@@ -234,7 +235,8 @@ def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alp
     if n < 2 or df < 1:
         return _empty(alpha, floor, "one profiled step with one microbatch: no spread to tell noise from a slow worker")
     sigma = math.sqrt(float(ss.sum()) / df)
-    tau = _healthy_offset(level, count, sigma, offset, alpha) if model.dp_size >= 3 else offset
+    tau = _healthy_offset(level[..., :families], count[..., :families], sigma, offset, alpha) \
+        if reads_offset(model.dp_size, work.shape[1]) else offset
     n_tests = len(KINDS) * work.shape[1] * model.dp_size
     limit = math.log(floor)
     slow, undecided = [], []
@@ -316,7 +318,9 @@ def pooled_worker_tests(summaries: Sequence[dict | None], alpha: float = 0.01,
     # ranks: more samples per mean, less jitter in both), against the prior the windows used; two DP
     # ranks: the prior itself
     prior = max(float(s.get("tau_prior", s["tau"])) for s in usable)
-    tau = _healthy_offset(mean, samples, math.sqrt(sigma2), prior, alpha) if latest["dp"] >= 3 else prior
+    families = 1 if latest["dp"] == 2 else latest["dp"]
+    tau = _healthy_offset(mean[..., :families], samples[..., :families], math.sqrt(sigma2), prior, alpha) \
+        if reads_offset(latest["dp"], len(latest["stages"])) else prior
     tests = max(int(s["tests"]) for s in usable)
     limit = math.log(floor)
     out = []
@@ -427,6 +431,14 @@ def _balance_levels(stage_of: np.ndarray, stage: int, f: np.ndarray, b: np.ndarr
     return sorted(out, key=lambda f: f.p_value)[:1]
 
 
+def reads_offset(dp: int, stages: int) -> bool:
+    """Whether a job reads its healthy peers' offset itself (`_healthy_offset`): where one worker's
+    comparisons are at most a third of its independent ones (a median of the rest is then the
+    healthy peers'): three or more DP ranks, or two DP ranks (one comparison per stage, the two
+    mirroring) over three or more pipeline stages."""
+    return dp >= 3 or (dp == 2 and stages >= 3)
+
+
 def _healthy_offset(level: np.ndarray, count: np.ndarray, sigma: float, prior: float, alpha: float) -> float:
     """tau: the persistent offset (log, RMS) between healthy DP peers, beyond the jitter of their
     means, for a job of three or more DP ranks. The job reads its own robustly (the median squared
@@ -438,8 +450,8 @@ def _healthy_offset(level: np.ndarray, count: np.ndarray, sigma: float, prior: f
     offset healthy peers were measured to keep on shared CPU cores, CauseRules.peer_offset) unless
     the job shows more (its reading, as before) or bounds its own below it: a job of many quiet peers
     (GPU ranks) measures its slow workers against its own, far smaller offset; a few peers cannot
-    bound theirs below the prior. Two DP ranks give one comparison per stage, which a slow worker
-    is: the caller takes the prior then."""
+    bound theirs below the prior. `level` and `count` hold the independent comparisons only (one
+    per stage with two DP ranks); the caller asks `reads_offset` first."""
     means = level[count >= 2]
     if means.size < 3:
         return prior
