@@ -35,10 +35,9 @@ class CauseRules:
     mean log ratio) on the 22 clean 2-rank runs of the real-stack corpus (tools/real_stacks, CPU,
     2 processes on 2 cores): a measurement of healthy jobs, never fitted to slowed ones. It is the
     prior: a job of three or more DP ranks (or two over three or more stages, workers.reads_offset)
-    reads its own offset and, where its peers bound it below
-    the prior at `false_alarm` (many quiet GPU ranks), is tested against that bound instead
-    (workers._healthy_offset; a healthy job is then blamed at most at twice `false_alarm`: the
-    bound or the test errs).
+    reads its own offset and, where its peers bound it below the prior at `false_alarm` (many quiet
+    GPU ranks), is tested against that bound instead (workers._healthy_offset; a healthy job is then
+    blamed at most at twice `false_alarm`: the bound or the test errs).
 
     Shares of the straggling threshold (what a cause must be worth to explain a straggling step):
     `min_explained`, `stage_min_explained`, `gc_min_explained` (a fix removes at least 10% of the
