@@ -67,6 +67,7 @@ EVIDENCE_LABELS: dict[str, tuple[str, str]] = {
     "pause_fix_saves": ("planned GC saves", "share of the step the pauses taken out (planned GC paid back) saves, replayed against what ran"),
     "planned_gc_seconds": ("planned GC per step", "seconds per step the same collections cost when every worker collects at once"),
     "untraced_is_pauses": ("untraced time is pauses", "the untraced-cpu workers' untraced time is mostly their pauses: python-gc, not untraced-cpu"),
+    "worker_test_at_mean_workload": ("worker test at equal batches", "the batches' recorded lengths explain the compute (the sequence signature), so the worker test compared each worker's work rescaled to its chunk's mean workload: a rank given longer batches is no slower machine"),
     "worker_test": ("worker test", "each worker's forward and backward against its DP peers per step, tested against this job's own jitter (sigma, log units) at a stated false-alarm rate per job: the workers decided slow (persistent or in named steps) and the ones the job's noise cannot decide (with the steps that would)"),
     "untraced_workers": ("workers with untraced CPU time", "dp rank, stage, the no-delay replay's slowdown with only their launch delays given back, and, for a worker a slower one hides, 1 + its untraced time's share of the step (hidden_slowdown)"),
     "localised": ("straggling stands out", "the hottest DP rank, stage or step holds at least twice the slowdown of the next (else: the job's own variation)"),

@@ -254,6 +254,24 @@ def test_two_dp_ranks_over_several_stages_bound_their_own_offset():
             assert tests.tau < PRIOR and tests.workers() == [(1, 1)]
 
 
+def test_a_rank_given_the_longer_batches_is_no_slower_machine():
+    """Two DP ranks, one microbatch each per step, batches of recorded lengths whose attention sets
+    the compute: over 8 steps rank 1 drew the longer ones more often and measures 1.47x its peer.
+    Compute follows the recorded workload (the sequence signature), so the worker test compares
+    the work at the chunk's mean workload: no worker is slow or left undecided (before: undecided,
+    and the verdict insufficient-evidence)."""
+    from transforms.synth.faults import Cause
+    from transforms.whatif.causes import analyze_and_classify
+
+    job = generate_job(JobSpec(job_id="seq", dp=2, pp=1, microbatches=1, steps=8, sessions=1, seed=1,
+                               causes=(Cause("seq_len_imbalance", {"attention_fraction": 0.9}),)))
+    _, verdict = analyze_and_classify(job.trace, job.meta, "seq")
+    evidence = verdict.evidence
+    assert evidence["sequence_p"] <= 0.01 and evidence["worker_test_at_mean_workload"] is True
+    assert not evidence["worker_test"]["slow"] and not evidence["worker_test"]["undecided"]
+    assert verdict.cause != "insufficient-evidence" and not verdict.implicated_workers
+
+
 def test_a_job_s_own_offset_bound_holds_the_false_alarm_rate(wide):
     """300 clean 16-rank jobs whose healthy workers keep persistent offsets of 4% (half the prior)
     beside 2% jitter per op: the job's own bound may not fall below their offset so often that

@@ -14,7 +14,8 @@ from transforms.whatif.causes.fixes import (at_balance, at_peer_speed, compose, 
                                            without_pauses)
 from transforms.whatif.causes.jitter import jitter_null
 from transforms.whatif.causes.pauses import CAUSE_SHARE, find_pauses, idle_inside_compute, inside_compute
-from transforms.whatif.causes.sequences import BACKWARD, FORWARD, SequenceWorkload, even_sequences, repacked_sequences, sequence_workload
+from transforms.whatif.causes.sequences import (BACKWARD, FORWARD, SequenceWorkload, at_mean_workload, even_sequences,
+                                                repacked_sequences, sequence_workload)
 from transforms.whatif.causes.signals import (
     ChunkBalance,
     ChunkWork,
@@ -77,10 +78,16 @@ class _Signals:
 
     @property
     def sequence_p(self) -> float:
-        """p-value that compute follows the data: each correlation's one-sided test (`correlation_p`),
-        the smallest times their number (Bonferroni)."""
-        tests = [correlation_p(r, df) for r, df in self.sequence_tests]
-        return min(1.0, len(tests) * min(tests)) if tests else 1.0
+        """p-value that compute follows the data (`_sequence_p`)."""
+        return _sequence_p(self.r_norm, self.r_norm_df, self.workload_r, self.workload_df)
+
+
+def _sequence_p(r_norm: float, r_norm_df: int, workload_r: float, workload_df: int) -> float:
+    """p-value that compute follows the data: each correlation the trace supports (forward against
+    backward of the same microbatch, compute against the tokens it recorded) by its one-sided test
+    (`correlation_p`), the smallest times their number (Bonferroni)."""
+    tests = [correlation_p(r, df) for r, df in ((r_norm, r_norm_df), (workload_r, workload_df)) if math.isfinite(r) and df >= 1]
+    return min(1.0, len(tests) * min(tests)) if tests else 1.0
 
 
 def _samples_to_decide(r: float, df: int, alpha: float, tests: int = 1) -> int | None:
@@ -141,8 +148,12 @@ class PairSignals:
     r_norm_df: int = 0
 
 
-def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSignals:
-    """Forward/backward correlation, GC stalls, peer comparison and chunk balance of a compiled job."""
+def pair_signals(model: JobModel, rules: CauseRules = CauseRules(), workload: SequenceWorkload | None = None) -> PairSignals:
+    """Forward/backward correlation, GC stalls, peer comparison and chunk balance of a compiled job.
+    workload (sequence_workload): where the batches' recorded lengths explain the compute (the
+    sequence signature at the job's false-alarm rate), the worker test compares the work at the
+    chunk's mean workload (sequences.at_mean_workload): a rank given the longer batches is no
+    slower machine."""
     evidence: dict[str, object] = {}
     forward, backward = pairs(model)
     r_norm, r_norm_df, gc, peers, chunks = math.nan, 0, None, None, None
@@ -158,9 +169,6 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSigna
             paused = np.zeros_like(model.original_cost)
             rows, lanes = np.nonzero(gc.pauses)
             paused[forward[rows, lanes], lanes] = gc.stall[rows, lanes]
-    workers = worker_tests(model, forward, backward, rules.false_alarm, rules.straggling, rules.peer_offset,
-                           None if paused is None else model.original_cost - paused) \
-        if model.dp_size > 1 else balance_tests(model, rules.false_alarm, rules.straggling, rules.peer_offset)
     if len(forward):
         f, b = take(model.original_cost, forward), take(model.original_cost, backward)
         chunk = model.op_stage[forward] * (int(model.op_gmc.max()) + 2) + model.op_gmc[forward]
@@ -174,6 +182,13 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules()) -> PairSigna
         chunks = chunk_balance(model, forward, backward)
     else:
         evidence["gc_pauses"] = 0
+    work = None if paused is None else model.original_cost - paused
+    if model.dp_size > 1 and workload is not None and len(forward) and \
+            _sequence_p(r_norm, r_norm_df, *_workload_fit(model, forward, backward, gc, workload)) <= rules.false_alarm:
+        work = at_mean_workload(model, workload, work)
+        evidence["worker_test_at_mean_workload"] = True
+    workers = worker_tests(model, forward, backward, rules.false_alarm, rules.straggling, rules.peer_offset, work) \
+        if model.dp_size > 1 else balance_tests(model, rules.false_alarm, rules.straggling, rules.peer_offset)
     evidence.update(workers.evidence())
     if peers is not None:
         evidence["peer_ratio_max"] = float(np.nanmax(peers.ratio))
@@ -226,7 +241,7 @@ def _slow_steps(workers: WorkerTests, worker: tuple[int, int]) -> list[int]:
 
 
 def _signals(model: JobModel, result: WhatIfResult, rules: CauseRules, evidence: dict,
-             paired: PairSignals | None) -> _Signals:
+             paired: PairSignals | None, workload: SequenceWorkload | None) -> _Signals:
     mw, ms = float(result.mw.rem), float(result.ms.rem) if result.ms is not None else 0.0
     excess = {name: max(value - 1.0, 0.0) for name, value in result.by_optype.items()}
     total = sum(excess.values())
@@ -237,7 +252,7 @@ def _signals(model: JobModel, result: WhatIfResult, rules: CauseRules, evidence:
     evidence.update(m_w=mw, m_s=ms, m_w_workers=[list(w) for w in result.mw.workers],
                     comm_share=comm_excess / total if total > 0 else 0.0, comm_excess=comm_excess,
                     top_comm_optype=top_comm, last_stage_uniformity=uniformity)
-    paired = pair_signals(model, rules) if paired is None else paired
+    paired = pair_signals(model, rules, workload) if paired is None else paired
     evidence.update(paired.evidence)
     return _Signals(mw, ms, evidence["comm_share"], comm_excess, paired.forward, paired.backward, paired.r_norm,
                     uniformity, paired.gc, paired.peers, paired.chunks, paired.workers, paired.r_norm_df)
@@ -320,7 +335,8 @@ def _intermittent_steps(workers: WorkerTests) -> dict[tuple[int, int, str], tupl
     return {key: tuple(sorted(steps)) for key, steps in out.items()}
 
 
-def _workload_fit(model: JobModel, signals: _Signals, workload: SequenceWorkload | None) -> tuple[float, int]:
+def _workload_fit(model: JobModel, forward: np.ndarray, backward: np.ndarray, gc: GcStalls | None,
+                  workload: SequenceWorkload | None) -> tuple[float, int]:
     """Pearson r between each microbatch's compute (forward + backward) and the workload its
     recorded sequences carry, both over the (stage, chunk)'s mean across every step and DP rank
     (stage and chunk sizes cancel, steps and ranks stay: the data moves between them); GC pauses
@@ -328,14 +344,14 @@ def _workload_fit(model: JobModel, signals: _Signals, workload: SequenceWorkload
     (forward against backward needs several): compute that follows the batch's tokens, moving
     between ranks and steps. With its degrees of freedom (samples less one per (stage, chunk) mean
     and one for the slope). (NaN, 0) without recorded lengths or pairs."""
-    if workload is None or not len(signals.forward):
+    if workload is None or not len(forward):
         return math.nan, 0
-    compute = take(model.original_cost, signals.forward) + take(model.original_cost, signals.backward)
-    load = take(workload.op_workload, signals.forward)
-    chunk = model.op_stage[signals.forward] * (int(model.op_gmc.max()) + 2) + model.op_gmc[signals.forward]
+    compute = take(model.original_cost, forward) + take(model.original_cost, backward)
+    load = take(workload.op_workload, forward)
+    chunk = model.op_stage[forward] * (int(model.op_gmc.max()) + 2) + model.op_gmc[forward]
     keep = np.isfinite(load) & (load > 0)
-    if signals.gc is not None:
-        keep &= ~signals.gc.pauses
+    if gc is not None:
+        keep &= ~gc.pauses
     if keep.sum() < 3:
         return math.nan, 0
     compute, load = compute[keep], load[keep]
@@ -507,7 +523,7 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
 
     model: the compiled job (transforms.whatif.compile_job); result: analyze_model(model)
     (attribution needed when S >= 1.03); workload: sequence_workload(trace, model) or None;
-    paired: pair_signals(model, rules) when the caller has it already; one_host: the trace names
+    paired: pair_signals(model, rules, workload) when the caller has it already; one_host: the trace names
     one host for every rank (`ran_on_one_host`): CPU ranks' transfers then never left it.
     Jobs with S below rules.straggling get cause "none" (evidence and fixes still computed
     when attribution exists). Raises CauseError when model and result are of different jobs.
@@ -522,13 +538,13 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     if result.untraced is not None:   # S with the named workers' untraced time; METHOD's beside it
         evidence.update(slowdown=result.model_slowdown, slowdown_traced=slowdown)
     if result.discarded or result.untraced is not None:
-        return _measured_verdict(model, result, rules, evidence, paired or pair_signals(model, rules), work, untraced)
+        return _measured_verdict(model, result, rules, evidence, paired or pair_signals(model, rules, workload), work, untraced)
     tori, tideal = float(result.step_t_nodelay.mean()), float(result.step_t_noblk.mean())
     gap = tori - tideal
     if result.by_optype is None or result.mw is None or gap <= 0:
         evidence["attributed"] = False
         if not straggling:
-            measured = _unattributed_worker(model, result, rules, evidence, paired or pair_signals(model, rules))
+            measured = _unattributed_worker(model, result, rules, evidence, paired or pair_signals(model, rules, workload))
             if measured is not None:
                 return measured
         cause = "unexplained" if straggling else "none"
@@ -538,8 +554,8 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     timings: dict[str, float] = {}
     if one_host and model.meta.host_compute:
         evidence["transfers_on_one_cpu_host"] = True
-    signals = _signals(model, result, rules, evidence, paired)
-    signals.workload_r, signals.workload_df = _workload_fit(model, signals, workload)
+    signals = _signals(model, result, rules, evidence, paired, workload)
+    signals.workload_r, signals.workload_df = _workload_fit(model, signals.forward, signals.backward, signals.gc, workload)
     if math.isfinite(signals.workload_r):
         evidence["workload_compute_r"] = signals.workload_r
     evidence["sequence_p"] = signals.sequence_p
@@ -1034,21 +1050,24 @@ def analyze_and_classify(trace: pa.Table, meta: JobMeta, job_id: str = "", *, ru
     started = time.perf_counter()
     model = compile_job(trace, meta, job_id)
     compiled = time.perf_counter()
+    workload = sequence_workload(trace, model)   # the batches' recorded lengths: a cause's signal, counted as one
+    lengths = time.perf_counter() - compiled
     with contextlib.ExitStack() as stack:
         paired = None
         if replay_thread_count() > 1:   # threads to spare: the trace signals are computed while the analysis replays
             from concurrent.futures import ThreadPoolExecutor   # here: a one-job command's path only
 
             paired = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="strag-signals")).submit(
-                pair_signals, model, rules)
+                pair_signals, model, rules, workload)
         result = analyze_model(model, timeline=timeline)
         replayed = time.perf_counter()
-        verdict = classify(model, result, workload=sequence_workload(trace, model), rules=rules,
+        verdict = classify(model, result, workload=workload, rules=rules,
                            paired=None if paired is None else paired.result(), work=chunk_work(trace, model),
                            one_host=bool(meta.host_compute) and ran_on_one_host(trace))
     # where the seconds went (Verdict.timings): the graph compiled, METHOD's replays, the causes
     # (their signals, batched fix replays and tests; a signal thread's overlap with the replays is not counted twice)
-    verdict.timings.update(compile=compiled - started, replay=replayed - compiled, causes=time.perf_counter() - replayed)
+    verdict.timings.update(compile=compiled - started, replay=replayed - compiled - lengths,
+                           causes=time.perf_counter() - replayed + lengths)
     tests = model.__dict__.get("_worker_tests")
     verdict.worker_summary = None if tests is None else tests.summary()
     return result, verdict

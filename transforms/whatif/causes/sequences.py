@@ -25,7 +25,7 @@ from transforms.whatif.errors import TraceValueError
 from transforms.whatif.model import JobModel, distinct, optype_codes
 
 __all__ = ["SequenceWorkload", "sequence_workload", "imbalance_degree", "greedy_repack", "greedy_rebalance",
-           "even_sequences", "repacked_sequences"]
+           "even_sequences", "repacked_sequences", "at_mean_workload"]
 
 FORWARD, BACKWARD = OPTYPES.index("forward-compute"), OPTYPES.index("backward-compute")
 
@@ -279,11 +279,39 @@ def repacked_sequences(model: JobModel, workload: SequenceWorkload) -> tuple[np.
     the imbalance evidence."""
     new_table, evidence = _repacked_workload(model, workload)
     rows = np.flatnonzero((model.op_optype == FORWARD) | (model.op_optype == BACKWARD))
+    return _rescaled(model, workload, rows, _op_values(model, new_table, rows)), evidence
+
+
+def at_mean_workload(model: JobModel, workload: SequenceWorkload, cost: np.ndarray | None = None) -> np.ndarray:
+    """`cost` (default the model's) with every forward and backward rescaled, by the linear cost
+    model of `repacked_sequences`, from the workload its microbatch carries to its chunk's mean
+    workload: the same work on every DP rank and step, each worker's own pace kept. What the
+    worker test compares where the batches' recorded lengths explain the compute (a longer batch
+    is no slower machine)."""
+    rows = np.flatnonzero((model.op_optype == FORWARD) | (model.op_optype == BACKWARD))
+    x = workload.op_workload[rows]
+    group = model.op_gmc[rows]
+    keep = np.isfinite(x)
+    sums = np.zeros(int(group.max(initial=-1)) + 1)
+    counts = np.zeros_like(sums)
+    np.add.at(sums, group, np.where(keep, x, 0.0).sum(axis=1))
+    np.add.at(counts, group, keep.sum(axis=1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = sums / counts
+    return _rescaled(model, workload, rows, np.where(keep, mean[group][:, None], np.nan), cost)
+
+
+def _rescaled(model: JobModel, workload: SequenceWorkload, rows: np.ndarray, new_x: np.ndarray,
+              cost: np.ndarray | None = None) -> np.ndarray:
+    """A copy of `cost` (default the model's) whose compute `rows` ([rows, lanes] workload new_x)
+    take duration x (intercept + slope new_x) / (intercept + slope old_x), the line fitted per
+    (chunk, forward or backward) on the recorded (workload, duration); unchanged where the line
+    gives no positive cost or new_x is unknown; the factor clipped to 0.05 .. 20."""
     chunk_and_kind = model.op_gmc[rows] * 2 + (model.op_optype[rows] == BACKWARD)
     group = np.searchsorted(distinct(chunk_and_kind), chunk_and_kind)
-    cost = model.original_cost.copy()
-    old_x, new_x, y = workload.op_workload[rows], _op_values(model, new_table, rows), cost[rows]
-    intercept, slope = (fit[group, None] for fit in _linear_fits(group, old_x, y))
+    cost = (model.original_cost if cost is None else cost).copy()
+    old_x, y = workload.op_workload[rows], cost[rows]
+    intercept, slope = (fit[group, None] for fit in _linear_fits(group, old_x, model.original_cost[rows]))
     old_model = old_x * slope
     old_model += intercept
     factor = new_x * slope                         # in place from here: these arrays are [ops, lanes]
@@ -295,7 +323,7 @@ def repacked_sequences(model: JobModel, workload: SequenceWorkload) -> tuple[np.
     np.clip(factor, 0.05, 20.0, out=factor)
     factor *= y
     cost[rows] = factor
-    return cost, evidence
+    return cost
 
 
 def _linear_fits(group: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
