@@ -283,7 +283,8 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
     worker-peer: blamed workers at peer speed (worker-balance without DP peers: their slow kind of
     work at the other stages' balance, fixes.at_balance); worker-compute / worker-comm: the M_W set's
     compute / transfers at ideal; stage: rebalanced chunks; communication: every transfer
-    at its own typical time (fixes.typical_transfers); sequence: even spread; sequence-repacked: greedy document repacking (with
+    at its own typical time (fixes.typical_transfers); sequence: even spread (each worker's pace read at
+    equal batches where the recorded lengths explain the compute); sequence-repacked: greedy document repacking (with
     seq_lens, when the sequence signature holds); gc: pauses removed."""
     original = model.original_cost
     ideal = model.ideal_cost()[:, None]
@@ -302,9 +303,10 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
         costs["worker-peer"] = at_peer_speed(model, blamed, signals.peers, _gc_paused(model, signals.forward, signals.gc),
                                              _intermittent_steps(signals.workers))
     if len(signals.forward):
-        costs["sequence"] = even_sequences(model)
+        holds = workload is not None and signals.sequence_p <= rules.false_alarm   # compute follows the recorded lengths
+        costs["sequence"] = even_sequences(model, workload if holds else None)
         costs["gc"] = without_pauses(model, signals.forward, signals.gc, rules.gc_min_stall)
-        if workload is not None and signals.sequence_p <= rules.false_alarm:    # only the sequence cause's fix needs it
+        if holds:    # only the sequence cause's fix needs it
             started = time.perf_counter()
             costs["sequence-repacked"], sequence_evidence = repacked_sequences(model, workload)
             timings["sequence"] = time.perf_counter() - started
