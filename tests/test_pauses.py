@@ -144,15 +144,15 @@ def test_compute_that_follows_the_recorded_lengths_is_the_sequence_signature():
 
     converted, model, _ = _job("hf-seq-gpt2-padded")
     workload = sequence_workload(converted.trace, model)
-    signals = _signals(model, analyze_model(model), CauseRules(), {}, None)
+    signals = _signals(model, analyze_model(model), CauseRules(), {}, None, workload)
     load = take(workload.op_workload, signals.forward)
     for ops in (signals.forward, signals.backward):
         np.put_along_axis(model.original_cost, ops, 1e-7 * load, axis=0)
-    assert _workload_fit(model, signals, workload)[0] == pytest.approx(1.0)
+    assert _workload_fit(model, signals.forward, signals.backward, signals.gc, workload)[0] == pytest.approx(1.0)
     swapped = load.reshape(len(load), model.n_steps, model.dp_size)[:, :, ::-1].reshape(load.shape)
     for ops in (signals.forward, signals.backward):
         np.put_along_axis(model.original_cost, ops, 1e-7 * swapped, axis=0)
-    assert _workload_fit(model, signals, workload)[0] < 0.5
+    assert _workload_fit(model, signals.forward, signals.backward, signals.gc, workload)[0] < 0.5
 
 
 def _strip_gc_record(run: str, into: pathlib.Path) -> pathlib.Path:

@@ -98,10 +98,10 @@ def without_pauses(model: JobModel, forward: np.ndarray, gc: GcStalls, min_stall
 
     A paused forward takes its expected cost (gc.expected); one whose pieces count
     (signals.counted_pieces: GPU ranks) has each piece brought down to that piece's median over the
-    lanes, so the stall comes out of the piece that held it. With batched send+recv (interleaved schedules), a record waits for its partner's peer,
-    so a stalled forward also inflates transfer times along the pipeline of that lane; in
-    lanes with a pause, p2p transfers longer than their type's median by more than
-    min_stall seconds go back to the median."""
+    lanes, so the stall comes out of the piece that held it. With batched send+recv (interleaved
+    schedules), a record waits for its partner's peer, so a stalled forward also inflates transfer
+    times along the pipeline of that lane; in lanes with a pause, p2p transfers longer than their
+    type's median by more than min_stall seconds go back to the median."""
     cost = model.original_cost.copy()
     rows, lanes = np.nonzero(gc.pauses)
     pieces = _forward_pieces(model, forward) if counted_pieces(model, FORWARD) else None

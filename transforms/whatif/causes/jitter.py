@@ -9,9 +9,9 @@ The null is the job itself with its computes at their METHOD.md ideal and the va
 put back. Its transfers take the times they ran, each draw with the lanes (steps and DP ranks)
 shuffled: how much they vary is the job's, where the slow ones fall is chance (a structured
 transfer problem, a slow link, is the communication cause's to name before this null is asked).
-Its compute takes the jitter the worker test measured: each worker's compute (forward and backward) in each sample (a profiled
-step; a microbatch when the worker test's unit is one) multiplied by exp(s z + t u), z per sample
-and u per worker standard normal, s the per-worker jitter and t the persistent offset healthy
+Its compute takes the jitter the worker test measured: each worker's compute (forward and
+backward) in each sample (a profiled step; a microbatch when the worker test's unit is one)
+multiplied by exp(s z + t u), z per sample and u per worker standard normal, s the per-worker jitter and t the persistent offset healthy
 peers keep (the worker test's sigma and tau compare a worker with the median of its peers, so
 both are divided by sqrt(1 + var(that median))). Each draw takes its own sigma from the
 estimate's scaled inverse chi-square (its degrees of freedom: few steps, a wide null), and its

@@ -137,7 +137,7 @@ class WorkerTests:
     limits: tuple[str, ...] = ()
     peers: bool = True                   # whether the job has DP peers to test against
     tau: float = 0.0                     # persistent offset (log, RMS) of healthy peers in the null
-    tau_prior: float = 0.0               # the prior offset tau is capped at (CauseRules.peer_offset)
+    tau_prior: float = 0.0               # the prior offset (CauseRules.peer_offset) the job's own reading may replace
     # per [kind, stage, dp]: the mean log effect against the DP peers and its samples (worker_tests;
     # None elsewhere): what `summary` hands to the test over several windows of one job
     levels: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -441,10 +441,10 @@ def reads_offset(dp: int, stages: int) -> bool:
 
 def _healthy_offset(level: np.ndarray, count: np.ndarray, sigma: float, prior: float, alpha: float) -> float:
     """tau: the persistent offset (log, RMS) between healthy DP peers, beyond the jitter of their
-    means, for a job of three or more DP ranks. The job reads its own robustly (the median squared
+    means, for a job whose peers can show it (`reads_offset`). The job reads its own robustly (the median squared
     mean over every worker, kind and stage, so a slow worker among three or more does not set it,
     less the jitter's share) and bounds it from above at `alpha`: the median of m squared normal
-    means estimates their variance with the spread of a chi-square of 0.37 m degrees of freedom
+    means estimates their variance with the spread of a chi-square of 0.3675 m degrees of freedom
     (the sample median's asymptotic variance, 1 / (4 m f(q)^2) at the chi-square(1) median
     q = 0.4549, f(q) = 0.4712, against 2 / nu for a chi-square mean). tau is the prior (`prior`, the
     offset healthy peers were measured to keep on shared CPU cores, CauseRules.peer_offset) unless
@@ -456,7 +456,7 @@ def _healthy_offset(level: np.ndarray, count: np.ndarray, sigma: float, prior: f
     if means.size < 3:
         return prior
     n = float(median(count[count >= 2]))
-    nu = 0.3681 * means.size
+    nu = 0.3675 * means.size   # 2 / (1 / (4 f(q)^2) / q^2), q and f(q) as in the docstring
     variance = float(median(means * means)) / 0.4549
     read = math.sqrt(max(variance - sigma * sigma / n, 0.0))
     bound = math.sqrt(max(variance * nu / _chi2_quantile(alpha, nu) - sigma * sigma / n, 0.0))
