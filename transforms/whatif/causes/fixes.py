@@ -7,7 +7,7 @@ import numpy as np
 
 from transforms.whatif.causes.sequences import BACKWARD, FORWARD
 from transforms.whatif.causes.signals import GcStalls, PeerComparison, counted_pieces, microbatch_key, peer_median
-from transforms.whatif.model import JobModel, distinct, median
+from transforms.whatif.model import WGT, JobModel, distinct, median
 from schemas.trace import OPTYPES
 
 __all__ = ["at_peer_speed", "at_balance", "rebalanced_stages", "without_pauses", "planned_gc_seconds", "compose"]
@@ -57,7 +57,7 @@ def at_balance(model: JobModel, findings) -> np.ndarray:
     named steps only."""
     cost = model.original_cost.copy()
     for finding in findings:
-        codes = (FORWARD,) if finding.kind == "forward" else (BACKWARD, OPTYPES.index("backward-weight-compute"))
+        codes = (FORWARD,) if finding.kind == "forward" else (BACKWARD, WGT)
         ops = np.flatnonzero(np.isin(model.op_optype, codes) & (model.op_stage == finding.worker[1]))
         if finding.persistent:
             cost[ops] /= finding.ratio

@@ -48,7 +48,7 @@ import numpy as np
 
 from schemas.trace import OPTYPES
 from transforms.whatif.causes.signals import counted_pieces, nanmedian, peer_median, pieces_sum
-from transforms.whatif.model import JobModel, distinct, median
+from transforms.whatif.model import WGT, JobModel, distinct, median
 from transforms.whatif.result import STRAGGLING_THRESHOLD
 
 __all__ = ["KINDS", "WorkerFinding", "WorkerTests", "worker_tests", "pooled_worker_tests", "balance_tests", "t_sf", "median_variance",
@@ -56,7 +56,7 @@ __all__ = ["KINDS", "WorkerFinding", "WorkerTests", "worker_tests", "pooled_work
 
 KINDS = ("forward", "backward")
 _FORWARD = OPTYPES.index("forward-compute")
-_BACKWARD = (OPTYPES.index("backward-compute"), OPTYPES.index("backward-weight-compute"))
+_BACKWARD = (OPTYPES.index("backward-compute"), WGT)
 _LARGE_DF = 200          # beyond it t_sf takes the normal approximation (the closed form sums df / 2 terms)
 
 
