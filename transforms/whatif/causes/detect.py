@@ -71,23 +71,24 @@ class _Signals:
 
     @property
     def sequence_tests(self) -> list[tuple[float, int]]:
-        """(r, degrees of freedom) of the sequence signature's correlations the trace supports:
-        forward against backward of the same microbatch, compute against the tokens it recorded."""
-        return [(r, df) for r, df in ((self.r_norm, self.r_norm_df), (self.workload_r, self.workload_df))
-                if math.isfinite(r) and df >= 1]
+        return _sequence_tests(self.r_norm, self.r_norm_df, self.workload_r, self.workload_df)
 
     @property
     def sequence_p(self) -> float:
-        """p-value that compute follows the data (`_sequence_p`)."""
-        return _sequence_p(self.r_norm, self.r_norm_df, self.workload_r, self.workload_df)
+        return _sequence_p(self.sequence_tests)
 
 
-def _sequence_p(r_norm: float, r_norm_df: int, workload_r: float, workload_df: int) -> float:
-    """p-value that compute follows the data: each correlation the trace supports (forward against
-    backward of the same microbatch, compute against the tokens it recorded) by its one-sided test
-    (`correlation_p`), the smallest times their number (Bonferroni)."""
-    tests = [correlation_p(r, df) for r, df in ((r_norm, r_norm_df), (workload_r, workload_df)) if math.isfinite(r) and df >= 1]
-    return min(1.0, len(tests) * min(tests)) if tests else 1.0
+def _sequence_tests(r_norm: float, r_norm_df: int, workload_r: float, workload_df: int) -> list[tuple[float, int]]:
+    """(r, degrees of freedom) of the sequence signature's correlations the trace supports:
+    forward against backward of the same microbatch, compute against the tokens it recorded."""
+    return [(r, df) for r, df in ((r_norm, r_norm_df), (workload_r, workload_df)) if math.isfinite(r) and df >= 1]
+
+
+def _sequence_p(tests: list[tuple[float, int]]) -> float:
+    """p-value that compute follows the data: each test's one-sided p (`correlation_p`), the
+    smallest times their number (Bonferroni)."""
+    p_values = [correlation_p(r, df) for r, df in tests]
+    return min(1.0, len(p_values) * min(p_values)) if p_values else 1.0
 
 
 def _samples_to_decide(r: float, df: int, alpha: float, tests: int = 1) -> int | None:
@@ -146,6 +147,9 @@ class PairSignals:
     evidence: dict
     workers: WorkerTests
     r_norm_df: int = 0
+    workload: SequenceWorkload | None = None   # the recorded lengths the fit below was computed on
+    workload_r: float = math.nan               # compute against the recorded workload (_workload_fit)
+    workload_df: int = 0
 
 
 def pair_signals(model: JobModel, rules: CauseRules = CauseRules(), workload: SequenceWorkload | None = None) -> PairSignals:
@@ -183,8 +187,9 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules(), workload: Se
     else:
         evidence["gc_pauses"] = 0
     work = None if paused is None else model.original_cost - paused
+    workload_r, workload_df = _workload_fit(model, forward, backward, gc, workload)
     if model.dp_size > 1 and workload is not None and len(forward) and \
-            _sequence_p(r_norm, r_norm_df, *_workload_fit(model, forward, backward, gc, workload)) <= rules.false_alarm:
+            _sequence_p(_sequence_tests(r_norm, r_norm_df, workload_r, workload_df)) <= rules.false_alarm:
         work = at_mean_workload(model, workload, work)
         evidence["worker_test_at_mean_workload"] = True
     workers = worker_tests(model, forward, backward, rules.false_alarm, rules.straggling, rules.peer_offset, work) \
@@ -201,7 +206,8 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules(), workload: Se
                                         "confidence": f.confidence} for f in workers.slow]
     if chunks is not None:
         evidence.update(chunk_ratio=chunks.ratio, heaviest_chunk=[chunks.heaviest_chunk, chunks.heaviest_stage])
-    signals = PairSignals(forward, backward, r_norm, gc, peers, chunks, evidence, workers, r_norm_df)
+    signals = PairSignals(forward, backward, r_norm, gc, peers, chunks, evidence, workers, r_norm_df,
+                          workload, workload_r, workload_df)
     model.__dict__["_worker_tests"] = workers   # the verdict's summary for tests over several windows
     return signals
 
@@ -254,8 +260,10 @@ def _signals(model: JobModel, result: WhatIfResult, rules: CauseRules, evidence:
                     top_comm_optype=top_comm, last_stage_uniformity=uniformity)
     paired = pair_signals(model, rules, workload) if paired is None else paired
     evidence.update(paired.evidence)
+    fit = (paired.workload_r, paired.workload_df) if paired.workload is workload else \
+        _workload_fit(model, paired.forward, paired.backward, paired.gc, workload)
     return _Signals(mw, ms, evidence["comm_share"], comm_excess, paired.forward, paired.backward, paired.r_norm,
-                    uniformity, paired.gc, paired.peers, paired.chunks, paired.workers, paired.r_norm_df)
+                    uniformity, paired.gc, paired.peers, paired.chunks, paired.workers, paired.r_norm_df, *fit)
 
 
 def _gc_evidence(model: JobModel, forward: np.ndarray, gc: GcStalls, evidence: dict) -> None:
@@ -557,7 +565,6 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     if one_host and model.meta.host_compute:
         evidence["transfers_on_one_cpu_host"] = True
     signals = _signals(model, result, rules, evidence, paired, workload)
-    signals.workload_r, signals.workload_df = _workload_fit(model, signals.forward, signals.backward, signals.gc, workload)
     if math.isfinite(signals.workload_r):
         evidence["workload_compute_r"] = signals.workload_r
     evidence["sequence_p"] = signals.sequence_p

@@ -266,7 +266,8 @@ def verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix 
     evidence's jitter_null (causes/jitter.py), when S is one the job's own jitter reaches."""
     if verdict == "none" and jitter is not None:
         return (f"S = {slowdown:.3f}, within this job's own jitter: with every compute at its ideal, its "
-                f"transfers as they ran (in steps and ranks drawn at random) and each worker's compute varying by {100 * (math.exp(jitter['jitter']) - 1):.0f}% per {jitter['unit']} as measured "
+                "transfers as they ran (in steps and ranks drawn at random) and each worker's compute varying by "
+                f"{100 * (math.exp(jitter['jitter']) - 1):.0f}% per {jitter['unit']} as measured "
                 f"(persistent offsets of {100 * (math.exp(jitter['offset']) - 1):.0f}%), {jitter['draws']} replays reach "
                 f"S {jitter['median']:.3f} typically and {jitter['quantile']:.3f} at the false-alarm rate (p = "
                 f"{jitter['p_value']:.2f}); no cause's signature holds. Each step waits for whichever rank is slowest "

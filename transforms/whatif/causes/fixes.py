@@ -6,7 +6,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from transforms.whatif.causes.sequences import BACKWARD, FORWARD
-from transforms.whatif.causes.signals import GcStalls, PeerComparison, counted_pieces, microbatch_key, peer_median
+from transforms.whatif.causes.signals import GcStalls, PeerComparison, counted_pieces, peer_median, piece_rows
 from transforms.whatif.model import WGT, JobModel, distinct, median
 from schemas.trace import OPTYPES
 
@@ -126,18 +126,11 @@ def without_pauses(model: JobModel, forward: np.ndarray, gc: GcStalls, min_stall
 
 def _forward_pieces(model: JobModel, forward: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """Every forward op and, per lane, the row of `forward` (signals.pairs) whose microbatch it is a
-    piece of (-1: none); None where every forward is one op (no collective cuts it)."""
+    piece of (-1: none; signals.piece_rows); None where every forward is one op (no collective cuts it)."""
     ops = np.flatnonzero(model.op_optype == FORWARD)
     if len(ops) == len(forward):
         return None
-    chunks = int(model.op_gmc.max()) + 2
-    key_r, key_o = microbatch_key(model, forward, chunks), microbatch_key(model, ops, chunks)
-    row_of = np.full(key_o.shape, -1, dtype=np.int64)
-    for lane in range(model.n_lanes):
-        order = np.argsort(key_r[:, lane], kind="stable")
-        at = np.minimum(np.searchsorted(key_r[order, lane], key_o[:, lane]), len(order) - 1)
-        row_of[:, lane] = np.where(key_r[order[at], lane] == key_o[:, lane], order[at], -1)
-    return ops, row_of
+    return ops, piece_rows(model, forward, ops)[0]
 
 
 def planned_gc_seconds(model: JobModel, forward: np.ndarray, gc: GcStalls) -> float:

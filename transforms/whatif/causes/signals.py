@@ -13,7 +13,7 @@ from transforms.whatif.causes.sequences import BACKWARD, FORWARD
 
 __all__ = ["pairs", "take", "pearson", "within_group_normalised", "margin", "peer_median", "nanmedian", "PeerComparison",
            "peer_comparison", "ChunkBalance", "chunk_balance", "GcStalls", "gc_stalls", "whole_forward", "whole_backward",
-           "pieces_sum", "counted_pieces", "microbatch_key"]
+           "pieces_sum", "piece_rows", "counted_pieces", "microbatch_key"]
 
 
 def pairs(model: JobModel) -> tuple[np.ndarray, np.ndarray]:
@@ -100,20 +100,30 @@ def pieces_sum(model: JobModel, rows: np.ndarray, codes: tuple[int, ...], cost: 
     extra = np.setdiff1d(np.flatnonzero(np.isin(model.op_optype, codes)), rows)
     if not len(extra) or not len(rows):
         return out
-    chunks = int(model.op_gmc.max()) + 2
-    key_r, key_e = microbatch_key(model, rows, chunks), microbatch_key(model, extra, chunks)
-    alike = (key_r == key_r[:, :1]).all() and (key_e == key_e[:, :1]).all()
-    for lane in range(1 if alike else model.n_lanes):   # alike: one mapping serves every lane
-        order = np.argsort(key_r[:, lane], kind="stable")
-        ordered = key_r[order, lane]
-        at = np.minimum(np.searchsorted(ordered, key_e[:, lane]), len(order) - 1)
-        found = ordered[at] == key_e[:, lane]
-        target, ops = order[at[found]], extra[found]
-        if alike:
-            np.add.at(out, target, cost[ops])
-        else:
-            np.add.at(out[:, lane], target, cost[ops, lane])
+    row_of, alike = piece_rows(model, rows, extra)
+    if alike:   # one mapping serves every lane
+        found = row_of[:, 0] >= 0
+        np.add.at(out, row_of[found, 0], cost[extra[found]])
+        return out
+    for lane in range(model.n_lanes):
+        found = row_of[:, lane] >= 0
+        np.add.at(out[:, lane], row_of[found, lane], cost[extra[found], lane])
     return out
+
+
+def piece_rows(model: JobModel, rows: np.ndarray, ops: np.ndarray) -> tuple[np.ndarray, bool]:
+    """[len(ops), n_lanes]: per lane, the row of `rows` ([k, lane], as `pairs` gives them) of the
+    same (stage, chunk, microbatch) as each op, -1 where none; and whether every lane maps alike
+    (microbatch ids alike in every lane: the usual case, one mapping broadcast)."""
+    chunks = int(model.op_gmc.max()) + 2
+    key_r, key_o = microbatch_key(model, rows, chunks), microbatch_key(model, ops, chunks)
+    alike = bool((key_r == key_r[:, :1]).all() and (key_o == key_o[:, :1]).all())
+    row_of = np.full((len(ops), 1 if alike else model.n_lanes), -1, dtype=np.int64)
+    for lane in range(row_of.shape[1]):
+        order = np.argsort(key_r[:, lane], kind="stable")
+        at = np.minimum(np.searchsorted(key_r[order, lane], key_o[:, lane]), len(order) - 1)
+        row_of[:, lane] = np.where(key_r[order[at], lane] == key_o[:, lane], order[at], -1)
+    return (np.broadcast_to(row_of, (len(ops), model.n_lanes)) if alike else row_of), alike
 
 
 def within_group_normalised(values: np.ndarray, group: np.ndarray) -> np.ndarray:
