@@ -170,6 +170,51 @@ def test_a_lightning_profile_of_three_microbatch_steps_under_accumulation_is_rea
     assert 1 / 1.05 <= result.replay_discrepancy <= 1.05
 
 
+def test_a_profile_begun_mid_iteration_gives_its_first_iteration_the_others_preamble():
+    """Lightning broadcasts whether to stop after every optimizer step, before the next batch fetch.
+    The first iteration of a profile begun mid-iteration starts at its fetch (the optimizer step
+    before it is unseen), so its broadcast fell outside it and its structure differed from the
+    others' (one collective fewer): the step was dropped. Its start moves back over the collectives
+    the other iterations issue between their start and their first model work."""
+    from transforms.ingest.kineto.rank import _with_preamble
+
+    steps = {3: (21.4, 44.6), 4: (44.6, 64.6)}            # begun at the fetch 21.4; 44.6: optimizer end
+    all_reduce = lambda t: (COLL, t, t + 1.0, -1, "all_reduce", "dp", -1, -1)
+    broadcast = lambda t: (COLL, t, t + 0.1, -1, "broadcast", "dp", -1, -1)
+    comm = [all_reduce(10.9), broadcast(21.3), all_reduce(37.9), broadcast(44.7), all_reduce(57.1)]
+    issued = [span[1] for span in comm]
+    work = np.array([21.4, 21.8, 44.8, 45.1])              # fetches and forward ops
+    backward = np.array([0.1, 18.3, 25.0, 48.3])          # the previous iteration's last at 18.3
+    got = _with_preamble(steps, 0.0, comm, issued, work, backward)
+    assert got == {3: (21.3, 44.6), 4: (44.6, 64.6)}
+    # a first iteration that starts with the profile, or already holds the preamble, stays
+    assert _with_preamble(steps, 21.4, comm, issued, work, backward) == steps
+    assert _with_preamble(got, 0.0, comm, issued, work, backward) == got
+    # no preamble collective after the previous iteration's backward: nothing to move over
+    assert _with_preamble(steps, 0.0, comm[:1] + comm[2:], issued[:1] + issued[2:], work, backward) == steps
+    # another collective there (the previous backward's all-reduce) is not the preamble
+    other = comm[:1] + [all_reduce(21.3)] + comm[2:]
+    assert _with_preamble(steps, 0.0, other, issued, work, backward) == steps
+
+
+def test_a_lightning_profile_of_three_active_steps_keeps_both_whole_iterations():
+    """The committed run lightning-bwd2-r0-mlp-plprof (Lightning's PyTorchProfiler, active=3): its
+    ProfilerSteps 2..4 hold iterations 3 and 4 whole, with the same ops (the preamble's broadcast
+    in both); both are kept, replayed within 5% of what ran."""
+    from transforms.ingest.kineto import convert_kineto
+    from transforms.whatif import analyze_job
+
+    run = STACKS / "lightning-bwd2-r0-mlp-plprof"
+    truth = json.loads((run / "truth.json").read_text())
+    converted = convert_kineto([str(run / name) for name in truth["trace_files"]], run.name, "2026-11-28", {})
+    table = converted.trace.to_pandas()
+    assert sorted(table.step.unique().tolist()) == [3, 4]
+    counts = table.groupby(["rank", "step"]).optype.apply(lambda kinds: tuple(sorted(kinds)))
+    assert counts.nunique() == 1, counts
+    result = analyze_job(converted.trace, converted.job_meta(), run.name)
+    assert 1 / 1.05 <= result.replay_discrepancy <= 1.05
+
+
 # --- several tensors across one pipeline boundary ----------------------------------------------------
 
 def _send(start, end, peer=1):

@@ -163,6 +163,7 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     optimizer = optimizer_work(optimizer, cpu_ops, autograd)
     loading = cpu_ops.per_name(lambda name: name.startswith(_DATA_LOADING))   # the batch fetches
     inferred = not steps and bool(optimizer)
+    profiled_steps = list(steps.values())
     if inferred:   # profiled without a schedule and without prof.step(): the optimizer's steps tell the steps
         steps, step_tid = _steps_from_optimizer(optimizer, events.optimizer_tids, cpu_ops)
     elif steps and optimizer:
@@ -223,6 +224,10 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     on_gpu = _GpuWork(*events.launch_columns(), *events.work_columns()) if kernels else None
     # the CPU time each comm span was issued at: which compute label issued it, and its step
     issued = _issued_at(comm, correlations, launched, called)
+    if profiled_steps:   # a profile begun mid-iteration: its first iteration gets the others' preamble
+        steps = _with_preamble(steps, min(start for start, _ in profiled_steps), comm, issued,
+                               np.sort(np.concatenate([autograd, cpu_ops.start[loading]])),
+                               cpu_ops.start[cpu_ops.per_name(_is_backward_op)])
     waited = waited_collectives(comm, issued, main, cpu_labels) if not kernels else None
     spans = _compute_spans(cpu_labels, events.gpu_labels if kernels else {}, comm, main, on_gpu,
                            _issued_collectives(comm, issued, groups, waited))
@@ -650,6 +655,57 @@ def _iterations(steps: dict[int, tuple[float, float]], optimizer: list[tuple[flo
         else:
             iterations[ids[0]] = (begun, iterations[ids[0]][1])
     return iterations
+
+
+def _with_preamble(steps: dict[int, tuple[float, float]], profile_start: float, comm: list, issued: list,
+                   work: np.ndarray, backward: np.ndarray) -> dict[int, tuple[float, float]]:
+    """`steps` with the first iteration of a profile begun mid-iteration given the preamble the
+    others have. An iteration starts where the optimizer step before it ended, and the loop's code
+    between that end and the batch fetch (a trainer's per-batch hooks: PyTorch Lightning broadcasts
+    whether to stop) runs in every iteration; the first one, begun before the profile, starts at
+    its batch fetch (`_begun_after_zero_grad`), the optimizer step before it unseen, so its
+    preamble's collectives fell outside it and the step's structure differed from the others'.
+    Every loop runs the same code, so its start moves back over the collectives of the preamble
+    the others show (the modal sequence of (kind, collective) issued between their start and their
+    first model work, `work`: the sorted starts of the batch fetches and forward ops), when exactly
+    those were issued after the previous iteration's last backward op (`backward`: backward op
+    starts) and before its start. `comm`, `issued`: the comm spans and their issue times. A first
+    iteration that starts with the profile (`profile_start`) is left as it is."""
+    if len(steps) < 2 or not comm:
+        return steps
+    order = sorted(steps, key=lambda n: steps[n][0])
+    first = order[0]
+    start = steps[first][0]
+    if start <= profile_start:
+        return steps
+    at = np.asarray(issued, dtype=np.float64)
+    sequence = np.argsort(at, kind="stable")
+    at = at[sequence]
+    names = [(comm[i][0], comm[i][4]) for i in sequence.tolist()]
+
+    def issued_in(lo: float, hi: float) -> list:
+        return names[np.searchsorted(at, lo, side="left"):np.searchsorted(at, hi, side="left")]
+
+    def first_work(lo: float) -> float:
+        i = np.searchsorted(work, lo, side="left")
+        return float(work[i]) if i < len(work) else lo
+
+    preambles = collections.Counter(tuple(issued_in(steps[n][0], first_work(steps[n][0]))) for n in order[1:])
+    modal, held = preambles.most_common(1)[0]
+    if not modal or 2 * held <= len(order) - 1:
+        return steps
+    own = issued_in(start, first_work(start))
+    previous = backward[backward < start]
+    if tuple(own) == modal or not len(previous):
+        return steps
+    lo = float(previous.max())
+    earlier = np.flatnonzero((at > lo) & (at < start))
+    if len(earlier) + len(own) < len(modal) or tuple((names[i] for i in earlier.tolist()))[
+            len(earlier) + len(own) - len(modal):] + tuple(own) != modal:
+        return steps
+    moved = dict(steps)
+    moved[first] = (float(at[earlier[len(earlier) + len(own) - len(modal)]]), steps[first][1])
+    return moved
 
 
 def _begun_after_zero_grad(first: float, end: float, forward: np.ndarray, backward: np.ndarray,
