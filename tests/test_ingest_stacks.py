@@ -433,6 +433,28 @@ def test_ddp_s_all_reduce_beside_the_backward_s_ops_is_not_a_wait():
         [False, False, False]
 
 
+def test_a_ddp_hook_that_now_and_then_holds_its_all_reduce_does_not_cut_the_backward():
+    """DDP issues its all-reduces after the backward or beside it; now and then the AccumulateGrad
+    hook that issues the last bucket's holds the collective's whole span (a HF Trainer run: 1-3 of
+    its 18 syncs). Cutting the backward there gave that one step another structure, and the step was
+    dropped; the rank waits out too few of its syncs for that to be how it syncs. FSDP2 waits out
+    80-89% of its syncs (each layer's reduce-scatter), and those are cut as before."""
+    from transforms.ingest.kineto.compute import BWD, waited_collectives
+
+    held = [(0, 100, "autograd::engine::evaluate_function: AddmmBackward0"),
+            (80, 99, "autograd::engine::evaluate_function: torch::autograd::AccumulateGrad"),
+            (81, 82, "c10d::allreduce_")]
+    after = [(200 * k + 110, 200 * k + 111, "c10d::allreduce_") for k in range(3)]
+    ops = _ops(*held, *after)
+    labels = [(BWD, 0.0, 100.0, -1, -1, "backward")] + [(BWD, 200.0 * k, 200.0 * k + 100, -1, -1, "backward")
+                                                         for k in (1, 2)]
+    comm = [_sync(82, 97)] + [_sync(200 * k + 111, 200 * k + 130) for k in range(3)]
+    issued = [82.0] + [200.0 * k + 111 for k in range(3)]
+    assert waited_collectives(comm, issued, ops, labels) == [False] * 4
+    # alone (the rank's only sync) it is how the rank syncs
+    assert waited_collectives(comm[:1], issued[:1], ops, labels[:1]) == [True]
+
+
 def test_an_fsdp2_run_syncs_its_dp_ranks_between_the_layers_of_its_backward():
     """The committed FSDP2 run: every rank cuts its backward at the same per-layer syncs, so the
     ranks agree op for op and the fast rank's backward no longer holds its wait for the slow one."""
