@@ -97,8 +97,13 @@ def pieces_sum(model: JobModel, rows: np.ndarray, codes: tuple[int, ...], cost: 
     the same (stage, chunk, microbatch) in that lane; the ops' own costs where there are none."""
     cost = model.original_cost if cost is None else cost
     out = take(cost, rows)
-    extra = np.setdiff1d(np.flatnonzero(np.isin(model.op_optype, codes)), rows)
+    extra = np.flatnonzero(np.isin(model.op_optype, codes)) if codes else np.zeros(0, np.int64)
     if not len(extra) or not len(rows):
+        return out
+    used = np.zeros(model.n_ops, dtype=bool)   # the ops some lane's row is (a set: no sort of every row)
+    used[rows] = True
+    extra = extra[~used[extra]]
+    if not len(extra):
         return out
     row_of, alike = piece_rows(model, rows, extra)
     if alike:   # one mapping serves every lane
