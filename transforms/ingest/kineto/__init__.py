@@ -19,7 +19,8 @@ The mapping (ARCHITECTURE.md, "Kineto mapping"):
   with an `Optimizer.step` span); where they are not (Lightning's PyTorchProfiler ends one when
   training_step returns, a ProfilerStep per accumulated batch), the iterations run between optimizer
   steps (rank._iterations; a profile begun mid-iteration keeps its first one from the batch whose
-  backward follows the last zero_grad, when it holds that batch's forward); a step is kept when
+  backward follows the last zero_grad, when it holds that batch's forward, and gives it the
+  collectives the other iterations issue before their batch fetch, rank._with_preamble); a step is kept when
   every analysed rank has it complete (an optimizer span and every kind of compute), others are
   listed in source.steps_dropped; a rank's files of other steps are profiler cycles (cycles.py);
 - rank and world: `distributedInfo` (a window's lone trace without it: a process that started no
@@ -51,7 +52,8 @@ The mapping (ARCHITECTURE.md, "Kineto mapping"):
   (rank._from_gradients_ready);
 - collectives inside the compute (all_to_all, broadcast, barrier, FSDP's per-layer all_gather,
   and on CPU ranks the gradient syncs the compute thread waited out: FSDP2's per-layer
-  reduce-scatter, compute.waited_collectives, decided for the job: if some ranks waited out none,
+  reduce-scatter, compute.waited_collectives: a rank that waits out at least half of its syncs;
+  decided for the job: if some ranks waited out none,
   none did, ops.unwaited, since a straggling peer makes a DDP rank's all-reduces short and late)
   over a group of several workers, without a pipeline: `all-to-all` / `group-collective` ops, the
   compute label that issued one cut there into pieces of its microbatch;
