@@ -225,8 +225,8 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     # the CPU time each comm span was issued at: which compute label issued it, and its step
     issued = _issued_at(comm, correlations, launched, called)
     if profiled_steps:   # a profile begun mid-iteration: its first iteration gets the others' preamble
-        steps = _with_preamble(steps, min(start for start, _ in profiled_steps), comm, issued,
-                               np.sort(np.concatenate([autograd, cpu_ops.start[loading]])),
+        steps = _with_preamble(steps, [min(start for start, _ in profiled_steps), *(end for _, end in optimizer)],
+                               comm, issued, np.sort(np.concatenate([autograd, cpu_ops.start[loading]])),
                                cpu_ops.start[cpu_ops.per_name(_is_backward_op)])
     waited = waited_collectives(comm, issued, main, cpu_labels) if not kernels else None
     spans = _compute_spans(cpu_labels, events.gpu_labels if kernels else {}, comm, main, on_gpu,
@@ -657,7 +657,7 @@ def _iterations(steps: dict[int, tuple[float, float]], optimizer: list[tuple[flo
     return iterations
 
 
-def _with_preamble(steps: dict[int, tuple[float, float]], profile_start: float, comm: list, issued: list,
+def _with_preamble(steps: dict[int, tuple[float, float]], known: list[float], comm: list, issued: list,
                    work: np.ndarray, backward: np.ndarray) -> dict[int, tuple[float, float]]:
     """`steps` with the first iteration of a profile begun mid-iteration given the preamble the
     others have. An iteration starts where the optimizer step before it ended, and the loop's code
@@ -670,13 +670,14 @@ def _with_preamble(steps: dict[int, tuple[float, float]], profile_start: float, 
     first model work, `work`: the sorted starts of the batch fetches and forward ops), when exactly
     those were issued after the previous iteration's last backward op (`backward`: backward op
     starts) and before its start. `comm`, `issued`: the comm spans and their issue times. A first
-    iteration that starts with the profile (`profile_start`) is left as it is."""
+    iteration whose start is known (`known`: the profile's start, the optimizer steps' ends) is
+    left as it is."""
     if len(steps) < 2 or not comm:
         return steps
     order = sorted(steps, key=lambda n: steps[n][0])
     first = order[0]
     start = steps[first][0]
-    if start <= profile_start:
+    if start <= known[0] or start in known:
         return steps
     at = np.asarray(issued, dtype=np.float64)
     sequence = np.argsort(at, kind="stable")
