@@ -239,7 +239,10 @@ class BlockSlowdown:
                     y.register_hook(grad_hook)
             return None
 
-        return hook
+        # under torch.compile the hook would be traced into the graph, where the shadow re-runs, whose
+        # outputs nothing uses, are dead code: run it eagerly (a graph break) so the slowdown is real
+        disable = getattr(getattr(torch, "_dynamo", None), "disable", None)
+        return disable(hook) if disable is not None else hook
 
 
 class GcInjector:
