@@ -159,13 +159,14 @@ def test_an_intermittent_worker_s_fix_restores_only_its_slow_steps():
     assert np.allclose(cost[compute][:, lanes[[2, 5]]], np.minimum(model.original_cost[compute][:, lanes[[2, 5]]], peers))
 
 
-@pytest.mark.parametrize("n, rest_df, exact", [(6, 4, True), (8, 16, True), (8, 24, False)])
+@pytest.mark.parametrize("n, rest_df, exact", [(6, 4, True), (6, 5, True), (8, 24, True), (8, 48, False)])
 def test_the_slow_level_test_holds_its_false_alarm_rate_on_normal_jitter(n, rest_df, exact):
     """The largest split t over every split has no closed form; its simulated null must give a
     p <= alpha in an alpha share of jobs without a slow level (3,000 normal cells at alpha 5%:
     150 expected, the binomial's 99.9% band 110..195), and the other comparisons' spread is part
-    of the pooled variance. Other degrees of freedom than a power of two are simulated with the
-    power of two below them: a wider null, fewer alarms (conservative), never more."""
+    of the pooled variance. Up to 32 degrees of freedom the null is simulated at the job's own
+    (few steps, where every one counts); beyond, at the power of two below them: a wider null,
+    fewer alarms (conservative), never more."""
     rng = np.random.default_rng(3)
     alarms = 0
     for _ in range(3000):
@@ -173,6 +174,15 @@ def test_the_slow_level_test_holds_its_false_alarm_rate_on_normal_jitter(n, rest
         rest_ss = 0.04 * rng.chisquare(rest_df)
         alarms += worker_module._level_shift(effects, rest_ss, rest_df, 1, 0.05, -math.inf) is not None
     assert (110 if exact else 0) <= alarms <= 195
+
+
+def test_a_job_of_few_steps_is_tested_against_the_null_of_its_own_degrees_of_freedom():
+    """Rounding 5 degrees of freedom down to 4 widened a 6-sample job's null (99.75th percentile
+    ~6.7 -> ~7.1): a job of few steps lost power for a cache. Its own are simulated now; large
+    ones still share a power of two."""
+    assert [worker_module._null_df(df) for df in (0, 1, 5, 11, 32, 33, 100)] == [0, 1, 5, 11, 32, 32, 64]
+    null = {df: worker_module._level_shift_null(6, df, 20_000) for df in (4, 5)}
+    assert null[5][int(0.9975 * 20_000)] < null[4][int(0.9975 * 20_000)]
 
 
 def test_the_slow_level_is_at_least_the_threshold_over_its_peers():
