@@ -183,21 +183,21 @@ def test_a_profile_begun_mid_iteration_gives_its_first_iteration_the_others_prea
     broadcast = lambda t: (COLL, t, t + 0.1, -1, "broadcast", "dp", -1, -1)
     comm = [all_reduce(10.9), broadcast(21.3), all_reduce(37.9), broadcast(44.7), all_reduce(57.1)]
     issued = [span[1] for span in comm]
-    work = np.array([21.4, 21.8, 44.8, 45.1])              # fetches and forward ops
+    forward, fetches = np.array([21.8, 45.1]), np.array([21.4, 44.8])
     backward = np.array([0.1, 18.3, 25.0, 48.3])          # the previous iteration's last at 18.3
     known = [0.0, 44.6, 64.6]                            # the profile's start, the optimizer steps' ends
-    got = _with_preamble(steps, known, comm, issued, work, backward)
+    got = _with_preamble(steps, known, comm, issued, forward, fetches, backward)
     assert got == {3: (21.3, 44.6), 4: (44.6, 64.6)}
     # a first iteration that starts with the profile or at an optimizer step's end, or already holds
     # the preamble, stays
-    assert _with_preamble(steps, [21.4, 44.6, 64.6], comm, issued, work, backward) == steps
-    assert _with_preamble(steps, [0.0, 21.4, 44.6, 64.6], comm, issued, work, backward) == steps
-    assert _with_preamble(got, known, comm, issued, work, backward) == got
+    assert _with_preamble(steps, [21.4, 44.6, 64.6], comm, issued, forward, fetches, backward) == steps
+    assert _with_preamble(steps, [0.0, 21.4, 44.6, 64.6], comm, issued, forward, fetches, backward) == steps
+    assert _with_preamble(got, known, comm, issued, forward, fetches, backward) == got
     # no preamble collective after the previous iteration's backward: nothing to move over
-    assert _with_preamble(steps, known, comm[:1] + comm[2:], issued[:1] + issued[2:], work, backward) == steps
+    assert _with_preamble(steps, known, comm[:1] + comm[2:], issued[:1] + issued[2:], forward, fetches, backward) == steps
     # another collective there (the previous backward's all-reduce) is not the preamble
     other = comm[:1] + [all_reduce(21.3)] + comm[2:]
-    assert _with_preamble(steps, known, other, issued, work, backward) == steps
+    assert _with_preamble(steps, known, other, issued, forward, fetches, backward) == steps
 
 
 def test_a_lightning_profile_of_three_active_steps_keeps_both_whole_iterations():

@@ -162,14 +162,14 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     autograd, flow_ends = events.flows()   # on the span columns' time axis
     optimizer = optimizer_work(optimizer, cpu_ops, autograd)
     loading = cpu_ops.per_name(lambda name: name.startswith(_DATA_LOADING))   # the batch fetches
+    backward_ops = cpu_ops.start[cpu_ops.per_name(_is_backward_op)]
     inferred = not steps and bool(optimizer)
     profiled_steps = list(steps.values())
     if inferred:   # profiled without a schedule and without prof.step(): the optimizer's steps tell the steps
         steps, step_tid = _steps_from_optimizer(optimizer, events.optimizer_tids, cpu_ops)
     elif steps and optimizer:
         profiled = len(steps)
-        steps = _iterations(steps, optimizer, events.optimizer_tids, step_tid, autograd,
-                            cpu_ops.start[cpu_ops.per_name(_is_backward_op)],
+        steps = _iterations(steps, optimizer, events.optimizer_tids, step_tid, autograd, backward_ops,
                             cpu_ops.start[cpu_ops.per_name(lambda name: name.startswith(_ZERO_GRAD))],
                             cpu_ops.start[loading])
         if not steps:
@@ -226,8 +226,7 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     issued = _issued_at(comm, correlations, launched, called)
     if profiled_steps:   # a profile begun mid-iteration: its first iteration gets the others' preamble
         steps = _with_preamble(steps, [min(start for start, _ in profiled_steps), *(end for _, end in optimizer)],
-                               comm, issued, np.sort(np.concatenate([autograd, cpu_ops.start[loading]])),
-                               cpu_ops.start[cpu_ops.per_name(_is_backward_op)])
+                               comm, issued, autograd, cpu_ops.start[loading], backward_ops)
     waited = waited_collectives(comm, issued, main, cpu_labels) if not kernels else None
     spans = _compute_spans(cpu_labels, events.gpu_labels if kernels else {}, comm, main, on_gpu,
                            _issued_collectives(comm, issued, groups, waited))
@@ -658,7 +657,7 @@ def _iterations(steps: dict[int, tuple[float, float]], optimizer: list[tuple[flo
 
 
 def _with_preamble(steps: dict[int, tuple[float, float]], known: list[float], comm: list, issued: list,
-                   work: np.ndarray, backward: np.ndarray) -> dict[int, tuple[float, float]]:
+                   forward: np.ndarray, fetches: np.ndarray, backward: np.ndarray) -> dict[int, tuple[float, float]]:
     """`steps` with the first iteration of a profile begun mid-iteration given the preamble the
     others have. An iteration starts where the optimizer step before it ended, and the loop's code
     between that end and the batch fetch (a trainer's per-batch hooks: PyTorch Lightning broadcasts
@@ -667,7 +666,7 @@ def _with_preamble(steps: dict[int, tuple[float, float]], known: list[float], co
     preamble's collectives fell outside it and the step's structure differed from the others'.
     Every loop runs the same code, so its start moves back over the collectives of the preamble
     the others show (the modal sequence of (kind, collective) issued between their start and their
-    first model work, `work`: the sorted starts of the batch fetches and forward ops), when exactly
+    first model work: the start of a batch fetch or forward op, `fetches`, `forward`), when exactly
     those were issued after the previous iteration's last backward op (`backward`: backward op
     starts) and before its start. `comm`, `issued`: the comm spans and their issue times. A first
     iteration whose start is known (`known`: the profile's start, the optimizer steps' ends) is
@@ -679,6 +678,7 @@ def _with_preamble(steps: dict[int, tuple[float, float]], known: list[float], co
     start = steps[first][0]
     if start <= known[0] or start in known:
         return steps
+    work = np.sort(np.concatenate([forward, fetches]))
     at = np.asarray(issued, dtype=np.float64)
     sequence = np.argsort(at, kind="stable")
     at = at[sequence]

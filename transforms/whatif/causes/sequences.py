@@ -292,10 +292,8 @@ def at_mean_workload(model: JobModel, workload: SequenceWorkload, cost: np.ndarr
     x = workload.op_workload[rows]
     group = model.op_gmc[rows]
     keep = np.isfinite(x)
-    sums = np.zeros(int(group.max(initial=-1)) + 1)
-    counts = np.zeros_like(sums)
-    np.add.at(sums, group, np.where(keep, x, 0.0).sum(axis=1))
-    np.add.at(counts, group, keep.sum(axis=1))
+    sums = np.bincount(group, weights=np.where(keep, x, 0.0).sum(axis=1))
+    counts = np.bincount(group, weights=keep.sum(axis=1), minlength=len(sums))
     with np.errstate(invalid="ignore", divide="ignore"):
         mean = sums / counts
     return _rescaled(model, workload, rows, np.where(keep, mean[group][:, None], np.nan), cost)
