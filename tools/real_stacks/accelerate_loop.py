@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--batches", choices=["padded", "packed"], default="padded")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16"], help="Accelerator(mixed_precision=...)")
     args = ap.parse_args()
     rank, world = C.rank_world()
     slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "gcall", "gcin", "data", "seq"), world)
@@ -50,7 +51,8 @@ def main() -> None:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.grad_accum)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.grad_accum,
+                              mixed_precision=args.mixed_precision)
     assert accelerator.process_index == rank and accelerator.num_processes == world
     set_seed(args.seed)
     model, blocks, cfg = C.tiny_hf_model(args.model, args.seed)
@@ -88,7 +90,7 @@ def main() -> None:
         "loop": "accelerate: Accelerator(cpu=True, gradient_accumulation_steps=N); prepare(model, AdamW, DataLoader); "
                 "with accelerator.accumulate(model): forward, accelerator.backward, opt.step, opt.zero_grad",
         "distributed_type": str(accelerator.distributed_type), "model_wrapper": type(model).__name__,
-        "grad_accum": args.grad_accum, "batches": args.batches, "batch_per_rank": args.batch, "seq_len": args.seq_len,
+        "grad_accum": args.grad_accum, "mixed_precision": args.mixed_precision, "batches": args.batches, "batch_per_rank": args.batch, "seq_len": args.seq_len,
         "model_config": C.cfg_dict(cfg),
         "profiler_mode": "torch.profiler.profile(schedule(..., repeat=1)) around the loop, prof.step() when "
                          "accelerator.sync_gradients (after the optimizer step)",

@@ -73,6 +73,9 @@ def add_common_args(ap: argparse.ArgumentParser, steps: int = 7) -> None:
     ap.add_argument("--prof-active", type=int, default=3)
     ap.add_argument("--record-shapes", type=int, choices=[0, 1], default=1)
     ap.add_argument("--with-stack", type=int, choices=[0, 1], default=0)
+    ap.add_argument("--profile-memory", type=int, choices=[0, 1], default=0)
+    ap.add_argument("--with-modules", type=int, choices=[0, 1], default=0)
+    ap.add_argument("--with-flops", type=int, choices=[0, 1], default=0)
     ap.add_argument("--prefault-mb", type=int, default=None,
                     help="pre-touched heap per process (default 512 with record_shapes, else 128; 0: off)")
     ap.add_argument("--slow", action="append", default=[], metavar="KIND:RANK:AMOUNT",
@@ -407,7 +410,8 @@ def make_profiler(args, on_trace_ready):
                    schedule=schedule(wait=args.prof_wait, warmup=args.prof_warmup, active=args.prof_active,
                                      repeat=1),
                    record_shapes=bool(args.record_shapes), with_stack=bool(args.with_stack),
-                   on_trace_ready=on_trace_ready)
+                   profile_memory=bool(args.profile_memory), with_modules=bool(args.with_modules),
+                   with_flops=bool(args.with_flops), on_trace_ready=on_trace_ready)
 
 
 def chrome_exporter(out: str, rank: int, gc_record: bool = True):
@@ -497,7 +501,8 @@ def finish(args, *, stack: str, script: str, rank: int, world: int, coords: dict
         "seed": args.seed,
         "data_in_step": True if truth_fields.get("data_in_step", True) else False,
         "profiler": {"record_shapes": bool(args.record_shapes), "with_stack": bool(args.with_stack),
-                     "profile_memory": False, "with_modules": False, "with_flops": False,
+                     "profile_memory": bool(args.profile_memory), "with_modules": bool(args.with_modules),
+                     "with_flops": bool(args.with_flops),
                      "wait": args.prof_wait, "warmup": args.prof_warmup, "active": args.prof_active,
                      "repeat": 1, "schedule": True, "export": "chrome"},
         "rank_coords": {str(r): c for r, c in enumerate(coords_all)},

@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--grad-ckpt", type=int, choices=[0, 1], default=0,
                     help="TrainingArguments(gradient_checkpointing=True): each block's forward recomputed in its backward")
+    ap.add_argument("--dl-workers", type=int, default=0, help="TrainingArguments(dataloader_num_workers=N)")
+    ap.add_argument("--bf16", type=int, choices=[0, 1], default=0, help="TrainingArguments(bf16=True): CPU autocast")
     ap.add_argument("--compile", type=int, choices=[0, 1], default=0, help="TrainingArguments(torch_compile=True)")
     ap.add_argument("--strag-lake", default=None,
                     help="profile with strag_collect.huggingface.StragTrainerCallback into this lake (live sessions)")
@@ -84,7 +86,7 @@ def main() -> None:
         per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.grad_accum, learning_rate=1e-3,
         optim="adamw_torch", lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True,
-        dataloader_num_workers=0, dataloader_drop_last=True, remove_unused_columns=False, seed=args.seed,
+        dataloader_num_workers=args.dl_workers, bf16=bool(args.bf16), dataloader_drop_last=True, remove_unused_columns=False, seed=args.seed,
         data_seed=args.seed, gradient_checkpointing=bool(args.grad_ckpt), torch_compile=bool(args.compile))
     if args.strag_lake:   # the one line a Hugging Face user adds
         from strag_collect.huggingface import StragTrainerCallback
@@ -119,7 +121,8 @@ def main() -> None:
         "trainer": "transformers.Trainer", "training_args": {
             "use_cpu": True, "ddp_backend": "gloo", "max_steps": args.steps,
             "per_device_train_batch_size": args.batch, "gradient_accumulation_steps": args.grad_accum,
-            "optim": "adamw_torch", "lr_scheduler_type": "constant", "dataloader_num_workers": 0,
+            "optim": "adamw_torch", "lr_scheduler_type": "constant", "dataloader_num_workers": args.dl_workers,
+            "bf16": bool(args.bf16),
             "logging_strategy": "no", "save_strategy": "no",
             "gradient_checkpointing": bool(args.grad_ckpt), "torch_compile": bool(args.compile)},
         "parallel_mode": str(trainer.args.parallel_mode), "grad_accum": args.grad_accum,

@@ -121,6 +121,7 @@ def main() -> None:
     ap.add_argument("--manual-opt", type=int, choices=[0, 1], default=0)
     ap.add_argument("--batch", type=int, default=None, help="per-rank micro-batch: rows (mlp, 64) or sequences (gpt2, 4)")
     ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--precision", default="32-true", help="Trainer(precision=...): 32-true, bf16-mixed")
     args = ap.parse_args()
     rank, world = C.rank_world()
     allowed = ("fwd", "bwd", "gc", "gcall", "gcin", "data") + (("seq",) if args.model != "mlp" else ())
@@ -156,7 +157,9 @@ def main() -> None:
         profiler = PyTorchProfiler(dirpath=prof_dir, filename="prof", export_to_chrome=True,
                                    schedule=torch.profiler.schedule(wait=args.prof_wait, warmup=args.prof_warmup,
                                                                     active=args.prof_active),
-                                   record_shapes=bool(args.record_shapes), with_stack=bool(args.with_stack))
+                                   record_shapes=bool(args.record_shapes), with_stack=bool(args.with_stack),
+                                   profile_memory=bool(args.profile_memory), with_modules=bool(args.with_modules),
+                                   with_flops=bool(args.with_flops))
         callbacks = [GcAndTimerCallback(gcinj, timer)]
     elif args.profiler == "strag":   # the one line a Lightning user adds
         from strag_collect.lightning import StragProfiler
@@ -169,7 +172,7 @@ def main() -> None:
         profiler = None
         callbacks = [TorchProfilerCallback(args, rank, gcinj, timer)]
     trainer = L.Trainer(accelerator="cpu", devices=world, num_nodes=1, strategy="ddp", max_steps=args.steps,
-                        accumulate_grad_batches=1 if args.manual_opt else args.accumulate,
+                        precision=args.precision, accumulate_grad_batches=1 if args.manual_opt else args.accumulate,
                         profiler=profiler, callbacks=callbacks, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0, use_distributed_sampler=True)
@@ -206,7 +209,7 @@ def main() -> None:
                      "prof.step() in on_train_batch_end when trainer.global_step advanced, stop() in on_train_end"),
         "profiler_step_unit": "training_step call (micro-batch)" if args.profiler == "lightning" else "optimizer step",
         "lightning_original_trace_name": original,
-        "steps": args.steps,
+        "steps": args.steps, "precision": args.precision,
         "padding": "dynamic (pad to longest in batch)" if args.model != "mlp" else None,
     }
     C.finish(args, stack="lightning", script="lightning_ddp.py", rank=rank, world=world,
