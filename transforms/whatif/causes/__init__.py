@@ -69,7 +69,10 @@ measured on clean real runs only), shares of the straggling threshold (what a ca
 remove or cost), and physical signatures with their stated margins where no replay confirms them.
 The sequence signature is a test too: compute following the data (forward against backward of a
 microbatch, or compute against its recorded tokens), each correlation against Student's t with its
-degrees of freedom, at the false-alarm rate (`detect.correlation_p`). Modules: workers (the worker
+degrees of freedom, at the false-alarm rate (`detect.correlation_p`). Its fix, where the lengths are
+recorded, moves work and never noise: each microbatch rescaled to its step's mean workload by a
+cost line bounded by physics (fixed cost >= 0, cost growing with the work), so no duration moves
+further than its workload does (`sequences.balanced_sequences`). Modules: workers (the worker
 test), jitter (the null of S), pauses (untraced time: gaps, data loading, pauses), untraced
 (untraced-cpu and python-gc from pauses), signals (pairs, peer pace, chunk balance, GPU GC stalls),
 sequences, fixes, detect (classify: signals -> one batched replay -> candidates -> listing ->

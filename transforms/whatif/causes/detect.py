@@ -14,8 +14,8 @@ from transforms.whatif.causes.fixes import (at_balance, at_peer_speed, compose, 
                                            without_pauses)
 from transforms.whatif.causes.jitter import jitter_null
 from transforms.whatif.causes.pauses import CAUSE_SHARE, find_pauses, idle_inside_compute, inside_compute
-from transforms.whatif.causes.sequences import (BACKWARD, FORWARD, SequenceWorkload, at_mean_workload, even_sequences,
-                                                repacked_sequences, sequence_workload)
+from transforms.whatif.causes.sequences import (BACKWARD, FORWARD, SequenceWorkload, at_mean_workload, balanced_sequences,
+                                                even_sequences, repacked_sequences, sequence_workload)
 from transforms.whatif.causes.signals import (
     ChunkBalance,
     ChunkWork,
@@ -291,8 +291,9 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
     worker-peer: blamed workers at peer speed (worker-balance without DP peers: their slow kind of
     work at the other stages' balance, fixes.at_balance); worker-compute / worker-comm: the M_W set's
     compute / transfers at ideal; stage: rebalanced chunks; communication: every transfer
-    at its own typical time (fixes.typical_transfers); sequence: even spread (each worker's pace read at
-    equal batches where the recorded lengths explain the compute); sequence-repacked: greedy document repacking (with
+    at its own typical time (fixes.typical_transfers); sequence: with recorded lengths, every microbatch
+    of a step at the step's mean workload under the cost model (sequences.balanced_sequences), else an even
+    spread keeping each worker's pace (sequences.even_sequences); sequence-repacked: greedy document repacking (with
     seq_lens, when the sequence signature holds); gc: pauses removed."""
     original = model.original_cost
     ideal = model.ideal_cost()[:, None]
@@ -312,7 +313,8 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
                                              _intermittent_steps(signals.workers))
     if len(signals.forward):
         holds = workload is not None and signals.sequence_p <= rules.false_alarm   # compute follows the recorded lengths
-        costs["sequence"] = even_sequences(model, workload if holds else None)
+        # with recorded lengths, perfect balancing under the cost model; without, METHOD's even spread
+        costs["sequence"] = balanced_sequences(model, workload) if workload is not None else even_sequences(model)
         costs["gc"] = without_pauses(model, signals.forward, signals.gc, rules.gc_min_stall)
         if holds:    # only the sequence cause's fix needs it
             started = time.perf_counter()

@@ -135,7 +135,9 @@ def _sequence(evidence: dict, fix: Fix) -> str:
     text = f"{_follows_data(evidence)}, so microbatches carry unequal work"
     if "imbalance_degree" in evidence:
         text += f" (the heaviest has {evidence['imbalance_degree']:.2f}x the mean workload per step)"
-    text += f"; spreading each step's work evenly would remove {share_words(evidence['sequence_even_explained'])} of the straggling time"
+    balance = ("giving every microbatch its step's mean recorded workload" if "imbalance_degree" in evidence
+               else "spreading each step's work evenly")
+    text += f"; {balance} would remove {share_words(evidence['sequence_even_explained'])} of the straggling time"
     if "imbalance_degree_rebalanced" in evidence:
         text += (f"; greedy repacking of the recorded documents (imbalance {evidence['imbalance_degree_rebalanced']:.2f}x) "
                  f"removes {share_words(fix.explained)}: {_faster(fix)}")

@@ -299,6 +299,25 @@ def at_mean_workload(model: JobModel, workload: SequenceWorkload, cost: np.ndarr
     return _rescaled(model, workload, rows, np.where(keep, mean[group][:, None], np.nan), cost)
 
 
+def balanced_sequences(model: JobModel, workload: SequenceWorkload) -> np.ndarray:
+    """Cost with every microbatch of a step given the same workload, its chunk's mean over that
+    step's microbatches and DP ranks, each forward and backward rescaled by the bounded cost model
+    (`_linear_fits`): perfect balancing of the recorded lengths, what any repacking can at best
+    reach. Everything the lengths do not explain (jitter, a worker's pace) is kept: moving
+    documents removes imbalance, not noise."""
+    rows = np.flatnonzero((model.op_optype == FORWARD) | (model.op_optype == BACKWARD))
+    x = workload.op_workload[rows]
+    keep = np.isfinite(x)
+    chunk = np.searchsorted(distinct(model.op_gmc[rows]), model.op_gmc[rows])
+    cell = chunk[:, None] * model.n_steps + np.searchsorted(model.steps, model.lane_step)[None, :]
+    n_cells = (int(chunk.max(initial=-1)) + 1) * model.n_steps
+    sums = np.bincount(cell.ravel(), weights=np.where(keep, x, 0.0).ravel(), minlength=n_cells)
+    counts = np.bincount(cell.ravel(), weights=keep.ravel(), minlength=n_cells)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = sums / counts
+    return _rescaled(model, workload, rows, np.where(keep, mean[cell], np.nan))
+
+
 def _rescaled(model: JobModel, workload: SequenceWorkload, rows: np.ndarray, new_x: np.ndarray,
               cost: np.ndarray | None = None) -> np.ndarray:
     """A copy of `cost` (default the model's) whose compute `rows` ([rows, lanes] workload new_x)
@@ -326,8 +345,13 @@ def _rescaled(model: JobModel, workload: SequenceWorkload, rows: np.ndarray, new
 
 def _linear_fits(group: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Least-squares line y = intercept + slope * x per group of rows of [rows, lanes] x and y
-    (x NaN: left out), all groups at once, summed over lanes first; a group with fewer than
-    3 points or one x value gets the line 0 + 0 x (no rescaling)."""
+    (x NaN: left out), all groups at once, summed over lanes first, under the physical bounds of
+    a cost model: intercept >= 0 (a microbatch's fixed cost is never negative) and slope >= 0
+    (cost grows with the workload, METHOD.md section 5). Where the free fit's intercept is
+    negative, the bounded least squares is on that bound: the line through the origin, cost
+    proportional to workload, so a rescaling never moves a duration by more than its workload
+    moves (a steeper free line is jitter that happened to follow the lengths). A group with
+    fewer than 3 points, one x value, or a slope <= 0 gets 0 + 0 x (no rescaling)."""
     keep = np.isfinite(x)
     every = bool(keep.all())                      # the usual case: no masking passes
     n_groups = int(group.max(initial=-1)) + 1
@@ -348,6 +372,12 @@ def _linear_fits(group: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple[np.nd
     sxx = np.bincount(group, np.einsum("ij,ij->i", dx, dx), n_groups)
     slope = sxy / np.where(fitted, sxx, 1.0)
     intercept = mean_y - slope * mean_x
+    below = fitted & (intercept < 0)
+    if below.any():   # on the bound intercept = 0: slope = sum(x y) / sum(x x)
+        through = np.bincount(group, np.einsum("ij,ij->i", x, y), n_groups) / \
+            np.maximum(np.bincount(group, np.einsum("ij,ij->i", x, x), n_groups), np.finfo(float).tiny)
+        slope, intercept = np.where(below, through, slope), np.where(below, 0.0, intercept)
+    fitted &= slope > 0
     return np.where(fitted, intercept, 0.0), np.where(fitted, slope, 0.0)
 
 
