@@ -155,8 +155,13 @@ def parse(argv: list[str]) -> AnalyzeOptions:
         if args.fmt is None and _is_lake(args.trace):
             parser.error(f"{args.trace} is a lake: give --lake {args.trace} --job-id ID [--date YYYY-MM-DD]")
         if args.fmt is None and args.trace.is_dir():
+            below = sorted(entry.name + "/" for entry in args.trace.iterdir()
+                           if entry.is_dir() and not entry.name.startswith((".", "_")) and raw_format_in(entry))
+            hint = (f"; its subfolders {', '.join(below[:4])}{' ...' if len(below) > 4 else ''} hold traces: "
+                    "strag analyze reads one folder: the files of one profiled window, every rank's") if below else \
+                ": give --format kineto|ndtimeline, or a TRACE.parquet with --meta"
             parser.error(f"{args.trace} is a folder without *.json[.gz] (torch.profiler) or *.jsonl[.gz] (NDTimeline) "
-                         "traces of one format: give --format kineto|ndtimeline, or a TRACE.parquet with --meta")
+                         f"traces of one format{hint}")
     try:
         return AnalyzeOptions(trace=args.trace, meta=args.meta, lake=args.lake, job_id=args.job_id, date=args.date,
                               json_out=args.json_out, timeline_out=args.timeline_out,

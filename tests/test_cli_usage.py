@@ -22,6 +22,9 @@ def _cases(tmp: pathlib.Path) -> list[tuple[list[str], str]]:
     lake = tmp / "lake"
     (lake / "traces").mkdir(parents=True, exist_ok=True)
     (tmp / "empty").mkdir(exist_ok=True)   # a folder, but no lake
+    for rank in (0, 1):                     # each rank's trace in a folder of its own
+        (tmp / "per-rank" / f"rank{rank}").mkdir(parents=True, exist_ok=True)
+        (tmp / "per-rank" / f"rank{rank}" / f"host_{4000 + rank}.1764371234567.pt.trace.json").write_text("{}")
     out = str(tmp / "out")
     return [
         (["generate", "--lake", str(tmp / "g"), "--days", "0", "--jobs-per-day", "1", "--seed", "1"], "--days"),
@@ -41,6 +44,7 @@ def _cases(tmp: pathlib.Path) -> list[tuple[list[str], str]]:
         (["analyze", "/no/such/dir"], "no such file or folder: /no/such/dir"),
         (["analyze", str(tmp / "empty")], "give --format kineto|ndtimeline"),
         (["analyze", str(lake)], "is a lake: give --lake"),
+        (["analyze", str(tmp / "per-rank")], "its subfolders rank0/, rank1/ hold traces: strag analyze reads one folder"),
         (["batch", "--lake", str(lake), "--from", "2024-01-01", "--to", "2024-01-02", "--out", out, "--wokers", "2"], "did you mean --workers"),
         (["batch", "--lake", "/nope", "--from", "2024-01-01", "--to", "2024-01-02", "--out", out], "no lake there"),
         (["batch", "--lake", str(lake), "--from", "2024-01-02", "--to", "2024-01-01", "--out", out], "--from 2024-01-02 is after --to"),
@@ -63,7 +67,7 @@ def _cases(tmp: pathlib.Path) -> list[tuple[list[str], str]]:
     ]
 
 
-@pytest.mark.parametrize("index", range(34))
+@pytest.mark.parametrize("index", range(36))
 def test_bad_arguments_give_one_line_and_exit_2(index, tmp_path, capsys):
     argv, expected = _cases(tmp_path)[index]
     try:
@@ -81,7 +85,7 @@ def test_bad_arguments_give_one_line_and_exit_2(index, tmp_path, capsys):
 
 def test_cases_cover_every_subcommand(tmp_path):
     assert {argv[0] for argv, _ in _cases(tmp_path) if argv} >= set(cli.COMMANDS)
-    assert len(_cases(tmp_path)) == 35
+    assert len(_cases(tmp_path)) == 36
 
 
 def test_the_strag_script_shows_no_library_log_lines(tmp_path):
