@@ -45,7 +45,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(REPO, "tools", "real_traces"))
 from train import build_gc_heap, prefault_heap  # noqa: E402  (tools/real_traces/train.py)
 
-SLOW_KINDS = ("fwd", "bwd", "gc", "gcall", "gcin", "data", "seq", "split")
+SLOW_KINDS = ("fwd", "bwd", "gc", "gcall", "gcin", "data", "seq", "split", "host")
 CAUSES = {
     "fwd": ["individual-worker"],
     "bwd": ["individual-worker"],
@@ -55,6 +55,7 @@ CAUSES = {
     "data": ["untraced-cpu", "individual-worker"],
     "seq": ["sequence-imbalance"],
     "split": ["stage-imbalance"],
+    "host": ["individual-worker"],
 }
 
 
@@ -126,6 +127,8 @@ class RankSlow:
         self.odd = False             # fwd / bwd on odd optimizer steps only
         self.seq = any(s["kind"] == "seq" for s in slowdowns)
         self.split = any(s["kind"] == "split" for s in slowdowns)
+        self.host = 1.0              # host:R:F: this rank's machine F x slower at everything (contend_host)
+        self.host_job = any(s["kind"] == "host" for s in slowdowns)
         for s in slowdowns:
             if s["kind"] == "gcall":
                 self.gc_thousands, self.gc_mode = int(s["amount"]), "all"
@@ -141,12 +144,16 @@ class RankSlow:
                 self.gc_thousands, self.gc_mode = int(s["amount"]), "inside"
             elif s["kind"] == "data":
                 self.data_ms = s["amount"]
+            elif s["kind"] == "host":
+                self.host = s["amount"]
 
 
-def setup_process(args) -> None:
+def setup_process(args, slow: "RankSlow | None" = None, rank: int = 0) -> None:
     """One thread, glibc malloc kept from returning / mmapping, heap pre-faulted (see
-    tools/real_traces/README.md, 'The malloc work-around')."""
+    tools/real_traces/README.md, 'The malloc work-around'); a host:R:F injection's contention."""
     torch.set_num_threads(1)
+    if slow is not None and slow.host_job:
+        contend_host(slow, rank)
     if args.prefault_mb is None:
         args.prefault_mb = 512 if args.record_shapes else 128
     if args.prefault_mb > 0:
@@ -155,6 +162,33 @@ def setup_process(args) -> None:
 
 # ------------------------------------------------------------------------------------------------
 # slowdown injections
+
+# CFS load weight of each nice level -5..19 (kernel/sched/core.c sched_prio_to_weight)
+_CFS_WEIGHT = {-5: 3121, -4: 2501, -3: 1991, -2: 1586, -1: 1277, 0: 1024, 1: 820, 2: 655, 3: 526, 4: 423, 5: 335,
+               6: 272, 7: 215, 8: 172, 9: 137, 10: 110, 11: 87, 12: 70, 13: 56, 14: 45, 15: 36, 16: 29, 17: 23,
+               18: 18, 19: 15}
+_BURNER = ("import os\np = os.getppid()\nwhile os.getppid() == p:\n    for _ in range(200000):\n        pass\n")
+
+
+def contend_host(slow: "RankSlow", rank: int) -> None:
+    """host:R:F, a machine slower at everything (not one kind of op): every rank of the job is
+    pinned to a core of its own, and rank R's core also runs a busy loop at the nice level whose
+    CFS weight w leaves the rank 1024 / (1024 + w) of the core, F = 1 + w / 1024 (the nearest
+    level). Every thread of rank R (Python between ops, autograd, gloo) waits for the core."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[rank % len(cores)]
+    os.sched_setaffinity(0, {core})
+    if slow.host <= 1.0:
+        return
+    nice = min(_CFS_WEIGHT, key=lambda n: abs(_CFS_WEIGHT[n] - (slow.host - 1.0) * 1024))
+    import atexit
+    import subprocess
+
+    def start():
+        os.sched_setaffinity(0, {core})
+        os.nice(nice)
+    burner = subprocess.Popen([sys.executable, "-c", _BURNER], preexec_fn=start)
+    atexit.register(burner.kill)
 
 
 def _spread(n_blocks: int, total: float) -> list[int]:

@@ -35,11 +35,11 @@ def main() -> None:
     ap.add_argument("--reshard-after-forward", type=int, choices=[0, 1], default=1)
     args = ap.parse_args()
     rank, world = C.rank_world()
-    slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "gcall", "gcin", "data", "seq"), world)
+    slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "gcall", "gcin", "data", "seq", "host"), world)
     slow = C.RankSlow(slowdowns, rank, world)
     if slow.seq and args.batches != "padded":
         raise SystemExit("--slow seq needs --batches padded")
-    C.setup_process(args)
+    C.setup_process(args, slow, rank)
     os.makedirs(args.out, exist_ok=True)
     gcinj = C.GcInjector(slow, rank, world, forwards_per_step=args.grad_accum)
     gcinj.prepare()

@@ -124,10 +124,10 @@ def main() -> None:
     ap.add_argument("--precision", default="32-true", help="Trainer(precision=...): 32-true, bf16-mixed")
     args = ap.parse_args()
     rank, world = C.rank_world()
-    allowed = ("fwd", "bwd", "gc", "gcall", "gcin", "data") + (("seq",) if args.model != "mlp" else ())
+    allowed = ("fwd", "bwd", "gc", "gcall", "gcin", "data", "host") + (("seq",) if args.model != "mlp" else ())
     slowdowns = C.parse_slow(args.slow, allowed, world)
     slow = C.RankSlow(slowdowns, rank, world)
-    C.setup_process(args)
+    C.setup_process(args, slow, rank)
     os.makedirs(args.out, exist_ok=True)
     L.seed_everything(args.seed, workers=True, verbose=False)
     # the micro-batches (training_step calls) per optimizer step: Lightning counts one forward each

@@ -151,7 +151,7 @@ def main() -> None:
     pp = 2
     dp = 2 if args.layout == "pp2dp2" else 1
     assert world == pp * dp, f"--layout {args.layout} needs {pp * dp} processes"
-    slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "gcall", "data", "split"), world)
+    slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "gcall", "data", "split", "host"), world)
     slow = C.RankSlow(slowdowns, rank, world)
     sched_name, n_virtual = SCHEDULES[args.schedule]
     if args.frontend is None:
@@ -166,7 +166,7 @@ def main() -> None:
     if (args.fsdp_per_layer or args.fsdp_reshard_after_forward is not None) and not fsdp:
         raise SystemExit("--fsdp-per-layer / --fsdp-reshard-after-forward need --layout pp2dp2 --dp-sync fsdp2")
     reshard = bool(args.fsdp_per_layer if args.fsdp_reshard_after_forward is None else args.fsdp_reshard_after_forward)
-    C.setup_process(args)
+    C.setup_process(args, slow, rank)
     os.makedirs(args.out, exist_ok=True)
     M = args.microbatches
     gcinj = C.GcInjector(slow, rank, world, forwards_per_step=M)
