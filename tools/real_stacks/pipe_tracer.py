@@ -146,6 +146,7 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--mb-size", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=1024, help="vocabulary: the last stage's LM head is hidden x vocab")
     args = ap.parse_args()
     rank, world = C.rank_world()
     pp = 2
@@ -191,7 +192,7 @@ def main() -> None:
     if slow.split:
         counts[0] = 3 * base
     n_layers = sum(counts)
-    hf, _, cfg = C.tiny_hf_model("llama", args.seed, layers=n_layers)
+    hf, _, cfg = C.tiny_hf_model("llama", args.seed, vocab=args.vocab, layers=n_layers)
     model = PipeLlama(hf)
     bounds, acc = [], 0
     for c in counts[:-1]:
@@ -307,7 +308,6 @@ def main() -> None:
         "mesh": f"init_device_mesh('cpu', {(pp, dp) if dp > 1 else (pp,)}, mesh_dim_names="
                 f"{('pp', 'dp') if dp > 1 else ('pp',)})",
         "optimizer": "torch.optim.AdamW(lr=1e-3)", "loss": "cross_entropy, scale_grads=True (default)",
-        "model_config": C.cfg_dict(cfg),
         "profiler_mode": "torch.profiler.profile(schedule(..., repeat=1)) around the loop, prof.step() after "
                          "optimizer.step()", "profiler_step_unit": "optimizer step", "steps": args.steps,
         "data": "every rank fetches each step's batch through a DataLoader (one item = one step) inside the step",
