@@ -308,6 +308,7 @@ def main() -> None:
         "mesh": f"init_device_mesh('cpu', {(pp, dp) if dp > 1 else (pp,)}, mesh_dim_names="
                 f"{('pp', 'dp') if dp > 1 else ('pp',)})",
         "optimizer": "torch.optim.AdamW(lr=1e-3)", "loss": "cross_entropy, scale_grads=True (default)",
+        "model_config": C.cfg_dict(cfg),
         "profiler_mode": "torch.profiler.profile(schedule(..., repeat=1)) around the loop, prof.step() after "
                          "optimizer.step()", "profiler_step_unit": "optimizer step", "steps": args.steps,
         "data": "every rank fetches each step's batch through a DataLoader (one item = one step) inside the step",
