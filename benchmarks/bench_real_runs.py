@@ -81,7 +81,7 @@ def _trace_files(run: pathlib.Path, truth: dict) -> list[pathlib.Path]:
 
 
 def _severity(slowdown: dict) -> float:
-    if slowdown["kind"] in ("fwd", "bwd"):
+    if slowdown["kind"] in ("fwd", "bwd", "host"):   # an amount that is the factor
         return float(slowdown.get("amount") or 1.0)
     return SEVERE if slowdown["kind"] in PAUSE_KINDS else 1.0
 
