@@ -117,6 +117,11 @@ TRACE_SCHEMA = pa.schema(
         # cores of its CPU affinity), as strag_collect recorded it; the same on every op of a rank.
         # Above 1 the host is oversubscribed: a rank's untraced time includes its wait for a core.
         pa.field("host_load", pa.float64(), nullable=True),
+        # Optional: on compute ops of CPU ranks of a pipeline, how fast their machine ran their
+        # work against the job's usual pace (1.0), operations compared by identity (torch traces:
+        # transforms/ingest/kineto/pace.py): a heavier partition holds more operations at pace 1,
+        # a slower machine runs the same ones slower.
+        pa.field("pace", pa.float64(), nullable=True),
     ],
     metadata={"strag.schema_version": SCHEMA_VERSION, "strag.table": "trace"},
 )

@@ -503,3 +503,30 @@ def test_a_lightning_profile_too_short_for_one_iteration_says_how_many_steps_wou
     assert error.value.reason_code == "raw_no_steps"
     assert "the 1 ProfilerStep holds no whole training iteration" in str(error.value)
     assert "with 1 optimizer step(s) in all" in str(error.value) and "profile at least 3 active steps" in str(error.value)
+
+
+def test_a_vocabulary_sized_lm_head_is_a_heavier_stage_not_a_slower_machine():
+    """A clean 1F1B pipeline of two stages whose last holds a 32,000-token LM head: one 16 ms matmul
+    among ~400 recorded operations of ~10 us. Seconds per recorded operation read that stage ~1.3x
+    slower than the other (a slow machine, at the chunk-balance rule's margin); compared by
+    identity, the operations both stages run take the same time on each (pace within 10%), so the
+    extra time is work: the verdict is stage imbalance, no worker blamed."""
+    from transforms.ingest.kineto import convert_kineto
+    from transforms.whatif import compile_job
+    from transforms.whatif.causes import analyze_and_classify
+    from transforms.whatif.causes.signals import chunk_work
+
+    run = STACKS / "pipe-clean-1f1b-pp2-v32k"
+    truth = json.loads((run / "truth.json").read_text())
+    converted = convert_kineto([str(run / name) for name in truth["trace_files"]], run.name, "2026-11-29", {})
+    table = converted.trace.to_pandas()
+    compute = table[table.optype.astype(str).str.endswith("compute")]
+    assert compute.pace.notna().all() and table[~table.index.isin(compute.index)].pace.isna().all()
+    model = compile_job(converted.trace, converted.job_meta(), run.name)
+    work = chunk_work(converted.trace, model)
+    per_operation = [s / o for s, o in ((work.seconds_forward, work.ops_forward), (work.seconds_backward, work.ops_backward))]
+    assert max(float(p[1] / np.median(p)) for p in per_operation) > 1.2      # the count alone: a slower machine
+    ratio, speed = work.of([1])
+    assert ratio > 1.1 and speed < 1.1                                        # by identity: more work, same pace
+    _, verdict = analyze_and_classify(converted.trace, converted.job_meta(), run.name)
+    assert verdict.cause == "stage-imbalance" and verdict.implicated_workers == [], verdict.explanations

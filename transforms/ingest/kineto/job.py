@@ -13,6 +13,7 @@ from transforms.ingest.kineto.clocks import _clock_offsets
 from transforms.ingest.kineto.cycles import join_cycles, split_cycles
 from transforms.ingest.kineto.layout import _dp_groups, _layout, _resolve_local_peers
 from transforms.ingest.kineto.ops import _ops_of_rank, _pipeline_end_noops, unwaited
+from transforms.ingest.kineto.pace import op_paces
 from transforms.ingest.kineto.pairing import (_check_comm_pairs, _clip_p2p_waits, _collectives_after_compute,
                                               _overlapped_dp_marker, _recv_waits_after_compute, _seq_gaps,
                                               _serialise_chains)
@@ -21,6 +22,17 @@ from transforms.ingest.kineto.spans import BWD, COLL, FWD, OPT, RankTrace, _CODE
 from transforms.intervals import covered
 
 _COMPUTE_CODES = [_CODE[name] for name in ("forward-compute", "backward-compute", "backward-weight-compute")]
+
+
+def _paces(rows: dict, by_rank: dict, first_origin: int) -> dict[int, np.ndarray]:
+    """pace.op_paces of every rank's rows (their times back on the rank's own span axis, where its
+    recorded operations are); {} when no rank recorded any."""
+    on_own_axis = {}
+    for rank, r in rows.items():
+        shift = (by_rank[rank].origin_ns - first_origin) / 1000.0
+        on_own_axis[rank] = {"optype": r["optype"], "gmc": r["gmc"], "start": r["start"] - shift, "end": r["end"] - shift}
+    return op_paces(on_own_axis, {rank: by_rank[rank].recorded for rank in rows}, _COMPUTE_CODES[0],
+                    tuple(_COMPUTE_CODES[1:]))
 
 
 def _step_structure(trace: RankTrace, steps: np.ndarray) -> dict[int, tuple]:
@@ -360,6 +372,7 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
     vpp = max(int(r["mc"].max()) + 1 if len(r["mc"]) else 1 for r in rows.values())
     if vpp > 1:
         rows = {rank: _pipeline_end_noops(r, layout.worker[rank][1], placement) for rank, r in rows.items()}
+    paces = _paces(rows, by_rank, first_origin) if layout.pp > 1 or vpp > 1 else {}
     base = min(float(r["start"].min() - offsets[rank]) for rank, r in rows.items() if len(r["start"]))
     columns: dict[str, list] = collections.defaultdict(list)
     for rank, r in rows.items():
@@ -377,6 +390,8 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
         columns["mc"].append(r["mc"])
         columns["gmc"].append(r["gmc"])
         columns["n_ops"].append(r["n_ops"])
+        if paces:
+            columns["pace"].append(paces[rank])
         columns["seq_lens"].append(r["seq_lens"])
         shift = (by_rank[rank].origin_ns - first_origin) / 1000.0   # the rank's recorded spans onto the job's clock
         loading = by_rank[rank].data_loading

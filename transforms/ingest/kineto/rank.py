@@ -18,6 +18,7 @@ from transforms.ingest.kineto.compute import (_BACKWARD_OP, _NOT_COMPUTE, _GpuWo
                                               waited_collectives)
 from transforms.ingest.kineto.events import (_OVERLAP_LABEL, _P2P_LABEL, _EventPass, _compile_labels,  # noqa: F401
                                              _label_family, _match)
+from transforms.ingest.kineto.pace import recorded_ops
 from transforms.ingest.kineto.reader import NotStreamable, TraceUnreadable, read_trace
 from transforms.ingest.kineto.spans import BWD, COLL, FWD, Group, OPT, RECV, RankTrace, SEND, _COLLECTIVES, _STEP
 from transforms.intervals import union_runs
@@ -251,6 +252,7 @@ def _rank_of(path: str, top: Mapping[str, Any], events: _EventPass, options: Map
     if not kernels:
         traced = main.without(events.annotations(), unless=lambda name: False) + backward_elsewhere
         trace.main_busy = union_runs(traced.start, traced.end)
+        trace.recorded = recorded_ops(autograd, flow_ends, cpu_ops)
     # one clock per host; without a host name every rank counts as its own clock
     trace.clock = f"host:{host}" if host else f"rank:{rank}"
     trace.gpu_work, trace.gpu_work_unlinked = (on_gpu.work, on_gpu.unlinked) if on_gpu is not None else (0, 0)

@@ -166,6 +166,9 @@ class RankTrace:
     seq_lens: np.ndarray | None = None   # object, per span: a forward's batch lengths ([T] * B, record_shapes), else None
     waited: np.ndarray | None = None     # bool, per span: a gradient sync the compute waited out (compute.waited_collectives)
     issued: np.ndarray | None = None     # µs, per span: the CPU time it was issued at (a collective's c10d call, a launch)
+    # the operations autograd recorded, with their names and durations (CPU ranks; pace.RecordedOps): each
+    # compute op's pace by operation identity at the job level; None on GPU ranks or without flows
+    recorded: Any = None
 
     def groups_of_rank(self) -> list[Group]:
         return [g for g in self.groups.values() if self.rank in g.ranks]

@@ -383,8 +383,10 @@ def _work_or_speed(model: JobModel, result: WhatIfResult, signals: _Signals, wor
     """One DP rank: a hot pipeline stage is a slow machine or a heavy partition, and its time alone
     cannot tell. The operations autograd recorded can: a partition with more layers runs more of
     them (work ratio >= rules.more_work against the median chunk) at the usual pace; a slow machine
-    runs the same ones slower (seconds per operation >= rules.slower_pace, forward or backward). The
-    cause the work contradicts is dropped, the one it shows is proposed."""
+    runs the same ones slower (pace >= rules.slower_pace, forward or backward: operations compared by
+    identity where the converter did, ingest/kineto/pace.py, so a vocabulary-sized LM head is work,
+    not pace; else seconds per operation). The cause the work contradicts is dropped, the one it
+    shows is proposed."""
     more, slower = rules.more_work, rules.slower_pace
     causes = {c.cause: c for c in out}
     hot_stages = {p for _, p in result.mw.workers} if result.mw is not None else set()

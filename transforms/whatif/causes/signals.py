@@ -308,25 +308,32 @@ def gc_stalls(model: JobModel, forward: np.ndarray, backward: np.ndarray, rules:
 @dataclasses.dataclass(frozen=True)
 class ChunkWork:
     """Per model chunk (gmc), from compute ops whose trace counts the operations autograd recorded
-    in them (`n_ops`): mean operations and mean seconds per microbatch, forward and backward.
-    More operations is more work (a heavier partition); more seconds per operation is a slower
-    machine doing the same work."""
+    in them (`n_ops`): mean operations and mean seconds per microbatch, forward and backward, and
+    where the converter compared operations by identity (`pace`: ingest/kineto/pace.py) the
+    chunk's mean pace, forward and backward. More operations is more work (a heavier
+    partition); a slower pace at the same operations is a slower machine doing the same work."""
 
     chunks: np.ndarray
     ops_forward: np.ndarray
     ops_backward: np.ndarray
     seconds_forward: np.ndarray
     seconds_backward: np.ndarray
+    paces: tuple[np.ndarray, np.ndarray] | None = None   # mean pace, forward and backward; None: not recorded
 
     def of(self, chunks) -> tuple[float, float]:
         """(work ratio, speed ratio) of the given chunks against the median chunk: operations per
-        microbatch, and the larger over forward and backward of seconds per operation."""
+        microbatch, and the larger over forward and backward of the pace: by operation identity
+        where recorded (a heavy operation, a vocabulary-sized LM head, is no slow machine), else
+        seconds per operation."""
         mine = np.isin(self.chunks, list(chunks))
         ops = self.ops_forward + self.ops_backward
         work = float(ops[mine].mean() / median(ops))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            pace = [s / np.maximum(o, 1) for s, o in ((self.seconds_forward, self.ops_forward),
-                                                      (self.seconds_backward, self.ops_backward))]
+        if self.paces is not None:
+            pace = list(self.paces)
+        else:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                pace = [s / np.maximum(o, 1) for s, o in ((self.seconds_forward, self.ops_forward),
+                                                          (self.seconds_backward, self.ops_backward))]
         speed = max(float(p[mine].mean() / median(p)) for p in pace)
         return work, speed
 
@@ -361,4 +368,22 @@ def chunk_work(trace, model: JobModel) -> ChunkWork | None:
     # each chunk differently (the first chunk's inputs need none: all of it is weight gradients):
     # the chunk's backward per microbatch is both, one backward-compute op per microbatch
     return ChunkWork(chunks, per_microbatch(n_ops, forward, forward), per_microbatch(n_ops, backward, kind == BACKWARD),
-                     per_microbatch(seconds, forward, forward), per_microbatch(seconds, backward, kind == BACKWARD))
+                     per_microbatch(seconds, forward, forward), per_microbatch(seconds, backward, kind == BACKWARD),
+                     _chunk_paces(trace, compute, index, len(chunks), forward))
+
+
+def _chunk_paces(trace, compute: np.ndarray, index: np.ndarray, n_chunks: int,
+                 forward: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each chunk's mean pace (trace column `pace`) over its forward and over its backward ops;
+    None where the trace lacks it for a chunk and kind."""
+    if "pace" not in trace.column_names:
+        return None
+    values = nullable_values(trace.column("pace"))[compute]
+    out = []
+    for mask in (forward, ~forward):
+        known = mask & np.isfinite(values)
+        count = np.bincount(index[known], minlength=n_chunks)
+        if (count == 0).any():
+            return None
+        out.append(np.bincount(index[known], weights=values[known], minlength=n_chunks) / count)
+    return out[0], out[1]

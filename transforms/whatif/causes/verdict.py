@@ -60,7 +60,7 @@ class CauseRules:
     Physics, with stated margins (no replay confirms these): `more_work` / `slower_pace` (one DP
     rank per stage: a chunk running 1.15x the median chunk's recorded operations is a heavier
     partition, the threshold's 10% plus the loss head's extra operations; one running the usual
-    operations 1.3x slower each is a slow machine), `stage_alarm_ratio` / `worker_alarm_ratio` (in a
+    operations 1.3x slower each, the same operations compared by identity, is a slow machine), `stage_alarm_ratio` / `worker_alarm_ratio` (in a
     window the replay cannot confirm, a chunk 1.3x the median's compute, or a stage running its
     usual work 1.5x slower: three and five times the threshold's margin, as nothing else checks
     them), GPU-rank GC stalls: `gc_min_stall` (50 ms, below the paper's "hundreds of ms"),
