@@ -77,3 +77,13 @@ def test_rows_without_recorded_operations_and_ranks_without_flows_have_no_pace()
     out = op_paces(rows, {0: recorded_ops(np.array(marks), np.zeros(0), CpuOps.from_tuples(ops)), 1: None}, FWD, (BWD,))
     assert np.isnan(out[0][1]) and np.isnan(out[1][0])
     assert op_paces(rows, {0: None, 1: None}, FWD, (BWD,)) == {}
+
+
+def test_recorded_operations_are_equal_when_their_starts_durations_and_names_are():
+    _, _, ops, marks = _chunk(BLOCK)
+    same = recorded_ops(np.array(marks), np.zeros(0), CpuOps.from_tuples(list(reversed(ops))))   # other name ids
+    assert recorded_ops(np.array(marks), np.zeros(0), CpuOps.from_tuples(ops)) == same
+    longer = [(s, e + 1.0, n, t) if k == 3 else (s, e, n, t) for k, (s, e, n, t) in enumerate(ops)]
+    renamed = [(s, e, "aten::bmm" if n == "aten::mm" else n, t) for s, e, n, t in ops]
+    for other in (longer, renamed):
+        assert recorded_ops(np.array(marks), np.zeros(0), CpuOps.from_tuples(other)) != same

@@ -52,6 +52,20 @@ class RecordedOps:
     def backward(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self._resolved[1]
 
+    def __eq__(self, other) -> bool:
+        """The same operations: starts, durations and names (name ids may differ between parses)."""
+        if not isinstance(other, RecordedOps):
+            return NotImplemented
+        for mine, theirs in ((self.forward, other.forward), (self.backward, other.backward)):
+            if not (np.array_equal(mine[0], theirs[0]) and np.array_equal(mine[1], theirs[1], equal_nan=True)):
+                return False
+            names, other_names = np.array(self.names, dtype=object), np.array(other.names, dtype=object)
+            if names[mine[2]].tolist() != other_names[theirs[2]].tolist():
+                return False
+        return True
+
+    __hash__ = None
+
 
 def _at_marks(marks: np.ndarray, ops, none: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(marks, duration, name id) of the op starting at each (sorted) mark, the longest where several
