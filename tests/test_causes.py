@@ -319,6 +319,42 @@ def test_one_slow_chunk_at_the_usual_work_makes_a_stage_a_slow_machine():
     assert not _usual_work_slower(np.array([0, 4]), uneven, MORE_WORK, SLOWER_PACE)
 
 
+@pytest.mark.parametrize("pace, dropped", [((0.8, 1.2), True), ((0.95, 1.05), False), ((0.9, 1.12), False)])
+def test_a_hot_stage_as_much_slower_as_heavier_is_no_heavier_partition(pace, dropped):
+    """One DP rank per stage: the hot stage's chunk does 1.13x the median chunk's work (its loss
+    head's operations). At 1.2x the pace as well (beyond the threshold's 10%, and as large as the
+    work's share), the partition is not shown at fault: stage imbalance is dropped (METHOD's M_W
+    worker, if its signature holds, stays) and the job says so where nothing else is named. At the
+    usual pace, or a pace below the work's excess, it stays a heavier partition."""
+    import types
+
+    import numpy as np
+
+    from transforms.whatif.causes import explain
+    from transforms.whatif.causes.detect import BACKWARD, FORWARD, _Candidate, _work_or_speed
+    from transforms.whatif.causes.signals import ChunkWork
+    from transforms.whatif.causes.verdict import CauseRules
+
+    model = types.SimpleNamespace(op_gmc=np.array([0, 0, 1, 1]), op_stage=np.array([0, 0, 1, 1]),
+                                  op_optype=np.array([FORWARD, BACKWARD, FORWARD, BACKWARD]))
+    result = types.SimpleNamespace(mw=types.SimpleNamespace(workers=[(0, 1)]))
+    signals = types.SimpleNamespace(chunks=types.SimpleNamespace(heaviest_stage=1))
+    ops, seconds = np.array([100.0, 130.0]), np.array([0.01, 0.015])
+    work = ChunkWork(np.arange(2), ops, ops, seconds, 2 * seconds, (np.array(pace), np.array([1.0, 1.0])))
+    out = [_Candidate("stage-imbalance", "stage", 1.0, 0.1, 0.4),
+           _Candidate("individual-worker", "worker-compute", 0.9, 0.1, 0.6, ((0, 1),))]
+    evidence = {}
+    kept = _work_or_speed(model, result, signals, work, out, CauseRules(), evidence)
+    assert [c.cause for c in kept] == (["individual-worker"] if dropped else ["stage-imbalance", "individual-worker"])
+    assert evidence.get("chunk_undecided", False) is dropped
+    assert evidence["chunk_work_ratio"] == pytest.approx(130 / 115)
+    if dropped:
+        evidence["heaviest_chunk"] = [1, 1]
+        sentence = explain.insufficient_sentence(1.3, {"alpha": 0.01}, evidence)
+        assert "stage 1's chunk does 1.13x the median chunk's recorded work at 1.20x its pace" in sentence
+        assert "DP replicas of the stages" in sentence
+
+
 def test_straggling_held_in_one_step_is_the_jobs_own_variation(analysed):
     """S >= 1.1, yet what the best fix (transfers at their typical time) removes sits in one step of
     16: a transfer held up once is no straggler to fix ("none", evidence `transient`); the same link

@@ -386,7 +386,9 @@ def _work_or_speed(model: JobModel, result: WhatIfResult, signals: _Signals, wor
     runs the same ones slower (pace >= rules.slower_pace, forward or backward: operations compared by
     identity where the converter did, ingest/kineto/pace.py, so a vocabulary-sized LM head is work,
     not pace; else seconds per operation). The cause the work contradicts is dropped, the one it
-    shows is proposed."""
+    shows is proposed. A hot chunk whose pace is beyond the threshold's 10% and at least its work
+    ratio is as much a slower machine as a heavier partition: stage imbalance is dropped (time is
+    work x pace; the partition explains no more of it than the machine), evidence chunk_undecided."""
     more, slower = rules.more_work, rules.slower_pace
     causes = {c.cause: c for c in out}
     hot_stages = {p for _, p in result.mw.workers} if result.mw is not None else set()
@@ -409,6 +411,11 @@ def _work_or_speed(model: JobModel, result: WhatIfResult, signals: _Signals, wor
         out = [c for c in out if c.cause not in ("stage-imbalance", "individual-worker")]
         out.append(_Candidate("individual-worker", "worker-compute", margin(speed, slower, 2.0), rules.min_explained, 0.6,
                               workers))
+    elif "stage-imbalance" in causes and speed >= max(ratio, rules.straggling):
+        # the hot chunk's excess is as much a slower pace (beyond the threshold's 10%) as more work:
+        # neither its partition nor its machine is shown at fault (no DP replica to compare with)
+        out = [c for c in out if c.cause != "stage-imbalance"]
+        evidence["chunk_undecided"] = True
     return out
 
 
@@ -658,10 +665,12 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     else:
         primary = "unexplained"
         confidence = float(np.clip(1.0 - max((f.explained for f in fixes.values()), default=0.0), 0.0, 1.0))
-    if straggling and not ranked and (_undecided(signals.workers) or _sequence_undecided(evidence, rules)):
+    if straggling and not ranked and (_undecided(signals.workers) or _sequence_undecided(evidence, rules)
+                                      or evidence.get("chunk_undecided")):
         # straggling, nothing listed, and a worker measures slower than its peers, or compute follows
         # the batches' tokens and evening them would remove the straggling, that the job's own
-        # jitter cannot confirm: say so and what would settle it, never a confident "none"
+        # jitter cannot confirm, or a hot stage is as much slower as heavier: say so and what would
+        # settle it, never a confident "none"
         primary, confidence = "insufficient-evidence", _undecided_confidence(signals.workers, evidence)
     implicated = list(dict.fromkeys(w for c in ranked for w in by_cause[c].implicated))
     # untraced CPU work the replay leaves out (it is within 5% here) can still be one worker's,

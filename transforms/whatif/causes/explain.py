@@ -234,6 +234,12 @@ def insufficient_sentence(slowdown: float, test: dict, evidence: dict | None = N
                      f"a step more untraced time than its peers, but its host ran {c['host_load']:.1f} of the job's threads "
                      "per core, so that time includes its wait for a core, which no trace tells apart from its own work: "
                      "give each rank cores of its own (fewer ranks or torch threads per host) to decide")
+    if evidence.get("chunk_undecided"):   # detect._work_or_speed: one DP rank per stage
+        chunk = evidence.get("heaviest_chunk") or [None, None]
+        parts.append(f"stage {chunk[1]}'s chunk does {evidence['chunk_work_ratio']:.2f}x the median chunk's recorded work "
+                     f"at {evidence['chunk_speed_ratio']:.2f}x its pace, as much a slower machine as a heavier partition, "
+                     "and with one DP rank per stage no replica tells them apart: DP replicas of the stages (DP >= 2), "
+                     "or a pace 1.3x the others', would decide")
     needed = evidence.get("sequence_samples_needed")
     if needed:
         parts.append(f"compute follows the batches' recorded tokens (r = {evidence['workload_compute_r']:.2f}, p = "
