@@ -381,21 +381,18 @@ def _linear_fits(group: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple[np.nd
     return np.where(fitted, intercept, 0.0), np.where(fitted, slope, 0.0)
 
 
-def even_sequences(model: JobModel, workload: SequenceWorkload | None = None) -> np.ndarray:
+def even_sequences(model: JobModel) -> np.ndarray:
     """Compute cost with each step's work spread evenly over microbatches and DP ranks of a chunk,
-    keeping each worker's persistent speed (an upper bound of rebalancing). That speed is its share
-    of the chunk's work, or, given the recorded `workload` (where it explains the compute), its
-    share at equal batches (`at_mean_workload`): a rank that drew the longer batches keeps no
-    slower pace."""
+    keeping each worker's persistent speed, its share of the chunk's work (an upper bound of
+    rebalancing where no lengths are recorded; with them, `balanced_sequences`)."""
     cost = model.original_cost.copy()
-    paced = cost if workload is None else at_mean_workload(model, workload)
     step_of_lane = np.searchsorted(model.steps, model.lane_step)
     for code in (FORWARD, BACKWARD):
         ops = np.flatnonzero(model.op_optype == code)
         for g in distinct(model.op_gmc[ops]):
             rows = ops[model.op_gmc[ops] == g]
             block = cost[rows]                                       # [mb, lane]
-            per_dp = np.bincount(model.lane_dp, weights=paced[rows].sum(axis=0), minlength=model.dp_size)
+            per_dp = np.bincount(model.lane_dp, weights=block.sum(axis=0), minlength=model.dp_size)
             worker = per_dp / per_dp.mean()                          # persistent speed of each DP rank here
             normalised = block / worker[model.lane_dp][None, :]
             step_mean = np.bincount(step_of_lane, weights=normalised.sum(axis=0), minlength=model.n_steps)
