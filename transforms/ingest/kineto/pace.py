@@ -123,9 +123,9 @@ def _operations(rows: dict, recorded: dict, forward_code: int, backward_codes: t
         for forward in (True, False):
             chosen = compute[(r["optype"][compute] == forward_code) == forward]
             marks, lengths, ids = rec.forward if forward else rec.backward
-            names = to_job[ids]
             if not len(chosen) or not len(marks):
                 continue
+            names = to_job[ids]
             starts, ends = r["start"][chosen].astype(np.float64), r["end"][chosen].astype(np.float64)
             first, last = np.searchsorted(marks, starts, side="left"), np.searchsorted(marks, ends, side="right")
             counts = np.maximum(last - first, 0)
@@ -170,11 +170,11 @@ def op_paces(rows: dict[int, dict[str, np.ndarray]], recorded: dict[int, Recorde
     cell, cell_of = np.unique(row * n_names + name_id, return_inverse=True)
     n_cells = len(cell)
     cell_row, cell_name = cell // n_names, cell % n_names
-    count = np.bincount(cell_of, minlength=n_cells).astype(np.float64)
-    has_gap = np.isfinite(gap)
-    mean_gap = np.bincount(cell_of[has_gap], weights=gap[has_gap], minlength=n_cells) / \
-        np.maximum(np.bincount(cell_of[has_gap], minlength=n_cells), 1)
-    mean_gap[np.bincount(cell_of[has_gap], minlength=n_cells) == 0] = np.nan
+    has_gap, has_length = np.isfinite(gap), np.isfinite(length)
+    gaps = np.bincount(cell_of[has_gap], minlength=n_cells).astype(np.float64)          # each count only
+    lengths = np.bincount(cell_of[has_length], minlength=n_cells).astype(np.float64)    # what it measures
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_gap = np.bincount(cell_of[has_gap], weights=gap[has_gap], minlength=n_cells) / gaps
     duration = _group_medians(cell_of, length, n_cells)
     # names that two or more model chunks ran, per kind, and the job's medians of their cells
     kind_name = cell_name * 2 + forward[cell_row]
@@ -187,7 +187,7 @@ def op_paces(rows: dict[int, dict[str, np.ndarray]], recorded: dict[int, Recorde
     usual_gap = _group_medians(key_of[shared], mean_gap[shared], n_keys)[key_of]
     own = np.zeros(n_cells)
     usual = np.zeros(n_cells)
-    for mine, theirs in ((mean_gap, usual_gap), (duration, usual_duration)):
+    for count, mine, theirs in ((gaps, mean_gap, usual_gap), (lengths, duration, usual_duration)):
         counted = shared & np.isfinite(mine) & np.isfinite(theirs)
         own[counted] += count[counted] * mine[counted]
         usual[counted] += count[counted] * theirs[counted]
