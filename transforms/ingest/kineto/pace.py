@@ -25,6 +25,8 @@ import functools
 
 import numpy as np
 
+from transforms.whatif.kernel import group_order
+
 __all__ = ["RecordedOps", "recorded_ops", "op_paces"]
 
 
@@ -96,7 +98,7 @@ def _group_medians(group: np.ndarray, values: np.ndarray, n_groups: int) -> np.n
     """Median of the finite `values` of each group (NaN for a group without any), all groups at once."""
     keep = np.isfinite(values)
     group, values = group[keep], values[keep]
-    order = np.lexsort((values, group))
+    order = group_order(group, values)
     group, values = group[order], values[order]
     count = np.bincount(group, minlength=n_groups)
     first = np.concatenate([[0], np.cumsum(count)[:-1]])

@@ -367,23 +367,11 @@ def chunk_work(trace, model: JobModel) -> ChunkWork | None:
     # a zero-bubble schedule splits a backward in two ops (input gradients, then weight gradients),
     # each chunk differently (the first chunk's inputs need none: all of it is weight gradients):
     # the chunk's backward per microbatch is both, one backward-compute op per microbatch
+    paces = None     # each chunk's mean `pace` over its forwards and its backwards, where every one has it
+    if "pace" in trace.column_names:
+        pace = nullable_values(trace.column("pace"))[compute]
+        means = tuple(per_microbatch(pace, mask & np.isfinite(pace), mask & np.isfinite(pace)) for mask in (forward, backward))
+        paces = None if any(np.isnan(m).any() for m in means) else means
     return ChunkWork(chunks, per_microbatch(n_ops, forward, forward), per_microbatch(n_ops, backward, kind == BACKWARD),
                      per_microbatch(seconds, forward, forward), per_microbatch(seconds, backward, kind == BACKWARD),
-                     _chunk_paces(trace, compute, index, len(chunks), forward))
-
-
-def _chunk_paces(trace, compute: np.ndarray, index: np.ndarray, n_chunks: int,
-                 forward: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """Each chunk's mean pace (trace column `pace`) over its forward and over its backward ops;
-    None where the trace lacks it for a chunk and kind."""
-    if "pace" not in trace.column_names:
-        return None
-    values = nullable_values(trace.column("pace"))[compute]
-    out = []
-    for mask in (forward, ~forward):
-        known = mask & np.isfinite(values)
-        count = np.bincount(index[known], minlength=n_chunks)
-        if (count == 0).any():
-            return None
-        out.append(np.bincount(index[known], weights=values[known], minlength=n_chunks) / count)
-    return out[0], out[1]
+                     paces)
