@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16"], help="Accelerator(mixed_precision=...)")
     args = ap.parse_args()
     rank, world = C.rank_world()
-    slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "gcall", "gcin", "data", "seq", "host"), world)
+    slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "gcall", "gcin", "gcend", "sleep", "data", "seq", "host"), world)
     slow = C.RankSlow(slowdowns, rank, world)
     if slow.seq and args.batches != "padded":
         raise SystemExit("--slow seq needs --batches padded")
@@ -69,7 +69,7 @@ def main() -> None:
     timer = C.StepTimer()
     gcinj.build()
     steps = 0
-    with C.make_profiler(args, C.chrome_exporter(args.out, rank)) as prof:
+    with C.make_profiler(args, C.chrome_exporter(args.out, rank, gc_record=bool(args.gc_record))) as prof:
         timer.mark()
         for batch in dl:
             with accelerator.accumulate(model):
@@ -78,6 +78,7 @@ def main() -> None:
                 opt.step()
                 opt.zero_grad()
             if accelerator.sync_gradients:
+                gcinj.on_step_end()
                 prof.step()
                 timer.mark()
                 steps += 1

@@ -14,6 +14,11 @@
     gcall:N   every rank keeps that heap; rank r collects on steps with step % world == r
     gcin:R:N  as gc:R:N, but the collection runs inside the forward: a forward pre-hook on the
               model's middle block (as an automatic collection strikes mid-forward)
+    gcend:R:N[:K]  planned GC as a trainer writes it (Megatron's manual_gc_interval): rank R keeps
+              that heap and calls gc.collect() at the end of every K-th optimizer step (default 1),
+              after the optimizer, where the loop hands the step to the profiler
+    sleep:R:MS rank R sleeps MS ms at the start of every optimizer step's first forward (a forward
+              pre-hook on the model: time.sleep, the quickest slow worker to write)
     data:R:MS rank R's Dataset.__getitem__ sleeps so that one batch fetch sleeps MS ms in total
     seq       sequence-length imbalance: dynamic padding, each rank's batch length budget drawn per
               step from [L, 4L]
@@ -45,13 +50,15 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(REPO, "tools", "real_traces"))
 from train import build_gc_heap, prefault_heap  # noqa: E402  (tools/real_traces/train.py)
 
-SLOW_KINDS = ("fwd", "bwd", "gc", "gcall", "gcin", "data", "seq", "split", "host")
+SLOW_KINDS = ("fwd", "bwd", "gc", "gcall", "gcin", "gcend", "sleep", "data", "seq", "split", "host")
 CAUSES = {
     "fwd": ["individual-worker"],
     "bwd": ["individual-worker"],
     "gc": ["python-gc"],
     "gcall": ["python-gc"],
     "gcin": ["python-gc"],
+    "gcend": ["python-gc"],
+    "sleep": ["individual-worker", "untraced-cpu"],
     "data": ["untraced-cpu", "individual-worker"],
     "seq": ["sequence-imbalance"],
     "split": ["stage-imbalance"],
@@ -77,10 +84,12 @@ def add_common_args(ap: argparse.ArgumentParser, steps: int = 7) -> None:
     ap.add_argument("--profile-memory", type=int, choices=[0, 1], default=0)
     ap.add_argument("--with-modules", type=int, choices=[0, 1], default=0)
     ap.add_argument("--with-flops", type=int, choices=[0, 1], default=0)
+    ap.add_argument("--gc-record", type=int, choices=[0, 1], default=1,
+                    help="append strag_collect's Python GC record to each trace (0: the plain torch.profiler export)")
     ap.add_argument("--prefault-mb", type=int, default=None,
                     help="pre-touched heap per process (default 512 with record_shapes, else 128; 0: off)")
     ap.add_argument("--slow", action="append", default=[], metavar="KIND:RANK:AMOUNT",
-                    help="fwd:R:F bwd:R:F gc:R:N gcall:N data:R:MS seq split:uneven (repeatable)")
+                    help="fwd:R:F bwd:R:F gc:R:N gcall:N gcin:R:N gcend:R:N[:K] sleep:R:MS data:R:MS seq split:uneven host:R:F (repeatable)")
 
 
 def parse_slow(specs: list[str], allowed: tuple[str, ...], world: int) -> list[dict]:
@@ -104,6 +113,16 @@ def parse_slow(specs: list[str], allowed: tuple[str, ...], world: int) -> list[d
             if len(parts) != 2:
                 raise SystemExit(f"--slow {s}: expected gcall:N")
             out.append({"kind": "gcall", "rank": None, "amount": float(parts[1])})
+        elif kind == "gcend":
+            if len(parts) not in (3, 4):
+                raise SystemExit(f"--slow {s}: expected gcend:RANK:N or gcend:RANK:N:EVERY")
+            r = int(parts[1])
+            if not 0 <= r < world:
+                raise SystemExit(f"--slow {s}: rank {r} outside world {world}")
+            every = int(parts[3]) if len(parts) == 4 else 1
+            if every < 1:
+                raise SystemExit(f"--slow {s}: EVERY must be >= 1")
+            out.append({"kind": "gcend", "rank": r, "amount": float(parts[2]), **({"every": every} if every > 1 else {})})
         else:
             odd = kind in ("fwd", "bwd") and len(parts) == 4 and parts[3] == "odd"
             if len(parts) != 3 and not odd:
@@ -122,7 +141,9 @@ class RankSlow:
         self.fwd = 1.0
         self.bwd = 1.0
         self.gc_thousands = 0
-        self.gc_mode = None          # "rank" (gc:R:N), "inside" (gcin:R:N) or "all" (gcall:N)
+        self.gc_mode = None          # "rank" (gc:R:N), "inside" (gcin:R:N), "end" (gcend:R:N[:K]) or "all" (gcall:N)
+        self.gc_every = 1            # gcend: every K-th optimizer step
+        self.sleep_ms = 0.0          # sleep:R:MS
         self.data_ms = 0.0
         self.odd = False             # fwd / bwd on odd optimizer steps only
         self.seq = any(s["kind"] == "seq" for s in slowdowns)
@@ -142,6 +163,10 @@ class RankSlow:
                 self.gc_thousands, self.gc_mode = int(s["amount"]), "rank"
             elif s["kind"] == "gcin":
                 self.gc_thousands, self.gc_mode = int(s["amount"]), "inside"
+            elif s["kind"] == "gcend":
+                self.gc_thousands, self.gc_mode, self.gc_every = int(s["amount"]), "end", int(s.get("every", 1))
+            elif s["kind"] == "sleep":
+                self.sleep_ms = s["amount"]
             elif s["kind"] == "data":
                 self.data_ms = s["amount"]
             elif s["kind"] == "host":
@@ -283,28 +308,33 @@ class BlockSlowdown:
 
 
 class GcInjector:
-    """gc:R:N / gcall:N.  prepare() before any profiler is active (a throw-away profiler session
-    creates ~120k objects by lazy imports; those and torch's own go to the permanent generation
-    with gc.freeze(), so each collect's cost is set by N); build() right before training (freezes
-    again, then builds the live cyclic heap).  attach(model): a forward pre-hook that, on the first
-    grad-enabled forward of each optimizer step (forwards_per_step forwards per step), runs
-    gc.collect() when this rank is due (gc: every step; gcall: step % world == rank)."""
+    """gc:R:N / gcall:N / gcin:R:N / gcend:R:N[:K], and sleep:R:MS.  prepare() before any profiler is
+    active (a throw-away profiler session creates ~120k objects by lazy imports; those and torch's own
+    go to the permanent generation with gc.freeze(), so each collect's cost is set by N); build() right
+    before training (freezes again, then builds the live cyclic heap).  attach(model): a forward
+    pre-hook that, on the first grad-enabled forward of each optimizer step (forwards_per_step
+    forwards per step), runs gc.collect() when this rank is due (gc: every step; gcall: step % world
+    == rank) and sleeps sleep_ms.  on_step_end(): the scripts call it once per optimizer step, after
+    the optimizer, right before prof.step(); gcend collects there on every K-th step."""
 
     def __init__(self, slow: RankSlow, rank: int, world: int, forwards_per_step: int = 1):
         self.n = slow.gc_thousands
         self.mode = slow.gc_mode
         self.rank, self.world = rank, world
         self.fps = max(1, forwards_per_step)
+        self.every = slow.gc_every
+        self.sleep_s = slow.sleep_ms / 1000.0
         self.forwards = 0
+        self.steps_ended = 0
         self.heap = None
         self.collects = []   # (step, ms)
 
     @property
     def active(self) -> bool:
-        return self.n > 0
+        return self.n > 0 or self.sleep_s > 0
 
     def prepare(self) -> None:
-        if not self.active:
+        if self.n <= 0:
             return
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
             pass
@@ -312,7 +342,7 @@ class GcInjector:
         gc.freeze()
 
     def build(self) -> None:
-        if not self.active or self.heap is not None:
+        if self.n <= 0 or self.heap is not None:
             return
         gc.collect()
         gc.freeze()
@@ -322,14 +352,24 @@ class GcInjector:
         return self.mode in ("rank", "inside") or step % self.world == self.rank
 
     def on_forward(self) -> None:
-        if self.heap is None or not torch.is_grad_enabled():
+        if not self.active or not torch.is_grad_enabled():
             return
         i = self.forwards
         self.forwards += 1
         if i % self.fps:
             return
+        if self.sleep_s > 0:
+            time.sleep(self.sleep_s)
         step = i // self.fps
-        if self.due(step):
+        if self.heap is not None and self.mode != "end" and self.due(step):
+            t0 = time.perf_counter()
+            gc.collect()
+            self.collects.append((step, round((time.perf_counter() - t0) * 1e3, 2)))
+
+    def on_step_end(self) -> None:
+        step = self.steps_ended
+        self.steps_ended += 1
+        if self.heap is not None and self.mode == "end" and step % self.every == self.every - 1:
             t0 = time.perf_counter()
             gc.collect()
             self.collects.append((step, round((time.perf_counter() - t0) * 1e3, 2)))
@@ -504,7 +544,8 @@ def finish(args, *, stack: str, script: str, rank: int, world: int, coords: dict
         c = coords_all[s["rank"]] if s.get("rank") is not None else None
         truth_slow.append({"kind": s["kind"], "rank": s.get("rank"), "dp": c["dp"] if c else None,
                            "pp": c["pp"] if c else None, "amount": s["amount"],
-                           **({"steps": s["steps"]} if s.get("steps") else {})})
+                           **({"steps": s["steps"]} if s.get("steps") else {}),
+                           **({"every": s["every"]} if s.get("every") else {})})
     slow_ranks = set()
     for s in slowdowns:
         if s.get("rank") is not None:
@@ -537,6 +578,7 @@ def finish(args, *, stack: str, script: str, rank: int, world: int, coords: dict
         "profiler": {"record_shapes": bool(args.record_shapes), "with_stack": bool(args.with_stack),
                      "profile_memory": bool(args.profile_memory), "with_modules": bool(args.with_modules),
                      "with_flops": bool(args.with_flops),
+                     "gc_record": bool(getattr(args, "gc_record", 1)),
                      "wait": args.prof_wait, "warmup": args.prof_warmup, "active": args.prof_active,
                      "repeat": 1, "schedule": True, "export": "chrome"},
         "rank_coords": {str(r): c for r, c in enumerate(coords_all)},

@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--reshard-after-forward", type=int, choices=[0, 1], default=1)
     args = ap.parse_args()
     rank, world = C.rank_world()
-    slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "gcall", "gcin", "data", "seq", "host"), world)
+    slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "gcall", "gcin", "gcend", "sleep", "data", "seq", "host"), world)
     slow = C.RankSlow(slowdowns, rank, world)
     if slow.seq and args.batches != "padded":
         raise SystemExit("--slow seq needs --batches padded")
@@ -68,7 +68,7 @@ def main() -> None:
     timer = C.StepTimer()
     gcinj.build()
     it = iter(dl)
-    with C.make_profiler(args, C.chrome_exporter(args.out, rank)) as prof:
+    with C.make_profiler(args, C.chrome_exporter(args.out, rank, gc_record=bool(args.gc_record))) as prof:
         timer.mark()
         for step in range(args.steps):
             for m in range(args.grad_accum):
@@ -78,6 +78,7 @@ def main() -> None:
                 loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            gcinj.on_step_end()
             prof.step()
             timer.mark()
             if rank == 0:

@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--strag-every", type=int, default=6, help="with --strag-lake: a window every N optimizer steps")
     args = ap.parse_args()
     rank, world = C.rank_world()
-    slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "gcall", "gcin", "data", "seq", "host"), world)
+    slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "gcall", "gcin", "gcend", "sleep", "data", "seq", "host"), world)
     slow = C.RankSlow(slowdowns, rank, world)
     if slow.seq and args.batches != "padded":
         raise SystemExit("--slow seq needs --batches padded")
@@ -70,11 +70,12 @@ def main() -> None:
 
         def on_train_begin(self, targs, state, control, **kw):
             gcinj.build()
-            self.prof = C.make_profiler(args, C.chrome_exporter(args.out, rank))
+            self.prof = C.make_profiler(args, C.chrome_exporter(args.out, rank, gc_record=bool(args.gc_record)))
             self.prof.start()
             timer.mark()
 
         def on_step_end(self, targs, state, control, **kw):
+            gcinj.on_step_end()
             self.prof.step()
             timer.mark()
 
@@ -97,6 +98,7 @@ def main() -> None:
                 timer.mark()
 
             def on_step_end(self, targs, state, control, **kw):
+                gcinj.on_step_end()
                 timer.mark()
 
         strag = StragTrainerCallback(args.strag_lake, args.strag_job_id or args.name, every=args.strag_every,

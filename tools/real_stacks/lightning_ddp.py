@@ -78,13 +78,14 @@ class TorchProfilerCallback(L.Callback):
 
     def on_train_start(self, trainer, pl_module):
         self.gcinj.build()
-        self.prof = C.make_profiler(self.args, C.chrome_exporter(self.args.out, self.rank))
+        self.prof = C.make_profiler(self.args, C.chrome_exporter(self.args.out, self.rank, gc_record=bool(self.args.gc_record)))
         self.prof.start()
         self.timer.mark()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step != self.last:
             self.last = trainer.global_step
+            self.gcinj.on_step_end()
             self.prof.step()
             self.timer.mark()
 
@@ -105,6 +106,7 @@ class GcAndTimerCallback(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step != self.last:
             self.last = trainer.global_step
+            self.gcinj.on_step_end()
             self.timer.mark()
 
 
@@ -124,7 +126,7 @@ def main() -> None:
     ap.add_argument("--precision", default="32-true", help="Trainer(precision=...): 32-true, bf16-mixed")
     args = ap.parse_args()
     rank, world = C.rank_world()
-    allowed = ("fwd", "bwd", "gc", "gcall", "gcin", "data", "host") + (("seq",) if args.model != "mlp" else ())
+    allowed = ("fwd", "bwd", "gc", "gcall", "gcin", "gcend", "sleep", "data", "host") + (("seq",) if args.model != "mlp" else ())
     slowdowns = C.parse_slow(args.slow, allowed, world)
     slow = C.RankSlow(slowdowns, rank, world)
     C.setup_process(args, slow, rank)

@@ -152,7 +152,7 @@ def main() -> None:
     pp = 2
     dp = 2 if args.layout == "pp2dp2" else 1
     assert world == pp * dp, f"--layout {args.layout} needs {pp * dp} processes"
-    slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "gcall", "data", "split", "host"), world)
+    slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "gcall", "gcend", "sleep", "data", "split", "host"), world)
     slow = C.RankSlow(slowdowns, rank, world)
     sched_name, n_virtual = SCHEDULES[args.schedule]
     if args.frontend is None:
@@ -257,7 +257,7 @@ def main() -> None:
     timer = C.StepTimer()
     step_losses: list = []
     gcinj.build()
-    with C.make_profiler(args, C.chrome_exporter(args.out, rank)) as prof:
+    with C.make_profiler(args, C.chrome_exporter(args.out, rank, gc_record=bool(args.gc_record))) as prof:
         timer.mark()
         for step in range(args.steps):
             x, y = next(it)
@@ -272,6 +272,7 @@ def main() -> None:
             else:
                 sched.step()
             opt.step()
+            gcinj.on_step_end()
             prof.step()
             timer.mark()
             if losses:

@@ -30,7 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     rank, world = C.rank_world()
     assert world == 1, "single.py is the world-size-1 case"
-    slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "data"), world)
+    slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "gcend", "sleep", "data"), world)
     slow = C.RankSlow(slowdowns, rank, world)
     C.setup_process(args)
     os.makedirs(args.out, exist_ok=True)
@@ -61,7 +61,7 @@ def main() -> None:
     timer = C.StepTimer()
     gcinj.build()
     it = iter(dl)
-    with C.make_profiler(args, C.chrome_exporter(args.out, rank)) as prof:
+    with C.make_profiler(args, C.chrome_exporter(args.out, rank, gc_record=bool(args.gc_record))) as prof:
         timer.mark()
         for step in range(args.steps):
             for _ in range(args.grad_accum):
@@ -74,6 +74,7 @@ def main() -> None:
                 (loss / args.grad_accum).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            gcinj.on_step_end()
             prof.step()
             timer.mark()
             print(f"step {step} loss {loss.item():.4f} {timer.ms[-1]:.0f} ms", flush=True)
