@@ -57,11 +57,11 @@ def test_data_loading_is_recorded_and_named_as_such():
 def test_pauses_on_a_different_rank_in_different_steps_are_python_gc():
     """HF Trainer, gc.collect() on rank (step % 2): single gaps of ~150 ms outside data loading, one
     rank per step. The GC record the run kept (PROVENANCE, not given to strag) is the check."""
-    from transforms.whatif.causes.pauses import at_forwards, collector, find_pauses
+    from transforms.whatif.causes.pauses import at_collector_sites, collector, find_pauses
 
     _, model, truth = _job("hf-gcall-gpt2-packed")
     pauses = find_pauses(model)
-    assert at_forwards(model, pauses) and collector(model, pauses)
+    assert at_collector_sites(model, pauses) and collector(model, pauses)
     hit = {(int(model.worker_rank[d, p]), int(model.steps[s])) for d, p, s, _ in pauses.cells}
     assert hit == {(int(step) % 2, int(step)) for step in model.steps}    # rank = step % 2 collects
     assert all(0.1 < excess < 0.25 for *_, excess in pauses.cells)
@@ -77,12 +77,12 @@ def test_a_pause_at_the_forward_in_every_step_on_one_rank_is_python_gc_and_its_f
     inside a collective (no pause of its own); rank 1's pause falls where its forward begins, every
     step: the collector (METHOD.md's forward-only stalls), not the rank's untraced time at large. The
     fix takes out the pauses, not all of rank 1's untraced time."""
-    from transforms.whatif.causes.pauses import at_forwards, collector, find_pauses
+    from transforms.whatif.causes.pauses import at_collector_sites, collector, find_pauses
 
     _, model, _ = _job("lightning-gc-r1-mlp-callback-acc2")
     pauses = find_pauses(model)
     assert pauses.workers() == [(1, 0)] and len(pauses.cells) == model.n_steps
-    assert at_forwards(model, pauses) and collector(model, pauses)
+    assert at_collector_sites(model, pauses) and collector(model, pauses)
     verdict, _ = _verdict("lightning-gc-r1-mlp-callback-acc2")
     assert verdict.cause == "python-gc" and verdict.implicated_workers == [(1, 0)]
     assert "untraced-cpu" not in verdict.causes                 # the pauses are most of its untraced time
@@ -95,21 +95,57 @@ def test_a_pause_at_the_forward_in_every_step_on_one_rank_is_python_gc_and_its_f
     assert abs(planned - np.mean([e for *_, e in pauses.cells]) / model.dp_size) < 1e-9
 
 
-def test_pauses_before_a_collective_are_not_the_collector():
-    """The same pauses moved to end where a gradient all-reduce begins (as an oversubscribed host's
-    OS descheduling a process leaves them) are no longer the collector's: they stay untraced time."""
+def test_pauses_before_a_collective_inside_the_step_are_not_the_collector():
+    """The same pauses moved to end where a gradient all-reduce begins, inside the step (as an
+    oversubscribed host's OS descheduling a process leaves them), are no longer the collector's:
+    they stay untraced time. Moved to the op that opens the step (between iterations, where a
+    trainer's planned gc.collect() runs), they are."""
     import dataclasses
 
     from schemas.trace import OPTYPES
-    from transforms.whatif.causes.pauses import at_forwards, collector, find_pauses
+    from transforms.whatif.causes.pauses import at_collector_sites, collector, find_pauses
 
     _, model, _ = _job("lightning-gc-r1-mlp-callback-acc2")
     pauses = find_pauses(model)
-    collectives = np.flatnonzero(model.op_optype != OPTYPES.index("forward-compute"))
-    moved = dataclasses.replace(pauses, where=tuple((int(collectives[0]), lane) for _, lane in pauses.where))
-    assert not at_forwards(model, moved) and not collector(model, moved)
+    opening = model.pred_index[model.pred_ptr[:-1]] == model.n_ops
+    reduces = np.flatnonzero((model.op_optype == OPTYPES.index("grads-reduce-scatter")) & ~opening)   # DDP's all-reduce
+    moved = dataclasses.replace(pauses, where=tuple((int(reduces[0]), lane) for _, lane in pauses.where))
+    assert not at_collector_sites(model, moved) and not collector(model, moved)
     one = dataclasses.replace(pauses, where=pauses.where[:1] + moved.where[1:])
-    assert not collector(model, one)                            # every pause at a forward, not most
+    assert not collector(model, one)                            # every pause where the collector runs, not most
+    first = int(np.flatnonzero(opening & (model.op_optype != OPTYPES.index("forward-compute")))[0])
+    between = dataclasses.replace(pauses, where=tuple((first, lane) for _, lane in pauses.where))
+    assert at_collector_sites(model, between) and collector(model, between)
+
+
+def test_planned_gc_at_the_end_of_each_step_without_a_record_is_python_gc():
+    """HF Trainer, rank 1 runs gc.collect() at the end of every optimizer step (on_step_end, after the
+    optimizer: a trainer's planned GC), exported by plain torch.profiler without the trainer's GC
+    record. Each collection is untraced time before the op that opens rank 1's next step (HF's
+    token-count all-gather, a collective): between iterations, where the collector runs. The verdict
+    is python-gc on rank 1 alone, not untraced-cpu and not "none"; each pause is as long as the
+    collection the run timed (PROVENANCE.json, not given to strag)."""
+    from transforms.whatif.causes.pauses import at_collector_sites, collector, find_pauses
+
+    name = "p3-hf-gcend-r1-gpt2-packed-norec"
+    converted, model, truth = _job(name)
+    assert model.gc_wait is None                                          # nothing recorded: found from the gaps
+    pauses = find_pauses(model)
+    assert pauses.workers() == [(1, 0)] and not pauses.recorded
+    opening = model.pred_index[model.pred_ptr[:-1]] == model.n_ops
+    assert all(opening[op] for op, _ in pauses.where) and at_collector_sites(model, pauses) and collector(model, pauses)
+    # the collection at the end of profiled step k is the pause before step k + 1's first op; the
+    # collection before the first profiled step was the unprofiled step's tail, the last one has no op after it
+    first = int(model.steps[0])
+    assert sorted(int(model.steps[s]) for _, _, s, _ in pauses.cells) == list(range(first + 1, int(model.steps[-1]) + 1))
+    timed = dict(json.loads((STACKS / name / "PROVENANCE.json").read_text())["ranks"]["1"]["gc_collects"])
+    for _, _, s, excess in pauses.cells:
+        collected = timed[int(model.steps[s]) - 1] / 1e3                     # gc_collects: (step index, ms)
+        assert abs(excess + pauses.typical - collected) < 0.25 * collected
+    verdict, _ = _verdict(name)
+    assert verdict.cause == "python-gc" and verdict.implicated_workers == [(1, 0)]
+    assert "untraced-cpu" not in verdict.causes and "individual-worker" not in verdict.causes
+    assert "step opens" in verdict.explanations["python-gc"]
 
 
 def test_clean_runs_have_no_pauses():
@@ -434,7 +470,7 @@ def test_a_collection_in_every_microbatch_is_python_gc_not_a_slow_machine(run):
     from transforms.ingest.kineto import convert_kineto
     from transforms.whatif import compile_job
     from transforms.whatif.causes import analyze_and_classify
-    from transforms.whatif.causes.pauses import at_forwards, collector, find_pauses
+    from transforms.whatif.causes.pauses import at_collector_sites, collector, find_pauses
 
     folder = pathlib.Path(__file__).parent / "data" / "real_runs" / run
     truth = json.loads((folder / "truth.json").read_text())
@@ -442,7 +478,7 @@ def test_a_collection_in_every_microbatch_is_python_gc_not_a_slow_machine(run):
     model = compile_job(converted.trace, converted.job_meta(), run)
     pauses = find_pauses(model)
     assert pauses.workers() == [(0, 0)] and len({s for *_, s, _ in pauses.cells}) >= 2
-    assert at_forwards(model, pauses) and collector(model, pauses)
+    assert at_collector_sites(model, pauses) and collector(model, pauses)
     per_cell = {}
     for (op, lane) in pauses.where:
         per_cell[lane] = per_cell.get(lane, 0) + 1

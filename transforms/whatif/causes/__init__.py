@@ -36,9 +36,11 @@ The design in four decisions.
    its spread at the same false-alarm rate) is a pause, and a worker-step's pauses count once
    they add up to half the straggling threshold's share of a step (one collection or several);
    the rest is ordinary Python between ops. Recurring pauses that all
-   fall where forwards begin are python-gc, on one worker every step or rotating (METHOD.md's
-   forward-only stalls: the forward allocates the objects whose count triggers the collector);
-   pauses elsewhere (before a collective: an oversubscribed host's OS) stay the worker's
+   fall where the collector runs are python-gc, on one worker every step or every few, or
+   rotating: where forwards begin or inside them (METHOD.md's forward-only stalls: the forward
+   allocates the objects whose count triggers the collector), or where a worker's step opens
+   (between iterations: a trainer's planned gc.collect()); pauses inside the step before a
+   collective, a backward or the optimizer (an oversubscribed host's OS) stay the worker's
    untraced-cpu. Either fix takes out the pauses and keeps the worker's ordinary time. A worker's
    untraced time (between its ops and inside them) beyond its peers' is tested like its compute:
    step by step against the job's own spread of that excess, at the same false-alarm rate, its

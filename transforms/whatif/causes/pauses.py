@@ -17,15 +17,18 @@ Otherwise `find_pauses` tests each non-data gap of a worker-step against the job
 (median and robust spread over the worker-steps that pause too little to make a job straggle, so
 a worker pausing in every step does not set the usual), Bonferroni over the cells at the job's
 false-alarm rate: a gap no ordinary worker-step's largest reaches is a pause; a worker-step's
-pauses also add up to half that share of a step (`CAUSE_SHARE`: what a listed cause must cost). Pauses are the collector's (`collector`) when they
-recur and all fall where a forward begins or inside one: METHOD.md's GC stalls are forward-only, the forward being
-where a step allocates the Python objects whose count triggers a collection. Pauses before a
-collective or the optimizer (an oversubscribed host's OS running another process, a per-step hook)
-stay the worker's untraced time.
+pauses also add up to half that share of a step (`CAUSE_SHARE`: what a listed cause must cost).
+Pauses are the collector's (`collector`) when they recur and all fall where the collector runs: where
+a forward begins or inside one (METHOD.md's GC stalls are forward-only, the forward being where a
+step allocates the Python objects whose count triggers a collection), or where a worker's step
+opens (between iterations: the loop's own Python and a trainer's planned gc.collect()). Pauses
+inside the step before a collective, a backward or the optimizer (an oversubscribed host's OS
+running another process) stay the worker's untraced time.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 
 import numpy as np
@@ -41,7 +44,7 @@ from schemas.trace import COMPUTE_OPTYPES, DP_COMM_OPTYPES, IN_COMPUTE_OPTYPES, 
 CAUSE_SHARE = 0.5
 
 __all__ = ["CAUSE_SHARE", "p2p_partner", "untraced_gaps", "untraced_time", "idle_inside_compute", "Pauses", "find_pauses", "recurring",
-           "at_forwards", "collector", "pause_fix", "pause_confidence", "inside_compute"]
+           "at_collector_sites", "collector", "pause_fix", "pause_confidence", "inside_compute"]
 
 _RECV = [OPTYPES.index("forward-recv"), OPTYPES.index("backward-recv")]
 _FORWARD = OPTYPES.index("forward-compute")
@@ -333,23 +336,31 @@ def recurring(pauses: Pauses) -> bool:
     return len(pauses.cells) >= (1 if pauses.recorded else 2)
 
 
-def at_forwards(model: JobModel, pauses: Pauses) -> bool:
-    """Every pause ends where a forward begins, or falls inside a forward: the stop-the-world
-    stalls of METHOD.md's python-gc row are forward-only because the forward is where a training
-    step allocates its Python objects, and the collector runs when allocations cross its
-    thresholds. A pause before a backward, a transfer or the optimizer has no such reason to be
-    the collector."""
-    return bool(pauses.where) and all(int(model.op_optype[op]) == _FORWARD for op, _ in pauses.where)
+def at_collector_sites(model: JobModel, pauses: Pauses) -> bool:
+    """Every pause falls where Python's collector runs in a training step: where a forward begins or
+    inside one, or where the worker's step opens (a gap before an op that waits for nothing of the
+    step). The stop-the-world stalls of METHOD.md's python-gc row are forward-only because the
+    forward is where a step allocates its Python objects, and the collector runs when allocations
+    cross its thresholds; between two iterations the loop runs its own Python (the batch's
+    collation, per-step callbacks) and a trainer's planned collections (gc.collect() every K steps,
+    METHOD.md's planned GC), before anything of the next step began. A pause before a backward, the
+    optimizer or a transfer inside the step has no such reason to be the collector."""
+    if not pauses.where:
+        return False
+    opening = model.pred_index[model.pred_ptr[:-1]] == model.n_ops
+    return all(int(model.op_optype[op]) == _FORWARD or (opening[op] and not inside)
+               for (op, _), inside in itertools.zip_longest(pauses.where, pauses.inside, fillvalue=False))
 
 
 def collector(model: JobModel, pauses: Pauses) -> bool:
     """Recurring pauses that are Python's collector: recorded by the trainer (whichever steps and
-    workers they strike), or all at forwards (`at_forwards`), on one worker in every step (an
-    explicit gc.collect() per step) or a different worker in different steps (the thresholds of
-    each process). A pause before a collective, a backward or the optimizer is something else: on
-    an oversubscribed host, the OS running another process; on a worker in every step, its own
-    per-step work. What a DataLoader fetch holds is never a pause."""
-    return recurring(pauses) and (pauses.recorded or at_forwards(model, pauses))
+    workers they strike), or all where the collector runs (`at_collector_sites`: at forwards, or
+    where a worker's step opens), on one worker in every step or every few (an explicit
+    gc.collect()) or a different worker in different steps (the thresholds of each process). A
+    pause inside the step before a collective, a backward or the optimizer is something else: on
+    an oversubscribed host, the OS running another process. What a DataLoader fetch holds is never
+    a pause."""
+    return recurring(pauses) and (pauses.recorded or at_collector_sites(model, pauses))
 
 
 def pause_fix(model: JobModel, pauses: Pauses, traced_step: np.ndarray) -> tuple[float, float, float, float, np.ndarray]:
