@@ -17,6 +17,8 @@
     gcend:R:N[:K]  planned GC as a trainer writes it (Megatron's manual_gc_interval): rank R keeps
               that heap and calls gc.collect() at the end of every K-th optimizer step (default 1),
               after the optimizer, where the loop hands the step to the profiler
+    gcallend:N every rank keeps that heap; rank r collects at the end of the optimizer steps with
+              step % world == r (gcall's rotation, where gcend collects)
     sleep:R:MS rank R sleeps MS ms at the start of every optimizer step's first forward (a forward
               pre-hook on the model: time.sleep, the quickest slow worker to write)
     data:R:MS rank R's Dataset.__getitem__ sleeps so that one batch fetch sleeps MS ms in total
@@ -50,7 +52,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(REPO, "tools", "real_traces"))
 from train import build_gc_heap, prefault_heap  # noqa: E402  (tools/real_traces/train.py)
 
-SLOW_KINDS = ("fwd", "bwd", "gc", "gcall", "gcin", "gcend", "sleep", "data", "seq", "split", "host")
+SLOW_KINDS = ("fwd", "bwd", "gc", "gcall", "gcin", "gcend", "gcallend", "sleep", "data", "seq", "split", "host")
 CAUSES = {
     "fwd": ["individual-worker"],
     "bwd": ["individual-worker"],
@@ -58,6 +60,7 @@ CAUSES = {
     "gcall": ["python-gc"],
     "gcin": ["python-gc"],
     "gcend": ["python-gc"],
+    "gcallend": ["python-gc"],
     "sleep": ["individual-worker", "untraced-cpu"],
     "data": ["untraced-cpu", "individual-worker"],
     "seq": ["sequence-imbalance"],
@@ -109,10 +112,10 @@ def parse_slow(specs: list[str], allowed: tuple[str, ...], world: int) -> list[d
             if len(parts) != 1:
                 raise SystemExit(f"--slow {s}: seq takes no argument")
             out.append({"kind": "seq", "rank": None, "amount": 4.0})
-        elif kind == "gcall":
+        elif kind in ("gcall", "gcallend"):
             if len(parts) != 2:
-                raise SystemExit(f"--slow {s}: expected gcall:N")
-            out.append({"kind": "gcall", "rank": None, "amount": float(parts[1])})
+                raise SystemExit(f"--slow {s}: expected {kind}:N")
+            out.append({"kind": kind, "rank": None, "amount": float(parts[1])})
         elif kind == "gcend":
             if len(parts) not in (3, 4):
                 raise SystemExit(f"--slow {s}: expected gcend:RANK:N or gcend:RANK:N:EVERY")
@@ -141,7 +144,7 @@ class RankSlow:
         self.fwd = 1.0
         self.bwd = 1.0
         self.gc_thousands = 0
-        self.gc_mode = None          # "rank" (gc:R:N), "inside" (gcin:R:N), "end" (gcend:R:N[:K]) or "all" (gcall:N)
+        self.gc_mode = None          # "rank" (gc:R:N), "inside" (gcin), "end" (gcend), "all" (gcall) or "allend" (gcallend)
         self.gc_every = 1            # gcend: every K-th optimizer step
         self.sleep_ms = 0.0          # sleep:R:MS
         self.data_ms = 0.0
@@ -151,8 +154,8 @@ class RankSlow:
         self.host = 1.0              # host:R:F: this rank's machine F x slower at everything (contend_host)
         self.host_job = any(s["kind"] == "host" for s in slowdowns)
         for s in slowdowns:
-            if s["kind"] == "gcall":
-                self.gc_thousands, self.gc_mode = int(s["amount"]), "all"
+            if s["kind"] in ("gcall", "gcallend"):
+                self.gc_thousands, self.gc_mode = int(s["amount"]), "all" if s["kind"] == "gcall" else "allend"
             if s.get("rank") != rank:
                 continue
             if s["kind"] == "fwd":
@@ -361,7 +364,7 @@ class GcInjector:
         if self.sleep_s > 0:
             time.sleep(self.sleep_s)
         step = i // self.fps
-        if self.heap is not None and self.mode != "end" and self.due(step):
+        if self.heap is not None and self.mode not in ("end", "allend") and self.due(step):
             t0 = time.perf_counter()
             gc.collect()
             self.collects.append((step, round((time.perf_counter() - t0) * 1e3, 2)))
@@ -369,7 +372,8 @@ class GcInjector:
     def on_step_end(self) -> None:
         step = self.steps_ended
         self.steps_ended += 1
-        if self.heap is not None and self.mode == "end" and step % self.every == self.every - 1:
+        due = (self.mode == "end" and step % self.every == self.every - 1) or (self.mode == "allend" and self.due(step))
+        if self.heap is not None and due:
             t0 = time.perf_counter()
             gc.collect()
             self.collects.append((step, round((time.perf_counter() - t0) * 1e3, 2)))
@@ -550,7 +554,7 @@ def finish(args, *, stack: str, script: str, rank: int, world: int, coords: dict
     for s in slowdowns:
         if s.get("rank") is not None:
             slow_ranks.add(s["rank"])
-        elif s["kind"] == "gcall":
+        elif s["kind"] in ("gcall", "gcallend"):
             slow_ranks.update(range(world))   # every rank is the straggler on 1/world of the steps
     causes: list[str] = []
     for s in slowdowns:

@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--reshard-after-forward", type=int, choices=[0, 1], default=1)
     args = ap.parse_args()
     rank, world = C.rank_world()
-    slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "gcall", "gcin", "gcend", "sleep", "data", "seq", "host"), world)
+    slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "gcall", "gcin", "gcend", "gcallend", "sleep", "data", "seq", "host"), world)
     slow = C.RankSlow(slowdowns, rank, world)
     if slow.seq and args.batches != "padded":
         raise SystemExit("--slow seq needs --batches padded")

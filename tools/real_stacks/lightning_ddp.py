@@ -126,7 +126,7 @@ def main() -> None:
     ap.add_argument("--precision", default="32-true", help="Trainer(precision=...): 32-true, bf16-mixed")
     args = ap.parse_args()
     rank, world = C.rank_world()
-    allowed = ("fwd", "bwd", "gc", "gcall", "gcin", "gcend", "sleep", "data", "host") + (("seq",) if args.model != "mlp" else ())
+    allowed = ("fwd", "bwd", "gc", "gcall", "gcin", "gcend", "gcallend", "sleep", "data", "host") + (("seq",) if args.model != "mlp" else ())
     slowdowns = C.parse_slow(args.slow, allowed, world)
     slow = C.RankSlow(slowdowns, rank, world)
     C.setup_process(args, slow, rank)

@@ -152,7 +152,7 @@ def main() -> None:
     pp = 2
     dp = 2 if args.layout == "pp2dp2" else 1
     assert world == pp * dp, f"--layout {args.layout} needs {pp * dp} processes"
-    slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "gcall", "gcend", "sleep", "data", "split", "host"), world)
+    slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "gcall", "gcend", "gcallend", "sleep", "data", "split", "host"), world)
     slow = C.RankSlow(slowdowns, rank, world)
     sched_name, n_virtual = SCHEDULES[args.schedule]
     if args.frontend is None:
