@@ -47,6 +47,7 @@ import json
 import os
 import pathlib
 import subprocess
+import statistics
 import sys
 import tempfile
 import time
@@ -203,8 +204,11 @@ def twin_counterfactual(run: pathlib.Path, truth: dict, verdict: dict) -> dict |
 def gc_counterfactual(run: pathlib.Path, truth: dict, verdict: dict) -> dict | None:
     """The GC pauses' fix against the run's own record of its collections (PROVENANCE.json of
     tools/real_stacks: per rank, the ms of each step and of each gc.collect()). Measured: over the
-    profiled steps (the schedule's active ones), the longest collection of each step over the
-    median step's time (the job waits for the slowest rank); predicted: the fix's saving with the pauses
+    profiled steps (the schedule's active ones), the longest collection of each step (the job waits
+    for the slowest rank) over the job's wall time per step: each rank's mean step time, the ranks'
+    median (every rank runs the same steps in the same wall time; a rank's step holds its own
+    collection or its wait for a peer's, so the slowest rank per step would count a collection at a
+    step's end twice, once in each rank's step). Predicted: the fix's saving with the pauses
     taken out and no planned GC paid back (what dropping the collections measures). None without
     a record or a pause fix."""
     path = run / "PROVENANCE.json"
@@ -218,13 +222,14 @@ def gc_counterfactual(run: pathlib.Path, truth: dict, verdict: dict) -> dict | N
     profiler = truth.get("profiler") or {}
     first = int(profiler.get("wait", 0)) + int(profiler.get("warmup", 0))
     steps = range(first, first + int(profiler.get("active", 0)))
-    step_ms = {s: max(r["step_ms"][s] for r in ranks.values() if s < len(r["step_ms"])) for s in steps}
     collect = {s: max([ms for r in ranks.values() for step, ms in r.get("gc_collects") or [] if step == s], default=0.0)
                for s in steps}
-    # the median step: the step that ends the profiler's active window also holds the trace's export
-    # (on_trace_ready runs inside the trainer's timed step), seconds the training never spent
-    typical = sorted(step_ms.values())[len(step_ms) // 2]
-    measured = sum(collect.values()) / (len(step_ms) * typical)
+    # the step that ends the profiler's active window also holds the trace's export (on_trace_ready
+    # runs inside the trainer's timed step), seconds the training never spent: left out
+    timed = [s for s in steps[:-1] if all(s < len(r["step_ms"]) for r in ranks.values())] or list(steps[:1])
+    periods = sorted(statistics.fmean(r["step_ms"][s] for s in timed) for r in ranks.values())
+    typical = periods[len(periods) // 2] if len(periods) % 2 else statistics.fmean(periods[len(periods) // 2 - 1:][:2])
+    measured = sum(collect.values()) / (len(steps) * typical)
     saved, step_time = float(fix["savings_fraction"]), float(fix["step_time"])
     ran = step_time / (1.0 - saved) if saved < 1.0 else float("nan")
     planned = float((verdict.get("evidence") or {}).get("planned_gc_seconds") or 0.0) if "planned" in str(fix["fix"]) else 0.0

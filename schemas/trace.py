@@ -112,6 +112,11 @@ TRACE_SCHEMA = pa.schema(
         # iteration's optimizer step), on the start_ts clock; the same on every op of a rank and
         # step. A rank entering later than its DP peers is still finishing its previous step.
         pa.field("step_entered", pa.float64(), nullable=True),
+        # Optional: on CPU ranks, when the op's rank left its step (where its loop called
+        # prof.step() at the end of the iteration, or the next iteration's start), on the start_ts
+        # clock; the same on every op of a rank and step. What the rank did after its last op of
+        # the step (a planned gc.collect(), per-step callbacks) is untraced time of that step.
+        pa.field("step_left", pa.float64(), nullable=True),
         # Optional: the threads the job ran on the op's host per core its rank could use (the
         # host's ranks x torch's intra-op threads on CPU ranks, one per rank on GPU ranks, over the
         # cores of its CPU affinity), as strag_collect recorded it; the same on every op of a rank.

@@ -137,16 +137,20 @@ def test_strict_scores_hold_each_run_to_its_one_expected_cause():
 
 
 def test_the_gc_counterfactual_compares_the_pause_fix_with_the_run_s_record_of_its_collections(tmp_path):
-    """Measured: the longest collect of each profiled step over the median profiled step (the last
-    active step also holds the trace's export); predicted: the fix's saving without planned GC."""
+    """Measured: the longest collect of each profiled step over the job's wall time per step (each
+    rank's mean profiled step, the last active step left out as it also holds the trace's export;
+    the ranks' median); predicted: the fix's saving without planned GC. Rank 0 collects 100 ms at
+    the end of step 2: its step 2 holds the collection, rank 1's step 3 its wait for rank 0 (both
+    500 ms), so the slowest rank per step (500, 500) would count the collection twice: the job ran
+    450 ms a step."""
     (tmp_path / "PROVENANCE.json").write_text(json.dumps({"ranks": {
-        "0": {"step_ms": [900, 400, 400, 400, 1200], "gc_collects": [[2, 100.0], [4, 80.0]]},
-        "1": {"step_ms": [900, 410, 390, 400, 1100], "gc_collects": [[3, 120.0]]}}}))
+        "0": {"step_ms": [900, 400, 500, 400, 1200], "gc_collects": [[2, 100.0], [4, 80.0]]},
+        "1": {"step_ms": [900, 410, 400, 500, 1100], "gc_collects": [[3, 120.0]]}}}))
     truth = {"profiler": {"wait": 1, "warmup": 1, "active": 3}}
     fix = {"savings_fraction": 0.2, "step_time": 0.32, "measured": True, "fix": "planned GC: the pauses taken out, ..."}
     verdict = {"fixes": {"python-gc": fix}, "evidence": {"planned_gc_seconds": 0.05}}
     got = bench.gc_counterfactual(tmp_path, truth, verdict)
-    assert got["measured"] == pytest.approx((100 + 120 + 80) / (3 * 400))        # steps 2, 3, 4; median step 400 ms
+    assert got["measured"] == pytest.approx((100 + 120 + 80) / (3 * 450))        # steps 2, 3, 4 over 450 ms a step
     assert got["predicted"] == pytest.approx(1 - (0.32 - 0.05) / 0.4)            # ran = 0.32 / (1 - 0.2)
     assert bench.gc_counterfactual(tmp_path, truth, {"fixes": {"individual-worker": fix}}) is None
 

@@ -413,14 +413,16 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
             idle[compute] = longest_idle(r["start"][compute], r["end"][compute], busy + shift) * 1e-6
         columns["idle_within"].append(idle)
         ids = by_rank[rank].steps   # sorted; where the rank entered each step, on the job's clock
-        entered = by_rank[rank].step_start[np.searchsorted(ids, r["step"])] + shift
+        position = np.searchsorted(ids, r["step"])
+        entered = by_rank[rank].step_start[position] + shift
         columns["step_entered"].append((entered - offsets[rank] - base) * 1e-6)
+        columns["step_left"].append((by_rank[rank].step_end[position] + shift - offsets[rank] - base) * 1e-6)
     if not any(t.data_loading is not None for t in analysed):
         del columns["data_wait"]
     if not all(by_rank[rank].gc_pauses is not None for rank in rows):   # the record says "none ran" only where kept
         del columns["gc_wait"], columns["gc_within"]
     if not all(by_rank[rank].main_busy is not None for rank in rows):   # CPU ranks: their threads ran the compute
-        del columns["idle_within"], columns["step_entered"]
+        del columns["idle_within"], columns["step_entered"], columns["step_left"]
     if not any(t.seq_lens is not None for t in analysed):
         del columns["seq_lens"]
     hosts = options.get("hosts")

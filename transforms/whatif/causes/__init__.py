@@ -38,8 +38,8 @@ The design in four decisions.
    the rest is ordinary Python between ops. Recurring pauses that all
    fall where the collector runs are python-gc, on one worker every step or every few, or
    rotating: where forwards begin or inside them (METHOD.md's forward-only stalls: the forward
-   allocates the objects whose count triggers the collector), or where a worker's step opens
-   (between iterations: a trainer's planned gc.collect()); pauses inside the step before a
+   allocates the objects whose count triggers the collector), or between two of a worker's
+   steps (where it opens, or after its last op: a trainer's planned gc.collect()); pauses inside the step before a
    collective, a backward or the optimizer (an oversubscribed host's OS) stay the worker's
    untraced-cpu. Either fix takes out the pauses and keeps the worker's ordinary time. A worker's
    untraced time (between its ops and inside them) beyond its peers' is tested like its compute:

@@ -203,8 +203,8 @@ def pause_sentence(evidence: dict, fix: Fix, worker_rank=None) -> str:
                 f"straggling threshold's share of a step. "
                 f"{fix.description[0].upper() + fix.description[1:]} would save {_pct(max(fix.savings_fraction, 0.0))} of "
                 f"the step (measured on the steps as they ran; {len(pauses)} collections in {len(steps)} steps).")
-    return (f"Untraced pauses, each one gap where a forward begins, inside a forward or where a worker's step opens, outside data "
-            f"loading, far beyond this job's usual largest gap ({1e3 * evidence.get('typical_largest_gap', 0.0):.0f} ms): {'; '.join(parts)}"
+    return (f"Untraced pauses, each one gap where a forward begins, inside a forward or between two of a worker's steps, outside "
+            f"data loading, far beyond this job's usual largest gap ({1e3 * evidence.get('typical_largest_gap', 0.0):.0f} ms): {'; '.join(parts)}"
             f"{', a different worker in different steps' if rotating else ''}. Python's garbage collector stops a "
             f"process like this (so do the OS preempting it and slow per-step Python; a GC record from the collector tells "
             f"them apart). "

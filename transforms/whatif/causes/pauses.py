@@ -20,15 +20,16 @@ false-alarm rate: a gap no ordinary worker-step's largest reaches is a pause; a 
 pauses also add up to half that share of a step (`CAUSE_SHARE`: what a listed cause must cost).
 Pauses are the collector's (`collector`) when they recur and all fall where the collector runs: where
 a forward begins or inside one (METHOD.md's GC stalls are forward-only, the forward being where a
-step allocates the Python objects whose count triggers a collection), or where a worker's step
-opens (between iterations: the loop's own Python and a trainer's planned gc.collect()). Pauses
+step allocates the Python objects whose count triggers a collection), or between two of a worker's
+steps (where its step opens, or after its last op: the loop's own Python and a trainer's planned
+gc.collect()). Where the trace says when a rank left each step, the time after its last op is that
+step's tail, untraced time too (`_step_tails`). Pauses
 inside the step before a collective, a backward or the optimizer (an oversubscribed host's OS
 running another process) stay the worker's untraced time.
 """
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import statistics
 
 import numpy as np
@@ -78,7 +79,11 @@ def untraced_gaps(model: JobModel, dp: int, stage: int, partner: np.ndarray | No
     compute of its direction, is the model's structure, not the worker's time; and a recv that
     starts with its peer's send (it was posted earlier and waited: the converter starts it there)
     is the peer's delay. A recv posted after its peer's send started was the worker's own lateness,
-    from that send's start on (before it, the worker waited for the data)."""
+    from that send's start on (before it, the worker waited for the data).
+    Where the trace says when each rank entered and left its steps (`step_entered`, `step_left`:
+    CPU ranks), the last row is each worker-step's tail (op index n_ops: after its last op, until
+    it left the step, `_step_tails`), and a gap before an op starts no earlier than the rank
+    entered the step: time between two steps counts once, in the step the rank spent it in."""
     cached = model.__dict__.setdefault("_untraced_gaps", {})
     if stage not in cached or cached[stage][0] is not model.launch_delay:
         cached[stage] = (model.launch_delay, _stage_gaps(model, stage, p2p_partner(model) if partner is None else partner))
@@ -118,6 +123,9 @@ def _stage_gaps(model: JobModel, stage: int, partner: np.ndarray
     # before a recv, the time until its peer's send began is waiting for the data, not lateness
     sent = np.where(peer[row] >= 0, peer_start[row, lane], -np.inf)
     gap_start = np.minimum(np.maximum(gap_start, sent), gap_end)
+    tails = model.step_left is not None and model.step_entered is not None
+    if tails:   # what the rank did before it entered the step is its previous step's tail, counted there
+        gap_start = np.minimum(np.maximum(gap_start, model.step_entered[ops[row], lane]), gap_end)
     # gaps of ops that wait from the same moment (two ops free at the step's start) overlap: each
     # counts only the time no earlier-ending gap of its lane already counted (by end, then op)
     order = group_order(lane, gap_end)   # = np.lexsort((row, gap_end, lane)): np.nonzero gave rows in order
@@ -145,7 +153,36 @@ def _stage_gaps(model: JobModel, stage: int, partner: np.ndarray
         waits = model.gc_wait[ops]
         ran = spans_covered(waits > 0, start - waits, start)
         collected[row, lane] = np.minimum(ran, out[row, lane] - data[row, lane])
-    return ops, out, data, collected
+    if not tails:
+        return ops, out, data, collected
+    tail, tail_data, tail_collected = _step_tails(model, ops, data is not None, collected is not None)
+    rows = (np.append(ops, model.n_ops), np.vstack([out, tail]), np.vstack([data, tail_data]))
+    return (*rows, None if collected is None else np.vstack([collected, tail_collected]))
+
+
+def _step_tails(model: JobModel, ops: np.ndarray, loading: bool, recorded: bool
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[1, lanes] each worker-step's tail: seconds from its last op's end to where it left the step
+    (`step_left`: its loop's prof.step() after the optimizer), its own untraced time (a planned
+    gc.collect(), per-step callbacks) that no op of the step waits on; of that, the seconds inside
+    DataLoader fetches and recorded collections, which the trace lays before the ops of the
+    worker's next profiled step ([start - wait, start], on the absolute clock)."""
+    last = model.observed_end[ops].max(axis=0)
+    left = np.maximum(model.step_left[ops].max(axis=0), last)
+    tail = (left - last)[None, :]
+    covered = []
+    for waits, wanted in ((model.data_wait, loading), (model.gc_wait, recorded)):
+        part = np.zeros_like(tail)
+        if wanted and waits is not None and tail.any():
+            lane_start = np.repeat(np.asarray(model.step_start, dtype=np.float64), model.dp_size)
+            at, on = np.nonzero(waits[ops] > 0)
+            ends = model.observed_start[ops[at], on] + lane_start[on]
+            spans_lane = model.lane_dp[on]
+            part[0] = covered_grouped(model.lane_dp, last + lane_start, left + lane_start,
+                                      spans_lane, ends - waits[ops[at], on], ends) if len(at) else 0.0
+            part = np.minimum(part, tail - sum(covered))
+        covered.append(part)
+    return tail, covered[0], covered[1]
 
 
 def untraced_time(model: JobModel, dp: int, stage: int, partner: np.ndarray | None = None) -> np.ndarray:
@@ -156,7 +193,7 @@ def untraced_time(model: JobModel, dp: int, stage: int, partner: np.ndarray | No
     inner = idle_inside_compute(model)
     if inner is None or not len(ops):
         return gaps.sum(axis=0)
-    return gaps.sum(axis=0) + inner[np.ix_(ops, np.flatnonzero(model.lane_dp == dp))].sum(axis=0)
+    return gaps.sum(axis=0) + inner[np.ix_(ops[ops < model.n_ops], np.flatnonzero(model.lane_dp == dp))].sum(axis=0)
 
 
 def idle_inside_compute(model: JobModel) -> np.ndarray | None:
@@ -245,13 +282,18 @@ def _find_pauses(model: JobModel, alpha: float, straggling: float, partner: np.n
             ops, gaps, loading, ran = untraced_gaps(model, d, p, partner)
             lanes = np.flatnonzero(model.lane_dp == d)
             own = gaps - loading
-            inner = model.idle_within[np.ix_(ops, lanes)] if model.idle_within is not None else np.zeros_like(own)
+            real = ops < model.n_ops   # the last row may be the steps' tails (untraced_gaps)
+            inner = np.zeros_like(own)
+            if model.idle_within is not None:
+                inner[real] = model.idle_within[np.ix_(ops[real], lanes)]
             untraced[p, :, d], data[p, :, d] = own.sum(axis=0), loading.sum(axis=0)
             gaps_of[(d, p)] = (ops, own, inner)
             if len(ops):
                 largest[p, :, d] = np.maximum(own.max(axis=0), inner.max(axis=0))
                 if collected is not None:   # recorded collections in the gaps, and inside the ops (mid-compute)
-                    within = model.gc_within[np.ix_(ops, lanes)] if model.gc_within is not None else np.zeros_like(ran)
+                    within = np.zeros_like(ran)
+                    if model.gc_within is not None:
+                        within[real] = model.gc_within[np.ix_(ops[real], lanes)]
                     collected[p, :, d] = ran.sum(axis=0) + within.sum(axis=0)
                     gc_at[p, :, d] = ops[np.maximum(ran, within).argmax(axis=0)]
     floor = CAUSE_SHARE * (straggling - 1.0) * float(median(model.observed_end.max(axis=0) - model.observed_start.min(axis=0)))
@@ -337,25 +379,31 @@ def recurring(pauses: Pauses) -> bool:
 
 
 def at_collector_sites(model: JobModel, pauses: Pauses) -> bool:
-    """Every pause falls where Python's collector runs in a training step: where a forward begins or
-    inside one, or where the worker's step opens (a gap before an op that waits for nothing of the
-    step). The stop-the-world stalls of METHOD.md's python-gc row are forward-only because the
-    forward is where a step allocates its Python objects, and the collector runs when allocations
-    cross its thresholds; between two iterations the loop runs its own Python (the batch's
+    """Every worker-step's pause falls where Python's collector runs in a training step: where a
+    forward begins or inside one, or between two steps: where the worker's step opens (a gap before
+    an op that waits for nothing of the step) or after its last op (the step's tail). The
+    stop-the-world stalls of METHOD.md's python-gc row are forward-only because the forward is
+    where a step allocates its Python objects, and the collector runs when allocations cross its
+    thresholds; between two iterations the loop runs its own Python (the batch's
     collation, per-step callbacks) and a trainer's planned collections (gc.collect() every K steps,
     METHOD.md's planned GC), before anything of the next step began. A pause before a backward, the
-    optimizer or a transfer inside the step has no such reason to be the collector."""
+    optimizer or a transfer inside the step has no such reason to be the collector.
+    A worker-step's pause is its largest: a collection stops the world in one piece, and where the
+    job's gaps are even the limit sits close to them, so a step's ordinary gaps a little over it
+    count towards its pause time but say nothing of where the collector ran."""
     if not pauses.where:
         return False
-    opening = model.pred_index[model.pred_ptr[:-1]] == model.n_ops
-    return all(int(model.op_optype[op]) == _FORWARD or (opening[op] and not inside)
-               for (op, _), inside in itertools.zip_longest(pauses.where, pauses.inside, fillvalue=False))
+    opening = np.append(model.pred_index[model.pred_ptr[:-1]] == model.n_ops, True)   # n_ops: a step's tail
+    inside = pauses.inside or (False,) * len(pauses.where)
+    firsts = np.cumsum((0, *pauses.counts))[:-1] if pauses.counts else range(len(pauses.where))
+    return all((op < model.n_ops and int(model.op_optype[op]) == _FORWARD) or (opening[op] and not inside[i])
+               for i in firsts for op, _ in [pauses.where[i]])
 
 
 def collector(model: JobModel, pauses: Pauses) -> bool:
     """Recurring pauses that are Python's collector: recorded by the trainer (whichever steps and
     workers they strike), or all where the collector runs (`at_collector_sites`: at forwards, or
-    where a worker's step opens), on one worker in every step or every few (an explicit
+    between two of a worker's steps), on one worker in every step or every few (an explicit
     gc.collect()) or a different worker in different steps (the thresholds of each process). A
     pause inside the step before a collective, a backward or the optimizer is something else: on
     an oversubscribed host, the OS running another process. What a DataLoader fetch holds is never

@@ -217,7 +217,7 @@ def pause_cause(model: JobModel, result: WhatIfResult, rules: CauseRules, eviden
                  untraced: list | None) -> tuple[float, list] | None:
     """python-gc from untraced pauses on CPU ranks (pauses.py): single gaps outside data loading,
     far beyond the job's usual largest gap, that are the collector's (`collector`: recorded, or all
-    at forwards or where a worker's step opens). Records its
+    at forwards or between two of a worker's steps). Records its
     evidence and fix (the pauses taken out of the steps as they ran, planned GC paid back:
     pauses.pause_fix) when the fix saves rules.min_savings of the step; `untraced_is_pauses` when the untraced-cpu
     workers are the paused ones and their pauses make at least half their untraced time. Returns
