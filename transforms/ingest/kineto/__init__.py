@@ -59,7 +59,9 @@ The mapping (ARCHITECTURE.md, "Kineto mapping"):
   compute label that issued one cut there into pieces of its microbatch;
 - CPU ranks: per compute op, the longest stretch inside its span in which the step thread ran no
   traced op (`idle_within`: a garbage collection or the OS mid-forward), and the collector's
-  recorded time inside it (`gc_within`, with the trainer's GC record);
+  recorded time inside it (`gc_within`, with the trainer's GC record); per rank and step, where
+  the rank entered and left it (`step_entered`, `step_left`: its ProfilerStep, or its rebuilt
+  iteration), so the time after its last op (a planned gc.collect()) is that step's;
 - everything else that is communication or a label (collectives of other groups, those inside a
   pipeline's compute, unknown labels) is counted in source.unmapped.
 - clocks: a rank's times are `baseTimeNanoseconds` + ts; ranks of one host (`host_name`) share
