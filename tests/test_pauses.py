@@ -67,6 +67,17 @@ def test_pauses_on_a_different_rank_in_different_steps_are_python_gc():
     assert all(0.1 < excess < 0.25 for *_, excess in pauses.cells)
     verdict, _ = _verdict("hf-gcall-gpt2-packed")
     assert verdict.cause == "python-gc" and sorted(verdict.implicated_workers) == [(0, 0), (1, 0)]
+    # no worker's untraced time is beyond its peer's in most steps (each pauses in half of them), so
+    # the untraced-cpu test names nobody; the collector's workers are named instead, and with their
+    # untraced time given back the replay matches what ran: the window is kept
+    from transforms.whatif.causes import analyze_and_classify
+    from transforms.whatif.causes.untraced import untraced_workers
+
+    converted, _, _ = _job("hf-gcall-gpt2-packed")
+    result = analyze_and_classify(converted.trace, converted.job_meta(), "hf-gcall-gpt2-packed")[0]
+    assert result.discarded_method and result.kept_by == "untraced-model"
+    assert sorted(result.untraced.workers) == [(0, 0), (1, 0)]
+    assert untraced_workers(model, result) == []
     fix = verdict.fixes["python-gc"]
     assert fix.measured and 0.0 < fix.savings_fraction < 0.6
     assert "planned GC" in fix.description and "step" in verdict.explanations["python-gc"]
@@ -149,6 +160,14 @@ def test_planned_gc_at_the_end_of_each_step_without_a_record_is_python_gc():
     verdict, _ = _verdict(name)
     assert verdict.cause == "python-gc" and verdict.implicated_workers == [(1, 0)]
     assert "untraced-cpu" not in verdict.causes and "individual-worker" not in verdict.causes
+    # METHOD's replay, without the collections, is ~2x off; with rank 1's untraced time given back it
+    # matches what ran (the untraced-cpu test names rank 1: its tails in every step), so the window
+    # is kept (its S counts the collections)
+    from transforms.whatif.causes import analyze_and_classify
+
+    result = analyze_and_classify(converted.trace, converted.job_meta(), name)[0]
+    assert result.discarded_method and not result.discarded and result.kept_by == "untraced-model"
+    assert result.untraced.workers == ((1, 0),) and result.model_slowdown > 1.5 * result.slowdown
 
 
 def test_a_fetch_in_a_step_s_tail_is_data_loading_not_a_pause():

@@ -24,14 +24,18 @@ __all__ = ["model_untraced", "untraced_workers", "crowded", "untraced_cause", "p
 def model_untraced(model: JobModel, result: WhatIfResult) -> list | None:
     """Set `result.untraced` when what ran is more than 5% longer than the no-delay replay, the
     workers whose untraced CPU time makes it are named (`untraced_workers`: measured beyond their
-    peers' and the job's, and confirmed by the replay), and the replay with only their launch
-    delays given back is within 5% of what ran: the model then explains the trace, with their
-    untraced time as work of its own (result.UntracedWork), and the window is kept. Returns
-    `untraced_workers`' answer when it was asked (None: not asked)."""
+    peers' and the job's, and confirmed by the replay; else the workers whose pauses are Python's
+    collector, `pauses.collector`), and the replay with only their launch delays given back is
+    within 5% of what ran: the model then explains the trace, with their untraced time as work of
+    its own (result.UntracedWork), and the window is kept. Returns `untraced_workers`' answer when
+    it was asked (None: not asked)."""
     if result.untraced is not None or not result.launch_slowdown > DISCREPANCY_LIMIT:
         return None
     untraced = untraced_workers(model, result)
     named = [worker for worker, *_ in untraced]
+    if not named and model.meta.host_compute:
+        pauses = find_pauses(model)
+        named = pauses.workers() if collector(model, pauses) else []
     if named:
         mask = worker_set_mask(model, named)
         spans = replay(model, [Scenario("untraced", model.original_cost, Mix(0.0, model.launch_delay, mask))]).span("untraced")
