@@ -23,9 +23,9 @@ a forward begins or inside one (METHOD.md's GC stalls are forward-only, the forw
 step allocates the Python objects whose count triggers a collection), or between two of a worker's
 steps (where its step opens, or after its last op: the loop's own Python and a trainer's planned
 gc.collect()). Where the trace says when a rank left each step, the time after its last op is that
-step's tail, untraced time too (`_step_tails`). Pauses
-inside the step before a collective, a backward or the optimizer (an oversubscribed host's OS
-running another process) stay the worker's untraced time.
+step's tail, untraced time too (`_step_tails`). Pauses inside the step before a collective, a
+backward or the optimizer (an oversubscribed host's OS running another process) stay the worker's
+untraced time.
 """
 from __future__ import annotations
 
@@ -155,13 +155,12 @@ def _stage_gaps(model: JobModel, stage: int, partner: np.ndarray
         collected[row, lane] = np.minimum(ran, out[row, lane] - data[row, lane])
     if not tails:
         return ops, out, data, collected
-    tail, tail_data, tail_collected = _step_tails(model, ops, data is not None, collected is not None)
+    tail, tail_data, tail_collected = _step_tails(model, ops)
     rows = (np.append(ops, model.n_ops), np.vstack([out, tail]), np.vstack([data, tail_data]))
     return (*rows, None if collected is None else np.vstack([collected, tail_collected]))
 
 
-def _step_tails(model: JobModel, ops: np.ndarray, loading: bool, recorded: bool
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _step_tails(model: JobModel, ops: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[1, lanes] each worker-step's tail: seconds from its last op's end to where it left the step
     (`step_left`: its loop's prof.step() after the optimizer), its own untraced time (a planned
     gc.collect(), per-step callbacks) that no op of the step waits on; of that, the seconds inside
@@ -170,16 +169,16 @@ def _step_tails(model: JobModel, ops: np.ndarray, loading: bool, recorded: bool
     last = model.observed_end[ops].max(axis=0)
     left = np.maximum(model.step_left[ops].max(axis=0), last)
     tail = (left - last)[None, :]
+    lane_start = np.repeat(np.asarray(model.step_start, dtype=np.float64), model.dp_size)   # lanes onto one clock
     covered = []
-    for waits, wanted in ((model.data_wait, loading), (model.gc_wait, recorded)):
+    for waits in (model.data_wait, model.gc_wait):
         part = np.zeros_like(tail)
-        if wanted and waits is not None and tail.any():
-            lane_start = np.repeat(np.asarray(model.step_start, dtype=np.float64), model.dp_size)
+        if waits is not None and tail.any():
             at, on = np.nonzero(waits[ops] > 0)
-            ends = model.observed_start[ops[at], on] + lane_start[on]
-            spans_lane = model.lane_dp[on]
-            part[0] = covered_grouped(model.lane_dp, last + lane_start, left + lane_start,
-                                      spans_lane, ends - waits[ops[at], on], ends) if len(at) else 0.0
+            if len(at):   # each worker's spans on its own timeline (its lanes, one after another)
+                ends = model.observed_start[ops[at], on] + lane_start[on]
+                part[0] = covered_grouped(model.lane_dp, last + lane_start, left + lane_start,
+                                          model.lane_dp[on], ends - waits[ops[at], on], ends)
             part = np.minimum(part, tail - sum(covered))
         covered.append(part)
     return tail, covered[0], covered[1]
@@ -395,9 +394,13 @@ def at_collector_sites(model: JobModel, pauses: Pauses) -> bool:
         return False
     opening = np.append(model.pred_index[model.pred_ptr[:-1]] == model.n_ops, True)   # n_ops: a step's tail
     inside = pauses.inside or (False,) * len(pauses.where)
-    firsts = np.cumsum((0, *pauses.counts))[:-1] if pauses.counts else range(len(pauses.where))
-    return all((op < model.n_ops and int(model.op_optype[op]) == _FORWARD) or (opening[op] and not inside[i])
-               for i in firsts for op, _ in [pauses.where[i]])
+
+    def site(i: int) -> bool:
+        op = pauses.where[i][0]
+        return (op < model.n_ops and int(model.op_optype[op]) == _FORWARD) or (bool(opening[op]) and not inside[i])
+
+    largest = np.cumsum((0, *pauses.counts))[:-1] if pauses.counts else range(len(pauses.where))   # each cell's first
+    return all(site(int(i)) for i in largest)
 
 
 def collector(model: JobModel, pauses: Pauses) -> bool:
