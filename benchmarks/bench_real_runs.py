@@ -46,8 +46,8 @@ import argparse
 import json
 import os
 import pathlib
-import subprocess
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -227,8 +227,7 @@ def gc_counterfactual(run: pathlib.Path, truth: dict, verdict: dict) -> dict | N
     # the step that ends the profiler's active window also holds the trace's export (on_trace_ready
     # runs inside the trainer's timed step), seconds the training never spent: left out
     timed = [s for s in steps[:-1] if all(s < len(r["step_ms"]) for r in ranks.values())] or list(steps[:1])
-    periods = sorted(statistics.fmean(r["step_ms"][s] for s in timed) for r in ranks.values())
-    typical = periods[len(periods) // 2] if len(periods) % 2 else statistics.fmean(periods[len(periods) // 2 - 1:][:2])
+    typical = statistics.median(statistics.fmean(r["step_ms"][s] for s in timed) for r in ranks.values())
     measured = sum(collect.values()) / (len(steps) * typical)
     saved, step_time = float(fix["savings_fraction"]), float(fix["step_time"])
     ran = step_time / (1.0 - saved) if saved < 1.0 else float("nan")

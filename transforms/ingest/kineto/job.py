@@ -412,7 +412,7 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
         if busy is not None and compute.any():
             idle[compute] = longest_idle(r["start"][compute], r["end"][compute], busy + shift) * 1e-6
         columns["idle_within"].append(idle)
-        ids = by_rank[rank].steps   # sorted; where the rank entered each step, on the job's clock
+        ids = by_rank[rank].steps   # sorted; where the rank entered and left each step, on the job's clock
         position = np.searchsorted(ids, r["step"])
         entered = by_rank[rank].step_start[position] + shift
         columns["step_entered"].append((entered - offsets[rank] - base) * 1e-6)

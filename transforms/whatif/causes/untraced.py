@@ -225,9 +225,9 @@ def pause_cause(model: JobModel, result: WhatIfResult, rules: CauseRules, eviden
     evidence and fix (the pauses taken out of the steps as they ran, planned GC paid back:
     pauses.pause_fix) when the fix saves rules.min_savings of the step; `untraced_is_pauses` when the untraced-cpu
     workers are the paused ones and their pauses make at least half their untraced time. Returns
-    (confidence, paused workers) or None. A pause on one worker in every step inside its step, away from
-    its forwards, is that worker's untraced-cpu: its fix then takes out the pauses alone, its ordinary time
-    between ops kept."""
+    (confidence, paused workers) or None. A pause on one worker in every step inside its step, away
+    from its forwards, is that worker's untraced-cpu: its fix then takes out the pauses alone, its
+    ordinary time between ops kept."""
     if not model.meta.host_compute:
         return None
     pauses = find_pauses(model, rules.false_alarm, rules.straggling)
