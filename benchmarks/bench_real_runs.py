@@ -56,7 +56,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_CORPUS = ROOT / "tests" / "data" / "real_runs"
 STRAG = [sys.executable, "-m", "pipelines.cli"]
 SEVERE = 1.5      # "runs slowed by >= 1.5x"
-PAUSE_KINDS = {"send", "allreduce", "gc", "gcin", "data"}   # sized by the generator to >= 1.5x the rank's compute
+PAUSE_KINDS = {"send", "allreduce", "gc", "gcin", "gcend", "sleep", "data"}   # sized by the generator to >= 1.5x the rank's compute
 INSUFFICIENT = "insufficient-evidence"
 
 __all__ = ["find_runs", "analyse_run", "score", "main"]

@@ -92,7 +92,8 @@ def add_common_args(ap: argparse.ArgumentParser, steps: int = 7) -> None:
     ap.add_argument("--prefault-mb", type=int, default=None,
                     help="pre-touched heap per process (default 512 with record_shapes, else 128; 0: off)")
     ap.add_argument("--slow", action="append", default=[], metavar="KIND:RANK:AMOUNT",
-                    help="fwd:R:F bwd:R:F gc:R:N gcall:N gcin:R:N gcend:R:N[:K] sleep:R:MS data:R:MS seq split:uneven host:R:F (repeatable)")
+                    help="fwd:R:F bwd:R:F gc:R:N gcall:N gcin:R:N gcend:R:N[:K] gcallend:N sleep:R:MS data:R:MS seq split:uneven "
+                         "host:R:F (repeatable)")
 
 
 def parse_slow(specs: list[str], allowed: tuple[str, ...], world: int) -> list[dict]:
@@ -311,14 +312,14 @@ class BlockSlowdown:
 
 
 class GcInjector:
-    """gc:R:N / gcall:N / gcin:R:N / gcend:R:N[:K], and sleep:R:MS.  prepare() before any profiler is
+    """gc:R:N / gcall:N / gcin:R:N / gcend:R:N[:K] / gcallend:N, and sleep:R:MS.  prepare() before any profiler is
     active (a throw-away profiler session creates ~120k objects by lazy imports; those and torch's own
     go to the permanent generation with gc.freeze(), so each collect's cost is set by N); build() right
     before training (freezes again, then builds the live cyclic heap).  attach(model): a forward
     pre-hook that, on the first grad-enabled forward of each optimizer step (forwards_per_step
     forwards per step), runs gc.collect() when this rank is due (gc: every step; gcall: step % world
     == rank) and sleeps sleep_ms.  on_step_end(): the scripts call it once per optimizer step, after
-    the optimizer, right before prof.step(); gcend collects there on every K-th step."""
+    the optimizer, right before prof.step(); gcend collects there on every K-th step, gcallend when due."""
 
     def __init__(self, slow: RankSlow, rank: int, world: int, forwards_per_step: int = 1):
         self.n = slow.gc_thousands
