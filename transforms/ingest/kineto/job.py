@@ -24,13 +24,11 @@ from transforms.intervals import covered
 _COMPUTE_CODES = [_CODE[name] for name in ("forward-compute", "backward-compute", "backward-weight-compute")]
 
 
-def _paces(rows: dict, by_rank: dict, first_origin: int) -> dict[int, np.ndarray]:
+def _paces(rows: dict, by_rank: dict, shift: dict[int, float]) -> dict[int, np.ndarray]:
     """pace.op_paces of every rank's rows (their times back on the rank's own span axis, where its
-    recorded operations are); {} when no rank recorded any."""
-    on_own_axis = {}
-    for rank, r in rows.items():
-        shift = (by_rank[rank].origin_ns - first_origin) / 1000.0
-        on_own_axis[rank] = {"optype": r["optype"], "gmc": r["gmc"], "start": r["start"] - shift, "end": r["end"] - shift}
+    recorded operations are: `shift` µs per rank apart); {} when no rank recorded any."""
+    on_own_axis = {rank: {"optype": r["optype"], "gmc": r["gmc"], "start": r["start"] - shift[rank],
+                          "end": r["end"] - shift[rank]} for rank, r in rows.items()}
     return op_paces(on_own_axis, {rank: by_rank[rank].recorded for rank in rows}, _COMPUTE_CODES[0],
                     tuple(_COMPUTE_CODES[1:]))
 
@@ -355,16 +353,17 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
                                  unmapped, placement) for t in analysed}
     _check_comm_pairs(rows, layout, job_id)
     first_origin = min(by_rank[rank].origin_ns for rank in rows)
-    for rank, r in rows.items():   # every rank on the recorded clock, µs after the earliest origin
-        shift = (by_rank[rank].origin_ns - first_origin) / 1000.0
-        r["start"], r["end"] = r["start"] + shift, r["end"] + shift
+    # every rank on the recorded clock, µs after the earliest origin: its spans, steps and recorded times
+    shift = {rank: (by_rank[rank].origin_ns - first_origin) / 1000.0 for rank in rows}
+    for rank, r in rows.items():
+        r["start"], r["end"] = r["start"] + shift[rank], r["end"] + shift[rank]
     collapsed = len(ranks) - len(analysed)
     clock = options.get("clock", "auto")
     clock_of = {rank: (by_rank[rank].clock if clock == "auto" else f"rank:{rank}") for rank in rows}
     offsets = {rank: 0.0 for rank in rows} if clock == "trust" else _clock_offsets(rows, layout, clock_of)
     p2p_posted_early = _recv_waits_after_compute(rows, host_thread=all(t.device == "cpu" for t in analysed))
-    step_starts = {rank: dict(zip(by_rank[rank].steps.tolist(), (by_rank[rank].step_start
-                   + (by_rank[rank].origin_ns - first_origin) / 1000.0).tolist())) for rank in rows}
+    step_starts = {rank: dict(zip(by_rank[rank].steps.tolist(), (by_rank[rank].step_start + shift[rank]).tolist()))
+                   for rank in rows}
     p2p_clipped = _clip_p2p_waits(rows, layout, offsets, step_starts)
     dp_overlapped = _collectives_after_compute(rows)
     chains_serialised = _serialise_chains(rows)
@@ -372,7 +371,7 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
     vpp = max(int(r["mc"].max()) + 1 if len(r["mc"]) else 1 for r in rows.values())
     if vpp > 1:
         rows = {rank: _pipeline_end_noops(r, layout.worker[rank][1], placement) for rank, r in rows.items()}
-    paces = _paces(rows, by_rank, first_origin) if layout.pp > 1 or vpp > 1 else {}
+    paces = _paces(rows, by_rank, shift) if layout.pp > 1 or vpp > 1 else {}
     base = min(float(r["start"].min() - offsets[rank]) for rank, r in rows.items() if len(r["start"]))
     columns: dict[str, list] = collections.defaultdict(list)
     for rank, r in rows.items():
@@ -393,16 +392,15 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
         if paces:
             columns["pace"].append(paces[rank])
         columns["seq_lens"].append(r["seq_lens"])
-        shift = (by_rank[rank].origin_ns - first_origin) / 1000.0   # the rank's recorded spans onto the job's clock
         loading = by_rank[rank].data_loading
         if loading is not None:
-            columns["data_wait"].append(_data_waits(r["start"], r["end"], loading + shift) * 1e-6)
+            columns["data_wait"].append(_data_waits(r["start"], r["end"], loading + shift[rank]) * 1e-6)
         else:
             columns["data_wait"].append(np.zeros(n))
         collected = by_rank[rank].gc_pauses
         if collected is not None and len(collected):
-            columns["gc_wait"].append(_data_waits(r["start"], r["end"], collected + shift) * 1e-6)
-            columns["gc_within"].append(covered(r["start"], r["end"], *(collected + shift).T) * 1e-6)
+            columns["gc_wait"].append(_data_waits(r["start"], r["end"], collected + shift[rank]) * 1e-6)
+            columns["gc_within"].append(covered(r["start"], r["end"], *(collected + shift[rank]).T) * 1e-6)
         else:
             columns["gc_wait"].append(np.zeros(n))
             columns["gc_within"].append(np.zeros(n))
@@ -410,13 +408,13 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
         compute = np.isin(r["optype"], _COMPUTE_CODES)
         idle = np.zeros(n)
         if busy is not None and compute.any():
-            idle[compute] = longest_idle(r["start"][compute], r["end"][compute], busy + shift) * 1e-6
+            idle[compute] = longest_idle(r["start"][compute], r["end"][compute], busy + shift[rank]) * 1e-6
         columns["idle_within"].append(idle)
         ids = by_rank[rank].steps   # sorted; where the rank entered and left each step, on the job's clock
         position = np.searchsorted(ids, r["step"])
-        entered = by_rank[rank].step_start[position] + shift
+        entered = by_rank[rank].step_start[position] + shift[rank]
         columns["step_entered"].append((entered - offsets[rank] - base) * 1e-6)
-        columns["step_left"].append((by_rank[rank].step_end[position] + shift - offsets[rank] - base) * 1e-6)
+        columns["step_left"].append((by_rank[rank].step_end[position] + shift[rank] - offsets[rank] - base) * 1e-6)
     if not any(t.data_loading is not None for t in analysed):
         del columns["data_wait"]
     if not all(by_rank[rank].gc_pauses is not None for rank in rows):   # the record says "none ran" only where kept
