@@ -77,7 +77,7 @@ EVIDENCE_LABELS: dict[str, tuple[str, str]] = {
     "chunk_speed_ratio": ("pace of the hot stage", "seconds per recorded operation of the hot stage's chunks over the median chunk's, forward or backward (a slower machine: > 1)"),
     "chunk_ratio": ("heaviest model chunk over the median chunk", "compute per microbatch of the heaviest chunk (its fastest DP rank)"),
     "heaviest_chunk": ("heaviest model chunk", "global chunk id (and its stage) with the most compute per microbatch"),
-    "gc_pauses": ("forward-only pauses", "forward computes stalled beyond their backward's proportion"),
+    "gc_pauses": ("stretched forwards", "forward computes stalled beyond their backward's proportion: the collector's signature where it runs inside a traced compute (GPU ranks); on CPU ranks a collection is a gap between ops, counted in 'untraced pauses'"),
     "gc_workers": ("workers with pauses", "how many workers the pauses hit (GC rotates)"),
     "gc_max_worker_share": ("largest share of pauses on one worker", "near 1: one machine, not GC"),
     "gc_steps": ("steps with pauses", "sampled steps with at least one pause"),

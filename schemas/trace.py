@@ -117,6 +117,12 @@ TRACE_SCHEMA = pa.schema(
         # clock; the same on every op of a rank and step. What the rank did after its last op of
         # the step (a planned gc.collect(), per-step callbacks) is untraced time of that step.
         pa.field("step_left", pa.float64(), nullable=True),
+        # Optional: seconds Python's garbage collector ran after the op's rank ended its last op of
+        # the step and before it left the step (step_left), as the trainer recorded it (present
+        # exactly when gc_wait and step_left are); the same on every op of a rank and step. A
+        # planned gc.collect() at the end of an iteration; the last profiled step has no later op
+        # whose gc_wait could hold it.
+        pa.field("gc_tail", pa.float64(), nullable=True),
         # Optional: the threads the job ran on the op's host per core its rank could use (the
         # host's ranks x torch's intra-op threads on CPU ranks, one per rank on GPU ranks, over the
         # cores of its CPU affinity), as strag_collect recorded it; the same on every op of a rank.

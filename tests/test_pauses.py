@@ -170,6 +170,43 @@ def test_planned_gc_at_the_end_of_each_step_without_a_record_is_python_gc():
     assert result.untraced.workers == ((1, 0),) and result.model_slowdown > 1.5 * result.slowdown
 
 
+def test_recorded_collections_in_a_step_s_tail_count_in_that_step_the_last_one_included():
+    """Accelerate loop whose rank 0 runs gc.collect() at the end of every optimizer step (after the
+    optimizer, before prof.step()), exported with the trainer's GC record. The converter measures
+    each recorded collection between rank 0's last op of a step and where it left the step
+    (`gc_tail`): in all five profiled steps, the last included, which no later op's gc_wait can
+    hold. Each equals the collection the run timed (PROVENANCE.json, not given to strag), and the
+    python-gc fix takes out all five: its saving is the timed collections' share of the profiled
+    steps (before the column, the last step's collection was lost and the fix fell 8.5 points short)."""
+    from transforms.whatif.causes.pauses import find_pauses
+
+    name = "p3-accelerate-gcend-r0-llama-packed"
+    converted, model, truth = _job(name)
+    assert model.gc_wait is not None and model.gc_tail is not None
+    table = converted.trace.to_pandas()
+    assert (table.groupby(["rank", "step"]).gc_tail.nunique() == 1).all()   # one value per rank and step
+    tails = table.groupby(["rank", "step"]).gc_tail.first()
+    provenance = json.loads((STACKS / name / "PROVENANCE.json").read_text())["ranks"]
+    timed = dict(provenance["0"]["gc_collects"])                           # (step, ms)
+    for step in model.steps.tolist():
+        assert tails[0, step] == pytest.approx(timed[step] / 1e3, rel=0.01)
+        assert tails[1, step] == 0.0
+    pauses = find_pauses(model)
+    assert pauses.recorded and pauses.workers() == [(0, 0)]
+    assert sorted(s for _, _, s, _ in pauses.cells) == list(range(model.n_steps))   # the last step's too
+    verdict, _ = _verdict(name)
+    assert verdict.cause == "python-gc" and verdict.implicated_workers == [(0, 0)]
+    # the pauses taken out (no planned GC paid back) against the timed collections' share of the
+    # profiled steps: each rank's mean step as it ran (the last profiled step, which also holds the
+    # trace's export, left out), the ranks' median (benchmarks/bench_real_runs.py gc_counterfactual)
+    steps = model.steps.tolist()
+    typical = np.median([np.mean([provenance[r]["step_ms"][s] for s in steps[:-1]]) for r in ("0", "1")])
+    measured = sum(timed[s] for s in steps) / (len(steps) * typical)
+    fix, planned = verdict.fixes["python-gc"], verdict.evidence["planned_gc_seconds"]
+    ran = fix.step_time / (1.0 - fix.savings_fraction)
+    assert 1.0 - (fix.step_time - planned) / ran == pytest.approx(measured, abs=0.03)
+
+
 def test_a_fetch_in_a_step_s_tail_is_data_loading_not_a_pause():
     """The same run with each of rank 1's steps opened by a DataLoader fetch that began right after
     its previous step's last op (the trace's data_wait on the op after it): the time between its

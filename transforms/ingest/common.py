@@ -161,7 +161,7 @@ def build_trace(job_id: str, *, dp_rank, stage, rank, step, optype, start_ts, du
     """A TRACE_SCHEMA table from per-row numpy columns (optype as OPTYPES codes; seq_id derived),
     sorted by (step, dp_rank, stage, start_ts); n_ops: per row, < 0 for none; seq_lens: per row a
     list of sequence lengths or None; seconds: the optional float columns by name (data_wait,
-    gc_wait, idle_within, gc_within, step_entered, step_left, host_load: schemas/trace.py), per row; those not
+    gc_wait, idle_within, gc_within, step_entered, step_left, gc_tail, host_load: schemas/trace.py), per row; those not
     given (None: the trace records no such thing) are null."""
     dp_rank, stage, step, optype = (np.asarray(a, dtype=np.int64) for a in (dp_rank, stage, step, optype))
     start_ts, duration = np.asarray(start_ts, dtype=np.float64), np.asarray(duration, dtype=np.float64)

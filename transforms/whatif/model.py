@@ -121,6 +121,7 @@ class TraceColumns:
     gc_within: np.ndarray | None = None
     step_entered: np.ndarray | None = None
     step_left: np.ndarray | None = None
+    gc_tail: np.ndarray | None = None
     host_load: np.ndarray | None = None
 
     def __len__(self) -> int:
@@ -201,6 +202,7 @@ class JobModel:
     gc_within: np.ndarray | None = None    # [op, lane] seconds Python's collector ran inside the op (recorded, with gc_wait)
     step_entered: np.ndarray | None = None  # [op, lane] seconds after the step start its rank entered the step (CPU ranks)
     step_left: np.ndarray | None = None     # [op, lane] seconds after the step start its rank left the step (CPU ranks)
+    gc_tail: np.ndarray | None = None       # [op, lane] seconds the collector ran after its rank's last op of the step (recorded)
     worker_load: np.ndarray | None = None   # [dp_size, pp_size] threads per core on the worker's host (recorded; None: not)
 
     @property
@@ -431,6 +433,7 @@ def read_trace_columns(trace: pa.Table, job_id: str = "") -> TraceColumns:
     columns.gc_within = _whole_column(trace, "gc_within") if columns.gc_wait is not None else None
     columns.step_entered = _whole_column(trace, "step_entered")
     columns.step_left = _whole_column(trace, "step_left") if columns.step_entered is not None else None
+    columns.gc_tail = _whole_column(trace, "gc_tail") if columns.gc_wait is not None and columns.step_left is not None else None
     columns.host_load = _whole_column(trace, "host_load")
     columns.float32 = all(
         pa.types.is_float32(trace.schema.field(name).type)
@@ -600,6 +603,7 @@ def _compile(columns: TraceColumns, meta: JobMeta, job_id: str, structure_from: 
         gc_within=None if columns.gc_within is None else layout(columns.gc_within),
         step_entered=None if columns.step_entered is None else layout(columns.step_entered) - lane_start,
         step_left=None if columns.step_left is None else layout(columns.step_left) - lane_start,
+        gc_tail=None if columns.gc_tail is None else layout(columns.gc_tail),
         worker_load=None if columns.host_load is None else _worker_load(columns, dp_size, pp_size),
     )
     model.original_cost = _original_cost(model)

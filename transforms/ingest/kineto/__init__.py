@@ -61,7 +61,8 @@ The mapping (ARCHITECTURE.md, "Kineto mapping"):
   traced op (`idle_within`: a garbage collection or the OS mid-forward), and the collector's
   recorded time inside it (`gc_within`, with the trainer's GC record); per rank and step, where
   the rank entered and left it (`step_entered`, `step_left`: its ProfilerStep, or its rebuilt
-  iteration), so the time after its last op (a planned gc.collect()) is that step's;
+  iteration), so the time after its last op (a planned gc.collect()) is that step's, and the
+  recorded collections in that tail (`gc_tail`);
 - everything else that is communication or a label (collectives of other groups, those inside a
   pipeline's compute, unknown labels) is counted in source.unmapped.
 - clocks: a rank's times are `baseTimeNanoseconds` + ts; ranks of one host (`host_name`) share

@@ -415,12 +415,14 @@ def _assemble_cycle(ranks: Sequence[RankTrace], job_id: str, date: str, options:
         entered = by_rank[rank].step_start[position] + shift[rank]
         columns["step_entered"].append((entered - offsets[rank] - base) * 1e-6)
         columns["step_left"].append((by_rank[rank].step_end[position] + shift[rank] - offsets[rank] - base) * 1e-6)
+        columns["gc_tail"].append(_tail_collections(r, position, by_rank[rank], shift[rank])[position])
     if not any(t.data_loading is not None for t in analysed):
         del columns["data_wait"]
     if not all(by_rank[rank].gc_pauses is not None for rank in rows):   # the record says "none ran" only where kept
-        del columns["gc_wait"], columns["gc_within"]
+        del columns["gc_wait"], columns["gc_within"], columns["gc_tail"]
     if not all(by_rank[rank].main_busy is not None for rank in rows):   # CPU ranks: their threads ran the compute
         del columns["idle_within"], columns["step_entered"], columns["step_left"]
+        columns.pop("gc_tail", None)
     if not any(t.seq_lens is not None for t in analysed):
         del columns["seq_lens"]
     hosts = options.get("hosts")
@@ -574,6 +576,20 @@ def _host_load(by_rank: Mapping[int, Any], ranks: list[int], host_of: Mapping[in
         threads = (trace.host_threads or 1) if trace.device == "cpu" else 1
         load[rank] = local * threads / trace.host_cpus
     return load
+
+
+def _tail_collections(r: dict, position: np.ndarray, trace: RankTrace, shift: float) -> np.ndarray:
+    """Per step of a rank (its `steps`), seconds of its recorded garbage collections between the end
+    of its last op of the step and where it left the step (its ProfilerStep's end): a trainer's
+    planned gc.collect() after the optimizer. r: the rank's rows (µs on the job's clock, `shift`
+    after the rank's own), position: each row's index into the rank's steps. Zeros without a record."""
+    if trace.gc_pauses is None or not len(trace.gc_pauses) or not len(position):
+        return np.zeros(len(trace.steps))
+    last = np.full(len(trace.steps), -np.inf)
+    np.maximum.at(last, position, r["end"])
+    left = trace.step_end + shift
+    last = np.where(np.isfinite(last), last, left)   # a step without rows: an empty tail
+    return covered(np.minimum(last, left), left, *(trace.gc_pauses + shift).T) * 1e-6
 
 
 def _data_waits(start: np.ndarray, end: np.ndarray, loading: np.ndarray) -> np.ndarray:

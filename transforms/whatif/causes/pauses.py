@@ -165,22 +165,25 @@ def _step_tails(model: JobModel, ops: np.ndarray) -> tuple[np.ndarray, np.ndarra
     (`step_left`: its loop's prof.step() after the optimizer), its own untraced time (a planned
     gc.collect(), per-step callbacks) that no op of the step waits on; of that, the seconds inside
     DataLoader fetches and recorded collections, which the trace lays before the ops of the
-    worker's next profiled step ([start - wait, start], on the absolute clock)."""
+    worker's next profiled step ([start - wait, start], on the absolute clock); the collections as
+    the converter measured them in the tail (`gc_tail`) where the trace has that column (the last
+    profiled step has no next step to hold them)."""
     last = model.observed_end[ops].max(axis=0)
     left = np.maximum(model.step_left[ops].max(axis=0), last)
     tail = (left - last)[None, :]
     lane_start = np.repeat(np.asarray(model.step_start, dtype=np.float64), model.dp_size)   # lanes onto one clock
     covered = []
-    for waits in (model.data_wait, model.gc_wait):
+    for waits, measured in ((model.data_wait, None), (model.gc_wait, model.gc_tail)):
         part = np.zeros_like(tail)
-        if waits is not None and tail.any():
+        if measured is not None:   # the converter measured them in the tail
+            part[0] = measured[ops].max(axis=0)
+        elif waits is not None and tail.any():
             at, on = np.nonzero(waits[ops] > 0)
             if len(at):   # each worker's spans on its own timeline (its lanes, one after another)
                 ends = model.observed_start[ops[at], on] + lane_start[on]
                 part[0] = covered_grouped(model.lane_dp, last + lane_start, left + lane_start,
                                           model.lane_dp[on], ends - waits[ops[at], on], ends)
-            part = np.minimum(part, tail - sum(covered))
-        covered.append(part)
+        covered.append(np.minimum(part, tail - sum(covered)))
     return tail, covered[0], covered[1]
 
 
