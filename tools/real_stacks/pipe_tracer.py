@@ -28,8 +28,9 @@ manual frontend's stages hold the transformers layers themselves.  Or --dp-sync 
 stage.submod = DistributedDataParallel(stage.submod, process_group=dp group) after the PipelineStage
 is built (1f1b only; the tracer's stage reads submod.graph, which a DDP wrapper hides: see README).
 
-Slowdowns: fwd:R:F / bwd:R:F re-run a shadow copy of each local stage module (hooks on the original
-transformers layers never fire: the traced stage re-creates them as InterpreterModules); gc:R:N (first forward of
+Slowdowns: fwd:R:F / bwd:R:F re-run shadow copies of the local stages' decoder layers (the traced
+stage's InterpreterModules `layers.K`; hooks on the original transformers layers never fire: the
+traced stage re-creates them), whole re-runs spread over the layers (1.5x of 4 layers: 2 of them); gc:R:N (first forward of
 each step on the rank's first local stage); gcall:N; data:R:MS (every rank fetches each step's
 batch through a DataLoader inside the step); split:uneven (stage 0 gets 3x the decoder layers of
 every other stage: 6+2 layers for 2 stages, 6+2+2+2 for 4).
@@ -220,11 +221,13 @@ def main() -> None:
             stages.append(PipelineStage(mod, s, n_stages, torch.device("cpu"), group=pp_group))
         for s in range(n_stages):
             crossing[str(s)] = ["input_ids"] if s == 0 else ["h", "cos", "sin", "mask"]
-    shadows = [copy.deepcopy(st.submod) for st in stages] if (slow.fwd > 1 or slow.bwd > 1) else None
     slowdown = C.BlockSlowdown(slow.fwd, slow.bwd, slow.odd)
     if slowdown.fwd > 1 or slowdown.bwd > 1:
-        # install on the GraphModules themselves (hooks survive fully_shard, which only swaps the class)
-        slowdown.install([st.submod for st in stages], shadows)
+        # on each stage's decoder layers (tracer: the outlined InterpreterModules `layers.K`, called via
+        # call_module; manual: the LlamaDecoderLayers), so a fractional factor spreads over whole layer
+        # re-runs; hooks survive fully_shard, which only swaps the class
+        blocks = [layer for st in stages for layer in st.submod.layers.children()]
+        slowdown.install(blocks, [copy.deepcopy(b) for b in blocks])
     if dp > 1:
         if args.dp_sync == "fsdp2":
             from torch.distributed.fsdp import fully_shard
