@@ -1,6 +1,6 @@
 """Connected components of a graph given by node pairs: the one union-find of strag (the Kineto
 converter's rank layout, transforms/ingest/kineto/layout.py; the engine's check that every op is
-linked to an optimizer, transforms/whatif/model.py)."""
+linked to an optimizer, transforms/whatif/graph.py)."""
 from __future__ import annotations
 
 from collections.abc import Iterable

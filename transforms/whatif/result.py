@@ -42,7 +42,7 @@ class JobMeta:
     host_compute: the compute ran on the host CPU thread that also issues the job's send/recv
     (CPU training, e.g. torch on gloo; a converted trace whose source says device 'cpu'). That
     thread does one thing at a time, in program order, so a recv issued after the compute op
-    before the one it serves waits for that op (model._p2p_dependencies). False (GPU jobs, the
+    before the one it serves waits for that op (graph._p2p_dependencies). False (GPU jobs, the
     published traces): compute runs on a device stream and a recv may start under it.
 
     distinct_dp_collectives: the DP collectives were issued while the backward ran, one per
