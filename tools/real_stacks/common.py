@@ -226,8 +226,9 @@ REALIZED: dict[str, float] = {}   # fwd / bwd factor this process's BlockSlowdow
 
 
 def _spread(n_blocks: int, total: float) -> list[int]:
-    """Extra re-runs per block so that they add up to round(n_blocks * total): block i gets
-    floor((i+1)t) - floor(it) (fractional factors such as 1.5x spread over the blocks)."""
+    """Extra re-runs per block so that they add up to floor(n_blocks * total): block i gets
+    floor((i+1)t) - floor(it) (fractional factors such as 1.5x spread over the blocks; what
+    cannot be whole re-runs is dropped, and truth.json states the factor carried, REALIZED)."""
     return [math.floor((i + 1) * total + 1e-9) - math.floor(i * total + 1e-9) for i in range(n_blocks)]
 
 
