@@ -135,6 +135,16 @@ def test_rollup_rejects_a_date_published_twice(fleet):
         rollup_fleet(pa.concat_tables([day, day]))
 
 
+def test_rollup_rejects_a_date_missing_an_accumulator(fleet):
+    """Each period parses only the tables it rolls up (the weekly trend never reads the host or
+    position states); a date whose state lacks any table is still refused, naming the date."""
+    fn = FleetStatsFn()
+    day = state_rows(one_pass(fn, fleet[:5]), START)
+    partial = day.filter(pa.compute.not_equal(day["table"], "fleet_host"))
+    with pytest.raises(ValueError, match=rf"fleet_state of {START} lacks the accumulators of \['fleet_host'\]"):
+        rollup_fleet(partial)
+
+
 def test_summary_numbers_match_a_direct_computation(fleet):
     row = SummaryFn().extract_output(one_pass(SummaryFn(), fleet))[0]
     analysed = [f for f in fleet if f.status == "analysed"]

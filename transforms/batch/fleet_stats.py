@@ -736,11 +736,13 @@ class FleetStatsFn(beam.CombineFn):
 
 def fleet_tables(rows: Mapping[str, list[dict]], period: str, period_start: dt.date) -> dict[str, pa.Table]:
     """Arrow tables (schemas/fleet.py) of FleetStatsFn output for one period."""
-    out = {}
-    for name, schema in FLEET_TABLES.items():
-        body = [{"period": period, "period_start": period_start, **row} for row in rows.get(name, [])]
-        out[name] = pa.Table.from_pylist(body, schema=schema)
-    return out
+    return {name: period_table(name, rows.get(name, []), period, period_start) for name in FLEET_TABLES}
+
+
+def period_table(name: str, rows: list[dict], period: str, period_start: dt.date) -> pa.Table:
+    """The Arrow table (schemas/fleet.py) of one fleet table's rows for one period."""
+    return pa.Table.from_pylist([{"period": period, "period_start": period_start, **row} for row in rows],
+                                schema=FLEET_TABLES[name])
 
 
 def state_rows(accumulator: Mapping[str, _Tally], date: dt.date) -> pa.Table:
@@ -783,7 +785,10 @@ def rollup_fleet(states: pa.Table | Iterable[Mapping]) -> dict[str, pa.Table]:
         if row["table"] in slot:
             raise ValueError(f"fleet_state holds two accumulators of {row['table']} for {row['period_start']}")
         slot[row["table"]] = row["state_json"]
-    fn = FleetStatsFn()
+    for date, slot in by_date.items():
+        missing = set(FLEET_TABLES) - set(slot)
+        if missing:
+            raise ValueError(f"fleet_state of {date} lacks the accumulators of {sorted(missing)}: rerun `strag batch` for that date")
     out: dict[str, list[pa.Table]] = {name: [] for name in FLEET_TABLES}
     if not by_date:
         return {name: pa.Table.from_pylist([], schema=schema) for name, schema in FLEET_TABLES.items()}
@@ -792,12 +797,12 @@ def rollup_fleet(states: pa.Table | Iterable[Mapping]) -> dict[str, pa.Table]:
         groups: dict[dt.date, list[dt.date]] = {}
         for date in sorted(by_date):
             groups.setdefault(_period_start(period, date, first), []).append(date)
-        for start, dates in sorted(groups.items()):
-            wanted = [name for name in FLEET_TABLES if period in ROLLUP_PERIODS[name]]
-            merged = fn.merge_accumulators(FleetStatsFn.from_state(by_date[d]) for d in dates)
-            tables = fleet_tables(fn.extract_output(merged), period, start)
-            for name in wanted:
-                out[name].append(tables[name])
+        # only the tables this period rolls up: each state parsed and merged where it is wanted
+        # (the weekly and monthly trends need three small tables, not the spatial ones)
+        for fn in (fn for fn in _TABLE_FNS if period in ROLLUP_PERIODS[fn.table]):
+            for start, dates in sorted(groups.items()):
+                merged = fn.merge_accumulators(_Tally.from_state(json.loads(by_date[d][fn.table])) for d in dates)
+                out[fn.table].append(period_table(fn.table, fn.extract_output(merged), period, start))
     return {name: pa.concat_tables(parts) for name, parts in out.items()}
 
 
