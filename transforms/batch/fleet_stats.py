@@ -724,14 +724,20 @@ class FleetStatsFn(beam.CombineFn):
 
     @staticmethod
     def from_state(state: Mapping[str, str]) -> dict[str, _Tally]:
-        missing = set(FLEET_TABLES) - set(state)
-        if missing:
-            raise ValueError(f"fleet_state lacks the accumulators of {sorted(missing)}: rerun `strag batch` for that date")
+        _require_every_table(state)
         return {name: _Tally.from_state(json.loads(state[name])) for name in FLEET_TABLES}
 
 
 # ---------------------------------------------------------------------------
 # Tables, state rows, rollups
+
+
+def _require_every_table(state: Mapping[str, str], date: dt.date | None = None) -> None:
+    """Raise ValueError when a date's fleet_state lacks the accumulator of some fleet table."""
+    missing = set(FLEET_TABLES) - set(state)
+    if missing:
+        where = "" if date is None else f" of {date}"
+        raise ValueError(f"fleet_state{where} lacks the accumulators of {sorted(missing)}: rerun `strag batch` for that date")
 
 
 def fleet_tables(rows: Mapping[str, list[dict]], period: str, period_start: dt.date) -> dict[str, pa.Table]:
@@ -786,9 +792,7 @@ def rollup_fleet(states: pa.Table | Iterable[Mapping]) -> dict[str, pa.Table]:
             raise ValueError(f"fleet_state holds two accumulators of {row['table']} for {row['period_start']}")
         slot[row["table"]] = row["state_json"]
     for date, slot in by_date.items():
-        missing = set(FLEET_TABLES) - set(slot)
-        if missing:
-            raise ValueError(f"fleet_state of {date} lacks the accumulators of {sorted(missing)}: rerun `strag batch` for that date")
+        _require_every_table(slot, date)
     out: dict[str, list[pa.Table]] = {name: [] for name in FLEET_TABLES}
     if not by_date:
         return {name: pa.Table.from_pylist([], schema=schema) for name, schema in FLEET_TABLES.items()}
