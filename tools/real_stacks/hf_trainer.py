@@ -113,10 +113,12 @@ def main() -> None:
         return
     assert trainer.args.process_index == rank, (trainer.args.process_index, rank)
     print(f"rank {rank}: step ms {timer.ms}", flush=True)
-    try:
-        os.rmdir(os.path.join(args.out, "_hf_output"))
-    except OSError:
-        pass
+    trainer.accelerator.wait_for_everyone()   # every rank past the Trainer's own look into its output folder
+    if rank == 0:
+        try:
+            os.rmdir(os.path.join(args.out, "_hf_output"))
+        except OSError:
+            pass
     import transformers
 
     details = {
