@@ -1,5 +1,5 @@
 """A CPU rank's late arrival at a step, carried from its previous step (JobModel.carried_arrivals),
-and the physics that tells a slow link from a busy host (causes.detect._link_not_host); on real
+and the physics that tells a slow link from a busy host (causes.localise.link_not_host); on real
 runs of real stacks (tests/data/real_stacks)."""
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def test_nothing_is_carried_without_a_thread_per_rank_or_peers():
 def test_a_worker_whose_transfers_slow_with_its_compute_is_a_busy_host_not_a_slow_link():
     """A slow link slows a worker's transfers steadily, beyond their spread and beyond its compute."""
     from schemas.trace import OPTYPES
-    from transforms.whatif.causes.detect import _link_not_host
+    from transforms.whatif.causes.localise import link_not_host
 
     _, model = _job("lightning-clean-mlp-callback-s0-gcrec")
     comm = model.op_is_comm[:, None]
@@ -107,7 +107,7 @@ def test_a_worker_whose_transfers_slow_with_its_compute_is_a_busy_host_not_a_slo
     base = np.abs(model.original_cost) + 1e-3                # every transfer and compute a positive time
 
     def worker(cost) -> bool:
-        return _link_not_host(dataclasses.replace(model, original_cost=cost), [(1, 0)], 1.1, 0.01)
+        return link_not_host(dataclasses.replace(model, original_cost=cost), [(1, 0)], 1.1, 0.01)
 
     assert worker(np.where(comm & rank1, base * 4, base))                              # its transfers alone: a link
     assert not worker(np.where((comm | compute) & rank1, base * 4, base))               # everything alike: its host

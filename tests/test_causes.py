@@ -257,7 +257,7 @@ def test_a_stall_in_one_microbatch_every_step_blames_its_worker_and_its_fix_remo
     step's whole compute says, though its typical microbatch is not: the peer comparison takes the
     step's compute against its peers' when that is higher, and the repaired worker has no compute
     above its peers' median of the same compute, except where a GC pause is python-gc's to remove."""
-    from transforms.whatif.causes.detect import pair_signals
+    from transforms.whatif.causes.paired import pair_signals
     from transforms.whatif.causes.fixes import at_peer_speed
     from transforms.whatif.causes.signals import BACKWARD
 
@@ -299,7 +299,7 @@ def test_one_slow_chunk_at_the_usual_work_makes_a_stage_a_slow_machine():
     interleaved pp4 run (forward / backward ms, operations)."""
     import numpy as np
 
-    from transforms.whatif.causes.detect import _usual_work_slower
+    from transforms.whatif.causes.signals import usual_work_slower
     from transforms.whatif.causes.signals import ChunkWork
     from transforms.whatif.causes.verdict import CauseRules
 
@@ -311,12 +311,12 @@ def test_one_slow_chunk_at_the_usual_work_makes_a_stage_a_slow_machine():
     gc_paused = ChunkWork(chunks, ops, ops, np.array([4.70, 4.28, 4.35, 14.35, 4.47, 4.48, 4.31, 17.32]) * 1e-3, backward)
     ratio, speed = gc_paused.of([3, 7])
     assert ratio >= MORE_WORK and speed >= SLOWER_PACE   # the stage alone cannot tell
-    assert _usual_work_slower(np.array([3, 7]), gc_paused, MORE_WORK, SLOWER_PACE)
+    assert usual_work_slower(np.array([3, 7]), gc_paused, MORE_WORK, SLOWER_PACE)
     split_ops = ops.copy()
     split_ops[0] = 30
     uneven = ChunkWork(chunks, split_ops, split_ops, np.array([14.1, 4.28, 4.35, 4.4, 4.47, 4.48, 4.31, 6.9]) * 1e-3,
                        backward * split_ops / ops)
-    assert not _usual_work_slower(np.array([0, 4]), uneven, MORE_WORK, SLOWER_PACE)
+    assert not usual_work_slower(np.array([0, 4]), uneven, MORE_WORK, SLOWER_PACE)
 
 
 @pytest.mark.parametrize("pace, dropped", [((0.8, 1.2), True), ((0.95, 1.05), False), ((0.9, 1.12), False)])
@@ -397,7 +397,7 @@ def test_a_step_whose_transfers_and_compute_slowed_alike_is_the_host_s_not_the_n
     """Communication localised to a step needs its transfers slowed beyond its compute: one step of
     a clean job with every transfer 3x is a flapping link; the same step with its compute 3x too is
     the host's contention (CPU ranks, gloo transfers are CPU work), not the network's."""
-    from transforms.whatif.causes.detect import _comm_localised
+    from transforms.whatif.causes.localise import comm_localised
     from transforms.whatif.causes.sequences import BACKWARD, FORWARD
 
     job = generate_job(JobSpec(job_id="cl", dp=4, pp=2, microbatches=4, steps=6, sessions=1, seed=5))
@@ -414,9 +414,9 @@ def test_a_step_whose_transfers_and_compute_slowed_alike_is_the_host_s_not_the_n
         return out
 
     link, host = scaled(model.op_is_comm), scaled(model.op_is_comm | compute)
-    assert _comm_localised(link, {}, 0.01, floor=1.1)
+    assert comm_localised(link, {}, 0.01, floor=1.1)
     evidence = {}
-    assert not _comm_localised(host, evidence, 0.01, floor=1.1) and evidence["comm_localised"] is False
+    assert not comm_localised(host, evidence, 0.01, floor=1.1) and evidence["comm_localised"] is False
 
 
 def test_the_sequence_signature_is_a_test_at_the_false_alarm_rate_not_a_fixed_r():
@@ -425,7 +425,7 @@ def test_the_sequence_signature_is_a_test_at_the_false_alarm_rate_not_a_fixed_r(
     correlation is p 0, none or no degrees of freedom p 1."""
     import math
 
-    from transforms.whatif.causes.detect import correlation_p
+    from transforms.whatif.causes.paired import correlation_p
 
     def t_tail(t: float, df: int) -> float:   # midpoint rule over Student's t density, to 50
         c = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2))

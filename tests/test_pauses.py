@@ -265,7 +265,8 @@ def test_compute_that_follows_the_recorded_lengths_is_the_sequence_signature():
     same compute given to the other rank of each step (against its data) reads no correlation."""
     from transforms.whatif import analyze_model
     from transforms.whatif.causes import sequence_workload
-    from transforms.whatif.causes.detect import _signals, _workload_fit
+    from transforms.whatif.causes.detect import _signals
+    from transforms.whatif.causes.paired import workload_fit
     from transforms.whatif.causes.signals import take
     from transforms.whatif.causes.verdict import CauseRules
 
@@ -275,11 +276,11 @@ def test_compute_that_follows_the_recorded_lengths_is_the_sequence_signature():
     load = take(workload.op_workload, signals.forward)
     for ops in (signals.forward, signals.backward):
         np.put_along_axis(model.original_cost, ops, 1e-7 * load, axis=0)
-    assert _workload_fit(model, signals.forward, signals.backward, signals.gc, workload)[0] == pytest.approx(1.0)
+    assert workload_fit(model, signals.forward, signals.backward, signals.gc, workload)[0] == pytest.approx(1.0)
     swapped = load.reshape(len(load), model.n_steps, model.dp_size)[:, :, ::-1].reshape(load.shape)
     for ops in (signals.forward, signals.backward):
         np.put_along_axis(model.original_cost, ops, 1e-7 * swapped, axis=0)
-    assert _workload_fit(model, signals.forward, signals.backward, signals.gc, workload)[0] < 0.5
+    assert workload_fit(model, signals.forward, signals.backward, signals.gc, workload)[0] < 0.5
 
 
 def _strip_gc_record(run: str, into: pathlib.Path) -> pathlib.Path:
@@ -428,7 +429,7 @@ def test_a_sequence_signature_short_of_significance_says_how_many_microbatches_w
     """HF Trainer, dynamic padding, one microbatch per rank and step, 3 steps: compute follows the
     batches' tokens (r ~0.7 over 6 microbatches) but not at 1%; the insufficient-evidence verdict
     says so and how many more microbatches the same r would need (recomputed here)."""
-    from transforms.whatif.causes.detect import correlation_p
+    from transforms.whatif.causes.paired import correlation_p
 
     verdict, _ = _verdict("hf-seq-gpt2-padded")
     assert verdict.cause == "insufficient-evidence"

@@ -71,14 +71,17 @@ measured on clean real runs only), shares of the straggling threshold (what a ca
 remove or cost), and physical signatures with their stated margins where no replay confirms them.
 The sequence signature is a test too: compute following the data (forward against backward of a
 microbatch, or compute against its recorded tokens), each correlation against Student's t with its
-degrees of freedom, at the false-alarm rate (`detect.correlation_p`). Its fix, where the lengths are
+degrees of freedom, at the false-alarm rate (`paired.correlation_p`). Its fix, where the lengths are
 recorded, moves work and never noise: each microbatch rescaled to its step's mean workload by a
 cost line bounded by physics (fixed cost >= 0, cost growing with the work), so no duration moves
 further than its workload does (`sequences.balanced_sequences`). Modules: workers (the worker
 test), jitter (the null of S), pauses (untraced time: gaps, data loading, pauses), untraced
 (untraced-cpu and python-gc from pauses), signals (pairs, peer pace, chunk balance, GPU GC stalls),
-sequences, fixes, detect (classify: signals -> one batched replay -> candidates -> listing ->
-verdict), explain (sentences), verdict (dataclasses, the job_cause row). Words: schemas/causes.py.
+paired (what the pairs say before any fix: the worker test's findings, the sequence correlations),
+sequences, fixes, localise (where straggling and slow transfers sit, link or host), measured
+(verdicts from measurements alone: discarded windows, insufficient evidence), detect (classify:
+signals -> one batched replay -> candidates -> listing -> verdict), explain (sentences), verdict
+(dataclasses, the job_cause row). Words: schemas/causes.py.
 """
 from __future__ import annotations
 

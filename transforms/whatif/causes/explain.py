@@ -229,7 +229,7 @@ def insufficient_sentence(slowdown: float, test: dict, evidence: dict | None = N
     evidence = evidence or {}
     parts = []
     crowded = evidence.get("untraced_crowded")
-    if crowded:   # untraced-cpu's worker on an oversubscribed host (detect._crowded_untraced)
+    if crowded:   # untraced-cpu's worker on an oversubscribed host (measured.crowded_untraced)
         c = crowded[0]
         parts.append(f"worker dp {c['dp_rank']} / stage {c['stage']} (rank {c['rank']}) spends {100 * c['excess']:.0f}% of "
                      f"a step more untraced time than its peers, but its host ran {c['host_load']:.1f} of the job's threads "

@@ -13,7 +13,8 @@ from transforms.whatif.causes.sequences import BACKWARD, FORWARD
 
 __all__ = ["pairs", "take", "pearson", "within_group_normalised", "margin", "peer_median", "nanmedian", "PeerComparison",
            "peer_comparison", "ChunkBalance", "chunk_balance", "GcStalls", "gc_stalls", "whole_forward", "whole_backward",
-           "pieces_sum", "piece_rows", "counted_pieces", "microbatch_key"]
+           "pieces_sum", "piece_rows", "counted_pieces", "microbatch_key", "ChunkWork", "chunk_work",
+           "slow_stages", "usual_work_slower"]
 
 
 def pairs(model: JobModel) -> tuple[np.ndarray, np.ndarray]:
@@ -375,3 +376,22 @@ def chunk_work(trace, model: JobModel) -> ChunkWork | None:
     return ChunkWork(chunks, per_microbatch(n_ops, forward, forward), per_microbatch(n_ops, backward, kind == BACKWARD),
                      per_microbatch(seconds, forward, forward), per_microbatch(seconds, backward, kind == BACKWARD),
                      paces)
+
+
+def usual_work_slower(chunks: np.ndarray, work: ChunkWork, more: float, slower: float) -> bool:
+    """Whether one of these chunks runs its usual amount of work (< `more` the median) at >= `slower`
+    the median pace."""
+    return any(speed >= slower and ratio < more for ratio, speed in (work.of([int(g)]) for g in chunks.tolist()))
+
+
+def slow_stages(model: JobModel, work: ChunkWork, more: float, slower: float) -> list[int]:
+    """Pipeline stages whose chunks run their usual amount of work (< `more` the median) at
+    >= `slower` the median pace, or one of whose chunks does: machines slower than the others
+    (one DP rank: no peers)."""
+    out = []
+    for p in range(model.pp_size):
+        chunks = distinct(model.op_gmc[(model.op_stage == p) & np.isin(model.op_optype, (FORWARD, BACKWARD))])
+        ratio, speed = work.of(chunks.tolist())
+        if speed >= slower and (ratio < more or usual_work_slower(chunks, work, more, slower)):
+            out.append(p)
+    return out
