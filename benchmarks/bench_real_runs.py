@@ -39,6 +39,9 @@ The discrepancy scored is the one that decides whether the window is kept (`repl
 what ran over the model's replay, which gives back the untraced CPU time of workers the root-cause
 analysis names, transforms/whatif/result.py UntracedWork); METHOD.md's own (observed over the
 no-delay replay, `launch_slowdown`) is shown beside it, with the share within 5% by that rule.
+
+A folder holding exactly the runs of a frozen matrix (tools/real_stacks/first-reads.json) gets that
+matrix's first-read score printed beside the current one.
 """
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ STRAG = [sys.executable, "-m", "pipelines.cli"]
 SEVERE = 1.5      # "runs slowed by >= 1.5x"
 PAUSE_KINDS = {"send", "allreduce", "gc", "gcin", "gcend", "sleep", "data"}   # sized by the generator to >= 1.5x the rank's compute
 INSUFFICIENT = "insufficient-evidence"
+FIRST_READS = ROOT / "tools" / "real_stacks" / "first-reads.json"   # frozen matrices' first-read scores (issue 35, 4d)
 
 __all__ = ["find_runs", "analyse_run", "score", "main"]
 
@@ -386,6 +390,31 @@ def _strict_report(strict: dict) -> str:
     return "\n".join(lines)
 
 
+def first_read(rows: list[dict], record_file: pathlib.Path = FIRST_READS) -> dict | None:
+    """The first-read record (first-reads.json) of the frozen matrix whose runs are exactly the
+    scored ones, None when they are not one frozen matrix's runs."""
+    if not record_file.exists():
+        return None
+    scored = {r["run"] for r in rows}
+    for record in json.loads(record_file.read_text())["reads"]:
+        matrix = json.loads((record_file.parent / record["matrix"]).read_text())
+        if scored == {run["name"] for run in matrix}:
+            return record
+    return None
+
+
+def _first_read_report(record: dict, scores: dict, strict: dict) -> str:
+    """The frozen matrix's first read beside the current score, figure by figure."""
+    def pair(value) -> str:
+        return f"{value[0]} / {value[1]}"
+
+    lines = [f"frozen corpus {record['matrix']}: first read {record['date']} (code {record['code']}) beside now"]
+    lines.append(f"  {'strict':<20} first {pair(record['strict']):<8}   now {pair(strict['right'])}")
+    for name, first in record["scores"].items():
+        lines.append(f"  {name:<20} first {pair(first):<8}   now {pair(scores[name])}")
+    return "\n".join(lines)
+
+
 def _table(rows: list[dict]) -> str:
     head = f"{'run':<44} {'truth':<28} {'S':>6} {'disc':>6} {'verdict':<24} {'blamed':<10} ok"
     lines = [head, "-" * len(head)]
@@ -476,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
             for lo, hi, n, right, mean in table:
                 print(f"    [{lo:.2f}, {hi:.2f}{']' if hi >= 1.0 else ')'}  {n:>3} verdicts, mean confidence {mean:.2f}, "
                       f"right {right} / {n} = {right / n:.0%}")
+    record = first_read(rows)
+    if record is not None:
+        print(_first_read_report(record, scores, strict))
     if args.json:
         args.json.write_text(json.dumps({"rows": [{k: v for k, v in r.items() if k != 'truth'} for r in rows],
                                          "scores": scores, "strict": strict, "reliability": reliability(rows),

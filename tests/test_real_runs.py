@@ -136,6 +136,23 @@ def test_strict_scores_hold_each_run_to_its_one_expected_cause():
     assert strict["clean_below_1.1"] == (1, 2)
 
 
+def test_a_frozen_matrix_s_runs_get_its_first_read_printed_beside_the_current_score(tmp_path):
+    """Issue 35, 4d: the committed first-read record of a frozen matrix is found for a folder holding
+    exactly that matrix's runs (a subset or another corpus has none) and printed figure by figure."""
+    matrix = json.loads((ROOT / "tools" / "real_stacks" / "frozen2-matrix.json").read_text())
+    rows = [{"run": run["name"]} for run in matrix]
+    record = bench.first_read(rows)
+    assert record is not None and record["matrix"] == "frozen2-matrix.json"
+    assert record["strict"][1] == len(matrix) and record["scores"]["refused"][1] == len(matrix)
+    assert bench.first_read(rows[1:]) is None and bench.first_read([{"run": "elsewhere"}]) is None
+    scores = {name: (value[0] + 1, value[1]) for name, value in record["scores"].items()}
+    report = bench._first_read_report(record, scores, {"right": (record["strict"][0] + 2, len(matrix))})
+    first, now = record["strict"][0], record["strict"][0] + 2
+    assert f"first {first} / {len(matrix)}" in report and f"now {now} / {len(matrix)}" in report
+    assert report.count("   now ") == 1 + len(record["scores"])
+    assert bench.first_read(rows, tmp_path / "none.json") is None
+
+
 def test_the_gc_counterfactual_compares_the_pause_fix_with_the_run_s_record_of_its_collections(tmp_path):
     """Measured: the longest collect of each profiled step over the job's wall time per step (each
     rank's mean profiled step, the last active step left out as it also holds the trace's export;
