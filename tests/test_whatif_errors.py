@@ -175,6 +175,35 @@ def test_rank_outside_the_meta(st):
     assert error.dp_rank == 1 and "dp_size=1" in error.message
 
 
+def test_a_worker_recorded_under_two_global_ranks(st):
+    """One worker's rows name another rank in one later step (a run of rows of its own): the check
+    that reads one row per run still finds it and names the worker and both ranks."""
+    frame, meta = st
+    mutated = frame.copy()
+    worker = (mutated.dp_rank == 1) & (mutated.stage == 2)
+    usual = int(mutated.loc[worker, "rank"].iloc[0])
+    mutated.loc[worker & (mutated.step == 514), "rank"] = usual + 40
+    error = raises(TraceStructureError, mutated, meta)
+    assert (error.dp_rank, error.stage) == (1, 2)
+    assert f"{usual}..{usual + 40}" in error.message
+
+
+def test_float64_times_are_float32_only_when_every_value_is():
+    """Published-format times widened to float64 keep the reference's float32 arithmetic; a column
+    is float32 only when every value is, however far into it the first wide one sits."""
+    import numpy as np
+
+    from transforms.whatif.model import _float32_exact
+
+    narrow = np.arange(10_000, dtype=np.float32).astype(np.float64) * np.float32(0.001)
+    assert _float32_exact(narrow.astype(np.float32).astype(np.float64))
+    late = narrow.astype(np.float32).astype(np.float64)
+    late[9_000] += 1e-12                                   # past the sample of the first values
+    early = narrow.astype(np.float32).astype(np.float64)
+    early[3] += 1e-12
+    assert not _float32_exact(late) and not _float32_exact(early)
+
+
 def test_negative_duration(st):
     frame, meta = st
     mutated = frame.copy()

@@ -397,8 +397,7 @@ def read_trace_columns(trace: pa.Table, job_id: str = "") -> TraceColumns:
     columns.gc_tail = _whole_column(trace, "gc_tail") if columns.gc_wait is not None and columns.step_left is not None else None
     columns.host_load = _whole_column(trace, "host_load")
     columns.float32 = all(
-        pa.types.is_float32(trace.schema.field(name).type)
-        or bool((values.astype(np.float32).astype(np.float64) == values).all())
+        pa.types.is_float32(trace.schema.field(name).type) or _float32_exact(values)
         for name, values in (("start_ts", columns.start), ("duration", columns.duration))
     )
     bad = ~(np.isfinite(columns.start) & np.isfinite(columns.duration)) | (columns.duration < 0)
@@ -410,6 +409,16 @@ def read_trace_columns(trace: pa.Table, job_id: str = "") -> TraceColumns:
             **_row_context(columns, row),
         ).with_context(job_id=job_id)
     return columns
+
+
+def _float32_exact(values: np.ndarray, sample: int = 4096) -> bool:
+    """Whether every value is a float32 number (a published-format trace widened to float64): the
+    first `sample` values decide "no" without converting the whole column, as they do on traces
+    recorded in float64."""
+    head = values[:sample]
+    if not (head.astype(np.float32).astype(np.float64) == head).all():
+        return False
+    return bool((values.astype(np.float32).astype(np.float64) == values).all())
 
 
 def column_values(column: pa.ChunkedArray) -> np.ndarray:
@@ -656,15 +665,24 @@ def _worker_load(columns: TraceColumns, dp_size: int, pp_size: int) -> np.ndarra
 
 def _worker_ranks(columns: TraceColumns, dp_size: int, pp_size: int) -> np.ndarray:
     """[dp_size, pp_size] global rank of each worker; raises when a worker has several."""
-    worker = columns.dp_rank.astype(np.int32 if dp_size * pp_size < 2**31 else np.int64) * pp_size + columns.stage
+    # rows come in runs of one (dp_rank, stage, rank), a file or rank at a time: the first row of
+    # each run stands for the run, so the check reads one row per run, not every row
+    dp_rank, stage, ranks = columns.dp_rank, columns.stage, columns.rank
+    heads = np.ones(len(ranks), dtype=bool)
+    np.not_equal(dp_rank[1:], dp_rank[:-1], out=heads[1:])
+    heads[1:] |= stage[1:] != stage[:-1]
+    heads[1:] |= ranks[1:] != ranks[:-1]
+    heads = np.flatnonzero(heads)
+    worker = dp_rank[heads].astype(np.int64) * pp_size + stage[heads]
+    ranks = ranks[heads].astype(np.int64)
     rank = np.zeros(dp_size * pp_size, dtype=np.int64)
-    rank[worker] = columns.rank            # any row's rank; then check that every row agrees
-    if (rank[worker] == columns.rank).all():
+    rank[worker] = ranks                   # any row's rank; then check that every row agrees
+    if (rank[worker] == ranks).all():
         return rank.reshape(dp_size, pp_size)
     low = np.full(dp_size * pp_size, np.iinfo(np.int64).max)
     high = np.full(dp_size * pp_size, np.iinfo(np.int64).min)
-    np.minimum.at(low, worker, columns.rank)
-    np.maximum.at(high, worker, columns.rank)
+    np.minimum.at(low, worker, ranks)
+    np.maximum.at(high, worker, ranks)
     if (low != high).any():
         bad = int(np.flatnonzero(low != high)[0])
         raise TraceStructureError(

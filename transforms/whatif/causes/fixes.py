@@ -8,6 +8,7 @@ import numpy as np
 from transforms.whatif.causes.sequences import BACKWARD, FORWARD
 from transforms.whatif.causes.signals import GcStalls, PeerComparison, counted_pieces, peer_median, piece_rows
 from transforms.whatif.model import WGT, JobModel, distinct, median
+from transforms.whatif.replay import Mix
 from schemas.trace import OPTYPES
 
 __all__ = ["at_peer_speed", "at_balance", "rebalanced_stages", "without_pauses", "planned_gc_seconds", "compose"]
@@ -67,16 +68,17 @@ def at_balance(model: JobModel, findings) -> np.ndarray:
     return cost
 
 
-def typical_transfers(model: JobModel) -> np.ndarray:
+def typical_transfers(model: JobModel) -> Mix:
     """Cost with every transfer at its own typical time: the median of that op (same type, stage,
     chunk and place in the step) over the steps and DP ranks. A flapping or slow link is fixed;
     transfers that differ by design (DDP buckets of different sizes, the exposed tail of the last
-    bucket) are not counted as slow communication."""
-    cost = model.original_cost.copy()
-    comm = np.flatnonzero(model.op_is_comm)
-    if len(comm):
-        cost[comm] = median(cost[comm], axis=1, keepdims=True)
-    return cost
+    bucket) are not counted as slow communication. A Mix of the original cost and one typical time
+    per op (no copy of the [op, lane] cost)."""
+    comm = model.op_is_comm
+    typical = np.zeros((model.n_ops, 1))
+    if comm.any():
+        typical[comm] = median(model.original_cost[comm], axis=1, keepdims=True)
+    return Mix(model.original_cost, typical, comm[:, None])
 
 
 def rebalanced_stages(model: JobModel) -> np.ndarray:

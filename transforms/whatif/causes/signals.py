@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 
 import numpy as np
 
@@ -95,8 +96,23 @@ def counted_pieces(model: JobModel, code: int) -> tuple[int, ...]:
 
 def pieces_sum(model: JobModel, rows: np.ndarray, codes: tuple[int, ...], cost: np.ndarray | None = None) -> np.ndarray:
     """[k, lane]: cost[rows[k, lane], lane] plus the cost of every other op of the `codes` types of
-    the same (stage, chunk, microbatch) in that lane; the ops' own costs where there are none."""
+    the same (stage, chunk, microbatch) in that lane; the ops' own costs where there are none.
+    Read-only: the signals of one job ask for the same sums several times (peer comparison, chunk
+    balance, GC stalls), so each is computed once per (rows, codes, cost) array and kept on the model
+    while those arrays live."""
     cost = model.original_cost if cost is None else cost
+    memo = model.__dict__.setdefault("_pieces_sums", {})
+    key = (id(rows), codes, id(cost))
+    known = memo.get(key)
+    if known is not None and known[0]() is rows and known[1]() is cost:
+        return known[2]
+    out = _pieces_sum(model, rows, codes, cost)
+    out.flags.writeable = False
+    memo[key] = (weakref.ref(rows), weakref.ref(cost), out)
+    return out
+
+
+def _pieces_sum(model: JobModel, rows: np.ndarray, codes: tuple[int, ...], cost: np.ndarray) -> np.ndarray:
     out = take(cost, rows)
     extra = np.flatnonzero(np.isin(model.op_optype, codes)) if codes else np.zeros(0, np.int64)
     if not len(extra) or not len(rows):
@@ -166,6 +182,8 @@ def peer_median(values: np.ndarray) -> np.ndarray:
     Needs at least 2 elements on the last axis, NaN-free. One sort: the j-th smallest of the
     others is sorted[j] when the element itself is above sorted[j], else sorted[j + 1] (an
     element equal to sorted[j] either sits at or below j, or sorted[j + 1] equals sorted[j])."""
+    if values.shape[-1] == 2:   # one other: itself (0.5 * (x + x) is x)
+        return values[..., ::-1].copy()
     ordered = np.sort(values, axis=-1)
     others = values.shape[-1] - 1
 
