@@ -252,6 +252,25 @@ def test_signals_computed_beside_the_analysis_give_the_same_verdict(name, analys
     assert list(threaded.evidence) == list(verdict.evidence)
 
 
+def test_sums_of_pieces_of_the_original_cost_are_computed_once_per_job_and_read_only():
+    """The signals ask for the same forward sums several times: the second answer is the first
+    (read-only, equal to a fresh sum); sums over another cost are computed each time."""
+    from transforms.whatif.causes.signals import FORWARD, _pieces_sum, pairs, pieces_sum, whole_forward
+
+    job = generate_job(JobSpec(job_id="memo", dp=2, pp=2, microbatches=4, steps=6, sessions=1, seed=5))
+    model = compile_job(job.trace, job.meta, "memo")
+    forward, _ = pairs(model)
+    first = whole_forward(model, forward)
+    assert whole_forward(model, forward) is first and not first.flags.writeable
+    np.testing.assert_array_equal(first, _pieces_sum(model, forward, (FORWARD,), model.original_cost))
+    doubled = 2 * model.original_cost
+    other = pieces_sum(model, forward, (FORWARD,), doubled)
+    assert other is not pieces_sum(model, forward, (FORWARD,), doubled) and other.flags.writeable
+    np.testing.assert_allclose(other, 2 * first)
+    again, _ = pairs(model)                     # new rows: a sum of their own
+    assert whole_forward(model, again) is not first
+
+
 def test_a_stall_in_one_microbatch_every_step_blames_its_worker_and_its_fix_removes_it():
     """A worker that stalls in one backward every step (a pause in a gradient hook) is as slow as its
     step's whole compute says, though its typical microbatch is not: the peer comparison takes the

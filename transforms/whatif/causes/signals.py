@@ -97,18 +97,18 @@ def counted_pieces(model: JobModel, code: int) -> tuple[int, ...]:
 def pieces_sum(model: JobModel, rows: np.ndarray, codes: tuple[int, ...], cost: np.ndarray | None = None) -> np.ndarray:
     """[k, lane]: cost[rows[k, lane], lane] plus the cost of every other op of the `codes` types of
     the same (stage, chunk, microbatch) in that lane; the ops' own costs where there are none.
-    Read-only: the signals of one job ask for the same sums several times (peer comparison, chunk
-    balance, GC stalls), so each is computed once per (rows, codes, cost) array and kept on the model
-    while those arrays live."""
-    cost = model.original_cost if cost is None else cost
+    Of the original cost, read-only: the signals of one job ask for the same sums several times
+    (peer comparison, chunk balance, GC stalls), so each is computed once per (rows, codes) and
+    kept on the model while `rows` lives (a compiled model's original cost never changes in place)."""
+    if cost is not None and cost is not model.original_cost:
+        return _pieces_sum(model, rows, codes, cost)
     memo = model.__dict__.setdefault("_pieces_sums", {})
-    key = (id(rows), codes, id(cost))
-    known = memo.get(key)
-    if known is not None and known[0]() is rows and known[1]() is cost:
+    known = memo.get((id(rows), codes))
+    if known is not None and known[0]() is rows and known[1] is model.original_cost:
         return known[2]
-    out = _pieces_sum(model, rows, codes, cost)
+    out = _pieces_sum(model, rows, codes, model.original_cost)
     out.flags.writeable = False
-    memo[key] = (weakref.ref(rows), weakref.ref(cost), out)
+    memo[(id(rows), codes)] = (weakref.ref(rows), model.original_cost, out)
     return out
 
 
