@@ -78,7 +78,8 @@ from transforms.batch.analyze_jobs import AnalyzeJobs
 from transforms.batch.commit import CommitConfig, CommitTables, commit_pending, complete_pending
 from transforms.batch.convert_raw import DEFAULT_FANOUT_RANKS, ConvertRawRanks, fan_out
 from transforms.batch.elements import TableFragment
-from transforms.batch.fleet_stats import AggregateFleet, fleet_rollup_tables
+from transforms.batch.fleet_stats import AggregateFleet
+from transforms.batch.rollups import fleet_rollup_tables
 from transforms.io.lake import LakeError, check_lake, list_jobs
 from transforms.batch.match import MatchJobs, date_range
 

@@ -331,7 +331,7 @@ _SORT_KEYS: dict[str, tuple[str, ...]] = {
 
 # Everything this module's tables need to be published by the batch commit step
 # (transforms/batch/commit.py): daily partitions, their states, the per-job verdicts, and the
-# unpartitioned rollups (rebuilt by a commit finalizer, transforms.batch.fleet_stats.fleet_rollup_tables).
+# unpartitioned rollups (rebuilt by a commit finalizer, transforms.batch.rollups.fleet_rollup_tables).
 FLEET_TABLE_SPECS: dict[str, TableSpec] = {
     spec.name: spec
     for spec in (

@@ -21,7 +21,8 @@ from schemas.fleet import FLEET_TABLE_SPECS, JOB_CAUSE_SCHEMA
 from schemas.tables import BATCH_TABLES
 from transforms.batch.commit import CommitConfig, CommitTables
 from transforms.batch.elements import JobOutcome, JobStats
-from transforms.batch.fleet_stats import AggregateFleet, fleet_rollup_tables
+from transforms.batch.fleet_stats import AggregateFleet
+from transforms.batch.rollups import fleet_rollup_tables
 
 START = dt.date(2024, 3, 4)  # a Monday
 OPTYPES = ("forward-compute", "backward-compute", "forward-pp-comm", "backward-pp-comm", "params-all-gather", "grads-reduce-scatter", "optimizer")

@@ -72,7 +72,7 @@ def test_report_reads_the_published_rollups_which_merge_every_dates_state(tables
     """The report recomputes nothing: its fleet frames are the fleet_*_rollup tables, and those
     equal the rollups rebuilt here from the published fleet_state of every date."""
     from schemas.tables import read_table
-    from transforms.batch.fleet_stats import rollup_fleet
+    from transforms.batch.rollups import rollup_fleet
 
     rebuilt = rollup_fleet(read_table(str(tables), "fleet_state"))
     assert set(data.fleet) == set(rebuilt)

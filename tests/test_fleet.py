@@ -14,19 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from schemas.fleet import CAUSES, FLEET_TABLES, HISTOGRAM_BIN_WIDTH
-from transforms.batch.fleet_stats import (
-    CauseFn,
-    CoverageFn,
-    FleetStatsFn,
-    HostFn,
-    JobFacts,
-    SummaryFn,
-    fleet_tables,
-    job_facts_from_tables,
-    rollup_fleet,
-    state_rows,
-    window_facts,
-)
+from transforms.batch.fleet_stats import CauseFn, CoverageFn, FleetStatsFn, HostFn, SummaryFn, fleet_tables, state_rows
+from transforms.batch.job_facts import JobFacts, job_facts_from_tables, window_facts
+from transforms.batch.rollups import rollup_fleet
 from fleet_tables_fixture import random_outcomes
 
 START = dt.date(2024, 1, 1)

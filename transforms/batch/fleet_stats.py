@@ -1,6 +1,6 @@
 """Fleet statistics: exact, mergeable CombineFns over per-job results (METHOD.md section 6).
 
-In: one `JobFacts` per job window (what the per-job tables say about one job on one
+In: one `JobFacts` per job window (job_facts.py: what the per-job tables say about one job on one
 date: its status, S, per-step S, per-optype S_t, per-worker S_w with hosts, and the
 root-cause verdict). Out: the fleet tables of schemas/fleet.py.
 
@@ -11,27 +11,25 @@ sums are fixed-point (GPU-hours in micro-GPU-hours, ratios in 1e-9), distributio
 sparse integer histograms of bin width HISTOGRAM_BIN_WIDTH, and distinct jobs are sets.
 Merging is then associative and commutative to the last bit, and the accumulators
 serialise to deterministic JSON (`fleet_state`), from which weekly, monthly and
-all-dates rollups are rebuilt without reading a single trace (`rollup_fleet`).
+all-dates rollups are rebuilt without reading a single trace (rollups.py).
 
 Where the tables are computed:
 - per date, in the batch pipeline: `AggregateFleet` = CombinePerKey(date, FleetStatsFn),
   writing each daily table and the day's serialised accumulators;
-- across dates, by `rollup_fleet` (called by `strag report` and after the batch commit):
+- across dates, by `rollups.rollup_fleet` (called by `strag report` and after the batch commit):
   it merges the `fleet_state` rows of all dates with the same CombineFns.
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
 import datetime as dt
 import json
 import math
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from schemas.fleet import (
     CAUSES,
@@ -41,15 +39,12 @@ from schemas.fleet import (
     FLEET_TABLES,
     HISTOGRAM_BIN_WIDTH,
     OPTYPE_CATEGORIES,
-    rollup_table,
 )
 from schemas.tables import KEPT_BY_MODEL
-from transforms.whatif.result import STRAGGLING_THRESHOLD, discrepancy_discards
+from transforms.batch.job_facts import STATUSES, JobFacts, as_facts
+from transforms.whatif.result import STRAGGLING_THRESHOLD
 
 __all__ = [
-    "JobFacts",
-    "job_facts_from_tables",
-    "window_facts",
     "FleetStatsFn",
     "SummaryFn",
     "DistributionFn",
@@ -61,124 +56,17 @@ __all__ = [
     "CoverageFn",
     "AggregateFleet",
     "fleet_tables",
+    "period_table",
     "state_rows",
-    "rollup_fleet",
-    "fleet_rollup_tables",
-    "ROLLUP_PERIODS",
+    "Tally",
+    "TABLE_FNS",
+    "require_every_table",
 ]
 
 _BINS_PER_UNIT = round(1 / HISTOGRAM_BIN_WIDTH)
 _RATIO_SCALE = 10**9      # fixed-point unit of S, S_t, S_w sums: 1e-9
 _HOURS_SCALE = 10**6      # fixed-point unit of GPU-hours: 1e-6 GPU-hour
 _MOMENT_SCALE = 10**6     # fixed-point unit of the correlation's x = log2(GPUs) and y = S
-
-STATUSES = ("analysed", "discarded", "quarantined")
-
-
-@dataclasses.dataclass(frozen=True)
-class JobFacts:
-    """What the fleet statistics need from one job window.
-
-    status: "analysed" (kept for statistics), "discarded" (replay off by more than 5% either way) or
-    "quarantined" (bad input, failed analysis); `reason` says why for the latter two.
-    gpu_hours: GPUs x wall-clock hours of the window. slowdown: S (NaN unless analysed);
-    slowdown_method, kept_by: METHOD.md's S beside it, and which rule kept the window.
-    step_slowdown: S_s per sampled step. optype_slowdown: S_t per attributed optype (empty
-    when S < 1.03). Worker arrays are aligned, one entry per (dp_rank, stage) worker;
-    worker_slowdown is S_w (NaN when not attributed). cause/causes/implicated_hosts come
-    from the root-cause verdict; savings_gpu_hours from the replay of its fix.
-    """
-
-    job_id: str
-    date: dt.date
-    status: str
-    reason: str = ""
-    gpus: int = 0
-    gpu_hours: float = 0.0
-    slowdown: float = math.nan
-    step_slowdown: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
-    optype_slowdown: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    pp_size: int = 1
-    worker_dp_rank: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
-    worker_stage: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
-    worker_host: tuple[str, ...] = ()
-    worker_slowdown: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
-    cause: str = "none"
-    causes: tuple[str, ...] = ()
-    implicated_hosts: tuple[str, ...] = ()
-    savings_gpu_hours: float = 0.0
-    source_format: str = "lake"     # schemas/raw.py SOURCE_FORMATS
-    slowdown_method: float = math.nan   # METHOD.md's S (no untraced time modelled); NaN: not recorded
-    kept_by: str = ""                   # analysed: schemas.tables.KEPT_BY, which rule kept the window
-
-    def __post_init__(self):
-        if self.status not in STATUSES:
-            raise ValueError(f"job {self.job_id!r} on {self.date}: status {self.status!r} is not one of {STATUSES}")
-        if self.status == "analysed" and not (math.isfinite(self.slowdown) and self.slowdown > 0):
-            raise ValueError(f"job {self.job_id!r} on {self.date}: analysed window needs a finite slowdown > 0, got {self.slowdown!r}")
-        if self.cause not in CAUSES or any(c not in CAUSES for c in self.causes):
-            raise ValueError(f"job {self.job_id!r} on {self.date}: unknown cause in {self.cause!r} / {self.causes!r}; known: {CAUSES}")
-        sizes = {len(self.worker_dp_rank), len(self.worker_stage), len(self.worker_host), len(self.worker_slowdown)}
-        if len(sizes) != 1:
-            raise ValueError(f"job {self.job_id!r} on {self.date}: worker arrays differ in length {sorted(sizes)}")
-
-    @property
-    def analysed(self) -> bool:
-        return self.status == "analysed"
-
-    @property
-    def straggling(self) -> bool:
-        return self.analysed and self.slowdown >= STRAGGLING_THRESHOLD
-
-    @property
-    def waste(self) -> float:
-        """1 - 1/S: the fraction of the window's GPU time lost to stragglers."""
-        return 1.0 - 1.0 / self.slowdown
-
-    @property
-    def wasted_gpu_hours(self) -> float:
-        return self.gpu_hours * self.waste
-
-
-def _windows(tables: Mapping[str, pa.Table], date: str | None) -> dict[tuple[str, str], dict[str, pa.Table]]:
-    """Per-job tables cut into one {table: rows} per (ISO date, job_id), without their `date` column."""
-    windows: dict[tuple[str, str], dict[str, pa.Table]] = {}
-    for name, table in tables.items():
-        if table is None or table.num_rows == 0:
-            continue
-        if "date" in table.column_names:
-            dates = [d.isoformat() if isinstance(d, dt.date) else str(d) for d in table["date"].to_pylist()]
-            table = table.drop_columns(["date"])
-        elif date is not None:
-            dates = [date] * table.num_rows
-        else:
-            raise ValueError(f"table {name} has no date column and no date was given")
-        rows: dict[tuple[str, str], list[int]] = {}
-        for index, key in enumerate(zip(dates, table["job_id"].to_pylist())):
-            rows.setdefault(key, []).append(index)
-        for key, indices in rows.items():
-            windows.setdefault(key, {})[name] = table.take(indices)
-    return windows
-
-
-def job_facts_from_tables(tables: Mapping[str, pa.Table], date: str | dt.date | None = None) -> list[JobFacts]:
-    """JobFacts of every job window in per-job tables (schemas/tables.py + job_cause).
-
-    tables: table name -> rows, either as read from the output URL (with a `date` column)
-    or as one window's JobOutcome tables (no `date` column: pass `date`). Windows are the
-    ones `coverage` or job_summary name (a window only in job_summary gets its status from
-    `discarded`); each is read by window_facts. Out: JobFacts sorted by (date, job_id).
-    """
-    iso = date.isoformat() if isinstance(date, dt.date) else date
-    out = []
-    for (window_date, job_id), window in sorted(_windows(tables, iso).items()):
-        if "coverage" not in window:
-            if "job_summary" not in window:
-                continue
-            discarded = bool(window["job_summary"]["discarded"][0].as_py())
-            window["coverage"] = pa.Table.from_pylist([{"job_id": job_id, "status": "discarded" if discarded else "analysed"}])
-        out.append(window_facts(window, window_date))
-    return out
 
 
 # ---------------------------------------------------------------------------
@@ -194,7 +82,7 @@ def _bins(values: np.ndarray) -> np.ndarray:
     return np.floor(np.asarray(values, dtype=np.float64) * _BINS_PER_UNIT).astype(np.int64)
 
 
-class _Tally:
+class Tally:
     """Integer-only accumulator: keyed sums and maxima, sparse histograms, keyed sets.
 
     Keys are tuples of str/int/bool. Every operation is exact, so merging tallies in any
@@ -232,7 +120,7 @@ class _Tally:
     def members(self, key: tuple, items: Iterable[str]) -> None:
         self.sets.setdefault(key, set()).update(items)
 
-    def merge(self, other: "_Tally") -> "_Tally":
+    def merge(self, other: "Tally") -> "Tally":
         for key, fields in other.sums.items():
             self.sums.setdefault(key, collections.Counter()).update(fields)
         for key, fields in other.maxima.items():
@@ -258,7 +146,7 @@ class _Tally:
         }
 
     @classmethod
-    def from_state(cls, state: Mapping) -> "_Tally":
+    def from_state(cls, state: Mapping) -> "Tally":
         tally = cls()
         tally.sums = {tuple(k): collections.Counter(v) for k, v in state["sums"]}
         tally.maxima = {tuple(k): dict(v) for k, v in state["maxima"]}
@@ -267,7 +155,7 @@ class _Tally:
         return tally
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, _Tally) and self.to_state() == other.to_state()
+        return isinstance(other, Tally) and self.to_state() == other.to_state()
 
 
 # ---------------------------------------------------------------------------
@@ -315,36 +203,36 @@ def _pearson(moments: Mapping[str, int]) -> float | None:
 
 
 class _TableFn(beam.CombineFn):
-    """CombineFn over JobFacts whose accumulator is a _Tally and whose output is row dicts
+    """CombineFn over JobFacts whose accumulator is a Tally and whose output is row dicts
     (the table's columns without `period`/`period_start`)."""
 
     table: str = ""
 
-    def create_accumulator(self) -> _Tally:
-        return _Tally()
+    def create_accumulator(self) -> Tally:
+        return Tally()
 
-    def add_input(self, accumulator: _Tally, facts: JobFacts) -> _Tally:
+    def add_input(self, accumulator: Tally, facts: JobFacts) -> Tally:
         self._add(accumulator, facts)
         return accumulator
 
-    def merge_accumulators(self, accumulators: Iterable[_Tally]) -> _Tally:
+    def merge_accumulators(self, accumulators: Iterable[Tally]) -> Tally:
         accumulators = iter(accumulators)
-        merged = next(accumulators, None) or _Tally()
+        merged = next(accumulators, None) or Tally()
         for other in accumulators:
             merged.merge(other)
         return merged
 
-    def compact(self, accumulator: _Tally) -> _Tally:
+    def compact(self, accumulator: Tally) -> Tally:
         # A tally holds only integer cells and sets: nothing to fold further.
         return accumulator
 
-    def extract_output(self, accumulator: _Tally) -> list[dict]:
+    def extract_output(self, accumulator: Tally) -> list[dict]:
         return self._rows(accumulator)
 
-    def _add(self, tally: _Tally, facts: JobFacts) -> None:
+    def _add(self, tally: Tally, facts: JobFacts) -> None:
         raise NotImplementedError
 
-    def _rows(self, tally: _Tally) -> list[dict]:
+    def _rows(self, tally: Tally) -> list[dict]:
         raise NotImplementedError
 
 
@@ -372,7 +260,7 @@ class SummaryFn(_TableFn):
 
     table = "fleet_summary"
 
-    def _add(self, tally: _Tally, facts: JobFacts) -> None:
+    def _add(self, tally: Tally, facts: JobFacts) -> None:
         tally.add((), jobs=1, **{"jobs_" + facts.status: 1})
         if not facts.analysed:
             return
@@ -394,7 +282,7 @@ class SummaryFn(_TableFn):
             y = _fixed(facts.slowdown, _MOMENT_SCALE)
             tally.add(("moments",), n=1, sx=x, sy=y, sxx=x * x, syy=y * y, sxy=x * y)
 
-    def _rows(self, tally: _Tally) -> list[dict]:
+    def _rows(self, tally: Tally) -> list[dict]:
         sums = tally.sums.get((), collections.Counter())
         hist = tally.histograms
         analysed = sums["jobs_analysed"]
@@ -433,7 +321,7 @@ class DistributionFn(_TableFn):
 
     table = "fleet_distribution"
 
-    def _add(self, tally: _Tally, facts: JobFacts) -> None:
+    def _add(self, tally: Tally, facts: JobFacts) -> None:
         if not facts.analysed:
             return
         gpu_hours = [_gpu_hours_fixed(facts)]
@@ -445,7 +333,7 @@ class DistributionFn(_TableFn):
         for category, value in sorted(_category_slowdowns(facts.optype_slowdown).items()):
             tally.histogram((f"optype_slowdown:{category}", "job"), [value])
 
-    def _rows(self, tally: _Tally) -> list[dict]:
+    def _rows(self, tally: Tally) -> list[dict]:
         rows = []
         for (metric, weighting), bins in sorted(tally.histograms.items()):
             column = 1 if weighting == "gpu_hours" else 0
@@ -475,7 +363,7 @@ class OptypeFn(_TableFn):
 
     table = "fleet_optype"
 
-    def _add(self, tally: _Tally, facts: JobFacts) -> None:
+    def _add(self, tally: Tally, facts: JobFacts) -> None:
         if not facts.analysed or not facts.optype_slowdown:
             return
         values = {(OPTYPE_CATEGORIES.get(t, "other"), t): v for t, v in facts.optype_slowdown.items() if v is not None and math.isfinite(v)}
@@ -489,7 +377,7 @@ class OptypeFn(_TableFn):
             )
             tally.histogram(key, [value])
 
-    def _rows(self, tally: _Tally) -> list[dict]:
+    def _rows(self, tally: Tally) -> list[dict]:
         category_waste = sum(max(v["wasted_gpu_hours"], 0) for (c, t), v in tally.sums.items() if t == "")
         rows = []
         for (category, optype), sums in sorted(tally.sums.items()):
@@ -518,7 +406,7 @@ class SizeFn(_TableFn):
 
     table = "fleet_size"
 
-    def _add(self, tally: _Tally, facts: JobFacts) -> None:
+    def _add(self, tally: Tally, facts: JobFacts) -> None:
         if not facts.analysed:
             return
         key = (_size_bucket(facts.gpus),)
@@ -532,7 +420,7 @@ class SizeFn(_TableFn):
         )
         tally.histogram(key, [facts.slowdown])
 
-    def _rows(self, tally: _Tally) -> list[dict]:
+    def _rows(self, tally: Tally) -> list[dict]:
         return [
             {
                 "gpus_lower": lower,
@@ -554,7 +442,7 @@ class CauseFn(_TableFn):
 
     table = "fleet_cause"
 
-    def _add(self, tally: _Tally, facts: JobFacts) -> None:
+    def _add(self, tally: Tally, facts: JobFacts) -> None:
         if not facts.straggling:
             return
         tally.add((), straggling=1)
@@ -569,7 +457,7 @@ class CauseFn(_TableFn):
             savings_gpu_hours=_fixed(facts.savings_gpu_hours, _HOURS_SCALE),
         )
 
-    def _rows(self, tally: _Tally) -> list[dict]:
+    def _rows(self, tally: Tally) -> list[dict]:
         straggling = tally.sums.get((), {}).get("straggling", 0)
         return [
             {
@@ -597,7 +485,7 @@ class HostFn(_TableFn):
 
     table = "fleet_host"
 
-    def _add(self, tally: _Tally, facts: JobFacts) -> None:
+    def _add(self, tally: Tally, facts: JobFacts) -> None:
         if not facts.analysed:
             return
         for host in sorted(set(h for h in facts.worker_host if h)):
@@ -611,7 +499,7 @@ class HostFn(_TableFn):
         for host in set(facts.implicated_hosts):
             tally.members((host,), [facts.job_id])
 
-    def _rows(self, tally: _Tally) -> list[dict]:
+    def _rows(self, tally: Tally) -> list[dict]:
         rows = []
         for key in sorted(set(tally.sums) | set(tally.sets)):
             sums = tally.sums.get(key, collections.Counter())
@@ -638,14 +526,14 @@ class PositionFn(_TableFn):
 
     table = "fleet_position"
 
-    def _add(self, tally: _Tally, facts: JobFacts) -> None:
+    def _add(self, tally: Tally, facts: JobFacts) -> None:
         if not facts.analysed:
             return
         for dp_rank, stage, _, value in _attributed_workers(facts):
             key = (dp_rank, stage, stage == facts.pp_size - 1)
             tally.add(key, worker_windows=1, slowdown=_fixed(value, _RATIO_SCALE), straggling=int(value >= STRAGGLING_THRESHOLD))
 
-    def _rows(self, tally: _Tally) -> list[dict]:
+    def _rows(self, tally: Tally) -> list[dict]:
         return [
             {
                 "dp_rank": dp_rank,
@@ -666,7 +554,7 @@ class CoverageFn(_TableFn):
 
     table = "fleet_coverage"
 
-    def _add(self, tally: _Tally, facts: JobFacts) -> None:
+    def _add(self, tally: Tally, facts: JobFacts) -> None:
         key = (facts.status, facts.reason if not facts.analysed else "", facts.source_format)
         tally.add(key, jobs=1, gpu_hours=_gpu_hours_fixed(facts))
         if facts.analysed:   # the model's S and METHOD.md's beside it, and how many METHOD alone would discard
@@ -674,7 +562,7 @@ class CoverageFn(_TableFn):
             if math.isfinite(facts.slowdown_method):
                 tally.add(key, method_windows=1, slowdown_method=_fixed(facts.slowdown_method, _RATIO_SCALE))
 
-    def _rows(self, tally: _Tally) -> list[dict]:
+    def _rows(self, tally: Tally) -> list[dict]:
         order = {status: i for i, status in enumerate(STATUSES)}
         return [
             {"status": status, "reason": reason, "source_format": source, "jobs": sums["jobs"],
@@ -687,52 +575,52 @@ class CoverageFn(_TableFn):
         ]
 
 
-_TABLE_FNS: tuple[_TableFn, ...] = (SummaryFn(), DistributionFn(), OptypeFn(), SizeFn(), CauseFn(), HostFn(), PositionFn(), CoverageFn())
-if tuple(fn.table for fn in _TABLE_FNS) != tuple(FLEET_TABLES):
+TABLE_FNS: tuple[_TableFn, ...] = (SummaryFn(), DistributionFn(), OptypeFn(), SizeFn(), CauseFn(), HostFn(), PositionFn(), CoverageFn())
+if tuple(fn.table for fn in TABLE_FNS) != tuple(FLEET_TABLES):
     raise RuntimeError("transforms/batch/fleet_stats.py needs one CombineFn per table of schemas/fleet.py FLEET_TABLES, in that order")
 
 
 class FleetStatsFn(beam.CombineFn):
-    """Every fleet table in one pass: the accumulator is {table name: _Tally}.
+    """Every fleet table in one pass: the accumulator is {table name: Tally}.
 
     extract_output gives {table name: list of row dicts} (columns without the period);
     `fleet_tables` turns it into Arrow tables for one period.
     """
 
-    def create_accumulator(self) -> dict[str, _Tally]:
-        return {fn.table: fn.create_accumulator() for fn in _TABLE_FNS}
+    def create_accumulator(self) -> dict[str, Tally]:
+        return {fn.table: fn.create_accumulator() for fn in TABLE_FNS}
 
-    def add_input(self, accumulator: dict[str, _Tally], facts: JobFacts) -> dict[str, _Tally]:
-        for fn in _TABLE_FNS:
+    def add_input(self, accumulator: dict[str, Tally], facts: JobFacts) -> dict[str, Tally]:
+        for fn in TABLE_FNS:
             fn.add_input(accumulator[fn.table], facts)
         return accumulator
 
-    def merge_accumulators(self, accumulators: Iterable[dict[str, _Tally]]) -> dict[str, _Tally]:
+    def merge_accumulators(self, accumulators: Iterable[dict[str, Tally]]) -> dict[str, Tally]:
         accumulators = list(accumulators)
-        return {fn.table: fn.merge_accumulators([a[fn.table] for a in accumulators]) for fn in _TABLE_FNS}
+        return {fn.table: fn.merge_accumulators([a[fn.table] for a in accumulators]) for fn in TABLE_FNS}
 
-    def compact(self, accumulator: dict[str, _Tally]) -> dict[str, _Tally]:
-        return {fn.table: fn.compact(accumulator[fn.table]) for fn in _TABLE_FNS}
+    def compact(self, accumulator: dict[str, Tally]) -> dict[str, Tally]:
+        return {fn.table: fn.compact(accumulator[fn.table]) for fn in TABLE_FNS}
 
-    def extract_output(self, accumulator: dict[str, _Tally]) -> dict[str, list[dict]]:
-        return {fn.table: fn.extract_output(accumulator[fn.table]) for fn in _TABLE_FNS}
+    def extract_output(self, accumulator: dict[str, Tally]) -> dict[str, list[dict]]:
+        return {fn.table: fn.extract_output(accumulator[fn.table]) for fn in TABLE_FNS}
 
     @staticmethod
-    def to_state(accumulator: dict[str, _Tally]) -> dict[str, str]:
+    def to_state(accumulator: dict[str, Tally]) -> dict[str, str]:
         """{table: deterministic JSON text of its accumulator}."""
         return {name: json.dumps(tally.to_state(), separators=(",", ":")) for name, tally in accumulator.items()}
 
     @staticmethod
-    def from_state(state: Mapping[str, str]) -> dict[str, _Tally]:
-        _require_every_table(state)
-        return {name: _Tally.from_state(json.loads(state[name])) for name in FLEET_TABLES}
+    def from_state(state: Mapping[str, str]) -> dict[str, Tally]:
+        require_every_table(state)
+        return {name: Tally.from_state(json.loads(state[name])) for name in FLEET_TABLES}
 
 
 # ---------------------------------------------------------------------------
-# Tables, state rows, rollups
+# Tables and state rows
 
 
-def _require_every_table(state: Mapping[str, str], date: dt.date | None = None) -> None:
+def require_every_table(state: Mapping[str, str], date: dt.date | None = None) -> None:
     """Raise ValueError when a date's fleet_state lacks the accumulator of some fleet table."""
     missing = set(FLEET_TABLES) - set(state)
     if missing:
@@ -751,7 +639,7 @@ def period_table(name: str, rows: list[dict], period: str, period_start: dt.date
                                 schema=FLEET_TABLES[name])
 
 
-def state_rows(accumulator: Mapping[str, _Tally], date: dt.date) -> pa.Table:
+def state_rows(accumulator: Mapping[str, Tally], date: dt.date) -> pa.Table:
     """The fleet_state table of one date: one row per fleet table, its accumulator as JSON."""
     state = FleetStatsFn.to_state(accumulator)
     return pa.Table.from_pylist(
@@ -760,157 +648,20 @@ def state_rows(accumulator: Mapping[str, _Tally], date: dt.date) -> pa.Table:
     )
 
 
-# Which periods each rollup table is rebuilt for. Spatial and distribution tables only make
-# sense over the whole history; the headline, cause and coverage tables also trend.
-ROLLUP_PERIODS: dict[str, tuple[str, ...]] = {
-    name: (("week", "month", "all") if name in ("fleet_summary", "fleet_cause", "fleet_coverage") else ("all",)) for name in FLEET_TABLES
-}
-
-
-def _period_start(period: str, date: dt.date, first: dt.date) -> dt.date:
-    if period == "week":
-        return date - dt.timedelta(days=date.weekday())
-    if period == "month":
-        return date.replace(day=1)
-    return first
-
-
-def rollup_fleet(states: pa.Table | Iterable[Mapping]) -> dict[str, pa.Table]:
-    """Merge the daily fleet_state rows into weekly, monthly and all-dates fleet tables.
-
-    In: fleet_state rows (FLEET_STATE_SCHEMA; a table or dicts) of any set of dates; a date
-    present twice is an error (two runs published the same partition). Out: {table name:
-    Arrow table with period in ROLLUP_PERIODS[name]}, rows ordered by period, period_start.
-    """
-    rows = states.to_pylist() if isinstance(states, pa.Table) else list(states)
-    by_date: dict[dt.date, dict[str, str]] = {}
-    for row in rows:
-        if row["state_version"] != FLEET_SCHEMA_VERSION:
-            raise ValueError(f"fleet_state of {row['period_start']} has version {row['state_version']}, expected {FLEET_SCHEMA_VERSION}: rerun `strag batch` for it")
-        slot = by_date.setdefault(row["period_start"], {})
-        if row["table"] in slot:
-            raise ValueError(f"fleet_state holds two accumulators of {row['table']} for {row['period_start']}")
-        slot[row["table"]] = row["state_json"]
-    for date, slot in by_date.items():
-        _require_every_table(slot, date)
-    out: dict[str, list[pa.Table]] = {name: [] for name in FLEET_TABLES}
-    if not by_date:
-        return {name: pa.Table.from_pylist([], schema=schema) for name, schema in FLEET_TABLES.items()}
-    first = min(by_date)
-    for period in ("week", "month", "all"):
-        groups: dict[dt.date, list[dt.date]] = {}
-        for date in sorted(by_date):
-            groups.setdefault(_period_start(period, date, first), []).append(date)
-        # only the tables this period rolls up: each state parsed and merged where it is wanted
-        # (the weekly and monthly trends need three small tables, not the spatial ones)
-        for fn in (fn for fn in _TABLE_FNS if period in ROLLUP_PERIODS[fn.table]):
-            for start, dates in sorted(groups.items()):
-                merged = fn.merge_accumulators(_Tally.from_state(json.loads(by_date[d][fn.table])) for d in dates)
-                out[fn.table].append(period_table(fn.table, fn.extract_output(merged), period, start))
-    return {name: pa.concat_tables(parts) for name, parts in out.items()}
-
-
 class _AccumulateFleet(FleetStatsFn):
     """FleetStatsFn whose output is the merged accumulator itself: the daily step needs
     both the tables and the serialisable state."""
 
-    def extract_output(self, accumulator: dict[str, _Tally]) -> dict[str, _Tally]:
+    def extract_output(self, accumulator: dict[str, Tally]) -> dict[str, Tally]:
         return accumulator
 
 
-def _daily_tables(item: tuple[str, dict[str, _Tally]]):
+def _daily_tables(item: tuple[str, dict[str, Tally]]):
     iso, accumulator = item
     date = dt.date.fromisoformat(iso)
     for name, table in fleet_tables(FleetStatsFn().extract_output(accumulator), "day", date).items():
         yield name, iso, table
     yield FLEET_STATE_TABLE, iso, state_rows(accumulator, date)
-
-
-def fleet_rollup_tables(out: str) -> dict[str, pa.Table]:
-    """Commit finalizer: the rollup tables rebuilt from every date's fleet_state under `out`.
-
-    In: the batch output URL (its fleet_state partitions are already published). Out:
-    {"fleet_<name>_rollup": table} for every fleet table, ready to publish unpartitioned.
-    """
-    from schemas.tables import read_table, table_exists
-
-    states = read_table(out, FLEET_STATE_TABLE) if table_exists(out, FLEET_STATE_TABLE) else []
-    return {rollup_table(name): table for name, table in rollup_fleet(states).items()}
-
-
-def window_facts(tables: Mapping[str, pa.Table], date: str) -> JobFacts | None:
-    """JobFacts of ONE job window's tables (a batch JobOutcome's, or one window cut out by
-    job_facts_from_tables), read with Arrow alone; None when `coverage` does not hold
-    exactly one row (use job_facts_from_tables)."""
-    coverage = tables.get("coverage")
-    if coverage is None or coverage.num_rows != 1:
-        return None
-    row = coverage.to_pylist()[0]
-    job_id = row["job_id"]
-    facts: dict[str, Any] = {"job_id": job_id, "date": dt.date.fromisoformat(date), "status": row["status"],
-                             "reason": row.get("reason_code") or "", "source_format": row.get("source_format") or "lake"}
-    if row.get("gpus") is not None:
-        facts["gpus"] = int(row["gpus"])
-    if row.get("gpu_hours") is not None and math.isfinite(row["gpu_hours"]):
-        facts["gpu_hours"] = float(row["gpu_hours"])
-
-    def rows(name: str) -> pa.Table | None:
-        table = tables.get(name)
-        if table is None or table.num_rows == 0:
-            return None
-        if set(pc.unique(table["job_id"]).to_pylist()) != {job_id}:
-            raise ValueError(f"window {date} {job_id}: table {name} holds rows of other jobs")
-        return table
-
-    summary = rows("job_summary")
-    if summary is not None:
-        head = summary.slice(0, 1).to_pylist()[0]
-        facts.update(gpus=int(head["gpus"]), gpu_hours=float(head["gpu_hours"]), pp_size=int(head["pp_size"]))
-        if facts["status"] == "analysed":
-            facts["slowdown"] = float(head["slowdown"])
-            if head.get("slowdown_method") is not None:
-                facts["slowdown_method"] = float(head["slowdown_method"])
-            # files written before kept_by existed: METHOD's own rule on the recorded discrepancy
-            facts["kept_by"] = head.get("kept_by") or ("untraced-model" if discrepancy_discards(float(head["launch_slowdown"]))
-                                                       else "method")
-    if facts["status"] == "analysed":
-        steps = rows("step_slowdown")
-        if steps is not None:
-            steps = steps.take(pc.sort_indices(steps, [("step", "ascending")]))
-            facts["step_slowdown"] = steps["slowdown"].to_numpy().astype(np.float64)
-        optypes = rows("optype_attribution")
-        if optypes is not None:
-            optypes = optypes.filter(pc.is_null(optypes["step"]))
-            if optypes.num_rows:
-                names = pc.cast(optypes["optype"], pa.string()).to_pylist()
-                facts["optype_slowdown"] = dict(zip(names, (float(v) for v in optypes["slowdown"].to_pylist())))
-        workers = rows("worker_attribution")
-        if workers is not None:
-            workers = workers.take(pc.sort_indices(workers, [("dp_rank", "ascending"), ("stage", "ascending")]))
-            facts["worker_dp_rank"] = workers["dp_rank"].to_numpy().astype(np.int64)
-            facts["worker_stage"] = workers["stage"].to_numpy().astype(np.int64)
-            facts["worker_host"] = tuple("" if h is None else str(h) for h in workers["host"].to_pylist())
-            facts["worker_slowdown"] = pc.fill_null(pc.cast(workers["slowdown_worker"], pa.float64()), math.nan).to_numpy()
-        causes = rows("job_cause")
-        if causes is not None:
-            verdict = causes.slice(0, 1).to_pylist()[0]
-            savings = verdict["savings_gpu_hours"]
-            facts.update(cause=verdict["cause"], causes=tuple(verdict["causes"]),
-                         implicated_hosts=tuple(verdict["implicated_hosts"]),
-                         savings_gpu_hours=float(savings) if savings is not None and savings == savings else 0.0)
-    return JobFacts(**facts)
-
-
-def _as_facts(element) -> Iterable[JobFacts]:
-    """JobFacts as they are, or the facts of a batch JobOutcome (its per-job tables and date)."""
-    if isinstance(element, JobFacts):
-        yield element
-        return
-    facts = window_facts(element.tables, element.date)
-    if facts is not None:
-        yield facts
-    else:
-        yield from job_facts_from_tables(element.tables, element.date)
 
 
 class AggregateFleet(beam.PTransform):
@@ -924,7 +675,7 @@ class AggregateFleet(beam.PTransform):
     def expand(self, jobs):
         return (
             jobs
-            | "ToJobFacts" >> beam.FlatMap(_as_facts)
+            | "ToJobFacts" >> beam.FlatMap(as_facts)
             # ISO text, not date objects: Beam's deterministic key coder has no date type
             | "KeyByDate" >> beam.Map(lambda facts: (facts.date.isoformat(), facts))
             | "CombinePerDate" >> beam.CombinePerKey(_AccumulateFleet())
