@@ -266,6 +266,8 @@ def trend_chart(daily: pd.DataFrame, weekly: pd.DataFrame, title: str, hours: st
     if daily.empty and weekly.empty:
         return _empty(title)
     days, weeks = _long_measures(daily, hours), _long_measures(weekly, hours)
+    if days.empty and weeks.empty:   # no window analysed and kept: no share to draw (all NaN)
+        return _empty(title, "no job window was analysed and kept: every one was discarded or quarantined")
     first = min(f["period_start"].min() for f in (days, weeks) if not f.empty)
     last = max(f["period_start"].max() for f in (days, weeks) if not f.empty)
     step = max(1, -(-((last - first).days + 1) // 12))    # about a dozen date ticks, whole days apart
@@ -324,7 +326,7 @@ def coverage_chart(coverage: pd.DataFrame, title: str) -> alt.Chart:
         .mark_bar()
         .encode(
             y=alt.Y("what:N", sort=list(rows["what"]), title=None),
-            x=alt.X("jobs:Q", title="job windows"),
+            x=alt.X("jobs:Q", axis=_count_axis(max(int(rows["jobs"].max()), 1), "job windows")),   # whole windows
             color=alt.Color("status:N", scale=alt.Scale(domain=["analysed", "discarded", "quarantined"], range=["#54a24b", "#f58518", "#e45756"])),
             tooltip=["status", "reason", *(["source_format"] if "source_format" in rows else []), "jobs",
                      alt.Tooltip("gpu_hours:Q", format=",.1f")],

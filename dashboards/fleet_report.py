@@ -125,10 +125,10 @@ def _analysed_jobs(data: ReportData) -> pd.DataFrame:
     return rows[["job_id", "gpus", "slowdown", "straggling"]].reset_index(drop=True)
 
 
-def _worst_jobs(data: ReportData, job_href: Callable[[object, str], str | None], limit: int = 25) -> HtmlTable:
+def _worst_jobs(data: ReportData, job_href: Callable[[object, str], str | None], limit: int = 25) -> HtmlTable | Text:
     summary = data.jobs["job_summary"]
     causes = data.jobs["job_cause"]
-    rows = summary[~summary["discarded"]] if not summary.empty else summary
+    rows = summary
     verdict_columns = ["cause", "confidence", "savings_gpu_hours"]
     # the verdict comes from job_cause; drop same-named summary columns (job_summary may repeat them)
     rows = rows.drop(columns=[c for c in verdict_columns if c in rows.columns])
@@ -138,14 +138,17 @@ def _worst_jobs(data: ReportData, job_href: Callable[[object, str], str | None],
         rows = rows.assign(cause=None, confidence=None, savings_gpu_hours=None)
     rows = rows.sort_values(["wasted_gpu_hours", "job_id"], ascending=[False, True]).reset_index(drop=True)
     hours, ranks = _units(data)
-    # the top wasters, and every job that has a page, so each page is reachable from here
-    has_page = [job_href(d, j) is not None for d, j in zip(rows["date"], rows["job_id"])]
-    rows = rows[(rows.index < limit) | pd.Series(has_page, dtype=bool)]
+    # the top wasters of the kept windows, and every window that has a page (a discarded one's on
+    # request, `--jobs all`), so each page is reachable from here
+    has_page = pd.Series([job_href(d, j) is not None for d, j in zip(rows["date"], rows["job_id"])], dtype=bool)
+    kept = ~rows["discarded"].astype(bool) if not rows.empty else pd.Series([], dtype=bool)
+    rows = rows[(kept & (kept.cumsum() <= limit)) | has_page]
     body = []
     for row in rows.itertuples():
         href = job_href(row.date, row.job_id)
+        slowdown = _num(row.slowdown) + (" (discarded)" if row.discarded else "")
         body.append([
-            str(row.date), (row.job_id, href) if href else row.job_id, int(row.gpus), _num(row.slowdown), _pct(row.waste),
+            str(row.date), (row.job_id, href) if href else row.job_id, int(row.gpus), slowdown, _pct(row.waste),
             _hours(row.wasted_gpu_hours), row.cause if isinstance(row.cause, str) else "",
             confidence_text(row.cause, row.confidence),
             _hours(row.savings_gpu_hours),
@@ -154,8 +157,10 @@ def _worst_jobs(data: ReportData, job_href: Callable[[object, str], str | None],
         f"Jobs that wasted the most {hours}, and every job with a page",
         ["date", "job", ranks, "S", "waste", f"{hours} wasted", "primary cause", "confidence", f"{hours} saved by the fix"],
         body,
-        "Click a job for its monitor page. Savings: what-if replay of the fix of the primary cause.",
-    )
+        "Click a job for its monitor page. Savings: what-if replay of the fix of the primary cause. "
+        "Discarded windows (replay off by more than 5%) are listed only when they have a page.",
+    ) if body else Text("Jobs: no window was analysed and kept, and none has a page (`strag report --jobs all` "
+                        "builds a page for every window, discarded ones included).")
 
 
 def _offenders(data: ReportData) -> HtmlTable | Text:
@@ -181,7 +186,9 @@ def _headline(data: ReportData) -> Numbers:
     return Numbers([
         ("job windows", f"{s.jobs:,}", f"{s.jobs_analysed:,} analysed, {s.jobs_discarded} discarded, {s.jobs_quarantined} quarantined"),
         ("straggling (S >= 1.1)", _pct(s.straggling_share), "paper: 42.5%"),
-        (f"{hours} wasted", _pct(s.waste_gpu_weighted), f"{_hours(s.wasted_gpu_hours)} of {_hours(s.gpu_hours)} {hours}; paper: 10.4%"),
+        (f"{hours} wasted", _pct(s.waste_gpu_weighted),
+         (f"{_hours(s.wasted_gpu_hours)} of {_hours(s.gpu_hours)} {hours}" if s.jobs_analysed else "no window analysed and kept")
+         + "; paper: 10.4%"),
         ("waste, p90 job", _pct(s.waste_p90), "paper: >10% of jobs waste >= 21.3%"),
         ("S_s / S p50 / p90", f"{_num(s.step_normalised_p50, 2)} / {_num(s.step_normalised_p90, 2)}", "paper: 1.0 / 1.06"),
         ("r(size, S)", _num(s.size_slowdown_pearson, 2), "paper: no correlation"),

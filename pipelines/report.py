@@ -127,7 +127,7 @@ def build(opts: ReportOptions, out_dir: pathlib.Path) -> dict:
             result = check_page(page)
             result.raise_for_problems()
             checked.append(page)
-    return {"report": report, "job_pages": len(pages), "checked": len(checked),
+    return {"report": report, "job_pages": len(pages), "checked": len(checked), "windows": len(data.jobs["job_summary"]),
             "timelines": timelines, "seconds": time.perf_counter() - started}
 
 
@@ -173,6 +173,10 @@ def run(argv: list[str]) -> int:
     where = opts.out.rstrip("/")
     print(f"fleet report: {where}/index.html")
     print(f"job pages:    {summary['job_pages']} under {where}/jobs/" + (f", {summary['checked']} pages checked in Chromium" if opts.check else ""))
+    others = summary["windows"] - summary["job_pages"]
+    if opts.jobs == "straggling" and others > 0:   # say why the other windows have no page, and how to get one
+        print(f"              {others} other window(s) (not straggling, or discarded: replay off by more than 5%) "
+              f"have no page; --jobs all (or their ids) gives them one")
     if summary["job_pages"]:
         print(f"timelines:    {summary['timelines']} of the {summary['job_pages']} pages link a Perfetto timeline"
               + (f" (under {where}/timelines/)" if summary["timelines"] else

@@ -190,6 +190,30 @@ def _land_batch_report(run_name: str, job_id: str, tmp_path, capsys):
     return out, pages
 
 
+def test_a_lake_whose_only_window_is_discarded_still_gets_its_report(tmp_path, capsys):
+    """A real FSDP2 pipeline run whose replay is 10% off (discarded): `strag report` failed with
+    "min() arg is an empty sequence" (no kept window: the trend chart had no share to draw). It now
+    draws the report, says the trend has no analysed window, says why the window got no page and
+    how to get one; --jobs all gives it its page."""
+    from pipelines import cli
+
+    out, pages = _land_batch_report("pipe-clean-izb-pp2dp2-fsdp2-s0", "only-discarded", tmp_path, capsys)
+    [row] = read_table(str(out), "job_summary").to_pylist()
+    assert row["discarded"]
+    index = html.unescape((pages / "index.html").read_text())
+    assert "no job window was analysed and kept: every one was discarded or quarantined" in index
+    assert "no window analysed and kept; paper" in index and " 0 of 0 " not in index
+    assert "Jobs: no window was analysed and kept, and none has a page" in index
+    assert cli.main(["report", "--tables", str(out), "--out", str(tmp_path / "again"), "--images", "none"]) == 0
+    said = capsys.readouterr().out
+    assert "job pages:    0 under" in said and "1 other window(s) (not straggling, or discarded" in said and "--jobs all" in said
+    assert cli.main(["report", "--tables", str(out), "--out", str(tmp_path / "all"), "--images", "none", "--jobs", "all"]) == 0
+    assert "other window" not in capsys.readouterr().out
+    assert (tmp_path / "all" / "jobs" / "2026-11-20_only-discarded.html").exists()
+    linked = html.unescape((tmp_path / "all" / "index.html").read_text())   # the page is reachable from the report
+    assert 'href="jobs/2026-11-20_only-discarded.html"' in linked and f"{row['slowdown']:.3f} (discarded)" in linked
+
+
 def test_methods_figures_stand_beside_the_models(tmp_path, capsys):
     """A real Accelerate run whose rank 1 waits ~300 ms per batch on its DataLoader: METHOD.md section 3
     replays it without that untraced time and would discard it (its no-delay replay is far off); the
