@@ -60,7 +60,8 @@ def fleet_summary(tables: str) -> list[str]:
         f"GPU-hours: {gpu_hours:,.0f}, wasted to stragglers: {wasted:,.0f} ({wasted / gpu_hours:.1%})" if gpu_hours else "",
     ]
     verdicts = _read(tables, "job_cause")
-    straggling_verdicts = verdicts.filter(pc.greater_equal(verdicts["slowdown"], STRAGGLING_THRESHOLD))
+    kept_verdicts = verdicts.filter(pc.invert(pc.fill_null(verdicts["discarded"], False)))   # as the fleet statistics count
+    straggling_verdicts = kept_verdicts.filter(pc.greater_equal(kept_verdicts["slowdown"], STRAGGLING_THRESHOLD))
     causes = straggling_verdicts.group_by("cause").aggregate([("job_id", "count"), ("slowdown", "mean")])
     for row in sorted(causes.to_pylist(), key=lambda r: -r["job_id_count"]):
         lines.append(f"  root cause {row['cause']:<26} {row['job_id_count']:>3} jobs, mean S {row['slowdown_mean']:.2f}")

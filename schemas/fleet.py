@@ -2,7 +2,7 @@
 
 Where they live (any fsspec URL, next to the batch pipeline's per-job tables):
 
-    {out}/job_cause/date=YYYY-MM-DD/part-0.parquet        one row per analysed job window (JOB_CAUSE_SCHEMA)
+    {out}/job_cause/date=YYYY-MM-DD/part-0.parquet        one row per analysed job window, kept or discarded (JOB_CAUSE_SCHEMA)
     {out}/fleet_<name>/date=YYYY-MM-DD/part-0.parquet     daily fleet tables, period = "day"
     {out}/fleet_state/date=YYYY-MM-DD/part-0.parquet      the day's combiner accumulators (FLEET_STATE_SCHEMA)
     {out}/fleet_<name>_rollup/part-0.parquet              rollups over all dates: period "week", "month", "all"
@@ -114,7 +114,8 @@ def _schema(name: str, fields: list[pa.Field]) -> pa.Schema:
     return pa.schema(fields, metadata={"strag.table": name, "strag.fleet_schema_version": FLEET_SCHEMA_VERSION})
 
 
-# One row per analysed, straggling-or-not job window: the root-cause verdict with its evidence.
+# One row per analysed job window, straggling or not, kept or discarded: the root-cause verdict with its
+# evidence (a discarded window's from measurements only: METHOD.md's replay is off by more than 5%).
 JOB_CAUSE_SCHEMA = _schema(
     JOB_CAUSE_TABLE,
     [
@@ -134,6 +135,9 @@ JOB_CAUSE_SCHEMA = _schema(
                                                                          # "savings_gpu_hours", "fix", "explained_given_others",
                                                                          # listed causes: "confidence", "explanation"}; "all": joint fix
         pa.field("explanation", pa.string(), nullable=True),            # one sentence per listed cause, for people (schemas/causes.py)
+        pa.field("discarded", pa.bool_(), nullable=True),               # replay off by more than 5%: a verdict from what the trace
+                                                                         # measured (no what-if saving of traced ops), left out of the
+                                                                         # fleet statistics; null: written before discarded windows had rows
     ],
 )
 

@@ -51,10 +51,12 @@ def test_every_kept_window_has_a_verdict_consistent_with_its_summary(tables):
     summary = {(r["date"], r["job_id"]): r for r in read_table(str(out), "job_summary").to_pylist()}
     causes = {(r["date"], r["job_id"]): r for r in read_table(str(out), "job_cause").to_pylist()}
     kept = {key for key, row in summary.items() if not row["discarded"]}
-    assert set(causes) == kept and kept
+    assert set(causes) == set(summary) and kept   # discarded windows carry their measured verdict, flagged
     for key, verdict in causes.items():
+        assert verdict["discarded"] == summary[key]["discarded"]
         assert verdict["slowdown"] == summary[key]["slowdown"]
-        assert (verdict["cause"] != "none") == summary[key]["straggling"], key
+        if key in kept:
+            assert (verdict["cause"] != "none") == summary[key]["straggling"], key
         assert verdict["causes"] == [] or verdict["causes"][0] == verdict["cause"]
 
 
@@ -212,6 +214,10 @@ def test_a_lake_whose_only_window_is_discarded_still_gets_its_report(tmp_path, c
     assert (tmp_path / "all" / "jobs" / "2026-11-20_only-discarded.html").exists()
     linked = html.unescape((tmp_path / "all" / "index.html").read_text())   # the page is reachable from the report
     assert 'href="jobs/2026-11-20_only-discarded.html"' in linked and f"{row['slowdown']:.3f} (discarded)" in linked
+    [verdict] = read_table(str(out), "job_cause").to_pylist()   # what the trace measured, on its page
+    assert verdict["discarded"] and verdict["fixed_slowdown"] is None
+    page = html.unescape((tmp_path / "all" / "jobs" / "2026-11-20_only-discarded.html").read_text())
+    assert "no verdict (discarded window)" not in page and "The replay does not match the trace" in page
 
 
 def test_methods_figures_stand_beside_the_models(tmp_path, capsys):

@@ -231,7 +231,8 @@ def result_tables(validated: ValidatedJob, result: WhatIfResult, verdict=None) -
 
 def analyze_window(validated: ValidatedJob, engine, timelines: str | None = None) -> JobOutcome:
     """Analyse one validated window with `engine(trace, meta, job_id) -> WhatIfResult` (plain function),
-    or `-> (WhatIfResult, Verdict)`: then kept windows also get their `job_cause` row.
+    or `-> (WhatIfResult, Verdict)`: then the window also gets its `job_cause` row (a discarded one's
+    verdict measured only, the row saying it is discarded).
 
     timelines: a folder URL (the run's staging); when set, the engine must keep the timeline
     (`timeline=True`), and a straggling kept window's timeline is written under it
@@ -269,9 +270,9 @@ def analyze_window(validated: ValidatedJob, engine, timelines: str | None = None
     if verdict is not None:   # the engine's own parts of "analyze" (ENGINE_PARTS)
         stats.seconds.update({f"analyze.{part}": verdict.timings[part] for part in ENGINE_PARTS if part in verdict.timings})
     tables = result_tables(validated, result, verdict)
-    if verdict is not None and not result.discarded:
-
-        tables["job_cause"] = job_cause_table(verdict, gpu_hours(validated.manifest), validated.manifest["workers"])
+    if verdict is not None:
+        tables["job_cause"] = job_cause_table(verdict, gpu_hours(validated.manifest), validated.manifest["workers"],
+                                              discarded=result.discarded)
     stats.status = "discarded" if result.discarded else "analysed"
     stats.reason_code = DISCREPANCY_REASON_CODE if result.discarded else None
     tabled = time.perf_counter()

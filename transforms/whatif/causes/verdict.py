@@ -214,8 +214,10 @@ def verdict_json(verdict: Verdict, gpu_hours: float | None = None) -> dict:
     }
 
 
-def verdict_row(verdict: Verdict, gpu_hours: float, hosts: Mapping[tuple[int, int], str] | None = None) -> dict:
-    """One JOB_CAUSE_SCHEMA row (schemas/fleet.py) of a verdict; hosts: (dp_rank, stage) -> host."""
+def verdict_row(verdict: Verdict, gpu_hours: float, hosts: Mapping[tuple[int, int], str] | None = None,
+                discarded: bool = False) -> dict:
+    """One JOB_CAUSE_SCHEMA row (schemas/fleet.py) of a verdict; hosts: (dp_rank, stage) -> host;
+    discarded: the window's replay is off by more than 5% (a verdict from measurements only)."""
     hosts = hosts or {}
     fix = verdict.primary_fix
     savings = {c: fix_fields(verdict, f, gpu_hours) for c, f in sorted(verdict.fixes.items())}
@@ -235,15 +237,16 @@ def verdict_row(verdict: Verdict, gpu_hours: float, hosts: Mapping[tuple[int, in
         "savings_gpu_hours": verdict.savings_gpu_hours(gpu_hours) if fix else None,
         "savings_json": json.dumps(savings, sort_keys=True),
         "explanation": verdict.explanation,
+        "discarded": bool(discarded),
     }
 
 
-def job_cause_table(verdict: Verdict, gpu_hours: float, workers: Sequence[Mapping] = ()) -> pa.Table:
+def job_cause_table(verdict: Verdict, gpu_hours: float, workers: Sequence[Mapping] = (), discarded: bool = False) -> pa.Table:
     """The job_cause rows (JOB_CAUSE_SCHEMA, without `date`) of one job window.
 
     gpu_hours: the window's GPU-hours; workers: the manifest's worker entries (dp_rank,
-    stage, host) to name the hosts of blamed workers. Callers write it for windows kept
-    in fleet statistics (not discarded).
+    stage, host) to name the hosts of blamed workers; discarded: the window is left out of the
+    fleet statistics (its verdict measured only), which the row says.
     """
     hosts = {(int(w["dp_rank"]), int(w["stage"])): w.get("host") for w in workers}
-    return pa.Table.from_pylist([verdict_row(verdict, gpu_hours, hosts)], schema=JOB_CAUSE_SCHEMA)
+    return pa.Table.from_pylist([verdict_row(verdict, gpu_hours, hosts, discarded)], schema=JOB_CAUSE_SCHEMA)
