@@ -531,3 +531,30 @@ def test_an_unexplained_slowdown_a_fix_removes_says_so_without_only():
     sentence = verdict_sentence("unexplained", 1.106, 1.1, big)
     assert "only" not in sentence and "all (115%)" in sentence and "nothing in the trace shows that cause" in sentence
     assert "would remove only 20%" in verdict_sentence("unexplained", 1.106, 1.1, small)
+
+
+def test_a_discarded_window_with_a_worker_its_jitter_cannot_decide_is_insufficient_evidence_not_none():
+    """A real FSDP2 pipeline run whose replay is 10% off (discarded) and whose worker test leaves
+    workers 1.4-1.7x their peers undecided at its 56% jitter: the verdict said "none, confidence
+    1.00" beside those findings. Its S comes from the replay that does not match, so the measured
+    compute decides: insufficient evidence, led by the mismatch, saying what would decide; never a
+    blame. The same window with its undecided findings taken away is "none"."""
+    import pathlib
+
+    from transforms.ingest.kineto import convert_kineto
+    from transforms.whatif.causes import CauseRules, analyze_and_classify
+    from transforms.whatif.causes.measured import measured_verdict
+    from transforms.whatif.causes.paired import pair_signals
+
+    run = pathlib.Path(__file__).parent / "data" / "real_stacks" / "pipe-clean-izb-pp2dp2-fsdp2-s0"
+    job = convert_kineto(sorted(str(p) for p in run.glob("rank-*.json.gz")), "izb", "2026-11-27", {})
+    result, verdict = analyze_and_classify(job.trace, job.job_meta(), "izb")
+    assert result.discarded and verdict.worker_summary is not None
+    assert verdict.cause == "insufficient-evidence" and verdict.implicated_workers == [] and verdict.confidence < 0.99
+    sentence = verdict.explanations["insufficient-evidence"]
+    assert sentence.startswith("The replay does not match the trace") and "would decide" in sentence
+    model = compile_job(job.trace, job.job_meta(), "izb")
+    paired = pair_signals(model)
+    assert paired.workers.undecided
+    decided = dataclasses.replace(paired, workers=dataclasses.replace(paired.workers, undecided=(), limits=()))
+    assert measured_verdict(model, result, CauseRules(), {}, decided).cause == "none"

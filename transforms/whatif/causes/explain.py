@@ -222,10 +222,14 @@ def what_would_decide(finding: dict, unit: str) -> str:
     return "more DP peers, not more steps, would decide"
 
 
-def insufficient_sentence(slowdown: float, test: dict, evidence: dict | None = None) -> str:
+def insufficient_sentence(slowdown: float, test: dict, evidence: dict | None = None,
+                          discarded_launch: float | None = None) -> str:
     """Why the job cannot support a decision, and what would settle it ("insufficient-evidence");
-    with a sequence signature short of significance (evidence sequence_samples_needed), that too."""
-    head = f"S = {slowdown:.3f}, but the trace cannot decide who or what is slow"
+    with a sequence signature short of significance (evidence sequence_samples_needed), that too.
+    discarded_launch: the discarded window's no-delay discrepancy, whose S the sentence then does
+    not lean on (it comes from the replay that does not match)."""
+    head = f"S = {slowdown:.3f}, but the trace cannot decide who or what is slow" if discarded_launch is None else \
+        f"{replay_mismatch(discarded_launch)}, and the trace cannot decide who or what is slow"
     evidence = evidence or {}
     parts = []
     crowded = evidence.get("untraced_crowded")
@@ -301,17 +305,23 @@ def verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix 
             f"would remove only {share_words(best.explained)} of the straggling time.")
 
 
-def discarded_sentence(cause: str, evidence: dict, implicated, launch_slowdown: float, modelled: bool = False) -> str:
-    """The sentence of a window whose replay does not match its trace (discrepancy beyond 5% either
-    way), or matches it only with named workers' untraced CPU time (`modelled`): what that means,
-    and only what the trace measured (no what-if savings of traced ops)."""
+def replay_mismatch(launch_slowdown: float, modelled: bool = False) -> str:
+    """What a window whose replay does not match its trace (discrepancy beyond 5% either way) means,
+    or one that matches it only with named workers' untraced CPU time (`modelled`)."""
     off = (f"what ran took {100 * (launch_slowdown - 1):.0f}% longer than the replay of its ops (untraced CPU work)"
            if launch_slowdown > 1 else f"the replay takes {100 * (1 / launch_slowdown - 1):.0f}% longer than what ran "
            "(the dependency model serialises work that overlapped)")
-    head = f"The replay does not match the trace ({off}), so no what-if saving is given"
     if modelled:
-        head = (f"The replay of its traced ops matches the trace only with the named workers' untraced CPU time ({off}), "
+        return (f"The replay of its traced ops matches the trace only with the named workers' untraced CPU time ({off}), "
                 "so no what-if saving of traced ops is given")
+    return f"The replay does not match the trace ({off}), so no what-if saving is given"
+
+
+def discarded_sentence(cause: str, evidence: dict, implicated, launch_slowdown: float, modelled: bool = False) -> str:
+    """The sentence of a window whose replay does not match its trace, or matches it only with named
+    workers' untraced CPU time (`replay_mismatch`), and only what the trace measured (no what-if
+    savings of traced ops)."""
+    head = replay_mismatch(launch_slowdown, modelled)
     if cause == "individual-worker":
         peers = {(w["dp_rank"], w["stage"]): w for w in evidence.get("peer_workers", [])}
         facts = [f"worker dp {d} / stage {p}'s forward takes {peers[(d, p)]['forward']:.1f}x and its backward "

@@ -65,9 +65,9 @@ def measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, e
     chunk's compute (one DP rank: a stage running its usual work at >= worker_alarm_ratio the
     median pace), untraced-cpu: one worker's untraced CPU time making the discrepancy (its fix:
     that time removed, against what ran), python-gc from pauses. Nothing measured: "none", since
-    S itself comes from the replay that does not match (a kept window whose worker test cannot
-    decide: "insufficient-evidence"). untraced: `untraced.untraced_workers`'
-    answer when the caller has it."""
+    S itself comes from the replay that does not match, unless the worker test cannot decide a
+    worker whose compute could make the job straggle ("insufficient-evidence"; a kept window's once
+    S straggles). untraced: `untraced.untraced_workers`' answer when the caller has it."""
     slowdown, launch = float(result.model_slowdown), float(result.launch_slowdown)
     evidence.update(paired.evidence)
     measured: dict[str, float] = {}                  # cause -> how clearly it measures (a ratio)
@@ -109,18 +109,22 @@ def measured_verdict(model: JobModel, result: WhatIfResult, rules: CauseRules, e
         # machine, whose compute is the clearer measurement
         ranked.remove("individual-worker")
         ranked.insert(0, "individual-worker")
-    # a discarded window's S comes from the replay that does not match: it shows no straggling to
-    # be undecided about; a kept one (untraced time modelled) does. A worker whose untraced time
-    # would make the discrepancy, on a host with more threads than cores, cannot be decided either
+    # a worker the test cannot decide (an effect that could make the job straggle, within its
+    # jitter; or no test where peers exist) leaves the job undecided: in a kept window (untraced
+    # time modelled) once S straggles; in a discarded one whatever its S, which comes from the
+    # replay that does not match: the worker's measured compute is the evidence, and "none" would
+    # claim what it cannot show. A worker whose untraced time would make the discrepancy, on a
+    # host with more threads than cores, cannot be decided either
     on_crowded_host = not ranked and bool(crowded_untraced(model, result, rules, evidence))
-    cannot_decide = on_crowded_host or (not result.discarded and slowdown >= rules.straggling and undecided(paired.workers))
+    cannot_decide = on_crowded_host or ((result.discarded or slowdown >= rules.straggling) and undecided(paired.workers))
     primary = ranked[0] if ranked else "insufficient-evidence" if cannot_decide else "none"
     workers = list(dict.fromkeys(w for c in ranked for w in implicated[c]))
     evidence = {k: (float(v) if isinstance(v, (np.floating, float)) else v) for k, v in evidence.items()}
     explanations = {c: explain.discarded_sentence(c, evidence, implicated.get(c, []), launch, modelled=not result.discarded)
                     for c in (ranked or [primary]) if c != "insufficient-evidence"}
     if primary == "insufficient-evidence":
-        explanations[primary] = explain.insufficient_sentence(slowdown, evidence.get("worker_test", {}), evidence)
+        explanations[primary] = explain.insufficient_sentence(slowdown, evidence.get("worker_test", {}), evidence,
+                                                              discarded_launch=launch if result.discarded else None)
     if untraced and "untraced-cpu" in ranked:
         explanations["untraced-cpu"] = explain.untraced_sentence(untraced, launch, fixes["untraced-cpu"],
                                                                  data_loading(model, untraced, evidence, fixes))
