@@ -4,9 +4,9 @@ correlations with their p-values (`pair_signals`; `analyze_and_classify` compute
 analysis replays). Plain numpy over [op, lane] arrays."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
-import dataclasses
 import numpy as np
 
 from transforms.whatif.causes.pauses import find_pauses, idle_inside_compute, inside_compute
