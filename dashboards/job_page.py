@@ -126,6 +126,8 @@ def _confidence_words(cause: str, verdict: dict | None) -> str:
     strongest finding the job could not decide (never read as a certainty about a cause)."""
     if verdict is None:
         return "no verdict (discarded window)"
+    if cause == "insufficient-evidence" and float(verdict["confidence"]) < 0.0005:   # 0.000: p about 1, said in words
+        return "no undecided finding is near significance: the job's jitter covers them all"
     if cause == "insufficient-evidence":
         return f"strongest undecided finding at confidence {confidence_text(cause, verdict['confidence'])}"
     return f"{cause}, confidence {confidence_text(cause, verdict['confidence'])}"
@@ -304,7 +306,8 @@ def build_job_page(data: ReportData, date: dt.date, job_id: str, out_dir: pathli
     grads = getattr(s, "grads_collective", None)
     grads = grads if isinstance(grads, str) else None
     numbers = Numbers([
-        ("slowdown S", fmt(s.slowdown), ("S >= 1.1: straggling" if s.straggling else "below the 1.1 straggling threshold")
+        ("slowdown S", fmt(s.slowdown), ("from a replay off by more than 5%: not trustworthy" if s.discarded else
+                                         "S >= 1.1: straggling" if s.straggling else "below the 1.1 straggling threshold")
          + _method_note(s)),
         ("waste", f"{100 * s.waste:.1f}%", f"{_hours(s.wasted_gpu_hours, '')} of {_hours(s.gpu_hours, unit)}") if s.waste >= 0 else
         ("waste", "none", "S < 1: the ideal replay is slower than the replay, within its noise"),

@@ -387,6 +387,10 @@ def test_the_verdict_tile_never_rounds_an_undecided_finding_up_to_a_decision():
         "strongest undecided finding at confidence 0.988"
     assert _confidence_words("python-gc", {"confidence": 0.99}) == "python-gc, confidence 0.99"
     assert _confidence_words("none", None) == "no verdict (discarded window)"
+    # a confidence that shows as 0.000 (p about 1 after Bonferroni) is said in words
+    assert _confidence_words("insufficient-evidence", {"confidence": 1e-6}) == \
+        "no undecided finding is near significance: the job's jitter covers them all"
+    assert _confidence_words("insufficient-evidence", {"confidence": 0.001}) == "strongest undecided finding at confidence 0.001"
 
 
 def test_a_measured_fix_shows_what_it_saves_of_the_step_not_a_replayed_s():

@@ -218,6 +218,7 @@ def test_a_lake_whose_only_window_is_discarded_still_gets_its_report(tmp_path, c
     assert verdict["discarded"] and verdict["fixed_slowdown"] is None
     page = html.unescape((tmp_path / "all" / "jobs" / "2026-11-20_only-discarded.html").read_text())
     assert "no verdict (discarded window)" not in page and "The replay does not match the trace" in page
+    assert "from a replay off by more than 5%: not trustworthy" in page and "S >= 1.1: straggling" not in page
 
 
 def test_methods_figures_stand_beside_the_models(tmp_path, capsys):
