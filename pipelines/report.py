@@ -77,6 +77,8 @@ def parse(argv: list[str]) -> ReportOptions:
 
 
 def _selected_jobs(data, opts: ReportOptions) -> list[tuple]:
+    """(date, job_id) of every window the options ask a page for, most GPU-hours wasted first,
+    before --max-jobs cuts the list."""
     summary = data.jobs["job_summary"]
     if summary.empty or opts.jobs == "none":
         return []
@@ -90,7 +92,7 @@ def _selected_jobs(data, opts: ReportOptions) -> list[tuple]:
         if missing:
             raise ValueError(f"--jobs: no job_summary rows for {sorted(missing)} under {opts.tables}")
         rows = rows[rows["job_id"].isin(wanted)]
-    return list(zip(rows["date"], rows["job_id"]))[: opts.max_jobs]
+    return list(zip(rows["date"], rows["job_id"]))
 
 
 def build(opts: ReportOptions, out_dir: pathlib.Path) -> dict:
@@ -102,7 +104,8 @@ def build(opts: ReportOptions, out_dir: pathlib.Path) -> dict:
 
     started = time.perf_counter()
     data = load_report_data(opts.tables)
-    selected = _selected_jobs(data, opts)
+    wanted = _selected_jobs(data, opts)
+    selected = wanted[: opts.max_jobs]
     pages = []
     if selected:
         write_bundle(out_dir)
@@ -128,6 +131,7 @@ def build(opts: ReportOptions, out_dir: pathlib.Path) -> dict:
             result.raise_for_problems()
             checked.append(page)
     return {"report": report, "job_pages": len(pages), "checked": len(checked), "windows": len(data.jobs["job_summary"]),
+            "beyond_max_jobs": len(wanted) - len(selected),
             "timelines": timelines, "seconds": time.perf_counter() - started}
 
 
@@ -175,7 +179,8 @@ def run(argv: list[str]) -> int:
     print(f"job pages:    {summary['job_pages']} under {where}/jobs/" + (f", {summary['checked']} pages checked in Chromium" if opts.check else ""))
     others = summary["windows"] - summary["job_pages"]
     if opts.jobs == "straggling" and others > 0:   # say why the other windows have no page, and how to get one
-        print(f"              {others} other window(s) (not straggling, or discarded: replay off by more than 5%) "
+        beyond = f", or beyond --max-jobs {opts.max_jobs}" if summary["beyond_max_jobs"] else ""
+        print(f"              {others} other window(s) (not straggling, or discarded: replay off by more than 5%{beyond}) "
               f"have no page; --jobs all (or their ids) gives them one")
     if summary["job_pages"]:
         print(f"timelines:    {summary['timelines']} of the {summary['job_pages']} pages link a Perfetto timeline"

@@ -138,6 +138,21 @@ def test_report_links_each_straggling_job_page_to_its_perfetto_timeline(tables, 
     assert linked == {job_id for _, job_id in straggling}
 
 
+def test_windows_cut_by_max_jobs_are_counted_as_such(tables, tmp_path, capsys):
+    """--max-jobs cuts the straggling windows' pages: the command says those windows have no page
+    because of the cut, not only because they are not straggling or discarded."""
+    from pipelines import cli
+
+    _, out = tables
+    straggling = _straggling_windows(out)
+    assert len(straggling) >= 2
+    assert cli.main(["report", "--tables", str(out), "--out", str(tmp_path / "r"), "--images", "none", "--max-jobs", "1"]) == 0
+    said = capsys.readouterr().out
+    assert "job pages:    1 under" in said and ", or beyond --max-jobs 1) have no page" in said
+    assert cli.main(["report", "--tables", str(out), "--out", str(tmp_path / "all"), "--images", "none"]) == 0
+    assert "beyond --max-jobs" not in capsys.readouterr().out
+
+
 def test_a_cpu_ddp_fleet_is_reported_in_rank_hours_with_ddps_all_reduce_by_its_name(tmp_path, capsys):
     """Real torch.profiler runs on CPU ranks (gloo), landed and analysed as a user would: the report
     counted their ranks as GPUs ("0 of 0 GPU-hours") and called DDP's all-reduce grads-reduce-scatter.
