@@ -190,30 +190,43 @@ def test_read_validated_job_end_to_end(lake):
 
 
 def test_a_column_the_footer_pins_is_made_from_it_and_equals_the_file(tmp_path):
-    """read_parquet makes a string column whose footer statistics pin every value (a trace file's
-    job_id) without decoding it: the table equals pyarrow's own read, schema and metadata
-    included; a column with several values, a null or a value too long for exact statistics is read."""
+    """read_parquet makes the columns whose footer statistics pin every value without decoding
+    them: a string column of one value (a trace file's job_id) and a flat column no row fills (an
+    optional column the writer had nothing for). The table equals pyarrow's own read, schema and
+    metadata included. Read as usual: a column with several values, a null or a value too long for
+    exact statistics; a partly null column; a list column of nulls (its leaf statistics count
+    empty lists as nulls too, so they cannot tell the two apart)."""
     import pyarrow.parquet as pq
 
     n = 5000
     long_id = "j" * 80
     table = pa.table({"job_id": pa.array(["job-7"] * n), "host": pa.array([f"h{i % 3}" for i in range(n)]),
                       "long": pa.array([long_id] * n), "maybe": pa.array(["x"] * (n - 1) + [None]),
-                      "step": pa.array(range(n), pa.int64())},
+                      "step": pa.array(range(n), pa.int64()), "gc_wait": pa.nulls(n, pa.float64()),
+                      "n_ops": pa.array([None] * (n - 1) + [3], pa.int32()),
+                      "seq_lens": pa.nulls(n, pa.list_(pa.int32())), "lens_empty": pa.array([[]] * n, pa.list_(pa.int32()))},
                      schema=pa.schema([pa.field("job_id", pa.string(), nullable=False), ("host", pa.string()),
-                                       ("long", pa.string()), ("maybe", pa.string()), ("step", pa.int64())],
+                                       ("long", pa.string()), ("maybe", pa.string()), ("step", pa.int64()),
+                                       ("gc_wait", pa.float64()), ("n_ops", pa.int32()), ("seq_lens", pa.list_(pa.int32())),
+                                       ("lens_empty", pa.list_(pa.int32()))],
                                       metadata={"strag.table": "trace"}))
     path = tmp_path / "part.parquet"
     pq.write_table(table, path, row_group_size=2000)
-    assert lk._constant_strings(pq.ParquetFile(path)) == {"job_id": "job-7"}
+    assert sorted(lk._footer_columns(pq.ParquetFile(path))) == ["gc_wait", "job_id"]
     got = lk.read_parquet(str(path))
     assert got.equals(pq.read_table(path), check_metadata=True) and got.equals(table)
+    assert got["lens_empty"].to_pylist() == [[]] * n and got["seq_lens"].null_count == n
+    # the host read dictionary-encoded, as the trace files' reader asks: the same values
+    coded = lk.read_parquet(str(path), dictionary=("host",))
+    assert pa.types.is_dictionary(coded.schema.field("host").type)
+    assert coded["host"].cast(pa.string()).equals(table["host"]) and coded.drop_columns(["host"]).equals(table.drop_columns(["host"]))
 
 
 @pytest.mark.parametrize("chosen", [None, "mimalloc"])
-def test_analysis_workers_use_the_system_allocator_unless_the_user_chose_one(chosen):
+def test_analysis_workers_use_the_system_allocator_and_one_arrow_thread_unless_the_user_chose(chosen):
     """The batch DoFn's setup makes glibc's malloc Arrow's pool (mimalloc re-faults every
-    window's buffers); a pool the user chose with ARROW_DEFAULT_MEMORY_POOL is kept."""
+    window's buffers) and gives Arrow one thread (a worker per core already); a pool the user
+    chose with ARROW_DEFAULT_MEMORY_POOL is kept."""
     import os
     import subprocess
     import sys
@@ -222,9 +235,28 @@ def test_analysis_workers_use_the_system_allocator_unless_the_user_chose_one(cho
     if chosen:
         env["ARROW_DEFAULT_MEMORY_POOL"] = chosen
     setup = ("from transforms.batch.analyze_jobs import _AnalyzeJobFn; _AnalyzeJobFn().setup()" if chosen is None
-             else "lk.use_system_allocator()")   # the DoFn once (its GX set-up costs seconds), then the rule itself
-    code = f"import pyarrow as pa\nfrom transforms.io import lake as lk\n{setup}\nprint(pa.default_memory_pool().backend_name)\n"
+             else "from transforms import resources; resources.prepare_batch_worker()")   # the DoFn once (its GX set-up costs seconds), then the rule itself
+    code = f"import pyarrow as pa\n{setup}\nprint(pa.default_memory_pool().backend_name, pa.cpu_count())\n"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
                          cwd=str(pathlib.Path(__file__).resolve().parents[1]))
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[-1] == (chosen or "system")
+    assert out.stdout.split()[-2:] == [chosen or "system", "1"]
+
+
+def test_keep_freed_memory_sets_glibcs_thresholds_unless_the_user_did():
+    """On glibc, mallopt accepts both settings (True); a threshold the user set in the environment
+    (read by glibc at start) is left alone (False, nothing called)."""
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    code = "from transforms.resources import keep_freed_memory; print(keep_freed_memory())"
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, cwd=root)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == str(platform.libc_ver()[0] == "glibc")
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "MALLOC_TRIM_THRESHOLD_": "1000000"},
+                         capture_output=True, text=True, timeout=60, cwd=root)
+    assert out.stdout.split()[-1] == "False"

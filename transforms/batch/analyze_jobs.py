@@ -58,7 +58,7 @@ from transforms.batch.outcomes import (
     source_format,
     unexpected_error_outcome,
 )
-from transforms.io.lake import use_system_allocator
+from transforms.resources import prepare_batch_worker
 from transforms.batch.read_windows import count_quarantine, validate_job_window, validate_job_windows, worker_validator
 from transforms.whatif.causes import analyze_and_classify, job_cause_table   # the batch's one way into the engine
 from transforms.whatif.errors import WhatIfError
@@ -356,7 +356,7 @@ class _AnalyzeJobFn(beam.DoFn):
 
     def setup(self):
         # the what-if analysis plus the root-cause verdict (job_cause table), one compile per job
-        use_system_allocator()
+        prepare_batch_worker()   # allocators that reuse freed memory, one Arrow thread per process
         self._validator = worker_validator()
         self._engine = functools.partial(analyze_and_classify, timeline=self._timelines is not None)  # THE ENGINE
 

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import io
 import json
 import os
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import fsspec
@@ -49,7 +50,6 @@ __all__ = [
     "filesystem",
     "write_parquet",
     "read_parquet",
-    "use_system_allocator",
     "write_lake_marker",
     "read_lake_marker",
     "write_job",
@@ -146,26 +146,12 @@ def write_parquet(url: str, table: pa.Table) -> None:
     _write_bytes(url, buffer.getvalue())
 
 
-def use_system_allocator() -> None:
-    """Make the C library's malloc Arrow's default memory pool in this process, unless the user
-    chose one (ARROW_DEFAULT_MEMORY_POOL). Called by the analysis workers' DoFn.setup.
-
-    Why: Arrow's default on Linux, mimalloc, hands freed pages back to the OS within
-    milliseconds, so every window's column buffers are page-faulted in afresh; a worker reads a
-    window, frees it for the engine's numpy arrays, and reads the next. glibc's malloc, which
-    numpy already uses, keeps freed blocks for reuse (its dynamic mmap threshold). Measured on
-    benchmarks/bench_batch.py's 30 x 20 fleet, runs alternated with the old pool: reading 65 -> 48
-    and validating 67 -> 53 worker-seconds, no phase slower (jemalloc measured as glibc, but is
-    not in every pyarrow build).
-    """
-    if "ARROW_DEFAULT_MEMORY_POOL" not in os.environ:
-        pa.set_memory_pool(pa.system_memory_pool())
-
-
-def read_parquet(url: str) -> pa.Table:
+def read_parquet(url: str, dictionary: Sequence[str] = ()) -> pa.Table:
     """Read one parquet file as written (no casting), verifying the page checksums of what it
-    decodes. A string column whose footer statistics pin every value (`_constant_strings`: a trace
-    file's job_id) is made from the footer rather than decoded; the table is the same.
+    decodes; the string columns named in `dictionary` are read dictionary-encoded (as parquet
+    stores them) rather than decoded into one string per row. Columns whose footer statistics pin every value (`_footer_columns`: a trace file's
+    job_id, optional columns no row fills) are made from the footer rather than decoded; the
+    table is the same.
 
     Raises LakeReadError(reason "unreadable_file") naming the file when its bytes are truncated
     or corrupt (bad data); StorageError (transforms/io/storage.py) when storage does not deliver them
@@ -173,15 +159,15 @@ def read_parquet(url: str) -> pa.Table:
     """
     data = read_bytes(url)
     try:
-        file = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
-        constant = _constant_strings(file)
-        if not constant:
+        file = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True,
+                              read_dictionary=list(dictionary) or None)
+        made = _footer_columns(file)
+        if not made:
             return file.read()
         schema = file.schema_arrow
-        table = file.read(columns=[name for name in schema.names if name not in constant])
-        return pa.Table.from_arrays([pa.repeat(pa.scalar(constant[field.name], field.type), table.num_rows)
-                                     if field.name in constant else table.column(field.name) for field in schema],
-                                    schema=schema)
+        table = file.read(columns=[name for name in schema.names if name not in made])
+        return pa.Table.from_arrays([made[field.name](table.num_rows) if field.name in made else table.column(field.name)
+                                     for field in schema], schema=schema)
     except (OSError, pa.ArrowException, ValueError, EOFError) as error:
         raise LakeReadError(f"file {url}: cannot be read ({type(error).__name__}: {error})",
                             url, "unreadable_file") from None
@@ -190,30 +176,43 @@ def read_parquet(url: str) -> pa.Table:
 _EXACT_STATISTICS = 64   # bytes: parquet writers may truncate longer string min / max statistics
 
 
-def _constant_strings(file: pq.ParquetFile) -> dict[str, str]:
-    """Top-level string columns whose footer statistics pin every value (no nulls, min == max in
-    every row group, short enough to be exact): {name: value}. A trace file's job_id is one value
-    repeated; decoding it is 40% of reading the file, so it is made from the footer instead."""
+def _footer_columns(file: pq.ParquetFile) -> dict[str, Callable[[int], pa.Array]]:
+    """Top-level columns whose footer statistics pin every value: {name: rows -> the column}.
+
+    Two kinds, each costing as much to decode as a column of values (measured on
+    benchmarks/bench_batch.py's fleet: 10 of a trace file's 20 columns, 60% of reading it):
+    - a string column with no nulls and min == max in every row group, short enough for its
+      statistics to be exact (a trace file's job_id, one value repeated);
+    - a nullable flat column (not a list or struct) whose null count is every row of every row
+      group (optional columns the writer had nothing for). A nested column's leaf statistics
+      count empty lists as nulls, so those are decoded.
+    Any row group without statistics for a column rules it out."""
     metadata, schema = file.metadata, file.schema_arrow
     if metadata.num_row_groups == 0:
         return {}
-    out = {}
+    groups = [metadata.row_group(group) for group in range(metadata.num_row_groups)]
+    out: dict[str, Callable[[int], pa.Array]] = {}
     for index in range(metadata.num_columns):
-        path = metadata.row_group(0).column(index).path_in_schema
-        if path not in schema.names or not pa.types.is_string(schema.field(path).type):
+        path = groups[0].column(index).path_in_schema
+        if path not in schema.names:     # a leaf of a nested column
             continue
-        values = set()
-        for group in range(metadata.num_row_groups):
-            stats = metadata.row_group(group).column(index).statistics
-            if stats is None or not stats.has_min_max or stats.null_count != 0 or stats.min != stats.max:
-                break
-            values.add(stats.min)
-        else:
+        field = schema.field(path)
+        stats = [group.column(index).statistics for group in groups]
+        if any(s is None or not s.has_null_count for s in stats):
+            continue
+        if field.nullable and all(s.null_count == group.num_rows for s, group in zip(stats, groups)):
+            out[path] = functools.partial(pa.nulls, type=field.type)
+        elif pa.types.is_string(field.type) and all(s.null_count == 0 and s.has_min_max and s.min == s.max for s in stats):
+            values = {s.min for s in stats}
             if len(values) == 1:
                 (value,) = values
                 if isinstance(value, str) and len(value.encode()) < _EXACT_STATISTICS:
-                    out[path] = value
+                    out[path] = functools.partial(_repeat, pa.scalar(value, field.type))
     return out
+
+
+def _repeat(value: pa.Scalar, rows: int) -> pa.Array:
+    return pa.repeat(value, rows)
 
 
 def write_lake_marker(lake: str) -> dict:
@@ -593,13 +592,19 @@ def read_validated_job(job: LakeJob, validator, manifests: Mapping[str, tuple[di
                                   manifest_issues=issues)
 
 
+# A trace's string columns of a few values repeated (a host per rank): decoding them into a string
+# per row was a quarter of reading a trace file (benchmarks/bench_batch.py's fleet); conform_trace
+# makes them strings again, from the dictionary, for less than half of that.
+_DICTIONARY_COLUMNS = ("host",)
+
+
 def read_job_files(job: LakeJob) -> list[tuple[str, pa.Table | BaseException]]:
     """(path, table as written) per trace file of a job window, or (path, LakeReadError) for
     a file that cannot be read (validation turns that into a quarantine row)."""
     files: list[tuple[str, pa.Table | BaseException]] = []
     for path in job.trace_files:
         try:
-            files.append((path, read_parquet(path)))
+            files.append((path, read_parquet(path, _DICTIONARY_COLUMNS)))
         except LakeReadError as error:
             files.append((path, error))
     return files

@@ -39,7 +39,8 @@ import pyarrow as pa
 from schemas.expectations import MISSING_MANIFEST, MISSING_WORKERS, JobFiles, Problem
 from schemas.lake import LANDING
 from schemas.tables import QUARANTINE_SCHEMA
-from transforms.io.lake import LakeJob, LakeReadError, read_job_files, read_manifest, use_system_allocator
+from transforms.io.lake import LakeJob, LakeReadError, read_job_files, read_manifest
+from transforms.resources import keep_freed_memory, use_system_allocator
 from transforms.live.sessions import RAW_FORMATS, Assembly
 from transforms.whatif.causes import CauseError, analyze_and_classify
 from transforms.whatif.errors import WhatIfError
@@ -359,6 +360,7 @@ class _AnalyzeSessionFn(beam.DoFn):
         from transforms.validation import Validator
 
         use_system_allocator()
+        keep_freed_memory()
         self._validator = Validator()
 
     def start_bundle(self):
