@@ -193,6 +193,9 @@ def conform_trace(table: pa.Table, *, job_id: str | None = None, source_path: st
                 raise TraceContractError(error.reason, f"{where}: {error}") from None
             columns.append(pa.DictionaryArray.from_arrays(codes, pa.array(dictionary, pa.string())))
             continue
+        if column.type == field.type:
+            columns.append(column)
+            continue
         if pa.types.is_dictionary(column.type):
             column = pc.cast(column, column.type.value_type)
         try:

@@ -192,23 +192,35 @@ def _footer_columns(file: pq.ParquetFile) -> dict[str, Callable[[int], pa.Array]
         return {}
     groups = [metadata.row_group(group) for group in range(metadata.num_row_groups)]
     out: dict[str, Callable[[int], pa.Array]] = {}
-    for index in range(metadata.num_columns):
-        path = groups[0].column(index).path_in_schema
-        if path not in schema.names:     # a leaf of a nested column
-            continue
-        field = schema.field(path)
+    leaf = 0     # the parquet column (leaf) of each top-level field: a struct spans several
+    for field in schema:
+        index, leaf = leaf, leaf + _leaves(field.type)
+        flat = not pa.types.is_nested(field.type)
+        if not flat or not (field.nullable or pa.types.is_string(field.type)):
+            continue     # (statistics are read only for the columns they could pin: per call, not free)
         stats = [group.column(index).statistics for group in groups]
         if any(s is None or not s.has_null_count for s in stats):
             continue
         if field.nullable and all(s.null_count == group.num_rows for s, group in zip(stats, groups)):
-            out[path] = functools.partial(pa.nulls, type=field.type)
+            out[field.name] = functools.partial(pa.nulls, type=field.type)
         elif pa.types.is_string(field.type) and all(s.null_count == 0 and s.has_min_max and s.min == s.max for s in stats):
             values = {s.min for s in stats}
             if len(values) == 1:
                 (value,) = values
                 if isinstance(value, str) and len(value.encode()) < _EXACT_STATISTICS:
-                    out[path] = functools.partial(_repeat, pa.scalar(value, field.type))
+                    out[field.name] = functools.partial(_repeat, pa.scalar(value, field.type))
     return out
+
+
+def _leaves(kind: pa.DataType) -> int:
+    """Parquet columns (leaves) a field of this Arrow type is stored in."""
+    if pa.types.is_struct(kind):
+        return sum(_leaves(kind.field(i).type) for i in range(kind.num_fields))
+    if pa.types.is_map(kind):
+        return _leaves(kind.key_type) + _leaves(kind.item_type)
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return _leaves(kind.value_type)
+    return 1
 
 
 def _repeat(value: pa.Scalar, rows: int) -> pa.Array:
