@@ -197,6 +197,26 @@ def test_a_job_the_trace_cannot_decide_says_so_and_what_would(tmp_path):
     assert verdict["confidence"] == pytest.approx(strongest) and verdict["confidence"] < 1 - test["alpha"]
 
 
+def test_an_undecided_worker_of_a_two_step_lightning_run_counts_its_samples_in_words():
+    """A real Lightning PyTorchProfiler run (2 whole steps, one microbatch each, rank 0's backward
+    slowed): the worker test cannot decide, and every line counting its samples says
+    "microbatches" (once printed "microbatchs")."""
+    run = pathlib.Path(__file__).parent / "data" / "real_stacks" / "lightning-bwd2-r0-mlp-plprof"
+    done = strag(run, "--format", "kineto")
+    assert done.returncode == 0, done.stderr
+    assert "verdict: insufficient-evidence" in done.stdout
+    assert "over 2 microbatches" in done.stdout and "profiled microbatches would decide" in done.stdout
+    assert "batchs" not in done.stdout
+
+
+def test_counted_names_the_unit_in_the_plural():
+    from transforms.whatif.causes.explain import counted
+
+    assert [counted(1, "step"), counted(3, "step"), counted(1, "microbatch"), counted(4, "microbatch"),
+            counted(2, "profiled microbatch")] == ["1 step", "3 steps", "1 microbatch", "4 microbatches",
+                                                   "2 profiled microbatches"]
+
+
 def test_a_sequence_signature_short_of_significance_is_insufficient_evidence_not_none(tmp_path):
     """A real Lightning run with sequence-length imbalance, one batch per rank and step, 3 steps of 2
     ranks: S 1.19, every worker decided, compute following the recorded tokens (r 0.87 over 6

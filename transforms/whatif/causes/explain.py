@@ -13,7 +13,7 @@ import math
 
 from transforms.whatif.causes.verdict import Fix
 
-__all__ = ["CAUSE_ORDER", "cause_sentence", "verdict_sentence", "insufficient_sentence", "what_would_decide", "when_slow", "discarded_sentence", "untraced_sentence", "share_words",
+__all__ = ["CAUSE_ORDER", "counted", "cause_sentence", "verdict_sentence", "insufficient_sentence", "what_would_decide", "when_slow", "discarded_sentence", "untraced_sentence", "share_words",
            "times_words"]
 
 CAUSE_ORDER = ("individual-worker", "stage-imbalance", "sequence-imbalance", "python-gc", "communication")
@@ -21,6 +21,13 @@ CAUSE_ORDER = ("individual-worker", "stage-imbalance", "sequence-imbalance", "py
 
 def _pct(share: float) -> str:
     return f"{int(round(100 * share))}%"
+
+
+def counted(n: int, unit: str) -> str:
+    """n of the worker test's sampling unit, in words: "1 step", "2 steps", "4 microbatches"."""
+    if n == 1:
+        return f"1 {unit}"
+    return f"{n} {unit}{'es' if unit.endswith(('ch', 'sh', 's', 'x')) else 's'}"
 
 
 def share_words(share: float) -> str:
@@ -218,7 +225,7 @@ def what_would_decide(finding: dict, unit: str) -> str:
     (`samples_needed` of the test's `unit`), or, where the offset healthy peers keep hides the
     effect whatever the steps, more DP peers."""
     if finding.get("samples_needed"):
-        return f"about {finding['samples_needed']} profiled {unit}s would decide"
+        return f"about {counted(finding['samples_needed'], 'profiled ' + unit)} would decide"
     return "more DP peers, not more steps, would decide"
 
 
@@ -266,7 +273,7 @@ def _insufficient_workers(head: str, test: dict) -> str:
         how = ("a longer active window of the profiler's schedule" if w.get("samples_needed") else
                "healthy DP peers differ persistently by about this much; or a record of what the worker ran")
         return (f"{head}: worker dp {w['dp_rank']} / stage {w['stage']}'s {w['kind']} measures {w['ratio']:.2f}x its DP "
-                f"peers' over {w['samples']} {test['unit']}s, within this job's own jitter ({jitter:.0f}% per "
+                f"peers' over {counted(w['samples'], test['unit'])}, within this job's own jitter ({jitter:.0f}% per "
                 f"{test['unit']}) at a {100 * test['alpha']:g}% false-alarm rate; {what_would_decide(w, test['unit'])} "
                 f"({how})")
     limits = "; ".join(test.get("limits") or []) or "no measurement stands out"
