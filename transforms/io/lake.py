@@ -149,9 +149,9 @@ def write_parquet(url: str, table: pa.Table) -> None:
 def read_parquet(url: str, dictionary: Sequence[str] = ()) -> pa.Table:
     """Read one parquet file as written (no casting), verifying the page checksums of what it
     decodes; the string columns named in `dictionary` are read dictionary-encoded (as parquet
-    stores them) rather than decoded into one string per row. Columns whose footer statistics pin every value (`_footer_columns`: a trace file's
-    job_id, optional columns no row fills) are made from the footer rather than decoded; the
-    table is the same.
+    stores them) rather than decoded into one string per row. Columns whose footer statistics pin
+    every value (`_footer_columns`: a trace file's job_id, optional columns no row fills) are made
+    from the footer rather than decoded; the table is the same.
 
     Raises LakeReadError(reason "unreadable_file") naming the file when its bytes are truncated
     or corrupt (bad data); StorageError (transforms/io/storage.py) when storage does not deliver them
@@ -179,8 +179,9 @@ _EXACT_STATISTICS = 64   # bytes: parquet writers may truncate longer string min
 def _footer_columns(file: pq.ParquetFile) -> dict[str, Callable[[int], pa.Array]]:
     """Top-level columns whose footer statistics pin every value: {name: rows -> the column}.
 
-    Two kinds, each costing as much to decode as a column of values (measured on
-    benchmarks/bench_batch.py's fleet: 10 of a trace file's 20 columns, 60% of reading it):
+    Two kinds, each costing about as much to decode as a column of values (on
+    benchmarks/bench_batch.py's fleet, decoding job_id was 40% of reading a file, and the six
+    optional columns its trace files leave empty a fifth of the rest):
     - a string column with no nulls and min == max in every row group, short enough for its
       statistics to be exact (a trace file's job_id, one value repeated);
     - a nullable flat column (not a list or struct) whose null count is every row of every row

@@ -135,9 +135,9 @@ def pooled_page(job_id: str, summaries: list[dict | None]) -> Page | None:
             workers[worker] = {"rank": rank, "dp_rank": worker[0], "stage": worker[1], "host": host,
                                "ratio": f["ratio"], "work": f["kind"], "steps": None}
     first, p_value = findings[0], max(f["p_value"] for f in findings)
-    note = (f"decided over the job's last {first['windows']} profiling windows together ({counted(first['samples'], summaries[-1].get('unit') or 'step')}, "
-            f"p {p_value:.2g} at a "
-            f"{CauseRules.false_alarm:.0%} false-alarm rate); this window alone could not tell it from the job's jitter")
+    samples = counted(first["samples"], summaries[-1].get("unit") or "step")
+    note = (f"decided over the job's last {first['windows']} profiling windows together ({samples}, p {p_value:.2g} "
+            f"at a {CauseRules.false_alarm:.0%} false-alarm rate); this window alone could not tell it from the job's jitter")
     chosen = tuple(workers.values())
     return Page("individual-worker", chosen, fingerprint(job_id, "individual-worker", _ranks(chosen)), note, 1.0 - p_value)
 
