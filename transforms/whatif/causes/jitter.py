@@ -9,6 +9,10 @@ The null is the job itself with its computes at their METHOD.md ideal and the va
 put back. Its transfers take the times they ran, each draw with the lanes (steps and DP ranks)
 shuffled: how much they vary is the job's, where the slow ones fall is chance (a structured
 transfer problem, a slow link, is the communication cause's to name before this null is asked).
+So do the other ops a worker runs on its own (the optimizer, gradient clipping, traced GC), each
+op with its own shuffle: held at their means they would vary less than the job shows (on CPU ranks
+sharing cores the optimizer is as contended as the compute), and the null would call the job's
+own variation structure.
 Its compute takes the jitter the worker test measured: each worker's compute (forward and
 backward) in each sample (a profiled step; a microbatch when the worker test's unit is one)
 multiplied by exp(s z + t u), z per sample and u per worker standard normal, s the per-worker jitter and t the persistent offset healthy
@@ -80,6 +84,8 @@ def jitter_null(model: JobModel, result: WhatIfResult, tests: WorkerTests, alpha
     ideal = np.asarray(model.ideal_cost(), dtype=np.float64)
     transfers = np.flatnonzero(model.op_is_comm)
     observed = model.original_cost[transfers]
+    local = np.setdiff1d(np.arange(model.n_ops), np.union1d(compute, transfers))   # optimizer, clipping, GC
+    local_observed = model.original_cost[local]
     per_draw = max(1, _BATCH_BYTES // max(1, model.n_ops * model.n_lanes * 8))
     ideal_time = float(result.step_t_nodelay.mean()) / float(result.slowdown)
     spans = []
@@ -94,6 +100,8 @@ def jitter_null(model: JobModel, result: WhatIfResult, tests: WorkerTests, alpha
             cost = np.broadcast_to(ideal[:, None], (model.n_ops, model.n_lanes)).copy()
             cost[compute] *= factor.reshape(-1)[cells]
             cost[transfers] = observed[:, rng.permutation(model.n_lanes)]
+            cost[local] = np.take_along_axis(local_observed, rng.permuted(
+                np.broadcast_to(np.arange(model.n_lanes), local_observed.shape), axis=1), axis=1)
             scenarios.append(Scenario(f"null{k}", cost))
         replayed = replay(model, scenarios)
         spans.extend(float(replayed.span(s.name).mean()) for s in scenarios)
