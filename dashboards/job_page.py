@@ -156,6 +156,9 @@ def _evidence_value(value, grads_collective: str | None = None) -> str:
         return "; ".join(f"dp {w[0]} / stage {w[1]}" for w in value)
     if isinstance(value, str):     # a name: an op type read as people know it (DDP's all-reduce by its name)
         return optype_words(value, grads_collective) if value in OPTYPES else value
+    if isinstance(value, list) and isinstance(value[0], dict) and "cause" in value[0]:   # causes below the savings floor
+        return "; ".join(f"{CAUSE_TITLES.get(c['cause'], c['cause'])}: its fix saves {100 * c['saves']:.1f}% of the step"
+                         for c in value)
     if isinstance(value, list) and isinstance(value[0], dict):     # per worker: peer workers, untraced workers
         return "; ".join(_worker_evidence(w) for w in value)
     if isinstance(value, dict) and "sigma" in value and "tests" in value:     # the worker test

@@ -57,6 +57,8 @@ EVIDENCE_LABELS: dict[str, tuple[str, str]] = {
     "forward_backward_r_normalised": ("forward/backward correlation", "the same r within each worker and chunk, so slow workers and stages cancel"),
     "peer_workers": ("workers slower than their DP peers", "the workers the worker test decided slow: dp rank, stage, compute ratio to the peers' median, the steps where slow (persistent or named), confidence"),
     "peer_ratio_max": ("largest worker/peer ratio", "compute time of the slowest worker over the median of its stage's other DP ranks"),
+    "below_min_savings": ("signatures not worth a change", "causes whose signature holds and explains enough of the straggling, "
+                          "but whose fix saves less of the step than a change must (CauseRules.min_savings, 3%): not listed"),
     "sequence_p": ("compute follows the data (p-value)", "one-sided test that compute follows the data: the forward-backward and the compute-workload correlations, each against Student's t with its degrees of freedom, the smaller p times the number of tests; sequence-imbalance is a candidate at or below the job's false-alarm rate (1%)"),
     "sequence_samples_needed": ("microbatches to decide the sequence signature", "how many more microbatches (steps x DP ranks) the same correlation of compute with the recorded tokens would need to be significant at the false-alarm rate"),
     "workload_compute_r": ("compute follows the data (r)", "Pearson r between each microbatch's compute and the workload of the sequences it recorded (trainer's seq_lens, or record_shapes' token embedding: batch x length), over each stage and chunk's mean across steps and DP ranks; the sequence signature with one microbatch per worker and step"),

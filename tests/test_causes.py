@@ -558,3 +558,21 @@ def test_a_discarded_window_with_a_worker_its_jitter_cannot_decide_is_insufficie
     assert paired.workers.undecided
     decided = dataclasses.replace(paired, workers=dataclasses.replace(paired.workers, undecided=(), limits=()))
     assert measured_verdict(model, result, CauseRules(), {}, decided).cause == "none"
+
+
+def test_a_cause_whose_fix_saves_less_than_the_floor_is_named_in_the_sentence_not_denied(analysed):
+    """The generated sequence-imbalance job: listed at the default rules. With a savings floor
+    above what any fix saves, the cause is not listed, the evidence says which signature was held
+    back and what its fix saves (below_min_savings), and the sentence names it instead of saying
+    that no cause's signature holds."""
+    from transforms.whatif.causes import CauseRules
+
+    job, model, result, verdict, workload = analysed("sequence")
+    assert verdict.cause == "sequence-imbalance" and "below_min_savings" not in verdict.evidence
+    held = classify(model, result, workload=workload, rules=CauseRules(min_savings=0.9))   # no fix saves 90%
+    assert held.cause in ("none", "unexplained") and "sequence-imbalance" not in held.causes
+    (small,) = [c for c in held.evidence["below_min_savings"] if c["cause"] == "sequence-imbalance"]
+    assert 0 < small["saves"] < 0.9
+    sentence = held.explanations[held.cause]
+    assert "sequence-length imbalance's signature holds, but its fix would save only" in sentence
+    assert f"{100 * small['saves']:.1f}% of the step" in sentence and "no cause's signature holds" not in sentence

@@ -367,6 +367,17 @@ def test_job_page_shows_who_was_slow_in_each_step_and_what_the_fix_saves_there(d
     assert _evidence_value([entry]).startswith(f"dp 2 / stage 0: {slower} {entry[slower]:.2f}x in steps {numbers[0]} and {numbers[1]}")
 
 
+def test_the_evidence_row_of_causes_below_the_savings_floor_reads_as_words():
+    """classify's below_min_savings (a cause whose signature holds but whose fix saves less than a
+    change must) has a label and reads as the cause and its saving, not as a worker entry."""
+    from dashboards.job_page import _evidence_value
+    from schemas.causes import evidence_label
+
+    value = [{"cause": "sequence-imbalance", "saves": 0.0251}]
+    assert _evidence_value(value) == "sequence-length imbalance: its fix saves 2.5% of the step"
+    assert evidence_label("below_min_savings")[0] == "signatures not worth a change"
+
+
 def test_cells_and_titles_say_nothing_meaningless():
     """Evidence that rounds to zero shows "0.000", not "-0.000"; a job id that already says "job" is
     not titled "Job job-..."."""

@@ -369,6 +369,8 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         masked = given.get(c.cause, -math.inf) >= c.needed      # it matters once the other causes are fixed
         if best >= c.needed and (saves >= rules.min_savings or masked or c.cause == "individual-worker"):
             listed[c.cause] = min(c.signature, margin(best, c.needed, c.clear))
+        elif best >= c.needed:   # its signature holds and explains enough, but the fix is not worth a change
+            evidence.setdefault("below_min_savings", []).append({"cause": c.cause, "saves": float(saves)})
     fixes = {cause: make_fix(cause, scenario) for cause in explain.CAUSE_ORDER
              if (scenario := _default_scenario(cause, costs)) is not None}
     fixes.update({c: make_fix(c, reported[c], given.get(c)) for c in reported})
@@ -477,7 +479,9 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
         within = evidence.get("jitter_null") if primary == "none" and straggling else None
         explanations[primary] = explain.verdict_sentence(primary, slowdown, rules.straggling, best,
                                                          spread=evidence.get("localised") is False,
-                                                         transient=bool(evidence.get("transient")), jitter=within)
+                                                         transient=bool(evidence.get("transient")), jitter=within,
+                                                         small=evidence.get("below_min_savings"),
+                                                         min_savings=rules.min_savings)
     return Verdict(model.job_id, slowdown, primary, ranked, float(confidence),
                    {c: float(listed[c]) for c in ranked}, evidence, implicated, fixes, explanations, joint_fix,
                    timings)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from schemas.causes import CAUSE_TITLES
 from transforms.whatif.causes.verdict import Fix
 
 __all__ = ["CAUSE_ORDER", "counted", "cause_sentence", "verdict_sentence", "insufficient_sentence", "what_would_decide", "when_slow", "discarded_sentence", "untraced_sentence", "share_words",
@@ -281,9 +282,23 @@ def _insufficient_workers(head: str, test: dict) -> str:
 
 
 def verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix | None, spread: bool = False,
-                     transient: bool = False, jitter: dict | None = None) -> str:
+                     transient: bool = False, jitter: dict | None = None, small: list[dict] | None = None,
+                     min_savings: float = 0.03) -> str:
     """The sentence of a verdict without a listed cause: "none" or "unexplained"; `jitter`: the
-    evidence's jitter_null (causes/jitter.py), when S is one the job's own jitter reaches."""
+    evidence's jitter_null (causes/jitter.py), when S is one the job's own jitter reaches; `small`:
+    the causes whose signature holds but whose fix saves less than `min_savings` of the step
+    (evidence below_min_savings), which the sentence names rather than saying no signature holds."""
+    text = _verdict_sentence(verdict, slowdown, threshold, best, spread, transient, jitter)
+    if not small or verdict not in ("none", "unexplained"):
+        return text
+    found = "; ".join(f"{CAUSE_TITLES.get(c['cause'], c['cause'])}'s signature holds, but its fix would save only "
+                      f"{100 * max(c['saves'], 0.0):.1f}% of the step, less than the {_pct(min_savings)} a change must save"
+                      for c in small)
+    return text.replace("no cause's signature holds", f"no cause worth a change ({found})")
+
+
+def _verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix | None, spread: bool,
+                      transient: bool, jitter: dict | None) -> str:
     if verdict == "none" and jitter is not None:
         return (f"S = {slowdown:.3f}, within this job's own jitter: with every compute at its ideal, its "
                 "transfers as they ran (in steps and ranks drawn at random) and each worker's compute varying by "
