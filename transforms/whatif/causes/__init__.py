@@ -23,9 +23,9 @@ The design in four decisions.
    Confidence is 1 - the adjusted p-value; bench_real_runs prints its reliability table (an
    insufficient-evidence verdict states its strongest undecided finding's). A window that
    straggles with no cause listed is tested the same way (`jitter.py`): replays of the ideal job
-   with the measured compute jitter and the transfers as they ran (lanes shuffled) put back give
-   the S the job's own variation makes; an S they
-   reach at the false-alarm rate is "none", one beyond them "unexplained".
+   with the measured compute jitter, and the transfers and the worker's other ops (optimizer,
+   clipping) as they ran (lanes shuffled), put back give the S the job's own variation makes; an S
+   they reach at the false-alarm rate is "none", one beyond them "unexplained".
    Without DP peers (a pipeline of one DP rank per stage) the same test runs on physics
    (`balance_tests`): more layers lengthen a chunk's forward and backward alike, a slow machine
    in one kind of work moves its balance of backward to forward away from the other stages';

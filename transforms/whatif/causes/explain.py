@@ -301,7 +301,8 @@ def _verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix
                       transient: bool, jitter: dict | None) -> str:
     if verdict == "none" and jitter is not None:
         return (f"S = {slowdown:.3f}, within this job's own jitter: with every compute at its ideal, its "
-                "transfers as they ran (in steps and ranks drawn at random) and each worker's compute varying by "
+                "transfers and other ops (optimizer, clipping) as they ran (in steps and ranks drawn at random) and each "
+                "worker's compute varying by "
                 f"{100 * (math.exp(jitter['jitter']) - 1):.0f}% per {jitter['unit']} as measured "
                 f"(persistent offsets of {100 * (math.exp(jitter['offset']) - 1):.0f}%), {jitter['draws']} replays reach "
                 f"S {jitter['median']:.3f} typically and {jitter['quantile']:.3f} at the false-alarm rate (p = "
