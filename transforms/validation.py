@@ -659,15 +659,17 @@ def witness_rows(trace: pa.Table, job_id: str, manifest: Mapping[str, Any]) -> n
     optype = trace["optype"]
     if any(len(chunk.dictionary) != len(OPTYPES) for chunk in optype.chunks):
         return None   # conform_trace appends unknown names to the OPTYPES dictionary
-    if not pc.all(pc.equal(trace["job_id"], job_id)).as_py() or _rank_mismatch(trace, manifest).size:
+    # each column as one numpy array, once: a window's columns have a chunk per file, which every
+    # to_numpy concatenates anew (no nulls here: _has_missing_values said so)
+    values = {name: trace[name].to_numpy() for name in (*_RANGE_COLUMNS, "rank")}
+    if not pc.all(pc.equal(trace["job_id"], job_id)).as_py() or _rank_mismatch(trace, manifest, values).size:
         return None
     picks = [0]
     for name in _RANGE_COLUMNS:
-        values = trace[name].to_numpy()
-        picks += [int(np.argmin(values)), int(np.argmax(values))]
+        picks += [int(np.argmin(values[name])), int(np.argmax(values[name]))]
     codes = np.concatenate([chunk.indices.to_numpy() for chunk in optype.chunks])
     picks += [int(np.argmax(codes == code)) for code in np.flatnonzero(np.bincount(codes, minlength=len(OPTYPES)))]
-    key = [trace[name].to_numpy() for name in ("step", "dp_rank", "stage")] + [codes, trace["seq_id"].to_numpy()]
+    key = [values[name] for name in ("step", "dp_rank", "stage")] + [codes, values["seq_id"]]
     return np.unique(np.concatenate([np.asarray(picks, np.int64), _duplicate_rows(key)]))
 
 
@@ -728,14 +730,17 @@ def _empty_report(job_id: str | None, problems: list[Problem]) -> ValidationRepo
     return ValidationReport(job_id, TRACE_SCHEMA.empty_table(), INVALID_ROW_SCHEMA.empty_table(), problems)
 
 
-def _rank_mismatch(trace: pa.Table, manifest: Mapping[str, Any]) -> np.ndarray:
-    """Row indices whose rank differs from the manifest's rank of their (dp_rank, stage)."""
+def _rank_mismatch(trace: pa.Table, manifest: Mapping[str, Any], arrays: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+    """Row indices whose rank differs from the manifest's rank of their (dp_rank, stage); arrays:
+    the null-free dp_rank, stage and rank columns as numpy arrays, where the caller has them."""
     dp_size, pp_size = int(manifest["dp_size"]), int(manifest["pp_size"])
     lookup = np.full((dp_size, pp_size), -1, dtype=np.int64)
     for worker in manifest["workers"]:
         if 0 <= worker["dp_rank"] < dp_size and 0 <= worker["stage"] < pp_size:
             lookup[worker["dp_rank"], worker["stage"]] = worker["rank"]
     def values(name: str) -> np.ndarray:   # as stored (int16 / int32): no widening copy
+        if arrays is not None:
+            return arrays[name]
         column = trace[name]
         return (column if column.null_count == 0 else pc.fill_null(column, -1)).to_numpy()
 
