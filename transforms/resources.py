@@ -25,7 +25,10 @@ watcher, which run alone, keep Arrow's threads; the watcher keeps freed memory t
 Measured together with the reader's savings (transforms/io/lake.py: columns made from the footer,
 the host read dictionary-encoded), benchmarks/bench_batch.py's 30 x 20 fleet on the FnApiRunner,
 runs alternated with the code before: reading 78 / 55 -> 48 / 44 worker-seconds, wall 139 / 130 ->
-128 / 119 s.
+128 / 119 s; on a quieter hour of the same box, 46.5 -> 33.7 worker-seconds, wall 102 -> 93 s. The
+allocator settings' own share was not isolated. On the one-job command (the 8,192-GPU job of
+benchmarks/bench_whatif.py, 10 alternations of each setting, with and without numpy's huge pages)
+none beat the box's noise, so `strag analyze` keeps the defaults.
 """
 from __future__ import annotations
 
