@@ -260,3 +260,20 @@ def test_keep_freed_memory_sets_glibcs_thresholds_unless_the_user_did():
     out = subprocess.run([sys.executable, "-c", code], env={**env, "MALLOC_TRIM_THRESHOLD_": "1000000"},
                          capture_output=True, text=True, timeout=60, cwd=root)
     assert out.stdout.split()[-1] == "False"
+
+
+def test_footer_columns_count_a_struct_or_map_as_the_leaves_it_spans(tmp_path):
+    """_footer_columns finds each top-level field's parquet column by counting the leaves before it:
+    a struct or a map before the flat columns spans several, and the null and constant columns
+    after them are still the ones made from the footer (the table equals pyarrow's read)."""
+    import pyarrow.parquet as pq
+
+    n = 3
+    table = pa.table({"s": pa.array([{"a": 1, "b": None}] * n, pa.struct([("a", pa.int32()), ("b", pa.string())])),
+                      "m": pa.array([[("k", 1)]] * n, pa.map_(pa.string(), pa.int32())),
+                      "j": pa.array(["x"] * n), "gone": pa.nulls(n, pa.float64()), "some": pa.array([1, None, 2], pa.int64())})
+    path = tmp_path / "nested.parquet"
+    pq.write_table(table, path)
+    assert pq.ParquetFile(path).metadata.num_columns == 7     # s.a, s.b, m.key, m.value, j, gone, some
+    assert sorted(lk._footer_columns(pq.ParquetFile(path))) == ["gone", "j"]
+    assert lk.read_parquet(str(path)).equals(pq.read_table(path))
