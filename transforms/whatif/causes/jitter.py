@@ -100,8 +100,7 @@ def jitter_null(model: JobModel, result: WhatIfResult, tests: WorkerTests, alpha
             cost = np.broadcast_to(ideal[:, None], (model.n_ops, model.n_lanes)).copy()
             cost[compute] *= factor.reshape(-1)[cells]
             cost[transfers] = observed[:, rng.permutation(model.n_lanes)]
-            cost[local] = np.take_along_axis(local_observed, rng.permuted(
-                np.broadcast_to(np.arange(model.n_lanes), local_observed.shape), axis=1), axis=1)
+            cost[local] = rng.permuted(local_observed, axis=1)          # each op's lanes shuffled on their own
             scenarios.append(Scenario(f"null{k}", cost))
         replayed = replay(model, scenarios)
         spans.extend(float(replayed.span(s.name).mean()) for s in scenarios)
