@@ -209,7 +209,7 @@ def _footer_columns(file: pq.ParquetFile) -> dict[str, Callable[[int], pa.Array]
             if len(values) == 1:
                 (value,) = values
                 if isinstance(value, str) and len(value.encode()) < _EXACT_STATISTICS:
-                    out[field.name] = functools.partial(_repeat, pa.scalar(value, field.type))
+                    out[field.name] = functools.partial(pa.repeat, pa.scalar(value, field.type))
     return out
 
 
@@ -222,10 +222,6 @@ def _leaves(kind: pa.DataType) -> int:
     if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
         return _leaves(kind.value_type)
     return 1
-
-
-def _repeat(value: pa.Scalar, rows: int) -> pa.Array:
-    return pa.repeat(value, rows)
 
 
 def write_lake_marker(lake: str) -> dict:
