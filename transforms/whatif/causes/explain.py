@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from schemas.causes import CAUSE_TITLES
-from transforms.whatif.causes.verdict import Fix
+from transforms.whatif.causes.verdict import CauseRules, Fix
 
 __all__ = ["CAUSE_ORDER", "counted", "cause_sentence", "verdict_sentence", "insufficient_sentence", "what_would_decide", "when_slow", "discarded_sentence", "untraced_sentence", "share_words",
            "times_words"]
@@ -283,22 +283,17 @@ def _insufficient_workers(head: str, test: dict) -> str:
 
 def verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix | None, spread: bool = False,
                      transient: bool = False, jitter: dict | None = None, small: list[dict] | None = None,
-                     min_savings: float = 0.03) -> str:
+                     min_savings: float = CauseRules.min_savings) -> str:
     """The sentence of a verdict without a listed cause: "none" or "unexplained"; `jitter`: the
     evidence's jitter_null (causes/jitter.py), when S is one the job's own jitter reaches; `small`:
     the causes whose signature holds but whose fix saves less than `min_savings` of the step
     (evidence below_min_savings), which the sentence names rather than saying no signature holds."""
-    text = _verdict_sentence(verdict, slowdown, threshold, best, spread, transient, jitter)
-    if not small or verdict not in ("none", "unexplained"):
-        return text
-    found = "; ".join(f"{CAUSE_TITLES.get(c['cause'], c['cause'])}'s signature holds, but its fix would save only "
-                      f"{100 * max(c['saves'], 0.0):.1f}% of the step, less than the {_pct(min_savings)} a change must save"
-                      for c in small)
-    return text.replace("no cause's signature holds", f"no cause worth a change ({found})")
-
-
-def _verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix | None, spread: bool,
-                      transient: bool, jitter: dict | None) -> str:
+    nothing = "no cause's signature holds"
+    if small:
+        nothing = "no cause worth a change (" + "; ".join(
+            f"{CAUSE_TITLES.get(c['cause'], c['cause'])}'s signature holds, but its fix would save only "
+            f"{100 * max(c['saves'], 0.0):.1f}% of the step, less than the {_pct(min_savings)} a change must save"
+            for c in small) + ")"
     if verdict == "none" and jitter is not None:
         return (f"S = {slowdown:.3f}, within this job's own jitter: with every compute at its ideal, its "
                 "transfers and other ops (optimizer, clipping) as they ran (in steps and ranks drawn at random) and each "
@@ -306,7 +301,7 @@ def _verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix
                 f"{100 * (math.exp(jitter['jitter']) - 1):.0f}% per {jitter['unit']} as measured "
                 f"(persistent offsets of {100 * (math.exp(jitter['offset']) - 1):.0f}%), {jitter['draws']} replays reach "
                 f"S {jitter['median']:.3f} typically and {jitter['quantile']:.3f} at the false-alarm rate (p = "
-                f"{jitter['p_value']:.2f}); no cause's signature holds. Each step waits for whichever rank is slowest "
+                f"{jitter['p_value']:.2f}); {nothing}. Each step waits for whichever rank is slowest "
                 "in it: the job's own variation, not a straggler to fix.")
     if verdict == "none" and transient:
         return (f"S = {slowdown:.3f}, but transient: what the best single fix ({best.description}) removes sits in one "
@@ -314,17 +309,17 @@ def _verdict_sentence(verdict: str, slowdown: float, threshold: float, best: Fix
                 "is the job's own variation, not a straggler to fix.")
     if verdict == "none" and spread:
         return (f"S = {slowdown:.3f}, but spread: no DP rank, stage or step holds twice the slowdown of the next, "
-                "or most of it is transfer time varying over every rank and step, and no cause's signature holds; "
+                f"or most of it is transfer time varying over every rank and step, and {nothing}; "
                 "this is the job's own variation, not a straggler to fix.")
     if verdict == "none":
         return f"S = {slowdown:.3f} is below the {threshold:g} straggling threshold: nothing to fix."
     if best is None or best.explained <= 0:
         return f"S = {slowdown:.3f} but no detector could run (no attribution): the cause is unknown."
     if best.explained >= 0.5:   # the replay can remove it, the trace cannot say why it is there
-        return (f"S = {slowdown:.3f} but no cause's signature holds: the best single fix ({best.description}) "
+        return (f"S = {slowdown:.3f} but {nothing}: the best single fix ({best.description}) "
                 f"would remove {share_words(best.explained)} of the straggling time, yet nothing in the trace "
                 "shows that cause.")
-    return (f"S = {slowdown:.3f} but no cause's signature holds; the best single fix ({best.description}) "
+    return (f"S = {slowdown:.3f} but {nothing}; the best single fix ({best.description}) "
             f"would remove only {share_words(best.explained)} of the straggling time.")
 
 
