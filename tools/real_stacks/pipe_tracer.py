@@ -2,7 +2,7 @@
 built from a LlamaConfig, on CPU / gloo.
 
     torchrun --standalone --nproc_per_node 2 tools/real_stacks/pipe_tracer.py --out /tmp/pp \
-        [--schedule gpipe|1f1b|interleaved|looped-bfs|interleaved-zb|zbv|dualpipev] [--layout pp2|pp2dp2] [--dp-sync fsdp2|ddp] [--slow ...]
+        [--schedule gpipe|1f1b|interleaved|looped-bfs|interleaved-zb|zbv|dualpipev] [--layout pp2|pp2dp2|pp4] [--dp-sync fsdp2|ddp] [--slow ...]
         [--fsdp-per-layer 0|1] [--fsdp-reshard-after-forward 0|1]
 
 Model (PipeLlama): embed_tokens -> rotary (cos, sin) and a causal additive mask computed ONCE ->
@@ -132,7 +132,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     C.add_common_args(ap)
     ap.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
-    ap.add_argument("--layout", choices=["pp2", "pp2dp2"], default="pp2")
+    ap.add_argument("--layout", choices=["pp2", "pp2dp2", "pp4"], default="pp2",
+                    help="pp4: four pipeline stages on 4 ranks (the shape of the torch pipelining tutorial)")
     ap.add_argument("--dp-sync", choices=["fsdp2", "ddp"], default="fsdp2", help="pp2dp2 only")
     ap.add_argument("--frontend", choices=["tracer", "manual"], default=None,
                     help="tracer (pipeline() + SplitPoint; default for gpipe/1f1b) or manual (PipelineStage over "
@@ -150,7 +151,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=1024, help="vocabulary: the last stage's LM head is hidden x vocab")
     args = ap.parse_args()
     rank, world = C.rank_world()
-    pp = 2
+    pp = 4 if args.layout == "pp4" else 2
     dp = 2 if args.layout == "pp2dp2" else 1
     assert world == pp * dp, f"--layout {args.layout} needs {pp * dp} processes"
     slowdowns = C.parse_slow(args.slow, ("fwd", "bwd", "gc", "gcall", "gcend", "gcallend", "sleep", "data", "split", "host"), world)
@@ -188,7 +189,7 @@ def main() -> None:
         pp_rank, dp_rank = rank, 0
 
     n_stages = pp * n_virtual
-    base = 2 if n_virtual == 2 else 4
+    base = (2 if n_virtual == 2 else 4) * 2 // pp   # 8 decoder layers in all (16 with split:uneven at pp2)
     counts = [base] * n_stages
     if slow.split:
         counts[0] = 3 * base
