@@ -374,6 +374,36 @@ def test_a_hot_stage_as_much_slower_as_heavier_is_no_heavier_partition(pace, dro
         assert "DP replicas of the stages" in sentence
 
 
+def test_a_heavier_partition_that_m_w_blames_is_named_whatever_evening_it_saves():
+    """One DP rank per stage, stage 0's chunk records 3x the median chunk's operations at the usual
+    pace (an uneven split, as measured on a real 4-stage 1F1B run: 2.88x at 0.98x), and METHOD's M_W
+    set is that stage's worker: the worker candidate becomes stage imbalance carrying M_W's
+    idealisation as its attribution, so the verdict names it even where evening the layers saves
+    nothing (the stages that would take them on lie on the critical path). Where the heavy chunk is
+    not in the M_W set, no attribution: its own fix must explain the straggling."""
+    import types
+
+    import numpy as np
+
+    from transforms.whatif.causes.detect import BACKWARD, FORWARD, _Candidate, _work_or_speed
+    from transforms.whatif.causes.signals import ChunkWork
+    from transforms.whatif.causes.verdict import CauseRules
+
+    model = types.SimpleNamespace(op_gmc=np.repeat(np.arange(4), 2), op_stage=np.repeat(np.arange(4), 2),
+                                  op_optype=np.tile([FORWARD, BACKWARD], 4))
+    ops = np.array([30.0, 10.0, 10.0, 10.0])
+    seconds = 1e-3 * ops * np.array([0.98, 1.0, 1.0, 1.02])
+    work = ChunkWork(np.arange(4), ops, ops, seconds, 2 * seconds)
+    for mw_stage, attribution in ((0, "worker-compute"), (1, None)):
+        result = types.SimpleNamespace(mw=types.SimpleNamespace(workers=[(0, mw_stage)]))
+        signals = types.SimpleNamespace(chunks=types.SimpleNamespace(heaviest_stage=0))
+        out = [_Candidate("individual-worker", "worker-compute", 0.9, 0.1, 0.6, ((0, mw_stage),))]
+        evidence = {}
+        kept = _work_or_speed(model, result, signals, work, out, CauseRules(), evidence)
+        assert [(c.cause, c.scenario, c.attribution) for c in kept] == [("stage-imbalance", "stage", attribution)]
+        assert evidence["chunk_work_ratio"] >= CauseRules.more_work > 1 > evidence["chunk_speed_ratio"] - 0.05
+
+
 def test_straggling_held_in_one_step_is_the_jobs_own_variation(analysed):
     """S >= 1.1, yet what the best fix (transfers at their typical time) removes sits in one step of
     16: a transfer held up once is no straggler to fix ("none", evidence `transient`); the same link
@@ -475,6 +505,28 @@ def test_the_sequence_sentence_states_the_correlation_that_was_measured():
     both = cause_sentence("sequence-imbalance", {**base, "forward_backward_r_normalised": 0.95,
                                                  "workload_compute_r": 0.8}, fix, [], 1)
     assert "slow together (r = 0.95)" in both and "recorded tokens (r = 0.80)" in both
+
+
+def test_the_stage_sentence_of_a_heavier_partition_states_its_work_and_what_evening_it_gains():
+    """A heavier partition the trace measured (recorded operations at the usual pace) is told by its
+    work and by the share its stage's idealisation explains, not by M_S (it is not the last stage);
+    where evening the layers saves under the floor, the sentence says why it gains little. A last
+    stage's imbalance without that measurement keeps M_S."""
+    from transforms.whatif.causes import Fix
+    from transforms.whatif.causes.explain import cause_sentence
+    from transforms.whatif.causes.verdict import CauseRules
+
+    base = {"heaviest_chunk": [0, 0], "chunk_ratio": 2.21, "m_s": 0.03}
+    measured = {**base, "chunk_work_ratio": 2.88, "chunk_speed_ratio": 0.98, "stage_idealised_explained": 1.32}
+    little = Fix("stage-imbalance", step_time=0.22, fixed_slowdown=1.14, explained=-0.08, savings_fraction=0.0)
+    text = cause_sentence("stage-imbalance", measured, little, [], 4)
+    assert "2.88x its recorded operations at 0.98x their pace (a heavier partition" in text
+    assert "M_S" not in text and "the job would be 0% faster: the stages that would take on its layers" in text
+    pays = Fix("stage-imbalance", step_time=0.15, fixed_slowdown=1.02, explained=0.89,
+               savings_fraction=2 * CauseRules.min_savings)
+    assert "gains little" not in cause_sentence("stage-imbalance", measured, pays, [], 4)
+    last = cause_sentence("stage-imbalance", {**base, "heaviest_chunk": [3, 3], "m_s": 0.62}, pays, [], 4)
+    assert "the last stage explains 62% of the straggling time (M_S)" in last and "recorded operations" not in last
 
 
 def test_cpu_ranks_on_one_host_have_no_network_to_blame():

@@ -530,3 +530,25 @@ def test_a_vocabulary_sized_lm_head_is_a_heavier_stage_not_a_slower_machine():
     assert ratio > 1.1 and speed < 1.1                                        # by identity: more work, same pace
     _, verdict = analyze_and_classify(converted.trace, converted.job_meta(), run.name)
     assert verdict.cause == "stage-imbalance" and verdict.implicated_workers == [], verdict.explanations
+
+
+def test_a_heavier_first_stage_is_stage_imbalance_even_where_evening_it_gains_little():
+    """Four stages, stage 0 with three times the decoder layers (6 + 2 + 2 + 2), 1F1B over 4
+    micro-batches: its chunk records ~2.9x the median chunk's operations at the usual pace, and M_W
+    blames its worker. Evening the layers replays barely faster (the stages that would take them on
+    lie on the critical path too), under the 3% a change must save; the partition is measured all
+    the same (as a slow machine is against its peers), so the verdict is stage imbalance, no worker
+    blamed, with the small saving stated, never "none" or a transient."""
+    from transforms.ingest.kineto import convert_kineto
+    from transforms.whatif.causes import CauseRules, analyze_and_classify
+
+    run = STACKS / "p6-pipe-split-1f1b-pp4-a3"
+    truth = json.loads((run / "truth.json").read_text())
+    converted = convert_kineto([str(run / name) for name in truth["trace_files"]], run.name, "2026-11-29", {})
+    result, verdict = analyze_and_classify(converted.trace, converted.job_meta(), run.name)
+    evidence, fix = verdict.evidence, verdict.fixes["stage-imbalance"]
+    assert result.slowdown >= 1.1 and not result.discarded
+    assert evidence["heaviest_chunk"] == [0, 0] and evidence["chunk_work_ratio"] > 2.5 and evidence["chunk_speed_ratio"] < 1.0
+    assert fix.savings_fraction < CauseRules.min_savings <= evidence["stage_idealised_explained"]   # its fix alone gains little
+    assert verdict.cause == "stage-imbalance" and verdict.implicated_workers == [], verdict.explanations
+    assert "a heavier partition, not a slower machine" in verdict.explanation and "gains little" in verdict.explanation

@@ -158,7 +158,9 @@ def main() -> None:
     slow = C.RankSlow(slowdowns, rank, world)
     sched_name, n_virtual = SCHEDULES[args.schedule]
     if args.frontend is None:
-        args.frontend = "manual" if n_virtual > 1 else "tracer"
+        # the tracer splits off cos / sin / mask once, so past two stages they skip stages (stage 0 sends
+        # them to 2 and 3), and the runtime has no backward for skip connections
+        args.frontend = "manual" if n_virtual > 1 or pp > 2 else "tracer"
     if dp > 1 and args.dp_sync == "ddp" and args.frontend == "tracer":
         # _PipelineStage._create_act_recv_info reads self.submod.graph.nodes at the first step:
         # AttributeError: 'DistributedDataParallel' object has no attribute 'graph'

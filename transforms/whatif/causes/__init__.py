@@ -55,7 +55,11 @@ The design in four decisions.
    is not the machine's.
 3. Every what-if is a replay: the fixes of all candidate causes are scenarios of one batched
    replay (fixes.py), and "explained" is always the share of T - T_ideal a fix removes; a cause
-   is listed when its fix removes enough of it alone or once the others are fixed. Untraced
+   is listed when its fix removes enough of it alone or once the others are fixed. A measured
+   cause is listed whatever its fix saves, the saving stated: a worker slower than its peers, and
+   a heavier partition (without DP peers, a hot stage whose chunk records more operations at the
+   usual pace, to which METHOD's idealisation of its worker gives the straggling time: evening
+   the layers may gain little where the stages taking them on lie on the critical path too). Untraced
    time is not in the replay, so its fixes (untraced-cpu, python-gc from pauses) are measured
    against what ran and say so (`Fix.measured`).
    Transfers between CPU ranks that all ran on one host (the trace's `host` names) never cross a

@@ -79,6 +79,9 @@ class _Candidate:
     clear: float
     implicated: tuple[tuple[int, int], ...] = ()
     fix_scenario: str | None = None      # the fix reported, when it is not the measuring replay
+    # a measured cause's METHOD attribution: the idealisation that gives it the straggling time
+    # (a heavier partition's stage, as M_W does), so that it is named whatever its fix saves
+    attribution: str | None = None
 
 
 def _signals(model: JobModel, result: WhatIfResult, rules: CauseRules, evidence: dict,
@@ -175,9 +178,18 @@ def _work_or_speed(model: JobModel, result: WhatIfResult, signals: _Signals, wor
     ratio, speed = work.of(hot.tolist())
     evidence.update(chunk_work_ratio=ratio, chunk_speed_ratio=speed)
     if ratio >= more and speed < slower and "individual-worker" in causes:
-        out = [c for c in out if c.cause != "individual-worker"]
+        # METHOD's M_W gives the hot stage the straggling time and its recorded work shows a heavier
+        # partition at the usual pace: the partition is measured, as a slow machine is against its
+        # peers, so it is named with that attribution even where evening the layers saves little
+        # (the stages that would take them on lie on the critical path too); its fix says how little
+        worker = causes["individual-worker"]
+        attribution = "worker-compute" if worker.scenario == "worker-compute" and signals.chunks is not None \
+            and int(signals.chunks.heaviest_stage) in {p for _, p in worker.implicated} else None
+        out = [dataclasses.replace(c, attribution=attribution) if c.cause == "stage-imbalance" else c
+               for c in out if c.cause != "individual-worker"]
         if "stage-imbalance" not in causes:
-            out.append(_Candidate("stage-imbalance", "stage", margin(ratio, more, 1.5), rules.stage_min_explained, 0.4))
+            out.append(_Candidate("stage-imbalance", "stage", margin(ratio, more, 1.5), rules.stage_min_explained, 0.4,
+                                  attribution=attribution))
     elif speed >= slower and (ratio < more or usual_work_slower(hot, work, more, slower)):
         # every stage that runs its usual work slowly is a slow machine (two can be); with several
         # chunks per stage, one of them doing the usual work at the slow pace is enough: a heavier
@@ -364,10 +376,14 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     given, joint = _given_others(model, costs, reported, planned_gc, step_time, tideal, worth)
     listed = {}
     for c in candidates:
-        best = max(share(c.scenario), given.get(c.cause, -math.inf))
+        attributed = share(c.attribution) if c.attribution else -math.inf
+        if c.attribution:
+            evidence["stage_idealised_explained"] = attributed
+        best = max(share(c.scenario), given.get(c.cause, -math.inf), attributed)
         saves = (tori - step_time[c.scenario]) / tori
         masked = given.get(c.cause, -math.inf) >= c.needed      # it matters once the other causes are fixed
-        if best >= c.needed and (saves >= rules.min_savings or masked or c.cause == "individual-worker"):
+        measured = c.cause == "individual-worker" or c.attribution is not None   # a fact of the job, whatever its fix saves
+        if best >= c.needed and (saves >= rules.min_savings or masked or measured):
             listed[c.cause] = min(c.signature, margin(best, c.needed, c.clear))
         elif best >= c.needed:   # its signature holds and explains enough, but the fix is not worth a change
             evidence.setdefault("below_min_savings", []).append({"cause": c.cause, "saves": float(saves)})

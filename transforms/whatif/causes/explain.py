@@ -115,14 +115,24 @@ def _balance_fact(w: dict) -> str:
             f"{w['confidence']:.2f}; more layers would lengthen both alike)")
 
 
-def _stage(evidence: dict, fix: Fix, pp_size: int) -> str:
+def _stage(evidence: dict, fix: Fix, pp_size: int, min_savings: float = CauseRules.min_savings) -> str:
     heavy = ""
     if "heaviest_chunk" in evidence and evidence.get("chunk_ratio", 0.0) >= 1.0:
         chunk, stage = evidence["heaviest_chunk"]
         where = "the last stage" if stage == pp_size - 1 else f"stage {stage}"
-        heavy = f"model chunk {chunk} on {where} does {evidence['chunk_ratio']:.2f}x the compute per microbatch of the median chunk; "
-    return (f"{heavy}the last stage explains {share_words(evidence['m_s'])} of the straggling time (M_S); "
-            f"with layers repartitioned evenly {_faster(fix)}{_masked(fix)}.")
+        heavy = f"model chunk {chunk} on {where} does {evidence['chunk_ratio']:.2f}x the compute per microbatch of the median chunk"
+        if "stage_idealised_explained" in evidence:   # detect._work_or_speed: the partition measured heavier
+            heavy += (f", {evidence['chunk_work_ratio']:.2f}x its recorded operations at {evidence['chunk_speed_ratio']:.2f}x "
+                      f"their pace (a heavier partition, not a slower machine); that stage's compute at ideal speed "
+                      f"removes {share_words(evidence['stage_idealised_explained'])} of the straggling time")
+        heavy += "; "
+    if "stage_idealised_explained" not in evidence:
+        heavy += f"the last stage explains {share_words(evidence['m_s'])} of the straggling time (M_S); "
+    text = f"{heavy}with layers repartitioned evenly {_faster(fix)}{_masked(fix)}"
+    if "stage_idealised_explained" in evidence and fix.savings_fraction < min_savings:
+        text += (": the stages that would take on its layers lie on the critical path too, so evening the "
+                 "partition alone gains little here")
+    return text + "."
 
 
 def _follows_data(evidence: dict) -> str:
