@@ -106,6 +106,38 @@ def test_a_pause_at_the_forward_in_every_step_on_one_rank_is_python_gc_and_its_f
     assert abs(planned - np.mean([e for *_, e in pauses.cells]) / model.dp_size) < 1e-9
 
 
+def test_where_every_worker_step_has_a_long_gap_the_usual_is_the_lower_half_not_zero(monkeypatch):
+    """Two workers, six steps of 1 s: worker 0's ordinary Python leaves its largest gap at ~60 ms in
+    every step (beyond the 50 ms a pause must add up to), worker 1 collects for 400 ms in every step.
+    No worker-step is below that least sum, so the floor tells none apart; the usual largest gap is
+    read from the lower half of the worker-steps (pausing ones are at most half), never from an empty
+    set whose 0 s made every gap of both workers a pause. Worker 1's collections are its pauses, each
+    counted beyond the usual gap; worker 0's ordinary gaps are not."""
+    import types
+
+    import numpy as np
+
+    from transforms.whatif.causes import pauses as module
+
+    steps, ops = 6, 20
+    rng = np.random.default_rng(5)
+    ordinary = 0.002 + 0.001 * rng.random((ops, steps))
+    gaps = {0: ordinary.copy(), 1: ordinary.copy()}
+    gaps[0][7] = 0.058 + 0.004 * rng.random(steps)               # the longest ordinary gap of each step
+    gaps[1][7] = gaps[0][7] + rng.normal(0.0, 0.001, steps)
+    gaps[1][0] = 0.400                                             # a collection where each step opens
+    model = types.SimpleNamespace(pp_size=1, dp_size=2, n_steps=steps, n_ops=ops, gc_wait=None, gc_within=None,
+                                  idle_within=None, lane_dp=np.tile([0, 1], steps), launch_delay=None,
+                                  observed_start=np.zeros((ops, 2 * steps)), observed_end=np.ones((ops, 2 * steps)))
+    monkeypatch.setattr(module, "untraced_gaps", lambda model, d, p, partner=None:
+                        (np.arange(ops), gaps[d], np.zeros((ops, steps)), None))
+    monkeypatch.setattr(module, "p2p_partner", lambda model: np.full(ops, -1))
+    found = module.find_pauses(model)
+    assert found.workers() == [(1, 0)]
+    assert 0.055 < found.typical < 0.065 and sorted(s for _, _, s, _ in found.cells) == list(range(steps))
+    assert all(abs(excess - (0.400 - found.typical)) < 1e-9 for _, _, _, excess in found.cells)
+
+
 def test_pauses_before_a_collective_inside_the_step_are_not_the_collector():
     """The same pauses moved to end where a gradient all-reduce begins, inside the step (as an
     oversubscribed host's OS descheduling a process leaves them), are no longer the collector's:

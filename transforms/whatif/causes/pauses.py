@@ -311,8 +311,12 @@ def _find_pauses(model: JobModel, alpha: float, straggling: float, partner: np.n
     # the job's usual largest gap, from the worker-steps that could hold no pause: first those whose
     # largest gap is below the pauses' least sum, then those without the pauses found
     # (a worker pausing in every step, in one piece or several, is half the cells of a two-rank job
-    # and must not set the usual); until the pauses found stay the same
-    usual = values < floor
+    # and must not set the usual); until the pauses found stay the same. Where every worker-step's
+    # largest gap reaches that sum (a job whose ordinary Python between ops is that long), the floor
+    # tells no cell apart: the lower half of the cells is the usual (pausing cells are at most half,
+    # the median's own breakdown point), never an empty set whose usual gap of 0 s makes every gap a pause
+    usual = values < floor if (values < floor).any() else values <= float(median(values))
+    first = usual
     found = None
     for _ in range(8):
         typical = float(median(values[usual])) if usual.any() else 0.0
@@ -322,7 +326,7 @@ def _find_pauses(model: JobModel, alpha: float, straggling: float, partner: np.n
         if found is not None and np.array_equal(paused, found):
             break
         found = paused
-        usual = (values < floor) & ~paused.ravel()
+        usual = first & ~paused.ravel()
     cells, where, inside, counts = [], [], [], []
     for p, s, d in zip(*np.nonzero(found)):
         cells.append((int(d), int(p), int(s), float(excess[p, s, d])))
