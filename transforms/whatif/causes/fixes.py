@@ -103,9 +103,12 @@ def without_pauses(model: JobModel, forward: np.ndarray, gc: GcStalls, min_stall
     lanes, so the stall comes out of the piece that held it. With batched send+recv (interleaved
     schedules), a record waits for its partner's peer, so a stalled forward also inflates transfer
     times along the pipeline of that lane; in lanes with a pause, p2p transfers longer than their
-    type's median by more than min_stall seconds go back to the median."""
-    cost = model.original_cost.copy()
+    type's median by more than min_stall seconds go back to the median. Without a pause, the model's
+    own cost array (read-only, as every fix's: no copy of [op, lane] seconds for nothing)."""
     rows, lanes = np.nonzero(gc.pauses)
+    if not len(rows):
+        return model.original_cost
+    cost = model.original_cost.copy()
     pieces = _forward_pieces(model, forward) if counted_pieces(model, FORWARD) else None
     if pieces is None:
         cost[forward[rows, lanes], lanes] = gc.expected[rows, lanes]
