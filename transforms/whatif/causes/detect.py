@@ -376,9 +376,9 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     given, joint = _given_others(model, costs, reported, planned_gc, step_time, tideal, worth)
     listed = {}
     for c in candidates:
-        attributed = share(c.attribution) if c.attribution else -math.inf
+        attributed = -math.inf
         if c.attribution:
-            evidence["stage_idealised_explained"] = attributed
+            attributed = evidence["stage_idealised_explained"] = share(c.attribution)
         best = max(share(c.scenario), given.get(c.cause, -math.inf), attributed)
         saves = (tori - step_time[c.scenario]) / tori
         masked = given.get(c.cause, -math.inf) >= c.needed      # it matters once the other causes are fixed
@@ -481,7 +481,8 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
             evidence.pop("transient", None)
         implicated = list(dict.fromkeys([*implicated, *workers]))
     evidence = {k: (float(v) if isinstance(v, (np.floating, float)) else v) for k, v in evidence.items()}
-    explanations = {c: explain.cause_sentence(c, evidence, fixes[c], by_cause[c].implicated, model.pp_size)
+    explanations = {c: explain.cause_sentence(c, evidence, fixes[c], by_cause[c].implicated, model.pp_size,
+                                              rules.min_savings)
                     for c in ranked if c in by_cause}
     if untraced and "untraced-cpu" in ranked:
         explanations["untraced-cpu"] = explain.untraced_sentence(untraced, float(result.launch_slowdown), fixes["untraced-cpu"],

@@ -115,21 +115,22 @@ def _balance_fact(w: dict) -> str:
             f"{w['confidence']:.2f}; more layers would lengthen both alike)")
 
 
-def _stage(evidence: dict, fix: Fix, pp_size: int, min_savings: float = CauseRules.min_savings) -> str:
+def _stage(evidence: dict, fix: Fix, pp_size: int, min_savings: float) -> str:
+    measured = "stage_idealised_explained" in evidence   # detect._work_or_speed: the partition measured heavier
     heavy = ""
     if "heaviest_chunk" in evidence and evidence.get("chunk_ratio", 0.0) >= 1.0:
         chunk, stage = evidence["heaviest_chunk"]
         where = "the last stage" if stage == pp_size - 1 else f"stage {stage}"
         heavy = f"model chunk {chunk} on {where} does {evidence['chunk_ratio']:.2f}x the compute per microbatch of the median chunk"
-        if "stage_idealised_explained" in evidence:   # detect._work_or_speed: the partition measured heavier
+        if measured:
             heavy += (f", {evidence['chunk_work_ratio']:.2f}x its recorded operations at {evidence['chunk_speed_ratio']:.2f}x "
                       f"their pace (a heavier partition, not a slower machine); that stage's compute at ideal speed "
                       f"removes {share_words(evidence['stage_idealised_explained'])} of the straggling time")
         heavy += "; "
-    if "stage_idealised_explained" not in evidence:
+    if not measured:
         heavy += f"the last stage explains {share_words(evidence['m_s'])} of the straggling time (M_S); "
     text = f"{heavy}with layers repartitioned evenly {_faster(fix)}{_masked(fix)}"
-    if "stage_idealised_explained" in evidence and fix.savings_fraction < min_savings:
+    if measured and fix.savings_fraction < min_savings:
         text += (": the stages that would take on its layers lie on the critical path too, so evening the "
                  "partition alone gains little here")
     return text + "."
@@ -182,12 +183,14 @@ def _communication(evidence: dict, fix: Fix, implicated) -> str:
             f"(slowest: {evidence['top_comm_optype']}); with every transfer at its typical time {_faster(fix)}{_masked(fix)}.")
 
 
-def cause_sentence(cause: str, evidence: dict, fix: Fix, implicated, pp_size: int) -> str:
-    """The sentence of one listed cause (its evidence keys as classify writes them)."""
+def cause_sentence(cause: str, evidence: dict, fix: Fix, implicated, pp_size: int,
+                    min_savings: float = CauseRules.min_savings) -> str:
+    """The sentence of one listed cause (its evidence keys as classify writes them); min_savings:
+    the rules' floor a change must save (classify passes its own)."""
     if cause == "individual-worker":
         text = _worker(evidence, fix, implicated)
     elif cause == "stage-imbalance":
-        text = _stage(evidence, fix, pp_size)
+        text = _stage(evidence, fix, pp_size, min_savings)
     elif cause == "sequence-imbalance":
         text = _sequence(evidence, fix)
     elif cause == "python-gc":
