@@ -27,6 +27,7 @@ FIX_NAMES: dict[str, str] = {
     "worker-balance": "the slow stage's slow kind of work back at the balance of backward to forward the other stages "
                       "keep (repair or replace its machine)",
     "worker-compute": "the top workers' compute at ideal speed (repair or replace their machines)",
+    "worker-others": "the top workers' compute at the other workers' mean speed (repair or replace their machines)",
     "worker-comm": "the blamed worker's transfers at their typical time (repair its link)",
     "stage": "layers repartitioned so every model chunk does the same compute",
     "communication": "every transfer at its own typical time over steps and DP ranks (repair the network)",

@@ -628,3 +628,25 @@ def test_a_cause_whose_fix_saves_less_than_the_floor_is_named_in_the_sentence_no
     sentence = held.explanations[held.cause]
     assert "sequence-length imbalance's signature holds, but its fix would save only" in sentence
     assert f"{100 * small['saves']:.1f}% of the step" in sentence and "no cause's signature holds" not in sentence
+
+
+def test_a_worker_without_peers_is_fixed_at_the_other_workers_speed_as_its_clean_twin_runs():
+    """One DP rank per stage, stage 1's compute 2x (every op): METHOD's ideal is each op type's mean
+    over every worker, the slow one's own ops in it, so idealising the slow worker keeps half its
+    excess. The individual-worker fix brings it to the other workers' mean (fixes.at_others_speed)
+    and predicts the clean twin (the same job, same seed, no slowdown) within 5%, where the fix at
+    METHOD's ideal (the evidence's worker_compute_explained) stays over 20% above it."""
+    from transforms.whatif.causes import analyze_and_classify
+
+    spec = dict(job_id="tw", dp=1, pp=2, microbatches=8, steps=6, sessions=1, seed=3)
+    slowed = generate_job(JobSpec(**spec, causes=(Cause("slow_worker", {"dp_rank": 0, "stage": 1, "factor": 2.0}),)))
+    twin = generate_job(JobSpec(**spec))
+    result, verdict = analyze_and_classify(slowed.trace, slowed.meta, "tw")
+    twin_result, _ = analyze_and_classify(twin.trace, twin.meta, "tw")
+    measured = float(twin_result.step_t_nodelay.mean())
+    fix = verdict.fixes["individual-worker"]
+    assert fix.description == FIX_NAMES["worker-others"]
+    assert abs(fix.step_time / measured - 1.0) <= 0.05
+    ran, ideal = float(result.step_t_nodelay.mean()), float(result.step_t_noblk.mean())
+    at_method_ideal = ran - verdict.evidence["worker_compute_explained"] * (ran - ideal)
+    assert at_method_ideal / measured - 1.0 > 0.2

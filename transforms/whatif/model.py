@@ -219,7 +219,7 @@ class JobModel:
         if cached is not None and cached[0] is self.original_cost:
             return cached[1]
         ideal = np.zeros(self.n_ops)
-        classes = self._ideal_classes()
+        classes = self.ideal_classes()
         for code in self.optype_codes():
             for cls in distinct(classes[self.op_optype == code]):
                 rows = (self.op_optype == code) & (classes == cls)
@@ -229,7 +229,7 @@ class JobModel:
         self.__dict__["_ideal_cost"] = (self.original_cost, ideal)
         return ideal
 
-    def _ideal_classes(self) -> np.ndarray:
+    def ideal_classes(self) -> np.ndarray:
         """Per op, which ops of its type share its ideal: all of them (0), as METHOD.md section 4
         states, unless collectives inside the compute cut it into pieces of different sizes (a
         recommendation model's embedding all-to-all inside the forward). Then the k-th piece of a

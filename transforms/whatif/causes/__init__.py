@@ -59,7 +59,10 @@ The design in four decisions.
    cause is listed whatever its fix saves, the saving stated: a worker slower than its peers, and
    a heavier partition (without DP peers, a hot stage whose chunk records more operations at the
    usual pace, to which METHOD's idealisation of its worker gives the straggling time: evening
-   the layers may gain little where the stages taking them on lie on the critical path too). Untraced
+   the layers may gain little where the stages taking them on lie on the critical path too). A
+   worker M_W names without DP peers is fixed at the other workers' mean speed, not METHOD's ideal
+   (each op type's mean over every worker, its own slow ops in it: with two stages that keeps half
+   its excess): a fix is the others' speed, as a DP rank's is its peers'. Untraced
    time is not in the replay, so its fixes (untraced-cpu, python-gc from pauses) are measured
    against what ran and say so (`Fix.measured`).
    Transfers between CPU ranks that all ran on one host (the trace's `host` names) never cross a

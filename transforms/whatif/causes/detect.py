@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 import transforms.whatif.causes.explain as explain
-from transforms.whatif.causes.fixes import (at_balance, at_peer_speed, compose, planned_gc_seconds, rebalanced_stages, typical_transfers,
+from transforms.whatif.causes.fixes import (at_balance, at_others_speed, at_peer_speed, compose, planned_gc_seconds, rebalanced_stages, typical_transfers,
                                            without_pauses)
 from transforms.whatif.causes.localise import comm_localised, link_not_host, localised
 from transforms.whatif.causes.measured import (crowded_untraced, jitter_evidence, measured_verdict, sequence_undecided,
@@ -115,7 +115,8 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
 
     worker-peer: blamed workers at peer speed (worker-balance without DP peers: their slow kind of
     work at the other stages' balance, fixes.at_balance); worker-compute / worker-comm: the M_W set's
-    compute / transfers at ideal; stage: rebalanced chunks; communication: every transfer
+    compute / transfers at ideal (what M_W measures); worker-others (one DP rank): the M_W set's compute
+    at the mean of the other workers' (fixes.at_others_speed: the fix reported for a worker M_W names); stage: rebalanced chunks; communication: every transfer
     at its own typical time (fixes.typical_transfers); sequence: with recorded lengths, every microbatch
     of a step at the step's mean workload under the cost model (sequences.balanced_sequences), else an even
     spread keeping each worker's pace (sequences.even_sequences); sequence-repacked: greedy document repacking (with
@@ -130,6 +131,8 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
         "stage": rebalanced_stages(model),
         "communication": typical_transfers(model),
     }
+    if model.dp_size == 1:   # M_W's workers at the other workers' speed (their own ops out of the ideal)
+        costs["worker-others"] = at_others_speed(model, mw_mask)
     blamed = signals.workers.workers()
     if blamed and signals.peers is None:   # one DP rank per stage: the slow kind back at the others' balance
         costs["worker-balance"] = at_balance(model, signals.workers.slow)
@@ -265,6 +268,8 @@ def _reported_fix(candidate: _Candidate, costs: dict) -> str:
     """The fix named to people: repacking when lengths are recorded, planned GC, else the measuring replay."""
     if candidate.cause == "sequence-imbalance" and "sequence-repacked" in costs:
         return "sequence-repacked"
+    if candidate.scenario == "worker-compute" and candidate.cause == "individual-worker" and "worker-others" in costs:
+        return "worker-others"   # M_W measures the worker's share; its fix is the others' speed
     return candidate.scenario
 
 
@@ -292,7 +297,8 @@ def _fix_scenario(fix: Fix, reported: dict[str, str], costs: dict) -> str:
 
 def _default_scenario(cause: str, costs: dict) -> str | None:
     """The fix replayed for a cause that no signature proposed (shown for comparison)."""
-    return {"individual-worker": next((s for s in ("worker-peer", "worker-balance") if s in costs), "worker-compute"),
+    return {"individual-worker": next((s for s in ("worker-peer", "worker-balance", "worker-others") if s in costs),
+                                      "worker-compute"),
             "stage-imbalance": "stage", "communication": "communication",
             "sequence-imbalance": "sequence-repacked" if "sequence-repacked" in costs else "sequence",
             "python-gc": "gc"}[cause] if cause != "sequence-imbalance" or "sequence" in costs else None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from schemas.causes import CAUSE_TITLES
+from schemas.causes import CAUSE_TITLES, FIX_NAMES
 from transforms.whatif.causes.verdict import CauseRules, Fix
 
 __all__ = ["CAUSE_ORDER", "counted", "cause_sentence", "verdict_sentence", "insufficient_sentence", "what_would_decide", "when_slow", "discarded_sentence", "untraced_sentence", "share_words",
@@ -99,8 +99,9 @@ def _worker(evidence: dict, fix: Fix, implicated) -> str:
     if implicated and all(w in balance for w in implicated):
         return "; ".join(_balance_fact(balance[w]) for w in implicated) + f"; at that balance {_faster(fix)}{_masked(fix)}."
     workers = ", ".join(f"dp {d} / stage {p}" for d, p in implicated) or "a few workers"
+    speed = "the other workers' mean speed" if fix.description == FIX_NAMES["worker-others"] else "ideal speed"
     return (f"worker {workers} explains {share_words(evidence['m_w'])} of the straggling time (M_W, no DP peers to compare with); "
-            f"with its compute at ideal speed {_faster(fix)}.")
+            f"with its compute at {speed} {_faster(fix)}.")
 
 
 def _balance_fact(w: dict) -> str:

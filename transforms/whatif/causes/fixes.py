@@ -11,9 +11,32 @@ from transforms.whatif.model import WGT, JobModel, distinct, median
 from transforms.whatif.replay import Mix
 from schemas.trace import OPTYPES
 
-__all__ = ["at_peer_speed", "at_balance", "rebalanced_stages", "without_pauses", "planned_gc_seconds", "compose"]
+__all__ = ["at_peer_speed", "at_others_speed", "at_balance", "rebalanced_stages", "without_pauses", "planned_gc_seconds", "compose"]
 
 _P2P = tuple(OPTYPES.index(name) for name in ("forward-send", "forward-recv", "backward-send", "backward-recv"))
+
+
+def at_others_speed(model: JobModel, mask: np.ndarray, kinds: Sequence[int] = (FORWARD, BACKWARD)) -> Mix:
+    """Cost with the masked entries ([op, lane]) of these compute types at the mean of the same
+    type's other entries: METHOD's ideal (one mean per type, model.ideal_cost) without the workers
+    being fixed. Without DP peers M_W's workers are fixed at ideal speed, and the ideal mean counts
+    their own slow ops: with two stages a forward twice as slow raises the ideal forward by half,
+    so its fix keeps half the slowdown (a clean twin measured 1.86x where METHOD's S says 1.17).
+    A fix is the others' speed, as a DP rank's is its peers'. A type whose every entry is masked
+    keeps METHOD's ideal."""
+    ideal = model.ideal_cost().copy()
+    cost, classes = model.original_cost, model.ideal_classes()
+    for code in kinds:
+        for cls in distinct(classes[model.op_optype == code]):
+            rows = np.flatnonzero((model.op_optype == code) & (classes == cls))
+            hidden = mask[rows]
+            n_hidden = int(hidden.sum())
+            total = hidden.size
+            if n_hidden == 0 or n_hidden == total:
+                continue
+            others = (float(ideal[rows[0]]) * total - float(cost[rows][hidden].sum())) / (total - n_hidden)
+            ideal[rows] = others
+    return Mix(cost, ideal[:, None], mask & np.isin(model.op_optype, kinds)[:, None])
 
 
 def at_peer_speed(model: JobModel, workers: Sequence[tuple[int, int]], peers: PeerComparison,
