@@ -366,12 +366,13 @@ def verdict_lines(verdict, result, gpu_hours: float | None = None, device: str |
         lines.append(f"  worker test: this job's own jitter is {100 * (math.exp(test['sigma']) - 1):.0f}% per {test['unit']} "
                      f"({test['df']} degrees of freedom); a worker is blamed at a {100 * test['alpha']:g}% false-alarm rate "
                      f"per job, when at least {test['ratio_floor']:.2f}x {against}")
-        from transforms.whatif.causes.explain import counted, what_would_decide
+        from transforms.whatif.causes.explain import counted, what_would_decide, where_undecided
 
         for w in test.get("undecided", []):
             lines.append(f"  undecided: dp {w['dp_rank']} / stage {w['stage']} {w['kind']} {w['ratio']:.2f}x "
                          f"{'its peers' if test.get('peers', True) else 'its balance'} over "
-                         f"{counted(w['samples'], test['unit'])}, within this job's jitter; "
+                         f"{counted(w['samples'], test['unit'])}{where_undecided(w) if test.get('peers', True) else ''}, "
+                         "within this job's jitter; "
                          f"{what_would_decide(w, test['unit'])}")
     return "\n".join(lines)
 

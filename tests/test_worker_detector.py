@@ -312,6 +312,26 @@ def test_noise_above_the_effect_is_undecided_and_says_how_many_steps_would_decid
     assert undecided and (undecided[0].samples_needed is None or undecided[0].samples_needed > model.n_steps)
 
 
+def test_an_undecided_worker_says_in_which_steps_its_effect_lies():
+    """Two DP ranks, rank 1's forward 1.8x in steps 1, 3, 5 and 7 of 8 within 25% jitter per op: the
+    job cannot decide it, and the undecided finding names the slow steps with both levels' ratio
+    ranges (a description, not a test) instead of one ratio averaged over every step; the verdict's
+    words carry them."""
+    from transforms.whatif.causes.explain import where_undecided
+
+    model, forward, backward = _ddp("wt2", 2, 11)
+    slowed = _slow(_jittered(model, np.random.default_rng(5), 0.25), 1, FORWARD, 1.8, steps=(1, 3, 5, 7))
+    tests = worker_tests(slowed, forward, backward)
+    assert not tests.slow
+    finding = next(f for f in tests.undecided if f.worker == (1, 0) and f.kind == "forward")
+    assert finding.steps == (1, 3, 5, 7)
+    slow_low, slow_high, usual_low, usual_high = finding.levels
+    assert slow_low / usual_high >= 1.1 and slow_low >= 1.1 > usual_low
+    words = where_undecided(finding.as_json())
+    assert "in steps 1, 3, 5 and 7" in words and f"{slow_low:.1f}-{slow_high:.1f}x" in words
+    assert where_undecided({"steps": [], "levels": None}) == ""
+
+
 def test_an_effect_that_could_not_make_the_job_straggle_leaves_nothing_undecided(base):
     """Forward 1.3x its peers' within 35% jitter, backward 0.85x: its whole compute stays within the
     straggling threshold of its peers', so alone it could not make the job straggle; the job is not

@@ -235,6 +235,18 @@ def pause_sentence(evidence: dict, fix: Fix, worker_rank=None) -> str:
             f"{sum(p.get('count', 1) for p in pauses)} pauses in {len(steps)} steps).")
 
 
+def where_undecided(finding: dict) -> str:
+    """Where an undecided worker's effect lies, when its samples fall in a slow level and a usual one
+    (workers._seen_levels): " (1.6-1.9x in steps 3, 5 and 7, 1.0-1.3x in the others)"; else ""."""
+    steps = [str(s) for s in finding.get("step_numbers") or finding.get("steps") or []]
+    levels = finding.get("levels")
+    if not steps or not levels:
+        return ""
+    named = steps[0] if len(steps) == 1 else ", ".join(steps[:-1]) + " and " + steps[-1]
+    return (f" ({levels[0]:.1f}-{levels[1]:.1f}x in step{'s' if len(steps) > 1 else ''} {named}, "
+            f"{levels[2]:.1f}-{levels[3]:.1f}x in the others)")
+
+
 def what_would_decide(finding: dict, unit: str) -> str:
     """What would decide an undecided worker finding (workers.WorkerFinding.as_json): more samples
     (`samples_needed` of the test's `unit`), or, where the offset healthy peers keep hides the
@@ -288,7 +300,7 @@ def _insufficient_workers(head: str, test: dict) -> str:
         how = ("a longer active window of the profiler's schedule" if w.get("samples_needed") else
                "healthy DP peers differ persistently by about this much; or a record of what the worker ran")
         return (f"{head}: worker dp {w['dp_rank']} / stage {w['stage']}'s {w['kind']} measures {w['ratio']:.2f}x its DP "
-                f"peers' over {counted(w['samples'], test['unit'])}, within this job's own jitter ({jitter:.0f}% per "
+                f"peers' over {counted(w['samples'], test['unit'])}{where_undecided(w)}, within this job's own jitter ({jitter:.0f}% per "
                 f"{test['unit']}) at a {100 * test['alpha']:g}% false-alarm rate; {what_would_decide(w, test['unit'])} "
                 f"({how})")
     limits = "; ".join(test.get("limits") or []) or "no measurement stands out"

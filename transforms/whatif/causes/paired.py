@@ -83,6 +83,8 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules(), workload: Se
     workers = worker_tests(model, forward, backward, rules.false_alarm, rules.straggling, rules.peer_offset, work) \
         if model.dp_size > 1 else balance_tests(model, rules.false_alarm, rules.straggling, rules.peer_offset)
     evidence.update(workers.evidence())
+    for finding in evidence["worker_test"]["undecided"]:   # the profiled steps' own numbers, as the step table shows them
+        finding["step_numbers"] = [int(model.steps[i]) for i in finding["steps"]]
     if peers is not None:
         evidence["peer_ratio_max"] = float(np.nanmax(peers.ratio))
         evidence["peer_workers"] = [_peer_entry(model, workers, peers, d, p) for d, p in workers.workers()]

@@ -97,7 +97,8 @@ def median_variance(n: int) -> float:
 class WorkerFinding:
     """One worker's test in one kind of work. ratio: its work over its peers' (persistent:
     the median over samples; intermittent: the median over the slow steps); steps: the profiled
-    steps (indices) where it is slow; p_value: Bonferroni-adjusted; samples_needed (undecided):
+    steps (indices) where it is slow (undecided: where its samples fall in a slow level above the
+    threshold and a usual one below it, else empty); p_value: Bonferroni-adjusted; samples_needed (undecided):
     samples at which the measured effect would be significant at the job's noise."""
 
     worker: tuple[int, int]
@@ -108,6 +109,8 @@ class WorkerFinding:
     p_value: float
     samples: int
     samples_needed: int | None = None
+    # undecided with two levels (`_seen_levels`): the ratio range of the slow samples, then of the usual ones
+    levels: tuple[float, float, float, float] | None = None
 
     @property
     def confidence(self) -> float:
@@ -116,7 +119,8 @@ class WorkerFinding:
     def as_json(self) -> dict:
         return {"dp_rank": self.worker[0], "stage": self.worker[1], "kind": self.kind, "ratio": self.ratio,
                 "steps": list(self.steps), "persistent": self.persistent, "p_value": self.p_value,
-                "confidence": self.confidence, "samples": self.samples, "samples_needed": self.samples_needed}
+                "confidence": self.confidence, "samples": self.samples, "samples_needed": self.samples_needed,
+                **({"levels": list(self.levels)} if self.levels is not None else {})}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,8 +271,14 @@ def worker_tests(model: JobModel, forward: np.ndarray, backward: np.ndarray, alp
             slow.append(WorkerFinding(worker, kind, math.exp(float(median(e[hit]))),
                                       tuple(sorted(set(step_of[hit].tolist()))), False, p_cells, m))
         elif middle >= limit and could_straggle[p, d]:
-            undecided.append(WorkerFinding(worker, kind, math.exp(middle), (), True, p_level, m,
-                                           _samples_needed(max(mean, limit), sigma, tau, df, alpha / n_tests, m)))
+            seen = _seen_levels(e, limit)
+            levels = None
+            if seen.any():
+                usual = np.isfinite(e) & ~seen
+                levels = tuple(math.exp(float(x)) for x in (e[seen].min(), e[seen].max(), e[usual].min(), e[usual].max()))
+            undecided.append(WorkerFinding(worker, kind, math.exp(middle), tuple(sorted(set(step_of[seen].tolist()))), True,
+                                           p_level, m, _samples_needed(max(mean, limit), sigma, tau, df, alpha / n_tests, m),
+                                           levels))
     slow.sort(key=lambda f: (not f.persistent, -f.ratio, f.worker, f.kind))
     undecided.sort(key=lambda f: (-f.ratio, f.worker, f.kind))
     return WorkerTests(alpha, floor, sigma, df, n_tests, unit, tuple(slow), tuple(undecided), tau=tau, tau_prior=offset,
@@ -512,6 +522,24 @@ def _level_tests(n_tests: int, families: int) -> int:
     """Level tests of a job: two DP ranks mirror each other, the split t of one is the other's, so
     the pair is one level test (the threshold picks its slow side)."""
     return n_tests // 2 if families == 1 else n_tests
+
+
+def _seen_levels(e: np.ndarray, limit: float) -> np.ndarray:
+    """Where an undecided worker's samples fall in two levels, a slow one at least the threshold
+    ratio over its peers (median) and a usual one below it, every slow sample at least the threshold
+    ratio above every usual one: the slow samples (mask), else none. A description, not a test (the
+    split with the largest t on the samples' own spread): the verdict says where the effect lies
+    instead of averaging it over every step."""
+    ok = np.flatnonzero(np.isfinite(e))
+    hit = np.zeros(len(e), dtype=bool)
+    if len(ok) < 4:
+        return hit
+    order = ok[np.argsort(-e[ok], kind="stable")]
+    k = int(_split_t(e[order][None, :], np.zeros(1), 0)[1][0])
+    if k and float(median(e[order[:k]])) >= limit and float(median(e[order[k:]])) < limit \
+            and float(e[order[k - 1]] - e[order[k]]) >= limit:
+        hit[order[:k]] = True
+    return hit
 
 
 def _two_levels(effect: np.ndarray, ss: np.ndarray, dfs: np.ndarray, cell: tuple[int, int, int], families: int,
