@@ -89,6 +89,7 @@ EVIDENCE_LABELS: dict[str, tuple[str, str]] = {
     "worker_fix_explained": ("worker fix: share explained", "share removed with the blamed workers at their peers' speed"),
     "worker_compute_explained": ("top workers at ideal compute: share explained", "share removed with the M_W workers' compute at ideal speed"),
     "worker_comm_explained": ("top workers at ideal communication: share explained", "share removed with the M_W workers' transfers at ideal time"),
+    "worker_is_its_pauses": ("slow worker is its GC pauses", "METHOD's M_W named a worker no test decided, and its collector's pauses alone take out M_W's share of the straggling time: the collector is the cause, not its machine"),
     "stage_idealised_explained": ("heavier partition: share its stage explains", "share of the straggling time removed with the heavier partition's stage's compute at ideal speed (METHOD's idealisation of its worker), whatever evening the layers saves"),
     "stage_fix_explained": ("stage rebalancing: share explained", "share removed when every chunk's compute is the mean chunk's"),
     "last_stage_uniformity": ("last-stage row uniformity", "min/max of S_w - 1 over the last stage (1: the whole row is hot)"),

@@ -650,3 +650,22 @@ def test_a_worker_without_peers_is_fixed_at_the_other_workers_speed_as_its_clean
     ran, ideal = float(result.step_t_nodelay.mean()), float(result.step_t_noblk.mean())
     at_method_ideal = ran - verdict.evidence["worker_compute_explained"] * (ran - ideal)
     assert at_method_ideal / measured - 1.0 > 0.2
+
+
+def test_a_worker_m_w_alone_names_is_its_collections_where_they_take_out_m_w_s_share():
+    """Without DP peers a worker METHOD's M_W names (no test decided it) on a rank the collector
+    paused: where taking the pauses out saves at least M_W's own share (0.5) of the straggling time,
+    the worker is its pauses; a worker a test decided, a worker the collector did not pause, or
+    pauses worth less stay a slow worker."""
+    from transforms.whatif.causes.detect import _Candidate, _worker_is_its_pauses
+    from transforms.whatif.causes import CauseRules, Fix
+
+    rules = CauseRules()
+    named = _Candidate("individual-worker", "worker-compute", 1.0, 0.1, 0.6, ((0, 1),))
+    gc_fix = Fix("python-gc", 0.1, 1.1, 0.5, 0.1, "", measured=True, step_savings=(0.010, 0.012, 0.011))
+    planned = 0.003                                   # the pauses take out 0.014 s a step; the straggling time is 0.025 s
+    assert _worker_is_its_pauses(named, ["individual-worker", "python-gc"], [(0, 1)], gc_fix, planned, 0.025, rules)
+    assert not _worker_is_its_pauses(named, ["individual-worker"], [(0, 1)], gc_fix, planned, 0.030, rules)   # 0.014 < 0.015
+    assert not _worker_is_its_pauses(named, ["individual-worker"], [(0, 0)], gc_fix, planned, 0.025, rules)
+    tested = dataclasses.replace(named, scenario="worker-balance")
+    assert not _worker_is_its_pauses(tested, ["individual-worker"], [(0, 1)], gc_fix, planned, 0.025, rules)

@@ -552,3 +552,46 @@ def test_a_heavier_first_stage_is_stage_imbalance_even_where_evening_it_gains_li
     assert fix.savings_fraction < CauseRules.min_savings <= evidence["stage_idealised_explained"]   # its fix alone gains little
     assert verdict.cause == "stage-imbalance" and verdict.implicated_workers == [], verdict.explanations
     assert "a heavier partition, not a slower machine" in verdict.explanation and "gains little" in verdict.explanation
+
+
+def test_a_stage_s_recorded_collections_are_the_collector_s_not_a_slow_machine_s():
+    """Interleaved 1F1B on two stages without DP peers (torch 2.15), rank 1 collecting 27-72 ms at the
+    first forward of every step, recorded by the GC record: the collections stretch that chunk's
+    forwards, which read as a machine slow in forward against its balance (4 of 4 steps) and a chunk
+    1.9x the median's compute. Taken out of the compute the balance test and the chunks' balance
+    measure (only where they make a pause), the verdict is python-gc on rank 1 alone, no slow worker."""
+    from transforms.ingest.kineto import convert_kineto
+    from transforms.whatif.causes import analyze_and_classify
+
+    run = STACKS / "p7-pipe-gc-r1-interleaved-pp2-a4"
+    truth = json.loads((run / "truth.json").read_text())
+    converted = convert_kineto([str(run / name) for name in truth["trace_files"]], run.name, "2026-11-30", {})
+    result, verdict = analyze_and_classify(converted.trace, converted.job_meta(), run.name)
+    evidence = verdict.evidence
+    assert result.slowdown >= 1.1 and evidence["gc_recorded"]
+    assert evidence["untraced_inside_compute"] > 0.1 and evidence["chunk_ratio"] < 1.3
+    assert not evidence["worker_test"]["slow"]
+    assert verdict.cause == "python-gc" and verdict.causes == ["python-gc"], verdict.explanations
+    assert verdict.implicated_workers == [(0, 1)] and int(result.worker_rank[0, 1]) == 1
+
+
+def test_a_chunk_s_pace_is_its_operations_median_not_stretched_by_one_collection():
+    """The same run: the collection at the step's first forward stretches that forward's gaps (its
+    pace reads up to 14x the job's), one forward of the chunk's four a step. A machine's pace
+    stretches every operation; the chunk's pace is the median over its forwards (and backwards),
+    which stays at its usual 1.2x where the mean of its forwards reads 3.9x."""
+    from transforms.ingest.kineto import convert_kineto
+    from transforms.whatif import compile_job
+    from transforms.whatif.causes import CauseRules
+    from transforms.whatif.causes.signals import chunk_work
+
+    run = STACKS / "p7-pipe-gc-r1-interleaved-pp2-a4"
+    truth = json.loads((run / "truth.json").read_text())
+    converted = convert_kineto([str(run / name) for name in truth["trace_files"]], run.name, "2026-11-30", {})
+    model = compile_job(converted.trace, converted.job_meta(), run.name)
+    work = chunk_work(converted.trace, model)
+    rows = converted.trace.to_pydict()
+    paces = [p for p, g, o in zip(rows["pace"], rows["gmc"], rows["optype"]) if g == 1 and o == "forward-compute"]
+    assert max(paces) > 10 and sum(paces) / len(paces) > 3 * float(np.median(paces))
+    assert work.paces[0][list(work.chunks).index(1)] == pytest.approx(float(np.median(paces)))
+    assert work.of([1])[1] < CauseRules.slower_pace

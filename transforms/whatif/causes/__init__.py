@@ -50,7 +50,10 @@ The design in four decisions.
    insufficient evidence (what would decide: cores of its own), beyond it the worker's own.
    The worker test measures a CPU rank's compute without the stretches
    inside it in which no traced op ran (a slow machine runs its ops slower; Python stopped runs
-   none). On GPU ranks GC stretches forwards (signals.py); when the stretches rotate over the
+   none); without DP peers the balance test and the chunks' balance take out the collections the
+   trainer recorded inside compute where they make a pause, a chunk's pace is the median of its
+   ops' (one collection stretches one forward's gaps, a slow machine every op's), and a worker only
+   M_W names whose pauses alone take out M_W's share of the straggling time is the collector's. On GPU ranks GC stretches forwards (signals.py); when the stretches rotate over the
    workers (GC's signature) the worker test leaves them out of the compute: the collector's time
    is not the machine's.
 3. Every what-if is a replay: the fixes of all candidate causes are scenarios of one batched

@@ -472,6 +472,16 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     if paused is not None and (straggling or ranked):
         clear, workers = paused
         listed["python-gc"] = clear
+        if _worker_is_its_pauses(by_cause.get("individual-worker"), ranked, workers, fixes["python-gc"],
+                                 float(evidence.get("planned_gc_seconds", 0.0)), gap, rules):
+            # METHOD's M_W named the worker (no test did) and its pauses alone take out M_W's share of
+            # the straggling time: they ran inside its compute ops, which the replay counts as its
+            # compute; the collector is the cause, not its machine
+            ranked.remove("individual-worker")
+            evidence["worker_is_its_pauses"] = True
+            implicated = list(dict.fromkeys(w for c in ranked if c in by_cause for w in by_cause[c].implicated))
+            if primary == "individual-worker":
+                primary = "none"
         if "untraced-cpu" in ranked and evidence.get("untraced_is_pauses"):
             ranked.remove("untraced-cpu")
             if primary == "untraced-cpu":
@@ -508,6 +518,19 @@ def classify(model: JobModel, result: WhatIfResult, *, workload: SequenceWorkloa
     return Verdict(model.job_id, slowdown, primary, ranked, float(confidence),
                    {c: float(listed[c]) for c in ranked}, evidence, implicated, fixes, explanations, joint_fix,
                    timings)
+
+
+def _worker_is_its_pauses(worker: _Candidate | None, ranked: list[str], paused_workers, gc_fix: Fix, planned: float,
+                          gap: float, rules: CauseRules) -> bool:
+    """Whether the individual-worker cause is only what METHOD's M_W measured (worker-compute: no test
+    decided the worker) on workers the collector paused, whose pauses alone make at least M_W's own
+    share (`rules.worker_mw`) of the straggling time `gap` (seconds per step): the pauses taken out
+    of the steps as they ran, planned GC not paid back (`gc_fix.step_savings` are net of it)."""
+    if worker is None or worker.scenario != "worker-compute" or "individual-worker" not in ranked \
+            or not set(worker.implicated) <= set(paused_workers) or not gc_fix.step_savings or gap <= 0:
+        return False
+    taken_out = float(np.mean(gc_fix.step_savings)) + planned
+    return taken_out >= rules.worker_mw * gap
 
 
 def _record_shares(evidence: dict, share) -> None:

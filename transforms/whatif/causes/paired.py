@@ -49,7 +49,8 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules(), workload: Se
     evidence: dict[str, object] = {}
     forward, backward = pairs(model)
     r_norm, r_norm_df, gc, peers, chunks = math.nan, 0, None, None, None
-    paused = _untraced_inside_compute(model, rules) if model.meta.host_compute and model.dp_size > 1 else None
+    paused = (_untraced_inside_compute(model, rules) if model.dp_size > 1 else _recorded_inside_compute(model, rules)) \
+        if model.meta.host_compute else None
     if paused is not None:   # the work a worker did, without the stretches inside its compute that ran none
         evidence["untraced_inside_compute"] = float(paused.sum())
     if len(forward):
@@ -71,7 +72,9 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules(), workload: Se
             r_norm_df = int(keep.sum()) - len(distinct(chunk[:, 0])) * model.n_lanes - 1
         evidence.update(forward_backward_r=pearson(f, b), forward_backward_r_normalised=r_norm)
         peers = peer_comparison(model, forward, backward)
-        chunks = chunk_balance(model, forward, backward)
+        # one DP rank per stage: a chunk's compute without the collections recorded inside it
+        chunks = chunk_balance(model, forward, backward, model.original_cost - paused if model.dp_size == 1 and paused is not None
+                               else None)
     else:
         evidence["gc_pauses"] = 0
     work = None if paused is None else model.original_cost - paused
@@ -81,7 +84,7 @@ def pair_signals(model: JobModel, rules: CauseRules = CauseRules(), workload: Se
         work = at_mean_workload(model, workload, work)
         evidence["worker_test_at_mean_workload"] = True
     workers = worker_tests(model, forward, backward, rules.false_alarm, rules.straggling, rules.peer_offset, work) \
-        if model.dp_size > 1 else balance_tests(model, rules.false_alarm, rules.straggling, rules.peer_offset)
+        if model.dp_size > 1 else balance_tests(model, rules.false_alarm, rules.straggling, rules.peer_offset, work)
     evidence.update(workers.evidence())
     for finding in evidence["worker_test"]["undecided"]:   # the profiled steps' own numbers, as the step table shows them
         finding["step_numbers"] = [int(model.steps[i]) for i in finding["steps"]]
@@ -113,6 +116,24 @@ def _untraced_inside_compute(model: JobModel, rules: CauseRules) -> np.ndarray |
     if pauses.recorded or idle is None:
         return inside_compute(model, pauses)
     return idle if idle.any() else None
+
+
+def _recorded_inside_compute(model: JobModel, rules: CauseRules) -> np.ndarray | None:
+    """[op, lane] seconds of the collections the trainer recorded inside compute ops, in the
+    worker-steps where they make a pause (`find_pauses`: the straggling threshold's share of a step;
+    one DP rank per stage, CPU ranks): the collector's time, not the machine's, so the balance test
+    and the chunks' balance measure the compute without it. Smaller collections stay, within the
+    jitter the tests allow. Without the record nothing is taken out: no peer tells a stage's own
+    idle stretches from a pause there, and its balance of backward to forward is read as it ran."""
+    pauses = find_pauses(model, rules.false_alarm, rules.straggling)
+    inside = inside_compute(model, pauses) if pauses.recorded else None
+    if inside is None:
+        return None
+    cells = np.zeros_like(inside, dtype=bool)
+    for d, p, step, _ in pauses.cells:
+        cells[model.op_stage == p, step * model.dp_size + d] = True
+    out = np.where(cells, inside, 0.0)
+    return out if out.any() else None
 
 
 def _peer_entry(model: JobModel, workers: WorkerTests, peers: PeerComparison, d: int, p: int) -> dict:

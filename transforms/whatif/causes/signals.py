@@ -261,12 +261,15 @@ class ChunkBalance:
     heaviest_stage: int
 
 
-def chunk_balance(model: JobModel, forward: np.ndarray, backward: np.ndarray) -> ChunkBalance | None:
-    """ChunkBalance of a pipeline job; None without pipeline stages or forward/backward pairs."""
+def chunk_balance(model: JobModel, forward: np.ndarray, backward: np.ndarray, cost: np.ndarray | None = None
+                  ) -> ChunkBalance | None:
+    """ChunkBalance of a pipeline job; None without pipeline stages or forward/backward pairs. cost:
+    the work measured per [op, lane] (default the model's; the collections the trainer recorded
+    inside compute taken out: the collector's time is no chunk's work)."""
     if model.pp_size < 2 or not len(forward):
         return None
     shape = (len(forward), model.n_steps, model.dp_size)
-    work = (whole_forward(model, forward) + whole_backward(model, backward)).reshape(shape)
+    work = (whole_forward(model, forward, cost) + whole_backward(model, backward, cost)).reshape(shape)
     chunk_of_row = model.op_gmc[forward[:, 0]]
     chunks = distinct(chunk_of_row)
     per_chunk = np.array([work[chunk_of_row == g].mean(axis=(0, 1)).min() for g in chunks])
@@ -329,7 +332,7 @@ class ChunkWork:
     """Per model chunk (gmc), from compute ops whose trace counts the operations autograd recorded
     in them (`n_ops`): mean operations and mean seconds per microbatch, forward and backward, and
     where the converter compared operations by identity (`pace`: ingest/kineto/pace.py) the
-    chunk's mean pace, forward and backward. More operations is more work (a heavier
+    chunk's median pace over its forwards and over its backwards. More operations is more work (a heavier
     partition); a slower pace at the same operations is a slower machine doing the same work."""
 
     chunks: np.ndarray
@@ -337,7 +340,7 @@ class ChunkWork:
     ops_backward: np.ndarray
     seconds_forward: np.ndarray
     seconds_backward: np.ndarray
-    paces: tuple[np.ndarray, np.ndarray] | None = None   # mean pace, forward and backward; None: not recorded
+    paces: tuple[np.ndarray, np.ndarray] | None = None   # median pace, forward and backward; None: not recorded
 
     def of(self, chunks) -> tuple[float, float]:
         """(work ratio, speed ratio) of the given chunks against the median chunk: operations per
@@ -386,11 +389,15 @@ def chunk_work(trace, model: JobModel) -> ChunkWork | None:
     # a zero-bubble schedule splits a backward in two ops (input gradients, then weight gradients),
     # each chunk differently (the first chunk's inputs need none: all of it is weight gradients):
     # the chunk's backward per microbatch is both, one backward-compute op per microbatch
-    paces = None     # each chunk's mean `pace` over its forwards and its backwards, where every one has it
+    # each chunk's median `pace` over its forwards and over its backwards, where every one has it: a
+    # pause inside some of its microbatches (the collector at a step's first forward) stretches
+    # their gaps, not its machine's pace, which stretches every operation
+    paces = None
     if "pace" in trace.column_names:
         pace = nullable_values(trace.column("pace"))[compute]
-        means = tuple(per_microbatch(pace, mask & np.isfinite(pace), mask & np.isfinite(pace)) for mask in (forward, backward))
-        paces = None if any(np.isnan(m).any() for m in means) else means
+        medians = tuple(np.array([np.median(values) if len(values := pace[mask & np.isfinite(pace) & (index == c)]) else np.nan
+                                  for c in range(len(chunks))]) for mask in (forward, backward))
+        paces = None if any(np.isnan(m).any() for m in medians) else medians
     return ChunkWork(chunks, per_microbatch(n_ops, forward, forward), per_microbatch(n_ops, backward, kind == BACKWARD),
                      per_microbatch(seconds, forward, forward), per_microbatch(seconds, backward, kind == BACKWARD),
                      paces)

@@ -347,7 +347,7 @@ def pooled_worker_tests(summaries: Sequence[dict | None], alpha: float = 0.01,
 
 
 def balance_tests(model: JobModel, alpha: float = 0.01, floor: float = STRAGGLING_THRESHOLD,
-                  offset: float = 0.0) -> WorkerTests:
+                  offset: float = 0.0, cost: np.ndarray | None = None) -> WorkerTests:
     """The worker test of a pipeline without DP peers (one DP rank per stage), from physics.
 
     No peer runs a stage's layers, so a slow machine and a heavier stage look alike in time. What
@@ -363,7 +363,9 @@ def balance_tests(model: JobModel, alpha: float = 0.01, floor: float = STRAGGLIN
     compute would be within `floor` of theirs. The finding's ratio is how much slower that kind runs
     than its balance implies. A stage slow in both kinds alike keeps its balance and cannot be told
     from a heavier one: `limits` says so. A stage without a persistent finding is tested for a slow
-    level in some steps against its own other steps (`_balance_levels`: intermittent, named steps)."""
+    level in some steps against its own other steps (`_balance_levels`: intermittent, named steps).
+    cost: the work measured per [op, lane] (default the model's; paired.pair_signals takes out the
+    collections the trainer recorded inside compute: the collector's time, not the machine's)."""
     limit = "one DP rank per stage: a stage slow in forward and backward alike cannot be told from a heavier one"
     if model.dp_size != 1 or model.pp_size < 2 or model.n_steps < 2:
         return _empty(alpha, floor, "one DP rank per stage: no peers doing the same work to compare a worker with", False)
@@ -371,8 +373,9 @@ def balance_tests(model: JobModel, alpha: float = 0.01, floor: float = STRAGGLIN
     backward = np.isin(model.op_optype, _BACKWARD)
     chunks = distinct(model.op_gmc[forward])
     stage_of = np.array([int(model.op_stage[forward & (model.op_gmc == g)][0]) for g in chunks])
-    f = np.stack([model.original_cost[forward & (model.op_gmc == g)].sum(axis=0) for g in chunks])   # [chunk, step]
-    b = np.stack([model.original_cost[backward & (model.op_gmc == g)].sum(axis=0) for g in chunks])
+    cost = model.original_cost if cost is None else cost   # the work measured (recorded collections taken out)
+    f = np.stack([cost[forward & (model.op_gmc == g)].sum(axis=0) for g in chunks])   # [chunk, step]
+    b = np.stack([cost[backward & (model.op_gmc == g)].sum(axis=0) for g in chunks])
     stages = distinct(stage_of)
     if len(stages) < 2 or not (f > 0).all() or not (b > 0).all():
         return _empty(alpha, floor, limit, False)
