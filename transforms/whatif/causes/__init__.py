@@ -53,9 +53,10 @@ The design in four decisions.
    none); without DP peers the balance test and the chunks' balance take out the collections the
    trainer recorded inside compute where they make a pause, a chunk's pace is the median of its
    ops' (one collection stretches one forward's gaps, a slow machine every op's), and a worker only
-   M_W names whose pauses alone take out M_W's share of the straggling time is the collector's. On GPU ranks GC stretches forwards (signals.py); when the stretches rotate over the
-   workers (GC's signature) the worker test leaves them out of the compute: the collector's time
-   is not the machine's.
+   M_W names whose pauses alone take out M_W's share of the straggling time is the collector's.
+   On GPU ranks GC stretches forwards (signals.py); when the stretches rotate over the workers
+   (GC's signature) the worker test leaves them out of the compute: the collector's time is not
+   the machine's.
 3. Every what-if is a replay: the fixes of all candidate causes are scenarios of one batched
    replay (fixes.py), and "explained" is always the share of T - T_ideal a fix removes; a cause
    is listed when its fix removes enough of it alone or once the others are fixed. A measured

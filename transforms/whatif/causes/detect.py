@@ -115,12 +115,13 @@ def _fix_costs(model: JobModel, result: WhatIfResult, signals: _Signals, workloa
 
     worker-peer: blamed workers at peer speed (worker-balance without DP peers: their slow kind of
     work at the other stages' balance, fixes.at_balance); worker-compute / worker-comm: the M_W set's
-    compute / transfers at ideal (what M_W measures); worker-others (one DP rank): the M_W set's compute
-    at the mean of the other workers' (fixes.at_others_speed: the fix reported for a worker M_W names); stage: rebalanced chunks; communication: every transfer
-    at its own typical time (fixes.typical_transfers); sequence: with recorded lengths, every microbatch
-    of a step at the step's mean workload under the cost model (sequences.balanced_sequences), else an even
-    spread keeping each worker's pace (sequences.even_sequences); sequence-repacked: greedy document repacking (with
-    seq_lens, when the sequence signature holds); gc: pauses removed."""
+    compute / transfers at ideal (what M_W measures); worker-others (one DP rank): the M_W set's
+    compute at the mean of the other workers' (fixes.at_others_speed: the fix reported for a worker
+    M_W names); stage: rebalanced chunks; communication: every transfer at its own typical time
+    (fixes.typical_transfers); sequence: with recorded lengths, every microbatch of a step at the
+    step's mean workload under the cost model (sequences.balanced_sequences), else an even spread
+    keeping each worker's pace (sequences.even_sequences); sequence-repacked: greedy document
+    repacking (with seq_lens, when the sequence signature holds); gc: pauses removed."""
     original = model.original_cost
     ideal = model.ideal_cost()[:, None]
     mw_mask = worker_set_mask(model, result.mw.workers)
