@@ -201,7 +201,7 @@ def _work_or_speed(model: JobModel, result: WhatIfResult, signals: _Signals, wor
         workers = tuple((0, p) for p in slow_stages(model, work, more, slower)) or tuple((0, int(p)) for p in sorted(hot_stages))
         out = [c for c in out if c.cause not in ("stage-imbalance", "individual-worker")]
         out.append(_Candidate("individual-worker", "worker-compute", margin(speed, slower, 2.0), rules.min_explained, 0.6,
-                              workers))
+                              workers, fix_scenario="worker-others"))
     elif "stage-imbalance" in causes and speed >= max(ratio, rules.straggling):
         # the hot chunk's excess is as much a slower pace (beyond the threshold's 10%) as more work:
         # neither its partition nor its machine is shown at fault (no DP replica to compare with)
@@ -228,8 +228,9 @@ def _candidates(model: JobModel, result: WhatIfResult, signals: _Signals, share,
         out.append(_Candidate("individual-worker", "worker-peer" if model.dp_size > 1 else "worker-balance", confidence,
                               rules.min_explained, 0.5, tuple(blamed)))
     elif model.dp_size == 1 and signals.mw > rules.worker_mw and not located_comm:
+        # M_W measures the worker's share; its fix is the other workers' speed
         out.append(_Candidate("individual-worker", "worker-compute", margin(signals.mw, rules.worker_mw, 0.9),
-                              rules.min_explained, 0.6, _hot_half(result)))
+                              rules.min_explained, 0.6, _hot_half(result), fix_scenario="worker-others"))
     if located_comm:
         out.append(_Candidate("communication", "worker-comm", margin(signals.mw, rules.worker_mw, 0.9), rules.min_explained, 0.6,
                               _hot_half(result)))
@@ -266,12 +267,11 @@ def _candidates(model: JobModel, result: WhatIfResult, signals: _Signals, share,
 
 
 def _reported_fix(candidate: _Candidate, costs: dict) -> str:
-    """The fix named to people: repacking when lengths are recorded, planned GC, else the measuring replay."""
+    """The fix named to people: repacking when lengths are recorded, the candidate's own fix where it
+    has one (`fix_scenario`), else the measuring replay."""
     if candidate.cause == "sequence-imbalance" and "sequence-repacked" in costs:
         return "sequence-repacked"
-    if candidate.scenario == "worker-compute" and candidate.cause == "individual-worker" and "worker-others" in costs:
-        return "worker-others"   # M_W measures the worker's share; its fix is the others' speed
-    return candidate.scenario
+    return candidate.fix_scenario if candidate.fix_scenario in costs else candidate.scenario
 
 
 def _combined_times(model: JobModel, costs: dict, sets: list[tuple[str, ...]], planned_gc: float,

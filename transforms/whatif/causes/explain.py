@@ -70,6 +70,11 @@ def _two_speeds(forward: float, backward: float) -> str:
     return f"{times_words(forward, 'forward')} and {times_words(backward, 'backward')}"
 
 
+def listed(words: list[str]) -> str:
+    """"3", "3 and 5", "3, 5 and 7"."""
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
 def when_slow(w: dict) -> str:
     """When a worker the detector decided is slow was slow: "in 3 of 3 steps" (persistent), or
     "in steps 1 and 3 of 5 (intermittent)"; with its confidence."""
@@ -78,7 +83,7 @@ def when_slow(w: dict) -> str:
         return f"in {w['slow_steps']} of {w['steps']} steps{confidence}"
     numbers = w.get("step_numbers")
     steps = [str(s) for s in (numbers if numbers is not None else w.get("step_indices", []))]
-    named = steps[0] if len(steps) == 1 else ", ".join(steps[:-1]) + " and " + steps[-1]
+    named = listed(steps)
     if numbers is not None:   # the profiled steps' own numbers, as the step table shows them
         return f"in step{'s' if len(steps) > 1 else ''} {named} ({len(steps)} of {w['steps']} sampled steps; intermittent{confidence})"
     return f"in step{'s' if len(steps) > 1 else ''} {named} of {w['steps']} (intermittent{confidence})"
@@ -242,7 +247,7 @@ def where_undecided(finding: dict) -> str:
     levels = finding.get("levels")
     if not steps or not levels:
         return ""
-    named = steps[0] if len(steps) == 1 else ", ".join(steps[:-1]) + " and " + steps[-1]
+    named = listed(steps)
     return (f" ({levels[0]:.1f}-{levels[1]:.1f}x in step{'s' if len(steps) > 1 else ''} {named}, "
             f"{levels[2]:.1f}-{levels[3]:.1f}x in the others)")
 
